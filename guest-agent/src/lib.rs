@@ -1,0 +1,1 @@
+//! Guest agent wire protocol (grows with the agent issue).

@@ -1,0 +1,1 @@
+//! Clade snapshot state formats (grows with the snapshot issue).

@@ -1,0 +1,1 @@
+//! Clade VMM library.
