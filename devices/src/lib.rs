@@ -1,1 +1,45 @@
-//! Clade devices.
+//! Clade device models.
+//!
+//! Devices here know how to answer guest port I/O and MMIO accesses and how to signal
+//! interrupts (through `EventFd`s the VMM wires to KVM irqfds). They know nothing of the KVM VM
+//! lifecycle: when the guest asks to power off or reset, a device reports a [`GuestExit`] through
+//! the [`ExitNotifier`] it was given, and the VMM decides what that means.
+
+pub mod bus;
+pub mod legacy;
+pub mod test_device;
+
+use std::sync::Arc;
+
+pub use bus::{Bus, BusDevice};
+
+/// Errors raised while wiring devices.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A device's address range overlaps one already on the bus.
+    #[error("device range {base:#x}+{len:#x} overlaps an existing device")]
+    Overlap { base: u64, len: u64 },
+    /// A device was given an empty range.
+    #[error("device range at {0:#x} has zero length")]
+    ZeroLength(u64),
+    /// Creating an eventfd or thread for a device failed.
+    #[error("device setup: {0}")]
+    Setup(#[from] std::io::Error),
+}
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why the guest wants the machine to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestExit {
+    /// ACPI S5 (power off).
+    PowerOff,
+    /// Reset requested through the i8042 controller or the ACPI reset register.
+    Reset,
+    /// The project's test guest reported a result code through the test device.
+    TestExit(u32),
+}
+
+/// Callback a device uses to ask the VMM to stop the machine.
+pub type ExitNotifier = Arc<dyn Fn(GuestExit) + Send + Sync>;

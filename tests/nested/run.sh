@@ -1,0 +1,128 @@
+#!/bin/bash
+# run.sh: the nested tier's one entry point. Fetches Debian's kernel, builds the guest and
+# outer initramfs, boots the outer VM under QEMU TCG (emulated AMD CPU with SVM), where
+# `clade run` boots the same Debian kernel as a nested KVM guest running clade-agent as /init.
+#
+# PASS when the log has the guest's `CLADE-GUEST-READY` line and `CLADE-EXIT 0`.
+# Exit 0 on PASS, 1 on FAIL.
+#
+# Usage: tests/nested/run.sh [options] [-- extra qemu-system-x86_64 arguments]
+#   --timeout SECONDS   host timeout for the outer VM (default 600; env NESTED_TIMEOUT)
+#   --skip-build        reuse build/nested/outer.cpio as it is (env NESTED_SKIP_BUILD=1)
+#   --l1-test FILE      run FILE in the outer VM instead of the clade command (NESTED_L1_TEST)
+#   --standin qemu      run QEMU/KVM instead of clade in the outer VM (NESTED_STANDIN)
+#   --expect REGEX      required log line pattern (ERE); repeatable; replaces the defaults
+#   -h, --help
+# More environment (see build-outer.sh): NESTED_CLADE_CMD, NESTED_L1_EXTRA,
+# NESTED_L1_TIMEOUT (inner; default: timeout - 60 s), NESTED_SKIP_CLADE; and for QEMU: NESTED_CPU
+# (EPYC), NESTED_MEM (2G), NESTED_APPEND (added to the outer kernel command line).
+# Outputs: build/nested/ (nested.log is the timestamped outer console).
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; }
+
+TIMEOUT=${NESTED_TIMEOUT:-600}
+SKIP_BUILD=${NESTED_SKIP_BUILD:-0}
+EXPECT=()
+QEMU_EXTRA=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
+    --skip-build) SKIP_BUILD=1; shift ;;
+    --l1-test) export NESTED_L1_TEST=${2:?--l1-test needs a file}; shift 2 ;;
+    --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
+    --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; QEMU_EXTRA=("$@"); break ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+    esac
+done
+if [ ${#EXPECT[@]} -eq 0 ]; then
+    EXPECT=('CLADE-GUEST-READY kernel=' '^CLADE-EXIT 0$')
+fi
+case "$TIMEOUT" in '' | *[!0-9]*) die "timeout must be a number of seconds, got '$TIMEOUT'" ;; esac
+# The inner (L1) timeout must fire first so a hung clade still gives CLADE-EXIT and the
+# outer VM's log; leave time for the outer boot.
+if [ -z "${NESTED_L1_TIMEOUT:-}" ]; then
+    export NESTED_L1_TIMEOUT=$((TIMEOUT > 120 ? TIMEOUT - 60 : TIMEOUT / 2))
+fi
+
+require_cmd qemu-system-x86_64 qemu-system-x86
+require_cmd timeout coreutils
+mkdir -p "$NESTED_OUT"
+LOG="$NESTED_OUT/nested.log"
+
+# --- build -----------------------------------------------------------------------------
+T_BUILD0=$(now)
+if [ "$SKIP_BUILD" = 1 ]; then
+    log "--skip-build: reusing $OUTER_CPIO"
+    [ -f "$OUTER_CPIO" ] || die "$OUTER_CPIO missing; run without --skip-build"
+else
+    "$NESTED_DIR/fetch-kernel.sh" >/dev/null
+    "$NESTED_DIR/build-guest-initramfs.sh"
+    "$NESTED_DIR/build-outer.sh"
+fi
+load_kernel_env
+T_BUILD1=$(now)
+
+# --- boot the outer VM -----------------------------------------------------------------
+APPEND="console=ttyS0 panic=-1 quiet${NESTED_APPEND:+ $NESTED_APPEND}"
+QEMU=(qemu-system-x86_64 -accel tcg -cpu "${NESTED_CPU:-EPYC}" -m "${NESTED_MEM:-2G}" -smp 1
+    -nographic -no-reboot -kernel "$KVMLINUZ" -initrd "$OUTER_CPIO" -append "$APPEND"
+    "${QEMU_EXTRA[@]}")
+log "booting outer VM (timeout ${TIMEOUT}s): ${QEMU[*]}"
+log "console log: $LOG"
+
+# Prefix each console line with seconds since QEMU start; drop the serial CRs.
+stamp() {
+    local t0=$1 line now_us
+    while IFS= read -r line || [ -n "$line" ]; do
+        now_us=${EPOCHREALTIME/./}
+        printf '[%7.2f] %s\n' "$(((now_us - t0) / 10000))e-2" "${line//$'\r'/}"
+    done
+}
+
+T_QEMU0=$(now)
+set +e
+timeout --kill-after=10 "$TIMEOUT" "${QEMU[@]}" </dev/null 2>&1 | stamp "${EPOCHREALTIME/./}" | tee "$LOG"
+QEMU_RC=${PIPESTATUS[0]}
+set -e
+T_QEMU1=$(now)
+
+# --- verdict ---------------------------------------------------------------------------
+# The log without the timestamp prefix, for anchored patterns.
+BODY=$(sed -E 's/^\[ *[0-9.]+\] //' "$LOG")
+missing=()
+for re in "${EXPECT[@]}"; do
+    grep -a -q -E -- "$re" <<<"$BODY" || missing+=("$re")
+done
+
+# When (seconds since QEMU start) a marker first appeared.
+at() {
+    local t
+    t=$(grep -a -m1 -E -- "$1" "$LOG" | sed -E 's/^\[ *([0-9.]+)\].*/\1s/' || true)
+    echo "${t:--}"
+}
+
+echo
+echo "---- nested tier summary ----"
+echo "kernel: $KVER   cpu: ${NESTED_CPU:-EPYC}   log: $LOG"
+printf 'wall: build=%ss  qemu_run=%ss  total=%ss  (qemu rc=%s%s)\n' \
+    "$(elapsed "$T_BUILD0" "$T_BUILD1")" "$(elapsed "$T_QEMU0" "$T_QEMU1")" \
+    "$(elapsed "$T_BUILD0" "$T_QEMU1")" "$QEMU_RC" \
+    "$([ "$QEMU_RC" = 124 ] || [ "$QEMU_RC" = 137 ] && echo ", TIMED OUT after ${TIMEOUT}s")"
+echo "since qemu start: L1 init=$(at NESTED-L1-INIT) kvm ready=$(at NESTED-KVM-READY)" \
+    "guest ready=$(at CLADE-GUEST-READY) clade exit=$(at '^\[ *[0-9.]+\] CLADE-EXIT')" \
+    "L1 done=$(at NESTED-L1-DONE)"
+grep -a -E 'CLADE-GUEST-READY|CLADE-EXIT|NESTED-L1-TIME|NESTED-L1-FAIL|clade-agent: error|^clade: ' <<<"$BODY" || true
+
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "NESTED PASS"
+    exit 0
+fi
+for re in "${missing[@]}"; do echo "missing in log: /$re/"; done
+echo "NESTED FAIL (see $LOG)"
+exit 1

@@ -1,0 +1,161 @@
+//! ACPI tables: RSDP, XSDT, FADT (hardware-reduced, with sleep control and reset registers on
+//! one I/O port), MADT (local APICs and the IOAPIC) and a DSDT announcing S5 (power off).
+//! Debian's stock kernel finds virtio-mmio devices only through the DSDT, so later device
+//! entries are added there.
+
+use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
+use acpi_tables::madt::{
+    EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
+};
+use acpi_tables::rsdp::Rsdp;
+use acpi_tables::sdt::Sdt;
+use acpi_tables::xsdt::XSDT;
+use acpi_tables::{aml, Aml};
+use devices::legacy::{ACPI_PM_RESET_VALUE, ACPI_PM_S5_SLP_TYP};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::layout::{pio, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
+use crate::error::{Error, Result};
+
+const OEM_ID: [u8; 6] = *b"CLADE ";
+const OEM_TABLE_ID: [u8; 8] = *b"CLADEVM ";
+const OEM_REVISION: u32 = 1;
+
+fn aml_bytes(t: &dyn Aml) -> Vec<u8> {
+    let mut v = Vec::new();
+    t.to_aml_bytes(&mut v);
+    v
+}
+
+/// COM1 as an ACPI device. With hardware-reduced ACPI Linux sets up no legacy ISA interrupts,
+/// so the UART's IRQ must be announced here or the tty layer cannot use it.
+fn com1_device() -> Vec<u8> {
+    let base = pio::SERIAL_COM1;
+    let io = aml::IO::new(base, base, 1, 8);
+    let irq = aml::Interrupt::new(true, true, false, false, pio::SERIAL_COM1_GSI);
+    let crs = aml::ResourceTemplate::new(vec![&io, &irq]);
+    let hid = aml::EISAName::new("PNP0501");
+    let uid = aml::ZERO;
+    let names = [
+        aml::Name::new("_HID".into(), &hid),
+        aml::Name::new("_UID".into(), &uid),
+        aml::Name::new("_CRS".into(), &crs),
+    ];
+    let children: Vec<&dyn Aml> = names.iter().map(|n| n as &dyn Aml).collect();
+    aml_bytes(&aml::Device::new("_SB_.COM1".into(), children))
+}
+
+fn dsdt() -> Vec<u8> {
+    let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    let s5 = aml::Name::new("_S5_".into(), &aml::Package::new(vec![&ACPI_PM_S5_SLP_TYP]));
+    dsdt.append_slice(&aml_bytes(&s5));
+    dsdt.append_slice(&com1_device());
+    dsdt.as_slice().to_vec()
+}
+
+fn fadt(dsdt_addr: u64) -> Vec<u8> {
+    let mut f = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
+        .flag(Flags::HwReducedAcpi)
+        .flag(Flags::ResetRegSup)
+        .flag(Flags::PwrButton)
+        .flag(Flags::SlpButton)
+        .dsdt_64(dsdt_addr);
+    let port = GAS::new(
+        AddressSpace::SystemIo,
+        8,
+        0,
+        AccessSize::ByteAccess,
+        u64::from(pio::ACPI_PM),
+    );
+    f.sleep_control_reg = port;
+    f.sleep_status_reg = port;
+    f.reset_reg = port;
+    f.reset_value = ACPI_PM_RESET_VALUE;
+    // "Hypervisor vendor identity": unused by Linux, but honest.
+    f.hypervisor_vendor_identity = u64::from_le_bytes(*b"CLADEVMM").into();
+    aml_bytes(&f.finalize())
+}
+
+fn madt(vcpus: u32) -> Vec<u8> {
+    let mut m = MADT::new(
+        OEM_ID,
+        OEM_TABLE_ID,
+        OEM_REVISION,
+        LocalInterruptController::Address(LAPIC_ADDR as u32),
+    );
+    for id in 0..vcpus {
+        m.add_structure(ProcessorLocalApic::new(
+            id as u8,
+            id as u8,
+            EnabledStatus::Enabled,
+        ));
+    }
+    m.add_structure(IoApic::new(0, IOAPIC_ADDR as u32, 0));
+    aml_bytes(&m)
+}
+
+/// Writes the tables into the legacy BIOS area; the RSDP lands at [`ACPI_START`].
+pub fn write_tables(mem: &GuestMemoryMmap, vcpus: u32) -> Result<()> {
+    let mut cursor = ACPI_START + Rsdp::len() as u64;
+    let mut place = |bytes: &[u8]| -> Result<u64> {
+        let addr = (cursor + 15) & !15;
+        if addr + bytes.len() as u64 > ACPI_END {
+            return Err(Error::Boot("ACPI tables do not fit below 1 MiB".into()));
+        }
+        mem.write_slice(bytes, GuestAddress(addr))
+            .map_err(|e| Error::Boot(format!("writing ACPI tables: {e}")))?;
+        cursor = addr + bytes.len() as u64;
+        Ok(addr)
+    };
+    let dsdt_addr = place(&dsdt())?;
+    let fadt_addr = place(&fadt(dsdt_addr))?;
+    let madt_addr = place(&madt(vcpus))?;
+    let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    xsdt.add_entry(fadt_addr);
+    xsdt.add_entry(madt_addr);
+    let xsdt_addr = place(&aml_bytes(&xsdt))?;
+    let rsdp = aml_bytes(&Rsdp::new(OEM_ID, xsdt_addr));
+    mem.write_slice(&rsdp, GuestAddress(ACPI_START))
+        .map_err(|e| Error::Boot(format!("writing RSDP: {e}")))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checksum_ok(b: &[u8]) -> bool {
+        b.iter().fold(0u8, |a, x| a.wrapping_add(*x)) == 0
+    }
+
+    #[test]
+    fn tables_are_linked_and_checksummed() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        write_tables(&mem, 4).unwrap();
+        let mut rsdp = [0u8; 36];
+        mem.read_slice(&mut rsdp, GuestAddress(ACPI_START)).unwrap();
+        assert_eq!(&rsdp[..8], b"RSD PTR ");
+        assert!(checksum_ok(&rsdp[..20]) && checksum_ok(&rsdp));
+        let xsdt_addr = u64::from_le_bytes(rsdp[24..32].try_into().unwrap());
+        let read_table = |addr: u64| {
+            let mut hdr = [0u8; 8];
+            mem.read_slice(&mut hdr, GuestAddress(addr)).unwrap();
+            let len = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
+            let mut t = vec![0u8; len];
+            mem.read_slice(&mut t, GuestAddress(addr)).unwrap();
+            assert!(checksum_ok(&t), "bad checksum {:?}", &t[..4]);
+            t
+        };
+        let xsdt = read_table(xsdt_addr);
+        let sigs: Vec<Vec<u8>> = xsdt[36..]
+            .chunks(8)
+            .map(|c| read_table(u64::from_le_bytes(c.try_into().unwrap()))[..4].to_vec())
+            .collect();
+        assert_eq!(sigs, vec![b"FACP".to_vec(), b"APIC".to_vec()]);
+        let dsdt = dsdt();
+        assert!(dsdt.windows(4).any(|w| w == b"_S5_"));
+        assert!(dsdt.windows(4).any(|w| w == b"COM1"));
+        assert!(checksum_ok(&dsdt));
+    }
+}

@@ -1,0 +1,86 @@
+//! Command-line definitions and dispatch.
+
+mod bench;
+mod run;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Clade: KVM sandboxes that persist, resume and fork.
+#[derive(Debug, Parser)]
+#[command(name = "clade", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Boot a VM and wait until it ends.
+    ///
+    /// Exit status: 0 when the guest powers off, 2 when it resets (reboot or panic: Clade
+    /// does not reboot), 1 on a crash or error, the test guest's result code with
+    /// --test-device, 128+signal when stopped by SIGINT/SIGTERM.
+    Run(run::RunArgs),
+    /// Measure latencies on the native test guest (prints p50/p99; --json for JSON).
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+/// Options describing the machine, shared by `run` and the benchmarks.
+#[derive(Debug, Args, Clone)]
+pub struct MachineArgs {
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u32,
+    /// Guest memory: MiB, or with a suffix (512M, 4G).
+    #[arg(long = "mem", visible_alias = "mem-mib", default_value = "256", value_parser = parse_mem_mib)]
+    mem_mib: u64,
+    /// KVM device node.
+    #[arg(long, default_value = "/dev/kvm")]
+    kvm_device: PathBuf,
+}
+
+/// Parses "256", "256M", "256MiB", "4G" into MiB.
+fn parse_mem_mib(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.to_ascii_uppercase() {
+        u if u.ends_with("GIB") || u.ends_with('G') => {
+            (t.trim_end_matches(|c: char| c.is_ascii_alphabetic()), 1024)
+        }
+        u if u.ends_with("MIB") || u.ends_with('M') => {
+            (t.trim_end_matches(|c: char| c.is_ascii_alphabetic()), 1)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("'{s}' is not a memory size (examples: 256, 512M, 4G)"))
+}
+
+/// Runs the parsed command; returns the process exit code.
+pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
+    match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Bench { which } => bench::bench(which),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_sizes_parse() {
+        assert_eq!(parse_mem_mib("256"), Ok(256));
+        assert_eq!(parse_mem_mib("512M"), Ok(512));
+        assert_eq!(parse_mem_mib("4G"), Ok(4096));
+        assert_eq!(parse_mem_mib("1GiB"), Ok(1024));
+        assert!(parse_mem_mib("lots").is_err());
+        assert!(parse_mem_mib("99999999999999999G").is_err());
+    }
+}

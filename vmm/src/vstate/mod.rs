@@ -1,0 +1,5 @@
+//! KVM-owned state: the KVM system and VM file descriptors, guest memory and vCPUs.
+
+pub mod kvm;
+pub mod memory;
+pub mod vcpu;
