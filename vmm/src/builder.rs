@@ -61,6 +61,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
     let mem_bytes = config.mem_mib << 20;
     let ram = memory::create(mem_bytes)?;
     kvm::set_memory_slots(&vm_fd, &ram.mem)?;
+    kvm::create_irqchip(&vm_fd)?;
 
     let mut vcpu_fds = Vec::with_capacity(config.vcpus as usize);
     for i in 0..config.vcpus {

@@ -15,6 +15,12 @@ enum Step {
     Hlt,
     /// 2^n iterations of a tight loop.
     Loop(u32),
+    /// ACPI S5 through the FADT's sleep control register (ends the VM).
+    PowerOff,
+    /// CPU reset through the i8042 controller (ends the VM).
+    ResetKbd,
+    /// Reset through the FADT's reset register (ends the VM).
+    ResetAcpi,
 }
 
 impl Step {
@@ -24,6 +30,9 @@ impl Step {
             "pio" => Step::Pio,
             "mmio" => Step::Mmio,
             "hlt" => Step::Hlt,
+            "poweroff" => Step::PowerOff,
+            "reset:kbd" => Step::ResetKbd,
+            "reset:acpi" => Step::ResetAcpi,
             _ => match name.strip_prefix("loop:")?.parse() {
                 Ok(n) if n < 64 => Step::Loop(n),
                 _ => return None,
@@ -38,8 +47,29 @@ impl Step {
             Step::Mmio => mmio(),
             Step::Hlt => hlt(),
             Step::Loop(n) => spin(n),
+            Step::PowerOff => machine_exit(ACPI_PM_PORT, ACPI_SLP_EN | (ACPI_S5 << 2)),
+            Step::ResetKbd => machine_exit(I8042_COMMAND_PORT, I8042_PULSE_RESET),
+            Step::ResetAcpi => machine_exit(ACPI_PM_PORT, ACPI_RESET_VALUE),
         }
     }
+}
+
+// The VMM's hardware-reduced ACPI registers (see its FADT) and the i8042 reset command.
+const ACPI_PM_PORT: u16 = 0x3c0;
+const ACPI_SLP_EN: u8 = 1 << 5;
+const ACPI_S5: u8 = 5;
+const ACPI_RESET_VALUE: u8 = 1;
+const I8042_COMMAND_PORT: u16 = 0x64;
+const I8042_PULSE_RESET: u8 = 0xfe;
+
+/// Writes `value` to `port`, which should end the VM; if the guest is still running after
+/// that, the step fails.
+fn machine_exit(port: u16, value: u8) -> Result<(), Reason> {
+    io::outb(port, value);
+    Err(Reason::new(format_args!(
+        "still running after writing {:#x} to port {:#x}",
+        value, port
+    )))
 }
 
 /// Runs the comma-separated `steps`; returns the exit code (0 all ok, 1 a

@@ -58,11 +58,18 @@ pub fn max_vcpus(kvm: &Kvm) -> u32 {
     kvm.get_max_vcpus().min(254) as u32
 }
 
-/// Creates a VM with the in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT.
+/// Creates an empty VM.
 pub fn create_vm(kvm: &Kvm) -> Result<VmFd> {
     let vm = kvm.create_vm().map_err(Error::kvm("KVM_CREATE_VM"))?;
     vm.set_tss_address(KVM_TSS_ADDRESS)
         .map_err(Error::kvm("KVM_SET_TSS_ADDR"))?;
+    Ok(vm)
+}
+
+/// Adds the in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT. Call it after the memory slots
+/// are set: on this project's PVM hosts a memory slot added after the irqchip costs ~7 ms
+/// instead of ~0.2 ms (measured with 256 MiB).
+pub fn create_irqchip(vm: &VmFd) -> Result<()> {
     vm.create_irq_chip()
         .map_err(Error::kvm("KVM_CREATE_IRQCHIP"))?;
     let pit = kvm_pit_config {
@@ -70,7 +77,7 @@ pub fn create_vm(kvm: &Kvm) -> Result<VmFd> {
         ..Default::default()
     };
     vm.create_pit2(pit).map_err(Error::kvm("KVM_CREATE_PIT2"))?;
-    Ok(vm)
+    Ok(())
 }
 
 /// Registers every region of `mem` as a KVM memory slot.
