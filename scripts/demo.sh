@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# demo.sh: Clade's main job, end to end: boot a sandbox (Debian's stock kernel with the Clade
+# agent as /init) and report latencies measured natively.
+#
+# Where the host has hardware virtualization (VMX/SVM), clade boots the sandbox directly.
+# This project's development machines have only a software hypervisor behind /dev/kvm that
+# cannot boot ordinary Linux guests, so there the same sandbox runs inside the nested tier
+# (QEMU TCG + nested KVM): slow, and said so. Latency figures always come from the native
+# tier (the project's bare-metal guest on this host's KVM), never from emulation.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+"$REPO_ROOT/scripts/setup.sh"
+# shellcheck source=../tests/nested/lib.sh
+. "$REPO_ROOT/tests/nested/lib.sh"
+
+echo "== building clade (release) and the native test guest"
+cargo build --release -q -p vmm --bin clade
+(cd tests/native-guest && env -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
+    CARGO_TARGET_DIR="$REPO_ROOT/target/native-guest" cargo build --release -q)
+CLADE="$REPO_ROOT/target/release/clade"
+GUEST="$REPO_ROOT/target/native-guest/release/native-guest"
+
+if grep -qwE 'vmx|svm' /proc/cpuinfo && [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
+    echo "== hardware KVM: booting the sandbox directly"
+    "$NESTED_DIR/fetch-kernel.sh" >/dev/null
+    "$NESTED_DIR/build-guest-initramfs.sh" >/dev/null
+    load_kernel_env
+    "$CLADE" run --kernel "$KVMLINUZ" --initrd "$GUEST_CPIO" --mem 256 \
+        --cmdline "console=ttyS0 panic=-1 quiet clade.agent=ready-poweroff"
+else
+    echo "== this host's /dev/kvm cannot boot Linux guests (no VMX/SVM: software PVM hypervisor)."
+    echo "== Running the same sandbox inside the nested tier instead (QEMU TCG + nested KVM; slow)."
+    "$NESTED_DIR/run.sh"
+fi
+
+echo "== latencies (native tier: bare-metal test guest on this host's KVM)"
+"$CLADE" bench boot --guest "$GUEST" -n 20
