@@ -6,9 +6,12 @@
 //! the [`ExitNotifier`] it was given, and the VMM decides what that means.
 
 pub mod bus;
+pub mod event_loop;
 pub mod legacy;
 pub mod test_device;
+pub mod virtio;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use bus::{Bus, BusDevice};
@@ -25,6 +28,21 @@ pub enum Error {
     /// Creating an eventfd or thread for a device failed.
     #[error("device setup: {0}")]
     Setup(#[from] std::io::Error),
+    /// A virtio device or its transport cannot be set up or activated.
+    #[error("virtio: {0}")]
+    Virtio(String),
+    /// The vsock Unix socket path exists and another process is listening on it.
+    #[error("vsock socket {0}: in use by another process")]
+    SocketInUse(PathBuf),
+    /// The vsock Unix socket cannot be created.
+    #[error("vsock socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The device event loop cannot be started or reached.
+    #[error("device event loop: {0}")]
+    EventLoop(String),
 }
 
 /// Result type of this crate.

@@ -85,7 +85,7 @@ qemu)
         /usr/share/qemu/kvmvapic.bin; do
         if [ -e "$f" ]; then cp -L "$f" "$ROOT/usr/share/qemu/"; fi
     done
-    NESTED_CLADE_CMD=${NESTED_CLADE_CMD:-'/usr/bin/qemu-system-x86_64 -L /usr/share/qemu -accel kvm -cpu host -m 256M -smp 1 -M pc -nographic -nodefaults -no-user-config -serial stdio -no-reboot -kernel /guest/vmlinuz -initrd /guest/initrd.cpio -append "console=ttyS0 panic=-1 quiet"'}
+    NESTED_CLADE_CMD=${NESTED_CLADE_CMD:-'/usr/bin/qemu-system-x86_64 -L /usr/share/qemu -accel kvm -cpu host -m 256M -smp 1 -M pc -nographic -nodefaults -no-user-config -serial stdio -no-reboot -kernel /guest/vmlinuz -initrd /guest/initrd.cpio -append "console=ttyS0 panic=-1 quiet clade.agent=ready-poweroff"'}
     log "stand-in VMM: qemu -accel kvm (not clade)"
     ;;
 *) die "unknown NESTED_STANDIN='$NESTED_STANDIN' (supported: qemu)" ;;

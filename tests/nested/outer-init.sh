@@ -17,7 +17,9 @@ export HOME=/ TERM=dumb
 
 # The command that runs the nested guest: the one place to change clade's flags.
 # /etc/nested.env (written by build-outer.sh) may override it, e.g. with a stand-in VMM.
-CLADE_CMD='/bin/clade run --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem-mib 256 --vcpus 1 --cmdline "console=ttyS0 panic=-1 quiet"'
+# clade.agent=ready-poweroff: the guest's clade-agent prints CLADE-GUEST-READY and powers off
+# instead of serving on vsock port 52 (its default mode, for scenarios with a vsock device).
+CLADE_CMD='/bin/clade run --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem-mib 256 --vcpus 1 --cmdline "console=ttyS0 panic=-1 quiet clade.agent=ready-poweroff"'
 # Inner safety timeout (seconds) so a hung clade still yields CLADE-EXIT and a clean poweroff.
 L1_TIMEOUT=480
 # Optional scenario script (later issues): run instead of CLADE_CMD, with CLADE_CMD exported.

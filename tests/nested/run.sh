@@ -117,7 +117,7 @@ printf 'wall: build=%ss  qemu_run=%ss  total=%ss  (qemu rc=%s%s)\n' \
 echo "since qemu start: L1 init=$(at NESTED-L1-INIT) kvm ready=$(at NESTED-KVM-READY)" \
     "guest ready=$(at CLADE-GUEST-READY) clade exit=$(at '^\[ *[0-9.]+\] CLADE-EXIT')" \
     "L1 done=$(at NESTED-L1-DONE)"
-grep -a -E 'CLADE-GUEST-READY|CLADE-EXIT|NESTED-L1-TIME|NESTED-L1-FAIL|clade-agent: error|^clade: ' <<<"$BODY" || true
+grep -a -E 'CLADE-GUEST-READY|CLADE-AGENT-|CLADE-EXIT|NESTED-L1-TIME|NESTED-L1-FAIL|clade-agent: error|^clade: ' <<<"$BODY" || true
 
 if [ ${#missing[@]} -eq 0 ]; then
     echo "NESTED PASS"

@@ -93,8 +93,36 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         );
     }
 
+    let (events_tx, events) = mpsc::channel();
+    let exit_tx = std::sync::Mutex::new(events_tx.clone());
+    let exit: ExitNotifier = Arc::new(move |e: GuestExit| {
+        let status = match e {
+            GuestExit::PowerOff => ExitStatus::PowerOff,
+            GuestExit::Reset => ExitStatus::Reset,
+            GuestExit::TestExit(c) => ExitStatus::TestExit(c),
+        };
+        let tx = exit_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = tx.send(VmEvent::Exit(status));
+    });
+    // Devices come before the boot tables: the kernel command line and the DSDT announce
+    // the virtio-mmio slots.
+    let devices = DeviceManager::new(
+        &vm_fd,
+        &ram.mem,
+        &config.serial,
+        config.test_device,
+        config.vsock.as_ref(),
+        exit,
+    )?;
+    for slot in devices.virtio_slots() {
+        if !cmdline.is_empty() {
+            cmdline.push(' ');
+        }
+        cmdline.push_str(&slot.cmdline_entry());
+    }
+
     regs::write_boot_tables(&ram.mem)?;
-    acpi::write_tables(&ram.mem, config.vcpus)?;
+    acpi::write_tables(&ram.mem, config.vcpus, devices.virtio_slots())?;
     let boot_info = boot::load(
         &ram.mem,
         &BootSpec {
@@ -125,19 +153,6 @@ pub fn build(config: VmConfig) -> Result<Vm> {
             });
         }
     }
-
-    let (events_tx, events) = mpsc::channel();
-    let exit_tx = std::sync::Mutex::new(events_tx.clone());
-    let exit: ExitNotifier = Arc::new(move |e: GuestExit| {
-        let status = match e {
-            GuestExit::PowerOff => ExitStatus::PowerOff,
-            GuestExit::Reset => ExitStatus::Reset,
-            GuestExit::TestExit(c) => ExitStatus::TestExit(c),
-        };
-        let tx = exit_tx.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = tx.send(VmEvent::Exit(status));
-    });
-    let devices = DeviceManager::new(&vm_fd, &config.serial, config.test_device, exit)?;
 
     tracing::debug!(
         "built VM: {} vCPUs, {} MiB, entry {:#x}, in {:?}",

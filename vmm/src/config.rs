@@ -18,6 +18,20 @@ pub enum SerialOutput {
     Discard,
 }
 
+/// A virtio-vsock device whose host side is Unix sockets (Firecracker's convention): host
+/// programs connect to `uds_path` and send `CONNECT <port>\n`; guest connections to host
+/// port P reach a listener at `<uds_path>_P`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The VM's socket; created at build time, removed when the VM is dropped.
+    pub uds_path: PathBuf,
+    /// The guest's context id, 3..u32::MAX.
+    pub guest_cid: u32,
+}
+
+/// Longest Unix socket path (`sun_path` holds 108 bytes including the NUL).
+pub const MAX_UDS_PATH: usize = 107;
+
 /// Smallest guest memory accepted: below this Linux and our boot layout do not fit.
 pub const MIN_MEM_MIB: u64 = 16;
 
@@ -40,6 +54,8 @@ pub struct VmConfig {
     pub test_device: bool,
     /// KVM device node (default `/dev/kvm`).
     pub kvm_device: PathBuf,
+    /// A virtio-vsock device, if any.
+    pub vsock: Option<VsockConfig>,
 }
 
 impl VmConfig {
@@ -54,6 +70,7 @@ impl VmConfig {
             serial: SerialOutput::Stdout,
             test_device: false,
             kvm_device: PathBuf::from(crate::vstate::kvm::KVM_PATH),
+            vsock: None,
         }
     }
 
@@ -80,6 +97,22 @@ impl VmConfig {
         if self.cmdline.contains('\0') {
             return Err(Error::Cmdline("contains a NUL byte".into()));
         }
+        if let Some(v) = &self.vsock {
+            if v.guest_cid < 3 || v.guest_cid == u32::MAX {
+                return Err(Error::Config(format!(
+                    "vsock guest CID {} is reserved (use 3..{})",
+                    v.guest_cid,
+                    u32::MAX
+                )));
+            }
+            let len = v.uds_path.as_os_str().len();
+            if len == 0 || len > MAX_UDS_PATH {
+                return Err(Error::Config(format!(
+                    "vsock socket path must be 1..={MAX_UDS_PATH} bytes, '{}' is {len}",
+                    v.uds_path.display()
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -103,5 +136,28 @@ mod tests {
         c.mem_mib = 256;
         c.vcpus = 0;
         assert!(c.validate().unwrap_err().to_string().contains("vcpus"));
+    }
+
+    #[test]
+    fn vsock_needs_a_guest_cid_and_a_usable_path() {
+        let mut c = VmConfig::new("/k");
+        let mut v = VsockConfig {
+            uds_path: "/tmp/v.sock".into(),
+            guest_cid: 3,
+        };
+        c.vsock = Some(v.clone());
+        assert!(c.validate().is_ok());
+        for cid in [0, 1, 2, u32::MAX] {
+            v.guest_cid = cid;
+            c.vsock = Some(v.clone());
+            assert!(c.validate().unwrap_err().to_string().contains("CID"));
+        }
+        v.guest_cid = 3;
+        v.uds_path = format!("/tmp/{}", "x".repeat(200)).into();
+        c.vsock = Some(v.clone());
+        assert!(c.validate().unwrap_err().to_string().contains("path"));
+        v.uds_path = "".into();
+        c.vsock = Some(v);
+        assert!(c.validate().is_err());
     }
 }

@@ -87,6 +87,28 @@ pub enum Error {
         state: &'static str,
         op: &'static str,
     },
+    /// The guest agent's socket cannot be reached.
+    #[error("agent socket {path}: {source}")]
+    AgentConnect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The VMM's vsock socket did not accept `CONNECT <port>` (nothing listening yet?).
+    #[error("agent socket {path}: vsock CONNECT {port}: {reason}")]
+    AgentHandshake {
+        path: PathBuf,
+        port: u32,
+        reason: String,
+    },
+    /// The agent sent something this client cannot accept.
+    #[error("agent protocol: {0}")]
+    AgentProtocol(String),
+    /// The agent connection is closed.
+    #[error("agent connection closed")]
+    AgentDisconnected,
+    /// The agent answered with an error.
+    #[error("agent: {0}")]
+    Agent(#[from] guest_agent::RemoteError),
     /// Other host I/O failure.
     #[error("{context}: {source}")]
     Io {

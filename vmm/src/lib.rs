@@ -8,6 +8,8 @@
 //! - [`arch`]: x86_64 layout, boot protocol, CPU state, ACPI tables.
 //! - [`device_manager`]: which devices a VM has and where they sit.
 
+pub mod agent;
+pub mod api;
 pub mod arch;
 pub mod builder;
 pub mod config;

@@ -1,8 +1,23 @@
-//! `clade-agent`: the nested guest's `/init` (PID 1).
+//! `clade-agent`: the guest's `/init` (PID 1) and the in-guest agent server.
 //!
-//! For now it only brings up the minimal filesystem set, reports readiness on the console
-//! (ttyS0) with a fixed marker line, and powers the VM off. Later issues turn it into a
-//! long-running agent; keep `main` a sequence of small steps.
+//! As PID 1 (arguments ignored: the kernel may pass stray words from its command line):
+//! 1. mount proc, sys, dev, dev/pts, tmp;
+//! 2. load the kernel modules listed in `/lib/modules/<release>/load-order` and print
+//!    `CLADE-AGENT-MODULES loaded=N already=N failed=N`;
+//! 3. by the kernel command line's `clade.agent=` value:
+//!    - `ready-poweroff`: print the readiness marker and power off (the nested tier's
+//!      boot check);
+//!    - `serve` (default): listen on AF_VSOCK port 52 (`clade.agent.port=` overrides),
+//!      print the readiness marker and `CLADE-AGENT-LISTENING vsock port=<port>`, serve
+//!      until a client asks for a power off, then power off.
+//!
+//!    `clade.agent.log=<level>` sets the log level (default warn); logs go to the console.
+//!
+//! Not PID 1, for host-side tests and development:
+//! `clade-agent --listen-unix PATH` (or `--listen-vsock PORT`) serves the same protocol
+//! without touching mounts, modules, the clock or power: PowerOff makes it exit 0. It is a
+//! child subreaper so orphans of its commands are reaped as in the guest. Log level:
+//! `CLADE_AGENT_LOG` (default warn).
 //!
 //! Marker format (parsed by tests/nested/run.sh):
 //! `CLADE-GUEST-READY kernel=<uname release> uptime=<seconds from /proc/uptime>`
@@ -10,11 +25,18 @@
 use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use guest_agent::server::{self, Listener, ServeEnd, ServerOptions, SystemMode};
+use guest_agent::{system, AGENT_VSOCK_PORT};
 
 /// Readiness marker written to the console.
 const READY_MARKER: &str = "CLADE-GUEST-READY";
+/// Written once the agent listens.
+const LISTENING_MARKER: &str = "CLADE-AGENT-LISTENING";
+/// Written after loading the initramfs's kernel modules.
+const MODULES_MARKER: &str = "CLADE-AGENT-MODULES";
 
 /// How long to wait for the console to transmit queued output before powering off.
 const CONSOLE_DRAIN_TIMEOUT: Duration = Duration::from_secs(3);
@@ -50,6 +72,14 @@ const MOUNTS: &[MountSpec] = &[
         flags: libc::MS_NOSUID,
         data: "mode=0755",
     },
+    // PTYs for exec --tty (/dev/ptmx works only with devpts mounted next to it).
+    MountSpec {
+        source: "devpts",
+        target: "/dev/pts",
+        fstype: "devpts",
+        flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+        data: "mode=0620,ptmxmode=0666",
+    },
     MountSpec {
         source: "tmpfs",
         target: "/tmp",
@@ -82,17 +112,183 @@ enum InitError {
     Console(io::Error),
     #[error("console did not drain: {0} bytes still queued after {1:?} (serial interrupts not delivered?)")]
     ConsoleStalled(libc::c_int, Duration),
+    #[error("{0}")]
+    Agent(#[from] guest_agent::Error),
+    #[error("usage: {0}")]
+    Usage(String),
 }
 
+const USAGE: &str = "clade-agent [--listen-unix PATH | --listen-vsock PORT]  \
+                     (as PID 1: no arguments; see the kernel command line options)";
+
 fn main() {
+    // SAFETY: getpid has no preconditions.
+    if unsafe { libc::getpid() } == 1 {
+        init_main();
+    }
+    match host_main() {
+        Ok(()) => {}
+        Err(e) => {
+            eprintln!("clade-agent: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ PID 1
+
+fn init_main() -> ! {
     if let Err(e) = mount_all() {
         log_error(&e);
     }
-    if let Err(e) = report_ready() {
-        log_error(&e);
+    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    init_logging(system::cmdline_value(&cmdline, "clade.agent.log").unwrap_or("warn"));
+    load_modules();
+    match system::cmdline_value(&cmdline, "clade.agent").unwrap_or("serve") {
+        "ready-poweroff" => {
+            if let Err(e) = report_ready() {
+                log_error(&e);
+            }
+        }
+        mode => {
+            if mode != "serve" {
+                log_error(&InitError::Usage(format!(
+                    "clade.agent={mode} is not a mode (ready-poweroff, serve); serving"
+                )));
+            }
+            let port = system::cmdline_value(&cmdline, "clade.agent.port")
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(AGENT_VSOCK_PORT);
+            serve_vsock(port);
+        }
     }
     power_off();
 }
+
+fn load_modules() {
+    let release = match system::kernel_release() {
+        Ok(r) => r,
+        Err(e) => return log_error(&InitError::Uname(e)),
+    };
+    let dir = PathBuf::from("/lib/modules").join(release);
+    match system::load_modules(&dir) {
+        Ok(results) if results.is_empty() => {}
+        Ok(results) => {
+            let (mut loaded, mut already, mut failed) = (0, 0, 0);
+            for (name, r) in &results {
+                match r {
+                    system::ModuleLoad::Loaded => loaded += 1,
+                    system::ModuleLoad::AlreadyLoaded => already += 1,
+                    system::ModuleLoad::Failed(e) => {
+                        failed += 1;
+                        let _ = writeln!(
+                            io::stdout(),
+                            "clade-agent: error: module {}: {e}",
+                            name.display()
+                        );
+                    }
+                }
+            }
+            let _ = writeln!(
+                io::stdout(),
+                "{MODULES_MARKER} loaded={loaded} already={already} failed={failed}"
+            );
+        }
+        Err(e) => log_error(&e.into()),
+    }
+}
+
+/// Serves on vsock until a power off is requested. Retries the listener (the transport may
+/// be missing, e.g. a VMM without a vsock device) rather than leaving PID 1.
+fn serve_vsock(port: u32) {
+    let mut announced = false;
+    loop {
+        match Listener::bind_vsock(port) {
+            Ok(listener) => {
+                if let Err(e) = report_ready() {
+                    log_error(&e);
+                }
+                let _ = writeln!(io::stdout(), "{LISTENING_MARKER} vsock port={port}");
+                let _ = io::stdout().flush();
+                match server::serve(
+                    listener,
+                    ServerOptions {
+                        mode: SystemMode::Guest,
+                    },
+                ) {
+                    Ok(ServeEnd::PowerOff) => {
+                        // Give the Ok reply a moment to leave through the vsock device.
+                        std::thread::sleep(Duration::from_millis(100));
+                        return;
+                    }
+                    Err(e) => log_error(&e.into()),
+                }
+            }
+            Err(e) => {
+                if !announced {
+                    log_error(&e.into());
+                    let _ = writeln!(io::stdout(), "clade-agent: retrying every 2 s");
+                    announced = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
+
+// ------------------------------------------------------------------------------ host mode
+
+fn host_main() -> Result<(), InitError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let listener = match args.as_slice() {
+        [flag, path] if flag == "--listen-unix" => Listener::bind_unix(Path::new(path))?,
+        [flag, port] if flag == "--listen-vsock" => {
+            let port = port
+                .parse()
+                .map_err(|_| InitError::Usage(format!("bad port {port:?}")))?;
+            Listener::bind_vsock(port)?
+        }
+        [flag] if flag == "--help" || flag == "-h" => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        _ => return Err(InitError::Usage(USAGE.to_string())),
+    };
+    init_logging(&std::env::var("CLADE_AGENT_LOG").unwrap_or_else(|_| "warn".into()));
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) affects only this process.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) } != 0 {
+        tracing::warn!("PR_SET_CHILD_SUBREAPER: {}", io::Error::last_os_error());
+    }
+    println!("{LISTENING_MARKER} {}", args.join(" "));
+    let _ = io::stdout().flush();
+    match server::serve(
+        listener,
+        ServerOptions {
+            mode: SystemMode::HostTest,
+        },
+    )? {
+        ServeEnd::PowerOff => {
+            // Let the Ok reply leave before the process (the "machine") goes away.
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(())
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let level = level
+        .parse::<tracing::Level>()
+        .unwrap_or(tracing::Level::WARN);
+    let _ = tracing_subscriber::fmt()
+        .with_writer(io::stderr)
+        .with_max_level(level)
+        .with_ansi(false)
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
+
+// ------------------------------------------------------------------------------ console
 
 /// Print an error line on the console (stdout and stderr both go to ttyS0 for PID 1); if
 /// the console itself fails, through the kernel log instead.
@@ -165,8 +361,8 @@ fn mount_one(spec: &MountSpec) -> Result<(), InitError> {
 
 /// Write the readiness marker line to the console and flush it to the device.
 fn report_ready() -> Result<(), InitError> {
-    let release = kernel_release().unwrap_or_else(|e| {
-        log_error(&e);
+    let release = system::kernel_release().unwrap_or_else(|e| {
+        log_error(&InitError::Uname(e));
         "unknown".to_string()
     });
     let uptime = uptime_secs().unwrap_or_else(|e| {
@@ -177,23 +373,6 @@ fn report_ready() -> Result<(), InitError> {
     writeln!(out, "{READY_MARKER} kernel={release} uptime={uptime}")
         .and_then(|()| out.flush())
         .map_err(InitError::Console)
-}
-
-/// `uname -r`.
-fn kernel_release() -> Result<String, InitError> {
-    // SAFETY: utsname is plain old data; all-zero is a valid value.
-    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: uts is a valid, writable utsname.
-    if unsafe { libc::uname(&mut uts) } != 0 {
-        return Err(InitError::Uname(io::Error::last_os_error()));
-    }
-    let bytes: Vec<u8> = uts
-        .release
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// First field of /proc/uptime (seconds since boot, as the kernel prints it).
@@ -233,8 +412,7 @@ fn power_off() -> ! {
     if let Err(e) = drain_console(CONSOLE_DRAIN_TIMEOUT) {
         log_error_kmsg(&e);
     }
-    // SAFETY: sync has no preconditions.
-    unsafe { libc::sync() };
+    system::sync();
     // SAFETY: reboot with a valid command; on success it does not return.
     let rc = unsafe { libc::reboot(libc::LINUX_REBOOT_CMD_POWER_OFF) };
     let err = io::Error::last_os_error();

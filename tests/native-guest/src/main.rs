@@ -11,13 +11,17 @@
 
 #[macro_use]
 mod serial;
+mod agent;
 mod apic;
+mod clock;
 mod cmdline;
 mod interrupts;
 mod io;
 mod mem;
 mod steps;
 mod testdev;
+mod virtio;
+mod vsock;
 
 use core::arch::global_asm;
 
@@ -53,6 +57,7 @@ boot_stack_top:
 
 #[no_mangle]
 extern "C" fn rust_main(boot_params: u64) -> ! {
+    clock::init();
     serial::write_str("clade-native-guest: start\n");
     interrupts::init_idt();
 

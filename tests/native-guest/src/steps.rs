@@ -3,7 +3,7 @@
 //! Each step returns Ok or a one-line failure reason; `run` prints
 //! "step <name> ok" / "step <name> FAIL <reason>" and computes the exit code.
 
-use crate::{apic, interrupts, io, testdev};
+use crate::{apic, interrupts, io, testdev, vsock};
 use core::arch::asm;
 use core::fmt::{self, Write};
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -21,6 +21,9 @@ enum Step {
     ResetKbd,
     /// Reset through the FADT's reset register (ends the VM).
     ResetAcpi,
+    /// Serve one agent-protocol connection on virtio-vsock port 52 until the host closes
+    /// it, or (with a limit) until that many pings were answered.
+    Vsock(Option<u32>),
 }
 
 impl Step {
@@ -33,6 +36,11 @@ impl Step {
             "poweroff" => Step::PowerOff,
             "reset:kbd" => Step::ResetKbd,
             "reset:acpi" => Step::ResetAcpi,
+            "vsock" => Step::Vsock(None),
+            _ if name.starts_with("vsock:") => match name["vsock:".len()..].parse() {
+                Ok(n) if n > 0 => Step::Vsock(Some(n)),
+                _ => return None,
+            },
             _ => match name.strip_prefix("loop:")?.parse() {
                 Ok(n) if n < 64 => Step::Loop(n),
                 _ => return None,
@@ -50,6 +58,7 @@ impl Step {
             Step::PowerOff => machine_exit(ACPI_PM_PORT, ACPI_SLP_EN | (ACPI_S5 << 2)),
             Step::ResetKbd => machine_exit(I8042_COMMAND_PORT, I8042_PULSE_RESET),
             Step::ResetAcpi => machine_exit(ACPI_PM_PORT, ACPI_RESET_VALUE),
+            Step::Vsock(limit) => serve_vsock(limit),
         }
     }
 }
@@ -95,13 +104,13 @@ pub fn run(steps: &str) -> u32 {
 }
 
 /// A failure message formatted into a fixed buffer (no allocator here).
-struct Reason {
+pub struct Reason {
     buf: [u8; 96],
     len: usize,
 }
 
 impl Reason {
-    fn new(args: fmt::Arguments) -> Reason {
+    pub fn new(args: fmt::Arguments) -> Reason {
         let mut r = Reason {
             buf: [0; 96],
             len: 0,
@@ -232,5 +241,14 @@ fn spin(n: u32) -> Result<(), Reason> {
         asm!("2:", "dec rcx", "jnz 2b", inout("rcx") 1u64 << n => _, options(nomem, nostack));
     }
     println!("loop 2^{} done", n);
+    Ok(())
+}
+
+fn serve_vsock(limit: Option<u32>) -> Result<(), Reason> {
+    let r = vsock::run(limit)?;
+    println!(
+        "vsock: host port {} done ({}): {} hello, {} pings, {} error replies",
+        r.peer_port, r.why_closed, r.hellos, r.pings, r.refused
+    );
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! ACPI tables: RSDP, XSDT, FADT (hardware-reduced, with sleep control and reset registers on
 //! one I/O port), MADT (local APICs and the IOAPIC) and a DSDT announcing S5 (power off).
-//! Debian's stock kernel finds virtio-mmio devices only through the DSDT, so later device
-//! entries are added there.
+//! Debian's stock kernel finds virtio-mmio devices only through the DSDT, so each virtio-mmio
+//! slot is a DSDT device there (`_HID "LNRO0005"`, the id Linux's virtio_mmio driver matches).
 
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
@@ -16,6 +16,7 @@ use devices::legacy::{ACPI_PM_RESET_VALUE, ACPI_PM_S5_SLP_TYP};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::layout::{pio, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
+use crate::device_manager::VirtioSlot;
 use crate::error::{Error, Result};
 
 const OEM_ID: [u8; 6] = *b"CLADE ";
@@ -46,12 +47,39 @@ fn com1_device() -> Vec<u8> {
     aml_bytes(&aml::Device::new("_SB_.COM1".into(), children))
 }
 
-fn dsdt() -> Vec<u8> {
+/// A virtio-mmio slot as an ACPI device: its register window and its edge-triggered,
+/// active-high, exclusive interrupt.
+fn virtio_mmio_device(uid: u32, slot: &VirtioSlot) -> Result<Vec<u8>> {
+    let (Ok(base), Ok(len)) = (u32::try_from(slot.base), u32::try_from(slot.len)) else {
+        return Err(Error::Boot(format!(
+            "virtio-mmio slot at {:#x} is not below 4 GiB",
+            slot.base
+        )));
+    };
+    let mem = aml::Memory32Fixed::new(true, base, len);
+    let irq = aml::Interrupt::new(true, true, false, false, slot.gsi);
+    let crs = aml::ResourceTemplate::new(vec![&mem, &irq]);
+    let hid: aml::AmlStr = "LNRO0005";
+    let names = [
+        aml::Name::new("_HID".into(), &hid),
+        aml::Name::new("_UID".into(), &uid),
+        aml::Name::new("_CRS".into(), &crs),
+    ];
+    let children: Vec<&dyn Aml> = names.iter().map(|n| n as &dyn Aml).collect();
+    let path = format!("_SB_.V{uid:03X}");
+    Ok(aml_bytes(&aml::Device::new(path.as_str().into(), children)))
+}
+
+fn dsdt(virtio: &[VirtioSlot]) -> Result<Vec<u8>> {
     let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     let s5 = aml::Name::new("_S5_".into(), &aml::Package::new(vec![&ACPI_PM_S5_SLP_TYP]));
     dsdt.append_slice(&aml_bytes(&s5));
     dsdt.append_slice(&com1_device());
-    dsdt.as_slice().to_vec()
+    for (uid, slot) in virtio.iter().enumerate() {
+        let uid = u32::try_from(uid).map_err(|_| Error::Boot("too many devices".into()))?;
+        dsdt.append_slice(&virtio_mmio_device(uid, slot)?);
+    }
+    Ok(dsdt.as_slice().to_vec())
 }
 
 fn fadt(dsdt_addr: u64) -> Vec<u8> {
@@ -96,7 +124,8 @@ fn madt(vcpus: u32) -> Vec<u8> {
 }
 
 /// Writes the tables into the legacy BIOS area; the RSDP lands at [`ACPI_START`].
-pub fn write_tables(mem: &GuestMemoryMmap, vcpus: u32) -> Result<()> {
+/// `virtio` are the virtio-mmio slots to announce in the DSDT.
+pub fn write_tables(mem: &GuestMemoryMmap, vcpus: u32, virtio: &[VirtioSlot]) -> Result<()> {
     let mut cursor = ACPI_START + Rsdp::len() as u64;
     let mut place = |bytes: &[u8]| -> Result<u64> {
         let addr = (cursor + 15) & !15;
@@ -108,7 +137,7 @@ pub fn write_tables(mem: &GuestMemoryMmap, vcpus: u32) -> Result<()> {
         cursor = addr + bytes.len() as u64;
         Ok(addr)
     };
-    let dsdt_addr = place(&dsdt())?;
+    let dsdt_addr = place(&dsdt(virtio)?)?;
     let fadt_addr = place(&fadt(dsdt_addr))?;
     let madt_addr = place(&madt(vcpus))?;
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
@@ -132,7 +161,7 @@ mod tests {
     #[test]
     fn tables_are_linked_and_checksummed() {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        write_tables(&mem, 4).unwrap();
+        write_tables(&mem, 4, &[]).unwrap();
         let mut rsdp = [0u8; 36];
         mem.read_slice(&mut rsdp, GuestAddress(ACPI_START)).unwrap();
         assert_eq!(&rsdp[..8], b"RSD PTR ");
@@ -153,9 +182,53 @@ mod tests {
             .map(|c| read_table(u64::from_le_bytes(c.try_into().unwrap()))[..4].to_vec())
             .collect();
         assert_eq!(sigs, vec![b"FACP".to_vec(), b"APIC".to_vec()]);
-        let dsdt = dsdt();
+        let dsdt = dsdt(&[]).unwrap();
         assert!(dsdt.windows(4).any(|w| w == b"_S5_"));
         assert!(dsdt.windows(4).any(|w| w == b"COM1"));
         assert!(checksum_ok(&dsdt));
+        assert!(!dsdt.windows(8).any(|w| w == b"LNRO0005"));
+    }
+
+    #[test]
+    fn virtio_mmio_slots_are_dsdt_devices() {
+        let slots = [
+            VirtioSlot {
+                base: 0xd000_1000,
+                len: 0x1000,
+                gsi: 6,
+                device_type: 19,
+            },
+            VirtioSlot {
+                base: 0xd000_2000,
+                len: 0x1000,
+                gsi: 7,
+                device_type: 2,
+            },
+        ];
+        let dsdt = dsdt(&slots).unwrap();
+        assert!(checksum_ok(&dsdt));
+        let find = |needle: &[u8]| dsdt.windows(needle.len()).position(|w| w == needle);
+        // Device names and the _HID string.
+        let v0 = find(b"V000").expect("device V000");
+        let v1 = find(b"V001").expect("device V001");
+        assert!(v0 < v1);
+        assert_eq!(dsdt.windows(8).filter(|w| *w == b"LNRO0005").count(), 2);
+        for (i, s) in slots.iter().enumerate() {
+            // Memory32Fixed: tag 0x86, length 9, read-write, base, length.
+            let mut mem = vec![0x86, 9, 0, 1];
+            mem.extend_from_slice(&(s.base as u32).to_le_bytes());
+            mem.extend_from_slice(&0x1000u32.to_le_bytes());
+            let m = find(&mem).unwrap_or_else(|| panic!("Memory32Fixed of slot {i}"));
+            // Extended interrupt right after: tag 0x89, length 6, flags consumer|edge (active
+            // high, exclusive) = 0b0011, one interrupt, the GSI.
+            let mut irq = vec![0x89, 6, 0, 0x03, 1];
+            irq.extend_from_slice(&s.gsi.to_le_bytes());
+            assert_eq!(&dsdt[m + mem.len()..m + mem.len() + irq.len()], &irq[..]);
+        }
+        // _UID values 0 and 1 follow their _UID names.
+        let uid0 = find(b"_UID").unwrap();
+        assert_eq!(dsdt[uid0 + 4], 0x00, "ZeroOp");
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        write_tables(&mem, 1, &slots).unwrap();
     }
 }

@@ -9,6 +9,7 @@
 //! 0x0009_fc00  EBDA .. 1 MiB    reserved; ACPI tables from 0xe_0000
 //! 0x0010_0000  high memory: kernel, initrd (at the top of low RAM)
 //! 0xc000_0000  MMIO gap up to 4 GiB: devices, IOAPIC, LAPIC
+//!              0xd000_0000 test device, 0xd000_1000.. virtio-mmio slots (4 KiB each)
 //! 0x1_0000_0000 RAM above 3 GiB continues here
 //! ```
 
@@ -48,6 +49,14 @@ pub const MMIO_GAP_START: u64 = 0xc000_0000;
 pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
 /// Test device MMIO window (project test guest only).
 pub const TEST_MMIO_BASE: u64 = 0xd000_0000;
+/// First virtio-mmio slot: slot `n` is at `VIRTIO_MMIO_BASE + n * VIRTIO_MMIO_SLOT_SIZE`.
+pub const VIRTIO_MMIO_BASE: u64 = 0xd000_1000;
+/// Size of one virtio-mmio register window.
+pub const VIRTIO_MMIO_SLOT_SIZE: u64 = 0x1000;
+/// IOAPIC pin of virtio-mmio slot 0; slot `n` uses `VIRTIO_MMIO_GSI_BASE + n` (edge, high).
+pub const VIRTIO_MMIO_GSI_BASE: u32 = 6;
+/// Most virtio-mmio slots: GSIs 6..=23 are the IOAPIC's remaining pins.
+pub const VIRTIO_MMIO_MAX_SLOTS: u32 = 18;
 /// IOAPIC registers.
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
 /// Local APIC registers.
@@ -95,6 +104,16 @@ mod tests {
             ]
         );
         const { assert!(PML4_ADDR & 0x1000 == 0) };
+        // virtio-mmio slots stay clear of the test device, its GSI and the IOAPIC's 24 pins.
+        const { assert!(VIRTIO_MMIO_BASE >= TEST_MMIO_BASE + 0x1000) };
+        const { assert!(VIRTIO_MMIO_GSI_BASE > pio::TEST_DEVICE_GSI) };
+        const { assert!(VIRTIO_MMIO_GSI_BASE + VIRTIO_MMIO_MAX_SLOTS <= 24) };
+        const {
+            assert!(
+                VIRTIO_MMIO_BASE + VIRTIO_MMIO_MAX_SLOTS as u64 * VIRTIO_MMIO_SLOT_SIZE
+                    <= IOAPIC_ADDR
+            )
+        };
         const { assert!(PVM_VIF_MAX >= 16) };
     }
 }

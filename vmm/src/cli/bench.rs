@@ -1,11 +1,13 @@
 //! `clade bench`: latency measurements on the native test guest.
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clade_bench::Samples;
 use clap::Subcommand;
+use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
+use vmm::config::VsockConfig;
 use vmm::{ExitStatus, SerialOutput, Vm, VmConfig};
 
 use super::MachineArgs;
@@ -30,6 +32,28 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
+    /// Agent round trip: `vmm::agent::Client::ping` over virtio-vsock to the native test
+    /// guest's agent-protocol responder (its `vsock` step), through the VM's Unix socket.
+    Ping {
+        /// The native test guest ELF (see tests/native-guest).
+        #[arg(
+            long,
+            env = "CLADE_NATIVE_GUEST",
+            default_value = "target/native-guest/release/native-guest"
+        )]
+        guest: PathBuf,
+        /// Number of measured pings.
+        #[arg(short, long, default_value_t = 1000)]
+        n: usize,
+        /// Pings before measuring (connection warm-up), not counted.
+        #[arg(long, default_value_t = 100)]
+        warmup: usize,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
@@ -40,16 +64,29 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             json,
             machine,
         } => boot(guest, n, json, machine),
+        BenchCommand::Ping {
+            guest,
+            n,
+            warmup,
+            json,
+            machine,
+        } => ping(guest, n, warmup, json, machine),
     }
 }
 
-fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::Result<u8> {
+fn check_guest(guest: &Path) -> anyhow::Result<()> {
     if !guest.exists() {
         bail!(
-            "native test guest {} not found: build it with tests/native-guest/build.sh",
+            "native test guest {} not found: build it with \
+             `cd tests/native-guest && CARGO_TARGET_DIR=../../target/native-guest cargo build --release`",
             guest.display()
         );
     }
+    Ok(())
+}
+
+fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::Result<u8> {
+    check_guest(&guest)?;
     let mut samples = Samples::new();
     for i in 0..n {
         let config = VmConfig {
@@ -61,6 +98,7 @@ fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::R
             serial: SerialOutput::Memory,
             test_device: true,
             kvm_device: machine.kvm_device.clone(),
+            vsock: None,
         };
         let mut vm = Vm::new(config)?;
         vm.start()?;
@@ -76,6 +114,84 @@ fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::R
         samples.push(t);
     }
     let summary = samples.summary("boot_to_first_output");
+    if json {
+        println!("{}", summary.json());
+    } else {
+        println!("{}", summary.line());
+    }
+    Ok(0)
+}
+
+fn serial(vm: &Vm) -> String {
+    String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
+}
+
+fn ping(
+    guest: PathBuf,
+    n: usize,
+    warmup: usize,
+    json: bool,
+    machine: MachineArgs,
+) -> anyhow::Result<u8> {
+    check_guest(&guest)?;
+    if n == 0 {
+        bail!("--n must be at least 1");
+    }
+    // Removed by the VM when it is dropped.
+    let sock = std::env::temp_dir().join(format!("clade-bench-ping-{}.sock", std::process::id()));
+    let config = VmConfig {
+        vcpus: machine.vcpus,
+        mem_mib: machine.mem_mib,
+        kernel: guest,
+        initrd: None,
+        cmdline: "steps=vsock".into(),
+        serial: SerialOutput::Memory,
+        test_device: true,
+        kvm_device: machine.kvm_device,
+        vsock: Some(VsockConfig {
+            uds_path: sock.clone(),
+            guest_cid: 3,
+        }),
+    };
+    let mut vm = Vm::new(config)?;
+    vm.start()?;
+    let transport = Transport::Vsock {
+        port: AGENT_VSOCK_PORT,
+    };
+    let client =
+        Client::connect_timeout(&sock, transport, Duration::from_secs(10)).with_context(|| {
+            format!(
+                "connect to the guest's agent port; serial:\n{}",
+                serial(&vm)
+            )
+        })?;
+    let mut samples = Samples::new();
+    for i in 0..warmup + n {
+        let t = Instant::now();
+        client
+            .ping()
+            .with_context(|| format!("ping {i}; serial:\n{}", serial(&vm)))?;
+        if i >= warmup {
+            samples.push(t.elapsed());
+        }
+    }
+    // Closing the connection ends the guest's step, and with it the guest.
+    drop(client);
+    let status = vm.wait_timeout(Duration::from_secs(10))?.with_context(|| {
+        format!(
+            "guest still running after the host closed; serial:\n{}",
+            serial(&vm)
+        )
+    })?;
+    let out = serial(&vm);
+    if status != ExitStatus::TestExit(0) {
+        bail!("guest ended with '{status}'; serial:\n{out}");
+    }
+    let expect = format!(" {} pings", warmup + n);
+    if !out.contains(&expect) {
+        bail!("the guest did not count{expect}; serial:\n{out}");
+    }
+    let summary = samples.summary("agent_ping_rtt");
     if json {
         println!("{}", summary.json());
     } else {

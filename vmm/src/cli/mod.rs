@@ -1,6 +1,8 @@
 //! Command-line definitions and dispatch.
 
 mod bench;
+mod cp;
+mod exec;
 mod run;
 
 use std::path::PathBuf;
@@ -28,6 +30,18 @@ enum Command {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+    /// Run a command in a VM through its agent, streaming output and forwarding stdin.
+    ///
+    /// SOCKET is the VM's vsock Unix socket (`clade run --vsock PATH`; clade sends
+    /// `CONNECT 52`) or the socket of `clade-agent --listen-unix` (detected, or --direct).
+    /// Exit status: the command's, or 128+signal if a signal killed it; 1 on errors.
+    Exec(exec::ExecArgs),
+    /// Copy a file between the host and a VM: one side is SOCKET:GUEST_PATH.
+    Cp(cp::CpArgs),
+    /// Check that a VM's agent answers (version, uptime, round trip).
+    Ping(exec::PingArgs),
+    /// Ask a VM's agent to sync its filesystems and power the VM off.
+    Poweroff(exec::PowerOffArgs),
 }
 
 /// Options describing the machine, shared by `run` and the benchmarks.
@@ -67,6 +81,10 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Bench { which } => bench::bench(which),
+        Command::Exec(args) => exec::exec(args),
+        Command::Cp(args) => cp::cp(args),
+        Command::Ping(args) => exec::ping(args),
+        Command::Poweroff(args) => exec::power_off(args),
     }
 }
 

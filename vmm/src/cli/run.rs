@@ -26,6 +26,13 @@ pub struct RunArgs {
     /// Attach the test device (for the project's bare-metal test guest).
     #[arg(long)]
     test_device: bool,
+    /// Attach a virtio-vsock device whose host side is this Unix socket (host programs
+    /// connect and send "CONNECT <port>\n"; guest connections to host port P go to PATH_P).
+    #[arg(long, value_name = "PATH")]
+    vsock: Option<PathBuf>,
+    /// The guest's vsock context id (with --vsock).
+    #[arg(long, default_value_t = 3, requires = "vsock")]
+    cid: u32,
     #[command(flatten)]
     machine: MachineArgs,
 }
@@ -49,6 +56,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
             .unwrap_or(SerialOutput::Stdout),
         test_device: args.test_device,
         kvm_device: args.machine.kvm_device,
+        vsock: args.vsock.map(|uds_path| vmm::config::VsockConfig {
+            uds_path,
+            guest_cid: args.cid,
+        }),
     };
     for sig in [libc::SIGINT, libc::SIGTERM] {
         vmm_sys_util::signal::register_signal_handler(sig, on_stop_signal)?;

@@ -1,0 +1,396 @@
+//! virtio-vsock (device id 19) with the host side on Unix domain sockets, following
+//! Firecracker's convention:
+//!
+//! - **host-initiated**: a host program connects to the VM's socket `<path>` and writes
+//!   `CONNECT <port>\n`. The device sends the guest a connection request to `<port>`; when the
+//!   guest accepts, the program reads `OK <host port>\n` and the stream is connected
+//!   (`<host port>` is the ephemeral host-side port the guest sees as its peer). If the guest
+//!   refuses (RST), or does not answer within [`CONNECT_TIMEOUT`], the Unix connection is
+//!   closed. Connections made before the guest driver is up wait in the listen backlog.
+//! - **guest-initiated**: a guest connection to host CID 2, port `P` becomes a Unix connection
+//!   to `<path>_P`; if nothing listens there the guest gets a reset.
+//!
+//! Closing: a host program's EOF becomes a SHUTDOWN(SEND) to the guest, closing its socket
+//! a SHUTDOWN(RCV|SEND); the guest's SHUTDOWN(SEND) becomes EOF for the host program once
+//! everything before it was written, and a full guest shutdown or RST closes the Unix
+//! connection. Flow control is the spec's credit scheme (see [`connection`]).
+//!
+//! All device work runs on the VMM's device event loop ([`crate::event_loop`]), never on
+//! vCPU threads: the worker polls the rx/tx queue ioeventfds, the listening socket and every
+//! connection socket.
+
+mod connection;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use socket2::{Domain, SockAddr, Socket, Type};
+use vm_memory::GuestMemoryMmap;
+
+use super::{Interrupt, VirtQueue, VirtioDevice};
+use crate::event_loop::{self, LoopHandle};
+use crate::{Error, Result};
+
+pub use worker::VsockWorker;
+
+/// virtio device id of vsock.
+pub const VSOCK_DEVICE_ID: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
+/// The host's CID.
+pub const HOST_CID: u64 = 2;
+/// Lowest CID a guest may have (0, 1 and 2 are reserved).
+pub const MIN_GUEST_CID: u64 = 3;
+/// Size of each of the three queues (rx, tx, event).
+pub const QUEUE_SIZE: u16 = 256;
+/// Queue indexes.
+pub const RX_QUEUE: usize = 0;
+/// Guest-to-host packets.
+pub const TX_QUEUE: usize = 1;
+/// Transport events (unused by this device, but the driver sets it up).
+pub const EVENT_QUEUE: usize = 2;
+
+/// Receive buffer the device advertises per connection (`buf_alloc`): the most guest data a
+/// connection ever holds for a slow host reader.
+pub const CONN_BUF_SIZE: u32 = 256 * 1024;
+/// Largest data payload accepted in or sent in one packet (Linux's
+/// VIRTIO_VSOCK_MAX_PKT_BUF_SIZE).
+pub const MAX_PKT_DATA: u32 = 64 * 1024;
+/// Most connections at once; more are refused (host: closed, guest: RST).
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Most accepted host connections that have not yet sent their `CONNECT` line.
+pub const MAX_PENDING_ACCEPTS: usize = 64;
+/// How long a guest has to answer a host-initiated connection request, and a host program
+/// to send its `CONNECT` line.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a closing connection waits for the other side before it is reset.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+/// First host-side port given to host-initiated connections.
+pub const LOCAL_PORT_BASE: u32 = 1 << 30;
+
+/// Stream sockets.
+pub const TYPE_STREAM: u16 = 1;
+/// Packet operations.
+pub const OP_REQUEST: u16 = 1;
+/// Accept a connection.
+pub const OP_RESPONSE: u16 = 2;
+/// Refuse or abort a connection.
+pub const OP_RST: u16 = 3;
+/// Stop receiving and/or sending (flags).
+pub const OP_SHUTDOWN: u16 = 4;
+/// Data.
+pub const OP_RW: u16 = 5;
+/// Receive-buffer state, unsolicited or answering a request.
+pub const OP_CREDIT_UPDATE: u16 = 6;
+/// Ask the peer for its receive-buffer state.
+pub const OP_CREDIT_REQUEST: u16 = 7;
+/// SHUTDOWN flag: the sender will receive no more.
+pub const SHUTDOWN_RCV: u32 = 1;
+/// SHUTDOWN flag: the sender will send no more.
+pub const SHUTDOWN_SEND: u32 = 2;
+
+/// Size of `struct virtio_vsock_hdr`.
+pub const HDR_SIZE: usize = virtio_vsock::packet::PKT_HEADER_SIZE;
+
+/// A packet header, as we write it into guest rx buffers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Hdr {
+    /// Source CID.
+    pub src_cid: u64,
+    /// Destination CID.
+    pub dst_cid: u64,
+    /// Source port.
+    pub src_port: u32,
+    /// Destination port.
+    pub dst_port: u32,
+    /// Data length.
+    pub len: u32,
+    /// Socket type.
+    pub type_: u16,
+    /// Operation.
+    pub op: u16,
+    /// Operation flags.
+    pub flags: u32,
+    /// Sender's receive buffer size.
+    pub buf_alloc: u32,
+    /// Bytes the sender has consumed from its receive buffer.
+    pub fwd_cnt: u32,
+}
+
+impl Hdr {
+    /// Little-endian wire format.
+    pub fn to_bytes(&self) -> [u8; HDR_SIZE] {
+        let mut b = [0u8; HDR_SIZE];
+        b[0..8].copy_from_slice(&self.src_cid.to_le_bytes());
+        b[8..16].copy_from_slice(&self.dst_cid.to_le_bytes());
+        b[16..20].copy_from_slice(&self.src_port.to_le_bytes());
+        b[20..24].copy_from_slice(&self.dst_port.to_le_bytes());
+        b[24..28].copy_from_slice(&self.len.to_le_bytes());
+        b[28..30].copy_from_slice(&self.type_.to_le_bytes());
+        b[30..32].copy_from_slice(&self.op.to_le_bytes());
+        b[32..36].copy_from_slice(&self.flags.to_le_bytes());
+        b[36..40].copy_from_slice(&self.buf_alloc.to_le_bytes());
+        b[40..44].copy_from_slice(&self.fwd_cnt.to_le_bytes());
+        b
+    }
+
+    /// Parses the wire format.
+    pub fn from_bytes(b: &[u8; HDR_SIZE]) -> Self {
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or_default());
+        let u16_at = |o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap_or_default());
+        Self {
+            src_cid: u64_at(0),
+            dst_cid: u64_at(8),
+            src_port: u32_at(16),
+            dst_port: u32_at(20),
+            len: u32_at(24),
+            type_: u16_at(28),
+            op: u16_at(30),
+            flags: u32_at(32),
+            buf_alloc: u32_at(36),
+            fwd_cnt: u32_at(40),
+        }
+    }
+}
+
+/// The VM's Unix socket file; removed when this is dropped (if it is still ours).
+#[derive(Debug)]
+pub struct SocketFile {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl SocketFile {
+    /// Binds a listening socket at `path`. An existing socket file nobody listens on (left
+    /// by a crashed VMM) is replaced; a live one, or any other kind of file, is an error.
+    pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile)> {
+        let sock_err = |source| Error::Socket {
+            path: path.to_path_buf(),
+            source,
+        };
+        match std::fs::symlink_metadata(path) {
+            Ok(md) if md.file_type().is_socket() => {
+                if socket_in_use(path) {
+                    return Err(Error::SocketInUse(path.to_path_buf()));
+                }
+                tracing::info!("vsock: removing stale socket {}", path.display());
+                std::fs::remove_file(path).map_err(sock_err)?;
+            }
+            Ok(_) => {
+                return Err(sock_err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "exists and is not a socket",
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(sock_err(e)),
+        }
+        let listener = UnixListener::bind(path).map_err(sock_err)?;
+        listener.set_nonblocking(true).map_err(sock_err)?;
+        let md = std::fs::metadata(path).map_err(sock_err)?;
+        Ok((
+            listener,
+            SocketFile {
+                path: path.to_path_buf(),
+                dev: md.dev(),
+                ino: md.ino(),
+            },
+        ))
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        // Another VMM may have replaced a file we lost; leave theirs alone.
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(md) if md.dev() == self.dev && md.ino() == self.ino => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    tracing::warn!("vsock: removing {}: {e}", self.path.display());
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// True if something accepts connections at `path` (a full backlog counts as in use).
+fn socket_in_use(path: &Path) -> bool {
+    let Ok(addr) = SockAddr::unix(path) else {
+        return false;
+    };
+    let Ok(sock) = Socket::new(Domain::UNIX, Type::STREAM, None) else {
+        return false;
+    };
+    if sock.set_nonblocking(true).is_err() {
+        return false;
+    }
+    match sock.connect(&addr) {
+        Ok(()) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+    }
+}
+
+/// Connects, without blocking, to the host listener for guest-initiated connections.
+pub(crate) fn connect_host_port(
+    base: &Path,
+    port: u32,
+) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let mut p = base.as_os_str().to_owned();
+    p.push(format!("_{port}"));
+    let addr = SockAddr::unix(PathBuf::from(p))?;
+    let sock = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    sock.set_nonblocking(true)?;
+    // A Unix connect completes at once, or fails (EAGAIN when the listener's backlog is
+    // full): it never blocks the event loop.
+    sock.connect(&addr)?;
+    Ok(std::os::fd::OwnedFd::from(sock).into())
+}
+
+struct Activation {
+    gate: Arc<Mutex<bool>>,
+    id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
+}
+
+/// The vsock device model: configuration space and activation. The data path is
+/// [`VsockWorker`], which runs on the device event loop.
+pub struct VsockDevice {
+    guest_cid: u64,
+    listener: UnixListener,
+    uds_path: PathBuf,
+    event_loop: LoopHandle,
+    active: Option<Activation>,
+}
+
+impl VsockDevice {
+    /// A vsock device for guest `guest_cid`. `listener` is the VM's socket at `uds_path`
+    /// (from [`SocketFile::bind`]; the caller keeps the [`SocketFile`], which removes the
+    /// file when dropped). The worker will run on the event loop behind `event_loop`.
+    pub fn new(
+        guest_cid: u64,
+        listener: UnixListener,
+        uds_path: &Path,
+        event_loop: LoopHandle,
+    ) -> Result<Self> {
+        if !(MIN_GUEST_CID..u64::from(u32::MAX)).contains(&guest_cid) {
+            return Err(Error::Virtio(format!(
+                "vsock guest CID {guest_cid} is reserved or too large (use 3..{})",
+                u32::MAX
+            )));
+        }
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            guest_cid,
+            listener,
+            uds_path: uds_path.to_path_buf(),
+            event_loop,
+            active: None,
+        })
+    }
+
+    /// The host socket path.
+    pub fn uds_path(&self) -> &Path {
+        &self.uds_path
+    }
+
+    /// The guest's CID.
+    pub fn guest_cid(&self) -> u64 {
+        self.guest_cid
+    }
+}
+
+impl VirtioDevice for VsockDevice {
+    fn device_type(&self) -> u32 {
+        VSOCK_DEVICE_ID
+    }
+
+    fn avail_features(&self) -> u64 {
+        // Only VIRTIO_F_VERSION_1 (added by the transport): stream sockets, no SEQPACKET.
+        0
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE; 3]
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // struct virtio_vsock_config { le64 guest_cid; }
+        let cfg = self.guest_cid.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset
+                .checked_add(i as u64)
+                .and_then(|o| cfg.get(o as usize).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            "vsock: guest wrote {} bytes of read-only config at {offset:#x}, ignored",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<VirtQueue>,
+        interrupt: Arc<Interrupt>,
+        _features: u64,
+    ) -> Result<()> {
+        if self.active.is_some() {
+            return Err(Error::Virtio(
+                "vsock activated twice without a reset".into(),
+            ));
+        }
+        let queues: [VirtQueue; 3] = queues
+            .try_into()
+            .map_err(|q: Vec<_>| Error::Virtio(format!("vsock needs 3 queues, got {}", q.len())))?;
+        for i in [RX_QUEUE, TX_QUEUE] {
+            if !virtio_queue::QueueT::ready(&queues[i].queue) {
+                return Err(Error::Virtio(format!("vsock queue {i} was not set up")));
+            }
+        }
+        let gate = Arc::new(Mutex::new(true));
+        let worker = VsockWorker::new(
+            mem,
+            queues,
+            interrupt,
+            Arc::clone(&gate),
+            self.guest_cid,
+            self.uds_path.clone(),
+            self.listener.try_clone()?,
+        )?;
+        let id = Arc::new(Mutex::new(None));
+        event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
+        self.active = Some(Activation { gate, id });
+        tracing::info!(
+            "vsock: guest CID {} active, host socket {}",
+            self.guest_cid,
+            self.uds_path.display()
+        );
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        let Some(act) = self.active.take() else {
+            return;
+        };
+        // Waits for the worker to finish what it is doing; afterwards it touches nothing.
+        *act.gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
+            tracing::error!("vsock reset: {e}");
+        }
+    }
+}

@@ -1,0 +1,1429 @@
+//! The wire protocol between the host and `clade-agent` (specification: `PROTOCOL.md`).
+//!
+//! A connection carries length-prefixed frames in both directions:
+//!
+//! ```text
+//! frame := len:u32le  tag:u8  id:u32le  payload      (len counts tag + id + payload)
+//! ```
+//!
+//! Tags below 0x80 travel host -> agent ([`HostMsg`]); tags from 0x80 travel agent -> host
+//! ([`AgentMsg`]). The `id` names the operation a frame belongs to, so any number of
+//! operations can be in flight on one connection. Payload fields use a small fixed binary
+//! encoding (little-endian integers, `u32`-length-prefixed byte strings), written and read by
+//! hand here: no serde, no format crate, and every length is checked against the bytes that
+//! are really there before anything is allocated, so [`decode_frame`] can be fed anything.
+
+use std::ffi::OsString;
+use std::io::{self, Read, Write};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+
+use crate::Error;
+
+/// Newest protocol version this crate speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Oldest protocol version this crate speaks.
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// The agent's version string (the crate version), reported by `HelloOk` and `Pong`.
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The vsock port the agent listens on inside the guest.
+pub const AGENT_VSOCK_PORT: u32 = 52;
+/// Largest allowed value of a frame's length field (tag + id + payload), both directions.
+pub const MAX_FRAME_LEN: u32 = 1024 * 1024;
+/// Bytes of tag + id at the start of every frame body.
+pub const FRAME_HEADER_LEN: usize = 5;
+/// Largest data chunk a sender should put in one Stdin/Stdout/Stderr/FileData frame.
+pub const CHUNK_LEN: usize = 64 * 1024;
+/// Bytes of exec stdin the host may have sent but the agent not yet acknowledged (StdinAck).
+pub const STDIN_WINDOW: u32 = 256 * 1024;
+/// Largest AddEntropy payload the agent accepts.
+pub const MAX_ENTROPY_LEN: usize = 64 * 1024;
+
+/// Terminal size for PTY execs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WinSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// What to run (the payload of [`HostMsg::Exec`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ExecSpec {
+    /// Program and arguments; `argv[0]` without a `/` is looked up in the child's `PATH`.
+    pub argv: Vec<OsString>,
+    /// The child's whole environment (the agent adds only a default `PATH` if absent).
+    pub env: Vec<(OsString, OsString)>,
+    /// Working directory (default: `/`).
+    pub cwd: Option<PathBuf>,
+    /// Run as this user id (default: the agent's, root).
+    pub uid: Option<u32>,
+    /// Run as this group id (default: the agent's); supplementary groups are cleared when
+    /// `uid` or `gid` is given.
+    pub gid: Option<u32>,
+    /// Run on a new pseudo-terminal of this size (stdout and stderr both arrive as Stdout).
+    pub tty: Option<WinSize>,
+    /// The host will send stdin (Stdin / StdinClose); otherwise stdin is `/dev/null`.
+    pub stdin: bool,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// It called exit with this code.
+    Exited(i32),
+    /// A signal killed it.
+    Signaled { signal: i32, core_dumped: bool },
+}
+
+impl ExitStatus {
+    /// The shell convention: the exit code, or 128 + signal number.
+    pub fn code(&self) -> i32 {
+        match *self {
+            ExitStatus::Exited(c) => c,
+            ExitStatus::Signaled { signal, .. } => 128 + signal,
+        }
+    }
+
+    /// Exited with code 0.
+    pub fn success(&self) -> bool {
+        *self == ExitStatus::Exited(0)
+    }
+
+    /// From a raw `waitpid` status; `None` for stop/continue reports.
+    pub fn from_wait_status(status: i32) -> Option<Self> {
+        if libc::WIFEXITED(status) {
+            Some(ExitStatus::Exited(libc::WEXITSTATUS(status)))
+        } else if libc::WIFSIGNALED(status) {
+            Some(ExitStatus::Signaled {
+                signal: libc::WTERMSIG(status),
+                core_dumped: libc::WCOREDUMP(status),
+            })
+        } else {
+            None
+        }
+    }
+}
+
+impl std::fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            ExitStatus::Exited(c) => write!(f, "exit code {c}"),
+            ExitStatus::Signaled {
+                signal,
+                core_dumped,
+            } => write!(
+                f,
+                "killed by signal {signal}{}",
+                if core_dumped { " (core dumped)" } else { "" }
+            ),
+        }
+    }
+}
+
+/// File type in [`FileStat`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+impl FileKind {
+    fn code(self) -> u8 {
+        match self {
+            FileKind::File => 0,
+            FileKind::Dir => 1,
+            FileKind::Symlink => 2,
+            FileKind::Other => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Result<Self, Error> {
+        Ok(match c {
+            0 => FileKind::File,
+            1 => FileKind::Dir,
+            2 => FileKind::Symlink,
+            3 => FileKind::Other,
+            _ => return Err(Error::Invalid("file kind")),
+        })
+    }
+}
+
+/// Metadata of one file (reply to Stat; one per List entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStat {
+    pub kind: FileKind,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub size: u64,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+}
+
+/// One directory entry (List reply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub name: OsString,
+    pub stat: FileStat,
+}
+
+/// Error categories carried by an [`AgentMsg::Error`] frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The frame could not be decoded.
+    BadFrame,
+    /// The frame's length field exceeds [`MAX_FRAME_LEN`]; the agent closes the connection.
+    FrameTooLarge,
+    /// No protocol version in common.
+    UnsupportedVersion,
+    /// A request arrived before Hello.
+    HandshakeRequired,
+    /// The tag is not a host -> agent message this agent knows.
+    UnknownMessage,
+    /// The id (or target) names no operation in flight.
+    UnknownId,
+    /// The id is already used by an operation in flight.
+    IdInUse,
+    /// A field has an unusable value.
+    InvalidArgument,
+    /// ENOENT.
+    NotFound,
+    /// EACCES / EPERM.
+    PermissionDenied,
+    /// EEXIST.
+    AlreadyExists,
+    /// Another OS error; see the frame's errno.
+    Io,
+    /// The operation is not available in this agent mode.
+    Unsupported,
+    /// A bug or resource failure in the agent.
+    Internal,
+    /// A code this version does not know (newer agent).
+    Other(u16),
+}
+
+impl ErrorKind {
+    /// Wire code.
+    pub fn code(self) -> u16 {
+        match self {
+            ErrorKind::BadFrame => 1,
+            ErrorKind::FrameTooLarge => 2,
+            ErrorKind::UnsupportedVersion => 3,
+            ErrorKind::HandshakeRequired => 4,
+            ErrorKind::UnknownMessage => 5,
+            ErrorKind::UnknownId => 6,
+            ErrorKind::IdInUse => 7,
+            ErrorKind::InvalidArgument => 8,
+            ErrorKind::NotFound => 9,
+            ErrorKind::PermissionDenied => 10,
+            ErrorKind::AlreadyExists => 11,
+            ErrorKind::Io => 12,
+            ErrorKind::Unsupported => 13,
+            ErrorKind::Internal => 14,
+            ErrorKind::Other(c) => c,
+        }
+    }
+
+    /// From a wire code (unknown codes become [`ErrorKind::Other`]).
+    pub fn from_code(c: u16) -> Self {
+        match c {
+            1 => ErrorKind::BadFrame,
+            2 => ErrorKind::FrameTooLarge,
+            3 => ErrorKind::UnsupportedVersion,
+            4 => ErrorKind::HandshakeRequired,
+            5 => ErrorKind::UnknownMessage,
+            6 => ErrorKind::UnknownId,
+            7 => ErrorKind::IdInUse,
+            8 => ErrorKind::InvalidArgument,
+            9 => ErrorKind::NotFound,
+            10 => ErrorKind::PermissionDenied,
+            11 => ErrorKind::AlreadyExists,
+            12 => ErrorKind::Io,
+            13 => ErrorKind::Unsupported,
+            14 => ErrorKind::Internal,
+            c => ErrorKind::Other(c),
+        }
+    }
+
+    /// The kind for an OS errno.
+    pub fn from_errno(errno: i32) -> Self {
+        match errno {
+            libc::ENOENT => ErrorKind::NotFound,
+            libc::EACCES | libc::EPERM => ErrorKind::PermissionDenied,
+            libc::EEXIST => ErrorKind::AlreadyExists,
+            libc::EINVAL => ErrorKind::InvalidArgument,
+            _ => ErrorKind::Io,
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            ErrorKind::BadFrame => "bad frame",
+            ErrorKind::FrameTooLarge => "frame too large",
+            ErrorKind::UnsupportedVersion => "unsupported protocol version",
+            ErrorKind::HandshakeRequired => "handshake required",
+            ErrorKind::UnknownMessage => "unknown message",
+            ErrorKind::UnknownId => "unknown id",
+            ErrorKind::IdInUse => "id in use",
+            ErrorKind::InvalidArgument => "invalid argument",
+            ErrorKind::NotFound => "not found",
+            ErrorKind::PermissionDenied => "permission denied",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::Io => "I/O error",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Internal => "internal error",
+            ErrorKind::Other(c) => return write!(f, "error kind {c}"),
+        };
+        f.write_str(s)
+    }
+}
+
+/// A typed error reply from the agent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct RemoteError {
+    pub kind: ErrorKind,
+    /// The OS errno behind it, 0 if none.
+    pub errno: i32,
+    pub message: String,
+}
+
+impl RemoteError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        RemoteError {
+            kind,
+            errno: 0,
+            message: message.into(),
+        }
+    }
+
+    /// From an OS error, with what was being done (`"open /etc/x"`) as context.
+    pub fn from_io(err: &io::Error, context: impl std::fmt::Display) -> Self {
+        let errno = err.raw_os_error().unwrap_or(0);
+        let kind = if errno != 0 {
+            ErrorKind::from_errno(errno)
+        } else {
+            match err.kind() {
+                io::ErrorKind::NotFound => ErrorKind::NotFound,
+                io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+                io::ErrorKind::AlreadyExists => ErrorKind::AlreadyExists,
+                io::ErrorKind::InvalidInput => ErrorKind::InvalidArgument,
+                _ => ErrorKind::Io,
+            }
+        };
+        RemoteError {
+            kind,
+            errno,
+            message: format!("{context}: {err}"),
+        }
+    }
+}
+
+/// Messages host -> agent (tags 0x01..0x7f).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostMsg {
+    /// Version negotiation; must be the first frame (id 0).
+    Hello {
+        min_version: u16,
+        max_version: u16,
+        client: String,
+    },
+    Ping,
+    Exec(ExecSpec),
+    /// Stdin bytes for the exec with this frame's id.
+    Stdin(Vec<u8>),
+    /// End of stdin for the exec with this frame's id.
+    StdinClose,
+    /// Send `signal` to the exec `target` (its process group if `group`).
+    Signal {
+        target: u32,
+        signal: i32,
+        group: bool,
+    },
+    /// Resize the PTY of the exec `target`.
+    Resize {
+        target: u32,
+        size: WinSize,
+    },
+    ReadFile {
+        path: PathBuf,
+    },
+    /// Create/truncate `path` with permission bits `mode`; data follows as FileData, FileEnd.
+    WriteFile {
+        path: PathBuf,
+        mode: u32,
+    },
+    /// A chunk of the upload with this frame's id.
+    FileData(Vec<u8>),
+    /// End of the upload with this frame's id.
+    FileEnd,
+    Stat {
+        path: PathBuf,
+        follow_symlinks: bool,
+    },
+    List {
+        path: PathBuf,
+    },
+    Remove {
+        path: PathBuf,
+        recursive: bool,
+    },
+    /// Set CLOCK_REALTIME to this many nanoseconds since the Unix epoch.
+    SetClock {
+        unix_ns: i64,
+    },
+    /// Mix these bytes into the kernel RNG and credit them (RNDADDENTROPY).
+    AddEntropy(Vec<u8>),
+    Sync,
+    PowerOff,
+}
+
+/// Messages agent -> host (tags 0x80..0xff).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentMsg {
+    HelloOk {
+        version: u16,
+        agent_version: String,
+        max_frame_len: u32,
+    },
+    /// Generic success.
+    Ok,
+    Error(RemoteError),
+    Pong {
+        agent_version: String,
+        protocol: u16,
+        /// Guest uptime (CLOCK_BOOTTIME).
+        uptime_ms: u64,
+        /// Execs running, all connections.
+        running_execs: u32,
+    },
+    Started {
+        pid: u32,
+    },
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// The agent wrote this many stdin bytes to the process (or dropped them: stdin closed).
+    StdinAck(u32),
+    Exited(ExitStatus),
+    /// A chunk of a ReadFile download.
+    FileData(Vec<u8>),
+    /// End of a ReadFile download, or result of a WriteFile upload: the byte count.
+    FileDone {
+        bytes: u64,
+    },
+    Stat(FileStat),
+    /// Part of a List reply (more may follow; Ok ends the listing).
+    DirEntries(Vec<DirEntry>),
+}
+
+/// Either direction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    Host(HostMsg),
+    Agent(AgentMsg),
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub id: u32,
+    pub msg: Msg,
+}
+
+// ----------------------------------------------------------------------------- tags
+
+mod tag {
+    pub const HELLO: u8 = 0x01;
+    pub const PING: u8 = 0x02;
+    pub const EXEC: u8 = 0x03;
+    pub const STDIN: u8 = 0x04;
+    pub const STDIN_CLOSE: u8 = 0x05;
+    pub const SIGNAL: u8 = 0x06;
+    pub const RESIZE: u8 = 0x07;
+    pub const READ_FILE: u8 = 0x08;
+    pub const WRITE_FILE: u8 = 0x09;
+    pub const FILE_DATA_UP: u8 = 0x0a;
+    pub const FILE_END: u8 = 0x0b;
+    pub const STAT: u8 = 0x0c;
+    pub const LIST: u8 = 0x0d;
+    pub const REMOVE: u8 = 0x0e;
+    pub const SET_CLOCK: u8 = 0x0f;
+    pub const ADD_ENTROPY: u8 = 0x10;
+    pub const SYNC: u8 = 0x11;
+    pub const POWER_OFF: u8 = 0x12;
+
+    pub const HELLO_OK: u8 = 0x80;
+    pub const OK: u8 = 0x81;
+    pub const ERROR: u8 = 0x82;
+    pub const PONG: u8 = 0x83;
+    pub const STARTED: u8 = 0x84;
+    pub const STDOUT: u8 = 0x85;
+    pub const STDERR: u8 = 0x86;
+    pub const STDIN_ACK: u8 = 0x87;
+    pub const EXITED: u8 = 0x88;
+    pub const FILE_DATA_DOWN: u8 = 0x89;
+    pub const FILE_DONE: u8 = 0x8a;
+    pub const STAT_REPLY: u8 = 0x8b;
+    pub const DIR_ENTRIES: u8 = 0x8c;
+}
+
+// ----------------------------------------------------------------------------- encoding
+
+/// Builds one frame: reserves the length prefix, then fills it in at the end.
+struct Enc {
+    buf: Vec<u8>,
+}
+
+impl Enc {
+    fn new(tag: u8, id: u32) -> Self {
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(&[0; 4]);
+        buf.push(tag);
+        buf.extend_from_slice(&id.to_le_bytes());
+        Enc { buf }
+    }
+    fn u8(&mut self, v: u8) {
+        self.buf.push(v);
+    }
+    fn bool(&mut self, v: bool) {
+        self.buf.push(u8::from(v));
+    }
+    fn u16(&mut self, v: u16) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i32(&mut self, v: i32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i64(&mut self, v: i64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        // Lengths beyond u32 cannot fit a frame anyway; finish() rejects the frame.
+        self.u32(u32::try_from(b.len()).unwrap_or(u32::MAX));
+        self.buf.extend_from_slice(b);
+    }
+    fn os(&mut self, s: &std::ffi::OsStr) {
+        self.bytes(s.as_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.bytes(s.as_bytes());
+    }
+    fn opt_u32(&mut self, v: Option<u32>) {
+        match v {
+            None => self.u8(0),
+            Some(v) => {
+                self.u8(1);
+                self.u32(v);
+            }
+        }
+    }
+    fn stat(&mut self, s: &FileStat) {
+        self.u8(s.kind.code());
+        self.u32(s.mode);
+        self.u64(s.size);
+        self.u32(s.uid);
+        self.u32(s.gid);
+        self.i64(s.mtime_ns);
+    }
+    fn count(&mut self, n: usize) {
+        self.u32(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    fn finish(mut self) -> Result<Vec<u8>, Error> {
+        let len = self.buf.len() - 4;
+        if len > MAX_FRAME_LEN as usize {
+            return Err(Error::FrameTooLarge {
+                len: len as u64,
+                max: MAX_FRAME_LEN,
+            });
+        }
+        self.buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        Ok(self.buf)
+    }
+}
+
+/// Encodes a host -> agent frame (length prefix included). Fails only if it would exceed
+/// [`MAX_FRAME_LEN`].
+pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
+    let e = match msg {
+        HostMsg::Hello {
+            min_version,
+            max_version,
+            client,
+        } => {
+            let mut e = Enc::new(tag::HELLO, id);
+            e.u16(*min_version);
+            e.u16(*max_version);
+            e.str(client);
+            e
+        }
+        HostMsg::Ping => Enc::new(tag::PING, id),
+        HostMsg::Exec(spec) => {
+            let mut e = Enc::new(tag::EXEC, id);
+            e.count(spec.argv.len());
+            for a in &spec.argv {
+                e.os(a);
+            }
+            e.count(spec.env.len());
+            for (k, v) in &spec.env {
+                e.os(k);
+                e.os(v);
+            }
+            match &spec.cwd {
+                None => e.u8(0),
+                Some(p) => {
+                    e.u8(1);
+                    e.os(p.as_os_str());
+                }
+            }
+            e.opt_u32(spec.uid);
+            e.opt_u32(spec.gid);
+            match spec.tty {
+                None => e.u8(0),
+                Some(ws) => {
+                    e.u8(1);
+                    e.u16(ws.rows);
+                    e.u16(ws.cols);
+                }
+            }
+            e.bool(spec.stdin);
+            e
+        }
+        HostMsg::Stdin(data) => {
+            let mut e = Enc::new(tag::STDIN, id);
+            e.bytes(data);
+            e
+        }
+        HostMsg::StdinClose => Enc::new(tag::STDIN_CLOSE, id),
+        HostMsg::Signal {
+            target,
+            signal,
+            group,
+        } => {
+            let mut e = Enc::new(tag::SIGNAL, id);
+            e.u32(*target);
+            e.i32(*signal);
+            e.bool(*group);
+            e
+        }
+        HostMsg::Resize { target, size } => {
+            let mut e = Enc::new(tag::RESIZE, id);
+            e.u32(*target);
+            e.u16(size.rows);
+            e.u16(size.cols);
+            e
+        }
+        HostMsg::ReadFile { path } => {
+            let mut e = Enc::new(tag::READ_FILE, id);
+            e.os(path.as_os_str());
+            e
+        }
+        HostMsg::WriteFile { path, mode } => {
+            let mut e = Enc::new(tag::WRITE_FILE, id);
+            e.os(path.as_os_str());
+            e.u32(*mode);
+            e
+        }
+        HostMsg::FileData(data) => {
+            let mut e = Enc::new(tag::FILE_DATA_UP, id);
+            e.bytes(data);
+            e
+        }
+        HostMsg::FileEnd => Enc::new(tag::FILE_END, id),
+        HostMsg::Stat {
+            path,
+            follow_symlinks,
+        } => {
+            let mut e = Enc::new(tag::STAT, id);
+            e.os(path.as_os_str());
+            e.bool(*follow_symlinks);
+            e
+        }
+        HostMsg::List { path } => {
+            let mut e = Enc::new(tag::LIST, id);
+            e.os(path.as_os_str());
+            e
+        }
+        HostMsg::Remove { path, recursive } => {
+            let mut e = Enc::new(tag::REMOVE, id);
+            e.os(path.as_os_str());
+            e.bool(*recursive);
+            e
+        }
+        HostMsg::SetClock { unix_ns } => {
+            let mut e = Enc::new(tag::SET_CLOCK, id);
+            e.i64(*unix_ns);
+            e
+        }
+        HostMsg::AddEntropy(data) => {
+            let mut e = Enc::new(tag::ADD_ENTROPY, id);
+            e.bytes(data);
+            e
+        }
+        HostMsg::Sync => Enc::new(tag::SYNC, id),
+        HostMsg::PowerOff => Enc::new(tag::POWER_OFF, id),
+    };
+    e.finish()
+}
+
+/// Encodes an agent -> host frame (length prefix included). Fails only if it would exceed
+/// [`MAX_FRAME_LEN`].
+pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
+    let e = match msg {
+        AgentMsg::HelloOk {
+            version,
+            agent_version,
+            max_frame_len,
+        } => {
+            let mut e = Enc::new(tag::HELLO_OK, id);
+            e.u16(*version);
+            e.str(agent_version);
+            e.u32(*max_frame_len);
+            e
+        }
+        AgentMsg::Ok => Enc::new(tag::OK, id),
+        AgentMsg::Error(err) => {
+            let mut e = Enc::new(tag::ERROR, id);
+            e.u16(err.kind.code());
+            e.i32(err.errno);
+            // Keep error frames small whatever the message (it may quote paths).
+            let msg = truncate_utf8(&err.message, 4096);
+            e.str(msg);
+            e
+        }
+        AgentMsg::Pong {
+            agent_version,
+            protocol,
+            uptime_ms,
+            running_execs,
+        } => {
+            let mut e = Enc::new(tag::PONG, id);
+            e.str(agent_version);
+            e.u16(*protocol);
+            e.u64(*uptime_ms);
+            e.u32(*running_execs);
+            e
+        }
+        AgentMsg::Started { pid } => {
+            let mut e = Enc::new(tag::STARTED, id);
+            e.u32(*pid);
+            e
+        }
+        AgentMsg::Stdout(d) => {
+            let mut e = Enc::new(tag::STDOUT, id);
+            e.bytes(d);
+            e
+        }
+        AgentMsg::Stderr(d) => {
+            let mut e = Enc::new(tag::STDERR, id);
+            e.bytes(d);
+            e
+        }
+        AgentMsg::StdinAck(n) => {
+            let mut e = Enc::new(tag::STDIN_ACK, id);
+            e.u32(*n);
+            e
+        }
+        AgentMsg::Exited(st) => {
+            let mut e = Enc::new(tag::EXITED, id);
+            match *st {
+                ExitStatus::Exited(c) => {
+                    e.u8(0);
+                    e.i32(c);
+                    e.bool(false);
+                }
+                ExitStatus::Signaled {
+                    signal,
+                    core_dumped,
+                } => {
+                    e.u8(1);
+                    e.i32(signal);
+                    e.bool(core_dumped);
+                }
+            }
+            e
+        }
+        AgentMsg::FileData(d) => {
+            let mut e = Enc::new(tag::FILE_DATA_DOWN, id);
+            e.bytes(d);
+            e
+        }
+        AgentMsg::FileDone { bytes } => {
+            let mut e = Enc::new(tag::FILE_DONE, id);
+            e.u64(*bytes);
+            e
+        }
+        AgentMsg::Stat(s) => {
+            let mut e = Enc::new(tag::STAT_REPLY, id);
+            e.stat(s);
+            e
+        }
+        AgentMsg::DirEntries(entries) => {
+            let mut e = Enc::new(tag::DIR_ENTRIES, id);
+            e.count(entries.len());
+            for d in entries {
+                e.os(&d.name);
+                e.stat(&d.stat);
+            }
+            e
+        }
+    };
+    e.finish()
+}
+
+/// Encoded size of a [`DirEntry`] inside a DirEntries frame (to batch listings).
+pub fn dir_entry_wire_len(d: &DirEntry) -> usize {
+    4 + d.name.len() + 1 + 4 + 8 + 4 + 4 + 8
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+// ----------------------------------------------------------------------------- decoding
+
+/// Reads fields from a frame body; every read is bounds-checked.
+struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Dec<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], Error> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or(Error::Truncated(what))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+    fn arr<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], Error> {
+        let s = self.take(N, what)?;
+        let mut a = [0; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+    fn u8(&mut self, what: &'static str) -> Result<u8, Error> {
+        Ok(self.arr::<1>(what)?[0])
+    }
+    fn bool(&mut self, what: &'static str) -> Result<bool, Error> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(Error::Invalid(what)),
+        }
+    }
+    fn u16(&mut self, what: &'static str) -> Result<u16, Error> {
+        Ok(u16::from_le_bytes(self.arr(what)?))
+    }
+    fn u32(&mut self, what: &'static str) -> Result<u32, Error> {
+        Ok(u32::from_le_bytes(self.arr(what)?))
+    }
+    fn i32(&mut self, what: &'static str) -> Result<i32, Error> {
+        Ok(i32::from_le_bytes(self.arr(what)?))
+    }
+    fn u64(&mut self, what: &'static str) -> Result<u64, Error> {
+        Ok(u64::from_le_bytes(self.arr(what)?))
+    }
+    fn i64(&mut self, what: &'static str) -> Result<i64, Error> {
+        Ok(i64::from_le_bytes(self.arr(what)?))
+    }
+    fn bytes(&mut self, what: &'static str) -> Result<Vec<u8>, Error> {
+        let n = self.u32(what)? as usize;
+        Ok(self.take(n, what)?.to_vec())
+    }
+    fn os(&mut self, what: &'static str) -> Result<OsString, Error> {
+        Ok(OsString::from_vec(self.bytes(what)?))
+    }
+    fn path(&mut self, what: &'static str) -> Result<PathBuf, Error> {
+        Ok(PathBuf::from(self.os(what)?))
+    }
+    fn string(&mut self, what: &'static str) -> Result<String, Error> {
+        String::from_utf8(self.bytes(what)?).map_err(|_| Error::Invalid(what))
+    }
+    fn option(&mut self, what: &'static str) -> Result<bool, Error> {
+        self.bool(what)
+    }
+    fn opt_u32(&mut self, what: &'static str) -> Result<Option<u32>, Error> {
+        Ok(if self.option(what)? {
+            Some(self.u32(what)?)
+        } else {
+            None
+        })
+    }
+    /// A list count, checked against the bytes left (each item takes at least `min_item`
+    /// bytes), so a lying count cannot make us allocate.
+    fn count(&mut self, min_item: usize, what: &'static str) -> Result<usize, Error> {
+        let n = self.u32(what)? as usize;
+        if n.saturating_mul(min_item) > self.remaining() {
+            return Err(Error::Truncated(what));
+        }
+        Ok(n)
+    }
+    fn stat(&mut self) -> Result<FileStat, Error> {
+        Ok(FileStat {
+            kind: FileKind::from_code(self.u8("stat kind")?)?,
+            mode: self.u32("stat mode")?,
+            size: self.u64("stat size")?,
+            uid: self.u32("stat uid")?,
+            gid: self.u32("stat gid")?,
+            mtime_ns: self.i64("stat mtime")?,
+        })
+    }
+}
+
+/// Decodes one complete frame: the 4-byte length prefix followed by exactly that many bytes.
+///
+/// Never panics, whatever `frame` holds; allocates at most about `frame.len()` bytes.
+pub fn decode_frame(frame: &[u8]) -> Result<Frame, Error> {
+    if frame.len() < 4 {
+        return Err(Error::Truncated("length prefix"));
+    }
+    let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]);
+    if len > MAX_FRAME_LEN {
+        return Err(Error::FrameTooLarge {
+            len: u64::from(len),
+            max: MAX_FRAME_LEN,
+        });
+    }
+    let body = &frame[4..];
+    if body.len() != len as usize {
+        return Err(Error::LengthMismatch {
+            declared: len,
+            actual: body.len(),
+        });
+    }
+    decode_body(body)
+}
+
+/// The id of a frame body, if it is long enough to have one (for error replies to frames
+/// that do not decode).
+pub fn body_id(body: &[u8]) -> Option<u32> {
+    body.get(1..5)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// Decodes a frame body (what follows the length prefix).
+pub fn decode_body(body: &[u8]) -> Result<Frame, Error> {
+    let mut d = Dec { buf: body, pos: 0 };
+    let t = d.u8("tag")?;
+    let id = d.u32("id")?;
+    let msg = if t < 0x80 {
+        Msg::Host(decode_host(t, &mut d)?)
+    } else {
+        Msg::Agent(decode_agent(t, &mut d)?)
+    };
+    if d.remaining() != 0 {
+        return Err(Error::TrailingBytes(d.remaining()));
+    }
+    Ok(Frame { id, msg })
+}
+
+fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
+    Ok(match t {
+        tag::HELLO => HostMsg::Hello {
+            min_version: d.u16("min_version")?,
+            max_version: d.u16("max_version")?,
+            client: d.string("client")?,
+        },
+        tag::PING => HostMsg::Ping,
+        tag::EXEC => {
+            let n = d.count(4, "argv")?;
+            let mut argv = Vec::with_capacity(n);
+            for _ in 0..n {
+                argv.push(d.os("argv")?);
+            }
+            let n = d.count(8, "env")?;
+            let mut env = Vec::with_capacity(n);
+            for _ in 0..n {
+                env.push((d.os("env key")?, d.os("env value")?));
+            }
+            let cwd = if d.option("cwd")? {
+                Some(d.path("cwd")?)
+            } else {
+                None
+            };
+            let uid = d.opt_u32("uid")?;
+            let gid = d.opt_u32("gid")?;
+            let tty = if d.option("tty")? {
+                Some(WinSize {
+                    rows: d.u16("rows")?,
+                    cols: d.u16("cols")?,
+                })
+            } else {
+                None
+            };
+            let stdin = d.bool("stdin")?;
+            HostMsg::Exec(ExecSpec {
+                argv,
+                env,
+                cwd,
+                uid,
+                gid,
+                tty,
+                stdin,
+            })
+        }
+        tag::STDIN => HostMsg::Stdin(d.bytes("data")?),
+        tag::STDIN_CLOSE => HostMsg::StdinClose,
+        tag::SIGNAL => HostMsg::Signal {
+            target: d.u32("target")?,
+            signal: d.i32("signal")?,
+            group: d.bool("group")?,
+        },
+        tag::RESIZE => HostMsg::Resize {
+            target: d.u32("target")?,
+            size: WinSize {
+                rows: d.u16("rows")?,
+                cols: d.u16("cols")?,
+            },
+        },
+        tag::READ_FILE => HostMsg::ReadFile {
+            path: d.path("path")?,
+        },
+        tag::WRITE_FILE => HostMsg::WriteFile {
+            path: d.path("path")?,
+            mode: d.u32("mode")?,
+        },
+        tag::FILE_DATA_UP => HostMsg::FileData(d.bytes("data")?),
+        tag::FILE_END => HostMsg::FileEnd,
+        tag::STAT => HostMsg::Stat {
+            path: d.path("path")?,
+            follow_symlinks: d.bool("follow_symlinks")?,
+        },
+        tag::LIST => HostMsg::List {
+            path: d.path("path")?,
+        },
+        tag::REMOVE => HostMsg::Remove {
+            path: d.path("path")?,
+            recursive: d.bool("recursive")?,
+        },
+        tag::SET_CLOCK => HostMsg::SetClock {
+            unix_ns: d.i64("unix_ns")?,
+        },
+        tag::ADD_ENTROPY => HostMsg::AddEntropy(d.bytes("data")?),
+        tag::SYNC => HostMsg::Sync,
+        tag::POWER_OFF => HostMsg::PowerOff,
+        other => return Err(Error::UnknownTag(other)),
+    })
+}
+
+fn decode_agent(t: u8, d: &mut Dec<'_>) -> Result<AgentMsg, Error> {
+    Ok(match t {
+        tag::HELLO_OK => AgentMsg::HelloOk {
+            version: d.u16("version")?,
+            agent_version: d.string("agent_version")?,
+            max_frame_len: d.u32("max_frame_len")?,
+        },
+        tag::OK => AgentMsg::Ok,
+        tag::ERROR => AgentMsg::Error(RemoteError {
+            kind: ErrorKind::from_code(d.u16("error kind")?),
+            errno: d.i32("errno")?,
+            message: d.string("error message")?,
+        }),
+        tag::PONG => AgentMsg::Pong {
+            agent_version: d.string("agent_version")?,
+            protocol: d.u16("protocol")?,
+            uptime_ms: d.u64("uptime_ms")?,
+            running_execs: d.u32("running_execs")?,
+        },
+        tag::STARTED => AgentMsg::Started { pid: d.u32("pid")? },
+        tag::STDOUT => AgentMsg::Stdout(d.bytes("data")?),
+        tag::STDERR => AgentMsg::Stderr(d.bytes("data")?),
+        tag::STDIN_ACK => AgentMsg::StdinAck(d.u32("bytes")?),
+        tag::EXITED => {
+            let kind = d.u8("exit kind")?;
+            let value = d.i32("exit value")?;
+            let core_dumped = d.bool("core_dumped")?;
+            AgentMsg::Exited(match kind {
+                0 if !core_dumped => ExitStatus::Exited(value),
+                1 => ExitStatus::Signaled {
+                    signal: value,
+                    core_dumped,
+                },
+                _ => return Err(Error::Invalid("exit kind")),
+            })
+        }
+        tag::FILE_DATA_DOWN => AgentMsg::FileData(d.bytes("data")?),
+        tag::FILE_DONE => AgentMsg::FileDone {
+            bytes: d.u64("bytes")?,
+        },
+        tag::STAT_REPLY => AgentMsg::Stat(d.stat()?),
+        tag::DIR_ENTRIES => {
+            let n = d.count(4 + 29, "entries")?;
+            let mut entries = Vec::with_capacity(n);
+            for _ in 0..n {
+                entries.push(DirEntry {
+                    name: d.os("name")?,
+                    stat: d.stat()?,
+                });
+            }
+            AgentMsg::DirEntries(entries)
+        }
+        other => return Err(Error::UnknownTag(other)),
+    })
+}
+
+// ----------------------------------------------------------------------------- stream I/O
+
+/// Reads one frame (length prefix included) from a byte stream.
+///
+/// `Ok(None)`: clean end of stream before the first byte of a frame.
+/// `Err(Error::FrameTooLarge)`: the length field exceeds `max`; nothing more was read, and
+/// the stream can no longer be trusted to be at a frame boundary.
+pub fn read_frame(r: &mut impl Read, max: u32) -> Result<Option<Vec<u8>>, Error> {
+    let mut prefix = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut prefix[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(Error::Closed),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::Io(e)),
+        }
+    }
+    let len = u32::from_le_bytes(prefix);
+    if len > max {
+        return Err(Error::FrameTooLarge {
+            len: u64::from(len),
+            max,
+        });
+    }
+    let mut frame = vec![0u8; 4 + len as usize];
+    frame[..4].copy_from_slice(&prefix);
+    r.read_exact(&mut frame[4..]).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            Error::Closed
+        } else {
+            Error::Io(e)
+        }
+    })?;
+    Ok(Some(frame))
+}
+
+/// Writes one encoded frame.
+pub fn write_frame(w: &mut impl Write, frame: &[u8]) -> Result<(), Error> {
+    w.write_all(frame).map_err(Error::Io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat() -> FileStat {
+        FileStat {
+            kind: FileKind::Symlink,
+            mode: 0o4755,
+            size: u64::MAX - 3,
+            uid: 1000,
+            gid: 65534,
+            mtime_ns: -1_234_567,
+        }
+    }
+
+    fn host_samples() -> Vec<HostMsg> {
+        vec![
+            HostMsg::Hello {
+                min_version: 1,
+                max_version: 7,
+                client: "clade-test".into(),
+            },
+            HostMsg::Ping,
+            HostMsg::Exec(ExecSpec::default()),
+            HostMsg::Exec(ExecSpec {
+                argv: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    OsString::from_vec(vec![0xff, 0, 1]),
+                ],
+                env: vec![("PATH".into(), "/bin".into()), ("X".into(), "".into())],
+                cwd: Some("/tmp".into()),
+                uid: Some(1000),
+                gid: Some(0),
+                tty: Some(WinSize { rows: 24, cols: 80 }),
+                stdin: true,
+            }),
+            HostMsg::Stdin(vec![1, 2, 3]),
+            HostMsg::Stdin(vec![]),
+            HostMsg::StdinClose,
+            HostMsg::Signal {
+                target: 9,
+                signal: 15,
+                group: true,
+            },
+            HostMsg::Resize {
+                target: 3,
+                size: WinSize {
+                    rows: 50,
+                    cols: 132,
+                },
+            },
+            HostMsg::ReadFile {
+                path: "/etc/hostname".into(),
+            },
+            HostMsg::WriteFile {
+                path: "/tmp/x".into(),
+                mode: 0o644,
+            },
+            HostMsg::FileData(vec![0; 1000]),
+            HostMsg::FileEnd,
+            HostMsg::Stat {
+                path: "/".into(),
+                follow_symlinks: false,
+            },
+            HostMsg::List { path: "/".into() },
+            HostMsg::Remove {
+                path: "/tmp/x".into(),
+                recursive: true,
+            },
+            HostMsg::SetClock { unix_ns: i64::MIN },
+            HostMsg::AddEntropy(vec![7; 32]),
+            HostMsg::Sync,
+            HostMsg::PowerOff,
+        ]
+    }
+
+    fn agent_samples() -> Vec<AgentMsg> {
+        vec![
+            AgentMsg::HelloOk {
+                version: 1,
+                agent_version: "0.1.0".into(),
+                max_frame_len: MAX_FRAME_LEN,
+            },
+            AgentMsg::Ok,
+            AgentMsg::Error(RemoteError {
+                kind: ErrorKind::NotFound,
+                errno: 2,
+                message: "open /x: no such file".into(),
+            }),
+            AgentMsg::Error(RemoteError::new(ErrorKind::Other(999), "future")),
+            AgentMsg::Pong {
+                agent_version: "0.1.0".into(),
+                protocol: 1,
+                uptime_ms: 123_456,
+                running_execs: 3,
+            },
+            AgentMsg::Started { pid: 42 },
+            AgentMsg::Stdout(b"hello\n".to_vec()),
+            AgentMsg::Stderr(vec![]),
+            AgentMsg::StdinAck(65536),
+            AgentMsg::Exited(ExitStatus::Exited(-1)),
+            AgentMsg::Exited(ExitStatus::Signaled {
+                signal: 9,
+                core_dumped: true,
+            }),
+            AgentMsg::FileData(vec![9; CHUNK_LEN]),
+            AgentMsg::FileDone { bytes: 5 << 20 },
+            AgentMsg::Stat(stat()),
+            AgentMsg::DirEntries(vec![]),
+            AgentMsg::DirEntries(vec![
+                DirEntry {
+                    name: "a".into(),
+                    stat: stat(),
+                },
+                DirEntry {
+                    name: OsString::from_vec(vec![0x80, b'b']),
+                    stat: FileStat {
+                        kind: FileKind::Dir,
+                        ..stat()
+                    },
+                },
+            ]),
+        ]
+    }
+
+    fn all_frames() -> Vec<Vec<u8>> {
+        let mut v: Vec<Vec<u8>> = host_samples()
+            .iter()
+            .enumerate()
+            .map(|(i, m)| encode_host(i as u32, m).unwrap())
+            .collect();
+        v.extend(
+            agent_samples()
+                .iter()
+                .enumerate()
+                .map(|(i, m)| encode_agent(u32::MAX - i as u32, m).unwrap()),
+        );
+        v
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for (i, m) in host_samples().into_iter().enumerate() {
+            let f = encode_host(i as u32, &m).unwrap();
+            let back = decode_frame(&f).unwrap();
+            assert_eq!(
+                back,
+                Frame {
+                    id: i as u32,
+                    msg: Msg::Host(m)
+                }
+            );
+        }
+        for (i, m) in agent_samples().into_iter().enumerate() {
+            let f = encode_agent(i as u32 + 1000, &m).unwrap();
+            let back = decode_frame(&f).unwrap();
+            assert_eq!(
+                back,
+                Frame {
+                    id: i as u32 + 1000,
+                    msg: Msg::Agent(m)
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn frames_read_back_from_a_stream() {
+        let frames = all_frames();
+        let stream: Vec<u8> = frames.concat();
+        let mut r = &stream[..];
+        for f in &frames {
+            let got = read_frame(&mut r, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(&got, f);
+        }
+        assert!(read_frame(&mut r, MAX_FRAME_LEN).unwrap().is_none());
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_both_ways() {
+        let big = HostMsg::FileData(vec![0; MAX_FRAME_LEN as usize]);
+        assert!(matches!(
+            encode_host(1, &big),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        let mut prefix = &(MAX_FRAME_LEN + 1).to_le_bytes()[..];
+        assert!(matches!(
+            read_frame(&mut prefix, MAX_FRAME_LEN),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        let mut f = (MAX_FRAME_LEN + 1).to_le_bytes().to_vec();
+        f.extend_from_slice(&[0; 16]);
+        assert!(matches!(decode_frame(&f), Err(Error::FrameTooLarge { .. })));
+    }
+
+    #[test]
+    fn malformed_frames_are_errors() {
+        // Truncated at every possible point.
+        for f in all_frames() {
+            for cut in 0..f.len() {
+                let mut g = f[..cut].to_vec();
+                if g.len() >= 4 {
+                    let len = (g.len() - 4) as u32;
+                    g[..4].copy_from_slice(&len.to_le_bytes());
+                }
+                assert!(decode_frame(&g).is_err(), "cut {cut} of {f:?}");
+            }
+            // Trailing garbage.
+            let mut g = f.clone();
+            g.push(0);
+            let len = (g.len() - 4) as u32;
+            g[..4].copy_from_slice(&len.to_le_bytes());
+            assert!(matches!(decode_frame(&g), Err(Error::TrailingBytes(1))));
+        }
+        // Unknown tags, bad bools, lying counts.
+        let mut f = encode_host(1, &HostMsg::Ping).unwrap();
+        f[4] = 0x7f;
+        assert!(matches!(decode_frame(&f), Err(Error::UnknownTag(0x7f))));
+        let mut f = encode_host(1, &HostMsg::Sync).unwrap();
+        f[4] = 0xff;
+        assert!(matches!(decode_frame(&f), Err(Error::UnknownTag(0xff))));
+        let mut f = encode_host(
+            1,
+            &HostMsg::Stat {
+                path: "/".into(),
+                follow_symlinks: true,
+            },
+        )
+        .unwrap();
+        *f.last_mut().unwrap() = 2;
+        assert!(matches!(decode_frame(&f), Err(Error::Invalid(_))));
+        let mut f = encode_agent(1, &AgentMsg::DirEntries(vec![])).unwrap();
+        f[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(decode_frame(&f), Err(Error::Truncated(_))));
+    }
+
+    /// xorshift64*: deterministic pseudo-random bytes without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// Property: decoding arbitrary bytes returns Ok or Err, never panics, and whatever
+    /// decodes re-encodes to the same bytes (the encoding is canonical).
+    #[test]
+    fn random_bytes_never_panic() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let seeds = all_frames();
+        let mut decoded = 0;
+        for round in 0..200_000 {
+            let mut f = if round % 2 == 0 {
+                // Pure noise, sometimes with a consistent length prefix.
+                let n = rng.below(96);
+                let mut f: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                if f.len() >= 4 && rng.below(2) == 0 {
+                    let len = (f.len() - 4) as u32;
+                    f[..4].copy_from_slice(&len.to_le_bytes());
+                }
+                f
+            } else {
+                // A valid frame with a few bytes flipped (length prefix kept consistent).
+                let mut f = seeds[rng.below(seeds.len())].clone();
+                for _ in 0..1 + rng.below(4) {
+                    let i = rng.below(f.len());
+                    f[i] = rng.next() as u8;
+                }
+                if rng.below(4) != 0 {
+                    let len = (f.len() - 4) as u32;
+                    f[..4].copy_from_slice(&len.to_le_bytes());
+                }
+                f
+            };
+            if let Ok(frame) = decode_frame(&f) {
+                decoded += 1;
+                let again = match &frame.msg {
+                    Msg::Host(m) => encode_host(frame.id, m).unwrap(),
+                    Msg::Agent(m) => encode_agent(frame.id, m).unwrap(),
+                };
+                // Error messages are truncated on encode; nothing else changes.
+                assert_eq!(again, f, "{frame:?}");
+            }
+            // Streams of noise never panic the frame reader either.
+            f.truncate(64);
+            let mut r = &f[..];
+            while let Ok(Some(_)) = read_frame(&mut r, 1024) {}
+        }
+        assert!(decoded > 1000, "mutations should often still decode");
+    }
+}

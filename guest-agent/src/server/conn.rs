@@ -1,0 +1,376 @@
+//! One connection: read frames, dispatch them, send replies.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::exec::{self, ExecEntry};
+use super::files::{self, Upload};
+use super::{Shared, SystemMode};
+use crate::proto::{
+    self, decode_frame, AgentMsg, ErrorKind, HostMsg, Msg, RemoteError, MAX_ENTROPY_LEN,
+    MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+use crate::Error;
+
+/// The sending half of a connection, shared by every thread that replies on it.
+pub(crate) struct Conn {
+    pub(crate) n: u64,
+    out: Mutex<File>,
+    broken: AtomicBool,
+    pub(crate) shared: Arc<Shared>,
+    /// Execs in flight, by request id.
+    pub(crate) execs: Mutex<HashMap<u32, Arc<ExecEntry>>>,
+}
+
+impl Conn {
+    /// Sends one frame; false once the connection is broken (the caller may stop producing).
+    pub(crate) fn send(&self, id: u32, msg: &AgentMsg) -> bool {
+        if self.broken.load(Ordering::Relaxed) {
+            return false;
+        }
+        let frame = match proto::encode_agent(id, msg) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(conn = self.n, id, "cannot encode reply: {e}");
+                return true;
+            }
+        };
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = out.write_all(&frame) {
+            tracing::debug!(conn = self.n, "send failed: {e}");
+            self.broken.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub(crate) fn send_err(&self, id: u32, err: RemoteError) -> bool {
+        self.send(id, &AgentMsg::Error(err))
+    }
+
+    pub(crate) fn execs(&self) -> MutexGuard<'_, HashMap<u32, Arc<ExecEntry>>> {
+        self.execs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Per-connection state owned by the reading thread.
+struct Session {
+    conn: Arc<Conn>,
+    negotiated: bool,
+    uploads: HashMap<u32, Upload>,
+}
+
+/// Serves one accepted connection until the peer closes it, then kills the execs it
+/// started (their output has nowhere to go).
+pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
+    tracing::debug!(conn = n, "connected");
+    let out = match fd.try_clone() {
+        Ok(f) => File::from(f),
+        Err(e) => {
+            tracing::error!(conn = n, "dup connection: {e}");
+            return;
+        }
+    };
+    let raw = fd.as_raw_fd();
+    let conn = Arc::new(Conn {
+        n,
+        out: Mutex::new(out),
+        broken: AtomicBool::new(false),
+        shared,
+        execs: Mutex::new(HashMap::new()),
+    });
+    let mut session = Session {
+        conn: conn.clone(),
+        negotiated: false,
+        uploads: HashMap::new(),
+    };
+    let mut input = BufReader::with_capacity(128 * 1024, File::from(fd));
+    loop {
+        let frame = match proto::read_frame(&mut input, MAX_FRAME_LEN) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(Error::FrameTooLarge { len, max }) => {
+                // The stream is no longer at a known frame boundary: answer, then close.
+                conn.send_err(
+                    0,
+                    RemoteError::new(
+                        ErrorKind::FrameTooLarge,
+                        format!("frame length {len} exceeds {max}; closing the connection"),
+                    ),
+                );
+                break;
+            }
+            Err(e) => {
+                tracing::debug!(conn = n, "read: {e}");
+                break;
+            }
+        };
+        match decode_frame(&frame) {
+            Ok(f) => match f.msg {
+                Msg::Host(m) => session.handle(f.id, m),
+                Msg::Agent(_) => {
+                    conn.send_err(
+                        f.id,
+                        RemoteError::new(
+                            ErrorKind::UnknownMessage,
+                            "agent-to-host message sent to the agent",
+                        ),
+                    );
+                }
+            },
+            Err(e) => {
+                let id = proto::body_id(&frame[4..]).unwrap_or(0);
+                let kind = match e {
+                    Error::UnknownTag(_) => ErrorKind::UnknownMessage,
+                    _ => ErrorKind::BadFrame,
+                };
+                tracing::debug!(conn = n, id, "bad frame: {e}");
+                conn.send_err(id, RemoteError::new(kind, e.to_string()));
+            }
+        }
+    }
+    tracing::debug!(conn = n, "closed");
+    conn.broken.store(true, Ordering::Relaxed);
+    // SAFETY: shutdown on the connection socket, which stays open until `input` drops below;
+    // it makes blocked writers on other threads fail instead of hanging.
+    unsafe { libc::shutdown(raw, libc::SHUT_RDWR) };
+    let execs: Vec<Arc<ExecEntry>> = conn.execs().values().cloned().collect();
+    for e in execs {
+        e.kill_on_disconnect();
+    }
+    drop(input);
+}
+
+impl Session {
+    fn handle(&mut self, id: u32, msg: HostMsg) {
+        let conn = &self.conn;
+        match msg {
+            HostMsg::Hello {
+                min_version,
+                max_version,
+                client,
+            } => self.hello(id, min_version, max_version, &client),
+            _ if !self.negotiated => {
+                conn.send_err(
+                    id,
+                    RemoteError::new(ErrorKind::HandshakeRequired, "send Hello first"),
+                );
+            }
+            _ if id == 0 => {
+                conn.send_err(
+                    0,
+                    RemoteError::new(
+                        ErrorKind::InvalidArgument,
+                        "id 0 is reserved for the handshake",
+                    ),
+                );
+            }
+            HostMsg::Ping => {
+                conn.send(
+                    id,
+                    &AgentMsg::Pong {
+                        agent_version: proto::AGENT_VERSION.to_string(),
+                        protocol: PROTOCOL_VERSION,
+                        uptime_ms: crate::system::uptime_ms(),
+                        running_execs: conn.shared.running_execs.load(Ordering::Relaxed),
+                    },
+                );
+            }
+            HostMsg::Exec(spec) => {
+                if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {
+                    conn.send_err(id, id_in_use(id));
+                } else if let Err(e) = exec::start(conn, id, spec) {
+                    conn.send_err(id, e);
+                }
+            }
+            HostMsg::Stdin(data) => {
+                // Stdin may race with the exec's end: data for a finished exec is dropped.
+                if let Some(e) = conn.execs().get(&id).cloned() {
+                    e.stdin_data(data);
+                }
+            }
+            HostMsg::StdinClose => {
+                if let Some(e) = conn.execs().get(&id).cloned() {
+                    e.stdin_close();
+                }
+            }
+            HostMsg::Signal {
+                target,
+                signal,
+                group,
+            } => {
+                let entry = conn.execs().get(&target).cloned();
+                let r = match entry {
+                    Some(e) => e.signal(signal, group),
+                    None => Err(no_exec(target)),
+                };
+                reply_unit(conn, id, r);
+            }
+            HostMsg::Resize { target, size } => {
+                let entry = conn.execs().get(&target).cloned();
+                let r = match entry {
+                    Some(e) => e.resize(size),
+                    None => Err(no_exec(target)),
+                };
+                reply_unit(conn, id, r);
+            }
+            HostMsg::ReadFile { path } => files::start_read(conn, id, path),
+            HostMsg::WriteFile { path, mode } => {
+                if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {
+                    conn.send_err(id, id_in_use(id));
+                    return;
+                }
+                match files::open_upload(&path, mode) {
+                    Ok(up) => {
+                        self.uploads.insert(id, up);
+                        conn.send(id, &AgentMsg::Ok);
+                    }
+                    Err(e) => {
+                        conn.send_err(id, e);
+                    }
+                }
+            }
+            HostMsg::FileData(data) => match self.uploads.get_mut(&id) {
+                Some(up) => {
+                    if let Some(err) = up.write(&data) {
+                        conn.send_err(id, err);
+                    }
+                }
+                None => {
+                    conn.send_err(
+                        id,
+                        RemoteError::new(ErrorKind::UnknownId, "no upload with this id"),
+                    );
+                }
+            },
+            HostMsg::FileEnd => match self.uploads.remove(&id) {
+                Some(up) => {
+                    if let Some(reply) = up.finish() {
+                        conn.send(id, &reply);
+                    }
+                }
+                None => {
+                    conn.send_err(
+                        id,
+                        RemoteError::new(ErrorKind::UnknownId, "no upload with this id"),
+                    );
+                }
+            },
+            HostMsg::Stat {
+                path,
+                follow_symlinks,
+            } => match files::stat(&path, follow_symlinks) {
+                Ok(s) => {
+                    conn.send(id, &AgentMsg::Stat(s));
+                }
+                Err(e) => {
+                    conn.send_err(id, e);
+                }
+            },
+            HostMsg::List { path } => files::list(conn, id, &path),
+            HostMsg::Remove { path, recursive } => {
+                reply_unit(conn, id, files::remove(&path, recursive));
+            }
+            HostMsg::SetClock { unix_ns } => {
+                let r = match conn.shared.opts.mode {
+                    SystemMode::Guest => crate::system::set_clock(unix_ns)
+                        .map_err(|e| RemoteError::from_io(&e, "clock_settime")),
+                    SystemMode::HostTest if unix_ns < 0 => Err(RemoteError::new(
+                        ErrorKind::InvalidArgument,
+                        "time before the epoch",
+                    )),
+                    SystemMode::HostTest => {
+                        tracing::info!(unix_ns, "set clock (host-test mode: not applied)");
+                        Ok(())
+                    }
+                };
+                reply_unit(conn, id, r);
+            }
+            HostMsg::AddEntropy(data) => {
+                let r = if data.len() > MAX_ENTROPY_LEN {
+                    Err(RemoteError::new(
+                        ErrorKind::InvalidArgument,
+                        format!("at most {MAX_ENTROPY_LEN} bytes of entropy at once"),
+                    ))
+                } else {
+                    crate::system::add_entropy(&data)
+                        .map_err(|e| RemoteError::from_io(&e, "RNDADDENTROPY"))
+                };
+                reply_unit(conn, id, r);
+            }
+            HostMsg::Sync => {
+                crate::system::sync();
+                conn.send(id, &AgentMsg::Ok);
+            }
+            HostMsg::PowerOff => {
+                tracing::info!(conn = conn.n, "power off");
+                crate::system::sync();
+                conn.send(id, &AgentMsg::Ok);
+                conn.shared.request_power_off();
+            }
+        }
+    }
+
+    fn hello(&mut self, id: u32, min_version: u16, max_version: u16, client: &str) {
+        let conn = &self.conn;
+        if self.negotiated {
+            conn.send_err(
+                id,
+                RemoteError::new(
+                    ErrorKind::InvalidArgument,
+                    "Hello already done on this connection",
+                ),
+            );
+            return;
+        }
+        let version = max_version.min(PROTOCOL_VERSION);
+        if version < min_version.max(MIN_PROTOCOL_VERSION) {
+            conn.send_err(
+                id,
+                RemoteError::new(
+                    ErrorKind::UnsupportedVersion,
+                    format!(
+                        "client speaks {min_version}..={max_version}, agent speaks \
+                         {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}"
+                    ),
+                ),
+            );
+            return;
+        }
+        tracing::debug!(conn = conn.n, client, version, "hello");
+        self.negotiated = true;
+        conn.send(
+            id,
+            &AgentMsg::HelloOk {
+                version,
+                agent_version: proto::AGENT_VERSION.to_string(),
+                max_frame_len: MAX_FRAME_LEN,
+            },
+        );
+    }
+}
+
+fn reply_unit(conn: &Conn, id: u32, r: Result<(), RemoteError>) {
+    match r {
+        Ok(()) => conn.send(id, &AgentMsg::Ok),
+        Err(e) => conn.send_err(id, e),
+    };
+}
+
+fn id_in_use(id: u32) -> RemoteError {
+    RemoteError::new(
+        ErrorKind::IdInUse,
+        format!("id {id} is in use by an operation in flight"),
+    )
+}
+
+fn no_exec(target: u32) -> RemoteError {
+    RemoteError::new(
+        ErrorKind::UnknownId,
+        format!("no running exec with id {target} on this connection"),
+    )
+}

@@ -1,0 +1,694 @@
+//! Host-side client of the in-guest agent (`clade-agent`, protocol in
+//! `guest-agent/PROTOCOL.md`).
+//!
+//! A [`Client`] is one connection, reached through a VMM's vsock Unix socket (Firecracker's
+//! host-initiated convention: `CONNECT 52\n`, `OK <port>\n`, then the protocol) or directly
+//! through the Unix socket of `clade-agent --listen-unix` ([`Transport`]).
+//!
+//! **Blocking, with std threads.** Every call blocks the calling thread until its answer
+//! arrives; one reader thread per connection routes incoming frames to the waiting calls by
+//! request id, so any number of threads may share a `Client` (`&self` methods, `Send +
+//! Sync`) and run operations concurrently over the one connection (e.g. 8 execs at once).
+//! The VMM has no async runtime, the agent's operations are few and coarse, and a thread
+//! per in-flight operation is cheap at that scale, so blocking calls keep this module and
+//! its callers simple.
+//!
+//! Backpressure: each operation buffers at most 64 frames (4 MiB of output) that its caller
+//! has not consumed yet; beyond that the reader thread waits, which stalls the whole
+//! connection. Consume exec events promptly (or use one `Client` per long-lived exec).
+//! Exec stdin is flow-controlled by the agent's acknowledgements (256 KiB window).
+//!
+//! Everything the guest sends is untrusted: frames are size-limited and decoded without
+//! panics, unexpected frames fail the operation with [`Error::AgentProtocol`], and reads
+//! into memory are capped ([`MAX_READ_FILE`]).
+
+mod exec;
+mod transport;
+
+use std::collections::HashMap;
+use std::io::{BufReader, Read, Write};
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use guest_agent::proto::{
+    self, AgentMsg, HostMsg, Msg, CHUNK_LEN, MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+pub use guest_agent::proto::{
+    DirEntry, ErrorKind, ExitStatus, FileKind, FileStat, RemoteError, WinSize, AGENT_VSOCK_PORT,
+};
+
+pub use exec::{Command, Exec, ExecEvent, ExecHandle, Output, StdinWriter};
+pub use transport::Transport;
+
+use crate::error::{Error, Result};
+
+/// Largest file [`Client::read_file`] reads into memory (use [`Client::read_file_to`]).
+pub const MAX_READ_FILE: u64 = 1 << 30;
+/// Largest number of entries [`Client::list`] accepts.
+pub const MAX_LIST_ENTRIES: usize = 1 << 20;
+/// Frames buffered per operation before the reader thread waits for the caller.
+const ROUTE_DEPTH: usize = 64;
+
+/// Health report from [`Client::ping`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pong {
+    pub agent_version: String,
+    pub protocol: u16,
+    /// Guest uptime.
+    pub uptime: Duration,
+    /// Execs running in the guest (all connections).
+    pub running_execs: u32,
+    /// Round trip of this ping.
+    pub rtt: Duration,
+}
+
+/// Where incoming frames for one request id go.
+pub(crate) struct Route {
+    tx: SyncSender<AgentMsg>,
+    /// Stdin window of an exec.
+    window: Option<Arc<Window>>,
+}
+
+/// Exec stdin flow control: bytes sent but not yet acknowledged by the agent.
+pub(crate) struct Window {
+    state: Mutex<WindowState>,
+    cond: Condvar,
+}
+
+#[derive(Default)]
+struct WindowState {
+    in_flight: u32,
+    closed: bool,
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            state: Mutex::new(WindowState::default()),
+            cond: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WindowState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn release(&self, n: u32) {
+        let mut st = self.lock();
+        st.in_flight = st.in_flight.saturating_sub(n);
+        self.cond.notify_all();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.cond.notify_all();
+    }
+
+    /// Waits for room and reserves up to `want` bytes; `None` once the exec has ended.
+    fn reserve(&self, want: usize) -> Option<usize> {
+        let max = proto::STDIN_WINDOW;
+        let mut st = self.lock();
+        loop {
+            if st.closed {
+                return None;
+            }
+            let room = max.saturating_sub(st.in_flight) as usize;
+            if room > 0 {
+                let n = want.min(room).min(CHUNK_LEN);
+                st.in_flight += n as u32;
+                return Some(n);
+            }
+            st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Routing table shared with the reader thread.
+pub(crate) struct Routes {
+    map: Mutex<HashMap<u32, Route>>,
+    closed: AtomicBool,
+}
+
+impl Routes {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u32, Route>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Delivers one frame from the agent.
+    fn deliver(&self, id: u32, msg: AgentMsg) {
+        let (tx, window) = {
+            let map = self.lock();
+            match map.get(&id) {
+                Some(r) => (r.tx.clone(), r.window.clone()),
+                None => {
+                    match &msg {
+                        AgentMsg::Error(e) if id == 0 => {
+                            tracing::warn!("agent: connection error: {e}")
+                        }
+                        _ => tracing::debug!(id, "agent frame for no pending request"),
+                    }
+                    return;
+                }
+            }
+        };
+        if let Some(w) = &window {
+            match &msg {
+                AgentMsg::StdinAck(n) => {
+                    w.release(*n);
+                    return;
+                }
+                AgentMsg::Exited(_) | AgentMsg::Error(_) => w.close(),
+                _ => {}
+            }
+        }
+        // Outside the lock: this may wait for the caller to consume.
+        if tx.send(msg).is_err() {
+            let route = self.lock().remove(&id);
+            if let Some(w) = route.and_then(|r| r.window) {
+                w.close();
+            }
+        }
+    }
+
+    /// The connection is gone: fail every pending request.
+    fn close_all(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let routes: Vec<Route> = self.lock().drain().map(|(_, r)| r).collect();
+        for r in routes {
+            if let Some(w) = r.window {
+                w.close();
+            }
+        }
+    }
+}
+
+/// The connection; shared by the [`Client`] and its [`Exec`]s, closed when the last goes.
+pub(crate) struct Inner {
+    sock: UnixStream,
+    writer: Mutex<UnixStream>,
+    routes: Arc<Routes>,
+    next_id: AtomicU32,
+    agent_version: String,
+    protocol: u16,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.sock.shutdown(Shutdown::Both);
+    }
+}
+
+/// Unregisters a request id when the operation is over.
+pub(crate) struct Registration {
+    inner: Arc<Inner>,
+    id: u32,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let route = self.inner.routes.lock().remove(&self.id);
+        // A stdin writer outliving its exec must not wait for acknowledgements forever.
+        if let Some(w) = route.and_then(|r| r.window) {
+            w.close();
+        }
+    }
+}
+
+impl Inner {
+    fn send(&self, id: u32, msg: &HostMsg) -> Result<()> {
+        if self.routes.closed.load(Ordering::SeqCst) {
+            return Err(Error::AgentDisconnected);
+        }
+        let frame = proto::encode_host(id, msg).map_err(|e| Error::AgentProtocol(e.to_string()))?;
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        w.write_all(&frame).map_err(|e| {
+            tracing::debug!("agent send: {e}");
+            Error::AgentDisconnected
+        })
+    }
+
+    /// Registers a new id, then sends `msg` under it.
+    fn start(
+        self: &Arc<Self>,
+        msg: &HostMsg,
+        window: Option<Arc<Window>>,
+    ) -> Result<(Registration, Receiver<AgentMsg>)> {
+        let (reg, rx) = self.register(window)?;
+        self.send(reg.id, msg)?;
+        Ok((reg, rx))
+    }
+
+    fn register(
+        self: &Arc<Self>,
+        window: Option<Arc<Window>>,
+    ) -> Result<(Registration, Receiver<AgentMsg>)> {
+        let (tx, rx) = mpsc::sync_channel(ROUTE_DEPTH);
+        let id = loop {
+            // Id 0 is the connection's own (Hello, connection errors).
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                break id;
+            }
+        };
+        self.routes.lock().insert(id, Route { tx, window });
+        if self.routes.closed.load(Ordering::SeqCst) {
+            self.routes.lock().remove(&id);
+            return Err(Error::AgentDisconnected);
+        }
+        Ok((
+            Registration {
+                inner: self.clone(),
+                id,
+            },
+            rx,
+        ))
+    }
+}
+
+/// Next frame of an operation.
+fn recv(rx: &Receiver<AgentMsg>) -> Result<AgentMsg> {
+    rx.recv().map_err(|_| Error::AgentDisconnected)
+}
+
+/// An agent error reply becomes `Err`.
+fn check(msg: AgentMsg) -> Result<AgentMsg> {
+    match msg {
+        AgentMsg::Error(e) => Err(Error::Agent(e)),
+        m => Ok(m),
+    }
+}
+
+fn unexpected(op: &str, msg: &AgentMsg) -> Error {
+    Error::AgentProtocol(format!("unexpected reply to {op}: {msg:?}"))
+}
+
+/// A connection to the agent. See the [module documentation](self).
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("agent_version", &self.inner.agent_version)
+            .field("protocol", &self.inner.protocol)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connects to `path` ([`Transport::Auto`]: a VMM vsock socket, port 52, or a direct
+    /// agent socket).
+    pub fn connect(path: impl AsRef<Path>) -> Result<Self> {
+        Self::connect_with(path, Transport::Auto)
+    }
+
+    /// Connects with an explicit transport.
+    pub fn connect_with(path: impl AsRef<Path>, transport: Transport) -> Result<Self> {
+        let path = path.as_ref();
+        let stream = transport::open(path, transport)?;
+        Self::handshake(path, stream)
+    }
+
+    /// Like [`Client::connect_with`], retrying for up to `timeout` while the socket is
+    /// missing or refuses, or nothing listens on the guest port yet (a VM still booting).
+    pub fn connect_timeout(
+        path: impl AsRef<Path>,
+        transport: Transport,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        transport::retry(timeout, || Self::connect_with(path, transport))
+    }
+
+    fn handshake(path: &Path, mut stream: UnixStream) -> Result<Self> {
+        let io_err = |e: std::io::Error| Error::AgentConnect {
+            path: path.to_path_buf(),
+            source: e,
+        };
+        let hello = HostMsg::Hello {
+            min_version: MIN_PROTOCOL_VERSION,
+            max_version: PROTOCOL_VERSION,
+            client: format!("clade {}", env!("CARGO_PKG_VERSION")),
+        };
+        let frame =
+            proto::encode_host(0, &hello).map_err(|e| Error::AgentProtocol(e.to_string()))?;
+        stream.write_all(&frame).map_err(io_err)?;
+        let reply = proto::read_frame(&mut stream, MAX_FRAME_LEN)
+            .map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?
+            .ok_or(Error::AgentDisconnected)?;
+        let f =
+            proto::decode_frame(&reply).map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?;
+        let (version, agent_version) = match f.msg {
+            Msg::Agent(AgentMsg::HelloOk {
+                version,
+                agent_version,
+                ..
+            }) if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) => {
+                (version, agent_version)
+            }
+            Msg::Agent(AgentMsg::Error(e)) => return Err(Error::Agent(e)),
+            other => {
+                return Err(Error::AgentProtocol(format!(
+                    "unexpected answer to Hello: {other:?}"
+                )))
+            }
+        };
+        stream.set_read_timeout(None).map_err(io_err)?;
+        stream.set_write_timeout(None).map_err(io_err)?;
+        let reader = stream.try_clone().map_err(io_err)?;
+        let writer = stream.try_clone().map_err(io_err)?;
+        let routes = Arc::new(Routes {
+            map: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        });
+        let r = routes.clone();
+        std::thread::Builder::new()
+            .name("agent-reader".into())
+            .spawn(move || read_loop(reader, &r))
+            .map_err(|e| Error::Io {
+                context: "start the agent reader thread",
+                source: e,
+            })?;
+        tracing::debug!(
+            "{}: agent {agent_version}, protocol {version}",
+            path.display()
+        );
+        Ok(Client {
+            inner: Arc::new(Inner {
+                sock: stream,
+                writer: Mutex::new(writer),
+                routes,
+                next_id: AtomicU32::new(1),
+                agent_version,
+                protocol: version,
+            }),
+        })
+    }
+
+    /// The agent's version string (from the handshake).
+    pub fn agent_version(&self) -> &str {
+        &self.inner.agent_version
+    }
+
+    /// The negotiated protocol version.
+    pub fn protocol(&self) -> u16 {
+        self.inner.protocol
+    }
+
+    /// One request, one reply.
+    fn call(&self, msg: &HostMsg) -> Result<AgentMsg> {
+        let (_reg, rx) = self.inner.start(msg, None)?;
+        check(recv(&rx)?)
+    }
+
+    fn call_ok(&self, op: &str, msg: &HostMsg) -> Result<()> {
+        match self.call(msg)? {
+            AgentMsg::Ok => Ok(()),
+            m => Err(unexpected(op, &m)),
+        }
+    }
+
+    /// Health check: agent version, guest uptime, running execs, round-trip time.
+    pub fn ping(&self) -> Result<Pong> {
+        let t0 = Instant::now();
+        match self.call(&HostMsg::Ping)? {
+            AgentMsg::Pong {
+                agent_version,
+                protocol,
+                uptime_ms,
+                running_execs,
+            } => Ok(Pong {
+                agent_version,
+                protocol,
+                uptime: Duration::from_millis(uptime_ms),
+                running_execs,
+                rtt: t0.elapsed(),
+            }),
+            m => Err(unexpected("ping", &m)),
+        }
+    }
+
+    /// Starts a command. Its output arrives as [`ExecEvent`]s on the returned [`Exec`].
+    pub fn spawn(&self, cmd: &Command) -> Result<Exec> {
+        exec::spawn(&self.inner, cmd)
+    }
+
+    /// Runs a command to completion, feeding it `stdin` (if `Some`), and collects its output.
+    pub fn output(&self, cmd: &Command, stdin: Option<&[u8]>) -> Result<Output> {
+        exec::output(&self.inner, cmd, stdin)
+    }
+
+    /// Sends `signal` to the process of the exec with request id `exec_id`.
+    pub fn signal(&self, exec_id: u32, signal: i32, group: bool) -> Result<()> {
+        self.call_ok(
+            "signal",
+            &HostMsg::Signal {
+                target: exec_id,
+                signal,
+                group,
+            },
+        )
+    }
+
+    /// Reads a whole file into memory (at most [`MAX_READ_FILE`] bytes).
+    pub fn read_file(&self, path: impl AsRef<Path>) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.read_file_limited(path.as_ref(), &mut out, MAX_READ_FILE)?;
+        Ok(out)
+    }
+
+    /// Streams a file into `w`; returns its size.
+    pub fn read_file_to(&self, path: impl AsRef<Path>, w: &mut dyn Write) -> Result<u64> {
+        self.read_file_limited(path.as_ref(), w, u64::MAX)
+    }
+
+    fn read_file_limited(&self, path: &Path, w: &mut dyn Write, limit: u64) -> Result<u64> {
+        let (_reg, rx) = self.inner.start(
+            &HostMsg::ReadFile {
+                path: path.to_path_buf(),
+            },
+            None,
+        )?;
+        let mut total: u64 = 0;
+        loop {
+            match check(recv(&rx)?)? {
+                AgentMsg::FileData(d) => {
+                    total += d.len() as u64;
+                    if total > limit {
+                        return Err(Error::AgentProtocol(format!(
+                            "{}: larger than {limit} bytes",
+                            path.display()
+                        )));
+                    }
+                    w.write_all(&d).map_err(|e| Error::Io {
+                        context: "write downloaded file data",
+                        source: e,
+                    })?;
+                }
+                AgentMsg::FileDone { bytes } if bytes == total => return Ok(total),
+                AgentMsg::FileDone { bytes } => {
+                    return Err(Error::AgentProtocol(format!(
+                        "{}: agent reports {bytes} bytes but sent {total}",
+                        path.display()
+                    )))
+                }
+                m => return Err(unexpected("read_file", &m)),
+            }
+        }
+    }
+
+    /// Creates or replaces `path` with `data`, permission bits `mode`.
+    pub fn write_file(&self, path: impl AsRef<Path>, mode: u32, data: &[u8]) -> Result<u64> {
+        let mut r = data;
+        self.write_file_from(path, mode, &mut r)
+    }
+
+    /// Creates or replaces `path` with everything `r` yields (streamed in chunks).
+    pub fn write_file_from(
+        &self,
+        path: impl AsRef<Path>,
+        mode: u32,
+        r: &mut dyn Read,
+    ) -> Result<u64> {
+        let (reg, rx) = self.inner.start(
+            &HostMsg::WriteFile {
+                path: path.as_ref().to_path_buf(),
+                mode,
+            },
+            None,
+        )?;
+        match check(recv(&rx)?)? {
+            AgentMsg::Ok => {}
+            m => return Err(unexpected("write_file", &m)),
+        }
+        let mut buf = vec![0u8; CHUNK_LEN];
+        let mut sent: u64 = 0;
+        loop {
+            // A write error in the guest arrives early: stop sending.
+            if let Ok(m) = rx.try_recv() {
+                let _ = self.inner.send(reg.id, &HostMsg::FileEnd);
+                check(m)?;
+                return Err(Error::AgentProtocol(
+                    "unexpected reply during upload".into(),
+                ));
+            }
+            let n = match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Finish the upload so the agent frees it; report the local error.
+                    let _ = self.inner.send(reg.id, &HostMsg::FileEnd);
+                    return Err(Error::Io {
+                        context: "read the data to upload",
+                        source: e,
+                    });
+                }
+            };
+            self.inner
+                .send(reg.id, &HostMsg::FileData(buf[..n].to_vec()))?;
+            sent += n as u64;
+        }
+        self.inner.send(reg.id, &HostMsg::FileEnd)?;
+        match check(recv(&rx)?)? {
+            AgentMsg::FileDone { bytes } if bytes == sent => Ok(bytes),
+            AgentMsg::FileDone { bytes } => Err(Error::AgentProtocol(format!(
+                "agent wrote {bytes} bytes of {sent}"
+            ))),
+            m => Err(unexpected("write_file", &m)),
+        }
+    }
+
+    /// Metadata of `path`, following symlinks.
+    pub fn stat(&self, path: impl AsRef<Path>) -> Result<FileStat> {
+        self.stat_impl(path.as_ref(), true)
+    }
+
+    /// Metadata of `path` itself (a symlink is reported as one).
+    pub fn lstat(&self, path: impl AsRef<Path>) -> Result<FileStat> {
+        self.stat_impl(path.as_ref(), false)
+    }
+
+    fn stat_impl(&self, path: &Path, follow_symlinks: bool) -> Result<FileStat> {
+        match self.call(&HostMsg::Stat {
+            path: path.to_path_buf(),
+            follow_symlinks,
+        })? {
+            AgentMsg::Stat(s) => Ok(s),
+            m => Err(unexpected("stat", &m)),
+        }
+    }
+
+    /// Directory entries of `path`, sorted by name (symlinks not followed).
+    pub fn list(&self, path: impl AsRef<Path>) -> Result<Vec<DirEntry>> {
+        let (_reg, rx) = self.inner.start(
+            &HostMsg::List {
+                path: path.as_ref().to_path_buf(),
+            },
+            None,
+        )?;
+        let mut all = Vec::new();
+        loop {
+            match check(recv(&rx)?)? {
+                AgentMsg::DirEntries(mut e) => {
+                    if all.len() + e.len() > MAX_LIST_ENTRIES {
+                        return Err(Error::AgentProtocol(format!(
+                            "more than {MAX_LIST_ENTRIES} directory entries"
+                        )));
+                    }
+                    all.append(&mut e);
+                }
+                AgentMsg::Ok => return Ok(all),
+                m => return Err(unexpected("list", &m)),
+            }
+        }
+    }
+
+    /// Removes a file, symlink or empty directory; with `recursive`, a whole tree.
+    pub fn remove(&self, path: impl AsRef<Path>, recursive: bool) -> Result<()> {
+        self.call_ok(
+            "remove",
+            &HostMsg::Remove {
+                path: path.as_ref().to_path_buf(),
+                recursive,
+            },
+        )
+    }
+
+    /// Sets the guest's wall clock.
+    pub fn set_clock(&self, t: SystemTime) -> Result<()> {
+        let ns = t
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .ok()
+            .and_then(|d| i64::try_from(d.as_nanos()).ok())
+            .ok_or_else(|| Error::Io {
+                context: "set_clock: time outside 1970..2262",
+                source: std::io::ErrorKind::InvalidInput.into(),
+            })?;
+        self.call_ok("set_clock", &HostMsg::SetClock { unix_ns: ns })
+    }
+
+    /// Feeds `data` to the guest kernel's RNG, credited as entropy.
+    pub fn add_entropy(&self, data: &[u8]) -> Result<()> {
+        self.call_ok("add_entropy", &HostMsg::AddEntropy(data.to_vec()))
+    }
+
+    /// Flushes the guest's filesystems.
+    pub fn sync(&self) -> Result<()> {
+        self.call_ok("sync", &HostMsg::Sync)
+    }
+
+    /// Asks the guest to power off (it syncs first). The connection is closed afterwards;
+    /// a connection dropped before the answer arrives also counts as success.
+    pub fn power_off(&self) -> Result<()> {
+        let r = match self.call(&HostMsg::PowerOff) {
+            Ok(AgentMsg::Ok) | Err(Error::AgentDisconnected) => Ok(()),
+            Ok(m) => Err(unexpected("power_off", &m)),
+            Err(e) => Err(e),
+        };
+        let _ = self.inner.sock.shutdown(Shutdown::Both);
+        r
+    }
+}
+
+/// Reads frames until the connection ends, routing them by id.
+fn read_loop(sock: UnixStream, routes: &Routes) {
+    let mut input = BufReader::with_capacity(128 * 1024, sock);
+    loop {
+        let frame = match proto::read_frame(&mut input, MAX_FRAME_LEN) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::debug!("agent connection: {e}");
+                break;
+            }
+        };
+        match proto::decode_frame(&frame) {
+            Ok(f) => match f.msg {
+                Msg::Agent(m) => routes.deliver(f.id, m),
+                Msg::Host(m) => tracing::warn!("agent sent a host message: {m:?}"),
+            },
+            // Framing is intact (length-checked), so one bad frame need not end the
+            // connection: the operation it belongs to fails.
+            Err(e) => {
+                let id = proto::body_id(&frame[4..]).unwrap_or(0);
+                tracing::warn!(id, "undecodable frame from the agent: {e}");
+                if id != 0 {
+                    let err = RemoteError::new(
+                        ErrorKind::BadFrame,
+                        format!("undecodable frame from the agent: {e}"),
+                    );
+                    routes.deliver(id, AgentMsg::Error(err));
+                }
+            }
+        }
+    }
+    routes.close_all();
+}

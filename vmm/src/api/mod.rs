@@ -1,0 +1,318 @@
+//! The control API of a running VM: newline-delimited JSON over a Unix socket.
+//!
+//! One request per line, one response line per request, on any number of connections:
+//!
+//! ```text
+//! -> {"op":"status"}
+//! <- {"ok":true,"state":"running"}
+//! -> {"op":"pause"}              {"op":"resume"}            {"op":"shutdown"}
+//! -> {"op":"snapshot","dir":"/path","kind":"full"}       kind: "full" | "diff"
+//! <- {"ok":false,"error":"VM is paused: cannot pause"}
+//! ```
+//!
+//! The server only carries requests; the VM's owner (e.g. `clade run`'s main loop) executes
+//! them, so the VM itself is never shared between threads.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Longest request line accepted; longer lines are answered with an error and the
+/// connection is closed.
+pub const MAX_REQUEST: usize = 64 * 1024;
+
+/// A control request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// The VM's state.
+    Status,
+    /// Pause all vCPUs.
+    Pause,
+    /// Resume paused vCPUs.
+    Resume,
+    /// Stop the VM.
+    Shutdown,
+    /// Write a snapshot into `dir`.
+    Snapshot {
+        /// Target directory.
+        dir: PathBuf,
+        /// "full" or "diff".
+        #[serde(default = "default_kind")]
+        kind: String,
+    },
+}
+
+fn default_kind() -> String {
+    "full".into()
+}
+
+/// A response: `ok` plus either result fields or an error message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// Error message when `ok` is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Result fields when `ok` is true.
+    #[serde(flatten)]
+    pub fields: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Response {
+    /// A success with these fields.
+    pub fn ok(fields: serde_json::Value) -> Self {
+        Self {
+            ok: true,
+            error: None,
+            fields: match fields {
+                serde_json::Value::Object(m) => m,
+                _ => serde_json::Map::new(),
+            },
+        }
+    }
+
+    /// A failure.
+    pub fn err(msg: impl ToString) -> Self {
+        Self {
+            ok: false,
+            error: Some(msg.to_string()),
+            fields: serde_json::Map::new(),
+        }
+    }
+}
+
+/// A request waiting for the VM owner's answer.
+pub struct PendingRequest {
+    /// What was asked.
+    pub request: Request,
+    reply: Sender<Response>,
+}
+
+impl PendingRequest {
+    /// Sends the answer back to the client.
+    pub fn respond(self, response: Response) {
+        let _ = self.reply.send(response);
+    }
+}
+
+/// Listens on the API socket and hands requests to the VM owner.
+pub struct ApiServer {
+    path: PathBuf,
+    requests: Receiver<PendingRequest>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn io_err(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { context, source }
+}
+
+impl ApiServer {
+    /// Binds `path`. A stale socket file (nobody listening) is replaced; a live one is an error.
+    pub fn bind(path: &Path) -> Result<Self> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(Error::Config(format!(
+                    "API socket {} is in use by another VM",
+                    path.display()
+                )));
+            }
+            std::fs::remove_file(path).map_err(io_err("removing a stale API socket"))?;
+        }
+        let listener = UnixListener::bind(path).map_err(io_err("binding the API socket"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("configuring the API socket"))?;
+        let (tx, requests) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("api".into())
+            .spawn(move || accept_loop(listener, tx, &stop2))
+            .map_err(io_err("spawning the API thread"))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            requests,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The next request, if one arrives within `timeout`.
+    pub fn next_request(&self, timeout: Duration) -> Option<PendingRequest> {
+        self.requests.recv_timeout(timeout).ok()
+    }
+
+    /// Socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn accept_loop(listener: UnixListener, tx: Sender<PendingRequest>, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let tx = tx.clone();
+                let _ = std::thread::Builder::new()
+                    .name("api-conn".into())
+                    .spawn(move || serve_connection(stream, tx));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                tracing::warn!("API accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn write_response(stream: &mut UnixStream, r: &Response) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(r).unwrap_or_else(|_| "{\"ok\":false}".into());
+    line.push('\n');
+    stream.write_all(line.as_bytes())
+}
+
+fn serve_connection(stream: UnixStream, tx: Sender<PendingRequest>) {
+    let _ = stream.set_nonblocking(false);
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = Vec::new();
+        // Bounded read: never buffer more than MAX_REQUEST bytes of one line.
+        let n = match (&mut reader)
+            .take(MAX_REQUEST as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(n) => n,
+            Err(_) => return,
+        };
+        if n == 0 {
+            return;
+        }
+        if line.last() != Some(&b'\n') {
+            if line.len() > MAX_REQUEST {
+                let _ = write_response(&mut writer, &Response::err("request too long"));
+            }
+            return;
+        }
+        let response = match serde_json::from_slice::<Request>(&line) {
+            Err(e) => Response::err(format!("bad request: {e}")),
+            Ok(request) => {
+                let (reply, answer) = mpsc::channel();
+                if tx.send(PendingRequest { request, reply }).is_err() {
+                    Response::err("the VM is gone")
+                } else {
+                    answer
+                        .recv()
+                        .unwrap_or_else(|_| Response::err("the VM is gone"))
+                }
+            }
+        };
+        if write_response(&mut writer, &response).is_err() {
+            return;
+        }
+    }
+}
+
+use std::io::Read;
+
+/// A client of a VM's API socket.
+pub struct ApiClient {
+    stream: BufReader<UnixStream>,
+}
+
+impl ApiClient {
+    /// Connects to the socket at `path`.
+    pub fn connect(path: &Path) -> Result<Self> {
+        let stream = UnixStream::connect(path).map_err(|source| Error::Io {
+            context: "connecting to the VM's API socket",
+            source,
+        })?;
+        Ok(Self {
+            stream: BufReader::new(stream),
+        })
+    }
+
+    /// Sends `request` and waits for the response.
+    pub fn call(&mut self, request: &Request) -> Result<Response> {
+        let mut line = serde_json::to_string(request)
+            .map_err(|e| Error::Config(format!("encoding request: {e}")))?;
+        line.push('\n');
+        self.stream
+            .get_mut()
+            .write_all(line.as_bytes())
+            .map_err(io_err("writing an API request"))?;
+        let mut answer = String::new();
+        self.stream
+            .read_line(&mut answer)
+            .map_err(io_err("reading an API response"))?;
+        serde_json::from_str(&answer).map_err(|e| Error::Config(format!("bad API response: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_bad_lines_get_errors() {
+        let path = std::env::temp_dir().join(format!("clade-api-{}.sock", std::process::id()));
+        let server = ApiServer::bind(&path).unwrap();
+        // A second server on a live socket is refused.
+        assert!(ApiServer::bind(&path).is_err());
+        let owner = std::thread::spawn({
+            move || {
+                for _ in 0..2 {
+                    let p = server.next_request(Duration::from_secs(5)).unwrap();
+                    let r = match &p.request {
+                        Request::Status => Response::ok(serde_json::json!({"state": "running"})),
+                        other => Response::err(format!("unsupported {other:?}")),
+                    };
+                    p.respond(r);
+                }
+                server
+            }
+        });
+        let mut c = ApiClient::connect(&path).unwrap();
+        let r = c.call(&Request::Status).unwrap();
+        assert!(r.ok);
+        assert_eq!(r.fields["state"], "running");
+        // Garbage gets an error line and the connection stays usable.
+        c.stream.get_mut().write_all(b"{not json\n").unwrap();
+        let mut line = String::new();
+        c.stream.read_line(&mut line).unwrap();
+        let r: Response = serde_json::from_str(&line).unwrap();
+        assert!(!r.ok && r.error.unwrap().contains("bad request"));
+        let r = c.call(&Request::Pause).unwrap();
+        assert!(!r.ok);
+        let server = owner.join().unwrap();
+        drop(server);
+        assert!(!path.exists(), "socket removed on drop");
+    }
+}

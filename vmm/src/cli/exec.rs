@@ -1,0 +1,336 @@
+//! `clade exec`, `clade ping`, `clade poweroff`: talk to the guest's agent.
+
+use std::ffi::OsString;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use vmm::agent::{Client, Command, ExecEvent, ExitStatus, Transport, WinSize};
+
+/// How to reach the agent behind a socket path (shared by exec, cp, ping).
+#[derive(Debug, Args, Clone)]
+pub struct AgentOpts {
+    /// The socket is the agent itself (`clade-agent --listen-unix`): skip the vsock
+    /// `CONNECT` handshake. Default: try the handshake, fall back to direct if the socket
+    /// answers like an agent.
+    #[arg(long, conflicts_with = "port")]
+    direct: bool,
+    /// Guest vsock port of the agent (vsock handshake only, no fallback) [default: 52].
+    #[arg(long)]
+    port: Option<u32>,
+    /// Keep trying to connect for this many seconds (while the VM boots).
+    #[arg(long, default_value_t = 0.0)]
+    wait: f64,
+}
+
+impl AgentOpts {
+    pub fn connect(&self, socket: &Path) -> anyhow::Result<Client> {
+        let transport = match (self.direct, self.port) {
+            (true, _) => Transport::Direct,
+            (false, Some(port)) => Transport::Vsock { port },
+            (false, None) => Transport::Auto,
+        };
+        let wait = Duration::try_from_secs_f64(self.wait.max(0.0)).unwrap_or(Duration::ZERO);
+        Ok(Client::connect_timeout(socket, transport, wait)?)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// The VM's vsock Unix socket (`clade run --vsock PATH`) or an agent socket.
+    socket: PathBuf,
+    /// Set an environment variable (repeatable). The command gets only these (plus TERM
+    /// with --tty, and a default PATH).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+    env: Vec<(OsString, OsString)>,
+    /// Working directory in the guest [default: /].
+    #[arg(long, value_name = "DIR")]
+    cwd: Option<PathBuf>,
+    /// Run on a pseudo-terminal (interactive programs; stderr merges into stdout).
+    #[arg(long, short = 't')]
+    tty: bool,
+    /// Run as UID[:GID].
+    #[arg(long, value_name = "UID[:GID]", value_parser = parse_user)]
+    user: Option<(u32, Option<u32>)>,
+    /// Do not forward stdin (the command reads /dev/null).
+    #[arg(long, short = 'n')]
+    no_stdin: bool,
+    #[command(flatten)]
+    agent: AgentOpts,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
+}
+
+fn parse_env(s: &str) -> Result<(OsString, OsString), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.into(), v.into())),
+        _ => Err(format!("'{s}' is not K=V")),
+    }
+}
+
+fn parse_user(s: &str) -> Result<(u32, Option<u32>), String> {
+    let bad = || format!("'{s}' is not UID or UID:GID (numbers)");
+    let (u, g) = match s.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (s, None),
+    };
+    let uid = u.parse().map_err(|_| bad())?;
+    let gid = g.map(|g| g.parse().map_err(|_| bad())).transpose()?;
+    Ok((uid, gid))
+}
+
+/// Signal caught by clade, to forward to the command (0: none).
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+static WINDOW_CHANGED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_forward_signal(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    if num == libc::SIGWINCH {
+        WINDOW_CHANGED.store(true, Ordering::SeqCst);
+    } else {
+        PENDING_SIGNAL.store(num, Ordering::SeqCst);
+    }
+}
+
+/// The terminal size of `fd`, if it is a terminal.
+fn terminal_size(fd: libc::c_int) -> Option<WinSize> {
+    // SAFETY: winsize is plain data; TIOCGWINSZ fills it.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: TIOCGWINSZ writes one winsize through the valid pointer.
+    if unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } != 0 || ws.ws_row == 0 {
+        return None;
+    }
+    Some(WinSize {
+        rows: ws.ws_row,
+        cols: ws.ws_col,
+    })
+}
+
+/// Puts a terminal in raw mode until dropped.
+struct RawMode {
+    fd: libc::c_int,
+    saved: libc::termios,
+}
+
+impl RawMode {
+    fn enable(fd: libc::c_int) -> Option<Self> {
+        // SAFETY: termios is plain data; tcgetattr fills it.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: tcgetattr writes the valid termios.
+        if unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
+            return None;
+        }
+        let mut raw = saved;
+        // SAFETY: cfmakeraw edits the valid termios; tcsetattr reads it.
+        unsafe {
+            libc::cfmakeraw(&mut raw);
+            if libc::tcsetattr(fd, libc::TCSANOW, &raw) != 0 {
+                return None;
+            }
+        }
+        Some(RawMode { fd, saved })
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        // SAFETY: restores the termios saved from this fd.
+        unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved) };
+    }
+}
+
+pub fn exec(args: ExecArgs) -> anyhow::Result<u8> {
+    let client = args
+        .agent
+        .connect(&args.socket)
+        .with_context(|| format!("connect to the agent at {}", args.socket.display()))?;
+    let mut argv = args.command.iter();
+    let Some(program) = argv.next() else {
+        bail!("no command given");
+    };
+    let mut cmd = Command::new(program).args(argv).stdin(!args.no_stdin);
+    for (k, v) in &args.env {
+        cmd = cmd.env(k, v);
+    }
+    if let Some(dir) = &args.cwd {
+        cmd = cmd.cwd(dir);
+    }
+    if let Some((uid, gid)) = args.user {
+        cmd = cmd.uid(uid);
+        if let Some(gid) = gid {
+            cmd = cmd.gid(gid);
+        }
+    }
+    let stdin_fd = io::stdin().as_raw_fd();
+    if args.tty {
+        let size = terminal_size(io::stdout().as_raw_fd())
+            .or_else(|| terminal_size(stdin_fd))
+            .unwrap_or(WinSize { rows: 24, cols: 80 });
+        cmd = cmd.tty(size);
+        if !args.env.iter().any(|(k, _)| k == "TERM") {
+            let term = std::env::var_os("TERM").unwrap_or_else(|| "xterm".into());
+            cmd = cmd.env("TERM", term);
+        }
+    }
+
+    for sig in [
+        libc::SIGINT,
+        libc::SIGTERM,
+        libc::SIGHUP,
+        libc::SIGQUIT,
+        libc::SIGWINCH,
+    ] {
+        vmm_sys_util::signal::register_signal_handler(sig, on_forward_signal)?;
+    }
+    let mut exec = client.spawn(&cmd)?;
+    // Raw mode only once the command runs, so an error above leaves the terminal alone.
+    let _raw = if args.tty {
+        RawMode::enable(stdin_fd)
+    } else {
+        None
+    };
+
+    if let Some(mut stdin) = exec.take_stdin() {
+        // Detached: a read from a terminal cannot be interrupted; the process exits anyway.
+        std::thread::Builder::new()
+            .name("stdin".into())
+            .spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut input = io::stdin().lock();
+                loop {
+                    match input.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            if stdin.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
+                let _ = stdin.close();
+            })?;
+    }
+
+    let handle = exec.handle();
+    let tty = args.tty;
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            while !done2.load(Ordering::SeqCst) {
+                let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+                if sig != 0 {
+                    if let Err(e) = handle.signal_group(sig) {
+                        tracing::debug!("forward signal {sig}: {e}");
+                    }
+                }
+                if tty && WINDOW_CHANGED.swap(false, Ordering::SeqCst) {
+                    if let Some(size) = terminal_size(libc::STDOUT_FILENO) {
+                        let _ = handle.resize(size);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })?;
+
+    let mut out = io::stdout();
+    let mut err = io::stderr();
+    let status = loop {
+        match exec.next_event()? {
+            Some(ExecEvent::Stdout(d)) => {
+                out.write_all(&d).and_then(|()| out.flush())?;
+            }
+            Some(ExecEvent::Stderr(d)) => {
+                err.write_all(&d).and_then(|()| err.flush())?;
+            }
+            Some(ExecEvent::Exited(st)) => break st,
+            None => bail!("the command ended without an exit status"),
+        }
+    };
+    done.store(true, Ordering::SeqCst);
+    Ok(exit_code(status))
+}
+
+/// The shell convention, clamped to a process exit code.
+fn exit_code(status: ExitStatus) -> u8 {
+    match status {
+        ExitStatus::Exited(c) => (c & 0xff) as u8,
+        ExitStatus::Signaled { signal, .. } => (128 + signal).clamp(0, 255) as u8,
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PingArgs {
+    /// The VM's vsock Unix socket (`clade run --vsock PATH`) or an agent socket.
+    socket: PathBuf,
+    #[command(flatten)]
+    agent: AgentOpts,
+}
+
+pub fn ping(args: PingArgs) -> anyhow::Result<u8> {
+    let client = args
+        .agent
+        .connect(&args.socket)
+        .with_context(|| format!("connect to the agent at {}", args.socket.display()))?;
+    let p = client.ping()?;
+    println!(
+        "agent {} protocol {} uptime {:.1}s running_execs {} rtt {:.3}ms",
+        p.agent_version,
+        p.protocol,
+        p.uptime.as_secs_f64(),
+        p.running_execs,
+        p.rtt.as_secs_f64() * 1e3
+    );
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct PowerOffArgs {
+    /// The VM's vsock Unix socket (`clade run --vsock PATH`) or an agent socket.
+    socket: PathBuf,
+    #[command(flatten)]
+    agent: AgentOpts,
+}
+
+pub fn power_off(args: PowerOffArgs) -> anyhow::Result<u8> {
+    let client = args
+        .agent
+        .connect(&args.socket)
+        .with_context(|| format!("connect to the agent at {}", args.socket.display()))?;
+    client.power_off()?;
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_and_user_parse() {
+        assert_eq!(parse_env("A=b=c"), Ok(("A".into(), "b=c".into())));
+        assert_eq!(parse_env("A="), Ok(("A".into(), "".into())));
+        assert!(parse_env("=x").is_err());
+        assert!(parse_env("novalue").is_err());
+        assert_eq!(parse_user("1000"), Ok((1000, None)));
+        assert_eq!(parse_user("1000:100"), Ok((1000, Some(100))));
+        assert!(parse_user("root").is_err());
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell() {
+        assert_eq!(exit_code(ExitStatus::Exited(3)), 3);
+        assert_eq!(exit_code(ExitStatus::Exited(256 + 7)), 7);
+        let killed = ExitStatus::Signaled {
+            signal: 9,
+            core_dumped: false,
+        };
+        assert_eq!(exit_code(killed), 137);
+    }
+}
