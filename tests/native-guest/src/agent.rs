@@ -179,7 +179,10 @@ impl Session {
         let body = &frame[4..];
         if body.len() < FRAME_HEADER_LEN {
             // proto::decode_frame fails; body_id has no id to offer.
-            return (Handled::Refused, error(0, E_BAD_FRAME, "frame shorter than tag and id"));
+            return (
+                Handled::Refused,
+                error(0, E_BAD_FRAME, "frame shorter than tag and id"),
+            );
         }
         let tag = body[0];
         let id = u32::from_le_bytes([body[1], body[2], body[3], body[4]]);
@@ -190,7 +193,10 @@ impl Session {
             TAG_HELLO => {
                 let fields = (|| Some((d.u16()?, d.u16()?, d.str()?)))();
                 let Some((min, max, _client)) = fields else {
-                    return (Handled::Refused, error(id, E_BAD_FRAME, "bad Hello payload"));
+                    return (
+                        Handled::Refused,
+                        error(id, E_BAD_FRAME, "bad Hello payload"),
+                    );
                 };
                 if !d.b.is_empty() {
                     return (Handled::Refused, error(id, E_BAD_FRAME, "trailing bytes"));

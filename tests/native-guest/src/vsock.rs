@@ -353,7 +353,8 @@ type Res<T> = Result<T, &'static str>;
 impl Driver {
     /// Finds the device and brings it up (virtio spec 3.1.1 and 5.10.6).
     fn init() -> Res<Driver> {
-        let t = Transport::find(DEVICE_ID).ok_or("no virtio-vsock device in any virtio-mmio slot")?;
+        let t =
+            Transport::find(DEVICE_ID).ok_or("no virtio-vsock device in any virtio-mmio slot")?;
         if let Err(e) = t.negotiate(F_VERSION_1) {
             t.fail();
             return Err(e);
@@ -383,13 +384,18 @@ impl Driver {
             d.rxq.set_desc(i, rx_buf(i) as u64, RX_BUF as u32, true);
             d.rxq.push(i);
             d.txq.set_desc(i, tx_buf(i) as u64, TX_BUF as u32, false);
-            d.evq.set_desc(i, event_buf(i) as u64, EVENT_BUF as u32, true);
+            d.evq
+                .set_desc(i, event_buf(i) as u64, EVENT_BUF as u32, true);
             d.evq.push(i);
         }
         d.rx_posted = QSIZE;
-        let setup = [(RX_QUEUE, &d.rxq), (TX_QUEUE, &d.txq), (EVENT_QUEUE, &d.evq)]
-            .into_iter()
-            .try_for_each(|(i, q)| d.t.setup_queue(i, q));
+        let setup = [
+            (RX_QUEUE, &d.rxq),
+            (TX_QUEUE, &d.txq),
+            (EVENT_QUEUE, &d.evq),
+        ]
+        .into_iter()
+        .try_for_each(|(i, q)| d.t.setup_queue(i, q));
         if let Err(e) = setup {
             d.t.fail();
             return Err(e);
@@ -441,7 +447,7 @@ impl Driver {
         self.txq.set_len(id, (HDR_LEN + data.len()) as u32);
         self.txq.push(id);
         if self.txq.device_wants_notify() {
-            // mutated
+            self.t.notify(TX_QUEUE);
         }
         Ok(())
     }
@@ -703,10 +709,7 @@ pub fn run(limit: Option<u32>) -> Result<Report, Reason> {
     let device_broke = d.t.needs_reset();
     d.t.reset();
     if let Err(e) = served {
-        return Err(Reason::new(format_args!(
-            "{} (after {} pings)",
-            e, c.pings
-        )));
+        return Err(Reason::new(format_args!("{} (after {} pings)", e, c.pings)));
     }
     if device_broke {
         return Err(Reason::new(format_args!("the device asked for a reset")));

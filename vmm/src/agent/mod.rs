@@ -287,6 +287,21 @@ fn unexpected(op: &str, msg: &AgentMsg) -> Error {
     Error::AgentProtocol(format!("unexpected reply to {op}: {msg:?}"))
 }
 
+/// A raw stream to the agent at `path`: the [`Transport`] is set up (the vsock `CONNECT`
+/// handshake done) but the protocol has not started (no `Hello` sent), retrying for up to
+/// `timeout` like [`Client::connect_timeout`]. Read and write timeouts are set to 10 s.
+///
+/// For protocol checks and debugging tools that write frames of their own, malformed ones
+/// included (`clade ping --garbage-frame`); everything else uses a [`Client`].
+pub fn connect_raw(
+    path: impl AsRef<Path>,
+    transport: Transport,
+    timeout: Duration,
+) -> Result<UnixStream> {
+    let path = path.as_ref();
+    transport::retry(timeout, || transport::open(path, transport))
+}
+
 /// A connection to the agent. See the [module documentation](self).
 #[derive(Clone)]
 pub struct Client {

@@ -30,6 +30,16 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest `OK <port>\n` line accepted.
 const MAX_OK_LINE: usize = 32;
 
+/// Start of the reason of a handshake that timed out (retried while waiting).
+const NO_ANSWER: &str = "no answer within";
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
 fn connect_error(path: &Path, source: std::io::Error) -> Error {
     Error::AgentConnect {
         path: path.to_path_buf(),
@@ -114,6 +124,17 @@ fn vsock_connect(path: &Path, s: &mut UnixStream, port: u32) -> Result<Answer> {
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // A VMM holds connections made before the guest's vsock driver is up.
+            Err(e) if is_timeout(&e) => {
+                return Err(handshake(
+                    path,
+                    port,
+                    format!(
+                        "{NO_ANSWER} {} s (guest vsock driver not up yet?)",
+                        HANDSHAKE_TIMEOUT.as_secs()
+                    ),
+                ))
+            }
             Err(e) => return Err(handshake(path, port, format!("no answer: {e}"))),
         }
     }
@@ -159,7 +180,8 @@ fn vsock_connect(path: &Path, s: &mut UnixStream, port: u32) -> Result<Answer> {
 }
 
 /// Retries `f` until it succeeds or `timeout` has passed, for sockets whose VM (or agent)
-/// is still starting: connection refused, socket missing, or nothing listening yet.
+/// is still starting: connection refused, socket missing, nothing listening yet, or no
+/// answer to `CONNECT` yet (the guest's vsock driver is not up).
 pub(crate) fn retry<T>(timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
     let deadline = Instant::now() + timeout;
     loop {
@@ -180,7 +202,36 @@ fn retryable(e: &Error) -> bool {
             source.kind(),
             std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
         ),
-        Error::AgentHandshake { reason, .. } => reason.starts_with("connection closed"),
+        Error::AgentHandshake { reason, .. } => {
+            reason.starts_with("connection closed") || reason.starts_with(NO_ANSWER)
+        }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn booting_guests_are_waited_for() {
+        let p = Path::new("/vm.sock");
+        let closed = handshake(p, 52, "connection closed: nothing listens on that port");
+        let silent = handshake(
+            p,
+            52,
+            format!("{NO_ANSWER} 10 s (guest vsock driver not up yet?)"),
+        );
+        let refused = connect_error(p, std::io::ErrorKind::ConnectionRefused.into());
+        assert!(retryable(&closed) && retryable(&silent) && retryable(&refused));
+        let reset = handshake(p, 52, "no answer: Connection reset by peer");
+        let other = handshake(p, 52, "unexpected answer \"HTTP/1.1\"");
+        assert!(!retryable(&reset) && !retryable(&other));
+
+        // A timed-out read is reported as the retryable "no answer within".
+        let (mut a, _b) = UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+        let mut buf = [0u8; 1];
+        assert!(is_timeout(&a.read(&mut buf).unwrap_err()));
     }
 }

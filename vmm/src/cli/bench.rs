@@ -1,6 +1,9 @@
 //! `clade bench`: latency measurements on the native test guest.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -122,8 +125,11 @@ fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::R
     Ok(0)
 }
 
-fn serial(vm: &Vm) -> String {
-    String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
+/// The guest's last line of serial output, quoted, for one-line error messages.
+fn last_serial_line(vm: &Vm) -> String {
+    let out = vm.serial_output().unwrap_or_default();
+    let text = String::from_utf8_lossy(&out);
+    format!("{:?}", text.trim_end().lines().last().unwrap_or(""))
 }
 
 fn ping(
@@ -155,41 +161,60 @@ fn ping(
     };
     let mut vm = Vm::new(config)?;
     vm.start()?;
-    let transport = Transport::Vsock {
-        port: AGENT_VSOCK_PORT,
-    };
-    let client =
-        Client::connect_timeout(&sock, transport, Duration::from_secs(10)).with_context(|| {
-            format!(
-                "connect to the guest's agent port; serial:\n{}",
-                serial(&vm)
-            )
-        })?;
-    let mut samples = Samples::new();
-    for i in 0..warmup + n {
-        let t = Instant::now();
-        client
-            .ping()
-            .with_context(|| format!("ping {i}; serial:\n{}", serial(&vm)))?;
-        if i >= warmup {
-            samples.push(t.elapsed());
+    // The client blocks without a timeout; it runs on a thread of its own so that a stuck
+    // device or guest ends the benchmark with an error instead of hanging it.
+    let done = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel();
+    let progress = Arc::clone(&done);
+    let sock_path = sock.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(measure(&sock_path, warmup, n, &progress));
+    });
+    let mut seen = 0;
+    let mut since = Instant::now();
+    let samples = loop {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(Ok(samples)) => break samples,
+            Ok(Err(e)) => {
+                return Err(e.context(format!("guest's last output: {}", last_serial_line(&vm))))
+            }
+            Err(RecvTimeoutError::Disconnected) => bail!("the client thread panicked"),
+            Err(RecvTimeoutError::Timeout) => {
+                let now = done.load(Ordering::Relaxed);
+                if now != seen {
+                    seen = now;
+                    since = Instant::now();
+                } else if since.elapsed() > STALL {
+                    bail!(
+                        "no answer from the guest for {STALL:?} after {now} pings \
+                         (guest's last output: {})",
+                        last_serial_line(&vm)
+                    );
+                }
+            }
         }
-    }
-    // Closing the connection ends the guest's step, and with it the guest.
-    drop(client);
+    };
+    // The client closed the connection, which ends the guest's step and the guest.
     let status = vm.wait_timeout(Duration::from_secs(10))?.with_context(|| {
         format!(
-            "guest still running after the host closed; serial:\n{}",
-            serial(&vm)
+            "guest still running after the host closed (last output: {})",
+            last_serial_line(&vm)
         )
     })?;
-    let out = serial(&vm);
     if status != ExitStatus::TestExit(0) {
-        bail!("guest ended with '{status}'; serial:\n{out}");
+        bail!(
+            "guest ended with '{status}' (last output: {})",
+            last_serial_line(&vm)
+        );
     }
-    let expect = format!(" {} pings", warmup + n);
+    // The guest's own count must match what was measured.
+    let out = String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned();
+    let expect = format!(" {} pings,", warmup + n);
     if !out.contains(&expect) {
-        bail!("the guest did not count{expect}; serial:\n{out}");
+        bail!(
+            "the guest did not report{expect} its output ends with {}",
+            last_serial_line(&vm)
+        );
     }
     let summary = samples.summary("agent_ping_rtt");
     if json {
@@ -198,4 +223,28 @@ fn ping(
         println!("{}", summary.line());
     }
     Ok(0)
+}
+
+/// Longest the ping benchmark waits for any progress (connecting included: it retries for
+/// 10 s, each try waiting up to 10 s for the guest).
+const STALL: Duration = Duration::from_secs(25);
+
+/// Connects to the guest's agent port through the VM's vsock socket, pings `warmup + n`
+/// times and returns the round trips of the last `n`. Closes the connection when done.
+fn measure(sock: &Path, warmup: usize, n: usize, done: &AtomicUsize) -> anyhow::Result<Samples> {
+    let transport = Transport::Vsock {
+        port: AGENT_VSOCK_PORT,
+    };
+    let client = Client::connect_timeout(sock, transport, Duration::from_secs(10))
+        .context("connect to the guest's agent port")?;
+    let mut samples = Samples::new();
+    for i in 0..warmup + n {
+        let t = Instant::now();
+        client.ping().with_context(|| format!("ping {i}"))?;
+        if i >= warmup {
+            samples.push(t.elapsed());
+        }
+        done.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(samples)
 }

@@ -7,8 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
 
+use std::os::unix::net::UnixStream;
+
 use anyhow::{bail, Context};
 use clap::Args;
+use guest_agent::proto::{self, AgentMsg, ErrorKind, HostMsg, Msg};
 use vmm::agent::{Client, Command, ExecEvent, ExitStatus, Transport, WinSize};
 
 /// How to reach the agent behind a socket path (shared by exec, cp, ping).
@@ -28,14 +31,24 @@ pub struct AgentOpts {
 }
 
 impl AgentOpts {
-    pub fn connect(&self, socket: &Path) -> anyhow::Result<Client> {
-        let transport = match (self.direct, self.port) {
+    fn transport(&self) -> Transport {
+        match (self.direct, self.port) {
             (true, _) => Transport::Direct,
             (false, Some(port)) => Transport::Vsock { port },
             (false, None) => Transport::Auto,
-        };
-        let wait = Duration::try_from_secs_f64(self.wait.max(0.0)).unwrap_or(Duration::ZERO);
-        Ok(Client::connect_timeout(socket, transport, wait)?)
+        }
+    }
+
+    fn wait(&self) -> Duration {
+        Duration::try_from_secs_f64(self.wait.max(0.0)).unwrap_or(Duration::ZERO)
+    }
+
+    pub fn connect(&self, socket: &Path) -> anyhow::Result<Client> {
+        Ok(Client::connect_timeout(
+            socket,
+            self.transport(),
+            self.wait(),
+        )?)
     }
 }
 
@@ -270,11 +283,21 @@ fn exit_code(status: ExitStatus) -> u8 {
 pub struct PingArgs {
     /// The VM's vsock Unix socket (`clade run --vsock PATH`) or an agent socket.
     socket: PathBuf,
+    /// Robustness check (tests, debugging): on a connection of its own, send malformed
+    /// frames (unknown tag, undecodable payloads, then a length field above the 1 MiB
+    /// limit); each must get its error reply (printed), a ping between them must succeed,
+    /// and so must the final ping on a fresh connection.
+    #[arg(long)]
+    garbage_frame: bool,
     #[command(flatten)]
     agent: AgentOpts,
 }
 
 pub fn ping(args: PingArgs) -> anyhow::Result<u8> {
+    if args.garbage_frame {
+        garbage_frames(&args.socket, &args.agent, GARBAGE_REPLY_TIMEOUT)
+            .with_context(|| format!("garbage-frame check at {}", args.socket.display()))?;
+    }
     let client = args
         .agent
         .connect(&args.socket)
@@ -289,6 +312,139 @@ pub fn ping(args: PingArgs) -> anyhow::Result<u8> {
         p.rtt.as_secs_f64() * 1e3
     );
     Ok(0)
+}
+
+/// How long `ping --garbage-frame` waits for each answer (the nested test tier runs the
+/// guest under emulation).
+const GARBAGE_REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One frame as the wire carries it, whatever `tag` and `payload` hold.
+fn raw_frame(tag: u8, id: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (proto::FRAME_HEADER_LEN + payload.len()) as u32;
+    let mut f = len.to_le_bytes().to_vec();
+    f.push(tag);
+    f.extend_from_slice(&id.to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The next frame from the agent: (id, message).
+fn read_agent_frame(s: &mut UnixStream) -> anyhow::Result<(u32, AgentMsg)> {
+    let frame = proto::read_frame(s, proto::MAX_FRAME_LEN)
+        .context("read the agent's answer")?
+        .context("the agent closed the connection")?;
+    match proto::decode_frame(&frame).context("decode the agent's answer")? {
+        proto::Frame {
+            id,
+            msg: Msg::Agent(m),
+        } => Ok((id, m)),
+        f => bail!("the agent sent a host message: {f:?}"),
+    }
+}
+
+/// `ping --garbage-frame`: malformed input on a raw connection must get error replies and
+/// leave the agent serving (`guest-agent/PROTOCOL.md`, "Bad input"). Prints one line per
+/// check.
+fn garbage_frames(socket: &Path, opts: &AgentOpts, reply_timeout: Duration) -> anyhow::Result<()> {
+    let mut s = vmm::agent::connect_raw(socket, opts.transport(), opts.wait())?;
+    s.set_read_timeout(Some(reply_timeout))?;
+    s.set_write_timeout(Some(reply_timeout))?;
+
+    let hello = HostMsg::Hello {
+        min_version: proto::MIN_PROTOCOL_VERSION,
+        max_version: proto::PROTOCOL_VERSION,
+        client: format!("clade {} (garbage-frame check)", env!("CARGO_PKG_VERSION")),
+    };
+    s.write_all(&proto::encode_host(0, &hello)?)?;
+    match read_agent_frame(&mut s)? {
+        (
+            0,
+            AgentMsg::HelloOk {
+                version,
+                agent_version,
+                ..
+            },
+        ) => {
+            println!("garbage-frame: hello ok: agent {agent_version}, protocol {version}")
+        }
+        other => bail!("unexpected answer to Hello: {other:?}"),
+    }
+
+    // Frames whose framing is intact: an error reply on their id, the connection stays.
+    let cases: [(&str, Vec<u8>, u32, ErrorKind); 3] = [
+        (
+            "unknown tag 0x7e",
+            raw_frame(0x7e, 101, b"garbage"),
+            101,
+            ErrorKind::UnknownMessage,
+        ),
+        (
+            "Ping with 3 trailing bytes",
+            raw_frame(0x02, 102, b"xyz"),
+            102,
+            ErrorKind::BadFrame,
+        ),
+        (
+            "Exec whose argv count (2^32-1) runs past the frame",
+            raw_frame(0x03, 103, &u32::MAX.to_le_bytes()),
+            103,
+            ErrorKind::BadFrame,
+        ),
+    ];
+    for (what, frame, id, kind) in cases {
+        s.write_all(&frame)?;
+        match read_agent_frame(&mut s).with_context(|| format!("after {what}"))? {
+            (got, AgentMsg::Error(e)) if got == id && e.kind == kind => {
+                println!("garbage-frame: {what} (id {id}) -> error on id {got}: {e}")
+            }
+            other => bail!("{what} (id {id}): expected a {kind} error, got {other:?}"),
+        }
+    }
+
+    let t0 = std::time::Instant::now();
+    s.write_all(&proto::encode_host(104, &HostMsg::Ping)?)?;
+    match read_agent_frame(&mut s).context("ping after the bad frames")? {
+        (104, AgentMsg::Pong { agent_version, .. }) => println!(
+            "garbage-frame: ping on the same connection -> pong from agent {agent_version} \
+             ({:.3}ms)",
+            t0.elapsed().as_secs_f64() * 1e3
+        ),
+        other => bail!("ping after the bad frames: got {other:?}"),
+    }
+
+    // A length field above the limit: error on id 0, then the agent closes the connection
+    // (the stream is no longer at a frame boundary).
+    let len = 0xffff_fff0u32;
+    let mut frame = len.to_le_bytes().to_vec();
+    frame.extend_from_slice(&[0x02, 105, 0, 0, 0]);
+    s.write_all(&frame)?;
+    let reply = match read_agent_frame(&mut s).context("after an oversized length field")? {
+        (0, AgentMsg::Error(e)) if e.kind == ErrorKind::FrameTooLarge => e,
+        other => bail!("length {len:#x}: expected a FrameTooLarge error on id 0, got {other:?}"),
+    };
+    let mut rest = Vec::new();
+    match s.read_to_end(&mut rest) {
+        Ok(_) if rest.is_empty() => {}
+        Ok(_) => bail!("{} more bytes after the FrameTooLarge error", rest.len()),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {}
+        Err(e) => bail!("the agent did not close the connection after FrameTooLarge: {e}"),
+    }
+    println!(
+        "garbage-frame: length {len:#x} (> {} bytes) -> error on id 0: {reply}; connection \
+         closed by the agent",
+        proto::MAX_FRAME_LEN
+    );
+
+    let p = opts
+        .connect(socket)
+        .context("connect again after the bad frames")?
+        .ping()
+        .context("ping on a fresh connection after the bad frames")?;
+    println!(
+        "garbage-frame: ping on a fresh connection -> pong, running_execs {}",
+        p.running_execs
+    );
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -332,5 +488,93 @@ mod tests {
             core_dumped: false,
         };
         assert_eq!(exit_code(killed), 137);
+    }
+
+    /// A stand-in agent on a Unix socket that handles bad input as `PROTOCOL.md` says (the
+    /// real one, `guest_agent::server`, reaps every child of the process: not in a test
+    /// binary). With `faulty`, it answers the unknown tag with a Pong instead.
+    fn fake_agent(sock: &Path, faulty: bool) {
+        let listener = std::os::unix::net::UnixListener::bind(sock).unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut c) = conn else { return };
+                std::thread::spawn(move || loop {
+                    let reply = |c: &mut UnixStream, id, m: &AgentMsg| {
+                        c.write_all(&proto::encode_agent(id, m).unwrap()).unwrap()
+                    };
+                    let frame = match proto::read_frame(&mut c, proto::MAX_FRAME_LEN) {
+                        Ok(Some(f)) => f,
+                        Err(guest_agent::Error::FrameTooLarge { .. }) => {
+                            let e = guest_agent::RemoteError::new(ErrorKind::FrameTooLarge, "big");
+                            return reply(&mut c, 0, &AgentMsg::Error(e));
+                        }
+                        _ => return,
+                    };
+                    let (id, msg) = match proto::decode_frame(&frame) {
+                        Ok(f) => (f.id, f.msg),
+                        Err(e) => {
+                            let id = proto::body_id(&frame[4..]).unwrap_or(0);
+                            let m = match e {
+                                guest_agent::Error::UnknownTag(_) if faulty => pong(),
+                                guest_agent::Error::UnknownTag(_) => AgentMsg::Error(
+                                    guest_agent::RemoteError::new(ErrorKind::UnknownMessage, "?"),
+                                ),
+                                _ => AgentMsg::Error(guest_agent::RemoteError::new(
+                                    ErrorKind::BadFrame,
+                                    "bad",
+                                )),
+                            };
+                            reply(&mut c, id, &m);
+                            continue;
+                        }
+                    };
+                    let m = match msg {
+                        Msg::Host(HostMsg::Hello { .. }) => AgentMsg::HelloOk {
+                            version: 1,
+                            agent_version: "fake".into(),
+                            max_frame_len: proto::MAX_FRAME_LEN,
+                        },
+                        Msg::Host(HostMsg::Ping) => pong(),
+                        _ => return,
+                    };
+                    reply(&mut c, id, &m);
+                });
+            }
+        });
+    }
+
+    fn pong() -> AgentMsg {
+        AgentMsg::Pong {
+            agent_version: "fake".into(),
+            protocol: 1,
+            uptime_ms: 1,
+            running_execs: 0,
+        }
+    }
+
+    #[test]
+    fn garbage_frame_check_wants_error_replies_and_a_live_agent() {
+        let dir = std::env::temp_dir().join(format!("clade-garbage-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let opts = AgentOpts {
+            direct: false,
+            port: None,
+            wait: 0.0,
+        };
+        let t = Duration::from_secs(10);
+
+        let good = dir.join("good.sock");
+        fake_agent(&good, false);
+        garbage_frames(&good, &opts, t).unwrap();
+
+        let bad = dir.join("bad.sock");
+        fake_agent(&bad, true);
+        let err = garbage_frames(&bad, &opts, t).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("unknown tag 0x7e (id 101): expected"),
+            "{err:#}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
