@@ -2,7 +2,9 @@
 # test.sh: every test tier. Exit 0 only if all pass.
 #   1. unit tests            (no KVM)                       cargo test, next to the code
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, vmm/tests
-#   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh
+#   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
+#                            boot running tests/nested/scenarios/suite.sh: scenarios "boot"
+#                            and "agent-vsock" (each counts as one test)
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,11 +29,31 @@ if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
     echo "== tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
 else
     echo "== tier 3: nested (Debian kernel booted by clade under nested KVM in QEMU TCG)"
-    if "$REPO_ROOT/tests/nested/run.sh"; then
-        passed=$((passed + 1))
-    else
-        failed=$((failed + 1))
-    fi
+    # One outer boot runs every scenario (tests/nested/scenarios/suite.sh): "boot" (the
+    # default: the guest reaches its agent and powers off) and each file staged below.
+    # Each scenario counts as one test.
+    # shellcheck source-path=SCRIPTDIR source=../tests/nested/lib.sh
+    . "$REPO_ROOT/tests/nested/lib.sh"
+    SCENARIOS=(boot agent-vsock)
+    extra="$NESTED_OUT/suite-l1"
+    rm -rf "$extra"
+    mkdir -p "$extra/scenarios"
+    cp "$REPO_ROOT/tests/nested/scenarios/agent-vsock.sh" "$extra/scenarios/"
+    expects=()
+    for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
+    rm -f "$NESTED_OUT/nested.log"
+    NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" \
+        --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" \
+        "${expects[@]}" --expect '^CLADE-EXIT 0$' || true
+    for s in "${SCENARIOS[@]}"; do
+        line=$(grep -a -m1 -E "^\[ *[0-9.]+\] NESTED-SCENARIO $s (PASS|FAIL)" \
+            "$NESTED_OUT/nested.log" 2>/dev/null | sed -E 's/^\[ *[0-9.]+\] //' || true)
+        case "$line" in
+        *" PASS"*) passed=$((passed + 1)) ;;
+        *) failed=$((failed + 1)) ;;
+        esac
+        echo "nested scenario $s: ${line:-NESTED-SCENARIO $s: no result (see $NESTED_OUT/nested.log)}"
+    done
 fi
 echo "all tiers: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,65 @@
+#!/bin/busybox sh
+# shellcheck shell=dash disable=SC2016  # the single-quoted commands run in the guest
+# demo.sh: the sandbox part of scripts/demo.sh. Boots Debian's stock kernel with
+# clade-agent as /init and a vsock device, runs commands in the sandbox through the agent
+# (`clade exec`), prints their output, powers the sandbox off. Prints DEMO-SANDBOX-PASS and
+# exits 0 on success; DEMO-SANDBOX-FAIL, the guest console and exit 1 otherwise.
+#
+# In the nested tier's outer VM (the defaults below are its paths):
+#   tests/nested/run.sh --l1-test tests/nested/scenarios/demo.sh \
+#       --expect DEMO-SANDBOX-PASS --expect '^CLADE-EXIT 0$'
+# Directly on a host with hardware KVM (what scripts/demo.sh does there):
+#   CLADE=target/release/clade DEMO_KERNEL=vmlinuz DEMO_INITRD=guest.cpio \
+#       DEMO_DIR=/tmp/somewhere sh tests/nested/scenarios/demo.sh
+
+CLADE=${CLADE:-/bin/clade}
+KERNEL=${DEMO_KERNEL:-/guest/vmlinuz}
+INITRD=${DEMO_INITRD:-/guest/initrd.cpio}
+DIR=${DEMO_DIR:-/tmp}
+SOCK=$DIR/demo-vsock.sock
+LOG=$DIR/demo-guest.log
+OUT=$DIR/demo-exec.out
+
+say() { echo "DEMO: $*"; }
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+
+rm -f "$SOCK" "$LOG"
+t0=$(uptime_s)
+say "\$ clade run --kernel $KERNEL --initrd $INITRD --mem 256 --vsock $SOCK ..."
+"$CLADE" run --kernel "$KERNEL" --initrd "$INITRD" --mem 256 --vcpus 1 --vsock "$SOCK" \
+    --serial-file "$LOG" --cmdline "console=ttyS0 panic=-1 quiet" &
+VM=$!
+
+fail() {
+    echo "DEMO-SANDBOX-FAIL $*"
+    echo "---- guest console ----"
+    cat "$LOG"
+    kill "$VM" 2>/dev/null
+    exit 1
+}
+
+# exec_show DESCRIPTION COMMAND...: run COMMAND in the sandbox, print its output indented.
+exec_show() {
+    say "\$ clade exec $SOCK -- $1"
+    shift
+    "$CLADE" exec -n "$SOCK" -- "$@" >"$OUT" 2>&1 || fail "clade exec $*: rc $?: $(cat "$OUT")"
+    sed 's/^/    /' "$OUT"
+}
+
+"$CLADE" ping --wait 180 "$SOCK" >"$OUT" 2>&1 || fail "the agent did not answer: $(cat "$OUT")"
+t1=$(uptime_s)
+say "guest console: $(grep -a -E 'CLADE-GUEST-READY|CLADE-AGENT-MODULES' "$LOG" | tr -d '\r' | tr '\n' ' ')"
+say "agent answers $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s after clade run: $(cat "$OUT")"
+
+exec_show "uname -a" uname -a
+exec_show "sh -c 'cat /proc/cpuinfo | head'" sh -c 'cat /proc/cpuinfo | head'
+exec_show "sh -c 'id; nproc; free -m'" sh -c 'id; nproc; free -m'
+
+say "\$ clade poweroff $SOCK"
+"$CLADE" poweroff "$SOCK" || fail "poweroff: rc $?"
+wait "$VM"
+rc=$?
+[ "$rc" = 0 ] || fail "clade run exited $rc after the guest powered off"
+say "sandbox powered off; clade run exited 0"
+rm -f "$OUT"
+echo "DEMO-SANDBOX-PASS"

@@ -1,0 +1,49 @@
+#!/bin/busybox sh
+# shellcheck shell=dash disable=SC2089,SC2090  # CLADE_CMD is a command line for eval
+# suite.sh: L1 scenario that runs several nested-tier scenarios in one outer boot (one
+# build and one outer boot instead of one per scenario). scripts/test.sh uses it:
+#
+#   mkdir -p X/scenarios && cp tests/nested/scenarios/agent-vsock.sh X/scenarios/
+#   NESTED_L1_EXTRA=X tests/nested/run.sh --l1-test tests/nested/scenarios/suite.sh \
+#       --expect '^NESTED-SCENARIO boot PASS' --expect '^NESTED-SCENARIO agent-vsock PASS'
+#
+# Scenarios, in this order:
+#   boot   the default scenario: $CLADE_CMD from outer-init.sh (the guest prints
+#          CLADE-GUEST-READY and powers off); passes on that line and exit status 0.
+#   NAME   each /scenarios/NAME.sh (put into the L1 root with NESTED_L1_EXTRA), run with
+#          `timeout`; passes on exit status 0.
+# Prints `NESTED-SCENARIO <name> PASS|FAIL (exit <rc>, <seconds> s)` for each; exits with
+# the number of failed scenarios.
+
+SCENARIO_TIMEOUT=${SCENARIO_TIMEOUT:-300}
+failed=0
+
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+
+# result NAME RC T0: the scenario's verdict line.
+result() {
+    verdict=PASS
+    [ "$2" = 0 ] || { verdict=FAIL; failed=$((failed + 1)); }
+    echo "NESTED-SCENARIO $1 $verdict (exit $2, $(awk -v a="$3" -v b="$(uptime_s)" 'BEGIN { printf "%.1f", b - a }') s)"
+}
+
+echo "NESTED-SCENARIO-START boot"
+t0=$(uptime_s)
+eval "timeout $SCENARIO_TIMEOUT $CLADE_CMD" >/tmp/boot.out 2>&1
+rc=$?
+cat /tmp/boot.out
+if [ "$rc" = 0 ] && ! grep -q 'CLADE-GUEST-READY kernel=' /tmp/boot.out; then
+    echo "boot: clade exited 0 without the guest's CLADE-GUEST-READY line"
+    rc=1
+fi
+result boot "$rc" "$t0"
+
+for f in /scenarios/*.sh; do
+    [ -f "$f" ] || continue
+    name=$(basename "$f" .sh)
+    echo "NESTED-SCENARIO-START $name"
+    t0=$(uptime_s)
+    timeout "$SCENARIO_TIMEOUT" sh "$f"
+    result "$name" "$?" "$t0"
+done
+exit "$failed"
