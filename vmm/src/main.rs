@@ -18,8 +18,25 @@ fn main() -> ExitCode {
     match cli::dispatch(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("clade: {e:#}");
+            eprintln!("clade: {}", one_line(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// The error and its causes on one line. Library errors already quote their source in their
+/// own message, so a cause whose text is already there is not repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
 }

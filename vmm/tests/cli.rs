@@ -87,6 +87,12 @@ fn bad_input_gives_one_line_errors() {
         .output()
         .unwrap();
     assert_one_line_error(&o, "/nonexistent/vmlinuz");
+    assert_eq!(
+        stderr(&o).matches("No such file").count(),
+        1,
+        "cause repeated: {}",
+        stderr(&o)
+    );
     let o = run_guest("hello", &["--mem", "0"]);
     assert_one_line_error(&o, "memory size must be greater than 0");
     let o = run_guest("hello", &["--mem", "100000G"]);
