@@ -3,8 +3,10 @@
 #   1. unit tests            (no KVM)                       cargo test, next to the code
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, vmm/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
-#                            boot running tests/nested/scenarios/suite.sh: scenarios "boot"
-#                            and "agent-vsock" (each counts as one test)
+#                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
+#                            "agent-vsock" and "disk" (each counts as one test; "disk" needs
+#                            the Debian root filesystem of tests/nested/build-rootfs.sh,
+#                            built once with debootstrap and cached under build/rootfs/)
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,11 +41,21 @@ else
     rm -rf "$extra"
     mkdir -p "$extra/scenarios"
     cp "$REPO_ROOT/tests/nested/scenarios/agent-vsock.sh" "$extra/scenarios/"
+    # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
+    disk_args=()
+    if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then
+        SCENARIOS+=(disk)
+        cp "$REPO_ROOT/tests/nested/scenarios/disk.sh" "$extra/scenarios/"
+        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk")
+    else
+        echo "nested scenario disk: FAIL (tests/nested/build-rootfs.sh failed)"
+        failed=$((failed + 1))
+    fi
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
     rm -f "$NESTED_OUT/nested.log"
     NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" \
-        --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" \
+        --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
         "${expects[@]}" --expect '^CLADE-EXIT 0$' || true
     for s in "${SCENARIOS[@]}"; do
         line=$(grep -a -m1 -E "^\[ *[0-9.]+\] NESTED-SCENARIO $s (PASS|FAIL)" \

@@ -170,6 +170,128 @@ pub fn cmdline_value<'a>(cmdline: &'a str, key: &str) -> Option<&'a str> {
         .next_back()
 }
 
+/// Where [`switch_root`] mounts the new root before moving it to `/`.
+pub const NEW_ROOT: &str = "/mnt/root";
+/// Mounts moved from the initramfs into the new root, in this order.
+pub const MOVED_MOUNTS: [&str; 4] = ["/dev", "/proc", "/sys", "/tmp"];
+
+fn mount_raw(
+    source: Option<&Path>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+) -> io::Result<()> {
+    let source = source.map(path_cstring).transpose()?;
+    let target = path_cstring(target)?;
+    let fstype = fstype
+        .map(|f| CString::new(f).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL)))
+        .transpose()?;
+    // SAFETY: every pointer is either null or a valid NUL-terminated string that outlives
+    // the call; no mount data is passed.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
+            target.as_ptr(),
+            fstype.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Waits (bounded) for a device node to appear; devtmpfs creates it when the driver
+/// probes the device.
+pub fn wait_for_path(path: &Path, timeout: std::time::Duration) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        if path.exists() {
+            return true;
+        }
+        if start.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Makes the filesystem on `device` the root, keeping this process (PID 1) running: mount
+/// it at [`NEW_ROOT`], move /dev, /proc, /sys and /tmp into it, move it onto `/` and
+/// chroot there (what `switch_root` does, without exec'ing another init and without
+/// deleting the initramfs, whose files are simply no longer reachable). Afterwards every
+/// command the agent runs sees the disk's filesystem as `/`.
+///
+/// On an error before the final move, mounts already moved are moved back and the
+/// initramfs stays the root.
+pub fn switch_root(device: &Path, fstype: &str, read_only: bool) -> Result<(), Error> {
+    let new_root = Path::new(NEW_ROOT);
+    if !wait_for_path(device, std::time::Duration::from_secs(10)) {
+        return Err(Error::os(
+            format!("root device {}", device.display()),
+            io::Error::from_raw_os_error(libc::ENOENT),
+        ));
+    }
+    std::fs::create_dir_all(new_root).map_err(|e| Error::os(format!("create {NEW_ROOT}"), e))?;
+    let flags = if read_only { libc::MS_RDONLY } else { 0 };
+    mount_raw(Some(device), new_root, Some(fstype), flags).map_err(|e| {
+        Error::os(
+            format!("mount {} ({fstype}) on {NEW_ROOT}", device.display()),
+            e,
+        )
+    })?;
+    let mut moved: Vec<&str> = Vec::new();
+    let result = (|| {
+        for m in MOVED_MOUNTS {
+            let dest = new_root.join(m.trim_start_matches('/'));
+            if !dest.is_dir() {
+                std::fs::create_dir_all(&dest)
+                    .map_err(|e| Error::os(format!("create {}", dest.display()), e))?;
+            }
+            mount_raw(Some(Path::new(m)), &dest, None, libc::MS_MOVE)
+                .map_err(|e| Error::os(format!("move {m} to {}", dest.display()), e))?;
+            moved.push(m);
+        }
+        std::env::set_current_dir(new_root)
+            .map_err(|e| Error::os(format!("chdir {NEW_ROOT}"), e))?;
+        mount_raw(Some(Path::new(".")), Path::new("/"), None, libc::MS_MOVE)
+            .map_err(|e| Error::os(format!("move {NEW_ROOT} to /"), e))
+    })();
+    if let Err(e) = result {
+        for m in moved.iter().rev() {
+            let from = new_root.join(m.trim_start_matches('/'));
+            if let Err(e2) = mount_raw(Some(&from), Path::new(m), None, libc::MS_MOVE) {
+                tracing::error!("moving {} back to {m}: {e2}", from.display());
+            }
+        }
+        let _ = std::env::set_current_dir("/");
+        if let Ok(t) = path_cstring(new_root) {
+            // SAFETY: umount2 of a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+        }
+        return Err(e);
+    }
+    // SAFETY: chroot(".") with a static NUL-terminated string.
+    if unsafe { libc::chroot(c".".as_ptr()) } != 0 {
+        return Err(Error::os("chroot", io::Error::last_os_error()));
+    }
+    std::env::set_current_dir("/").map_err(|e| Error::os("chdir /", e))?;
+    Ok(())
+}
+
+/// Remounts `/` read-only (before power off, so a disk root is left clean); errors are
+/// returned, e.g. EBUSY while files are open for writing.
+pub fn remount_root_read_only() -> io::Result<()> {
+    mount_raw(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REMOUNT | libc::MS_RDONLY,
+    )
+}
+
 /// A path as a C string (fails on interior NUL bytes).
 pub fn path_cstring(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))

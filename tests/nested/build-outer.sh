@@ -4,6 +4,7 @@
 #   /init                 outer-init.sh (load KVM modules, run clade, report, power off)
 #   /bin/busybox          Debian busybox-static, plus applet symlinks
 #   /lib/modules/*.ko     irqbypass, ccp, kvm, kvm-amd from the Debian kernel package
+#   /lib/modules/extra/   NESTED_L1_MODULES and their dependencies + load-order (optional)
 #   /bin/clade            static clade (vmm crate)
 #   /guest/vmlinuz        the Debian kernel, booted again as the nested guest
 #   /guest/initrd.cpio    build/nested/guest.cpio (build-guest-initramfs.sh)
@@ -22,6 +23,8 @@
 #                      guest kernel/initramfs instead of clade (checks the pipeline while
 #                      `clade run` cannot boot Linux yet)
 #   NESTED_SKIP_CLADE  1: do not build or stage clade (only useful with a stand-in)
+#   NESTED_L1_MODULES  more modules for L1, loaded by /init after KVM's (space separated;
+#                      run.sh --disk sets "virtio_pci virtio_blk" for the outer disk)
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -56,6 +59,12 @@ for ko in virt/lib/irqbypass.ko drivers/crypto/ccp/ccp.ko arch/x86/kvm/kvm.ko ar
     [ -f "$KMODDIR/$ko" ] || die "module $ko not in the kernel package ($KMODDIR)"
     cp "$KMODDIR/$ko" "$ROOT/lib/modules/"
 done
+if [ -n "${NESTED_L1_MODULES:-}" ]; then
+    require_cmd objcopy binutils
+    read -r -a l1_modules <<<"$NESTED_L1_MODULES"
+    stage_modules "$ROOT/lib/modules/extra" "${l1_modules[@]}"
+    log "L1 extra modules (load order): ${LOAD_ORDER[*]}"
+fi
 cp "$KVMLINUZ" "$ROOT/guest/vmlinuz"
 cp "$GUEST_CPIO" "$ROOT/guest/initrd.cpio"
 

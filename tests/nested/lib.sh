@@ -98,3 +98,95 @@ install_stripped() {
 
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+
+# stage_modules DEST NAME...: the named modules of the kernel package and everything they
+# depend on (each module's `depends=` field of its .modinfo section, depth-first; built-in
+# modules need no file) as uncompressed .ko files in DEST, plus DEST/load-order listing
+# them dependencies first. Sets LOAD_ORDER. Needs load_kernel_env and objcopy (binutils).
+# The Debian package ships no modules.dep, hence the .modinfo walk.
+stage_modules() {
+    local MODDEST=$1 m f b
+    shift
+    local MODSCRATCH="$NESTED_OUT/modules-scratch"
+    rm -rf "$MODSCRATCH"
+    mkdir -p "$MODSCRATCH"
+
+    # Module name (dashes as underscores, like the kernel) -> file in the package.
+    local -A MODFILE=()
+    while IFS= read -r -d '' f; do
+        b=${f##*/}
+        b=${b%%.ko*}
+        MODFILE[${b//-/_}]=$f
+    done < <(find "$KMODDIR" -type f \( -name '*.ko' -o -name '*.ko.xz' -o -name '*.ko.zst' -o -name '*.ko.gz' \) -print0)
+    [ ${#MODFILE[@]} -gt 0 ] || die "no modules under $KMODDIR"
+
+    # Built-in modules (listed in modules.builtin) satisfy dependencies without a file.
+    local -A BUILTIN=()
+    if [ -f "$KROOT/lib/modules/$KVER/modules.builtin" ]; then
+        while IFS= read -r f; do
+            b=${f##*/}
+            b=${b%.ko}
+            BUILTIN[${b//-/_}]=1
+        done <"$KROOT/lib/modules/$KVER/modules.builtin"
+    fi
+
+    # plain_module NAME: the module as an uncompressed .ko in the scratch dir (finit_module
+    # would need MODULE_INIT_COMPRESSED_FILE and kernel support for compressed ones).
+    plain_module() {
+        local name=$1 src=${MODFILE[$1]} out="$MODSCRATCH/$1.ko"
+        if [ ! -f "$out" ]; then
+            case "$src" in
+            *.ko) cp "$src" "$out" ;;
+            *.ko.xz) require_cmd xz xz-utils; xz -dc "$src" >"$out" ;;
+            *.ko.zst) require_cmd zstd zstd; zstd -qdc "$src" >"$out" ;;
+            *.ko.gz) gzip -dc "$src" >"$out" ;;
+            esac
+        fi
+        echo "$out"
+    }
+
+    # module_depends NAME: the comma-separated `depends=` field of the module's .modinfo.
+    module_depends() {
+        local ko info
+        ko=$(plain_module "$1")
+        info="$MODSCRATCH/$1.modinfo"
+        objcopy -O binary --only-section=.modinfo "$ko" "$info" ||
+            die "objcopy: cannot read .modinfo of $ko"
+        tr '\0' '\n' <"$info" | sed -n 's/^depends=//p' | head -n1
+    }
+
+    LOAD_ORDER=()
+    local -A VISIT=()
+    # visit NAME: depth-first, dependencies before the module itself.
+    visit() {
+        local name=${1//-/_} dep deps
+        case ${VISIT[$name]:-} in
+        done) return ;;
+        active) die "module dependency cycle through $name" ;;
+        esac
+        if [ -z "${MODFILE[$name]:-}" ]; then
+            [ -n "${BUILTIN[$name]:-}" ] && { VISIT[$name]="done"; return; }
+            die "module $name: not in $KPKG and not built in"
+        fi
+        VISIT[$name]="active"
+        deps=$(module_depends "$name")
+        for dep in ${deps//,/ }; do
+            visit "$dep"
+        done
+        VISIT[$name]="done"
+        LOAD_ORDER+=("$name")
+    }
+    for m in "$@"; do
+        visit "$m"
+    done
+
+    mkdir -p "$MODDEST"
+    {
+        echo "# Written by tests/nested/lib.sh stage_modules: load in this order (finit_module/insmod)."
+        for m in "${LOAD_ORDER[@]}"; do
+            cp "$MODSCRATCH/$m.ko" "$MODDEST/$m.ko"
+            echo "$m.ko"
+        done
+    } >"$MODDEST/load-order"
+    rm -rf "$MODSCRATCH"
+}

@@ -62,6 +62,17 @@ load_kvm() {
     echo "NESTED-KVM-READY uptime=$(uptime_s)"
 }
 
+# Modules build-outer.sh staged from NESTED_L1_MODULES (e.g. the outer disk's virtio_blk).
+load_extra() {
+    dir=/lib/modules/extra
+    [ -f "$dir/load-order" ] || return 0
+    grep -v '^#' "$dir/load-order" | while read -r ko; do
+        [ -n "$ko" ] || continue
+        insmod "$dir/$ko" || echo "NESTED-L1-WARN insmod $ko failed"
+    done
+    echo "NESTED-L1-MODULES $(grep -c -v '^#' "$dir/load-order") uptime=$(uptime_s)"
+}
+
 run_clade() {
     t0=$(uptime_s)
     if [ -x "$L1_TEST" ]; then
@@ -83,5 +94,6 @@ echo "NESTED-L1-INIT uptime=$(uptime_s)"
 # shellcheck source=/dev/null
 [ -f /etc/nested.env ] && . /etc/nested.env
 load_kvm
+load_extra
 run_clade
 finish

@@ -12,6 +12,8 @@
 #   --l1-test FILE      run FILE in the outer VM instead of the clade command (NESTED_L1_TEST)
 #   --standin qemu      run QEMU/KVM instead of clade in the outer VM (NESTED_STANDIN)
 #   --expect REGEX      required log line pattern (ERE); repeatable; replaces the defaults
+#   --disk FILE         attach FILE read-only to the outer VM as a virtio disk (L1's /dev/vda;
+#                       L1 loads virtio_pci and virtio_blk), e.g. build/rootfs/base.cdsk
 #   -h, --help
 # More environment (see build-outer.sh): NESTED_CLADE_CMD, NESTED_L1_EXTRA,
 # NESTED_L1_TIMEOUT (inner; default: timeout - 60 s), NESTED_SKIP_CLADE; and for QEMU: NESTED_CPU
@@ -28,6 +30,7 @@ TIMEOUT=${NESTED_TIMEOUT:-600}
 SKIP_BUILD=${NESTED_SKIP_BUILD:-0}
 EXPECT=()
 QEMU_EXTRA=()
+OUTER_DISK=""
 while [ $# -gt 0 ]; do
     case "$1" in
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
@@ -35,6 +38,7 @@ while [ $# -gt 0 ]; do
     --l1-test) export NESTED_L1_TEST=${2:?--l1-test needs a file}; shift 2 ;;
     --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
     --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
+    --disk) OUTER_DISK=${2:?--disk needs a file}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     --) shift; QEMU_EXTRA=("$@"); break ;;
     *) usage >&2; die "unknown argument: $1" ;;
@@ -48,6 +52,11 @@ case "$TIMEOUT" in '' | *[!0-9]*) die "timeout must be a number of seconds, got 
 # outer VM's log; leave time for the outer boot.
 if [ -z "${NESTED_L1_TIMEOUT:-}" ]; then
     export NESTED_L1_TIMEOUT=$((TIMEOUT > 120 ? TIMEOUT - 60 : TIMEOUT / 2))
+fi
+
+if [ -n "$OUTER_DISK" ]; then
+    [ -f "$OUTER_DISK" ] || die "--disk $OUTER_DISK: no such file"
+    export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
 fi
 
 require_cmd qemu-system-x86_64 qemu-system-x86
@@ -71,8 +80,12 @@ T_BUILD1=$(now)
 # --- boot the outer VM -----------------------------------------------------------------
 APPEND="console=ttyS0 panic=-1 quiet${NESTED_APPEND:+ $NESTED_APPEND}"
 QEMU=(qemu-system-x86_64 -accel tcg -cpu "${NESTED_CPU:-EPYC}" -m "${NESTED_MEM:-2G}" -smp 1
-    -nographic -no-reboot -kernel "$KVMLINUZ" -initrd "$OUTER_CPIO" -append "$APPEND"
-    "${QEMU_EXTRA[@]}")
+    -nographic -no-reboot -kernel "$KVMLINUZ" -initrd "$OUTER_CPIO" -append "$APPEND")
+if [ -n "$OUTER_DISK" ]; then
+    # A comma in a -drive file name is written as two.
+    QEMU+=(-drive "file=${OUTER_DISK//,/,,},format=raw,if=virtio,readonly=on")
+fi
+QEMU+=("${QEMU_EXTRA[@]}")
 log "booting outer VM (timeout ${TIMEOUT}s): ${QEMU[*]}"
 log "console log: $LOG"
 

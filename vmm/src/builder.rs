@@ -106,7 +106,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
     });
     // Devices come before the boot tables: the kernel command line and the DSDT announce
     // the virtio-mmio slots.
-    let devices = DeviceManager::new(
+    let mut devices = DeviceManager::new(
         &vm_fd,
         &ram.mem,
         &config.serial,
@@ -114,6 +114,9 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         config.vsock.as_ref(),
         exit,
     )?;
+    if let Some(d) = &config.disk {
+        devices.add_block_device(&vm_fd, &ram.mem, d)?;
+    }
     for slot in devices.virtio_slots() {
         if !cmdline.is_empty() {
             cmdline.push(' ');

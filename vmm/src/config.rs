@@ -29,6 +29,18 @@ pub struct VsockConfig {
     pub guest_cid: u32,
 }
 
+/// A virtio-blk disk: the top layer of a layered Clade image (`clade disk create`; format in
+/// `disk/FORMAT.md`). Writes go to that layer; its parents are opened read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockConfig {
+    /// The top layer (an overlay, or a standalone image).
+    pub path: PathBuf,
+    /// Open the top layer read-only too; the guest sees a read-only disk.
+    pub read_only: bool,
+    /// The disk's serial (virtio-blk GET_ID, at most 20 bytes); default: from the layer id.
+    pub serial: Option<String>,
+}
+
 /// Longest Unix socket path (`sun_path` holds 108 bytes including the NUL).
 pub const MAX_UDS_PATH: usize = 107;
 
@@ -56,6 +68,8 @@ pub struct VmConfig {
     pub kvm_device: PathBuf,
     /// A virtio-vsock device, if any.
     pub vsock: Option<VsockConfig>,
+    /// A virtio-blk disk, if any (the guest's /dev/vda).
+    pub disk: Option<BlockConfig>,
 }
 
 impl VmConfig {
@@ -71,6 +85,7 @@ impl VmConfig {
             test_device: false,
             kvm_device: PathBuf::from(crate::vstate::kvm::KVM_PATH),
             vsock: None,
+            disk: None,
         }
     }
 
@@ -110,6 +125,16 @@ impl VmConfig {
                 return Err(Error::Config(format!(
                     "vsock socket path must be 1..={MAX_UDS_PATH} bytes, '{}' is {len}",
                     v.uds_path.display()
+                )));
+            }
+        }
+        if let Some(d) = &self.disk {
+            if d.path.as_os_str().is_empty() {
+                return Err(Error::Config("disk path is empty".into()));
+            }
+            if let Some(s) = d.serial.as_ref().filter(|s| s.len() > 20) {
+                return Err(Error::Config(format!(
+                    "disk serial '{s}' is longer than 20 bytes"
                 )));
             }
         }

@@ -15,6 +15,7 @@ use std::time::Instant;
 use devices::event_loop::EventLoop;
 use devices::legacy::{AcpiPmDevice, SerialDevice, I8042};
 use devices::test_device::{TestMmio, TestPio, TEST_MMIO_LEN, TEST_PIO_BASE, TEST_PIO_LEN};
+use devices::virtio::block::BlockDevice;
 use devices::virtio::mmio::MmioTransport;
 use devices::virtio::vsock::{SocketFile, VsockDevice};
 use devices::virtio::VirtioDevice;
@@ -27,7 +28,7 @@ use crate::arch::layout::{
     pio, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
     VIRTIO_MMIO_SLOT_SIZE,
 };
-use crate::config::{SerialOutput, VsockConfig};
+use crate::config::{BlockConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::vstate::vcpu::IoBuses;
 
@@ -253,6 +254,47 @@ impl DeviceManager {
             serial_tap,
             virtio_slots,
         })
+    }
+
+    /// Adds a virtio-blk disk in the next virtio-mmio slot (its layers are opened and
+    /// checked here); requests run on the device event loop, started here if no other
+    /// device needed it. Only before the vCPUs run and the boot tables are written (those
+    /// announce every slot). Returns the disk, for freezing it when the VM forks.
+    pub fn add_block_device(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        cfg: &BlockConfig,
+    ) -> Result<Arc<Mutex<disk::Disk>>> {
+        let image = disk::Disk::open(
+            &cfg.path,
+            disk::OpenOptions {
+                read_only: cfg.read_only,
+            },
+        )?;
+        let serial = cfg.serial.clone().unwrap_or_else(|| {
+            let mut id = disk::id_hex(&image.layers()[0].header().layer_id);
+            id.truncate(devices::virtio::block::ID_BYTES);
+            id
+        });
+        let lp = match &self._event_loop {
+            Some(lp) => lp,
+            None => self._event_loop.insert(EventLoop::start("clade-devices")?),
+        };
+        let device = BlockDevice::new(image, &serial, lp.handle())?;
+        let shared = device.disk();
+        let mmio = Arc::get_mut(&mut self.buses.mmio)
+            .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
+        let n = self.virtio_slots.len();
+        let slot = add_virtio_mmio(vm, mem, mmio, n, Box::new(device))?;
+        tracing::debug!(
+            "virtio-mmio slot {n}: block device {} at {:#x}, GSI {}",
+            cfg.path.display(),
+            slot.base,
+            slot.gsi
+        );
+        self.virtio_slots.push(slot);
+        Ok(shared)
     }
 
     /// The virtio-mmio slots in use, in slot order.

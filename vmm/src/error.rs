@@ -78,6 +78,9 @@ pub enum Error {
     /// Device wiring failed.
     #[error("devices: {0}")]
     Device(#[from] devices::Error),
+    /// The disk image cannot be used (missing, corrupt, mismatched layers, in use).
+    #[error("disk: {0}")]
+    Disk(#[from] disk::Error),
     /// A vCPU thread could not be started or controlled.
     #[error("vCPU {index}: {reason}")]
     Vcpu { index: usize, reason: String },

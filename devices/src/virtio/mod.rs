@@ -10,8 +10,9 @@
 //! |------|---------------------------|--------|------------------|-------------------|
 //! | n    | `0xd000_1000 + n*0x1000`  | 0x1000 | `6 + n`          | in config order   |
 //!
-//! Today the only virtio device is vsock, so with `--vsock` it is slot 0: **base
-//! `0xd000_1000`, GSI 6**. (The test device keeps `0xd000_0000` / GSI 5.)
+//! vsock comes first, so with `--vsock` it is slot 0: **base `0xd000_1000`, GSI 6**; a
+//! `--disk` (virtio-blk, [`block`]) takes the next slot. (The test device keeps
+//! `0xd000_0000` / GSI 5.)
 //!
 //! Each slot is announced twice, for kernels with either discovery method:
 //! - on the kernel command line: `virtio_mmio.device=4K@0xd0001000:6`;
@@ -25,7 +26,7 @@
 //! |-------|-----------------------------|--------------------------------------------------|
 //! | 0x000 | MagicValue                  | `0x74726976` ("virt")                            |
 //! | 0x004 | Version                     | 2                                                |
-//! | 0x008 | DeviceID                    | 19 = vsock                                       |
+//! | 0x008 | DeviceID                    | 19 = vsock, 2 = block                            |
 //! | 0x00c | VendorID                    | [`VENDOR_ID`] ("CLAD")                           |
 //! | 0x010 | DeviceFeatures (+Sel 0x014) | vsock offers only `VIRTIO_F_VERSION_1` (bit 32)  |
 //! | 0x020 | DriverFeatures (+Sel 0x024) | must include bit 32, or FEATURES_OK is refused   |
@@ -68,6 +69,7 @@
 //! With no interrupt handler, poll the used rings: the interrupt (GSI 6 for slot 0) is only
 //! an edge on the IOAPIC pin; leave it masked.
 
+pub mod block;
 pub mod mmio;
 pub mod vsock;
 

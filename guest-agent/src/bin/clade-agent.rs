@@ -4,7 +4,13 @@
 //! 1. mount proc, sys, dev, dev/pts, tmp;
 //! 2. load the kernel modules listed in `/lib/modules/<release>/load-order` and print
 //!    `CLADE-AGENT-MODULES loaded=N already=N failed=N`;
-//! 3. by the kernel command line's `clade.agent=` value:
+//! 3. with `clade.root=<device>` on the kernel command line (e.g. `clade.root=/dev/vda`, the
+//!    first virtio-blk disk): mount that device (`clade.rootfstype=`, default ext4) and make
+//!    it the root filesystem, staying PID 1 (`system::switch_root`: the initramfs's /dev,
+//!    /proc, /sys, /tmp move along, then chroot); prints `CLADE-AGENT-ROOT <device>
+//!    <fstype>`, or an error line and carries on from the initramfs. On power off the root
+//!    is remounted read-only after a sync, so the disk is left clean;
+//! 4. by the kernel command line's `clade.agent=` value:
 //!    - `ready-poweroff`: print the readiness marker and power off (the nested tier's
 //!      boot check);
 //!    - `serve` (default): listen on AF_VSOCK port 52 (`clade.agent.port=` overrides),
@@ -37,6 +43,8 @@ const READY_MARKER: &str = "CLADE-GUEST-READY";
 const LISTENING_MARKER: &str = "CLADE-AGENT-LISTENING";
 /// Written after loading the initramfs's kernel modules.
 const MODULES_MARKER: &str = "CLADE-AGENT-MODULES";
+/// Written after switching to a disk root.
+const ROOT_MARKER: &str = "CLADE-AGENT-ROOT";
 
 /// How long to wait for the console to transmit queued output before powering off.
 const CONSOLE_DRAIN_TIMEOUT: Duration = Duration::from_secs(3);
@@ -144,6 +152,7 @@ fn init_main() -> ! {
     let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
     init_logging(system::cmdline_value(&cmdline, "clade.agent.log").unwrap_or("warn"));
     load_modules();
+    let disk_root = mount_disk_root(&cmdline);
     match system::cmdline_value(&cmdline, "clade.agent").unwrap_or("serve") {
         "ready-poweroff" => {
             if let Err(e) = report_ready() {
@@ -162,7 +171,25 @@ fn init_main() -> ! {
             serve_vsock(port);
         }
     }
-    power_off();
+    power_off(disk_root);
+}
+
+/// `clade.root=`: switch to the disk's filesystem as root. True if it is the root now.
+fn mount_disk_root(cmdline: &str) -> bool {
+    let Some(device) = system::cmdline_value(cmdline, "clade.root") else {
+        return false;
+    };
+    let fstype = system::cmdline_value(cmdline, "clade.rootfstype").unwrap_or("ext4");
+    match system::switch_root(Path::new(device), fstype, false) {
+        Ok(()) => {
+            let _ = writeln!(io::stdout(), "{ROOT_MARKER} {device} {fstype}");
+            true
+        }
+        Err(e) => {
+            log_error(&e.into());
+            false
+        }
+    }
 }
 
 fn load_modules() {
@@ -405,14 +432,25 @@ fn drain_console(timeout: Duration) -> Result<(), InitError> {
     }
 }
 
-/// Flush filesystems and power the VM off. PID 1 must never return, so if reboot(2)
-/// fails this reports it and parks forever.
-fn power_off() -> ! {
+/// Flush filesystems and power the VM off (a disk root is remounted read-only first, so
+/// its filesystem is clean). PID 1 must never return, so if reboot(2) fails this reports
+/// it and parks forever.
+fn power_off(disk_root: bool) -> ! {
     let _ = io::stdout().flush();
     if let Err(e) = drain_console(CONSOLE_DRAIN_TIMEOUT) {
         log_error_kmsg(&e);
     }
     system::sync();
+    if disk_root {
+        if let Err(e) = system::remount_root_read_only() {
+            // Still consistent: everything was synced; the journal covers the rest.
+            log_error_kmsg(&InitError::Agent(guest_agent::Error::os(
+                "remount / read-only",
+                e,
+            )));
+        }
+        system::sync();
+    }
     // SAFETY: reboot with a valid command; on success it does not return.
     let rc = unsafe { libc::reboot(libc::LINUX_REBOOT_CMD_POWER_OFF) };
     let err = io::Error::last_os_error();

@@ -3,9 +3,13 @@
 # suite.sh: L1 scenario that runs several nested-tier scenarios in one outer boot (one
 # build and one outer boot instead of one per scenario). scripts/test.sh uses it:
 #
-#   mkdir -p X/scenarios && cp tests/nested/scenarios/agent-vsock.sh X/scenarios/
+#   mkdir -p X/scenarios && cp tests/nested/scenarios/{agent-vsock,disk}.sh X/scenarios/
 #   NESTED_L1_EXTRA=X tests/nested/run.sh --l1-test tests/nested/scenarios/suite.sh \
-#       --expect '^NESTED-SCENARIO boot PASS' --expect '^NESTED-SCENARIO agent-vsock PASS'
+#       --disk build/rootfs/base.cdsk \
+#       --expect '^NESTED-SCENARIO boot PASS' --expect '^NESTED-SCENARIO agent-vsock PASS' \
+#       --expect '^NESTED-SCENARIO disk PASS'
+#
+# (disk.sh needs the base layer as L1's /dev/vda: tests/nested/build-rootfs.sh, --disk.)
 #
 # Scenarios, in this order:
 #   boot   the default scenario: $CLADE_CMD from outer-init.sh (the guest prints

@@ -102,6 +102,7 @@ fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::R
             test_device: true,
             kvm_device: machine.kvm_device.clone(),
             vsock: None,
+            disk: None,
         };
         let mut vm = Vm::new(config)?;
         vm.start()?;
@@ -158,6 +159,7 @@ fn ping(
             uds_path: sock.clone(),
             guest_cid: 3,
         }),
+        disk: None,
     };
     let mut vm = Vm::new(config)?;
     vm.start()?;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cp;
+mod disk;
 mod exec;
 mod run;
 
@@ -42,6 +43,11 @@ enum Command {
     Ping(exec::PingArgs),
     /// Ask a VM's agent to sync its filesystems and power the VM off.
     Poweroff(exec::PowerOffArgs),
+    /// Layered disk images: create, info, flatten, freeze (see disk/FORMAT.md).
+    Disk {
+        #[command(subcommand)]
+        which: disk::DiskCommand,
+    },
 }
 
 /// Options describing the machine, shared by `run` and the benchmarks.
@@ -85,6 +91,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cp(args) => cp::cp(args),
         Command::Ping(args) => exec::ping(args),
         Command::Poweroff(args) => exec::power_off(args),
+        Command::Disk { which } => disk::disk(which),
     }
 }
 

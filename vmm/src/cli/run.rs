@@ -33,6 +33,10 @@ pub struct RunArgs {
     /// The guest's vsock context id (with --vsock).
     #[arg(long, default_value_t = 3, requires = "vsock")]
     cid: u32,
+    /// Attach a virtio-blk disk (the guest's /dev/vda): the top layer of a Clade disk
+    /// image, written in place (`clade disk create --parent BASE OVERLAY` makes one).
+    #[arg(long, value_name = "LAYER")]
+    disk: Option<PathBuf>,
     #[command(flatten)]
     machine: MachineArgs,
 }
@@ -59,6 +63,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
         vsock: args.vsock.map(|uds_path| vmm::config::VsockConfig {
             uds_path,
             guest_cid: args.cid,
+        }),
+        disk: args.disk.map(|path| vmm::config::BlockConfig {
+            path,
+            read_only: false,
+            serial: None,
         }),
     };
     for sig in [libc::SIGINT, libc::SIGTERM] {

@@ -1,0 +1,191 @@
+//! virtio-blk (device id 2) over a layered Clade disk ([`disk::Disk`]).
+//!
+//! What the guest sees:
+//! - one request queue (index 0) of up to [`QUEUE_SIZE`] entries;
+//! - features: `VIRTIO_BLK_F_FLUSH` (a volatile write cache: data the guest was told is
+//!   written is on the host's disk once a FLUSH completes: the overlay is `fdatasync`ed and
+//!   its allocation table committed), `VIRTIO_BLK_F_SEG_MAX` (`QUEUE_SIZE - 2` data segments
+//!   per request), and `VIRTIO_BLK_F_RO` when the disk is read-only;
+//! - config space (`struct virtio_blk_config`, read-only): `le64 capacity` in 512-byte
+//!   sectors at 0, `le32 seg_max` at 12; every other field reads as 0;
+//! - requests: IN (read), OUT (write), FLUSH, GET_ID (the serial, at most 20 bytes, padded
+//!   with NULs when shorter); anything else gets `VIRTIO_BLK_S_UNSUPP`.
+//!
+//! Every request is checked before it touches the disk: the chain must be device-readable
+//! descriptors (16-byte header, then OUT data) followed by device-writable ones (IN data or
+//! GET_ID buffer, then the 1-byte status), every buffer inside guest memory, the data a
+//! whole number of sectors and inside the disk. A request that fails a check, or whose I/O
+//! fails (out of space on the host included), completes with `VIRTIO_BLK_S_IOERR`; a chain
+//! without a writable status byte cannot be answered and is returned with used length 0.
+//! Both are logged (rate-limited); the VMM carries on.
+//!
+//! The data path runs on the device event loop ([`crate::event_loop`]) like vsock's, doing
+//! synchronous file I/O there. The disk sits behind an `Arc<Mutex<_>>` ([`BlockDevice::disk`])
+//! so that a fork can freeze it ([`disk::Disk::snapshot`]) between two requests.
+
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, Mutex};
+
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
+use vm_memory::GuestMemoryMmap;
+
+use super::{Interrupt, VirtQueue, VirtioDevice};
+use crate::event_loop::{self, LoopHandle};
+use crate::{Error, Result};
+
+pub use worker::BlockWorker;
+
+/// virtio device id of a block device.
+pub const BLOCK_DEVICE_ID: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+/// Size of the request queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Most data segments in one request (the header and status take two descriptors).
+pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// Sector size of the virtio-blk protocol.
+pub const SECTOR_SIZE: u64 = 512;
+/// Length of the GET_ID answer.
+pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
+/// Size of `struct virtio_blk_config` up to and including the fields we fill.
+const CONFIG_SIZE: usize = 60;
+
+struct Activation {
+    gate: Arc<Mutex<bool>>,
+    id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
+}
+
+/// The virtio-blk device model: features, configuration space and activation. The data
+/// path is [`BlockWorker`] on the device event loop.
+pub struct BlockDevice {
+    disk: Arc<Mutex<disk::Disk>>,
+    serial: [u8; ID_BYTES],
+    config: [u8; CONFIG_SIZE],
+    read_only: bool,
+    event_loop: LoopHandle,
+    active: Option<Activation>,
+}
+
+impl BlockDevice {
+    /// A block device over `disk`. `serial` is what GET_ID returns (at most 20 bytes;
+    /// Linux shows it as `/sys/block/vdX/serial`); the worker will run on `event_loop`.
+    pub fn new(disk: disk::Disk, serial: &str, event_loop: LoopHandle) -> Result<Self> {
+        if serial.len() > ID_BYTES {
+            return Err(Error::Virtio(format!(
+                "block device serial '{serial}' is longer than {ID_BYTES} bytes"
+            )));
+        }
+        let size = disk.virtual_size();
+        if !size.is_multiple_of(SECTOR_SIZE) {
+            return Err(Error::Virtio(format!(
+                "disk size {size} is not a whole number of {SECTOR_SIZE}-byte sectors"
+            )));
+        }
+        let mut id = [0u8; ID_BYTES];
+        id[..serial.len()].copy_from_slice(serial.as_bytes());
+        let mut config = [0u8; CONFIG_SIZE];
+        config[0..8].copy_from_slice(&(size / SECTOR_SIZE).to_le_bytes());
+        config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
+        Ok(Self {
+            read_only: disk.read_only(),
+            disk: Arc::new(Mutex::new(disk)),
+            serial: id,
+            config,
+            event_loop,
+            active: None,
+        })
+    }
+
+    /// The disk, shared with the worker: lock it to freeze or inspect it between requests.
+    pub fn disk(&self) -> Arc<Mutex<disk::Disk>> {
+        Arc::clone(&self.disk)
+    }
+}
+
+impl VirtioDevice for BlockDevice {
+    fn device_type(&self) -> u32 {
+        BLOCK_DEVICE_ID
+    }
+
+    fn avail_features(&self) -> u64 {
+        let mut f = (1u64 << VIRTIO_BLK_F_FLUSH) | (1u64 << VIRTIO_BLK_F_SEG_MAX);
+        if self.read_only {
+            f |= 1u64 << VIRTIO_BLK_F_RO;
+        }
+        f
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset
+                .checked_add(i as u64)
+                .and_then(|o| self.config.get(usize::try_from(o).ok()?).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // Only `writeback` is writable, and only with CONFIG_WCE, which is not offered.
+        tracing::debug!(
+            "virtio-blk: guest wrote {} bytes of read-only config at {offset:#x}, ignored",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<VirtQueue>,
+        interrupt: Arc<Interrupt>,
+        _features: u64,
+    ) -> Result<()> {
+        if self.active.is_some() {
+            return Err(Error::Virtio(
+                "virtio-blk activated twice without a reset".into(),
+            ));
+        }
+        let [queue]: [VirtQueue; 1] = queues.try_into().map_err(|q: Vec<_>| {
+            Error::Virtio(format!("virtio-blk needs 1 queue, got {}", q.len()))
+        })?;
+        if !virtio_queue::QueueT::ready(&queue.queue) {
+            return Err(Error::Virtio(
+                "virtio-blk request queue was not set up".into(),
+            ));
+        }
+        let gate = Arc::new(Mutex::new(true));
+        let worker = BlockWorker::new(
+            mem,
+            queue,
+            interrupt,
+            Arc::clone(&gate),
+            Arc::clone(&self.disk),
+            self.serial,
+        );
+        let id = Arc::new(Mutex::new(None));
+        event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
+        self.active = Some(Activation { gate, id });
+        tracing::debug!("virtio-blk: active");
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        let Some(act) = self.active.take() else {
+            return;
+        };
+        // Waits for the worker to finish its current request; afterwards it touches nothing.
+        *act.gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
+            tracing::error!("virtio-blk reset: {e}");
+        }
+        // What the guest wrote before the reset is kept like after a flush.
+        if let Err(e) = self.disk.lock().unwrap_or_else(|e| e.into_inner()).flush() {
+            tracing::error!("virtio-blk reset: flushing the disk: {e}");
+        }
+    }
+}

@@ -1,0 +1,566 @@
+//! virtio-blk tests: a synthetic guest driver (descriptor table and rings in real guest
+//! memory) drives the device through its virtio-mmio registers; the disk is a real layered
+//! image in a temporary directory. The event loop is pumped on the test thread.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT,
+};
+use virtio_bindings::virtio_mmio as reg;
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::DescriptorTable;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::*;
+use crate::event_loop::Manager;
+use crate::virtio::mmio::MmioTransport;
+use crate::BusDevice;
+
+const MEM_SIZE: usize = 16 << 20;
+const Q: u16 = 16;
+const DESC: u64 = 0x1000;
+const AVAIL: u64 = 0x2000;
+const USED: u64 = 0x3000;
+const STATUS: u64 = 0x4000;
+const HDR: u64 = 0x5000;
+const DATA: u64 = 0x10_0000;
+const MIB: u64 = 1 << 20;
+const BS: u64 = disk::DEFAULT_BLOCK_SIZE as u64;
+
+static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        let p = std::env::temp_dir().join(format!(
+            "clade-blk-{}-{}",
+            std::process::id(),
+            NEXT_DIR.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A 4 MiB frozen base (first MiB pattern(1)) and an overlay on it; returns the overlay.
+fn base_and_overlay(dir: &Path) -> PathBuf {
+    let mut raw = pattern(1, MIB as usize);
+    raw.resize(4 * MIB as usize, 0);
+    std::fs::write(dir.join("base.raw"), &raw).unwrap();
+    disk::ops::import_raw(&dir.join("base.raw"), &dir.join("base.cdsk"), None).unwrap();
+    let top = dir.join("top.cdsk");
+    disk::ops::create(
+        &top,
+        &disk::ops::CreateOptions {
+            parent: Some(dir.join("base.cdsk")),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    top
+}
+
+struct Harness {
+    mem: GuestMemoryMmap,
+    em: Manager,
+    transport: MmioTransport,
+    disk: Arc<Mutex<disk::Disk>>,
+    avail_idx: u16,
+    used_seen: u16,
+    _dir: TempDir,
+    top: PathBuf,
+}
+
+/// A descriptor as the test builds it: guest address, length, device-writable.
+type D = (u64, u32, bool);
+
+impl Harness {
+    fn new() -> Self {
+        Self::with(disk::OpenOptions::default(), None)
+    }
+
+    fn with(opts: disk::OpenOptions, limit: Option<u64>) -> Self {
+        let dir = TempDir::new();
+        let top = base_and_overlay(&dir.0);
+        let mut d = disk::Disk::open(&top, opts).unwrap();
+        d.set_size_limit(limit);
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let em = Manager::new().unwrap();
+        let dev = BlockDevice::new(d, "clade-test-disk", em.remote_endpoint()).unwrap();
+        let disk = dev.disk();
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let transport = MmioTransport::new(mem.clone(), Box::new(dev), irq).unwrap();
+        let mut h = Self {
+            mem,
+            em,
+            transport,
+            disk,
+            avail_idx: 0,
+            used_seen: 0,
+            _dir: dir,
+            top,
+        };
+        h.driver_init();
+        h
+    }
+
+    fn read(&mut self, off: u32) -> u32 {
+        let mut b = [0u8; 4];
+        self.transport.read(u64::from(off), &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn write(&mut self, off: u32, v: u32) {
+        self.transport.write(u64::from(off), &v.to_le_bytes());
+    }
+
+    fn features(&mut self) -> u64 {
+        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 0);
+        let lo = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
+        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+        let hi = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
+        (u64::from(hi) << 32) | u64::from(lo)
+    }
+
+    /// What Linux's virtio_mmio + virtio_blk do on probe: accept what is offered.
+    fn driver_init(&mut self) {
+        self.write(reg::VIRTIO_MMIO_STATUS, 0);
+        self.write(reg::VIRTIO_MMIO_STATUS, 1);
+        self.write(reg::VIRTIO_MMIO_STATUS, 3);
+        let f = self.features();
+        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, (f >> 32) as u32);
+        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
+        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, f as u32);
+        self.write(reg::VIRTIO_MMIO_STATUS, 0xb);
+        assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xb);
+        self.mem
+            .write_slice(&[0u8; 0x3000], GuestAddress(DESC))
+            .unwrap();
+        self.write(reg::VIRTIO_MMIO_QUEUE_SEL, 0);
+        assert_eq!(
+            self.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX),
+            u32::from(QUEUE_SIZE)
+        );
+        self.write(reg::VIRTIO_MMIO_QUEUE_NUM, u32::from(Q));
+        for (lo, a) in [
+            (reg::VIRTIO_MMIO_QUEUE_DESC_LOW, DESC),
+            (reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL),
+            (reg::VIRTIO_MMIO_QUEUE_USED_LOW, USED),
+        ] {
+            self.write(lo, a as u32);
+            self.write(lo + 4, 0);
+        }
+        self.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+        self.write(reg::VIRTIO_MMIO_STATUS, 0xf);
+        assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xf, "activation failed");
+        self.avail_idx = 0;
+        self.used_seen = 0;
+        self.pump();
+    }
+
+    fn pump(&mut self) {
+        for _ in 0..100 {
+            if self.em.run_with_timeout(0).unwrap() == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Publishes a chain (descriptors 0.., linked in order, unless `link` overrides the
+    /// next index of the last one) and returns the used length the device reported.
+    fn submit_raw(&mut self, descs: &[D], last_next: Option<u16>) -> u32 {
+        let table = DescriptorTable::new(&self.mem, GuestAddress(DESC), Q);
+        for (i, &(addr, len, write)) in descs.iter().enumerate() {
+            let mut flags = if write { VRING_DESC_F_WRITE as u16 } else { 0 };
+            let mut next = 0;
+            if i + 1 < descs.len() {
+                flags |= VRING_DESC_F_NEXT as u16;
+                next = i as u16 + 1;
+            } else if let Some(n) = last_next {
+                flags |= VRING_DESC_F_NEXT as u16;
+                next = n;
+            }
+            table
+                .store(
+                    i as u16,
+                    RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next)),
+                )
+                .unwrap();
+        }
+        let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % Q);
+        self.mem.write_obj(0u16, GuestAddress(slot)).unwrap();
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+        self.mem
+            .write_obj(self.avail_idx, GuestAddress(AVAIL + 2))
+            .unwrap();
+        self.write(reg::VIRTIO_MMIO_QUEUE_NOTIFY, 0);
+        self.pump();
+        let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
+        assert_eq!(
+            idx,
+            self.used_seen.wrapping_add(1),
+            "one request, one used entry"
+        );
+        let e = USED + 4 + 8 * u64::from(self.used_seen % Q);
+        self.used_seen = idx;
+        let id: u32 = self.mem.read_obj(GuestAddress(e)).unwrap();
+        assert_eq!(id, 0);
+        self.mem.read_obj(GuestAddress(e + 4)).unwrap()
+    }
+
+    fn set_header(&self, type_: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&type_.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write_slice(&h, GuestAddress(HDR)).unwrap();
+    }
+
+    fn status(&self) -> u32 {
+        u32::from(self.mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap())
+    }
+
+    /// A request: header, then `data` descriptors, then the status byte. Returns (status,
+    /// used length).
+    fn request(&mut self, type_: u32, sector: u64, data: &[D]) -> (u32, u32) {
+        self.set_header(type_, sector);
+        self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        let mut descs = vec![(HDR, 16, false)];
+        descs.extend_from_slice(data);
+        descs.push((STATUS, 1, true));
+        let used = self.submit_raw(&descs, None);
+        (self.status(), used)
+    }
+
+    /// Writes `bytes` at `sector` in segments of at most `seg` bytes.
+    fn write_sectors(&mut self, sector: u64, bytes: &[u8], seg: usize) -> u32 {
+        self.mem.write_slice(bytes, GuestAddress(DATA)).unwrap();
+        let descs: Vec<D> = bytes
+            .chunks(seg)
+            .enumerate()
+            .map(|(i, c)| (DATA + (i * seg) as u64, c.len() as u32, false))
+            .collect();
+        let (status, used) = self.request(VIRTIO_BLK_T_OUT, sector, &descs);
+        assert_eq!(used, 1, "a write returns only the status byte");
+        status
+    }
+
+    /// Reads `len` bytes at `sector` in segments of at most `seg` bytes.
+    fn read_sectors(&mut self, sector: u64, len: usize, seg: usize) -> (u32, Vec<u8>) {
+        let dst = DATA + 0x40_0000;
+        self.mem
+            .write_slice(&vec![0xee; len], GuestAddress(dst))
+            .unwrap();
+        let descs: Vec<D> = (0..len.div_ceil(seg))
+            .map(|i| {
+                let n = seg.min(len - i * seg);
+                (dst + (i * seg) as u64, n as u32, true)
+            })
+            .collect();
+        let (status, used) = self.request(VIRTIO_BLK_T_IN, sector, &descs);
+        let mut out = vec![0u8; len];
+        self.mem.read_slice(&mut out, GuestAddress(dst)).unwrap();
+        if status == VIRTIO_BLK_S_OK {
+            assert_eq!(used as usize, len + 1);
+        }
+        (status, out)
+    }
+}
+
+#[test]
+fn identification_features_and_config() {
+    let mut h = Harness::new();
+    assert_eq!(h.read(reg::VIRTIO_MMIO_DEVICE_ID), 2);
+    let f = h.features();
+    assert_eq!(
+        f,
+        (1 << 32) | (1 << VIRTIO_BLK_F_FLUSH) | (1 << VIRTIO_BLK_F_SEG_MAX)
+    );
+    // capacity (le64 sectors) and seg_max, at any access width.
+    let mut cap = [0u8; 8];
+    h.transport.read(0x100, &mut cap);
+    assert_eq!(u64::from_le_bytes(cap), 4 * MIB / 512);
+    assert_eq!(h.read(0x100 + 12), SEG_MAX);
+    let mut one = [0u8; 1];
+    h.transport.read(0x101, &mut one);
+    assert_eq!(one[0], ((4 * MIB / 512) >> 8) as u8);
+    assert_eq!(h.read(0x100 + 0x200), 0, "past the config reads 0");
+    // A read-only disk says so.
+    let mut h = Harness::with(disk::OpenOptions { read_only: true }, None);
+    assert_ne!(h.features() & (1 << VIRTIO_BLK_F_RO), 0);
+}
+
+#[test]
+fn reads_writes_get_id_and_flush() {
+    let mut h = Harness::new();
+    // The base shows through a fresh overlay.
+    let (s, got) = h.read_sectors(0, 8192, 4096);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(got, pattern(1, 8192));
+    // A multi-segment write at an unaligned (but whole-sector) offset, read back with a
+    // different segmentation.
+    let data = pattern(9, 3 * 4096 + 512);
+    assert_eq!(h.write_sectors(129, &data, 4096), VIRTIO_BLK_S_OK);
+    let (s, got) = h.read_sectors(129, data.len(), 1536);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(got, data);
+    // The sector before is still the base's.
+    let (_, got) = h.read_sectors(128, 512, 512);
+    assert_eq!(got, pattern(1, MIB as usize)[128 * 512..129 * 512]);
+    // A large write across blocks, in one descriptor.
+    let big = pattern(10, 300 * 1024);
+    assert_eq!(h.write_sectors(4000, &big, big.len()), VIRTIO_BLK_S_OK);
+    let (_, got) = h.read_sectors(4000, big.len(), 64 * 1024);
+    assert_eq!(got, big);
+
+    // GET_ID: the serial, NUL-padded to 20 bytes.
+    let (s, used) = h.request(VIRTIO_BLK_T_GET_ID, 0, &[(DATA, 20, true)]);
+    assert_eq!((s, used), (VIRTIO_BLK_S_OK, 21));
+    let mut id = [0u8; 20];
+    h.mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+    assert_eq!(&id, b"clade-test-disk\0\0\0\0\0");
+
+    // FLUSH: afterwards the overlay file on the host holds the data and the table points
+    // at it, without relying on the process (read with a plain open: the disk is locked).
+    let (s, used) = h.request(VIRTIO_BLK_T_FLUSH, 0, &[]);
+    assert_eq!((s, used), (VIRTIO_BLK_S_OK, 1));
+    let file = std::fs::read(&h.top).unwrap();
+    let entry = |idx: usize| {
+        let o = 4096 + idx * 8;
+        u64::from_le_bytes(file[o..o + 8].try_into().unwrap()) as usize
+    };
+    // Sector 129 is 512 bytes into block 1.
+    let off = entry(1);
+    assert_ne!(off, 0, "block 1 committed");
+    assert_eq!(&file[off + 512..off + 512 + data.len()], &data[..]);
+    let b = (4000 * 512) / BS as usize;
+    assert_ne!(entry(b), 0);
+    let within = 4000 * 512 - b * BS as usize;
+    assert_eq!(
+        &file[entry(b) + within..entry(b) + BS as usize],
+        &big[..BS as usize - within]
+    );
+}
+
+#[test]
+fn bad_requests_get_an_error_status_and_the_device_keeps_working() {
+    let mut h = Harness::new();
+    let sectors = 4 * MIB / 512;
+    // Out of range, straddling the end, overflowing, partial sectors.
+    for (sector, len) in [(sectors, 512), (sectors - 1, 1024), (u64::MAX / 256, 512)] {
+        let (s, _) = h.read_sectors(sector, len, len);
+        assert_eq!(s, VIRTIO_BLK_S_IOERR, "read {len} at {sector}");
+        assert_eq!(
+            h.write_sectors(sector, &vec![1; len], len),
+            VIRTIO_BLK_S_IOERR
+        );
+    }
+    let (s, _) = h.read_sectors(0, 100, 100);
+    assert_eq!(s, VIRTIO_BLK_S_IOERR, "not whole sectors");
+    assert_eq!(h.write_sectors(0, &[7; 700], 700), VIRTIO_BLK_S_IOERR);
+    // Unknown request type.
+    let (s, used) = h.request(42, 0, &[]);
+    assert_eq!((s, used), (VIRTIO_BLK_S_UNSUPP, 1));
+    // Header too short: answered with IOERR.
+    h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    let used = h.submit_raw(&[(HDR, 8, false), (STATUS, 1, true)], None);
+    assert_eq!((h.status(), used), (VIRTIO_BLK_S_IOERR, 1));
+    // No status byte at all: cannot be answered, returned with used length 0.
+    h.set_header(VIRTIO_BLK_T_IN, 0);
+    assert_eq!(h.submit_raw(&[(HDR, 16, false)], None), 0);
+    // Readable after writable.
+    h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    assert_eq!(
+        h.submit_raw(
+            &[
+                (HDR, 16, false),
+                (DATA, 512, true),
+                (DATA, 512, false),
+                (STATUS, 1, true)
+            ],
+            None
+        ),
+        0
+    );
+    assert_eq!(h.status(), 0xff, "nothing written for a malformed chain");
+    // A loop, and a next index past the table.
+    assert_eq!(
+        h.submit_raw(&[(HDR, 16, false), (STATUS, 1, true)], Some(0)),
+        0
+    );
+    assert_eq!(
+        h.submit_raw(&[(HDR, 16, false), (STATUS, 1, true)], Some(Q + 3)),
+        0
+    );
+    // Buffers outside guest memory.
+    h.set_header(VIRTIO_BLK_T_IN, 0);
+    assert_eq!(
+        h.submit_raw(
+            &[
+                (HDR, 16, false),
+                (MEM_SIZE as u64 - 256, 512, true),
+                (STATUS, 1, true)
+            ],
+            None
+        ),
+        0
+    );
+    h.set_header(VIRTIO_BLK_T_OUT, 0);
+    assert_eq!(
+        h.submit_raw(
+            &[
+                (HDR, 16, false),
+                (u64::MAX - 100, 512, false),
+                (STATUS, 1, true)
+            ],
+            None
+        ),
+        0
+    );
+    // The device still serves good requests, and nothing bad reached the disk.
+    let (s, got) = h.read_sectors(0, 4096, 4096);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(got, pattern(1, 4096));
+    assert_eq!(
+        h.disk.lock().unwrap().layers()[0].allocated_blocks(),
+        0,
+        "no failed write touched the overlay"
+    );
+}
+
+#[test]
+fn writes_to_a_read_only_disk_fail() {
+    let mut h = Harness::with(disk::OpenOptions { read_only: true }, None);
+    assert_eq!(h.write_sectors(0, &[1; 512], 512), VIRTIO_BLK_S_IOERR);
+    let (s, got) = h.read_sectors(0, 512, 512);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(got, pattern(1, 512));
+    let (s, _) = h.request(VIRTIO_BLK_T_FLUSH, 0, &[]);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+}
+
+#[test]
+fn host_disk_full_is_an_io_error_and_the_image_stays_consistent() {
+    // Room for exactly two new blocks in the overlay.
+    let dir = TempDir::new();
+    let top = base_and_overlay(&dir.0);
+    let room = std::fs::metadata(&top).unwrap().len() + 2 * BS;
+    drop(dir);
+    let mut h = Harness::with(disk::OpenOptions::default(), Some(room));
+    let a = pattern(20, 4096);
+    assert_eq!(h.write_sectors(0, &a, 4096), VIRTIO_BLK_S_OK);
+    assert_eq!(h.write_sectors(BS / 512, &a, 4096), VIRTIO_BLK_S_OK);
+    // A third block does not fit: the guest gets IOERR.
+    assert_eq!(
+        h.write_sectors(2 * BS / 512, &pattern(21, 4096), 4096),
+        VIRTIO_BLK_S_IOERR
+    );
+    // Rewrites of blocks already in the overlay still work; flush works.
+    let b = pattern(22, 1024);
+    assert_eq!(h.write_sectors(8, &b, 1024), VIRTIO_BLK_S_OK);
+    let (s, _) = h.request(VIRTIO_BLK_T_FLUSH, 0, &[]);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    // The block that failed still reads as the base (zeros there), the others as written.
+    let (_, got) = h.read_sectors(2 * BS / 512, 4096, 4096);
+    assert_eq!(
+        got,
+        pattern(1, MIB as usize)[2 * BS as usize..2 * BS as usize + 4096]
+    );
+    let (_, got) = h.read_sectors(0, 8192, 8192);
+    let mut want = a.clone();
+    want.extend_from_slice(&pattern(1, 8192)[4096..]);
+    want[8 * 512..8 * 512 + 1024].copy_from_slice(&b);
+    assert_eq!(got, want);
+    // After the VMM is gone, the image opens cleanly with the same content.
+    let top = h.top.clone();
+    let dir = std::mem::replace(&mut h._dir, TempDir(PathBuf::from("/nonexistent-clade")));
+    drop(h);
+    let d = disk::Disk::open(&top, disk::OpenOptions { read_only: true }).unwrap();
+    let mut got = vec![0u8; 8192];
+    d.read_at(0, &mut got).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(d.layers()[0].allocated_blocks(), 2);
+    drop(d);
+    drop(dir);
+}
+
+#[test]
+fn reset_stops_the_worker_and_a_new_driver_can_start_again() {
+    let mut h = Harness::new();
+    assert_eq!(h.write_sectors(0, &[5; 512], 512), VIRTIO_BLK_S_OK);
+    h.write(reg::VIRTIO_MMIO_STATUS, 0);
+    h.pump();
+    assert!(!h.transport.is_active());
+    h.driver_init();
+    let (s, got) = h.read_sectors(0, 512, 512);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    assert_eq!(got, vec![5; 512]);
+}
+
+#[test]
+fn a_running_disk_can_be_frozen_for_a_fork() {
+    let mut h = Harness::new();
+    assert_eq!(h.write_sectors(0, &[1; 512], 512), VIRTIO_BLK_S_OK);
+    // The fork: between two requests, freeze the current top; the VM continues on a new
+    // overlay, a child gets its own overlay on the frozen layer.
+    let dir = h.top.parent().unwrap().to_path_buf();
+    let frozen = h
+        .disk
+        .lock()
+        .unwrap()
+        .snapshot(&dir.join("top.2.cdsk"))
+        .unwrap();
+    assert_eq!(frozen, h.top);
+    let child = dir.join("child.cdsk");
+    disk::ops::create(
+        &child,
+        &disk::ops::CreateOptions {
+            parent: Some(frozen),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(h.write_sectors(0, &[2; 512], 512), VIRTIO_BLK_S_OK);
+    let (_, got) = h.read_sectors(0, 512, 512);
+    assert_eq!(got, vec![2; 512], "the VM sees its own later write");
+    let c = disk::Disk::open(&child, disk::OpenOptions { read_only: true }).unwrap();
+    let mut got = vec![0u8; 1024];
+    c.read_at(0, &mut got).unwrap();
+    assert_eq!(
+        &got[..512],
+        &[1; 512][..],
+        "the child sees the state at the fork"
+    );
+    assert_eq!(
+        &got[512..],
+        &pattern(1, 1024)[512..],
+        "and the base below it"
+    );
+}

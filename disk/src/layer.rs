@@ -1,0 +1,230 @@
+//! One layer file: its header and allocation table, validated when opened.
+
+use std::fs::File;
+use std::io::{Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::header::{Header, HEADER_SIZE};
+use crate::{Error, Result};
+
+/// An open layer file. The allocation table is held in memory: entry `i` is 0 when block `i`
+/// is not in this layer, else the file offset of its data.
+#[derive(Debug)]
+pub struct Layer {
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+    pub(crate) header: Header,
+    pub(crate) table: Vec<u64>,
+    pub(crate) file_len: u64,
+    pub(crate) writable: bool,
+}
+
+/// Takes an advisory lock (`flock`) without waiting: exclusive for a writer, shared for
+/// readers, so two VMMs never write one layer and nobody writes a layer others read.
+pub(crate) fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    } | libc::LOCK_NB;
+    // SAFETY: flock on a file descriptor this File owns; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Err(Error::InUse(path.to_path_buf()))
+    } else {
+        Err(Error::io(path, "flock")(e))
+    }
+}
+
+/// Length of a regular file or a block device.
+pub(crate) fn file_len(file: &File, path: &Path) -> Result<u64> {
+    let mut f = file;
+    f.seek(SeekFrom::End(0)).map_err(Error::io(path, "seek"))
+}
+
+/// Encodes table entries as stored (little-endian u64).
+pub(crate) fn encode_entries(entries: &[u64]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(entries.len() * 8);
+    for e in entries {
+        b.extend_from_slice(&e.to_le_bytes());
+    }
+    b
+}
+
+impl Layer {
+    /// Opens and validates a layer. `writable` opens it read-write with an exclusive lock
+    /// and refuses a frozen layer; otherwise read-only with a shared lock.
+    pub fn open(path: &Path, writable: bool) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(Error::io(path, "open"))?;
+        let read_header = || -> Result<(u64, Header)> {
+            let len = file_len(&file, path)?;
+            let mut head = vec![0u8; HEADER_SIZE.min(len) as usize];
+            file.read_exact_at(&mut head, 0)
+                .map_err(Error::io(path, "read header"))?;
+            Ok((len, Header::decode(path, &head)?))
+        };
+        if let Err(e) = lock(&file, path, writable) {
+            // A frozen layer has readers: say why it cannot be written rather than "in use".
+            if writable && matches!(read_header(), Ok((_, h)) if h.frozen()) {
+                return Err(Error::Frozen(path.to_path_buf()));
+            }
+            return Err(e);
+        }
+        let (len, header) = read_header()?;
+        if writable && header.frozen() {
+            return Err(Error::Frozen(path.to_path_buf()));
+        }
+        let corrupt = |what: String| Error::Corrupt {
+            path: path.to_path_buf(),
+            what,
+        };
+        let table_end = header.table_offset + header.table_bytes();
+        if len < table_end {
+            return Err(corrupt(format!(
+                "truncated allocation table: the file has {len} bytes, the table ends at {table_end}"
+            )));
+        }
+        let mut raw = vec![0u8; header.table_bytes() as usize];
+        file.read_exact_at(&mut raw, header.table_offset)
+            .map_err(Error::io(path, "read allocation table"))?;
+        let table: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                u64::from_le_bytes(a)
+            })
+            .collect();
+        let bs = u64::from(header.block_size);
+        let mut used = Vec::new();
+        for (i, &off) in table.iter().enumerate() {
+            if off == 0 {
+                continue;
+            }
+            if off % bs != 0
+                || off < header.data_offset
+                || off.checked_add(bs).is_none_or(|e| e > len)
+            {
+                return Err(corrupt(format!(
+                    "block {i} points at offset {off}, outside the data area \
+                     ({}..{len} in {bs}-byte blocks)",
+                    header.data_offset
+                )));
+            }
+            used.push(off);
+        }
+        used.sort_unstable();
+        if let Some(w) = used.windows(2).find(|w| w[0] == w[1]) {
+            return Err(corrupt(format!(
+                "two blocks share the data at offset {}",
+                w[0]
+            )));
+        }
+        let layer = Self {
+            path: path.to_path_buf(),
+            file,
+            header,
+            table,
+            file_len: len,
+            writable,
+        };
+        if layer.header.frozen() && layer.table_crc() != layer.header.table_crc {
+            return Err(corrupt(format!(
+                "frozen layer's allocation table checksum mismatch (stored {:#010x}, computed {:#010x})",
+                layer.header.table_crc,
+                layer.table_crc()
+            )));
+        }
+        Ok(layer)
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Blocks stored in this layer.
+    pub fn allocated_blocks(&self) -> u64 {
+        self.table.iter().filter(|&&o| o != 0).count() as u64
+    }
+
+    /// Size of the file in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
+    /// Where block `idx` is in this layer's file, if it is here.
+    pub fn block_offset(&self, idx: u64) -> Option<u64> {
+        self.table
+            .get(usize::try_from(idx).ok()?)
+            .copied()
+            .filter(|&o| o != 0)
+    }
+
+    /// CRC-32 of the allocation table as it is (in memory, which equals the file after a
+    /// flush).
+    pub fn table_crc(&self) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        for e in &self.table {
+            h.update(&e.to_le_bytes());
+        }
+        h.finalize()
+    }
+
+    /// Reads `buf.len()` bytes of block `idx` starting `within` bytes into it; false if
+    /// the block is not in this layer.
+    pub(crate) fn read_block(&self, idx: u64, within: u64, buf: &mut [u8]) -> Result<bool> {
+        let Some(off) = self.block_offset(idx) else {
+            return Ok(false);
+        };
+        self.file
+            .read_exact_at(buf, off + within)
+            .map_err(Error::io(&self.path, "read data block"))?;
+        Ok(true)
+    }
+
+    /// Writes the header (after the caller changed it) and syncs.
+    pub(crate) fn write_header(&mut self) -> Result<()> {
+        self.file
+            .write_all_at(&self.header.encode(), 0)
+            .map_err(Error::io(&self.path, "write header"))?;
+        self.file
+            .sync_data()
+            .map_err(Error::io(&self.path, "fdatasync"))
+    }
+
+    /// Marks this (flushed, writable) layer frozen: table checksum and flag in the header,
+    /// synced; the layer stays open, read-only, with a shared lock.
+    pub(crate) fn freeze_in_place(&mut self) -> Result<()> {
+        if !self.writable {
+            return Err(Error::Invalid(format!(
+                "{}: freezing needs the layer open for writing",
+                self.path.display()
+            )));
+        }
+        let saved = self.header.clone();
+        self.header.flags |= crate::FLAG_FROZEN;
+        self.header.table_crc = self.table_crc();
+        if let Err(e) = self.write_header() {
+            self.header = saved;
+            return Err(e);
+        }
+        self.writable = false;
+        // Downgrade the exclusive lock: children may now share it.
+        lock(&self.file, &self.path, false)
+    }
+}
