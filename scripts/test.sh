@@ -4,9 +4,10 @@
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, vmm/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
 #                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
-#                            "agent-vsock" and "disk" (each counts as one test; "disk" needs
-#                            the Debian root filesystem of tests/nested/build-rootfs.sh,
-#                            built once with debootstrap and cached under build/rootfs/)
+#                            "agent-vsock", "snapshot-resume" and "disk" (each counts as one
+#                            test; "disk" needs the Debian root filesystem of
+#                            tests/nested/build-rootfs.sh, built once with debootstrap and
+#                            cached under build/rootfs/)
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,11 +37,13 @@ else
     # Each scenario counts as one test.
     # shellcheck source-path=SCRIPTDIR source=../tests/nested/lib.sh
     . "$REPO_ROOT/tests/nested/lib.sh"
-    SCENARIOS=(boot agent-vsock)
+    SCENARIOS=(boot agent-vsock snapshot-resume)
     extra="$NESTED_OUT/suite-l1"
     rm -rf "$extra"
     mkdir -p "$extra/scenarios"
-    cp "$REPO_ROOT/tests/nested/scenarios/agent-vsock.sh" "$extra/scenarios/"
+    for s in "${SCENARIOS[@]}"; do
+        [ "$s" = boot ] || cp "$REPO_ROOT/tests/nested/scenarios/$s.sh" "$extra/scenarios/"
+    done
     # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then

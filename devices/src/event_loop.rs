@@ -6,8 +6,8 @@
 //! requests run on the loop thread, in the order they were made.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use event_manager::{EventManager, MutEventSubscriber, RemoteEndpoint};
 
@@ -26,19 +26,28 @@ pub type LoopHandle = RemoteEndpoint<Subscriber>;
 pub struct EventLoop {
     handle: LoopHandle,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    /// Closed when the loop thread is done.
+    done: Option<Receiver<()>>,
 }
 
 impl EventLoop {
     /// Starts the loop thread.
     pub fn start(name: &str) -> Result<Self> {
+        Self::start_on(name, snapshot::spawn_thread())
+    }
+
+    /// Starts the loop on the thread `runner` provides.
+    pub fn start_on(name: &str, runner: snapshot::ThreadRunner) -> Result<Self> {
         let mut manager = Manager::new().map_err(|e| Error::EventLoop(e.to_string()))?;
         let handle = manager.remote_endpoint();
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(move || {
+        let (done_tx, done) = mpsc::sync_channel::<()>(0);
+        runner(
+            name.to_string(),
+            Box::new(move || {
+                // Dropped when the loop ends (or unwinds): the owner's cue.
+                let _done = done_tx;
                 while !flag.load(Ordering::SeqCst) {
                     // Returns 0 events on EINTR; other errors are epoll failures that would
                     // repeat, so give up rather than spin.
@@ -49,12 +58,13 @@ impl EventLoop {
                 }
                 // Subscribers (and their sockets) are dropped here, on the loop thread.
                 drop(manager);
-            })
-            .map_err(|e| Error::EventLoop(format!("spawning thread: {e}")))?;
+            }),
+        )
+        .map_err(|e| Error::EventLoop(format!("spawning thread: {e}")))?;
         Ok(Self {
             handle,
             stop,
-            thread: Some(thread),
+            done: Some(done),
         })
     }
 
@@ -70,10 +80,9 @@ impl Drop for EventLoop {
         if let Err(e) = self.handle.kick() {
             tracing::error!("stopping the device event loop: {e}");
         }
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::error!("device event loop thread panicked");
-            }
+        if let Some(done) = self.done.take() {
+            // Only a disconnect arrives: the loop has ended, normally or by a panic.
+            let _ = done.recv();
         }
     }
 }

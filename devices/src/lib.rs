@@ -16,6 +16,11 @@ use std::sync::Arc;
 
 pub use bus::{Bus, BusDevice};
 
+/// Guest memory as devices see it: every write through it (virtqueue rings, rx buffers) is
+/// recorded in a per-region dirty bitmap, so a diff snapshot includes the pages the VMM
+/// wrote, which KVM's dirty log does not see.
+pub type GuestMemory = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
+
 /// Errors raised while wiring devices.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -43,6 +48,9 @@ pub enum Error {
     /// The device event loop cannot be started or reached.
     #[error("device event loop: {0}")]
     EventLoop(String),
+    /// Saved device state cannot be restored (it does not fit this device, or it is invalid).
+    #[error("device state: {0}")]
+    Restore(String),
 }
 
 /// Result type of this crate.

@@ -17,9 +17,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::{BusDevice, ExitNotifier, GuestExit};
+use crate::{BusDevice, Error, ExitNotifier, GuestExit};
 
 /// First port of the PIO window.
 pub const TEST_PIO_BASE: u64 = 0xf4;
@@ -129,6 +130,40 @@ impl TestMmio {
     }
 }
 
+/// What the MMIO half of the test device remembers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TestMmioState {
+    /// The scratch register.
+    pub scratch: u64,
+    /// Whether the periodic interrupt is armed.
+    pub armed: bool,
+}
+
+impl<'a> snapshot::Persist<'a> for TestMmio {
+    type State = TestMmioState;
+    /// The interrupt eventfd (a KVM irqfd).
+    type ConstructorArgs = EventFd;
+    type Error = Error;
+
+    fn save(&self) -> Result<TestMmioState, Error> {
+        let (lock, _) = &*self.irq;
+        let armed = lock.lock().unwrap_or_else(|e| e.into_inner()).armed;
+        Ok(TestMmioState {
+            scratch: self.scratch,
+            armed,
+        })
+    }
+
+    fn restore(irq: EventFd, state: &TestMmioState) -> Result<Self, Error> {
+        let mut dev = TestMmio::new(irq);
+        dev.scratch = state.scratch;
+        if state.armed {
+            dev.arm();
+        }
+        Ok(dev)
+    }
+}
+
 impl Drop for TestMmio {
     fn drop(&mut self) {
         let (lock, cv) = &*self.irq;
@@ -209,6 +244,38 @@ mod tests {
         let _ = evt.read();
         thread::sleep(Duration::from_millis(10));
         assert!(evt.read().is_err(), "no irq after ack");
+    }
+
+    #[test]
+    fn scratch_and_armed_irq_survive_save_and_restore() {
+        use snapshot::Persist;
+        let evt = EventFd::new(libc_nonblock()).unwrap();
+        let mut dev = TestMmio::new(evt.try_clone().unwrap());
+        dev.write(8, &0x1234_u64.to_le_bytes());
+        dev.write(0x10, &[1]);
+        let state = dev.save().unwrap();
+        assert_eq!(
+            state,
+            TestMmioState {
+                scratch: 0x1234,
+                armed: true
+            }
+        );
+        drop(dev);
+        let evt2 = EventFd::new(libc_nonblock()).unwrap();
+        let mut back = TestMmio::restore(evt2.try_clone().unwrap(), &state).unwrap();
+        let mut buf = [0u8; 8];
+        back.read(8, &mut buf);
+        assert_eq!(u64::from_le_bytes(buf), 0x1234);
+        let t = Instant::now();
+        while evt2.read().is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "armed irq raised again"
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+        back.write(0x18, &[1]);
     }
 
     fn libc_nonblock() -> i32 {

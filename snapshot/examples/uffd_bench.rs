@@ -194,6 +194,7 @@ fn main() {
             PageServerOptions {
                 working_set: Some(ws.clone()),
                 prefetch: Prefetch::BeforeStart,
+                ..Default::default()
             },
         )
         .unwrap();

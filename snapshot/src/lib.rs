@@ -31,6 +31,22 @@ mod persist;
 pub use cpu::{CpuCheck, CpuId};
 pub use persist::Persist;
 
+/// Runs a thread's body (the first argument is the thread's name). [`spawn_thread`] starts
+/// a new thread; a VMM may instead hand the body to a thread it started earlier, to keep
+/// thread creation (tens of microseconds on some hosts) off a resume's critical path.
+pub type ThreadRunner =
+    Box<dyn FnOnce(String, Box<dyn FnOnce() + Send>) -> std::io::Result<()> + Send>;
+
+/// A [`ThreadRunner`] that starts a new thread.
+pub fn spawn_thread() -> ThreadRunner {
+    Box::new(|name, body| {
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(body)
+            .map(|_| ())
+    })
+}
+
 /// Guest page size used by every format in this crate (x86-64 base pages).
 pub const PAGE_SIZE: usize = 4096;
 /// [`PAGE_SIZE`] as `u64`.

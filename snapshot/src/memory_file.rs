@@ -250,18 +250,72 @@ pub fn write_full(
     id: SnapshotId,
     regions: &[GuestRegion<'_>],
 ) -> Result<(MemoryHeader, WriteStats)> {
+    write_full_pending(path, id, regions)?.commit()
+}
+
+/// A memory file whose contents are written (to a temporary file next to its path) but
+/// which is neither durable nor visible under its name until [`PendingMemoryFile::commit`].
+/// Dropped without commit, it is removed. This lets a VMM copy guest memory while the VM is
+/// paused, let the VM run again, and only then pay for the fsync.
+pub struct PendingMemoryFile {
+    out: AtomicFile,
+    path: PathBuf,
+    header: MemoryHeader,
+    stats: WriteStats,
+}
+
+impl std::fmt::Debug for PendingMemoryFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingMemoryFile")
+            .field("path", &self.path)
+            .field("header", &self.header)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl PendingMemoryFile {
+    /// The header that was written.
+    pub fn header(&self) -> &MemoryHeader {
+        &self.header
+    }
+
+    /// What was written.
+    pub fn stats(&self) -> WriteStats {
+        self.stats
+    }
+
+    /// fsync, rename into place, fsync the directory.
+    pub fn commit(self) -> Result<(MemoryHeader, WriteStats)> {
+        self.out.commit()?;
+        tracing::debug!(
+            path = %self.path.display(),
+            id = %self.header.id,
+            kind = %self.header.kind,
+            pages_written = self.stats.pages_written,
+            "committed snapshot memory file"
+        );
+        Ok((self.header, self.stats))
+    }
+}
+
+/// [`write_full`] without the commit.
+pub fn write_full_pending(
+    path: &Path,
+    id: SnapshotId,
+    regions: &[GuestRegion<'_>],
+) -> Result<PendingMemoryFile> {
     write_impl(path, id, None, regions, None)
 }
 
-/// Write a diff memory file on top of `base`: only the pages set in `dirty` (one bitmap
-/// per region, KVM_GET_DIRTY_LOG layout: `u64` words, bit per 4 KiB page).
-pub fn write_diff(
+/// [`write_diff`] without the commit.
+pub fn write_diff_pending(
     path: &Path,
     id: SnapshotId,
     base: SnapshotId,
     regions: &[GuestRegion<'_>],
     dirty: &[&[u64]],
-) -> Result<(MemoryHeader, WriteStats)> {
+) -> Result<PendingMemoryFile> {
     if base.is_none() || base == id {
         return Err(Error::InvalidInput(
             "a diff memory file needs a non-zero base id other than its own".into(),
@@ -277,13 +331,25 @@ pub fn write_diff(
     write_impl(path, id, Some(base), regions, Some(dirty))
 }
 
+/// Write a diff memory file on top of `base`: only the pages set in `dirty` (one bitmap
+/// per region, KVM_GET_DIRTY_LOG layout: `u64` words, bit per 4 KiB page).
+pub fn write_diff(
+    path: &Path,
+    id: SnapshotId,
+    base: SnapshotId,
+    regions: &[GuestRegion<'_>],
+    dirty: &[&[u64]],
+) -> Result<(MemoryHeader, WriteStats)> {
+    write_diff_pending(path, id, base, regions, dirty)?.commit()
+}
+
 fn write_impl(
     path: &Path,
     id: SnapshotId,
     base: Option<SnapshotId>,
     regions: &[GuestRegion<'_>],
     dirty: Option<&[&[u64]]>,
-) -> Result<(MemoryHeader, WriteStats)> {
+) -> Result<PendingMemoryFile> {
     if id.is_none() {
         return Err(Error::InvalidInput("snapshot id is zero".into()));
     }
@@ -440,7 +506,6 @@ fn write_impl(
             }
         }
     }
-    out.commit()?;
     tracing::debug!(
         path = %path.display(),
         id = %id,
@@ -448,9 +513,14 @@ fn write_impl(
         mem_size,
         pages_scanned = stats.pages_scanned,
         pages_written = stats.pages_written,
-        "wrote snapshot memory file"
+        "wrote snapshot memory file (not yet committed)"
     );
-    Ok((header, stats))
+    Ok(PendingMemoryFile {
+        out,
+        path: path.to_path_buf(),
+        header,
+        stats,
+    })
 }
 
 enum Src<'a> {

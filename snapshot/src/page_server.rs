@@ -29,8 +29,8 @@
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use userfaultfd::{Event, EventBuffer, FeatureFlags, IoctlFlags, Uffd, UffdBuilder};
@@ -39,7 +39,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::bitmap::PageBitmap;
 use crate::memory_file::{MemoryChain, PageLocation};
 use crate::working_set::WorkingSet;
-use crate::{Error, Result, PAGE_SIZE, PAGE_SIZE_U64};
+use crate::{spawn_thread, Error, Result, ThreadRunner, PAGE_SIZE, PAGE_SIZE_U64};
 
 /// One host mapping of (part of) the guest memory image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,8 +72,38 @@ pub struct PageServerOptions {
     /// The working-set file: prefetched if it exists and is valid for this snapshot,
     /// otherwise recorded on this run and written on stop.
     pub working_set: Option<PathBuf>,
+    /// The working set, already read from that file (by a caller resuming one snapshot
+    /// many times): used instead of reading the file if it belongs to this snapshot.
+    pub working_set_loaded: Option<Arc<WorkingSet>>,
     /// How to prefetch a loaded working set.
     pub prefetch: Prefetch,
+}
+
+/// A userfaultfd created ahead of time (see [`PageServer::start_with`]): creating one is
+/// a few tens of microseconds a resume need not spend.
+pub struct PreparedUffd(Uffd);
+
+impl std::fmt::Debug for PreparedUffd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PreparedUffd")
+    }
+}
+
+impl PreparedUffd {
+    /// Creates a userfaultfd as the page server needs it (non-blocking, kernel faults
+    /// included, EVENT_REMOVE).
+    pub fn create() -> Result<PreparedUffd> {
+        UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            .user_mode_only(false)
+            .require_features(FeatureFlags::EVENT_REMOVE)
+            .create()
+            .map(PreparedUffd)
+            .map_err(uffd_err(
+                "create (needs CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1)",
+            ))
+    }
 }
 
 /// How [`PageServer::stop`] leaves the memory.
@@ -184,7 +214,8 @@ pub struct PageServer {
     mappings: Vec<GuestMapping>,
     shared: Arc<Shared>,
     stop_evt: EventFd,
-    thread: Option<JoinHandle<Result<()>>>,
+    /// The server thread's result, when it ends.
+    thread: Option<Receiver<Result<()>>>,
     /// Where to write the recorded working set (None: not recording).
     record_to: Option<PathBuf>,
     id: crate::SnapshotId,
@@ -262,16 +293,32 @@ impl PageServer {
         mappings: &[GuestMapping],
         options: PageServerOptions,
     ) -> Result<PageServer> {
+        Self::start_on(chain, mappings, options, spawn_thread())
+    }
+
+    /// [`PageServer::start`], running the server on the thread `runner` provides.
+    pub fn start_on(
+        chain: Arc<MemoryChain>,
+        mappings: &[GuestMapping],
+        options: PageServerOptions,
+        runner: ThreadRunner,
+    ) -> Result<PageServer> {
+        Self::start_with(chain, mappings, options, runner, None)
+    }
+
+    /// [`PageServer::start_on`] with a userfaultfd created earlier (a new one if `None`).
+    pub fn start_with(
+        chain: Arc<MemoryChain>,
+        mappings: &[GuestMapping],
+        options: PageServerOptions,
+        runner: ThreadRunner,
+        uffd: Option<PreparedUffd>,
+    ) -> Result<PageServer> {
         let maps = validate_mappings(mappings, chain.mem_size())?;
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            .user_mode_only(false)
-            .require_features(FeatureFlags::EVENT_REMOVE)
-            .create()
-            .map_err(uffd_err(
-                "create (needs CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1)",
-            ))?;
+        let uffd = match uffd {
+            Some(PreparedUffd(u)) => u,
+            None => PreparedUffd::create()?.0,
+        };
         let mut zeropage = true;
         for (i, m) in maps.iter().enumerate() {
             let ioctls = match uffd.register(m.host_addr as *mut libc::c_void, m.len) {
@@ -299,7 +346,13 @@ impl PageServer {
 
         let mut record_to = None;
         let mut working_set = Vec::new();
-        if let Some(path) = &options.working_set {
+        let preloaded = options
+            .working_set_loaded
+            .as_ref()
+            .filter(|ws| ws.id == id && ws.page_count == pages);
+        if let (Some(ws), Some(_)) = (preloaded, &options.working_set) {
+            working_set = ws.pages.clone();
+        } else if let Some(path) = &options.working_set {
             match WorkingSet::load(path, id, pages) {
                 Ok(ws) => working_set = ws.pages,
                 Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
@@ -353,10 +406,14 @@ impl PageServer {
             }
             add(&shared.counters.prefetch_ns, t.elapsed().as_nanos() as u64);
         }
-        let thread = std::thread::Builder::new()
-            .name("clade-uffd".into())
-            .spawn(move || server.run(&thread_evt))
-            .map_err(|e| Error::PageServer(format!("spawn thread: {e}")))?;
+        let (done_tx, thread) = mpsc::sync_channel(1);
+        runner(
+            "clade-uffd".into(),
+            Box::new(move || {
+                let _ = done_tx.send(server.run(&thread_evt));
+            }),
+        )
+        .map_err(|e| Error::PageServer(format!("spawn thread: {e}")))?;
         tracing::debug!(
             id = %id,
             mappings = maps.len(),
@@ -453,8 +510,9 @@ impl PageServer {
         };
         self.shared.control.store(control, Ordering::SeqCst);
         let _ = self.stop_evt.write(1);
+        // The sender is dropped without a message only if the thread panicked.
         let result = thread
-            .join()
+            .recv()
             .unwrap_or_else(|_| Err(Error::PageServer("server thread panicked".into())));
         for m in &self.mappings {
             if let Err(e) = self

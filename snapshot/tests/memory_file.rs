@@ -413,3 +413,24 @@ fn mostly_empty_4gib_image_is_fast() {
         "write {write_time:?}, read {read_time:?}"
     );
 }
+
+#[test]
+fn a_pending_file_is_invisible_until_committed_and_removed_if_dropped() {
+    let dir = tmp();
+    let path = dir.as_path().join("vm.mem");
+    let img = make_image(1024, 7);
+    let id = SnapshotId::random();
+    let pending = memory_file::write_full_pending(&path, id, &two_regions(&img)).unwrap();
+    assert!(!path.exists(), "not visible before commit");
+    assert_eq!(pending.header().id, id);
+    assert!(pending.stats().pages_written > 0);
+    let (header, _) = pending.commit().unwrap();
+    assert_eq!(header.id, id);
+    assert_eq!(MemoryFile::open(&path).unwrap().header().id, id);
+
+    // Dropped without commit: the old file stays, no temporary file is left.
+    let other = SnapshotId::random();
+    drop(memory_file::write_full_pending(&path, other, &two_regions(&img)).unwrap());
+    assert_eq!(MemoryFile::open(&path).unwrap().header().id, id);
+    assert_eq!(std::fs::read_dir(dir.as_path()).unwrap().count(), 1);
+}

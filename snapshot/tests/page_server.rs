@@ -59,6 +59,7 @@ fn opts(ws: &Path, prefetch: Prefetch) -> PageServerOptions {
     PageServerOptions {
         working_set: Some(ws.to_path_buf()),
         prefetch,
+        ..Default::default()
     }
 }
 

@@ -82,11 +82,11 @@ fn pause_stops_the_guest_and_resume_continues_it() {
         None,
         "paused guest finished"
     );
-    vm.resume().unwrap();
+    vm.unpause().unwrap();
     let status = vm.wait_timeout(T).unwrap().expect("resumed guest finishes");
     assert_eq!(status, ExitStatus::TestExit(0));
     assert!(t.elapsed() >= paused_for);
-    assert!(vm.resume().is_err(), "an ended VM cannot resume");
+    assert!(vm.unpause().is_err(), "an ended VM cannot run again");
 }
 
 fn thread_count() -> usize {

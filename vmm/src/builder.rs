@@ -1,20 +1,19 @@
 //! Assembles a [`Vm`] from a [`VmConfig`]: KVM VM, guest memory, vCPUs, boot state, devices.
 //! Nothing runs until [`Vm::start`].
 
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::Instant;
-
-use devices::{ExitNotifier, GuestExit};
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 
 use crate::arch::boot::{self, BootSpec};
 use crate::arch::layout::{PVM_VIF_BASE, PVM_VIF_MAX};
-use crate::arch::{acpi, cpuid, regs};
+use crate::arch::{acpi, regs};
 use crate::config::VmConfig;
 use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
-use crate::vm::{ExitStatus, Vm, VmEvent};
-use crate::vstate::{kvm, memory, vcpu};
+use crate::vm::Vm;
+use crate::vstate::memory::{self, GuestRam};
+use crate::vstate::shell::{Shell, ShellSpec};
+use crate::vstate::{kvm, vcpu};
 
 /// Command-line key telling the test guest where its PVM VIF cell is.
 pub const PVM_VIF_CMDLINE_KEY: &str = "clade.vif";
@@ -49,28 +48,26 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         }
     }
 
-    let kvm = kvm::open(&config.kvm_device)?;
-    let max = kvm::max_vcpus(&kvm);
-    if config.vcpus > max {
-        return Err(Error::TooManyVcpus {
-            requested: config.vcpus,
-            max,
-        });
-    }
-    let vm_fd = kvm::create_vm(&kvm)?;
     let mem_bytes = config.mem_mib << 20;
-    let ram = memory::create(mem_bytes)?;
-    kvm::set_memory_slots(&vm_fd, &ram.mem)?;
-    kvm::create_irqchip(&vm_fd)?;
-
-    let mut vcpu_fds = Vec::with_capacity(config.vcpus as usize);
-    for i in 0..config.vcpus {
-        vcpu_fds.push(
-            vm_fd
-                .create_vcpu(u64::from(i))
-                .map_err(Error::kvm("KVM_CREATE_VCPU"))?,
-        );
-    }
+    // The same pre-built VM a resume uses: slots over reserved address space, irqchip,
+    // vCPUs; then fresh memory over the reservation.
+    let Shell {
+        vcpus: vcpu_fds,
+        vm_fd,
+        reservation,
+        kvm,
+        cpuids,
+        spares,
+        ..
+    } = Shell::create(&ShellSpec {
+        kvm_device: config.kvm_device.clone(),
+        mem_bytes,
+        vcpus: config.vcpus,
+        // Booted VMs always log dirty pages, so that diff snapshots can be taken (one write
+        // fault per page per snapshot interval).
+        dirty_log: true,
+    })?;
+    let ram = GuestRam::memfd(reservation)?;
 
     // On this project's PVM hypervisor, guests run natively only once each vCPU has a
     // virtual-interrupt-flag cell; elsewhere the probe finds no such MSR.
@@ -94,16 +91,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
     }
 
     let (events_tx, events) = mpsc::channel();
-    let exit_tx = std::sync::Mutex::new(events_tx.clone());
-    let exit: ExitNotifier = Arc::new(move |e: GuestExit| {
-        let status = match e {
-            GuestExit::PowerOff => ExitStatus::PowerOff,
-            GuestExit::Reset => ExitStatus::Reset,
-            GuestExit::TestExit(c) => ExitStatus::TestExit(c),
-        };
-        let tx = exit_tx.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = tx.send(VmEvent::Exit(status));
-    });
+    let exit = crate::vm::exit_notifier(&events_tx);
     // Devices come before the boot tables: the kernel command line and the DSDT announce
     // the virtio-mmio slots.
     let mut devices = DeviceManager::new(
@@ -141,12 +129,8 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         },
     )?;
 
-    let supported = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(Error::kvm("KVM_GET_SUPPORTED_CPUID"))?;
     for (i, fd) in vcpu_fds.iter().enumerate() {
-        let cpuid = cpuid::for_vcpu(&supported, i as u32, config.vcpus);
-        vcpu::configure_for_boot(fd, &cpuid, boot_info.entry)?;
+        vcpu::configure_for_boot(fd, boot_info.entry)?;
         // The cell is (re-)registered after the register state is set: setting sregs resets
         // the hypervisor's view of it.
         if pvm_native && !kvm::register_pvm_vif(fd, PVM_VIF_BASE + i as u64 * 0x1000)? {
@@ -170,6 +154,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         devices,
         events,
         events_tx,
+        page_server: None,
         vm_fd,
         ram,
         _kvm: kvm,
@@ -178,5 +163,13 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         created_at,
         state: Vm::initial_state(),
         exit: None,
+        lineage: None,
+        resume_report: None,
+        working_set_saved: true,
+        dirty_tracking: true,
+        agent_sync: None,
+        vcpu_cpus: Vec::new(),
+        cpuids,
+        spares,
     })
 }

@@ -13,15 +13,18 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use devices::event_loop::EventLoop;
-use devices::legacy::{AcpiPmDevice, SerialDevice, I8042};
-use devices::test_device::{TestMmio, TestPio, TEST_MMIO_LEN, TEST_PIO_BASE, TEST_PIO_LEN};
+use devices::legacy::{AcpiPmDevice, SerialDevice, SerialDeviceState, I8042};
+use devices::test_device::{
+    TestMmio, TestMmioState, TestPio, TEST_MMIO_LEN, TEST_PIO_BASE, TEST_PIO_LEN,
+};
 use devices::virtio::block::BlockDevice;
-use devices::virtio::mmio::MmioTransport;
-use devices::virtio::vsock::{SocketFile, VsockDevice};
-use devices::virtio::VirtioDevice;
-use devices::{Bus, ExitNotifier};
+use devices::virtio::mmio::{MmioTransport, MmioTransportArgs, MmioTransportState};
+use devices::virtio::vsock::{socket_in_use, ListenerSlot, SocketFile, VsockDevice};
+use devices::virtio::{VirtioDevice, VirtioDeviceState};
+use devices::{Bus, ExitNotifier, GuestMemory};
 use kvm_ioctls::{IoEventAddress, VmFd};
-use vm_memory::GuestMemoryMmap;
+use serde::{Deserialize, Serialize};
+use snapshot::Persist;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::layout::{
@@ -129,14 +132,16 @@ impl VirtioSlot {
 }
 
 /// Puts `device` in virtio-mmio slot `n`: irqfd on its GSI, one ioeventfd per queue on
-/// QueueNotify (datamatch = queue index), the transport on the MMIO bus.
+/// QueueNotify (datamatch = queue index), the transport on the MMIO bus. With `state`, the
+/// transport (and the device's queues) is restored from it.
 fn add_virtio_mmio(
     vm: &VmFd,
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     mmio_bus: &mut Bus,
     n: usize,
     device: Box<dyn VirtioDevice>,
-) -> Result<VirtioSlot> {
+    state: Option<&MmioTransportState>,
+) -> Result<(VirtioSlot, Arc<Mutex<MmioTransport>>)> {
     let n32 = u32::try_from(n).unwrap_or(u32::MAX);
     if n32 >= VIRTIO_MMIO_MAX_SLOTS {
         return Err(Error::Config(format!(
@@ -146,7 +151,17 @@ fn add_virtio_mmio(
     let base = VIRTIO_MMIO_BASE + u64::from(n32) * VIRTIO_MMIO_SLOT_SIZE;
     let gsi = VIRTIO_MMIO_GSI_BASE + n32;
     let irq = irq_eventfd(vm, gsi)?;
-    let transport = MmioTransport::new(mem.clone(), device, irq)?;
+    let transport = match state {
+        None => MmioTransport::new(mem.clone(), device, irq)?,
+        Some(st) => MmioTransport::restore(
+            MmioTransportArgs {
+                mem: mem.clone(),
+                device,
+                irq,
+            },
+            st,
+        )?,
+    };
     let notify = IoEventAddress::Mmio(base + VIRTIO_MMIO_QUEUE_NOTIFY);
     for (q, evt) in transport.queue_evts().iter().enumerate() {
         vm.register_ioevent(evt, &notify, q as u32)
@@ -158,8 +173,30 @@ fn add_virtio_mmio(
         gsi,
         device_type: transport.device_type(),
     };
-    mmio_bus.insert(Arc::new(Mutex::new(transport)), base, VIRTIO_MMIO_SLOT_SIZE)?;
-    Ok(slot)
+    let transport = Arc::new(Mutex::new(transport));
+    mmio_bus.insert(transport.clone(), base, VIRTIO_MMIO_SLOT_SIZE)?;
+    Ok((slot, transport))
+}
+
+/// Every device's state, as saved in a snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DevicesState {
+    /// COM1.
+    pub serial: SerialDeviceState,
+    /// The test device's MMIO half, when attached.
+    pub test_device: Option<TestMmioState>,
+    /// virtio-mmio slots, in slot order.
+    pub virtio: Vec<MmioTransportState>,
+}
+
+/// Where a restored VM's devices connect to the host.
+pub struct RestoreHost<'a> {
+    /// The vsock device's Unix socket (when the snapshot has one).
+    pub vsock_path: Option<&'a std::path::Path>,
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The devices of one VM.
@@ -171,6 +208,12 @@ pub struct DeviceManager {
     buses: IoBuses,
     serial_tap: SerialTap,
     virtio_slots: Vec<VirtioSlot>,
+    serial: Arc<Mutex<SerialDevice>>,
+    test_mmio: Option<Arc<Mutex<TestMmio>>>,
+    transports: Vec<Arc<Mutex<MmioTransport>>>,
+    paused: bool,
+    /// Restored vsock devices whose socket is not bound yet.
+    unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
 }
 
 impl DeviceManager {
@@ -178,22 +221,78 @@ impl DeviceManager {
     /// config names, for `vm` with guest memory `mem`.
     pub fn new(
         vm: &VmFd,
-        mem: &GuestMemoryMmap,
+        mem: &GuestMemory,
         serial: &SerialOutput,
         test_device: bool,
         vsock: Option<&VsockConfig>,
         exit: ExitNotifier,
     ) -> Result<Self> {
+        Self::build(
+            vm,
+            mem,
+            serial,
+            test_device,
+            vsock,
+            None,
+            exit,
+            snapshot::spawn_thread(),
+        )
+    }
+
+    /// Recreates the devices of a snapshot from `state`: the same devices in the same
+    /// places, with their saved registers and queues. The vsock device keeps its guest CID
+    /// and listens on `vsock.uds_path`. The device event loop, if one is needed, runs on
+    /// the thread `runner` provides.
+    #[allow(clippy::too_many_arguments)]
+    pub fn restore(
+        vm: &VmFd,
+        mem: &GuestMemory,
+        serial: &SerialOutput,
+        vsock: Option<&VsockConfig>,
+        state: &DevicesState,
+        exit: ExitNotifier,
+        runner: snapshot::ThreadRunner,
+    ) -> Result<Self> {
+        Self::build(
+            vm,
+            mem,
+            serial,
+            state.test_device.is_some(),
+            vsock,
+            Some(state),
+            exit,
+            runner,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        vm: &VmFd,
+        mem: &GuestMemory,
+        serial: &SerialOutput,
+        test_device: bool,
+        vsock: Option<&VsockConfig>,
+        state: Option<&DevicesState>,
+        exit: ExitNotifier,
+        runner: snapshot::ThreadRunner,
+    ) -> Result<Self> {
+        // At most one event loop: the runner is used once.
+        let mut runner = Some(runner);
+        let mut start_loop = move || -> Result<EventLoop> {
+            let r = runner.take().unwrap_or_else(snapshot::spawn_thread);
+            Ok(EventLoop::start_on("clade-devices", r)?)
+        };
         let mut pio_bus = Bus::new();
         let mut mmio_bus = Bus::new();
 
         let (writer, serial_tap) = serial_writer(serial)?;
         let com1_irq = irq_eventfd(vm, pio::SERIAL_COM1_GSI)?;
-        pio_bus.insert(
-            Arc::new(Mutex::new(SerialDevice::new(com1_irq, writer))),
-            u64::from(pio::SERIAL_COM1),
-            8,
-        )?;
+        let serial_dev = match state {
+            None => SerialDevice::new(com1_irq, writer),
+            Some(st) => SerialDevice::restore((com1_irq, writer), &st.serial)?,
+        };
+        let serial_dev = Arc::new(Mutex::new(serial_dev));
+        pio_bus.insert(serial_dev.clone(), u64::from(pio::SERIAL_COM1), 8)?;
         pio_bus.insert(
             Arc::new(Mutex::new(I8042::new(Arc::clone(&exit)))),
             u64::from(pio::I8042),
@@ -204,6 +303,7 @@ impl DeviceManager {
             u64::from(pio::ACPI_PM),
             1,
         )?;
+        let mut test_mmio = None;
         if test_device {
             pio_bus.insert(
                 Arc::new(Mutex::new(TestPio::new(Arc::clone(&exit)))),
@@ -211,31 +311,76 @@ impl DeviceManager {
                 TEST_PIO_LEN,
             )?;
             let irq = irq_eventfd(vm, pio::TEST_DEVICE_GSI)?;
-            mmio_bus.insert(
-                Arc::new(Mutex::new(TestMmio::new(irq))),
-                TEST_MMIO_BASE,
-                TEST_MMIO_LEN,
-            )?;
+            let dev = match state.and_then(|s| s.test_device.as_ref()) {
+                None => TestMmio::new(irq),
+                Some(st) => TestMmio::restore(irq, st)?,
+            };
+            let dev = Arc::new(Mutex::new(dev));
+            mmio_bus.insert(dev.clone(), TEST_MMIO_BASE, TEST_MMIO_LEN)?;
+            test_mmio = Some(dev);
         }
         let mut virtio: Vec<Box<dyn VirtioDevice>> = Vec::new();
         let mut event_loop = None;
         let mut socket_files = Vec::new();
-        if let Some(v) = vsock {
-            let lp = EventLoop::start("clade-devices")?;
-            // Refuses a path another VMM listens on; replaces a stale socket file.
-            let (listener, file) = SocketFile::bind(&v.uds_path)?;
-            socket_files.push(file);
-            virtio.push(Box::new(VsockDevice::new(
-                u64::from(v.guest_cid),
-                listener,
-                &v.uds_path,
-                lp.handle(),
-            )?));
-            event_loop = Some(lp);
+        let mut unbound = Vec::new();
+        let saved_virtio = state.map(|s| &s.virtio[..]);
+        match saved_virtio {
+            None => {
+                if let Some(v) = vsock {
+                    let lp = start_loop()?;
+                    // Refuses a path another VMM listens on; replaces a stale socket file.
+                    let (listener, file) = SocketFile::bind(&v.uds_path)?;
+                    socket_files.push(file);
+                    virtio.push(Box::new(VsockDevice::new(
+                        u64::from(v.guest_cid),
+                        listener,
+                        &v.uds_path,
+                        lp.handle(),
+                    )?));
+                    event_loop = Some(lp);
+                }
+            }
+            Some(saved) => {
+                for t in saved {
+                    match &t.device {
+                        VirtioDeviceState::Vsock(vs) => {
+                            let Some(v) = vsock else {
+                                return Err(Error::Snapshot(
+                                    "the snapshot has a vsock device but no socket path was given"
+                                        .into(),
+                                ));
+                            };
+                            if event_loop.is_some() {
+                                return Err(Error::Snapshot(
+                                    "the snapshot has more than one vsock device".into(),
+                                ));
+                            }
+                            // Fail now rather than after the vCPUs started.
+                            if socket_in_use(&v.uds_path) {
+                                return Err(devices::Error::SocketInUse(v.uds_path.clone()).into());
+                            }
+                            let lp = start_loop()?;
+                            // Bound by finish_restore, while the vCPUs already run.
+                            let slot: ListenerSlot = Arc::new(Mutex::new(None));
+                            virtio.push(Box::new(VsockDevice::restore(
+                                vs,
+                                slot.clone(),
+                                &v.uds_path,
+                                lp.handle(),
+                            )?));
+                            unbound.push((v.uds_path.clone(), slot));
+                            event_loop = Some(lp);
+                        }
+                    }
+                }
+            }
         }
         let mut virtio_slots = Vec::new();
+        let mut transports = Vec::new();
         for (n, device) in virtio.into_iter().enumerate() {
-            let slot = add_virtio_mmio(vm, mem, &mut mmio_bus, n, device)?;
+            let saved = saved_virtio.and_then(|s| s.get(n));
+            let (slot, transport) = add_virtio_mmio(vm, mem, &mut mmio_bus, n, device, saved)?;
+            transports.push(transport);
             tracing::debug!(
                 "virtio-mmio slot {n}: device type {} at {:#x}, GSI {}",
                 slot.device_type,
@@ -253,6 +398,85 @@ impl DeviceManager {
             },
             serial_tap,
             virtio_slots,
+            serial: serial_dev,
+            test_mmio,
+            transports,
+            paused: false,
+            unbound,
+        })
+    }
+
+    /// Completes a [`DeviceManager::restore`]: binds the vsock sockets and starts the
+    /// virtio devices' work. Call it once the vCPUs run (their notifications wait in the
+    /// queue eventfds until then), before handing the VM out.
+    pub fn finish_restore(&mut self) -> Result<()> {
+        for (path, slot) in self.unbound.drain(..) {
+            let (listener, file) = SocketFile::bind(&path)?;
+            self._socket_files.push(file);
+            *lock(&slot) = Some(listener);
+        }
+        for t in &self.transports {
+            lock(t).finish_restore()?;
+        }
+        Ok(())
+    }
+
+    /// Stops device work that runs outside vCPU exits (virtio workers on the event loop),
+    /// so that device state and guest memory hold still for a snapshot. Pause the vCPUs
+    /// first.
+    pub fn pause(&mut self) {
+        if self.paused {
+            return;
+        }
+        for t in &self.transports {
+            lock(t).pause_device();
+        }
+        self.paused = true;
+    }
+
+    /// Lets paused devices work again.
+    pub fn unpause(&mut self) {
+        if !self.paused {
+            return;
+        }
+        for t in &self.transports {
+            lock(t).unpause_device();
+        }
+        self.paused = false;
+    }
+
+    /// Fails when a device cannot be snapshotted (virtio-blk, for now: its disk layers
+    /// would have to be frozen with the snapshot).
+    pub fn check_snapshot(&self) -> Result<()> {
+        if self
+            .virtio_slots
+            .iter()
+            .any(|s| s.device_type == devices::virtio::block::BLOCK_DEVICE_ID)
+        {
+            return Err(Error::Snapshot(
+                "VMs with a virtio-blk disk cannot be snapshotted yet".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every device's state. Call between [`DeviceManager::pause`] and
+    /// [`DeviceManager::unpause`], with the vCPUs paused.
+    pub fn save(&self) -> Result<DevicesState> {
+        if !self.paused {
+            return Err(Error::Snapshot("devices must be paused to be saved".into()));
+        }
+        Ok(DevicesState {
+            serial: lock(&self.serial).save()?,
+            test_device: match &self.test_mmio {
+                Some(t) => Some(lock(t).save()?),
+                None => None,
+            },
+            virtio: self
+                .transports
+                .iter()
+                .map(|t| lock(t).save())
+                .collect::<devices::Result<Vec<_>>>()?,
         })
     }
 
@@ -263,7 +487,7 @@ impl DeviceManager {
     pub fn add_block_device(
         &mut self,
         vm: &VmFd,
-        mem: &GuestMemoryMmap,
+        mem: &GuestMemory,
         cfg: &BlockConfig,
     ) -> Result<Arc<Mutex<disk::Disk>>> {
         let image = disk::Disk::open(
@@ -286,7 +510,7 @@ impl DeviceManager {
         let mmio = Arc::get_mut(&mut self.buses.mmio)
             .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
         let n = self.virtio_slots.len();
-        let slot = add_virtio_mmio(vm, mem, mmio, n, Box::new(device))?;
+        let (slot, transport) = add_virtio_mmio(vm, mem, mmio, n, Box::new(device), None)?;
         tracing::debug!(
             "virtio-mmio slot {n}: block device {} at {:#x}, GSI {}",
             cfg.path.display(),
@@ -294,6 +518,7 @@ impl DeviceManager {
             slot.gsi
         );
         self.virtio_slots.push(slot);
+        self.transports.push(transport);
         Ok(shared)
     }
 
@@ -324,7 +549,7 @@ mod tests {
         let k = kvm::open(Path::new(kvm::KVM_PATH)).ok()?;
         let vm = kvm::create_vm(&k).ok()?;
         let ram = memory::create(64 << 20).ok()?;
-        kvm::set_memory_slots(&vm, &ram.mem).ok()?;
+        kvm::set_memory_slots(&vm, ram.ranges(), false).ok()?;
         kvm::create_irqchip(&vm).ok()?;
         Some((k, vm, ram))
     }

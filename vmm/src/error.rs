@@ -112,6 +112,15 @@ pub enum Error {
     /// The agent answered with an error.
     #[error("agent: {0}")]
     Agent(#[from] guest_agent::RemoteError),
+    /// A snapshot cannot be taken or restored.
+    #[error("snapshot: {0}")]
+    Snapshot(String),
+    /// A snapshot's files are unusable (missing, truncated, corrupted, foreign, ...).
+    #[error("snapshot {dir}: {source}")]
+    SnapshotFile {
+        dir: PathBuf,
+        source: snapshot::Error,
+    },
     /// Other host I/O failure.
     #[error("{context}: {source}")]
     Io {

@@ -1,15 +1,18 @@
 //! [`Vm`]: the handle to a built VM — start, pause, resume, wait, shut down.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use devices::{ExitNotifier, GuestExit};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use vm_memory::GuestMemoryMmap;
+use snapshot::page_server::{PageServer, PageServerStats};
 
 use crate::config::VmConfig;
 use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
-use crate::vstate::memory::GuestRam;
+use crate::persist::{Lineage, ResumeReport};
+use crate::vstate::memory::{GuestMemory, GuestRam};
 use crate::vstate::vcpu::VcpuHandle;
 
 /// How a VM ended.
@@ -59,6 +62,20 @@ pub enum VmEvent {
     Exit(ExitStatus),
 }
 
+/// The callback devices use to end the VM: a [`VmEvent::Exit`] to the owner.
+pub(crate) fn exit_notifier(events_tx: &Sender<VmEvent>) -> ExitNotifier {
+    let exit_tx = Mutex::new(events_tx.clone());
+    Arc::new(move |e: GuestExit| {
+        let status = match e {
+            GuestExit::PowerOff => ExitStatus::PowerOff,
+            GuestExit::Reset => ExitStatus::Reset,
+            GuestExit::TestExit(c) => ExitStatus::TestExit(c),
+        };
+        let tx = exit_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = tx.send(VmEvent::Exit(status));
+    })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RunState {
     Built,
@@ -86,7 +103,9 @@ pub struct Vm {
     pub(crate) pending_vcpus: Vec<VcpuFd>,
     pub(crate) devices: DeviceManager,
     pub(crate) events: Receiver<VmEvent>,
-    pub(crate) events_tx: std::sync::mpsc::Sender<VmEvent>,
+    pub(crate) events_tx: Sender<VmEvent>,
+    /// Serves guest memory on demand after a `uffd` resume (stops before memory goes).
+    pub(crate) page_server: Option<PageServer>,
     pub(crate) vm_fd: VmFd,
     pub(crate) ram: GuestRam,
     pub(crate) _kvm: Kvm,
@@ -95,6 +114,23 @@ pub struct Vm {
     pub(crate) created_at: Instant,
     pub(crate) state: RunState,
     pub(crate) exit: Option<ExitStatus>,
+    /// The snapshot this VM's memory last matched (taken or resumed from): the base of the
+    /// next diff snapshot.
+    pub(crate) lineage: Option<Lineage>,
+    /// How the resume that made this VM went.
+    pub(crate) resume_report: Option<ResumeReport>,
+    /// False while a page server records a working set that was not yet written.
+    pub(crate) working_set_saved: bool,
+    /// The memory slots log dirty pages (diff snapshots possible).
+    pub(crate) dirty_tracking: bool,
+    /// Threads started ahead of time for the vCPUs (from a VM shell).
+    pub(crate) spares: Vec<crate::vstate::spare::SpareThread>,
+    /// The CPUID set on each vCPU (saved in snapshots).
+    pub(crate) cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
+    /// Host CPUs the vCPU threads are pinned to (vCPU `i` on `vcpu_cpus[i % len]`).
+    pub(crate) vcpu_cpus: Vec<usize>,
+    /// The post-resume agent sync's outcome, once it arrives.
+    pub(crate) agent_sync: Option<Receiver<std::result::Result<Duration, String>>>,
 }
 
 impl Vm {
@@ -121,10 +157,32 @@ impl Vm {
         }
         let buses = self.devices.buses();
         for (index, fd) in self.pending_vcpus.drain(..).enumerate() {
-            let handle = VcpuHandle::spawn(index, fd, buses.clone(), self.events_tx.clone())?;
+            let cpu =
+                (!self.vcpu_cpus.is_empty()).then(|| self.vcpu_cpus[index % self.vcpu_cpus.len()]);
+            let runner = crate::vstate::spare::runner_from(&mut self.spares);
+            let handle = VcpuHandle::spawn(
+                index,
+                fd,
+                buses.clone(),
+                self.events_tx.clone(),
+                cpu,
+                runner,
+            )?;
             self.vcpus.push(handle);
         }
+        self.spares.clear();
         self.state = RunState::Running;
+        Ok(())
+    }
+
+    /// Pins the vCPU threads to host CPUs (vCPU `i` on `cpus[i % cpus.len()]`; empty: no
+    /// pinning). Only before [`Vm::start`]. Worth it when a guest busy-polls on a host
+    /// with few CPUs: the VMM's threads then never wait behind a spinning vCPU.
+    pub fn pin_vcpus(&mut self, cpus: Vec<usize>) -> Result<()> {
+        if self.state != RunState::Built {
+            return Err(self.invalid("pin vCPUs"));
+        }
+        self.vcpu_cpus = cpus;
         Ok(())
     }
 
@@ -148,10 +206,11 @@ impl Vm {
         Ok(())
     }
 
-    /// Lets paused vCPUs run again.
-    pub fn resume(&mut self) -> Result<()> {
+    /// Lets paused vCPUs run again. (Not to be confused with [`Vm::resume`], which
+    /// makes a new VM from a snapshot.)
+    pub fn unpause(&mut self) -> Result<()> {
         if self.state != RunState::Paused {
-            return Err(self.invalid("resume"));
+            return Err(self.invalid("unpause"));
         }
         for v in &self.vcpus {
             v.resume();
@@ -166,14 +225,25 @@ impl Vm {
         }
         self.state = RunState::Ended;
         tracing::info!("VM ended: {status}");
+        self.finish_working_set();
         self.exit.get_or_insert(status).clone()
     }
 
-    fn poll_exit(&mut self) {
+    /// A page-server failure leaves a vCPU blocked on a page forever: end the VM.
+    fn page_server_failure(&self) -> Option<ExitStatus> {
+        let e = self.page_server.as_ref()?.error()?;
+        Some(ExitStatus::Crashed(format!(
+            "guest memory could not be served: {e}"
+        )))
+    }
+
+    pub(crate) fn poll_exit(&mut self) {
         if self.state == RunState::Ended {
             return;
         }
         if let Ok(VmEvent::Exit(status)) = self.events.try_recv() {
+            self.finish(status);
+        } else if let Some(status) = self.page_server_failure() {
             self.finish(status);
         }
     }
@@ -181,7 +251,7 @@ impl Vm {
     /// Blocks until the VM ends and returns how it ended.
     pub fn wait(&mut self) -> Result<ExitStatus> {
         loop {
-            if let Some(status) = self.wait_timeout(Duration::from_secs(3600))? {
+            if let Some(status) = self.wait_timeout(Duration::from_millis(200))? {
                 return Ok(status);
             }
         }
@@ -194,6 +264,9 @@ impl Vm {
         }
         if self.state == RunState::Built {
             return Err(self.invalid("wait"));
+        }
+        if let Some(status) = self.page_server_failure() {
+            return Ok(Some(self.finish(status)));
         }
         match self.events.recv_timeout(timeout) {
             Ok(VmEvent::Exit(status)) => Ok(Some(self.finish(status))),
@@ -221,9 +294,87 @@ impl Vm {
         &self.config
     }
 
-    /// Guest memory.
-    pub fn memory(&self) -> &GuestMemoryMmap {
+    /// Guest memory. (Clones of it must not outlive the VM: the memory is unmapped when
+    /// the VM is dropped.)
+    pub fn memory(&self) -> &GuestMemory {
         &self.ram.mem
+    }
+
+    /// Reads guest memory at guest-physical `addr` (the VM may run: for inspection).
+    pub fn read_guest(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
+        use vm_memory::Bytes;
+        self.ram
+            .mem
+            .read_slice(buf, vm_memory::GuestAddress(addr))
+            .map_err(|e| Error::Memory(format!("reading guest memory at {addr:#x}: {e}")))
+    }
+
+    /// The VM's state: "not started", "running", "paused" or "ended".
+    pub fn state_name(&self) -> &'static str {
+        self.state.name()
+    }
+
+    /// The page server's counters, when the VM was resumed with the `uffd` backend and the
+    /// server still runs.
+    pub fn page_server_stats(&self) -> Option<PageServerStats> {
+        self.page_server.as_ref().map(|p| p.stats())
+    }
+
+    /// The snapshot this VM's memory last matched (the last one it took, or the one it
+    /// was resumed from): the base of its next diff snapshot.
+    pub fn last_snapshot(&self) -> Option<&Lineage> {
+        self.lineage.as_ref()
+    }
+
+    /// How the resume that created this VM went (None for a booted VM).
+    pub fn resume_report(&self) -> Option<&ResumeReport> {
+        self.resume_report.as_ref()
+    }
+
+    /// Writes the working set the page server recorded since the resume (the pages the
+    /// guest touched, in order) next to the snapshot, so that later resumes prefetch it.
+    /// Call it once the guest has served its first request; a VM that never calls it saves
+    /// everything it touched when it ends. Returns the pages written (None: not recording).
+    pub fn save_working_set(&mut self) -> Result<Option<usize>> {
+        let Some(ps) = &self.page_server else {
+            return Ok(None);
+        };
+        if self.working_set_saved {
+            return Ok(None);
+        }
+        let n = ps
+            .save_working_set()
+            .map_err(|e| Error::Snapshot(format!("saving the working set: {e}")))?;
+        self.working_set_saved = true;
+        if let Some(n) = n {
+            tracing::info!("working set saved: {n} pages");
+        }
+        Ok(n)
+    }
+
+    /// The outcome of the agent sync a resume started ([`crate::ResumeOptions::agent_sync`]):
+    /// `Some` once, when it has finished (with how long it took, or why it failed).
+    pub fn agent_sync_done(&mut self) -> Option<std::result::Result<Duration, String>> {
+        let r = self.agent_sync.as_ref()?.try_recv();
+        match r {
+            Ok(r) => {
+                self.agent_sync = None;
+                Some(r)
+            }
+            Err(std::sync::mpsc::TryRecvError::Empty) => None,
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                self.agent_sync = None;
+                Some(Err("the agent sync thread ended without an answer".into()))
+            }
+        }
+    }
+
+    fn finish_working_set(&mut self) {
+        if !self.working_set_saved {
+            if let Err(e) = self.save_working_set() {
+                tracing::warn!("{e}");
+            }
+        }
     }
 
     /// True when this host's PVM hypervisor runs the guest natively through the VIF cell.
@@ -260,5 +411,6 @@ impl Drop for Vm {
         for v in &mut self.vcpus {
             v.stop();
         }
+        self.finish_working_set();
     }
 }

@@ -9,16 +9,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
     VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
 };
 use virtio_bindings::virtio_mmio as reg;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
+
+use crate::GuestMemory;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::{Interrupt, VirtQueue, VirtioDevice, VENDOR_ID, VIRTIO_F_VERSION_1};
+use super::{
+    Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState, VENDOR_ID,
+    VIRTIO_F_VERSION_1,
+};
 use crate::{BusDevice, Error, Result};
 
 /// Size of one virtio-mmio register window.
@@ -36,6 +42,14 @@ const S_FEATURES_OK: u32 = VIRTIO_CONFIG_S_FEATURES_OK;
 const S_DRIVER_OK: u32 = VIRTIO_CONFIG_S_DRIVER_OK;
 const S_NEEDS_RESET: u32 = VIRTIO_CONFIG_S_NEEDS_RESET;
 const S_FAILED: u32 = VIRTIO_CONFIG_S_FAILED;
+/// The device status values a driver moves through, in order.
+const STATUS_STEPS: [u32; 5] = [
+    0,
+    S_ACK,
+    S_ACK | S_DRIVER,
+    S_ACK | S_DRIVER | S_FEATURES_OK,
+    S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK,
+];
 
 /// Guest-triggered warnings: at most this many per window, so a misbehaving guest cannot
 /// flood the host log.
@@ -94,7 +108,7 @@ fn set_high(v: &mut u64, high: u32) {
 /// One virtio device behind a virtio-mmio register window.
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
-    mem: GuestMemoryMmap,
+    mem: GuestMemory,
     interrupt: Arc<Interrupt>,
     max_sizes: Vec<u16>,
     regs: Vec<QueueRegs>,
@@ -108,6 +122,9 @@ pub struct MmioTransport {
     status: u32,
     config_generation: u32,
     active: bool,
+    /// Restored active but not activated yet ([`MmioTransport::finish_restore`]): the
+    /// queue positions to start from.
+    pending_activation: Option<Vec<QueuePosition>>,
     log: LogLimiter,
 }
 
@@ -121,7 +138,7 @@ macro_rules! guest_warn {
 
 impl MmioTransport {
     /// Wraps `device`; `irq` is the eventfd the VMM registered as the slot's irqfd.
-    pub fn new(mem: GuestMemoryMmap, device: Box<dyn VirtioDevice>, irq: EventFd) -> Result<Self> {
+    pub fn new(mem: GuestMemory, device: Box<dyn VirtioDevice>, irq: EventFd) -> Result<Self> {
         let max_sizes = device.queue_max_sizes().to_vec();
         for (i, &m) in max_sizes.iter().enumerate() {
             if Queue::new(m).is_err() {
@@ -150,6 +167,7 @@ impl MmioTransport {
             status: 0,
             config_generation: 0,
             active: false,
+            pending_activation: None,
             log: LogLimiter::new(),
         })
     }
@@ -195,6 +213,7 @@ impl MmioTransport {
         }
         self.device.reset();
         self.active = false;
+        self.pending_activation = None;
         self.status = 0;
         self.device_features_sel = 0;
         self.driver_features_sel = 0;
@@ -221,14 +240,7 @@ impl MmioTransport {
         // NEEDS_RESET is the device's bit; drivers write back what they read.
         let new = value & !S_NEEDS_RESET;
         let old = self.status & !S_NEEDS_RESET;
-        const STEPS: [u32; 5] = [
-            0,
-            S_ACK,
-            S_ACK | S_DRIVER,
-            S_ACK | S_DRIVER | S_FEATURES_OK,
-            S_ACK | S_DRIVER | S_FEATURES_OK | S_DRIVER_OK,
-        ];
-        if new & old != old || !STEPS.contains(&new) || self.status & S_FAILED != 0 {
+        if new & old != old || !STATUS_STEPS.contains(&new) || self.status & S_FAILED != 0 {
             guest_warn!(
                 self,
                 "virtio-mmio: invalid status transition {old:#x} -> {value:#x}, ignored"
@@ -256,32 +268,41 @@ impl MmioTransport {
         }
     }
 
-    fn activate(&mut self) {
+    /// The queues to hand to the device, rebuilt from the registers (which cannot have
+    /// changed since QueueReady) and starting at `positions` (restore) or 0. An unused
+    /// queue is handed over not ready; the device decides if it needs it.
+    fn device_queues(
+        &self,
+        positions: &[QueuePosition],
+    ) -> std::result::Result<Vec<VirtQueue>, String> {
         let mut queues = Vec::with_capacity(self.max_sizes.len());
         for (i, max) in self.max_sizes.iter().enumerate() {
-            // Rebuilt from the registers, which cannot have changed since QueueReady. An
-            // unused queue is handed over not ready; the device decides if it needs it.
-            let queue = if self.ready[i] {
+            let mut queue = if self.ready[i] {
                 self.build_queue(i)
             } else {
                 Queue::new(*max).map_err(|e| e.to_string())
-            };
-            let queue = match queue {
-                Ok(q) => q,
-                Err(e) => {
-                    self.fail(format!("queue {i}: {e}"));
-                    return;
-                }
-            };
-            let notify = match self.queue_evts[i].try_clone() {
-                Ok(e) => e,
-                Err(e) => {
-                    self.fail(format!("cloning queue {i} eventfd: {e}"));
-                    return;
-                }
-            };
+            }
+            .map_err(|e| format!("queue {i}: {e}"))?;
+            if let Some(p) = positions.get(i) {
+                queue.set_next_avail(p.next_avail);
+                queue.set_next_used(p.next_used);
+            }
+            let notify = self.queue_evts[i]
+                .try_clone()
+                .map_err(|e| format!("cloning queue {i} eventfd: {e}"))?;
             queues.push(VirtQueue { queue, notify });
         }
+        Ok(queues)
+    }
+
+    fn activate(&mut self) {
+        let queues = match self.device_queues(&[]) {
+            Ok(q) => q,
+            Err(e) => {
+                self.fail(e);
+                return;
+            }
+        };
         match self.device.activate(
             self.mem.clone(),
             queues,
@@ -484,6 +505,224 @@ impl MmioTransport {
     }
 }
 
+/// One queue of a transport, as saved in a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MmioQueueState {
+    /// QueueNum as written by the driver.
+    pub size: u32,
+    /// Descriptor table address.
+    pub desc: u64,
+    /// Available ring address.
+    pub avail: u64,
+    /// Used ring address.
+    pub used: u64,
+    /// QueueReady.
+    pub ready: bool,
+    /// Where the device stands in the rings (zero when not active).
+    pub position: QueuePosition,
+}
+
+/// A virtio-mmio transport and its device, as saved in a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MmioTransportState {
+    /// virtio device type (must match the device it is restored into).
+    pub device_type: u32,
+    /// DeviceFeaturesSel.
+    pub device_features_sel: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_sel: u32,
+    /// Features the driver accepted.
+    pub driver_features: u64,
+    /// QueueSel.
+    pub queue_sel: u32,
+    /// Device status.
+    pub status: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// InterruptStatus bits not yet acknowledged.
+    pub interrupt_status: u32,
+    /// The device was running (DRIVER_OK accepted).
+    pub active: bool,
+    /// Every queue, in queue order.
+    pub queues: Vec<MmioQueueState>,
+    /// The device's own state.
+    pub device: VirtioDeviceState,
+}
+
+/// What [`MmioTransport`]'s `restore` needs besides the state.
+pub struct MmioTransportArgs {
+    /// Guest memory.
+    pub mem: GuestMemory,
+    /// The device, already restored from [`MmioTransportState::device`].
+    pub device: Box<dyn VirtioDevice>,
+    /// The slot's interrupt eventfd (a KVM irqfd).
+    pub irq: EventFd,
+}
+
+impl MmioTransport {
+    /// Stops the device's work for a snapshot (see [`VirtioDevice::pause`]).
+    pub fn pause_device(&mut self) {
+        self.device.pause();
+    }
+
+    /// Lets the device work again.
+    pub fn unpause_device(&mut self) {
+        self.device.unpause();
+    }
+}
+
+fn restore_err(msg: impl std::fmt::Display) -> Error {
+    Error::Restore(format!("virtio-mmio: {msg}"))
+}
+
+impl MmioTransport {
+    /// Activates a device restored active (see `restore`), unless the guest reset it in
+    /// the meantime. Idempotent.
+    pub fn finish_restore(&mut self) -> Result<()> {
+        let Some(positions) = self.pending_activation.take() else {
+            return Ok(());
+        };
+        let queues = self.device_queues(&positions).map_err(restore_err)?;
+        self.device
+            .activate(
+                self.mem.clone(),
+                queues,
+                Arc::clone(&self.interrupt),
+                self.driver_features,
+            )
+            .map_err(|e| restore_err(format!("activating the restored device: {e}")))
+    }
+}
+
+impl<'a> snapshot::Persist<'a> for MmioTransport {
+    type State = MmioTransportState;
+    type ConstructorArgs = MmioTransportArgs;
+    type Error = Error;
+
+    /// Call with the device paused ([`MmioTransport::pause_device`]).
+    fn save(&self) -> Result<MmioTransportState> {
+        let positions = match &self.pending_activation {
+            Some(p) => p.clone(),
+            None => self.device.queue_positions(),
+        };
+        let queues = self
+            .regs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| MmioQueueState {
+                size: r.size,
+                desc: r.desc,
+                avail: r.avail,
+                used: r.used,
+                ready: self.ready[i],
+                position: positions.get(i).copied().unwrap_or_default(),
+            })
+            .collect();
+        let device = self.device.save_state().ok_or_else(|| {
+            Error::Restore(format!(
+                "snapshots of VMs with a virtio device of type {} ({}) are not supported yet",
+                self.device.device_type(),
+                match self.device.device_type() {
+                    2 => "block",
+                    _ => "unknown",
+                }
+            ))
+        })?;
+        Ok(MmioTransportState {
+            device_type: self.device.device_type(),
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            queue_sel: self.queue_sel,
+            status: self.status,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            active: self.active,
+            queues,
+            device,
+        })
+    }
+
+    /// Rebuilds the transport; an active device is activated again with its queues at the
+    /// saved positions, by [`MmioTransport::finish_restore`] (the guest may run before: its
+    /// notifications wait in the queue eventfds). Everything is checked as if the driver had
+    /// written it.
+    fn restore(args: MmioTransportArgs, state: &MmioTransportState) -> Result<Self> {
+        let mut t = MmioTransport::new(args.mem, args.device, args.irq)?;
+        if state.device_type != t.device_type() {
+            return Err(restore_err(format!(
+                "saved device type {} restored into a device of type {}",
+                state.device_type,
+                t.device_type()
+            )));
+        }
+        if state.queues.len() != t.max_sizes.len() {
+            return Err(restore_err(format!(
+                "{} saved queues for a device with {}",
+                state.queues.len(),
+                t.max_sizes.len()
+            )));
+        }
+        let steps = state.status & !(S_NEEDS_RESET | S_FAILED);
+        if !STATUS_STEPS.contains(&steps) {
+            return Err(restore_err(format!(
+                "invalid device status {:#x}",
+                state.status
+            )));
+        }
+        let offered = t.device_features();
+        if steps & S_FEATURES_OK != 0
+            && (state.driver_features & !offered != 0
+                || state.driver_features & (1u64 << VIRTIO_F_VERSION_1) == 0)
+        {
+            return Err(restore_err(format!(
+                "driver features {:#x} were never acceptable (offered {offered:#x})",
+                state.driver_features
+            )));
+        }
+        if state.interrupt_status & !3 != 0 {
+            return Err(restore_err(format!(
+                "interrupt status {:#x}",
+                state.interrupt_status
+            )));
+        }
+        t.device_features_sel = state.device_features_sel;
+        t.driver_features_sel = state.driver_features_sel;
+        t.driver_features = state.driver_features;
+        t.queue_sel = state.queue_sel;
+        t.status = state.status;
+        t.config_generation = state.config_generation;
+        for (i, q) in state.queues.iter().enumerate() {
+            t.regs[i] = QueueRegs {
+                size: q.size,
+                desc: q.desc,
+                avail: q.avail,
+                used: q.used,
+            };
+            if q.ready {
+                t.build_queue(i)
+                    .map_err(|e| restore_err(format!("queue {i}: {e}")))?;
+                t.ready[i] = true;
+            }
+        }
+        if state.active {
+            if steps & S_DRIVER_OK == 0 || state.status & (S_NEEDS_RESET | S_FAILED) != 0 {
+                return Err(restore_err(format!(
+                    "device marked active in status {:#x}",
+                    state.status
+                )));
+            }
+            let positions: Vec<QueuePosition> = state.queues.iter().map(|q| q.position).collect();
+            // Checked now; used by finish_restore.
+            t.device_queues(&positions).map_err(restore_err)?;
+            t.pending_activation = Some(positions);
+            t.active = true;
+        }
+        t.interrupt.restore_status(state.interrupt_status);
+        Ok(t)
+    }
+}
+
 impl BusDevice for MmioTransport {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         if offset >= CONFIG_SPACE {
@@ -528,8 +767,8 @@ impl BusDevice for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::GuestMemory;
     use std::sync::Mutex;
-    use vm_memory::GuestMemoryMmap;
 
     #[derive(Default)]
     struct Calls {
@@ -567,7 +806,7 @@ mod tests {
         }
         fn activate(
             &mut self,
-            _mem: GuestMemoryMmap,
+            _mem: GuestMemory,
             queues: Vec<VirtQueue>,
             _interrupt: Arc<Interrupt>,
             features: u64,
@@ -586,6 +825,9 @@ mod tests {
         fn reset(&mut self) {
             self.calls.lock().unwrap().resets += 1;
         }
+        fn save_state(&self) -> Option<VirtioDeviceState> {
+            None
+        }
     }
 
     struct T {
@@ -596,7 +838,7 @@ mod tests {
 
     impl T {
         fn new(fail_activate: bool) -> Self {
-            let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+            let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
             let calls = Arc::new(Mutex::new(Calls::default()));
             let irq = EventFd::new(EFD_NONBLOCK).unwrap();
             let dev = Dummy {

@@ -75,9 +75,11 @@ pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use serde::{Deserialize, Serialize};
+
+use crate::GuestMemory;
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::Result;
@@ -141,6 +143,26 @@ impl Interrupt {
     fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
     }
+
+    fn restore_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
+    }
+}
+
+/// How far a device got in one virtqueue: the positions a restored device continues from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuePosition {
+    /// Next available-ring entry the device will take.
+    pub next_avail: u16,
+    /// Next used-ring entry the device will fill.
+    pub next_used: u16,
+}
+
+/// A virtio device's own saved state (the transport saves the rest), by device type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VirtioDeviceState {
+    /// virtio-vsock.
+    Vsock(vsock::VsockState),
 }
 
 /// A virtio device model, independent of the transport that exposes it.
@@ -161,7 +183,7 @@ pub trait VirtioDevice: Send {
     /// accepted.
     fn activate(
         &mut self,
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: Vec<VirtQueue>,
         interrupt: std::sync::Arc<Interrupt>,
         features: u64,
@@ -169,4 +191,24 @@ pub trait VirtioDevice: Send {
     /// The driver reset the device: stop all processing and forget the queues. When this
     /// returns the device no longer touches guest memory.
     fn reset(&mut self);
+
+    /// Stops all processing until [`VirtioDevice::unpause`] (for a snapshot): when this
+    /// returns, the device neither touches guest memory nor moves its queues, and
+    /// [`VirtioDevice::queue_positions`] is current. Idempotent.
+    fn pause(&mut self) {}
+
+    /// Lets a paused device work again (anything that arrived meanwhile is handled then).
+    fn unpause(&mut self) {}
+
+    /// Where each queue stands, in queue order, while the device is active and paused;
+    /// empty when it is not active.
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        Vec::new()
+    }
+
+    /// The device's own state, for a snapshot (call while paused); `None` for a device
+    /// that cannot be snapshotted (a snapshot of its VM then fails).
+    fn save_state(&self) -> Option<VirtioDeviceState> {
+        None
+    }
 }

@@ -17,6 +17,7 @@ mod clock;
 mod cmdline;
 mod interrupts;
 mod io;
+mod memtest;
 mod mem;
 mod steps;
 mod testdev;
@@ -71,6 +72,8 @@ extern "C" fn rust_main(boot_params: u64) -> ! {
         }
     };
     interrupts::set_vif_cell(args.vif);
+    // SAFETY: as above.
+    unsafe { memtest::init(boot_params) };
 
     finish(steps::run(args.steps))
 }

@@ -3,7 +3,7 @@
 //! Each step returns Ok or a one-line failure reason; `run` prints
 //! "step <name> ok" / "step <name> FAIL <reason>" and computes the exit code.
 
-use crate::{apic, interrupts, io, testdev, vsock};
+use crate::{apic, interrupts, io, memtest, testdev, vsock};
 use core::arch::asm;
 use core::fmt::{self, Write};
 use core::sync::atomic::{AtomicU32, Ordering};
@@ -24,6 +24,20 @@ enum Step {
     /// Serve one agent-protocol connection on virtio-vsock port 52 until the host closes
     /// it, or (with a limit) until that many pings were answered.
     Vsock(Option<u32>),
+    /// Fill MiB of memory from 64 MiB with a pattern from SEED.
+    MemFill(u64, u64),
+    /// Checksum the memory filled so far: printed and put in the test device's scratch
+    /// register.
+    MemSum,
+    /// Keep rewriting MiB of memory from 64 MiB, forever (the host stops the VM).
+    MemChurn(u64),
+}
+
+fn parse_num(s: &str) -> Option<u64> {
+    match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16).ok(),
+        None => s.parse().ok(),
+    }
 }
 
 impl Step {
@@ -37,6 +51,12 @@ impl Step {
             "reset:kbd" => Step::ResetKbd,
             "reset:acpi" => Step::ResetAcpi,
             "vsock" => Step::Vsock(None),
+            "memsum" => Step::MemSum,
+            _ if name.starts_with("memfill:") => {
+                let (seed, mib) = name["memfill:".len()..].split_once(':')?;
+                Step::MemFill(parse_num(seed)?, parse_num(mib)?)
+            }
+            _ if name.starts_with("memchurn:") => Step::MemChurn(parse_num(&name["memchurn:".len()..])?),
             _ if name.starts_with("vsock:") => match name["vsock:".len()..].parse() {
                 Ok(n) if n > 0 => Step::Vsock(Some(n)),
                 _ => return None,
@@ -59,6 +79,18 @@ impl Step {
             Step::ResetKbd => machine_exit(I8042_COMMAND_PORT, I8042_PULSE_RESET),
             Step::ResetAcpi => machine_exit(ACPI_PM_PORT, ACPI_RESET_VALUE),
             Step::Vsock(limit) => serve_vsock(limit),
+            Step::MemFill(seed, mib) => {
+                memtest::fill(seed, mib).map_err(|e| Reason::new(format_args!("{}", e)))
+            }
+            Step::MemSum => {
+                let (mib, h) = memtest::sum();
+                testdev::write_scratch(h);
+                println!("memsum {} MiB: {:#018x}", mib, h);
+                Ok(())
+            }
+            Step::MemChurn(mib) => {
+                memtest::churn(mib).map_err(|e| Reason::new(format_args!("{}", e)))
+            }
         }
     }
 }
@@ -246,6 +278,9 @@ fn spin(n: u32) -> Result<(), Reason> {
 
 fn serve_vsock(limit: Option<u32>) -> Result<(), Reason> {
     let r = vsock::run(limit)?;
+    if r.transport_resets > 0 {
+        println!("vsock: a transport reset dropped the connection open before");
+    }
     println!(
         "vsock: host port {} done ({}): {} hello, {} pings, {} error replies",
         r.peer_port, r.why_closed, r.hellos, r.pings, r.refused

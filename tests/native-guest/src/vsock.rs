@@ -216,6 +216,8 @@ struct Conn {
     hellos: u32,
     pings: u32,
     refused: u32,
+    /// A transport reset dropped an earlier connection of this step.
+    transport_resets: u32,
 }
 
 impl Conn {
@@ -240,6 +242,7 @@ impl Conn {
             hellos: 0,
             pings: 0,
             refused: 0,
+            transport_resets: 0,
         }
     }
 
@@ -331,6 +334,8 @@ pub struct Report {
     pub pings: u32,
     pub refused: u32,
     pub why_closed: &'static str,
+    /// Connections dropped by a transport reset before this one.
+    pub transport_resets: u32,
 }
 
 struct Driver {
@@ -651,7 +656,6 @@ impl Driver {
 
     /// Serves one connection until it is closed.
     fn serve(&mut self, c: &mut Conn, limit: Option<u32>) -> Res<()> {
-        let mut announced = false;
         while c.state != State::Closed {
             let mut progress = self.reclaim_tx();
             if let Some((id, len)) = self.evq.pop_used() {
@@ -660,7 +664,11 @@ impl Driver {
                 self.evq.push(id);
                 self.t.notify(EVENT_QUEUE);
                 if len >= 4 && u32::from_le_bytes(ev) == EVENT_TRANSPORT_RESET {
-                    return Err("the device reset the transport (all connections lost)");
+                    // Every connection is gone (the VM was resumed from a snapshot taken
+                    // with one open); like Linux, keep listening for a new one.
+                    *c = Conn::new();
+                    c.transport_resets = 1;
+                    continue;
                 }
             }
             while let Some((id, len)) = self.rxq.pop_used() {
@@ -672,11 +680,6 @@ impl Driver {
                 progress = true;
             }
             self.refill_rx();
-            if !announced && c.state != State::Listening {
-                // After the RESPONSE went out: printing costs two exits per byte.
-                announced = true;
-                println!("vsock: connection from host port {}", c.peer_port);
-            }
             let worked = c.process(limit);
             progress |= worked;
             progress |= self.flush(c)?;
@@ -720,5 +723,6 @@ pub fn run(limit: Option<u32>) -> Result<Report, Reason> {
         pings: c.pings,
         refused: c.refused,
         why_closed: c.why_closed,
+        transport_resets: c.transport_resets,
     })
 }

@@ -1,17 +1,45 @@
 //! The control API of a running VM: newline-delimited JSON over a Unix socket.
 //!
-//! One request per line, one response line per request, on any number of connections:
+//! `clade run --api-sock PATH` and `clade resume DIR --api-sock PATH` serve it; the socket
+//! exists while the VM runs (a stale one is replaced, one in use is refused) and is removed
+//! when the process ends. Any number of connections, each a sequence of one request line
+//! and one response line. Requests are executed one at a time, in arrival order, by the
+//! process that owns the VM.
+//!
+//! Every response is an object with `"ok"`: `true` plus result fields, or `false` plus
+//! `"error"` (one line naming the problem). A line that is not a request gets
+//! `{"ok":false,"error":"bad request: ..."}` and the connection stays usable; a line over
+//! 64 KiB is answered with an error and the connection closed.
+//!
+//! | request | result fields |
+//! |---|---|
+//! | `{"op":"status"}` | `state` (`"running"`, `"paused"`), `vcpus`, `mem_mib`, `pvm_native`; `last_snapshot` `{id, dir}` once the VM took or was resumed from one (the base of its next diff); `resumed` `{backend, kind, us}` for a resumed VM |
+//! | `{"op":"pause"}` | `state`: the vCPUs stop (devices keep running) |
+//! | `{"op":"resume"}` | `state`: paused vCPUs run again (this is not `clade resume`) |
+//! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
+//! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
+//!
+//! `snapshot`: `kind` is `"full"` (default) or `"diff"` (only pages written since the
+//! VM's last snapshot, or since the snapshot it was resumed from; that snapshot's directory
+//! must stay where it is, and the diff must go to another directory). `dir` is created if
+//! needed; a relative path is relative to the VM process's working directory (`clade
+//! snapshot` sends absolute paths). A snapshot of a running VM leaves it running, of a
+//! paused one paused. Errors: the VM is not running or paused, a diff without a base, I/O.
 //!
 //! ```text
 //! -> {"op":"status"}
-//! <- {"ok":true,"state":"running"}
-//! -> {"op":"pause"}              {"op":"resume"}            {"op":"shutdown"}
-//! -> {"op":"snapshot","dir":"/path","kind":"full"}       kind: "full" | "diff"
+//! <- {"ok":true,"state":"running","vcpus":1,"mem_mib":256,"pvm_native":true}
+//! -> {"op":"snapshot","dir":"/var/lib/clade/s1"}
+//! <- {"ok":true,"id":"6f0c...","kind":"full","dir":"/var/lib/clade/s1","pause_us":5210,...}
+//! -> {"op":"pause"}
+//! <- {"ok":true,"state":"paused"}
+//! -> {"op":"pause"}
 //! <- {"ok":false,"error":"VM is paused: cannot pause"}
 //! ```
 //!
-//! The server only carries requests; the VM's owner (e.g. `clade run`'s main loop) executes
-//! them, so the VM itself is never shared between threads.
+//! The server only carries requests ([`ApiServer`]); the VM's owner (the loop in
+//! `clade run` / `clade resume`) executes them, so the VM itself is never shared between
+//! threads. [`ApiClient`] is the client `clade snapshot` uses.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

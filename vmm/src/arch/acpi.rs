@@ -13,7 +13,9 @@ use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{aml, Aml};
 use devices::legacy::{ACPI_PM_RESET_VALUE, ACPI_PM_S5_SLP_TYP};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use devices::GuestMemory;
 
 use super::layout::{pio, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
 use crate::device_manager::VirtioSlot;
@@ -125,7 +127,7 @@ fn madt(vcpus: u32) -> Vec<u8> {
 
 /// Writes the tables into the legacy BIOS area; the RSDP lands at [`ACPI_START`].
 /// `virtio` are the virtio-mmio slots to announce in the DSDT.
-pub fn write_tables(mem: &GuestMemoryMmap, vcpus: u32, virtio: &[VirtioSlot]) -> Result<()> {
+pub fn write_tables(mem: &GuestMemory, vcpus: u32, virtio: &[VirtioSlot]) -> Result<()> {
     let mut cursor = ACPI_START + Rsdp::len() as u64;
     let mut place = |bytes: &[u8]| -> Result<u64> {
         let addr = (cursor + 15) & !15;
@@ -160,7 +162,7 @@ mod tests {
 
     #[test]
     fn tables_are_linked_and_checksummed() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         write_tables(&mem, 4, &[]).unwrap();
         let mut rsdp = [0u8; 36];
         mem.read_slice(&mut rsdp, GuestAddress(ACPI_START)).unwrap();
@@ -228,7 +230,7 @@ mod tests {
         // _UID values 0 and 1 follow their _UID names.
         let uid0 = find(b"_UID").unwrap();
         assert_eq!(dsdt[uid0 + 4], 0x00, "ZeroOp");
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         write_tables(&mem, 1, &slots).unwrap();
     }
 }

@@ -10,7 +10,9 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::{load_cmdline, BzImage, Cmdline, Elf, KernelLoader};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress};
+
+use devices::GuestMemory;
 
 use super::layout::*;
 use crate::error::{Error, Result};
@@ -57,7 +59,7 @@ fn kernel_invalid(path: &Path, reason: impl ToString) -> Error {
 }
 
 /// Loads everything needed to boot into `mem` and returns the entry point.
-pub fn load(mem: &GuestMemoryMmap, spec: &BootSpec) -> Result<BootInfo> {
+pub fn load(mem: &GuestMemory, spec: &BootSpec) -> Result<BootInfo> {
     let kernel_err = |source| Error::KernelOpen {
         path: spec.kernel.to_path_buf(),
         source,
@@ -125,7 +127,7 @@ pub fn load(mem: &GuestMemoryMmap, spec: &BootSpec) -> Result<BootInfo> {
     params.e820_entries = e820.len() as u8;
     params.acpi_rsdp_addr = ACPI_START;
 
-    LinuxBootConfigurator::write_bootparams::<GuestMemoryMmap>(
+    LinuxBootConfigurator::write_bootparams::<GuestMemory>(
         &BootParams::new(&params, GuestAddress(ZERO_PAGE_ADDR)),
         mem,
     )
@@ -144,12 +146,7 @@ fn initrd_limit(params: &boot_params, spec: &BootSpec) -> u64 {
 }
 
 /// Places the initrd page-aligned at the top of usable low memory, above the kernel.
-fn load_initrd(
-    mem: &GuestMemoryMmap,
-    path: &Path,
-    kernel_end: u64,
-    limit: u64,
-) -> Result<(u64, u64)> {
+fn load_initrd(mem: &GuestMemory, path: &Path, kernel_end: u64, limit: u64) -> Result<(u64, u64)> {
     let open_err = |source| Error::InitrdOpen {
         path: path.to_path_buf(),
         source,
@@ -225,8 +222,8 @@ mod tests {
         );
     }
 
-    fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap()
+    fn mem() -> GuestMemory {
+        GuestMemory::from_ranges(&[(GuestAddress(0), 64 << 20)]).unwrap()
     }
 
     fn spec<'a>(kernel: &'a Path, initrd: Option<&'a Path>) -> BootSpec<'a> {

@@ -2,7 +2,9 @@
 //! registers, general registers, FPU and local APIC LINT pins.
 
 use kvm_bindings::{kvm_fpu, kvm_lapic_state, kvm_regs, kvm_segment, kvm_sregs};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use devices::GuestMemory;
 
 use super::layout::*;
 use crate::error::{Error, Result};
@@ -71,7 +73,7 @@ fn segment_from_gdt(entry: u64, selector: u16) -> kvm_segment {
     }
 }
 
-fn write_mem<T: vm_memory::ByteValued>(mem: &GuestMemoryMmap, addr: u64, val: T) -> Result<()> {
+fn write_mem<T: vm_memory::ByteValued>(mem: &GuestMemory, addr: u64, val: T) -> Result<()> {
     mem.write_obj(val, GuestAddress(addr))
         .map_err(|e| Error::Boot(format!("writing at {addr:#x}: {e}")))
 }
@@ -84,7 +86,7 @@ const PTE_HUGE: u64 = 0x80;
 
 /// Writes the GDT, an empty IDT and page tables identity-mapping 4 GiB with 2 MiB pages
 /// (enough for the kernel, boot structures, and MMIO devices the test guest touches).
-pub fn write_boot_tables(mem: &GuestMemoryMmap) -> Result<()> {
+pub fn write_boot_tables(mem: &GuestMemory) -> Result<()> {
     for (i, entry) in GDT.iter().enumerate() {
         write_mem(mem, GDT_ADDR + 8 * i as u64, *entry)?;
     }
@@ -189,7 +191,7 @@ mod tests {
 
     #[test]
     fn page_tables_identity_map_4g() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         write_boot_tables(&mem).unwrap();
         let pml4: u64 = mem.read_obj(GuestAddress(PML4_ADDR)).unwrap();
         assert_eq!(pml4 & !0xfff, PDPT_ADDR);

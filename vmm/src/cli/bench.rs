@@ -13,7 +13,7 @@ use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
 use vmm::config::VsockConfig;
 use vmm::{ExitStatus, SerialOutput, Vm, VmConfig};
 
-use super::MachineArgs;
+use super::{bench_snapshot, MachineArgs};
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
@@ -57,6 +57,71 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
+    /// Resume latency: from `Vm::resume` until the native guest (snapshotted while its
+    /// `vsock` step waits for a connection) answered an agent ping over vsock; p50/p99 over
+    /// -n resumes, page faults, bytes read, and the `copy` backend as the baseline.
+    Resume {
+        /// The native test guest ELF (see tests/native-guest).
+        #[arg(
+            long,
+            env = "CLADE_NATIVE_GUEST",
+            default_value = "target/native-guest/release/native-guest"
+        )]
+        guest: PathBuf,
+        /// Memory backend measured: uffd, file or copy.
+        #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(vmm::MemoryBackend))]
+        backend: vmm::MemoryBackend,
+        /// Number of measured resumes.
+        #[arg(short, long, default_value_t = 200)]
+        n: usize,
+        /// Pre-built VM shells kept ready (0: build one per resume).
+        #[arg(long, default_value_t = 2)]
+        pool: usize,
+        /// Percentage of the guest memory above 64 MiB that the guest fills (memfill step)
+        /// before the snapshot: memory a sandbox has touched but does not need to answer.
+        #[arg(long, default_value_t = 50)]
+        fill: u32,
+        /// Resumes of the copy baseline (default: -n; 0: none).
+        #[arg(long)]
+        baseline_n: Option<usize>,
+        /// Do not pin the VMM's threads to CPU 0 and the vCPUs to the other CPUs (the
+        /// native guest busy-polls: unpinned, a VMM thread may wait behind it).
+        #[arg(long)]
+        no_pin: bool,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
+    /// Snapshot cost: full snapshots, then -n diff snapshots of a guest that keeps
+    /// rewriting --dirty percent of its memory; how long the vCPUs were paused, and in all.
+    Snapshot {
+        /// The native test guest ELF (see tests/native-guest).
+        #[arg(
+            long,
+            env = "CLADE_NATIVE_GUEST",
+            default_value = "target/native-guest/release/native-guest"
+        )]
+        guest: PathBuf,
+        /// Number of diff snapshots (each on top of the previous one).
+        #[arg(short, long, default_value_t = 30)]
+        n: usize,
+        /// Number of full snapshots.
+        #[arg(long, default_value_t = 3)]
+        full_n: usize,
+        /// Percentage of guest memory the guest rewrites between snapshots.
+        #[arg(long, default_value_t = 1.0)]
+        dirty: f64,
+        /// Percentage of the memory above 64 MiB filled before the first snapshot.
+        #[arg(long, default_value_t = 50)]
+        fill: u32,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
@@ -74,10 +139,32 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             json,
             machine,
         } => ping(guest, n, warmup, json, machine),
+        BenchCommand::Resume {
+            guest,
+            backend,
+            n,
+            pool,
+            fill,
+            baseline_n,
+            no_pin,
+            json,
+            machine,
+        } => bench_snapshot::resume(
+            guest, backend, n, json, machine, pool, fill, baseline_n, !no_pin,
+        ),
+        BenchCommand::Snapshot {
+            guest,
+            n,
+            full_n,
+            dirty,
+            fill,
+            json,
+            machine,
+        } => bench_snapshot::snapshot(guest, n, json, machine, dirty, fill, full_n),
     }
 }
 
-fn check_guest(guest: &Path) -> anyhow::Result<()> {
+pub(super) fn check_guest(guest: &Path) -> anyhow::Result<()> {
     if !guest.exists() {
         bail!(
             "native test guest {} not found: build it with \

@@ -1,10 +1,12 @@
 //! Command-line definitions and dispatch.
 
 mod bench;
+mod bench_snapshot;
 mod cp;
 mod disk;
 mod exec;
 mod run;
+mod snapshot;
 
 use std::path::PathBuf;
 
@@ -48,6 +50,10 @@ enum Command {
         #[command(subcommand)]
         which: disk::DiskCommand,
     },
+    /// Snapshot a running VM through its API socket (`run --api-sock`): full, or --diff.
+    Snapshot(snapshot::SnapshotArgs),
+    /// Start a VM from a snapshot and run it like `clade run` (same exit statuses).
+    Resume(snapshot::ResumeArgs),
 }
 
 /// Options describing the machine, shared by `run` and the benchmarks.
@@ -92,6 +98,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Ping(args) => exec::ping(args),
         Command::Poweroff(args) => exec::power_off(args),
         Command::Disk { which } => disk::disk(which),
+        Command::Snapshot(args) => snapshot::snapshot(args),
+        Command::Resume(args) => snapshot::resume(args),
     }
 }
 

@@ -5,13 +5,14 @@ use std::ffi::CString;
 use std::path::Path;
 
 use kvm_bindings::{
-    kvm_msr_entry, kvm_pit_config, kvm_userspace_memory_region, Msrs, KVM_PIT_SPEAKER_DUMMY,
+    kvm_msr_entry, kvm_pit_config, kvm_userspace_memory_region, Msrs, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::arch::msrs::{MSR_PVM_VIF, PVM_VIF_HOST_WRITE};
 use crate::error::{Error, Result};
+use crate::vstate::memory::HostRange;
 
 /// Default KVM device node.
 pub const KVM_PATH: &str = "/dev/kvm";
@@ -67,8 +68,11 @@ pub fn create_vm(kvm: &Kvm) -> Result<VmFd> {
 }
 
 /// Adds the in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT. Call it after the memory slots
-/// are set: on this project's PVM hosts a memory slot added after the irqchip costs ~7 ms
-/// instead of ~0.2 ms (measured with 256 MiB).
+/// are set: on this project's PVM hosts a memory slot added after the irqchip costs ~4-7 ms
+/// instead of ~0.2-0.3 ms (measured with 256 MiB and 1 GiB), and one added after the vCPUs
+/// ~7 ms. (The irqchip itself then takes ~3 ms: whichever comes second pays. That is why a
+/// resume takes a pre-built VM shell whose slots point at reserved address space, and maps
+/// the snapshot's memory over it: see `vstate::shell`.)
 pub fn create_irqchip(vm: &VmFd) -> Result<()> {
     vm.create_irq_chip()
         .map_err(Error::kvm("KVM_CREATE_IRQCHIP"))?;
@@ -80,22 +84,41 @@ pub fn create_irqchip(vm: &VmFd) -> Result<()> {
     Ok(())
 }
 
-/// Registers every region of `mem` as a KVM memory slot.
-pub fn set_memory_slots(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<()> {
-    for (slot, region) in mem.iter().enumerate() {
+/// Registers each host range as KVM memory slot `i` (its index), with dirty page logging
+/// when `dirty_log` is set.
+pub fn set_memory_slots(vm: &VmFd, ranges: &[HostRange], dirty_log: bool) -> Result<()> {
+    for (slot, range) in ranges.iter().enumerate() {
         let r = kvm_userspace_memory_region {
             slot: slot as u32,
-            flags: 0,
-            guest_phys_addr: region.start_addr().0,
-            memory_size: region.len(),
-            userspace_addr: region.as_ptr() as u64,
+            flags: if dirty_log {
+                KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
+            guest_phys_addr: range.guest_addr,
+            memory_size: range.len as u64,
+            userspace_addr: range.host_addr as u64,
         };
-        // SAFETY: the region is a live mapping of `memory_size` bytes owned by `mem`, and the
-        // VM owner keeps `mem` alive for at least as long as the VM fd (see `Vm` field order).
+        // SAFETY: the range is address space this process reserved or mapped for guest
+        // memory and keeps (reserved, then mapped) for at least as long as the VM fd (see
+        // `Vm` field order). KVM only follows it through the page tables, so memory mapped
+        // over it later with MAP_FIXED is what the guest sees.
         unsafe { vm.set_user_memory_region(r) }
             .map_err(Error::kvm("KVM_SET_USER_MEMORY_REGION"))?;
     }
     Ok(())
+}
+
+/// Fetches and clears KVM's dirty page log of each memory slot (one bitmap per range).
+pub fn take_dirty_log(vm: &VmFd, ranges: &[HostRange]) -> Result<Vec<Vec<u64>>> {
+    ranges
+        .iter()
+        .enumerate()
+        .map(|(slot, r)| {
+            vm.get_dirty_log(slot as u32, r.len)
+                .map_err(Error::kvm("KVM_GET_DIRTY_LOG"))
+        })
+        .collect()
 }
 
 /// Tries to register `cell_gpa` as vCPU's virtual-interrupt-flag cell. Succeeds (true) only on

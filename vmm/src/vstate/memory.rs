@@ -1,21 +1,43 @@
-//! Guest memory backed by one memfd, so later snapshots and forks can share or copy it by file
-//! descriptor rather than by address.
+//! Guest memory: address space reserved first (so KVM memory slots can point at it before
+//! there is any memory), then filled with one of three kinds of mapping.
+//!
+//! The guest RAM ranges (around the MMIO gap) are laid out back to back in one *memory
+//! image*: range `i` starts at image offset `sum(len of ranges < i)`. The image is what a
+//! snapshot memory file holds and what the mappings below are made of.
+//!
+//! | backing | mapping | used by | next snapshot reads |
+//! |---|---|---|---|
+//! | [`Backing::Memfd`] | `MAP_SHARED` of a memfd holding the image | boot, `copy` resume | the memfd (holes skipped) |
+//! | [`Backing::Anonymous`] | private anonymous | `uffd` resume (page server fills it) | the mapping |
+//! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` resume | the mapping |
+//!
+//! Writes the VMM makes through [`GuestMemory`] (devices) are recorded in per-region dirty
+//! bitmaps ([`GuestRam::take_vmm_dirty`]), the complement of KVM's dirty log.
 
 use std::ffi::CString;
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestRegionMmap};
+
+pub use devices::GuestMemory;
 
 use crate::arch::layout::ram_ranges;
 use crate::error::{Error, Result};
 
-/// Guest RAM and the memfd behind it.
-pub struct GuestRam {
-    /// The mapped guest memory (MAP_SHARED of `file`).
-    pub mem: GuestMemoryMmap,
-    /// The memfd holding every region back to back, in guest address order.
-    pub file: File,
+/// One guest RAM range in host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRange {
+    /// Host virtual address.
+    pub host_addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Guest-physical address.
+    pub guest_addr: u64,
+    /// Offset in the memory image.
+    pub image_offset: u64,
 }
 
 /// Total RAM of the host, in MiB, from /proc/meminfo.
@@ -30,6 +52,145 @@ pub fn host_mem_mib() -> Result<u64> {
         .map(|kib| kib / 1024)
         .ok_or_else(|| Error::Memory("no MemTotal in /proc/meminfo".into()))
 }
+
+/// `mmap` with an error naming what failed.
+///
+/// # Safety
+/// With `MAP_FIXED`, `addr..addr + len` must be a range this process owns and holds no
+/// references into (it is replaced).
+unsafe fn mmap(
+    addr: usize,
+    len: usize,
+    prot: i32,
+    flags: i32,
+    fd: i32,
+    offset: u64,
+    what: &str,
+) -> Result<usize> {
+    let offset = libc::off_t::try_from(offset)
+        .map_err(|_| Error::Memory(format!("{what}: offset {offset:#x} too large")))?;
+    // SAFETY: the caller guarantees a fixed range is ours to replace; otherwise the kernel
+    // picks a fresh range and nothing existing is affected.
+    let p = unsafe { libc::mmap(addr as *mut libc::c_void, len, prot, flags, fd, offset) };
+    if p == libc::MAP_FAILED {
+        return Err(Error::Memory(format!(
+            "{what}: mmap of {len} bytes: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(p as usize)
+}
+
+fn munmap(addr: usize, len: usize) {
+    // SAFETY: only called on ranges this module mapped and owns, when nothing refers to
+    // them any more.
+    if unsafe { libc::munmap(addr as *mut libc::c_void, len) } != 0 {
+        tracing::warn!(
+            "munmap {addr:#x}+{len:#x}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Inaccessible address space for guest RAM: one contiguous area holding the memory
+/// image, carved into the guest RAM ranges (range `i` at `base + image_offset`). Memory
+/// slots can be registered on it before the memory itself exists; [`GuestRam`] later maps
+/// memory over it.
+#[derive(Debug)]
+pub struct Reservation {
+    base: usize,
+    len: usize,
+    ranges: Vec<HostRange>,
+}
+
+impl Reservation {
+    /// Reserves address space for `mem_bytes` of guest RAM.
+    pub fn new(mem_bytes: u64) -> Result<Reservation> {
+        let len = usize::try_from(mem_bytes)
+            .map_err(|_| Error::Memory(format!("{mem_bytes} bytes do not fit this host")))?;
+        // SAFETY: not MAP_FIXED: a fresh range.
+        let base = unsafe {
+            mmap(
+                0,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+                "reserving guest address space",
+            )
+        }?;
+        let mut ranges = Vec::new();
+        let mut image_offset = 0u64;
+        for (guest_addr, size) in ram_ranges(mem_bytes) {
+            ranges.push(HostRange {
+                host_addr: base + image_offset as usize,
+                len: size as usize,
+                guest_addr,
+                image_offset,
+            });
+            image_offset += size;
+        }
+        Ok(Reservation { base, len, ranges })
+    }
+
+    /// The guest RAM ranges inside the area, in guest address order.
+    pub fn ranges(&self) -> &[HostRange] {
+        &self.ranges
+    }
+
+    /// Guest RAM size.
+    pub fn mem_bytes(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn disarm(mut self) -> (usize, usize, Vec<HostRange>) {
+        let out = (self.base, self.len, std::mem::take(&mut self.ranges));
+        self.len = 0;
+        out
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            munmap(self.base, self.len);
+        }
+    }
+}
+
+/// What guest memory is made of (see the [module documentation](self)).
+#[derive(Debug)]
+pub enum Backing {
+    /// A memfd holding the image, mapped shared.
+    Memfd(File),
+    /// Private anonymous memory.
+    Anonymous,
+    /// A private mapping of a snapshot memory file.
+    FilePrivate,
+}
+
+/// Guest RAM. Unmapped when dropped: drop it after everything that uses it (vCPUs,
+/// devices, the KVM VM).
+pub struct GuestRam {
+    /// The guest memory, with a dirty bitmap per region for the VMM's own writes.
+    pub mem: GuestMemory,
+    backing: Backing,
+    base: usize,
+    len: usize,
+    ranges: Vec<HostRange>,
+}
+
+impl std::fmt::Debug for GuestRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestRam")
+            .field("backing", &self.backing)
+            .field("ranges", &self.ranges)
+            .finish()
+    }
+}
+
+const PROT_RW: i32 = libc::PROT_READ | libc::PROT_WRITE;
 
 fn memfd(name: &str, size: u64) -> Result<File> {
     let cname = CString::new(name).map_err(|e| Error::Memory(e.to_string()))?;
@@ -48,42 +209,268 @@ fn memfd(name: &str, size: u64) -> Result<File> {
     Ok(file)
 }
 
-/// Creates `mem_bytes` of guest RAM laid out around the MMIO gap. Pages are allocated lazily
-/// by the host on first touch.
-pub fn create(mem_bytes: u64) -> Result<GuestRam> {
-    let file = memfd("clade-guest-ram", mem_bytes)?;
-    let mut offset = 0u64;
-    let mut regions = Vec::new();
-    for (start, size) in ram_ranges(mem_bytes) {
-        let fo = FileOffset::new(
-            file.try_clone().map_err(|e| Error::Memory(e.to_string()))?,
-            offset,
-        );
-        let region = GuestRegionMmap::from_range(GuestAddress(start), size as usize, Some(fo))
-            .map_err(|e| Error::Memory(format!("mapping {size} bytes: {e}")))?;
-        regions.push(region);
-        offset += size;
+impl GuestRam {
+    /// Maps memory over the whole reservation with `map(base, len)` (which must use
+    /// `MAP_FIXED` at exactly that range, with `flags`) and builds the guest memory on it.
+    fn map_over(
+        res: Reservation,
+        backing: Backing,
+        flags: i32,
+        map: impl FnOnce(usize, usize) -> Result<()>,
+    ) -> Result<GuestRam> {
+        // On error the reservation (with whatever was mapped over it) is unmapped.
+        map(res.base, res.len)?;
+        let mut regions = Vec::with_capacity(res.ranges().len());
+        for r in res.ranges() {
+            // SAFETY: `r` lies inside the live PROT_RW mapping just made with `flags`, owned
+            // by the GuestRam built below until it is dropped; the region does not unmap it.
+            let mmap = unsafe {
+                MmapRegion::<AtomicBitmap>::build_raw(r.host_addr as *mut u8, r.len, PROT_RW, flags)
+            }
+            .map_err(|e| Error::Memory(format!("guest region at {:#x}: {e}", r.guest_addr)))?;
+            let region =
+                GuestRegionMmap::new(mmap, GuestAddress(r.guest_addr)).ok_or_else(|| {
+                    Error::Memory(format!("guest region at {:#x} wraps", r.guest_addr))
+                })?;
+            regions.push(region);
+        }
+        let mem = GuestMemory::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
+        let (base, len, ranges) = res.disarm();
+        Ok(GuestRam {
+            mem,
+            backing,
+            base,
+            len,
+            ranges,
+        })
     }
-    let mem = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))?;
-    Ok(GuestRam { mem, file })
+
+    /// Fresh, zeroed memory: a memfd mapped shared over `res` (boot, `copy` resume). Pages
+    /// are allocated by the host on first touch.
+    pub fn memfd(res: Reservation) -> Result<GuestRam> {
+        let file = memfd("clade-guest-ram", res.mem_bytes())?;
+        let fd = file.as_raw_fd();
+        let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
+        Self::map_over(res, Backing::Memfd(file), flags, |base, len| {
+            // SAFETY: the reserved range is ours and nothing refers into it.
+            unsafe {
+                mmap(
+                    base,
+                    len,
+                    PROT_RW,
+                    flags | libc::MAP_FIXED,
+                    fd,
+                    0,
+                    "mapping guest memory",
+                )
+            }
+            .map(|_| ())
+        })
+    }
+
+    /// Private anonymous memory over `res`, with no page present (the `uffd` backend
+    /// registers it with a page server before anything touches it).
+    pub fn anonymous(res: Reservation) -> Result<GuestRam> {
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        Self::map_over(res, Backing::Anonymous, flags, |base, len| {
+            // SAFETY: the reserved range is ours and nothing refers into it.
+            unsafe {
+                mmap(
+                    base,
+                    len,
+                    PROT_RW,
+                    flags | libc::MAP_FIXED,
+                    -1,
+                    0,
+                    "mapping guest memory",
+                )
+            }
+            .map(|_| ())
+        })
+    }
+
+    /// A private (copy-on-write) mapping of the memory image stored in `file` from byte
+    /// `data_offset` (page-aligned), over `res` (the `file` backend).
+    pub fn file_private(res: Reservation, file: &File, data_offset: u64) -> Result<GuestRam> {
+        let fd = file.as_raw_fd();
+        let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+        Self::map_over(res, Backing::FilePrivate, flags, |base, len| {
+            // SAFETY: the reserved range is ours and nothing refers into it.
+            unsafe {
+                mmap(
+                    base,
+                    len,
+                    PROT_RW,
+                    flags | libc::MAP_FIXED,
+                    fd,
+                    data_offset,
+                    "mapping the snapshot memory file",
+                )
+            }
+            .map(|_| ())
+        })
+    }
+
+    /// What the memory is made of.
+    pub fn backing(&self) -> &Backing {
+        &self.backing
+    }
+
+    /// The host ranges, in guest address order (image order).
+    pub fn ranges(&self) -> &[HostRange] {
+        &self.ranges
+    }
+
+    /// Guest RAM size in bytes.
+    pub fn mem_bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len as u64).sum()
+    }
+
+    /// Host address of the memory image (all ranges, back to back).
+    pub fn image_addr(&self) -> usize {
+        self.base
+    }
+
+    /// The whole memory image, mutable (restoring a snapshot into memory nothing else uses
+    /// yet).
+    ///
+    /// # Safety
+    /// Nothing else may access guest memory while the slice lives: no vCPU runs, no device
+    /// works, and no other slice of it exists.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn image_mut(&self) -> &mut [u8] {
+        // SAFETY: a live PROT_RW mapping of `len` bytes owned by self; exclusivity is the
+        // caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.base as *mut u8, self.len) }
+    }
+
+    /// Range `i` of the memory image (writing a snapshot).
+    ///
+    /// # Safety
+    /// Nothing may write guest memory while the slice lives (vCPUs and devices paused).
+    pub unsafe fn range_slice(&self, i: usize) -> &[u8] {
+        let r = &self.ranges[i];
+        // SAFETY: inside the live mapping owned by self; no writer exists while the slice
+        // lives (the caller's promise).
+        unsafe { std::slice::from_raw_parts(r.host_addr as *const u8, r.len) }
+    }
+
+    /// The pages the VMM itself wrote through [`GuestRam::mem`] since the last call, one
+    /// bitmap per range (KVM dirty-log layout), and clears them.
+    pub fn take_vmm_dirty(&self) -> Vec<Vec<u64>> {
+        self.mem
+            .iter()
+            .map(|region| {
+                let mmap: &MmapRegion<AtomicBitmap> = region;
+                mmap.bitmap().get_and_reset()
+            })
+            .collect()
+    }
+
+    /// Forgets the VMM's writes so far (after restoring a snapshot into this memory).
+    pub fn clear_vmm_dirty(&self) {
+        for region in self.mem.iter() {
+            let mmap: &MmapRegion<AtomicBitmap> = region;
+            mmap.bitmap().reset();
+        }
+    }
+}
+
+impl Drop for GuestRam {
+    fn drop(&mut self) {
+        munmap(self.base, self.len);
+    }
+}
+
+/// Creates `mem_bytes` of fresh memfd-backed guest RAM (tests and tools; the VMM reserves
+/// first so that memory slots exist before the memory).
+pub fn create(mem_bytes: u64) -> Result<GuestRam> {
+    GuestRam::memfd(Reservation::new(mem_bytes)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{Bytes, GuestMemoryBackend};
+    use std::os::unix::fs::FileExt;
+    use vm_memory::Bytes;
 
     #[test]
     fn memory_is_shared_with_the_memfd() {
-        use std::os::unix::fs::FileExt;
         let ram = create(64 << 20).unwrap();
         ram.mem
             .write_obj(0x1234_5678u32, GuestAddress(0x1000))
             .unwrap();
         let mut b = [0u8; 4];
-        ram.file.read_exact_at(&mut b, 0x1000).unwrap();
+        let Backing::Memfd(f) = ram.backing() else {
+            panic!("memfd expected")
+        };
+        f.read_exact_at(&mut b, 0x1000).unwrap();
         assert_eq!(u32::from_le_bytes(b), 0x1234_5678);
         assert_eq!(ram.mem.num_regions(), 1);
+    }
+
+    #[test]
+    fn vmm_writes_are_tracked_per_page() {
+        let ram = create(64 << 20).unwrap();
+        ram.mem.write_obj(1u8, GuestAddress(0x3000)).unwrap();
+        ram.mem
+            .write_slice(&[1; 8192], GuestAddress(0x10000))
+            .unwrap();
+        let dirty = ram.take_vmm_dirty();
+        assert_eq!(dirty.len(), 1);
+        assert_eq!(dirty[0][0], (1 << 3) | (1 << 16) | (1 << 17));
+        assert!(ram.take_vmm_dirty()[0].iter().all(|&w| w == 0), "reset");
+    }
+
+    #[test]
+    fn ranges_split_around_the_mmio_gap_with_contiguous_image_offsets() {
+        let res = Reservation::new(4 << 30).unwrap();
+        let r = res.ranges();
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].guest_addr, r[0].image_offset), (0, 0));
+        assert_eq!(r[1].guest_addr, 1 << 32);
+        assert_eq!(r[1].image_offset, r[0].len as u64);
+        assert_eq!(
+            r[1].host_addr,
+            r[0].host_addr + r[0].len,
+            "one contiguous image"
+        );
+        let ram = GuestRam::anonymous(res).unwrap();
+        assert_eq!(ram.mem_bytes(), 4 << 30);
+        ram.mem.write_obj(7u8, GuestAddress((1 << 32) + 5)).unwrap();
+        // SAFETY: nothing else uses this memory.
+        assert_eq!(unsafe { ram.range_slice(1) }[5], 7);
+        // SAFETY: as above.
+        assert_eq!(unsafe { ram.image_mut() }[r_len(&ram) + 5], 7);
+    }
+
+    fn r_len(ram: &GuestRam) -> usize {
+        ram.ranges()[0].len
+    }
+
+    #[test]
+    fn file_backing_is_copy_on_write() {
+        let dir = std::env::temp_dir().join(format!("clade-mem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("img");
+        let f = File::create(&path).unwrap();
+        f.set_len(4096 + (16 << 20)).unwrap();
+        f.write_all_at(b"hello", 4096 + 0x2000).unwrap();
+        drop(f);
+        let f = File::open(&path).unwrap();
+        let ram = GuestRam::file_private(Reservation::new(16 << 20).unwrap(), &f, 4096).unwrap();
+        let mut b = [0u8; 5];
+        ram.mem.read_slice(&mut b, GuestAddress(0x2000)).unwrap();
+        assert_eq!(&b, b"hello");
+        ram.mem.write_slice(b"HELLO", GuestAddress(0x2000)).unwrap();
+        drop(ram);
+        let mut b = [0u8; 5];
+        File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut b, 4096 + 0x2000)
+            .unwrap();
+        assert_eq!(&b, b"hello", "the file is never written");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

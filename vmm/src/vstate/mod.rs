@@ -2,4 +2,7 @@
 
 pub mod kvm;
 pub mod memory;
+pub mod shell;
+pub mod spare;
+pub mod state;
 pub mod vcpu;

@@ -7,25 +7,23 @@
 //! that arrives just before KVM_RUN is lost, so the controller re-kicks until the thread
 //! acknowledges.
 
-use std::sync::mpsc::Sender;
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, Once};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use devices::Bus;
-use kvm_bindings::{CpuId, Msrs};
+use kvm_bindings::Msrs;
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::arch::{msrs, regs};
 use crate::error::{Error, Result};
 use crate::vm::{ExitStatus, VmEvent};
 
-/// Applies the boot state to a vCPU: CPUID, MSRs, segment/control registers, general
-/// registers, FPU and local APIC.
-pub fn configure_for_boot(vcpu: &VcpuFd, cpuid: &CpuId, entry: u64) -> Result<()> {
-    vcpu.set_cpuid2(cpuid)
-        .map_err(Error::kvm("KVM_SET_CPUID2"))?;
+/// Applies the boot state to a vCPU whose CPUID is set (see `vstate::shell`): MSRs,
+/// segment/control registers, general registers, FPU and local APIC.
+pub fn configure_for_boot(vcpu: &VcpuFd, entry: u64) -> Result<()> {
     let boot = msrs::boot_msrs();
     let list =
         Msrs::from_entries(&boot).map_err(|e| Error::Boot(format!("building MSR list: {e:?}")))?;
@@ -59,12 +57,18 @@ enum Request {
     Stop,
 }
 
-#[derive(Debug)]
+/// Work run on a parked vCPU thread, with its vCPU.
+type Job = Box<dyn FnOnce(&mut VcpuFd) + Send>;
+
 struct State {
     request: Request,
+    /// The thread running the vCPU, once it started (for kicks).
+    thread: Option<libc::pthread_t>,
     /// The thread is parked (paused, stopped or exited) and not in KVM_RUN.
     parked: bool,
     exited: bool,
+    /// Jobs to run while parked, in order.
+    jobs: VecDeque<Job>,
 }
 
 /// Shared between a vCPU thread and its controller.
@@ -106,42 +110,78 @@ fn install_kick_handler() -> Result<()> {
     result
 }
 
+/// Restricts the calling thread to host CPU `cpu`.
+pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::ErrorKind::InvalidInput.into());
+    }
+    // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is below CPU_SETSIZE (checked), so CPU_SET stays inside `set`.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A running vCPU thread and its control handle.
 pub struct VcpuHandle {
     index: usize,
     control: Arc<Control>,
-    thread: Option<JoinHandle<()>>,
+    /// Closed when the thread's body has returned.
+    done: Option<Receiver<()>>,
 }
 
 impl VcpuHandle {
-    /// Starts a thread running `vcpu`. Exits the guest requests, and errors, go to `events`.
+    /// Runs `vcpu` on the thread `runner` provides (a new one with
+    /// [`snapshot::spawn_thread`]), on host CPU `cpu` only if given. Exits the guest
+    /// requests, and errors, go to `events`.
     pub fn spawn(
         index: usize,
         vcpu: VcpuFd,
         buses: IoBuses,
         events: Sender<VmEvent>,
+        cpu: Option<usize>,
+        runner: snapshot::ThreadRunner,
     ) -> Result<Self> {
         install_kick_handler()?;
         let control = Arc::new(Control {
             state: Mutex::new(State {
+                thread: None,
                 request: Request::Run,
                 parked: false,
                 exited: false,
+                jobs: VecDeque::new(),
             }),
             cv: Condvar::new(),
         });
         let c = Arc::clone(&control);
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || run_loop(index, vcpu, buses, &c, &events))
-            .map_err(|e| Error::Vcpu {
-                index,
-                reason: format!("spawning thread: {e}"),
-            })?;
+        let (done_tx, done) = mpsc::sync_channel::<()>(0);
+        runner(
+            format!("vcpu{index}"),
+            Box::new(move || {
+                // Dropped when the body returns (or unwinds): the handle's cue.
+                let _done = done_tx;
+                if let Some(cpu) = cpu {
+                    if let Err(e) = pin_current_thread(cpu) {
+                        tracing::warn!("vcpu{index}: cannot pin to CPU {cpu}: {e}");
+                    }
+                }
+                // SAFETY: pthread_self has no preconditions.
+                c.lock().thread = Some(unsafe { libc::pthread_self() });
+                run_loop(index, vcpu, buses, &c, &events)
+            }),
+        )
+        .map_err(|e| Error::Vcpu {
+            index,
+            reason: format!("starting its thread: {e}"),
+        })?;
         Ok(Self {
             index,
             control,
-            thread: Some(thread),
+            done: Some(done),
         })
     }
 
@@ -153,10 +193,12 @@ impl VcpuHandle {
         self.control.cv.notify_all();
     }
 
-    fn kick(&self) {
-        if let Some(t) = &self.thread {
-            // ESRCH means the thread already ended: nothing to interrupt.
-            let _ = t.kill(kick_signal());
+    /// Interrupts KVM_RUN. Called with the state locked and the thread neither parked nor
+    /// exited: it is alive until it has marked itself exited, which needs the lock.
+    fn kick(st: &State) {
+        if let Some(t) = st.thread {
+            // SAFETY: `t` is a live thread (see above); the signal's handler does nothing.
+            unsafe { libc::pthread_kill(t, kick_signal()) };
         }
     }
 
@@ -165,9 +207,7 @@ impl VcpuHandle {
         self.set_request(request);
         let mut st = self.control.lock();
         while !st.parked && !st.exited {
-            drop(st);
-            self.kick();
-            st = self.control.lock();
+            Self::kick(&st);
             st = self
                 .control
                 .cv
@@ -187,11 +227,59 @@ impl VcpuHandle {
         self.set_request(Request::Run);
     }
 
-    /// Stops the thread for good and joins it.
+    /// Queues `f` to run on the paused vCPU's thread with its vCPU fd, and returns where its
+    /// result will arrive. The vCPU's pending I/O (an exit whose completion KVM performs on
+    /// the next KVM_RUN) is completed first, so the state `f` reads is between instructions.
+    /// Queue to every vCPU first and then wait, to work on all of them in parallel.
+    pub fn submit<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
+    ) -> Result<Receiver<R>> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let mut st = self.control.lock();
+        if st.exited {
+            return Err(Error::Vcpu {
+                index: self.index,
+                reason: "the vCPU thread has ended".into(),
+            });
+        }
+        if st.request != Request::Pause || !st.parked {
+            return Err(Error::Vcpu {
+                index: self.index,
+                reason: "the vCPU is not paused".into(),
+            });
+        }
+        st.jobs.push_back(Box::new(move |v| {
+            let _ = tx.send(f(v));
+        }));
+        self.control.cv.notify_all();
+        Ok(rx)
+    }
+
+    /// Runs `f` on the paused vCPU's thread (see [`VcpuHandle::submit`]) and waits for it.
+    pub fn run_parked<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
+    ) -> Result<R> {
+        let rx = self.submit(f)?;
+        self.wait_job(rx)
+    }
+
+    /// Waits for the result of a job queued with [`VcpuHandle::submit`].
+    pub fn wait_job<R>(&self, rx: Receiver<R>) -> Result<R> {
+        rx.recv().map_err(|_| Error::Vcpu {
+            index: self.index,
+            reason: "the vCPU thread ended before running the job".into(),
+        })
+    }
+
+    /// Stops the thread for good and waits until its body has returned.
     pub fn stop(&mut self) {
         self.park(Request::Stop);
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
+        if let Some(done) = self.done.take() {
+            // Only a disconnect arrives: the body returned (or panicked).
+            let _ = done.recv();
+            if !self.control.lock().exited {
                 tracing::error!("vcpu{} thread panicked", self.index);
             }
         }
@@ -204,113 +292,194 @@ impl Drop for VcpuHandle {
     }
 }
 
-/// Waits while paused; returns false when the thread must end.
-fn wait_while_parked(control: &Control) -> bool {
-    let mut st = control.lock();
-    loop {
-        match st.request {
-            Request::Run => {
-                st.parked = false;
-                return true;
-            }
-            Request::Stop => {
-                st.parked = true;
-                control.cv.notify_all();
-                return false;
-            }
-            Request::Pause => {
-                if !st.parked {
+/// The thread's side: runs the vCPU, handles exits, and parks on request.
+struct VcpuThread<'a> {
+    index: usize,
+    vcpu: VcpuFd,
+    buses: IoBuses,
+    control: &'a Control,
+    events: &'a Sender<VmEvent>,
+    /// The last exit was an I/O exit whose completion KVM does on the next KVM_RUN.
+    pending_io: bool,
+}
+
+impl VcpuThread<'_> {
+    /// Waits while paused, running jobs; returns false when the thread must end.
+    fn wait_while_parked(&mut self) -> bool {
+        let control = self.control;
+        let mut st = control.lock();
+        loop {
+            match st.request {
+                Request::Run => {
+                    st.parked = false;
+                    return true;
+                }
+                Request::Stop => {
                     st.parked = true;
                     control.cv.notify_all();
+                    return false;
                 }
-                st = control.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                Request::Pause => {
+                    if !st.parked {
+                        st.parked = true;
+                        control.cv.notify_all();
+                    }
+                    if let Some(job) = st.jobs.pop_front() {
+                        drop(st);
+                        if self.pending_io && !self.complete_pending_io() {
+                            return false;
+                        }
+                        job(&mut self.vcpu);
+                        st = control.lock();
+                        continue;
+                    }
+                    st = control.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
             }
         }
     }
+
+    /// Lets KVM finish the instruction behind the last I/O exit without entering the guest
+    /// (KVM_RUN with `immediate_exit`). Returns false if the VM must end.
+    fn complete_pending_io(&mut self) -> bool {
+        self.vcpu.set_kvm_immediate_exit(1);
+        let mut ok = true;
+        // A string I/O instruction may exit again; a few rounds finish any of them.
+        for _ in 0..64 {
+            self.pending_io = false;
+            match self.vcpu.run() {
+                Ok(exit) => {
+                    if let Some(status) = handle_exit(self.index, exit, &self.buses) {
+                        let _ = self.events.send(VmEvent::Exit(status));
+                        ok = false;
+                        break;
+                    }
+                    self.pending_io = true;
+                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => break,
+                Err(e) => {
+                    let _ = self.events.send(VmEvent::Exit(ExitStatus::Crashed(format!(
+                        "vcpu{}: KVM_RUN: {e}",
+                        self.index
+                    ))));
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        self.vcpu.set_kvm_immediate_exit(0);
+        ok
+    }
+
+    fn run(&mut self) {
+        while self.wait_while_parked() {
+            self.pending_io = false;
+            match self.vcpu.run() {
+                Ok(exit) => {
+                    self.pending_io = matches!(
+                        exit,
+                        VcpuExit::IoIn(..)
+                            | VcpuExit::IoOut(..)
+                            | VcpuExit::MmioRead(..)
+                            | VcpuExit::MmioWrite(..)
+                    );
+                    if let Some(status) = handle_exit(self.index, exit, &self.buses) {
+                        let _ = self.events.send(VmEvent::Exit(status));
+                        break;
+                    }
+                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    // Kicked (or interrupted): re-check the requested state.
+                }
+                Err(e) => {
+                    let _ = self.events.send(VmEvent::Exit(ExitStatus::Crashed(format!(
+                        "vcpu{}: KVM_RUN: {e}",
+                        self.index
+                    ))));
+                    break;
+                }
+            }
+        }
+        let mut st = self.control.lock();
+        st.exited = true;
+        st.parked = true;
+        st.jobs.clear();
+        self.control.cv.notify_all();
+    }
+}
+
+/// Handles one exit; returns the VM's end status when the exit ends it.
+fn handle_exit(index: usize, exit: VcpuExit<'_>, buses: &IoBuses) -> Option<ExitStatus> {
+    match exit {
+        VcpuExit::IoOut(port, data) => {
+            if !buses.pio.write(u64::from(port), data) {
+                tracing::trace!("vcpu{index}: unhandled out {port:#x}");
+            }
+        }
+        VcpuExit::IoIn(port, data) => {
+            if !buses.pio.read(u64::from(port), data) {
+                // Nothing there: an ISA bus floats high.
+                data.fill(0xff);
+            }
+        }
+        VcpuExit::MmioRead(addr, data) => {
+            if !buses.mmio.read(addr, data) {
+                tracing::trace!("vcpu{index}: unhandled MMIO read {addr:#x}");
+                data.fill(0xff);
+            }
+        }
+        VcpuExit::MmioWrite(addr, data) => {
+            if !buses.mmio.write(addr, data) {
+                tracing::trace!("vcpu{index}: unhandled MMIO write {addr:#x}");
+            }
+        }
+        // Only without an in-kernel LAPIC, or on the PVM hypervisor: just go back in.
+        VcpuExit::Hlt => {}
+        VcpuExit::Shutdown => {
+            return Some(ExitStatus::Crashed(format!(
+                "vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN)"
+            )))
+        }
+        VcpuExit::SystemEvent(kind, _) => {
+            return Some(match kind {
+                kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => ExitStatus::PowerOff,
+                kvm_bindings::KVM_SYSTEM_EVENT_RESET => ExitStatus::Reset,
+                other => ExitStatus::Crashed(format!("vcpu{index}: system event {other}")),
+            })
+        }
+        VcpuExit::FailEntry(reason, cpu) => {
+            return Some(ExitStatus::Crashed(format!(
+                "vcpu{index}: KVM entry failed (hardware reason {reason:#x}, cpu {cpu})"
+            )))
+        }
+        VcpuExit::InternalError => {
+            return Some(ExitStatus::Crashed(format!(
+                "vcpu{index}: KVM internal error"
+            )))
+        }
+        other => {
+            return Some(ExitStatus::Crashed(format!(
+                "vcpu{index}: unexpected exit {other:?}"
+            )))
+        }
+    }
+    None
 }
 
 fn run_loop(
     index: usize,
-    mut vcpu: VcpuFd,
+    vcpu: VcpuFd,
     buses: IoBuses,
     control: &Control,
     events: &Sender<VmEvent>,
 ) {
-    let end = |status: ExitStatus| {
-        let _ = events.send(VmEvent::Exit(status));
-    };
-    while wait_while_parked(control) {
-        match vcpu.run() {
-            Ok(exit) => match exit {
-                VcpuExit::IoOut(port, data) => {
-                    if !buses.pio.write(u64::from(port), data) {
-                        tracing::trace!("vcpu{index}: unhandled out {port:#x}");
-                    }
-                }
-                VcpuExit::IoIn(port, data) => {
-                    if !buses.pio.read(u64::from(port), data) {
-                        // Nothing there: an ISA bus floats high.
-                        data.fill(0xff);
-                    }
-                }
-                VcpuExit::MmioRead(addr, data) => {
-                    if !buses.mmio.read(addr, data) {
-                        tracing::trace!("vcpu{index}: unhandled MMIO read {addr:#x}");
-                        data.fill(0xff);
-                    }
-                }
-                VcpuExit::MmioWrite(addr, data) => {
-                    if !buses.mmio.write(addr, data) {
-                        tracing::trace!("vcpu{index}: unhandled MMIO write {addr:#x}");
-                    }
-                }
-                // Only without an in-kernel LAPIC, or on the PVM hypervisor: just go back in.
-                VcpuExit::Hlt => {}
-                VcpuExit::Shutdown => {
-                    end(ExitStatus::Crashed(format!(
-                        "vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN)"
-                    )));
-                    break;
-                }
-                VcpuExit::SystemEvent(kind, _) => {
-                    let status = match kind {
-                        kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => ExitStatus::PowerOff,
-                        kvm_bindings::KVM_SYSTEM_EVENT_RESET => ExitStatus::Reset,
-                        other => ExitStatus::Crashed(format!("vcpu{index}: system event {other}")),
-                    };
-                    end(status);
-                    break;
-                }
-                VcpuExit::FailEntry(reason, cpu) => {
-                    end(ExitStatus::Crashed(format!(
-                        "vcpu{index}: KVM entry failed (hardware reason {reason:#x}, cpu {cpu})"
-                    )));
-                    break;
-                }
-                VcpuExit::InternalError => {
-                    end(ExitStatus::Crashed(format!(
-                        "vcpu{index}: KVM internal error"
-                    )));
-                    break;
-                }
-                other => {
-                    end(ExitStatus::Crashed(format!(
-                        "vcpu{index}: unexpected exit {other:?}"
-                    )));
-                    break;
-                }
-            },
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                // Kicked (or interrupted): re-check the requested state.
-            }
-            Err(e) => {
-                end(ExitStatus::Crashed(format!("vcpu{index}: KVM_RUN: {e}")));
-                break;
-            }
-        }
+    VcpuThread {
+        index,
+        vcpu,
+        buses,
+        control,
+        events,
+        pending_io: false,
     }
-    let mut st = control.lock();
-    st.exited = true;
-    st.parked = true;
-    control.cv.notify_all();
+    .run();
 }

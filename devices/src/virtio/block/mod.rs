@@ -30,8 +30,8 @@ mod tests;
 
 use std::sync::{Arc, Mutex};
 
+use crate::GuestMemory;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
-use vm_memory::GuestMemoryMmap;
 
 use super::{Interrupt, VirtQueue, VirtioDevice};
 use crate::event_loop::{self, LoopHandle};
@@ -140,7 +140,7 @@ impl VirtioDevice for BlockDevice {
 
     fn activate(
         &mut self,
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: Vec<VirtQueue>,
         interrupt: Arc<Interrupt>,
         _features: u64,

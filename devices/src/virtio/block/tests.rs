@@ -15,7 +15,9 @@ use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::DescriptorTable;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::GuestMemory;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::*;
@@ -88,7 +90,7 @@ fn base_and_overlay(dir: &Path) -> PathBuf {
 }
 
 struct Harness {
-    mem: GuestMemoryMmap,
+    mem: GuestMemory,
     em: Manager,
     transport: MmioTransport,
     disk: Arc<Mutex<disk::Disk>>,
@@ -111,7 +113,7 @@ impl Harness {
         let top = base_and_overlay(&dir.0);
         let mut d = disk::Disk::open(&top, opts).unwrap();
         d.set_size_limit(limit);
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
         let em = Manager::new().unwrap();
         let dev = BlockDevice::new(d, "clade-test-disk", em.remote_endpoint()).unwrap();
         let disk = dev.disk();

@@ -5,13 +5,13 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
+use crate::GuestMemory;
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -38,7 +38,7 @@ struct Unanswerable(String);
 
 /// The device's work, owned by the event loop while the device is active.
 pub struct BlockWorker {
-    mem: GuestMemoryMmap,
+    mem: GuestMemory,
     queue: Queue,
     evt: EventFd,
     interrupt: Arc<Interrupt>,
@@ -50,11 +50,13 @@ pub struct BlockWorker {
     log: LogLimiter,
 }
 
-type Chain<'a> = DescriptorChain<&'a GuestMemoryMmap>;
+type Chain<'a> = DescriptorChain<&'a GuestMemory>;
+/// Slices of guest memory (writes through them are recorded in the dirty bitmap).
+type Bs<'a> = vm_memory::bitmap::BS<'a, vm_memory::bitmap::AtomicBitmap>;
 
 impl BlockWorker {
     pub(crate) fn new(
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queue: VirtQueue,
         interrupt: Arc<Interrupt>,
         gate: Arc<Mutex<bool>>,
@@ -100,11 +102,11 @@ impl BlockWorker {
 
     /// Handles one request; returns the used length (bytes written to the guest, status
     /// byte included).
-    fn handle(&mut self, mem: &GuestMemoryMmap, chain: Chain<'_>) -> Result<u32, Unanswerable> {
+    fn handle(&mut self, mem: &GuestMemory, chain: Chain<'_>) -> Result<u32, Unanswerable> {
         check_shape(&chain).map_err(Unanswerable)?;
-        let mut reader: Reader<'_> = Reader::new(mem, chain.clone())
+        let mut reader: Reader<'_, Bs<'_>> = Reader::new(mem, chain.clone())
             .map_err(|e| Unanswerable(format!("device-readable buffers: {e}")))?;
-        let mut writer: Writer<'_> = Writer::new(mem, chain)
+        let mut writer: Writer<'_, Bs<'_>> = Writer::new(mem, chain)
             .map_err(|e| Unanswerable(format!("device-writable buffers: {e}")))?;
         let writable = writer.available_bytes();
         if writable == 0 {
@@ -139,8 +141,8 @@ impl BlockWorker {
         &mut self,
         type_: u32,
         sector: u64,
-        reader: &mut Reader<'_>,
-        writer: &mut Writer<'_>,
+        reader: &mut Reader<'_, Bs<'_>>,
+        writer: &mut Writer<'_, Bs<'_>>,
     ) -> (u32, usize) {
         match type_ {
             VIRTIO_BLK_T_IN => self.read(sector, writer),
@@ -196,7 +198,7 @@ impl BlockWorker {
         start
     }
 
-    fn read(&mut self, sector: u64, writer: &mut Writer<'_>) -> (u32, usize) {
+    fn read(&mut self, sector: u64, writer: &mut Writer<'_, Bs<'_>>) -> (u32, usize) {
         let len = writer.available_bytes();
         let Some(mut pos) = self.range("read", sector, len) else {
             return (VIRTIO_BLK_S_IOERR, 0);
@@ -224,7 +226,7 @@ impl BlockWorker {
         (status, done)
     }
 
-    fn write(&mut self, sector: u64, reader: &mut Reader<'_>) -> u32 {
+    fn write(&mut self, sector: u64, reader: &mut Reader<'_, Bs<'_>>) -> u32 {
         let len = reader.available_bytes();
         if self.lock_disk().read_only() {
             guest_warn!(self, "virtio-blk: write to a read-only disk");

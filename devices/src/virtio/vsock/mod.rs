@@ -28,13 +28,14 @@ mod tests;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::GuestMemory;
+use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
-use vm_memory::GuestMemoryMmap;
 
-use super::{Interrupt, VirtQueue, VirtioDevice};
+use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
 use crate::event_loop::{self, LoopHandle};
 use crate::{Error, Result};
 
@@ -93,6 +94,9 @@ pub const OP_CREDIT_REQUEST: u16 = 7;
 pub const SHUTDOWN_RCV: u32 = 1;
 /// SHUTDOWN flag: the sender will send no more.
 pub const SHUTDOWN_SEND: u32 = 2;
+
+/// `virtio_vsock_event` id telling the driver every connection was lost.
+pub const EVENT_TRANSPORT_RESET: u32 = 0;
 
 /// Size of `struct virtio_vsock_hdr`.
 pub const HDR_SIZE: usize = virtio_vsock::packet::PKT_HEADER_SIZE;
@@ -226,7 +230,7 @@ impl Drop for SocketFile {
 }
 
 /// True if something accepts connections at `path` (a full backlog counts as in use).
-fn socket_in_use(path: &Path) -> bool {
+pub fn socket_in_use(path: &Path) -> bool {
     let Ok(addr) = SockAddr::unix(path) else {
         return false;
     };
@@ -258,19 +262,99 @@ pub(crate) fn connect_host_port(
     Ok(std::os::fd::OwnedFd::from(sock).into())
 }
 
+/// What a snapshot keeps of a vsock device. Connections are not kept: their host ends are
+/// Unix sockets of the VMM process that took the snapshot. A restored device that had any
+/// tells the guest with a transport-reset event; listening sockets in the guest survive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VsockState {
+    /// The guest's CID (the guest driver read it once; it must not change).
+    pub guest_cid: u64,
+    /// Connections open when the snapshot was taken.
+    pub connections: u32,
+}
+
+/// Shared between the device and its worker: whether the worker may run, and what it
+/// publishes after each round of work.
+#[derive(Debug, Default)]
+pub(crate) struct GateState {
+    /// False once the device was reset: the worker touches nothing any more.
+    pub active: bool,
+    /// True while a snapshot is taken: the worker waits.
+    pub paused: bool,
+    /// Queue positions after the worker's last round.
+    pub positions: [QueuePosition; 3],
+    /// Open connections after the worker's last round.
+    pub connections: usize,
+}
+
+/// The worker holds the lock while it works, so whoever holds it knows the worker is idle.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+impl Gate {
+    pub(crate) fn new_active() -> Gate {
+        Gate {
+            state: Mutex::new(GateState {
+                active: true,
+                ..GateState::default()
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For the worker: waits while paused; `None` once the device was reset.
+    pub(crate) fn enter(&self) -> Option<MutexGuard<'_, GateState>> {
+        let mut g = self.lock();
+        while g.active && g.paused {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.active.then_some(g)
+    }
+
+    fn set_paused(&self, paused: bool) {
+        self.lock().paused = paused;
+        self.cv.notify_all();
+    }
+
+    fn deactivate(&self) {
+        let mut g = self.lock();
+        g.active = false;
+        g.paused = false;
+        self.cv.notify_all();
+    }
+}
+
 struct Activation {
-    gate: Arc<Mutex<bool>>,
+    gate: Arc<Gate>,
     id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
+}
+
+/// Where a restored device finds its listening socket once the VMM has bound it (see
+/// [`VsockDevice::restore`]).
+pub type ListenerSlot = Arc<Mutex<Option<UnixListener>>>;
+
+enum Listener {
+    Bound(UnixListener),
+    Later(ListenerSlot),
 }
 
 /// The vsock device model: configuration space and activation. The data path is
 /// [`VsockWorker`], which runs on the device event loop.
 pub struct VsockDevice {
     guest_cid: u64,
-    listener: UnixListener,
+    listener: Listener,
     uds_path: PathBuf,
     event_loop: LoopHandle,
     active: Option<Activation>,
+    /// Restored from a snapshot that had connections: tell the guest they are gone.
+    reset_on_activate: bool,
 }
 
 impl VsockDevice {
@@ -283,20 +367,69 @@ impl VsockDevice {
         uds_path: &Path,
         event_loop: LoopHandle,
     ) -> Result<Self> {
+        listener.set_nonblocking(true)?;
+        Self::with_listener(guest_cid, Listener::Bound(listener), uds_path, event_loop)
+    }
+
+    fn with_listener(
+        guest_cid: u64,
+        listener: Listener,
+        uds_path: &Path,
+        event_loop: LoopHandle,
+    ) -> Result<Self> {
         if !(MIN_GUEST_CID..u64::from(u32::MAX)).contains(&guest_cid) {
             return Err(Error::Virtio(format!(
                 "vsock guest CID {guest_cid} is reserved or too large (use 3..{})",
                 u32::MAX
             )));
         }
-        listener.set_nonblocking(true)?;
         Ok(Self {
             guest_cid,
             listener,
             uds_path: uds_path.to_path_buf(),
             event_loop,
             active: None,
+            reset_on_activate: false,
         })
+    }
+
+    /// A device restored from `state` (the guest CID comes from the snapshot; the other
+    /// arguments as for [`VsockDevice::new`]). Its listening socket arrives later, in
+    /// `listener` (the VMM binds it while the vCPUs already run), and must be there when
+    /// the device is activated. If connections were open when the snapshot was taken, the
+    /// guest gets a transport-reset event as soon as the device runs.
+    pub fn restore(
+        state: &VsockState,
+        listener: ListenerSlot,
+        uds_path: &Path,
+        event_loop: LoopHandle,
+    ) -> Result<Self> {
+        let mut dev = Self::with_listener(
+            state.guest_cid,
+            Listener::Later(listener),
+            uds_path,
+            event_loop,
+        )
+        .map_err(|e| Error::Restore(format!("vsock: {e}")))?;
+        dev.reset_on_activate = state.connections > 0;
+        Ok(dev)
+    }
+
+    /// The listening socket, taken from the slot the first time.
+    fn listener(&mut self) -> Result<&UnixListener> {
+        if let Listener::Later(slot) = &self.listener {
+            let l = slot
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .ok_or_else(|| Error::Virtio("the vsock socket is not bound yet".into()))?;
+            l.set_nonblocking(true)?;
+            self.listener = Listener::Bound(l);
+        }
+        match &self.listener {
+            Listener::Bound(l) => Ok(l),
+            Listener::Later(_) => Err(Error::Virtio("the vsock socket is not bound".into())),
+        }
     }
 
     /// The host socket path.
@@ -344,7 +477,7 @@ impl VirtioDevice for VsockDevice {
 
     fn activate(
         &mut self,
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: Vec<VirtQueue>,
         interrupt: Arc<Interrupt>,
         _features: u64,
@@ -362,7 +495,8 @@ impl VirtioDevice for VsockDevice {
                 return Err(Error::Virtio(format!("vsock queue {i} was not set up")));
             }
         }
-        let gate = Arc::new(Mutex::new(true));
+        let listener = self.listener()?.try_clone()?;
+        let gate = Arc::new(Gate::new_active());
         let worker = VsockWorker::new(
             mem,
             queues,
@@ -370,8 +504,9 @@ impl VirtioDevice for VsockDevice {
             Arc::clone(&gate),
             self.guest_cid,
             self.uds_path.clone(),
-            self.listener.try_clone()?,
-        )?;
+            listener,
+        )?
+        .with_transport_reset(std::mem::take(&mut self.reset_on_activate));
         let id = Arc::new(Mutex::new(None));
         event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
         self.active = Some(Activation { gate, id });
@@ -388,9 +523,49 @@ impl VirtioDevice for VsockDevice {
             return;
         };
         // Waits for the worker to finish what it is doing; afterwards it touches nothing.
-        *act.gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        act.gate.deactivate();
         if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
             tracing::error!("vsock reset: {e}");
+        }
+    }
+
+    fn pause(&mut self) {
+        if let Some(act) = &self.active {
+            // Taking the lock waits for a round of work in progress to end.
+            act.gate.set_paused(true);
+        }
+    }
+
+    fn unpause(&mut self) {
+        if let Some(act) = &self.active {
+            act.gate.set_paused(false);
+        }
+    }
+
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        match &self.active {
+            Some(act) => act.gate.lock().positions.to_vec(),
+            None => Vec::new(),
+        }
+    }
+
+    fn save_state(&self) -> Option<VirtioDeviceState> {
+        let connections = self
+            .active
+            .as_ref()
+            .map_or(0, |a| a.gate.lock().connections);
+        Some(VirtioDeviceState::Vsock(VsockState {
+            guest_cid: self.guest_cid,
+            connections: u32::try_from(connections).unwrap_or(u32::MAX),
+        }))
+    }
+}
+
+impl Drop for VsockDevice {
+    fn drop(&mut self) {
+        // A paused worker must not block the event loop's shutdown.
+        if let Some(act) = &self.active {
+            act.gate.set_paused(false);
         }
     }
 }

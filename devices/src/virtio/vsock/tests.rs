@@ -15,7 +15,7 @@ use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::DescriptorTable;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::*;
@@ -35,8 +35,8 @@ const WAIT: Duration = Duration::from_secs(10);
 
 static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
 
-fn test_mem() -> GuestMemoryMmap {
-    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap()
+fn test_mem() -> GuestMemory {
+    GuestMemory::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap()
 }
 
 struct TempDir(PathBuf);
@@ -64,8 +64,8 @@ impl Drop for TempDir {
 /// descriptor table; the rings are laid out here (the mock's own layout lets the used ring
 /// overlap the end of a large available ring).
 struct DriverQueue<'a> {
-    table: DescriptorTable<'a, GuestMemoryMmap>,
-    mem: &'a GuestMemoryMmap,
+    table: DescriptorTable<'a, GuestMemory>,
+    mem: &'a GuestMemory,
     desc: u64,
     avail: u64,
     used: u64,
@@ -77,7 +77,7 @@ struct DriverQueue<'a> {
 }
 
 impl<'a> DriverQueue<'a> {
-    fn new(mem: &'a GuestMemoryMmap, ring: u64, bufs: u64) -> Self {
+    fn new(mem: &'a GuestMemory, ring: u64, bufs: u64) -> Self {
         let avail = ring + 16 * u64::from(QSIZE);
         let used = (avail + 6 + 2 * u64::from(QSIZE) + 3) & !3;
         // Zeroed rings: flags 0, indexes 0.
@@ -177,7 +177,7 @@ impl GuestConn {
 }
 
 struct Harness<'a> {
-    mem: &'a GuestMemoryMmap,
+    mem: &'a GuestMemory,
     em: Manager,
     transport: MmioTransport,
     irq: EventFd,
@@ -194,11 +194,11 @@ struct Harness<'a> {
 }
 
 impl<'a> Harness<'a> {
-    fn new(mem: &'a GuestMemoryMmap) -> Self {
+    fn new(mem: &'a GuestMemory) -> Self {
         Self::with_rx_buffers(mem, 64)
     }
 
-    fn with_rx_buffers(mem: &'a GuestMemoryMmap, rx_target: usize) -> Self {
+    fn with_rx_buffers(mem: &'a GuestMemory, rx_target: usize) -> Self {
         let dir = TempDir::new();
         let path = dir.0.join("v.sock");
         let em = Manager::new().unwrap();
@@ -1235,4 +1235,106 @@ fn header_round_trips() {
         fwd_cnt: 10,
     };
     assert_eq!(Hdr::from_bytes(&h.to_bytes()), h);
+}
+
+#[test]
+fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections() {
+    use crate::virtio::mmio::{MmioTransportArgs, MmioTransportState};
+    use crate::virtio::VirtioDeviceState;
+    use snapshot::Persist;
+    use std::sync::{Arc, Mutex};
+
+    let mem = test_mem();
+    let mut h = Harness::new(&mem);
+    // One event buffer, as Linux posts them.
+    let eb = h.ev.buf(h.ev.free[0]);
+    mem.write_obj(0xffff_ffffu32, GuestAddress(eb)).unwrap();
+    h.ev.add_raw(&[(eb, 8, true)]);
+    h.notify(EVENT_QUEUE as u32);
+    let l = UnixListener::bind(h.host_path(87)).unwrap();
+    let (mut s, _gc) = guest_connect(&mut h, &l, 6007, 87);
+    let mut p = gh(OP_RW, 6007, 87);
+    p.len = 3;
+    h.send(p, b"abc");
+    h.pump();
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.extend(host_read_available(&mut s).0);
+    }
+
+    h.transport.pause_device();
+    let state = h.transport.save().unwrap();
+    h.transport.unpause_device();
+    assert!(state.active);
+    assert_eq!(
+        state.device,
+        VirtioDeviceState::Vsock(VsockState {
+            guest_cid: GUEST_CID,
+            connections: 1
+        })
+    );
+    let rx = state.queues[RX_QUEUE].position;
+    let tx = state.queues[TX_QUEUE].position;
+    assert_eq!(
+        rx.next_used, h.rx.used_seen,
+        "rx used entries the guest has seen"
+    );
+    assert_eq!(tx.next_avail, h.tx.avail_idx, "every tx packet was taken");
+    assert_eq!(tx.next_used, h.tx.avail_idx, "and given back");
+    assert!(rx.next_avail > 0);
+
+    // Bad states are refused, whatever the device.
+    let endpoint = h.em.remote_endpoint();
+    let restore = |st: &MmioTransportState, path: &Path| {
+        let VirtioDeviceState::Vsock(vs) = st.device;
+        let slot = Arc::new(Mutex::new(None));
+        let dev = VsockDevice::restore(&vs, slot.clone(), path, endpoint.clone()).unwrap();
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut t = MmioTransport::restore(
+            MmioTransportArgs {
+                mem: mem.clone(),
+                device: Box::new(dev),
+                irq,
+            },
+            st,
+        )?;
+        // Bound after the restore, as the VMM does while the vCPUs already run.
+        let (listener, socket) = SocketFile::bind(path).unwrap();
+        *slot.lock().unwrap() = Some(listener);
+        t.finish_restore()?;
+        Ok::<_, crate::Error>((t, socket))
+    };
+    let path2 = h.dir.0.join("v2.sock");
+    let mut bad = state.clone();
+    bad.device_type = 1;
+    assert!(restore(&bad, &path2).is_err());
+    let mut bad = state.clone();
+    bad.status = 0x7;
+    assert!(restore(&bad, &path2).is_err());
+    let mut bad = state.clone();
+    bad.queues[RX_QUEUE].desc = MEM_SIZE as u64 - 0x10;
+    assert!(restore(&bad, &path2).is_err());
+    let mut bad = state.clone();
+    bad.queues.pop();
+    assert!(restore(&bad, &path2).is_err());
+
+    // The old device goes away (its VM is gone); the restored one continues in the same
+    // guest memory from the saved positions.
+    h.write(reg::VIRTIO_MMIO_STATUS, 0);
+    h.pump();
+    let (t, socket) = restore(&state, &path2).unwrap();
+    h.transport = t;
+    h._socket = socket;
+    h.path = path2;
+    let mut events = Vec::new();
+    h.pump_until("the transport reset event", |h| {
+        events.extend(h.ev.take_used());
+        !events.is_empty()
+    });
+    assert_eq!(events[0].1, 4, "one le32 event id");
+    let ev: u32 = mem.read_obj(GuestAddress(eb)).unwrap();
+    assert_eq!(ev, EVENT_TRANSPORT_RESET);
+    assert_ne!(h.read(reg::VIRTIO_MMIO_INTERRUPT_STATUS) & 1, 0);
+    // The guest's listening port still works through the restored device.
+    let (_s2, _hport, _gc2) = host_connect(&mut h, 52, b"");
 }

@@ -6,25 +6,27 @@ use std::io::{ErrorKind, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::GuestMemory;
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::VsockPacket;
-use vm_memory::GuestMemoryMmap;
+use vm_memory::Bytes;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
 use super::connection::{ConnKey, Connection};
 use super::{
-    connect_host_port, Hdr, CONNECT_TIMEOUT, EVENT_QUEUE, HDR_SIZE, HOST_CID, LOCAL_PORT_BASE,
-    MAX_CONNECTIONS, MAX_PENDING_ACCEPTS, MAX_PKT_DATA, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE,
-    OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN, RX_QUEUE, TX_QUEUE, TYPE_STREAM,
+    connect_host_port, Gate, GateState, Hdr, CONNECT_TIMEOUT, EVENT_QUEUE, EVENT_TRANSPORT_RESET,
+    HDR_SIZE, HOST_CID, LOCAL_PORT_BASE, MAX_CONNECTIONS, MAX_PENDING_ACCEPTS, MAX_PKT_DATA,
+    OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN,
+    RX_QUEUE, TX_QUEUE, TYPE_STREAM,
 };
 use crate::virtio::mmio::LogLimiter;
-use crate::virtio::{Interrupt, VirtQueue};
+use crate::virtio::{Interrupt, QueuePosition, VirtQueue};
 use crate::{Error, Result};
 
 /// Longest `CONNECT <port>\n` line accepted.
@@ -38,6 +40,9 @@ const ACCEPT_BATCH: usize = 32;
 const TICK: Duration = Duration::from_millis(500);
 /// Queue rounds per event, so one busy device cannot monopolize the event loop.
 const MAX_ROUNDS: usize = 16;
+
+/// A packet in guest memory (writes through it are recorded in the dirty bitmap).
+type Packet<'a> = VsockPacket<'a, vm_memory::bitmap::BS<'a, vm_memory::bitmap::AtomicBitmap>>;
 
 macro_rules! guest_warn {
     ($self:expr, $($arg:tt)*) => {
@@ -68,12 +73,15 @@ pub(super) fn parse_connect_line(line: &[u8]) -> Option<u32> {
 
 /// The vsock device's work, owned by the event loop while the device is active.
 pub struct VsockWorker {
-    mem: GuestMemoryMmap,
+    mem: GuestMemory,
     queues: [Queue; 3],
     evts: [EventFd; 3],
     interrupt: Arc<Interrupt>,
-    /// False once the device was reset: from then on the worker touches nothing.
-    gate: Arc<Mutex<bool>>,
+    /// Closed once the device was reset (from then on the worker touches nothing), and
+    /// while a snapshot is taken.
+    gate: Arc<Gate>,
+    /// Tell the guest all connections were lost, first thing (restored from a snapshot).
+    reset_transport: bool,
     guest_cid: u64,
     uds_path: PathBuf,
     listener: UnixListener,
@@ -95,10 +103,10 @@ pub struct VsockWorker {
 impl VsockWorker {
     /// A worker for an activated device.
     pub(crate) fn new(
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: [VirtQueue; 3],
         interrupt: Arc<Interrupt>,
-        gate: Arc<Mutex<bool>>,
+        gate: Arc<Gate>,
         guest_cid: u64,
         uds_path: PathBuf,
         listener: UnixListener,
@@ -110,6 +118,7 @@ impl VsockWorker {
             evts: [rx.notify, tx.notify, ev.notify],
             interrupt,
             gate,
+            reset_transport: false,
             guest_cid,
             uds_path,
             listener,
@@ -125,6 +134,50 @@ impl VsockWorker {
             next_local_port: LOCAL_PORT_BASE,
             log: LogLimiter::new(),
         })
+    }
+
+    /// Sends the guest a transport reset first thing (a device restored from a snapshot
+    /// that had connections).
+    pub(crate) fn with_transport_reset(mut self, reset: bool) -> Self {
+        self.reset_transport = reset;
+        self
+    }
+
+    /// Publishes what a snapshot needs; called at the end of each round of work.
+    fn publish(&self, g: &mut GateState) {
+        for (p, q) in g.positions.iter_mut().zip(&self.queues) {
+            *p = QueuePosition {
+                next_avail: q.next_avail(),
+                next_used: q.next_used(),
+            };
+        }
+        g.connections = self.conns.len();
+    }
+
+    /// Puts a `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` in the event queue: the guest drops all
+    /// its connections (their host ends are gone) and keeps its listening sockets.
+    fn send_transport_reset(&mut self) {
+        let mem = self.mem.clone();
+        let Some(chain) = self.queues[EVENT_QUEUE].pop_descriptor_chain(&mem) else {
+            tracing::warn!("vsock: no event buffer for the transport reset after restore");
+            return;
+        };
+        let head = chain.head_index();
+        let mut len = 0;
+        for d in chain {
+            if d.is_write_only() && d.len() >= 4 {
+                match mem.write_obj(EVENT_TRANSPORT_RESET, d.addr()) {
+                    Ok(()) => len = 4,
+                    Err(e) => guest_warn!(self, "vsock: writing the reset event: {e}"),
+                }
+                break;
+            }
+        }
+        if let Err(e) = self.queues[EVENT_QUEUE].add_used(&mem, head, len) {
+            guest_warn!(self, "vsock: event used ring: {e}");
+        }
+        tracing::debug!("vsock: transport reset event sent to the guest");
+        self.interrupt.signal_used_queue();
     }
 
     fn hdr_to_guest(&self, mut h: Hdr) -> Hdr {
@@ -279,7 +332,7 @@ impl VsockWorker {
         used
     }
 
-    fn handle_guest_packet(&mut self, pkt: &VsockPacket<'_, ()>, ops: &mut EventOps) {
+    fn handle_guest_packet(&mut self, pkt: &Packet<'_>, ops: &mut EventOps) {
         if pkt.src_cid() != self.guest_cid {
             guest_warn!(
                 self,
@@ -330,7 +383,10 @@ impl VsockWorker {
                 self.forget(key, ops);
                 return;
             }
-            OP_RESPONSE => conn.on_response(),
+            OP_RESPONSE => {
+                tracing::trace!("vsock: {key}: RESPONSE from the guest");
+                conn.on_response()
+            }
             OP_RW => conn.on_rw(pkt.data_slice(), pkt.len()),
             OP_CREDIT_UPDATE => Ok(()),
             OP_CREDIT_REQUEST => {
@@ -350,7 +406,7 @@ impl VsockWorker {
         }
     }
 
-    fn guest_connect(&mut self, key: ConnKey, pkt: &VsockPacket<'_, ()>, ops: &mut EventOps) {
+    fn guest_connect(&mut self, key: ConnKey, pkt: &Packet<'_>, ops: &mut EventOps) {
         if self.conns.len() >= MAX_CONNECTIONS {
             guest_warn!(self, "vsock: {key}: too many connections, refused");
             self.push_rst(key.local_port, key.peer_port);
@@ -402,6 +458,7 @@ impl VsockWorker {
             };
             match self.fill_rx(&mut pkt, ops) {
                 Some(len) => {
+                    tracing::trace!("vsock: rx packet of {len} bytes to the guest");
                     if let Err(e) = self.queues[RX_QUEUE].add_used(&mem, head, len) {
                         guest_warn!(self, "vsock: rx used ring: {e}");
                     }
@@ -418,7 +475,7 @@ impl VsockWorker {
     }
 
     /// Writes the next packet for the guest into `pkt`; returns the used length.
-    fn fill_rx(&mut self, pkt: &mut VsockPacket<'_, ()>, ops: &mut EventOps) -> Option<u32> {
+    fn fill_rx(&mut self, pkt: &mut Packet<'_>, ops: &mut EventOps) -> Option<u32> {
         let now = Instant::now();
         let mut tries = self.rx_order.len();
         loop {
@@ -447,7 +504,7 @@ impl VsockWorker {
         }
     }
 
-    fn write_hdr(&mut self, pkt: &mut VsockPacket<'_, ()>, h: &Hdr) -> bool {
+    fn write_hdr(&mut self, pkt: &mut Packet<'_>, h: &Hdr) -> bool {
         match pkt.set_header_from_raw(&h.to_bytes()) {
             Ok(()) => true,
             Err(e) => {
@@ -675,24 +732,28 @@ impl MutEventSubscriber for VsockWorker {
         }
         // Work that arrived before we were registered (unless reset in the meantime).
         let gate = Arc::clone(&self.gate);
-        let active = gate.lock().unwrap_or_else(|e| e.into_inner());
-        if *active {
-            self.run_queues(ops);
+        let Some(mut g) = gate.enter() else {
+            return;
+        };
+        if std::mem::take(&mut self.reset_transport) {
+            self.send_transport_reset();
         }
+        self.run_queues(ops);
+        self.publish(&mut g);
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let gate = Arc::clone(&self.gate);
-        let active = gate.lock().unwrap_or_else(|e| e.into_inner());
-        if !*active {
+        let Some(mut g) = gate.enter() else {
             return;
-        }
+        };
         let fd = events.fd();
         let set = events.event_set();
         if let Some(q) = self.evts.iter().position(|e| e.as_raw_fd() == fd) {
             // Clear the notification; the queue itself says what is new.
             let _ = self.evts[q].read();
             if q == EVENT_QUEUE {
+                self.publish(&mut g);
                 return;
             }
         } else if fd == self.listener.as_raw_fd() {
@@ -710,5 +771,6 @@ impl MutEventSubscriber for VsockWorker {
             }
         }
         self.run_queues(ops);
+        self.publish(&mut g);
     }
 }

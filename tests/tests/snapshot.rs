@@ -1,0 +1,638 @@
+//! Native KVM tier: snapshot a running native test guest and resume it with every memory
+//! backend. The resumed guest must continue exactly where it was: same memory (checked by
+//! the host over all of guest memory, and by the guest's own `memsum` step), same CPU state
+//! (a counting loop finishes, later steps run), working interrupts (the `hlt` step) and
+//! devices (vsock pings).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clade_tests::guest_config;
+use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
+use vmm::config::VsockConfig;
+use vmm::persist::{MemoryBackend, ResumeOptions, MEMORY_FILE, STATE_FILE};
+use vmm::{ExitStatus, SerialOutput, SnapshotKind, Vm};
+
+const T: Duration = Duration::from_secs(30);
+const BACKENDS: [MemoryBackend; 3] = [
+    MemoryBackend::Uffd,
+    MemoryBackend::File,
+    MemoryBackend::Copy,
+];
+const AGENT: Transport = Transport::Vsock {
+    port: AGENT_VSOCK_PORT,
+};
+
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(name: &str) -> TmpDir {
+        let d = std::env::temp_dir().join(format!("clade-snaptest-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TmpDir(d)
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn serial(vm: &Vm) -> String {
+    String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
+}
+
+fn options() -> ResumeOptions {
+    ResumeOptions {
+        serial: SerialOutput::Memory,
+        ..ResumeOptions::default()
+    }
+}
+
+/// Hash of all guest memory, read by the host.
+fn checksum(vm: &Vm) -> u64 {
+    let mem_bytes = vm.config().mem_mib << 20;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut addr = 0u64;
+    while addr < mem_bytes {
+        vm.read_guest(addr, &mut buf).expect("reading guest memory");
+        for chunk in buf.chunks_exact(8) {
+            h ^= u64::from_le_bytes(chunk.try_into().unwrap());
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+        addr += buf.len() as u64;
+    }
+    h
+}
+
+/// The `memsum` lines the guest printed, in order.
+fn memsums(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.starts_with("memsum "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits until the guest's serial output contains `what` `count` times (use a whole line's
+/// text: a snapshot may have been taken in the middle of a line).
+fn wait_for_output(vm: &Vm, what: &str, count: usize) {
+    let t = Instant::now();
+    while serial(vm).matches(what).count() < count {
+        assert!(
+            t.elapsed() < T,
+            "no {count}x '{what}' in the output:\n{}",
+            serial(vm)
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn finish(vm: &mut Vm, what: &str) -> String {
+    let status = vm.wait_timeout(T).unwrap();
+    let out = serial(vm);
+    assert_eq!(status, Some(ExitStatus::TestExit(0)), "{what}:\n{out}");
+    out
+}
+
+/// Every file under `dir` with its contents, to prove a failed resume changed nothing.
+fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files(&p));
+        } else {
+            out.insert(p.clone(), std::fs::read(&p).unwrap());
+        }
+    }
+    out
+}
+
+/// Boots "memfill:7:32,memsum,loop:30,memsum,mmio,hlt" and takes a full snapshot in the
+/// middle of the loop. Returns the host checksum at the snapshot and the first memsum line.
+fn snapshot_mid_loop(dir: &Path) -> (u64, String) {
+    let mut c = guest_config("memfill:7:32,memsum,loop:30,memsum,mmio,hlt");
+    c.mem_mib = 128;
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    vm.pause().unwrap();
+    let info = vm.snapshot(dir, SnapshotKind::Full).unwrap();
+    let sum = checksum(&vm);
+    println!(
+        "full snapshot: {} pages written, paused (already) {:?}, total {:?}, steps {:?}",
+        info.pages_written, info.pause_time, info.total_time, info.steps
+    );
+    let before = serial(&vm);
+    assert!(
+        !before.contains("loop 2^30 done"),
+        "snapshot taken mid-loop: {before}"
+    );
+    // The original goes on too.
+    vm.unpause().unwrap();
+    let out = finish(&mut vm, "original");
+    let sums = memsums(&out);
+    assert_eq!(sums.len(), 2, "{out}");
+    assert_eq!(sums[0], sums[1], "{out}");
+    (sum, sums[0].clone())
+}
+
+#[test]
+fn resumed_guest_continues_exactly_with_every_backend_twice() {
+    let dir = TmpDir::new("continue");
+    let (sum, memsum) = snapshot_mid_loop(&dir.0);
+    for backend in BACKENDS {
+        for round in 0..2 {
+            let mut vm = Vm::resume(
+                &dir.0,
+                backend,
+                ResumeOptions {
+                    start: false,
+                    ..options()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{backend} resume {round}: {e}"));
+            let report = vm.resume_report().unwrap().clone();
+            assert_eq!(
+                checksum(&vm),
+                sum,
+                "{backend} round {round}: memory differs from the snapshot"
+            );
+            vm.start().unwrap();
+            let out = finish(&mut vm, &format!("{backend} round {round}"));
+            assert!(
+                !out.contains("clade-native-guest: start"),
+                "{backend}: the guest restarted instead of continuing: {out}"
+            );
+            assert!(out.contains("loop 2^30 done"), "{backend}: {out}");
+            assert_eq!(memsums(&out), vec![memsum.clone()], "{backend}: {out}");
+            assert!(out.contains("step mmio ok"), "{backend}: {out}");
+            assert!(out.contains("step hlt ok"), "{backend}: {out}");
+            println!(
+                "{backend} round {round}: resumed in {:?} ({:?})",
+                report.total, report.steps
+            );
+        }
+    }
+}
+
+/// Boots a guest serving the agent protocol on vsock and snapshots it while it waits for
+/// a connection.
+fn listening_snapshot(dir: &Path, sock: &Path) {
+    let mut c = guest_config("vsock");
+    c.vsock = Some(VsockConfig {
+        uds_path: sock.to_path_buf(),
+        guest_cid: 3,
+    });
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "serving agent port", 1);
+    vm.snapshot(dir, SnapshotKind::Full).unwrap();
+    assert_eq!(
+        vm.state_name(),
+        "running",
+        "the VM runs on after a snapshot"
+    );
+    // The original still answers.
+    let c = Client::connect_timeout(sock, AGENT, Duration::from_secs(10)).unwrap();
+    c.ping().unwrap();
+}
+
+#[test]
+fn two_resumes_of_one_snapshot_side_by_side_answer_independently() {
+    let dir = TmpDir::new("sidebyside");
+    listening_snapshot(&dir.0, &dir.0.join("orig.sock"));
+    let socks = [dir.0.join("a.sock"), dir.0.join("b.sock")];
+    let mut vms: Vec<Vm> = socks
+        .iter()
+        .zip([MemoryBackend::Uffd, MemoryBackend::File])
+        .map(|(s, backend)| {
+            Vm::resume(
+                &dir.0,
+                backend,
+                ResumeOptions {
+                    vsock_path: Some(s.clone()),
+                    ..options()
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut clients: Vec<Client> = socks
+        .iter()
+        .map(|s| Client::connect_timeout(s, AGENT, Duration::from_secs(10)).unwrap())
+        .collect();
+    for _ in 0..20 {
+        for c in &clients {
+            c.ping().unwrap();
+        }
+    }
+    // The first one ends (closing the connection ends its guest's step, and the guest);
+    // the second still answers.
+    drop(clients.remove(0));
+    let out = finish(&mut vms[0], "first resume");
+    assert!(out.contains(" 20 pings"), "{out}");
+    drop(vms.remove(0));
+    assert!(
+        !socks[0].exists(),
+        "the first VM's socket went away with it"
+    );
+    for _ in 0..5 {
+        clients[0].ping().unwrap();
+    }
+    drop(clients);
+    let out = finish(&mut vms[0], "second resume");
+    assert!(out.contains(" 25 pings"), "{out}");
+}
+
+#[test]
+fn diff_snapshots_restore_on_top_of_their_base() {
+    let dirs = TmpDir::new("diff");
+    let base = dirs.0.join("base");
+    let diff = dirs.0.join("diff");
+    let diff2 = dirs.0.join("diff2");
+    let mut c = guest_config(
+        "memfill:1:32,memsum,loop:30,memfill:2:1,memsum,loop:30,memfill:3:1,memsum,loop:30,memsum",
+    );
+    c.mem_mib = 128;
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    let full = vm.snapshot(&base, SnapshotKind::Full).unwrap();
+    // A diff before the base exists elsewhere is refused in the base's own directory.
+    wait_for_output(&vm, "step memsum ok", 2);
+    assert!(vm.snapshot(&base, SnapshotKind::Diff).is_err());
+    let d1 = vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    wait_for_output(&vm, "step memsum ok", 3);
+    let d2 = vm.snapshot(&diff2, SnapshotKind::Diff).unwrap();
+    println!(
+        "full: {} pages written (paused {:?}); diff: {} dirty, {} written (paused {:?}); \
+         diff2: {} dirty, {} written (paused {:?})",
+        full.pages_written,
+        full.pause_time,
+        d1.pages_considered,
+        d1.pages_written,
+        d1.pause_time,
+        d2.pages_considered,
+        d2.pages_written,
+        d2.pause_time
+    );
+    // memfill:2:1 dirtied 256 pages; the diff holds those and little else.
+    assert!(
+        (256..2000).contains(&d1.pages_considered),
+        "{} dirty pages",
+        d1.pages_considered
+    );
+    assert!(d1.pages_written < full.pages_written);
+    let out = finish(&mut vm, "original");
+    let sums = memsums(&out);
+    assert_eq!(sums.len(), 4, "{out}");
+    for backend in BACKENDS {
+        // The second diff: a chain of three.
+        let mut r = Vm::resume(&diff2, backend, options()).unwrap();
+        assert_eq!(r.resume_report().unwrap().layers, 3);
+        let o = finish(&mut r, &format!("{backend} diff2"));
+        assert_eq!(memsums(&o), vec![sums[3].clone()], "{backend}: {o}");
+        // The first diff: its guest still has memfill:3 to do.
+        let mut r = Vm::resume(&diff, backend, options()).unwrap();
+        let o = finish(&mut r, &format!("{backend} diff"));
+        assert_eq!(memsums(&o), sums[2..].to_vec(), "{backend}: {o}");
+    }
+}
+
+#[test]
+fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
+    let dirs = TmpDir::new("resumed-diff");
+    let base = dirs.0.join("base");
+    let diff = dirs.0.join("diff");
+    let mut c = guest_config("memfill:1:32,memsum,loop:29,memfill:9:2,memsum,loop:30,memsum");
+    c.mem_mib = 128;
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    vm.snapshot(&base, SnapshotKind::Full).unwrap();
+    let out = finish(&mut vm, "original");
+    let sums = memsums(&out);
+    drop(vm);
+    for backend in BACKENDS {
+        let mut r = Vm::resume(&base, backend, options()).unwrap();
+        wait_for_output(&r, "step memsum ok", 1);
+        let d = r.snapshot(&diff, SnapshotKind::Diff).unwrap();
+        assert!(d.pages_considered >= 512, "memfill:9:2 dirtied 2 MiB");
+        let o = finish(&mut r, &format!("{backend} resumed"));
+        assert_eq!(memsums(&o), sums[1..].to_vec(), "{backend}: {o}");
+        drop(r);
+        let mut r2 = Vm::resume(&diff, MemoryBackend::Uffd, options()).unwrap();
+        let o = finish(&mut r2, &format!("{backend} diff of a resumed VM"));
+        assert_eq!(memsums(&o), vec![sums[2].clone()], "{backend}: {o}");
+    }
+}
+
+#[test]
+fn snapshot_requests_that_cannot_work_are_refused() {
+    let dir = TmpDir::new("refused");
+    let mut vm = Vm::new(guest_config("loop:33")).unwrap();
+    let e = vm.snapshot(&dir.0, SnapshotKind::Full).unwrap_err();
+    assert!(e.to_string().contains("not started"), "{e}");
+    vm.start().unwrap();
+    let e = vm.snapshot(&dir.0, SnapshotKind::Diff).unwrap_err();
+    assert!(e.to_string().contains("full snapshot"), "{e}");
+    assert!(!dir.0.join(STATE_FILE).exists());
+    vm.shutdown();
+    let e = vm.snapshot(&dir.0, SnapshotKind::Full).unwrap_err();
+    assert!(e.to_string().contains("ended"), "{e}");
+}
+
+/// One resume that must fail with `expect` in its message, leaving every file as it was
+/// and no VM behind.
+fn resume_fails(dir: &Path, all: &Path, expect: &str) {
+    let before = files(all);
+    let sock = dir.with_extension("sock");
+    for backend in BACKENDS {
+        let e = Vm::resume(
+            dir,
+            backend,
+            ResumeOptions {
+                vsock_path: Some(sock.clone()),
+                ..options()
+            },
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{backend}: resume of a bad snapshot succeeded ({expect})"));
+        let msg = e.to_string();
+        assert!(
+            msg.to_lowercase().contains(&expect.to_lowercase()),
+            "{backend}: '{msg}' should mention '{expect}'"
+        );
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        assert!(!sock.exists(), "{backend}: nothing restored half-way");
+    }
+    assert!(files(all) == before, "a failed resume changed files");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+fn rewrite(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut b = std::fs::read(path).unwrap();
+    f(&mut b);
+    std::fs::write(path, b).unwrap();
+}
+
+/// Recomputes the state file's header CRC after an edit of its fields.
+fn fix_header_crc(b: &mut [u8]) {
+    let crc = crc32(&b[..124]);
+    b[124..128].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in data {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn bad_snapshots_fail_cleanly_and_change_nothing() {
+    let root = TmpDir::new("bad");
+    let good = root.0.join("good");
+    let mut c = guest_config("vsock");
+    c.mem_mib = 64;
+    c.vsock = Some(VsockConfig {
+        uds_path: root.0.join("orig.sock"),
+        guest_cid: 3,
+    });
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "serving agent port", 1);
+    vm.snapshot(&good, SnapshotKind::Full).unwrap();
+    let diff = root.0.join("diff");
+    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    // A snapshot of another size, for its memory file.
+    let mut c2 = guest_config("loop:33");
+    c2.mem_mib = 128;
+    let mut vm2 = Vm::new(c2).unwrap();
+    vm2.start().unwrap();
+    let other = root.0.join("other");
+    vm2.snapshot(&other, SnapshotKind::Full).unwrap();
+    drop(vm2);
+    drop(vm);
+    let case = |name: &str| {
+        let d = root.0.join(name);
+        copy_dir(&good, &d);
+        d
+    };
+
+    let d = case("truncated-state");
+    rewrite(&d.join(STATE_FILE), |b| b.truncate(b.len() / 2));
+    resume_fails(&d, &root.0, "truncated");
+
+    let d = case("truncated-header");
+    rewrite(&d.join(STATE_FILE), |b| b.truncate(60));
+    resume_fails(&d, &root.0, "truncated");
+
+    let d = case("corrupted-state");
+    rewrite(&d.join(STATE_FILE), |b| {
+        let n = b.len() - 100;
+        b[n] ^= 0x55;
+    });
+    resume_fails(&d, &root.0, "checksum");
+
+    let d = case("corrupted-header");
+    rewrite(&d.join(STATE_FILE), |b| b[30] ^= 1);
+    resume_fails(&d, &root.0, "checksum");
+
+    let d = case("wrong-version");
+    rewrite(&d.join(STATE_FILE), |b| {
+        b[8..12].copy_from_slice(&2u32.to_le_bytes())
+    });
+    resume_fails(&d, &root.0, "version 2");
+
+    let d = case("not-a-snapshot");
+    std::fs::write(d.join(STATE_FILE), b"#!/bin/sh\necho hello\n").unwrap();
+    resume_fails(&d, &root.0, "bad magic");
+
+    let d = case("wrong-cpu");
+    rewrite(&d.join(STATE_FILE), |b| {
+        b[56..68].copy_from_slice(b"GenuineIntel");
+        b[70] ^= 0x3f;
+        fix_header_crc(b);
+    });
+    resume_fails(&d, &root.0, "snapshot was taken on CPU GenuineIntel");
+
+    let d = case("missing-state");
+    std::fs::remove_file(d.join(STATE_FILE)).unwrap();
+    resume_fails(&d, &root.0, "No such file");
+
+    let d = case("truncated-memory");
+    rewrite(&d.join(MEMORY_FILE), |b| b.truncate(b.len() - 4096));
+    resume_fails(&d, &root.0, "truncated");
+
+    let d = case("corrupted-memory-header");
+    rewrite(&d.join(MEMORY_FILE), |b| b[50] ^= 1);
+    resume_fails(&d, &root.0, "checksum");
+
+    let d = case("memory-of-another-snapshot");
+    std::fs::copy(other.join(MEMORY_FILE), d.join(MEMORY_FILE)).unwrap();
+    resume_fails(&d, &root.0, "belongs to snapshot");
+
+    let d = case("memory-of-the-wrong-size");
+    rewrite(&d.join(MEMORY_FILE), |b| {
+        // Same id, 64 MiB more memory: header field, length, tables.
+        let size = u64::from_le_bytes(b[48..56].try_into().unwrap()) + (64 << 20);
+        b[48..56].copy_from_slice(&size.to_le_bytes());
+        let region_size = size.to_le_bytes();
+        b[136..144].copy_from_slice(&region_size);
+        let tables_crc = crc32(&b[128..152]);
+        b[120..124].copy_from_slice(&tables_crc.to_le_bytes());
+        fix_header_crc(b);
+        b.resize(b.len() + (64 << 20), 0);
+    });
+    resume_fails(&d, &root.0, "geometry mismatch");
+
+    // A diff whose base is gone, or was replaced by another snapshot.
+    std::fs::rename(&good, root.0.join("good-moved")).unwrap();
+    resume_fails(&diff, &root.0, "needs its base snapshot");
+    copy_dir(&other, &good);
+    resume_fails(&diff, &root.0, "based on");
+    std::fs::remove_dir_all(&good).unwrap();
+    std::fs::rename(root.0.join("good-moved"), &good).unwrap();
+    // Put back, the chain resumes.
+    let mut r = Vm::resume(
+        &diff,
+        MemoryBackend::Uffd,
+        ResumeOptions {
+            vsock_path: Some(root.0.join("ok.sock")),
+            ..options()
+        },
+    )
+    .unwrap();
+    let c =
+        Client::connect_timeout(root.0.join("ok.sock"), AGENT, Duration::from_secs(10)).unwrap();
+    c.ping().unwrap();
+    r.shutdown();
+}
+
+#[test]
+fn connections_are_reset_on_resume_and_the_listener_survives() {
+    let dir = TmpDir::new("reset");
+    let sock = dir.0.join("orig.sock");
+    let mut c = guest_config("vsock");
+    c.vsock = Some(VsockConfig {
+        uds_path: sock.clone(),
+        guest_cid: 3,
+    });
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "serving agent port", 1);
+    // A connection is open when the snapshot is taken.
+    let client = Client::connect_timeout(&sock, AGENT, Duration::from_secs(10)).unwrap();
+    client.ping().unwrap();
+    vm.snapshot(&dir.0.join("snap"), SnapshotKind::Full)
+        .unwrap();
+    drop(client);
+    drop(vm);
+    for backend in BACKENDS {
+        let rsock = dir.0.join(format!("{backend}.sock"));
+        let mut r = Vm::resume(
+            &dir.0.join("snap"),
+            backend,
+            ResumeOptions {
+                vsock_path: Some(rsock.clone()),
+                ..options()
+            },
+        )
+        .unwrap();
+        // The guest dropped the old connection and listens again.
+        let c = Client::connect_timeout(&rsock, AGENT, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{backend}: {e}; serial:\n{}", serial(&r)));
+        c.ping().unwrap();
+        drop(c);
+        let out = finish(&mut r, &format!("{backend}"));
+        assert!(
+            out.contains("a transport reset dropped the connection open before"),
+            "{backend}: {out}"
+        );
+        assert!(out.contains("1 pings"), "{backend}: {out}");
+    }
+}
+
+#[test]
+fn a_pool_hands_out_prebuilt_shells_and_refills() {
+    use vmm::persist::PreparedSnapshot;
+    use vmm::pool::ShellPool;
+
+    let dir = TmpDir::new("pool");
+    let mut c = guest_config("memfill:3:8,memsum,loop:30,memsum");
+    c.mem_mib = 96;
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    vm.snapshot(&dir.0, SnapshotKind::Full).unwrap();
+    let sums = memsums(&finish(&mut vm, "original"));
+    drop(vm);
+
+    let snap = PreparedSnapshot::open(&dir.0, Default::default()).unwrap();
+    assert_eq!(snap.machine().mem_bytes, 96 << 20);
+    let pool = ShellPool::new(snap.shell_spec(Path::new("/dev/kvm"), true), 2).unwrap();
+    assert!(
+        pool.wait_full(Duration::from_secs(10)),
+        "{:?}",
+        pool.last_error()
+    );
+    for round in 0..3 {
+        let shell = pool.take().expect("a ready shell");
+        let mut r = snap
+            .resume(
+                MemoryBackend::Uffd,
+                ResumeOptions {
+                    shell: Some(shell),
+                    ..options()
+                },
+            )
+            .unwrap();
+        assert!(r.resume_report().unwrap().shell_reused, "round {round}");
+        let out = finish(&mut r, &format!("pool round {round}"));
+        assert_eq!(memsums(&out), vec![sums[1].clone()], "round {round}");
+        assert!(pool.wait_full(Duration::from_secs(10)), "refilled");
+    }
+    // A shell of the wrong size is not used.
+    let other = ShellPool::new(
+        vmm::vstate::shell::ShellSpec {
+            kvm_device: "/dev/kvm".into(),
+            mem_bytes: 64 << 20,
+            vcpus: 1,
+            dirty_log: true,
+        },
+        1,
+    )
+    .unwrap();
+    let mut r = snap
+        .resume(
+            MemoryBackend::File,
+            ResumeOptions {
+                shell: other.take(),
+                ..options()
+            },
+        )
+        .unwrap();
+    assert!(!r.resume_report().unwrap().shell_reused);
+    finish(&mut r, "unfit shell");
+}

@@ -1,0 +1,119 @@
+//! `clade snapshot` (through a running VM's API socket) and `clade resume`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use vmm::api::{ApiClient, ApiServer, Request};
+use vmm::{MemoryBackend, ResumeOptions, SerialOutput, Vm};
+
+use super::run::{handle_stop_signals, own};
+
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    /// The VM's API socket (`clade run --api-sock` / `clade resume --api-sock`).
+    api_sock: PathBuf,
+    /// Directory to write the snapshot into (created if needed).
+    dir: PathBuf,
+    /// Only the pages written since the VM's last snapshot (or the snapshot it was resumed
+    /// from), which must stay where it is.
+    #[arg(long)]
+    diff: bool,
+    /// Print the VM's answer as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn snapshot(args: SnapshotArgs) -> anyhow::Result<u8> {
+    let dir = std::path::absolute(&args.dir)
+        .with_context(|| format!("{}: cannot make the path absolute", args.dir.display()))?;
+    let mut client = ApiClient::connect(&args.api_sock)
+        .with_context(|| format!("API socket {}", args.api_sock.display()))?;
+    let r = client.call(&Request::Snapshot {
+        dir,
+        kind: if args.diff { "diff" } else { "full" }.into(),
+    })?;
+    if !r.ok {
+        bail!(
+            "snapshot failed: {}",
+            r.error.unwrap_or_else(|| "no reason given".into())
+        );
+    }
+    if args.json {
+        println!("{}", serde_json::Value::Object(r.fields));
+    } else {
+        let f = |k: &str| r.fields.get(k).cloned().unwrap_or_default();
+        println!(
+            "{} snapshot {} in {}: {} pages written, VM paused {} us, {} us in all",
+            f("kind").as_str().unwrap_or("?"),
+            f("id").as_str().unwrap_or("?"),
+            f("dir").as_str().unwrap_or("?"),
+            f("pages_written"),
+            f("pause_us"),
+            f("total_us")
+        );
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// The snapshot directory (`clade snapshot`).
+    dir: PathBuf,
+    /// How guest memory is restored: uffd (on demand, with working-set prefetch), file
+    /// (copy-on-write mapping of the memory file) or copy (read it all first).
+    #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(MemoryBackend))]
+    backend: MemoryBackend,
+    /// Serve the VM's control API on this Unix socket.
+    #[arg(long, value_name = "PATH")]
+    api_sock: Option<PathBuf>,
+    /// The vsock device's Unix socket (default: the snapshot's, which must be free).
+    #[arg(long, value_name = "PATH")]
+    vsock: Option<PathBuf>,
+    /// Write the guest's serial console to this file instead of stdout.
+    #[arg(long)]
+    serial_file: Option<PathBuf>,
+    /// Do not give the guest agent the current time and fresh entropy after the resume.
+    #[arg(long)]
+    no_agent_sync: bool,
+    /// How long the agent sync may take (seconds; it is best effort).
+    #[arg(long, default_value_t = 5.0)]
+    agent_sync_timeout: f64,
+    /// uffd: neither record nor prefetch a working set.
+    #[arg(long)]
+    no_working_set: bool,
+    /// KVM device node.
+    #[arg(long, default_value = "/dev/kvm")]
+    kvm_device: PathBuf,
+}
+
+pub fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
+    if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
+        bail!("--agent-sync-timeout must be a positive number of seconds");
+    }
+    handle_stop_signals()?;
+    let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
+    let options = ResumeOptions {
+        serial: args
+            .serial_file
+            .map(SerialOutput::File)
+            .unwrap_or(SerialOutput::Stdout),
+        vsock_path: args.vsock,
+        kvm_device: args.kvm_device,
+        agent_sync: (!args.no_agent_sync).then(|| Duration::from_secs_f64(args.agent_sync_timeout)),
+        working_set: !args.no_working_set,
+        ..ResumeOptions::default()
+    };
+    let vm = Vm::resume(&args.dir, args.backend, options)?;
+    if let Some(r) = vm.resume_report() {
+        tracing::info!(
+            "resumed {} ({} backend) in {:?}: {:?}",
+            args.dir.display(),
+            r.backend,
+            r.total,
+            r.steps
+        );
+    }
+    own(vm, api)
+}

@@ -1,0 +1,294 @@
+//! `clade run --api-sock`, `clade snapshot`, `clade resume` and `clade bench
+//! resume|snapshot` on the native test guest.
+
+#[path = "../../tests/src/native_guest.rs"]
+mod native_guest;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use native_guest::native_guest;
+use vmm::api::{ApiClient, Request};
+
+fn clade() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_clade"))
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("clade-snapcli-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+
+    fn p(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Kills the process if the test fails before it ended.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(path: &Path) {
+    let t = Instant::now();
+    while !path.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn wait_for_text(path: &Path, text: &str) {
+    let t = Instant::now();
+    while !std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .contains(text)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no '{text}' in {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn api(sock: &Path, req: Request) -> vmm::api::Response {
+    ApiClient::connect(sock).unwrap().call(&req).unwrap()
+}
+
+fn wait_exit(p: &mut Proc) -> i32 {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = p.0.try_wait().unwrap() {
+            return s.code().unwrap_or(-1);
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the VM process did not end"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn run_serves_the_api_and_snapshots_resume_side_by_side() {
+    let d = Dir::new("api");
+    let (api_sock, vsock, serial) = (d.p("api.sock"), d.p("v.sock"), d.p("serial.log"));
+    let mut vm = Proc(
+        clade()
+            .arg("run")
+            .arg("--kernel")
+            .arg(native_guest())
+            .args(["--test-device", "--cmdline", "steps=vsock"])
+            .arg("--vsock")
+            .arg(&vsock)
+            .arg("--api-sock")
+            .arg(&api_sock)
+            .arg("--serial-file")
+            .arg(&serial)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&api_sock);
+    wait_for_text(&serial, "serving agent port");
+
+    let r = api(&api_sock, Request::Status);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.fields["state"], "running");
+    assert_eq!(r.fields["mem_mib"], 256);
+    let r = api(&api_sock, Request::Pause);
+    assert_eq!(r.fields["state"], "paused");
+    let r = api(&api_sock, Request::Pause);
+    assert!(
+        !r.ok && r.error.as_deref().unwrap().contains("paused"),
+        "{r:?}"
+    );
+    let r = api(
+        &api_sock,
+        Request::Snapshot {
+            dir: d.p("paused"),
+            kind: "sideways".into(),
+        },
+    );
+    assert!(!r.ok, "bad kind: {r:?}");
+    let r = api(&api_sock, Request::Resume);
+    assert_eq!(r.fields["state"], "running");
+
+    // `clade snapshot`: full, then a diff on top (relative paths are the client's).
+    let o = clade()
+        .arg("snapshot")
+        .arg(&api_sock)
+        .arg(d.p("full"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("full snapshot"));
+    let o = clade()
+        .arg("snapshot")
+        .arg(&api_sock)
+        .arg(d.p("diff"))
+        .args(["--diff", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["kind"], "diff");
+    assert!(j["pause_us"].as_u64().unwrap() > 0);
+    let r = api(&api_sock, Request::Status);
+    assert_eq!(r.fields["last_snapshot"]["id"], j["id"]);
+
+    // The original still answers; then it is shut down through the API.
+    let o = clade().arg("ping").arg(&vsock).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        wait_exit(&mut vm),
+        0,
+        "the guest's vsock step ended with the ping"
+    );
+
+    // Two resumes of the diff, side by side, each with its own sockets.
+    let mut resumed = Vec::new();
+    for (name, backend) in [("a", "uffd"), ("b", "file")] {
+        let p = Proc(
+            clade()
+                .arg("resume")
+                .arg(d.p("diff"))
+                .args(["--backend", backend, "--no-agent-sync"])
+                .arg("--vsock")
+                .arg(d.p(&format!("{name}.sock")))
+                .arg("--api-sock")
+                .arg(d.p(&format!("{name}.api")))
+                .arg("--serial-file")
+                .arg(d.p(&format!("{name}.log")))
+                .spawn()
+                .unwrap(),
+        );
+        wait_for(&d.p(&format!("{name}.api")));
+        resumed.push(p);
+    }
+    for name in ["a", "b"] {
+        let r = api(&d.p(&format!("{name}.api")), Request::Status);
+        assert_eq!(r.fields["state"], "running", "{r:?}");
+        assert_eq!(r.fields["resumed"]["kind"], "diff");
+    }
+    // b answers a ping and ends; a is still there and is shut down through its API.
+    let o = clade().arg("ping").arg(d.p("b.sock")).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(wait_exit(&mut resumed[1]), 0);
+    let r = api(&d.p("a.api"), Request::Status);
+    assert_eq!(r.fields["state"], "running");
+    let r = api(&d.p("a.api"), Request::Shutdown);
+    assert!(r.ok);
+    assert_eq!(wait_exit(&mut resumed[0]), 0);
+    assert!(!d.p("a.api").exists() && !d.p("a.sock").exists());
+}
+
+#[test]
+fn resume_of_a_bad_snapshot_is_a_one_line_error() {
+    let d = Dir::new("bad");
+    std::fs::create_dir_all(d.p("empty")).unwrap();
+    std::fs::write(d.p("empty/state.snap"), b"CLADESNP\x01\0\0\0").unwrap();
+    for (dir, needle) in [
+        (d.p("missing"), "No such file"),
+        (d.p("empty"), "truncated"),
+    ] {
+        let o = clade()
+            .arg("resume")
+            .arg(&dir)
+            .arg("--api-sock")
+            .arg(d.p("x.api"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{err}");
+        assert!(!d.p("x.api").exists());
+    }
+    let o = clade()
+        .args(["resume", "/tmp", "--backend", "mmap"])
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("uffd, file or copy"));
+}
+
+#[test]
+fn bench_resume_and_snapshot_print_one_json_object() {
+    let o = clade()
+        .args([
+            "bench",
+            "resume",
+            "-n",
+            "5",
+            "--baseline-n",
+            "3",
+            "--mem",
+            "128M",
+            "--json",
+            "--guest",
+        ])
+        .arg(native_guest())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    for k in [
+        "backend",
+        "mem_mib",
+        "n",
+        "p50_us",
+        "p99_us",
+        "faults_p50",
+        "baseline_p50_us",
+    ] {
+        assert!(!j[k].is_null(), "{k} missing: {j}");
+    }
+    assert_eq!(j["backend"], "uffd");
+    assert_eq!(j["n"], 5);
+    assert_eq!(j["baseline_n"], 3);
+    assert!(j["p50_us"].as_f64().unwrap() > 0.0);
+
+    let o = clade()
+        .args([
+            "bench", "snapshot", "-n", "3", "--full-n", "1", "--mem", "128M", "--json", "--guest",
+        ])
+        .arg(native_guest())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(j["diff"]["n"], 3);
+    assert!(j["diff"]["pause_p50_us"].as_f64().unwrap() > 0.0, "{j}");
+    assert!(j["diff"]["dirty_pages_p50"].as_u64().unwrap() >= 256, "{j}");
+}
