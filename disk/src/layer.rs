@@ -21,23 +21,33 @@ pub struct Layer {
     pub(crate) writable: bool,
 }
 
-/// Takes an advisory lock (`flock`) without waiting: exclusive for a writer, shared for
-/// readers, so two VMMs never write one layer and nobody writes a layer others read.
+/// How long to wait for a conflicting lock to go away. A process that forks (to exec a helper)
+/// briefly shares its open files with the child, locks included; a real second user holds the
+/// lock for much longer than this.
+const LOCK_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Takes an advisory lock (`flock`): exclusive for a writer, shared for readers, so two VMMs
+/// never write one layer and nobody writes a layer others read.
 pub(crate) fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     let op = if exclusive {
         libc::LOCK_EX
     } else {
         libc::LOCK_SH
     } | libc::LOCK_NB;
-    // SAFETY: flock on a file descriptor this File owns; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-        return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Err(Error::InUse(path.to_path_buf()))
-    } else {
-        Err(Error::io(path, "flock")(e))
+    let deadline = std::time::Instant::now() + LOCK_GRACE;
+    loop {
+        // SAFETY: flock on a file descriptor this File owns; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(Error::io(path, "flock")(e));
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::InUse(path.to_path_buf()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 

@@ -168,6 +168,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         working_set_saved: true,
         dirty_tracking: true,
         agent_sync: None,
+        fork_carry: Vec::new(),
         vcpu_cpus: Vec::new(),
         cpuids,
         spares,

@@ -364,6 +364,7 @@ impl DeviceManager {
                             let slot: ListenerSlot = Arc::new(Mutex::new(None));
                             virtio.push(Box::new(VsockDevice::restore(
                                 vs,
+                                u64::from(v.guest_cid),
                                 slot.clone(),
                                 &v.uds_path,
                                 lp.handle(),

@@ -17,6 +17,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod error;
+pub mod fork;
 pub mod persist;
 pub mod pool;
 pub mod vm;
@@ -24,5 +25,6 @@ pub mod vstate;
 
 pub use config::{SerialOutput, VmConfig};
 pub use error::{Error, Result};
+pub use fork::{ForkOptions, ForkReport};
 pub use persist::{MemoryBackend, ResumeOptions, SnapshotKind};
 pub use vm::{ExitStatus, Vm};

@@ -265,20 +265,20 @@ pub struct ResumeReport {
     pub refused_msrs: Vec<u32>,
 }
 
-struct Steps {
+pub(crate) struct Steps {
     last: Instant,
-    steps: Vec<(&'static str, Duration)>,
+    pub(crate) steps: Vec<(&'static str, Duration)>,
 }
 
 impl Steps {
-    fn new() -> Steps {
+    pub(crate) fn new() -> Steps {
         Steps {
             last: Instant::now(),
             steps: Vec::new(),
         }
     }
 
-    fn done(&mut self, name: &'static str) {
+    pub(crate) fn done(&mut self, name: &'static str) {
         let now = Instant::now();
         self.steps.push((name, now - self.last));
         self.last = now;
@@ -444,15 +444,35 @@ impl Vm {
         Ok(info)
     }
 
-    /// Everything that needs the vCPUs and devices paused.
-    fn capture(
-        &mut self,
-        dir: &Path,
-        kind: SnapshotKind,
-        id: SnapshotId,
-        base: Option<&Lineage>,
-        steps: &mut Steps,
-    ) -> Result<(PendingMemoryFile, VmSnapshotState, u64)> {
+    /// The pages written since the last call (KVM's dirty log and the VMM's own writes),
+    /// one bitmap per range. A forked VM also keeps them for its next fork (the pages it
+    /// wrote since its memory was frozen).
+    pub(crate) fn take_dirty(&mut self) -> Result<Vec<Vec<u64>>> {
+        let mut dirty = kvm::take_dirty_log(&self.vm_fd, self.ram.ranges())?;
+        for (d, v) in dirty.iter_mut().zip(self.ram.take_vmm_dirty()) {
+            for (a, b) in d.iter_mut().zip(v) {
+                *a |= b;
+            }
+        }
+        if matches!(self.ram.backing(), Backing::Forked(_)) {
+            if self.fork_carry.is_empty() {
+                self.fork_carry = dirty.clone();
+            } else {
+                for (d, v) in self.fork_carry.iter_mut().zip(&dirty) {
+                    for (a, b) in d.iter_mut().zip(v) {
+                        *a |= *b;
+                    }
+                }
+            }
+        }
+        Ok(dirty)
+    }
+
+    /// The vCPUs', the VM's and the devices' state, in memory. vCPUs and devices paused.
+    pub(crate) fn save_machine(
+        &self,
+        mut steps: Option<&mut Steps>,
+    ) -> Result<(Vec<VcpuState>, VmKvmState, DevicesState)> {
         let caps = Capabilities::probe(&self._kvm)?;
         let jobs = self
             .vcpus
@@ -469,10 +489,27 @@ impl Vm {
             .zip(&self.vcpus)
             .map(|(rx, v)| v.wait_job(rx)?)
             .collect::<Result<Vec<_>>>()?;
-        steps.done("save_vcpus");
+        if let Some(s) = steps.as_deref_mut() {
+            s.done("save_vcpus");
+        }
         let vm = kvm_state::save_vm(&self.vm_fd)?;
         let devices = self.devices.save()?;
-        steps.done("save_vm_devices");
+        if let Some(s) = steps {
+            s.done("save_vm_devices");
+        }
+        Ok((vcpus, vm, devices))
+    }
+
+    /// Everything that needs the vCPUs and devices paused.
+    fn capture(
+        &mut self,
+        dir: &Path,
+        kind: SnapshotKind,
+        id: SnapshotId,
+        base: Option<&Lineage>,
+        steps: &mut Steps,
+    ) -> Result<(PendingMemoryFile, VmSnapshotState, u64)> {
+        let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
 
         let ranges = self.ram.ranges().to_vec();
         let mem_path = dir.join(MEMORY_FILE);
@@ -480,8 +517,7 @@ impl Vm {
             (SnapshotKind::Full, _) => {
                 if self.dirty_tracking {
                     // Start a new interval: the next diff covers what changes after this.
-                    kvm::take_dirty_log(&self.vm_fd, &ranges)?;
-                    self.ram.take_vmm_dirty();
+                    self.take_dirty()?;
                 }
                 steps.done("dirty_log");
                 let regions: Vec<GuestRegion<'_>> = match self.ram.backing() {
@@ -511,12 +547,7 @@ impl Vm {
                 (p, pages)
             }
             (SnapshotKind::Diff, Some(base)) => {
-                let mut dirty = kvm::take_dirty_log(&self.vm_fd, &ranges)?;
-                for (d, v) in dirty.iter_mut().zip(self.ram.take_vmm_dirty()) {
-                    for (a, b) in d.iter_mut().zip(v) {
-                        *a |= b;
-                    }
-                }
+                let dirty = self.take_dirty()?;
                 steps.done("dirty_log");
                 let considered = dirty
                     .iter()
@@ -948,6 +979,7 @@ impl PreparedSnapshot {
             working_set_saved: !recording,
             dirty_tracking: options.dirty_tracking,
             agent_sync: None,
+            fork_carry: Vec::new(),
             vcpu_cpus: options.vcpu_cpus.clone(),
             cpuids: state.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
             spares,
@@ -997,7 +1029,7 @@ impl PreparedSnapshot {
 }
 
 /// Gives a resumed guest's agent the current time and fresh entropy (best effort, logged).
-fn agent_sync(path: &Path, timeout: Duration) -> std::result::Result<Duration, String> {
+pub(crate) fn agent_sync(path: &Path, timeout: Duration) -> std::result::Result<Duration, String> {
     let t = Instant::now();
     let result = (|| -> Result<()> {
         let client = crate::agent::Client::connect_timeout(

@@ -131,6 +131,9 @@ pub struct Vm {
     pub(crate) vcpu_cpus: Vec<usize>,
     /// The post-resume agent sync's outcome, once it arrives.
     pub(crate) agent_sync: Option<Receiver<std::result::Result<Duration, String>>>,
+    /// Forked memory: the pages written since it was frozen that a snapshot already took
+    /// out of the dirty log (see [`Vm::fork`]).
+    pub(crate) fork_carry: Vec<Vec<u64>>,
 }
 
 impl Vm {
@@ -307,6 +310,16 @@ impl Vm {
             .mem
             .read_slice(buf, vm_memory::GuestAddress(addr))
             .map_err(|e| Error::Memory(format!("reading guest memory at {addr:#x}: {e}")))
+    }
+
+    /// Writes guest memory at guest-physical `addr` (the VMM's own write: a mailbox for the
+    /// guest, tests).
+    pub fn write_guest(&self, addr: u64, data: &[u8]) -> Result<()> {
+        use vm_memory::Bytes;
+        self.ram
+            .mem
+            .write_slice(data, vm_memory::GuestAddress(addr))
+            .map_err(|e| Error::Memory(format!("writing guest memory at {addr:#x}: {e}")))
     }
 
     /// The VM's state: "not started", "running", "paused" or "ended".

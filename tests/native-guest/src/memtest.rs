@@ -11,6 +11,35 @@ use core::sync::atomic::{AtomicU64, Ordering};
 /// First byte of the range the steps work on.
 pub const FILL_BASE: u64 = 64 << 20;
 
+/// Mailbox words the host writes (fork tests): slot `n` at `MBOX_BASE + 8 * n`, in the
+/// page below [`FILL_BASE`] (nothing else uses it).
+pub const MBOX_BASE: u64 = FILL_BASE - 4096;
+const MBOX_SLOTS: u64 = 512;
+/// The value the last `mbox` step read.
+static MBOX_SEED: AtomicU64 = AtomicU64::new(0);
+
+/// Waits until mailbox slot `n` is non-zero; returns it and keeps it as the seed of
+/// `memfill:mbox:MIB`.
+pub fn mbox_wait(n: u64) -> Result<u64, &'static str> {
+    if n >= MBOX_SLOTS {
+        return Err("mailbox slot out of range");
+    }
+    loop {
+        // SAFETY: the mailbox page is RAM (below FILL_BASE), identity-mapped.
+        let v = unsafe { read_volatile((MBOX_BASE + 8 * n) as *const u64) };
+        if v != 0 {
+            MBOX_SEED.store(v, Ordering::Relaxed);
+            return Ok(v);
+        }
+        core::hint::spin_loop();
+    }
+}
+
+/// The seed the last `mbox` step read.
+pub fn mbox_seed() -> u64 {
+    MBOX_SEED.load(Ordering::Relaxed)
+}
+
 /// End of usable RAM below 4 GiB, from the e820 map.
 static RAM_END: AtomicU64 = AtomicU64::new(0);
 /// Largest range filled so far, in bytes (what `memsum` covers).

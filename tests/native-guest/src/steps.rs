@@ -31,6 +31,11 @@ enum Step {
     MemSum,
     /// Keep rewriting MiB of memory from 64 MiB, forever (the host stops the VM).
     MemChurn(u64),
+    /// Wait until the host puts a non-zero word in mailbox slot N (fork tests: each VM
+    /// gets its own value); it becomes the seed of `memfill:mbox:MIB`.
+    Mbox(u64),
+    /// `memfill` with the seed the last `mbox` step read.
+    MemFillMbox(u64),
 }
 
 fn parse_num(s: &str) -> Option<u64> {
@@ -52,6 +57,10 @@ impl Step {
             "reset:acpi" => Step::ResetAcpi,
             "vsock" => Step::Vsock(None),
             "memsum" => Step::MemSum,
+            _ if name.starts_with("mbox:") => Step::Mbox(parse_num(&name["mbox:".len()..])?),
+            _ if name.starts_with("memfill:mbox:") => {
+                Step::MemFillMbox(parse_num(&name["memfill:mbox:".len()..])?)
+            }
             _ if name.starts_with("memfill:") => {
                 let (seed, mib) = name["memfill:".len()..].split_once(':')?;
                 Step::MemFill(parse_num(seed)?, parse_num(mib)?)
@@ -91,6 +100,13 @@ impl Step {
             Step::MemChurn(mib) => {
                 memtest::churn(mib).map_err(|e| Reason::new(format_args!("{}", e)))
             }
+            Step::Mbox(n) => {
+                let v = memtest::mbox_wait(n).map_err(|e| Reason::new(format_args!("{}", e)))?;
+                println!("mbox {}: {:#x}", n, v);
+                Ok(())
+            }
+            Step::MemFillMbox(mib) => memtest::fill(memtest::mbox_seed(), mib)
+                .map_err(|e| Reason::new(format_args!("{}", e))),
         }
     }
 }

@@ -665,7 +665,10 @@ impl Driver {
                 self.t.notify(EVENT_QUEUE);
                 if len >= 4 && u32::from_le_bytes(ev) == EVENT_TRANSPORT_RESET {
                     // Every connection is gone (the VM was resumed from a snapshot taken
-                    // with one open); like Linux, keep listening for a new one.
+                    // with one open, or forked with a new CID); like Linux, read the CID
+                    // again and keep listening for a new connection.
+                    self.cid = u64::from(self.t.config_read32(0))
+                        | u64::from(self.t.config_read32(4)) << 32;
                     *c = Conn::new();
                     c.transport_resets = 1;
                     continue;

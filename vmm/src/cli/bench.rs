@@ -122,6 +122,29 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
+    /// Fork: a running native guest (its `vsock` step) into -n children; parent pause,
+    /// each child's first answered ping, all of them, PSS per idle child, and a fork by
+    /// full memory copy as baseline.
+    Fork {
+        /// The native test guest ELF (see tests/native-guest).
+        #[arg(
+            long,
+            env = "CLADE_NATIVE_GUEST",
+            default_value = "target/native-guest/release/native-guest"
+        )]
+        guest: PathBuf,
+        /// Number of children.
+        #[arg(short, long, default_value_t = 10)]
+        n: usize,
+        /// Percentage of the memory above 64 MiB the guest fills before the fork.
+        #[arg(long, default_value_t = 50)]
+        fill: u32,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
@@ -161,6 +184,13 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             json,
             machine,
         } => bench_snapshot::snapshot(guest, n, json, machine, dirty, fill, full_n),
+        BenchCommand::Fork {
+            guest,
+            n,
+            fill,
+            json,
+            machine,
+        } => super::bench_fork::fork(guest, n, json, machine, fill),
     }
 }
 

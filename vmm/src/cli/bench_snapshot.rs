@@ -44,7 +44,7 @@ fn serial(vm: &Vm) -> String {
 }
 
 /// Boots the native guest with `steps` and waits for `ready` in its output.
-fn boot_until(
+pub(super) fn boot_until(
     guest: &Path,
     machine: &MachineArgs,
     steps: &str,

@@ -1,6 +1,7 @@
 //! Command-line definitions and dispatch.
 
 mod bench;
+mod bench_fork;
 mod bench_snapshot;
 mod cp;
 mod disk;

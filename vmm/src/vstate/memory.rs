@@ -17,6 +17,8 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegion;
@@ -168,6 +170,144 @@ pub enum Backing {
     Anonymous,
     /// A private mapping of a snapshot memory file.
     FilePrivate,
+    /// Private (copy-on-write) mappings of a frozen fork image: the VM forked, or was
+    /// forked from, a VM whose memory this was.
+    Forked(Arc<FrozenImage>),
+}
+
+/// Page size of guest memory mappings.
+pub const PAGE: u64 = 4096;
+
+/// One layer of a [`FrozenImage`]: a memfd nobody writes any more, and the runs of the
+/// memory image it provides (image offset = file offset).
+#[derive(Debug)]
+pub struct FrozenLayer {
+    file: Arc<File>,
+    /// `(image offset, length)`, page-aligned, sorted, not overlapping.
+    runs: Vec<(u64, u64)>,
+}
+
+/// A read-only view of a VM's memory image at the moment it forked: layer 0 covers the
+/// whole image, each later layer the pages the VM wrote between two forks. Every VM that
+/// runs on it maps the layers `MAP_PRIVATE` in order, so pages stay shared (page cache of
+/// the memfds) until one of them writes a page. Nothing ever writes the memfds.
+#[derive(Debug)]
+pub struct FrozenImage {
+    layers: Vec<FrozenLayer>,
+    mem_bytes: u64,
+}
+
+/// Most layers (fork generations with writes in between) a frozen image may have; each
+/// adds mappings (one per run of written pages) to every VM that maps it.
+pub const MAX_FROZEN_LAYERS: usize = 64;
+
+impl FrozenImage {
+    /// Layers, base first.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Mappings a VM on this image has (one per run per layer).
+    pub fn mappings(&self) -> usize {
+        self.layers.iter().map(|l| l.runs.len()).sum()
+    }
+
+    /// Image size in bytes.
+    pub fn mem_bytes(&self) -> u64 {
+        self.mem_bytes
+    }
+
+    /// The memfds and their runs, base first (handing the image to another process).
+    pub fn parts(&self) -> impl Iterator<Item = (&File, &[(u64, u64)])> {
+        self.layers.iter().map(|l| (&*l.file, &l.runs[..]))
+    }
+
+    /// An image from its parts (received from another process).
+    pub fn from_parts(parts: Vec<(File, Vec<(u64, u64)>)>, mem_bytes: u64) -> Result<Self> {
+        let layers = parts
+            .into_iter()
+            .map(|(f, runs)| FrozenLayer {
+                file: Arc::new(f),
+                runs,
+            })
+            .collect::<Vec<_>>();
+        for l in &layers {
+            for &(o, n) in &l.runs {
+                if o % PAGE != 0 || n % PAGE != 0 || o.checked_add(n).is_none_or(|e| e > mem_bytes)
+                {
+                    return Err(Error::Memory(format!(
+                        "frozen image run {o:#x}+{n:#x} outside a {mem_bytes}-byte image"
+                    )));
+                }
+            }
+        }
+        if layers.first().map(|l| &l.runs[..]) != Some(&[(0, mem_bytes)][..]) {
+            return Err(Error::Memory(
+                "frozen image: the first layer must cover all of memory".into(),
+            ));
+        }
+        Ok(FrozenImage { layers, mem_bytes })
+    }
+
+    /// Maps every layer, private, over `base..base + mem_bytes`.
+    ///
+    /// # Safety
+    /// The range must be address space this process owns and holds no references into.
+    unsafe fn map_at(&self, base: usize) -> Result<()> {
+        for l in &self.layers {
+            // SAFETY: the caller's promise; the runs lie inside the range (checked when
+            // the image was built).
+            unsafe { map_runs(base, &l.file, &l.runs) }?;
+        }
+        Ok(())
+    }
+}
+
+/// Maps `runs` of `file` private and fixed at `base + offset`.
+///
+/// # Safety
+/// As for [`FrozenImage::map_at`].
+unsafe fn map_runs(base: usize, file: &File, runs: &[(u64, u64)]) -> Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_FIXED;
+    for &(off, len) in runs {
+        // SAFETY: the caller's promise.
+        unsafe {
+            mmap(
+                base + off as usize,
+                len as usize,
+                PROT_RW,
+                flags,
+                file.as_raw_fd(),
+                off,
+                "mapping a frozen fork image",
+            )
+        }?;
+    }
+    Ok(())
+}
+
+/// Runs of set bits in per-range dirty bitmaps, as `(image offset, length)`.
+pub fn dirty_runs(ranges: &[HostRange], dirty: &[Vec<u64>]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (r, bits) in ranges.iter().zip(dirty) {
+        let pages = r.len as u64 / PAGE;
+        for (wi, &w) in bits.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                let p = wi as u64 * 64 + u64::from(w.trailing_zeros());
+                w &= w - 1;
+                if p >= pages {
+                    break;
+                }
+                let off = r.image_offset + p * PAGE;
+                match runs.last_mut() {
+                    Some((o, n)) if *o + *n == off => *n += PAGE,
+                    _ => runs.push((off, PAGE)),
+                }
+            }
+        }
+    }
+    runs
 }
 
 /// Guest RAM. Unmapped when dropped: drop it after everything that uses it (vCPUs,
@@ -311,6 +451,115 @@ impl GuestRam {
         })
     }
 
+    /// Memory of a VM forked from `image`: its layers mapped private over `res`.
+    pub fn forked(res: Reservation, image: Arc<FrozenImage>) -> Result<GuestRam> {
+        if image.mem_bytes != res.mem_bytes() {
+            return Err(Error::Memory(format!(
+                "a frozen image of {} bytes for {} bytes of guest memory",
+                image.mem_bytes,
+                res.mem_bytes()
+            )));
+        }
+        let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
+        let img = Arc::clone(&image);
+        Self::map_over(res, Backing::Forked(image), flags, move |base, _| {
+            // SAFETY: the reserved range is ours and nothing refers into it.
+            unsafe { img.map_at(base) }
+        })
+    }
+
+    /// Freezes this memory for a fork and returns the frozen view; the VM runs on it from
+    /// now on, copy-on-write. Call with the vCPUs and devices paused.
+    ///
+    /// - memfd memory (booted VM): the memfd becomes the frozen base and is mapped again,
+    ///   private, at the same address (KVM's memory slots keep pointing at it; its MMU
+    ///   notifiers drop the old mappings). No page is copied.
+    /// - memory forked before: the pages written since (`dirty`, KVM's log and the VMM's
+    ///   writes, one bitmap per range) are copied into a new memfd, a new layer on top of
+    ///   the previous frozen image, and mapped back private (the private copies are freed
+    ///   and shared from then on). Costs in proportion to the pages written, not to memory.
+    ///
+    /// Other backings fail (a `uffd` or `file` resume: take a snapshot and resume it with
+    /// `copy` to fork it). On an error the memory is unchanged.
+    pub fn freeze(&mut self, dirty: Option<&[Vec<u64>]>) -> Result<Arc<FrozenImage>> {
+        match &self.backing {
+            Backing::Memfd(file) => {
+                let file =
+                    Arc::new(file.try_clone().map_err(|e| {
+                        Error::Memory(format!("duplicating the guest memory fd: {e}"))
+                    })?);
+                let image = Arc::new(FrozenImage {
+                    layers: vec![FrozenLayer {
+                        file,
+                        runs: vec![(0, self.len as u64)],
+                    }],
+                    mem_bytes: self.len as u64,
+                });
+                // SAFETY: our own live mapping, replaced by a mapping of the same contents
+                // (nothing writes guest memory while paused); references into it stay valid.
+                unsafe { image.map_at(self.base) }?;
+                self.backing = Backing::Forked(Arc::clone(&image));
+                Ok(image)
+            }
+            Backing::Forked(prev) => {
+                let dirty = dirty.ok_or_else(|| {
+                    Error::Memory(
+                        "forking again needs the pages written since the last fork (dirty \
+                         page tracking is off)"
+                            .into(),
+                    )
+                })?;
+                let runs = dirty_runs(&self.ranges, dirty);
+                if runs.is_empty() {
+                    return Ok(Arc::clone(prev));
+                }
+                if prev.layers.len() >= MAX_FROZEN_LAYERS {
+                    return Err(Error::Memory(format!(
+                        "this VM's memory has {} fork layers (at most {MAX_FROZEN_LAYERS}): \
+                         snapshot it and resume with the copy backend to start a new line",
+                        prev.layers.len()
+                    )));
+                }
+                let layer = memfd("clade-fork-layer", self.len as u64)?;
+                for &(off, len) in &runs {
+                    // SAFETY: inside our live mapping; nothing writes it while paused.
+                    let data = unsafe {
+                        std::slice::from_raw_parts(
+                            (self.base + off as usize) as *const u8,
+                            len as usize,
+                        )
+                    };
+                    layer.write_all_at(data, off).map_err(|e| {
+                        Error::Memory(format!("copying written pages to a fork layer: {e}"))
+                    })?;
+                }
+                let mut layers: Vec<FrozenLayer> = prev
+                    .layers
+                    .iter()
+                    .map(|l| FrozenLayer {
+                        file: Arc::clone(&l.file),
+                        runs: l.runs.clone(),
+                    })
+                    .collect();
+                let file = Arc::new(layer);
+                // SAFETY: as above: same contents at the same place.
+                unsafe { map_runs(self.base, &file, &runs) }?;
+                layers.push(FrozenLayer { file, runs });
+                let image = Arc::new(FrozenImage {
+                    layers,
+                    mem_bytes: self.len as u64,
+                });
+                self.backing = Backing::Forked(Arc::clone(&image));
+                Ok(image)
+            }
+            Backing::Anonymous | Backing::FilePrivate => Err(Error::Memory(
+                "only booted VMs, VMs resumed with the copy backend and forked VMs can fork \
+                 (this one's memory comes from a snapshot file or a page server)"
+                    .into(),
+            )),
+        }
+    }
+
     /// What the memory is made of.
     pub fn backing(&self) -> &Backing {
         &self.backing
@@ -391,7 +640,6 @@ pub fn create(mem_bytes: u64) -> Result<GuestRam> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::FileExt;
     use vm_memory::Bytes;
 
     #[test]
@@ -471,6 +719,84 @@ mod tests {
             .unwrap();
         assert_eq!(&b, b"hello", "the file is never written");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn read_u64(ram: &GuestRam, addr: u64) -> u64 {
+        ram.mem.read_obj(GuestAddress(addr)).unwrap()
+    }
+
+    #[test]
+    fn frozen_memory_is_shared_copy_on_write_across_generations() {
+        let mut parent = create(64 << 20).unwrap();
+        parent.mem.write_obj(1u64, GuestAddress(0x1000)).unwrap();
+        parent.mem.write_obj(2u64, GuestAddress(0x5000)).unwrap();
+        let g1 = parent.freeze(None).unwrap();
+        assert_eq!((g1.layers(), g1.mappings()), (1, 1));
+        assert_eq!(
+            read_u64(&parent, 0x1000),
+            1,
+            "same contents after the remap"
+        );
+        let child = GuestRam::forked(Reservation::new(64 << 20).unwrap(), g1.clone()).unwrap();
+        assert_eq!(read_u64(&child, 0x1000), 1);
+        // Writes on either side stay on that side.
+        parent.take_vmm_dirty();
+        parent.mem.write_obj(10u64, GuestAddress(0x1000)).unwrap();
+        child.mem.write_obj(20u64, GuestAddress(0x5000)).unwrap();
+        assert_eq!(read_u64(&parent, 0x5000), 2);
+        assert_eq!(read_u64(&child, 0x1000), 1);
+        let mut b = [0u8; 8];
+        g1.parts()
+            .next()
+            .unwrap()
+            .0
+            .read_exact_at(&mut b, 0x1000)
+            .unwrap();
+        assert_eq!(
+            u64::from_le_bytes(b),
+            1,
+            "the frozen memfd is never written"
+        );
+
+        // Second generation: the parent's write becomes a layer.
+        let dirty = parent.take_vmm_dirty();
+        let g2 = parent.freeze(Some(&dirty)).unwrap();
+        assert_eq!((g2.layers(), g2.mappings()), (2, 2));
+        let child2 = GuestRam::forked(Reservation::new(64 << 20).unwrap(), g2).unwrap();
+        assert_eq!(read_u64(&child2, 0x1000), 10);
+        assert_eq!(read_u64(&child2, 0x5000), 2);
+        parent.mem.write_obj(11u64, GuestAddress(0x1000)).unwrap();
+        assert_eq!(read_u64(&child2, 0x1000), 10);
+        assert_eq!(read_u64(&parent, 0x1000), 11);
+        // Nothing written since: the same image again.
+        let mut c = child;
+        let none = vec![vec![0u64; (64 << 20) / 4096 / 64]];
+        let g = c.freeze(Some(&none)).unwrap();
+        assert!(Arc::ptr_eq(&g, &g1));
+        assert!(c.freeze(None).is_err(), "a forked VM needs its dirty pages");
+    }
+
+    #[test]
+    fn dirty_runs_merge_neighbours_and_follow_image_offsets() {
+        let ranges = [
+            HostRange {
+                host_addr: 0,
+                len: 128 * 4096,
+                guest_addr: 0,
+                image_offset: 0,
+            },
+            HostRange {
+                host_addr: 0,
+                len: 64 * 4096,
+                guest_addr: 1 << 32,
+                image_offset: 128 * 4096,
+            },
+        ];
+        let dirty = vec![vec![0b1110, 1 << 63], vec![1]];
+        assert_eq!(
+            dirty_runs(&ranges, &dirty),
+            vec![(4096, 3 * 4096), (127 * 4096, 2 * 4096)]
+        );
     }
 
     #[test]

@@ -398,20 +398,20 @@ impl VsockDevice {
     /// `listener` (the VMM binds it while the vCPUs already run), and must be there when
     /// the device is activated. If connections were open when the snapshot was taken, the
     /// guest gets a transport-reset event as soon as the device runs.
+    ///
+    /// `guest_cid` replaces the saved CID (a forked VM gets its own); when it differs, the
+    /// guest gets a transport-reset event too, which makes a driver read the CID again.
     pub fn restore(
         state: &VsockState,
+        guest_cid: u64,
         listener: ListenerSlot,
         uds_path: &Path,
         event_loop: LoopHandle,
     ) -> Result<Self> {
-        let mut dev = Self::with_listener(
-            state.guest_cid,
-            Listener::Later(listener),
-            uds_path,
-            event_loop,
-        )
-        .map_err(|e| Error::Restore(format!("vsock: {e}")))?;
-        dev.reset_on_activate = state.connections > 0;
+        let mut dev =
+            Self::with_listener(guest_cid, Listener::Later(listener), uds_path, event_loop)
+                .map_err(|e| Error::Restore(format!("vsock: {e}")))?;
+        dev.reset_on_activate = state.connections > 0 || guest_cid != state.guest_cid;
         Ok(dev)
     }
 

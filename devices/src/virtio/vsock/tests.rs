@@ -1288,7 +1288,8 @@ fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections()
     let restore = |st: &MmioTransportState, path: &Path| {
         let VirtioDeviceState::Vsock(vs) = st.device;
         let slot = Arc::new(Mutex::new(None));
-        let dev = VsockDevice::restore(&vs, slot.clone(), path, endpoint.clone()).unwrap();
+        let dev =
+            VsockDevice::restore(&vs, vs.guest_cid, slot.clone(), path, endpoint.clone()).unwrap();
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
         let mut t = MmioTransport::restore(
             MmioTransportArgs {

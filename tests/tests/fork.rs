@@ -1,0 +1,255 @@
+//! Native KVM tier: fork a running native test guest. Memory is copy-on-write between the
+//! parent and every child both ways (the guest's own `memsum` checksums after each VM
+//! writes its own pattern), forks of forks and repeated forks of one parent see the right
+//! memory, and a fork failing part-way leaves the parent running and no child behind.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clade_tests::guest_config;
+use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
+use vmm::config::VsockConfig;
+use vmm::{ExitStatus, ForkOptions, SerialOutput, Vm};
+
+const T: Duration = Duration::from_secs(60);
+/// The guest's mailbox (tests/native-guest: 64 MiB - 4096).
+const MBOX: u64 = (64 << 20) - 4096;
+const FILL_BASE: u64 = 64 << 20;
+const MIB: u64 = 16;
+
+fn serial(vm: &Vm) -> String {
+    String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
+}
+
+fn wait_for_output(vm: &Vm, what: &str, count: usize) {
+    let t = Instant::now();
+    while serial(vm).matches(what).count() < count {
+        assert!(
+            t.elapsed() < T,
+            "no {count}x '{what}' in the output:\n{}",
+            serial(vm)
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn mbox(vm: &Vm, slot: u64, value: u64) {
+    vm.write_guest(MBOX + 8 * slot, &value.to_le_bytes())
+        .unwrap();
+}
+
+/// The guest's `memsum` of `MIB` MiB filled with `seed` (same formulas as the guest).
+fn expected_sum(seed: u64) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut a = FILL_BASE;
+    while a < FILL_BASE + (MIB << 20) {
+        let w = (a ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h ^= w;
+        h = h.wrapping_mul(0x100_0000_01b3);
+        h ^= h >> 32;
+        a += 8;
+    }
+    format!("memsum {MIB} MiB: {h:#018x}")
+}
+
+fn memsums(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.starts_with("memsum "))
+        .map(str::to_string)
+        .collect()
+}
+
+fn finish(vm: &mut Vm, what: &str) -> String {
+    let status = vm.wait_timeout(T).unwrap();
+    let out = serial(vm);
+    assert_eq!(status, Some(ExitStatus::TestExit(0)), "{what}:\n{out}");
+    out
+}
+
+fn fork_opts() -> ForkOptions {
+    ForkOptions {
+        serial: SerialOutput::Memory,
+        start: true,
+        ..ForkOptions::default()
+    }
+}
+
+fn memory_parent(steps: &str) -> Vm {
+    let mut c = guest_config(steps);
+    c.mem_mib = 128;
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    vm
+}
+
+#[test]
+fn ten_children_and_the_parent_see_only_their_own_writes() {
+    let steps = format!("memfill:1:{MIB},memsum,mbox:0,memsum,memfill:mbox:{MIB},mbox:1,memsum");
+    let mut parent = memory_parent(&steps);
+    wait_for_output(&parent, "step memsum ok", 1);
+    let (children, report) = parent.fork_with_report(10, fork_opts()).unwrap();
+    println!(
+        "fork of 10: parent paused {:?} ({:?}); children built in {:?}",
+        report.pause_time, report.pause_steps, report.child_times
+    );
+    let mut vms: Vec<Vm> = std::iter::once(parent).chain(children).collect();
+    for (i, vm) in vms.iter().enumerate() {
+        mbox(vm, 0, 100 + i as u64);
+    }
+    for vm in &vms {
+        wait_for_output(vm, &format!("step memfill:mbox:{MIB} ok"), 1);
+    }
+    // Everyone has written its own pattern over the same pages; now each checks.
+    for vm in &vms {
+        mbox(vm, 1, 1);
+    }
+    let before = expected_sum(1);
+    for (i, vm) in vms.iter_mut().enumerate() {
+        let out = finish(vm, &format!("VM {i}"));
+        let sums = memsums(&out);
+        let own = expected_sum(100 + i as u64);
+        if i == 0 {
+            assert_eq!(
+                sums,
+                vec![before.clone(), before.clone(), own],
+                "parent:\n{out}"
+            );
+        } else {
+            assert_eq!(
+                sums,
+                vec![before.clone(), own],
+                "child {i} sees the pre-fork memory, then only its own writes:\n{out}"
+            );
+            assert!(
+                !out.contains("clade-native-guest: start"),
+                "child {i} restarted:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn fork_of_a_fork_and_a_second_fork_of_the_parent_see_the_latest_writes() {
+    let steps = format!("memfill:1:{MIB},memsum,mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum");
+    let mut parent = memory_parent(&steps);
+    wait_for_output(&parent, "step memsum ok", 1);
+    let mut child = parent.fork(1, fork_opts()).unwrap().pop().unwrap();
+    mbox(&parent, 0, 5);
+    mbox(&child, 0, 6);
+    wait_for_output(&parent, "step memsum ok", 2);
+    wait_for_output(&child, "step memsum ok", 1);
+
+    // Both wrote since their memory was frozen: the second generation needs a layer.
+    let (mut grand, r1) = child.fork_with_report(1, fork_opts()).unwrap();
+    let (mut second, r2) = parent.fork_with_report(2, fork_opts()).unwrap();
+    assert_eq!((r1.layers, r2.layers), (2, 2));
+    println!(
+        "second-generation forks: paused {:?} / {:?} ({} / {} mappings)",
+        r1.pause_time, r2.pause_time, r1.mappings, r2.mappings
+    );
+    let mut all: Vec<(Vm, u64)> = vec![(parent, 5), (child, 6)];
+    all.extend(grand.drain(..).map(|v| (v, 6)));
+    all.extend(second.drain(..).map(|v| (v, 5)));
+    for (vm, _) in &all {
+        mbox(vm, 1, 1);
+    }
+    for (i, (vm, seed)) in all.iter_mut().enumerate() {
+        let out = finish(vm, &format!("VM {i}"));
+        assert_eq!(
+            memsums(&out).last(),
+            Some(&expected_sum(*seed)),
+            "VM {i}:\n{out}"
+        );
+    }
+}
+
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(name: &str) -> TmpDir {
+        let d = std::env::temp_dir().join(format!("clade-fork-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TmpDir(d)
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn ping(sock: &Path) {
+    let c = Client::connect_timeout(
+        sock,
+        Transport::Vsock {
+            port: AGENT_VSOCK_PORT,
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", sock.display()));
+    c.ping().unwrap();
+}
+
+#[test]
+fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
+    let dir = TmpDir::new("fail");
+    let psock = dir.0.join("p.sock");
+    let mut c = guest_config("vsock,vsock,vsock");
+    c.vsock = Some(VsockConfig {
+        uds_path: psock.clone(),
+        guest_cid: 3,
+    });
+    let mut parent = Vm::new(c).unwrap();
+    parent.start().unwrap();
+    wait_for_output(&parent, "serving agent port", 1);
+    let paths: Vec<PathBuf> = (0..3).map(|i| dir.0.join(format!("c{i}.sock"))).collect();
+    let err = parent
+        .fork(
+            3,
+            ForkOptions {
+                vsock_paths: paths.clone(),
+                fail_after: Some(2),
+                ..fork_opts()
+            },
+        )
+        .err()
+        .expect("injected failure");
+    assert!(err.to_string().contains("injected"), "{err}");
+    for p in &paths {
+        assert!(!p.exists(), "{} left behind", p.display());
+    }
+    assert_eq!(parent.state_name(), "running");
+    ping(&psock);
+
+    // A real fork afterwards: children with their own sockets and CIDs answer, and so
+    // does the parent.
+    let mut kids = parent
+        .fork(
+            2,
+            ForkOptions {
+                vsock_paths: paths[..2].to_vec(),
+                guest_cids: vec![40, 41],
+                ..fork_opts()
+            },
+        )
+        .unwrap();
+    for (p, k) in paths.iter().zip(&kids) {
+        ping(p);
+        assert_eq!(
+            k.config().vsock.as_ref().unwrap().guest_cid,
+            if p == &paths[0] { 40 } else { 41 }
+        );
+    }
+    ping(&psock);
+    // Killing the parent leaves the children running.
+    parent.shutdown();
+    drop(parent);
+    for p in &paths[..2] {
+        ping(p);
+    }
+    for k in &mut kids {
+        k.shutdown();
+    }
+}

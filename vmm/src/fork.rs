@@ -1,0 +1,495 @@
+//! Forking a running VM ([`Vm::fork`]): N children that start from the parent's state at
+//! one instant and share its memory copy-on-write.
+//!
+//! # How
+//!
+//! 1. The parent's vCPUs and device workers pause; vCPU, VM (irqchip, PIT, clock) and
+//!    device state are read into memory (the snapshot code, no files).
+//! 2. Its memory is *frozen* ([`GuestRam::freeze`]): a booted VM's memfd is mapped again,
+//!    `MAP_PRIVATE`, at the same host address (KVM's memory slots stay valid; its MMU
+//!    notifiers drop the old mappings), so nobody writes the memfd any more. A VM forked
+//!    before copies the pages it wrote since (KVM dirty log + the VMM's writes) into a new
+//!    memfd layer over the previous frozen image, and maps that layer back private.
+//! 3. The parent runs again: the pause is steps 1 and 2 only.
+//! 4. Each child is a VM shell with the frozen image's layers mapped `MAP_PRIVATE`, the
+//!    state restored, and its own identity: vsock socket and guest CID (the guest gets a
+//!    transport reset and reads the new CID), serial output, and with
+//!    [`ForkOptions::agent_sync`] the current time, fresh entropy and a hostname suffix
+//!    given to the guest agent right after it starts (best effort, in the background).
+//!
+//! Pages are shared (page cache of the memfds) until the parent or a child writes one;
+//! the first write copies that page (~6.5 us here). A child is an ordinary [`Vm`]: it can
+//! be snapshotted, forked again and stopped on its own; dropping the parent does not
+//! affect it (the memfds live as long as any mapping of them).
+//!
+//! # Limits
+//!
+//! - VMs resumed with the `uffd` or `file` backend cannot fork (their memory is not a
+//!   memfd); VMs with a virtio-blk disk cannot fork yet (like snapshots: the block device
+//!   has no saved state yet).
+//! - Each fork generation with writes in between adds a layer, and one mapping per run of
+//!   written pages to every VM on it (at most
+//!   [`MAX_FROZEN_LAYERS`](crate::vstate::memory::MAX_FROZEN_LAYERS) layers).
+//! - A fork consumes the dirty log: the parent's next diff snapshot needs a full one first.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use crate::config::{SerialOutput, VmConfig, VsockConfig};
+use crate::device_manager::{DeviceManager, DevicesState};
+use crate::error::{Error, Result};
+use crate::persist::{MachineState, SavedVsock, Steps};
+use crate::vm::{exit_notifier, RunState, Vm};
+use crate::vstate::kvm;
+use crate::vstate::memory::{Backing, FrozenImage, GuestRam};
+use crate::vstate::shell::{Shell, ShellSpec};
+use crate::vstate::spare;
+use crate::vstate::state::{self as kvm_state, VcpuState, VmKvmState};
+
+/// Options of [`Vm::fork`].
+#[derive(Debug, Default)]
+pub struct ForkOptions {
+    /// Where each child's serial console goes (default: discarded).
+    pub serial: SerialOutput,
+    /// Child `i`'s vsock socket (when the parent has a vsock device); missing entries
+    /// default to `<parent socket>.fork<k>` with `k` unique in this process.
+    pub vsock_paths: Vec<PathBuf>,
+    /// Child `i`'s guest CID; missing entries get a CID unique in this process (and
+    /// different from the parent's).
+    pub guest_cids: Vec<u32>,
+    /// After a child starts, give its guest agent the current time, fresh entropy and the
+    /// hostname suffix `-f<k>`, in a background thread that gives up after this long.
+    pub agent_sync: Option<Duration>,
+    /// Pre-built VM shells (e.g. from a [`crate::pool::ShellPool`]); children without one
+    /// build their own.
+    pub shells: Vec<Shell>,
+    /// Start the children's vCPUs before returning (otherwise call [`Vm::start`]).
+    pub start: bool,
+    /// Pin the children's vCPUs (see [`Vm::pin_vcpus`]).
+    pub vcpu_cpus: Vec<usize>,
+    /// Test hook: fail after this many children were built (checks the cleanup).
+    #[doc(hidden)]
+    pub fail_after: Option<usize>,
+}
+
+/// A frozen instant of a VM: its memory image and its state. Children are made from it.
+pub struct Frozen {
+    /// The memory.
+    pub image: Arc<FrozenImage>,
+    /// The machine (vCPUs, memory size, vsock, ...).
+    pub machine: MachineState,
+    /// In-kernel irqchip, PIT and clock.
+    pub vm: VmKvmState,
+    /// Each vCPU.
+    pub vcpus: Vec<VcpuState>,
+    /// Devices.
+    pub devices: DevicesState,
+    /// The parent's configuration.
+    pub config: VmConfig,
+}
+
+/// What a fork did.
+#[derive(Debug, Clone)]
+pub struct ForkReport {
+    /// How long the parent's vCPUs were paused (0 when it was paused already).
+    pub pause_time: Duration,
+    /// Time steps of the pause, in order.
+    pub pause_steps: Vec<(&'static str, Duration)>,
+    /// Layers of the frozen image, and mappings a VM on it has.
+    pub layers: usize,
+    /// Mappings (runs of pages) each VM on the image has.
+    pub mappings: usize,
+    /// Building each child (from the end of the pause to it running).
+    pub child_times: Vec<Duration>,
+    /// Whole call.
+    pub total: Duration,
+}
+
+static FORK_SEQ: AtomicU32 = AtomicU32::new(1);
+
+/// A CID no other fork in this process handed out, and not `avoid`.
+fn next_cid(avoid: u32) -> u32 {
+    loop {
+        let c = 1000 + FORK_SEQ.fetch_add(1, Ordering::Relaxed);
+        if c != avoid {
+            return c;
+        }
+    }
+}
+
+impl Vm {
+    /// Forks this running (or paused) VM into `n` children (see the [module
+    /// documentation](crate::fork)). The parent runs on afterwards (a paused one stays
+    /// paused). If building a child fails, the children built so far are stopped and
+    /// removed, the parent runs on, and the error is returned.
+    pub fn fork(&mut self, n: usize, options: ForkOptions) -> Result<Vec<Vm>> {
+        self.fork_with_report(n, options).map(|(c, _)| c)
+    }
+
+    /// [`Vm::fork`], with how it went.
+    pub fn fork_with_report(
+        &mut self,
+        n: usize,
+        mut options: ForkOptions,
+    ) -> Result<(Vec<Vm>, ForkReport)> {
+        let t0 = Instant::now();
+        let (frozen, pause_time, pause_steps) = self.freeze_for_fork()?;
+        let frozen = Arc::new(frozen);
+        let mut children = Vec::with_capacity(n);
+        let mut child_times = Vec::with_capacity(n);
+        let mut shells = std::mem::take(&mut options.shells).into_iter();
+        for i in 0..n {
+            if options.fail_after == Some(i) {
+                tracing::warn!("fork: injected failure after {i} children");
+                // Dropping the children built so far stops them and removes their sockets.
+                return Err(Error::Snapshot(format!(
+                    "fork: injected failure after {i} children"
+                )));
+            }
+            let t = Instant::now();
+            let seq = FORK_SEQ.fetch_add(1, Ordering::Relaxed);
+            let spec = ChildSpec {
+                vsock_path: options.vsock_paths.get(i).cloned().or_else(|| {
+                    frozen.machine.vsock.as_ref().map(|v| {
+                        let mut p = v.uds_path.clone().into_os_string();
+                        p.push(format!(".fork{}-{seq}", std::process::id()));
+                        PathBuf::from(p)
+                    })
+                }),
+                guest_cid: options.guest_cids.get(i).copied().unwrap_or_else(|| {
+                    next_cid(frozen.machine.vsock.as_ref().map_or(0, |v| v.guest_cid))
+                }),
+                serial: options.serial.clone(),
+                shell: shells.next(),
+                agent_sync: options.agent_sync,
+                hostname_suffix: format!("-f{seq}"),
+                start: options.start,
+                vcpu_cpus: options.vcpu_cpus.clone(),
+            };
+            let child = Vm::from_frozen(&frozen, spec).map_err(|e| {
+                tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
+                e
+            })?;
+            children.push(child);
+            child_times.push(t.elapsed());
+        }
+        let report = ForkReport {
+            pause_time,
+            pause_steps,
+            layers: frozen.image.layers(),
+            mappings: frozen.image.mappings(),
+            child_times,
+            total: t0.elapsed(),
+        };
+        tracing::info!(
+            "forked {n} children: parent paused {:?}, {} layers, total {:?}",
+            report.pause_time,
+            report.layers,
+            report.total
+        );
+        Ok((children, report))
+    }
+
+    /// Pauses the VM, saves its state and freezes its memory, lets it run again. The
+    /// parent is left unchanged (still running) on an error.
+    #[allow(clippy::type_complexity)]
+    pub fn freeze_for_fork(&mut self) -> Result<(Frozen, Duration, Vec<(&'static str, Duration)>)> {
+        self.poll_exit();
+        if !matches!(self.state, RunState::Running | RunState::Paused) {
+            return Err(Error::InvalidState {
+                state: self.state_name(),
+                op: "fork",
+            });
+        }
+        self.devices
+            .check_snapshot()
+            .map_err(|_| Error::Snapshot("VMs with a virtio-blk disk cannot fork yet".into()))?;
+        if self.page_server.is_some() || !self.dirty_tracking {
+            return Err(Error::Snapshot(
+                "only VMs with their whole memory in place and dirty page tracking can fork \
+                 (a uffd resume cannot)"
+                    .into(),
+            ));
+        }
+        let mut steps = Steps::new();
+        let was_running = self.state == RunState::Running;
+        let t_pause = Instant::now();
+        if was_running {
+            for v in &self.vcpus {
+                v.pause();
+            }
+        }
+        self.devices.pause();
+        steps.done("pause");
+        let captured = self.capture_for_fork(&mut steps);
+        self.devices.unpause();
+        if was_running {
+            for v in &self.vcpus {
+                v.resume();
+            }
+        }
+        steps.done("unpause");
+        let pause_time = if was_running {
+            t_pause.elapsed()
+        } else {
+            Duration::ZERO
+        };
+        let (image, vcpus, vm, devices) = captured?;
+        // The dirty log was consumed: a diff snapshot would miss pages.
+        self.lineage = None;
+        let frozen = Frozen {
+            image,
+            machine: MachineState {
+                vcpus: self.config.vcpus,
+                mem_bytes: self.ram.mem_bytes(),
+                pvm_vif_base: self.pvm_native.then_some(crate::arch::layout::PVM_VIF_BASE),
+                vsock: self.config.vsock.as_ref().map(|v| SavedVsock {
+                    uds_path: v.uds_path.clone(),
+                    guest_cid: v.guest_cid,
+                }),
+                kernel: self.config.kernel.clone(),
+                cmdline: self.config.cmdline.clone(),
+            },
+            vm,
+            vcpus,
+            devices,
+            config: self.config.clone(),
+        };
+        Ok((frozen, pause_time, steps.steps))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn capture_for_fork(
+        &mut self,
+        steps: &mut Steps,
+    ) -> Result<(Arc<FrozenImage>, Vec<VcpuState>, VmKvmState, DevicesState)> {
+        let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
+        // The pages written since this memory was last frozen (a booted VM: none needed,
+        // but the log restarts here).
+        self.take_dirty()?;
+        let dirty = std::mem::take(&mut self.fork_carry);
+        steps.done("dirty_log");
+        let forked = matches!(self.ram.backing(), Backing::Forked(_));
+        let image = match self.ram.freeze(forked.then_some(&dirty[..])) {
+            Ok(i) => i,
+            Err(e) => {
+                self.fork_carry = dirty;
+                return Err(e);
+            }
+        };
+        steps.done("freeze_memory");
+        Ok((image, vcpus, vm, devices))
+    }
+
+    /// A new VM from a frozen instant (a child of a fork), with its own identity.
+    pub fn from_frozen(frozen: &Frozen, spec: ChildSpec) -> Result<Vm> {
+        let t0 = Instant::now();
+        let m = &frozen.machine;
+        let shell_spec = ShellSpec {
+            kvm_device: frozen.config.kvm_device.clone(),
+            mem_bytes: m.mem_bytes,
+            vcpus: m.vcpus,
+            dirty_log: true,
+        };
+        let shell = match spec.shell {
+            Some(s) if s.spec == shell_spec => s,
+            _ => Shell::create(&shell_spec)?,
+        };
+        let Shell {
+            vcpus: vcpu_fds,
+            vm_fd,
+            reservation,
+            kvm: kvm_sys,
+            cpuids,
+            mut spares,
+            ..
+        } = shell;
+        let ram = GuestRam::forked(reservation, Arc::clone(&frozen.image))?;
+        ram.clear_vmm_dirty();
+        let vsock = match (&m.vsock, &spec.vsock_path) {
+            (Some(_), Some(p)) => Some(VsockConfig {
+                uds_path: p.clone(),
+                guest_cid: spec.guest_cid,
+            }),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "the forked VM has a vsock device: its child needs a socket path".into(),
+                ))
+            }
+            (None, _) => None,
+        };
+        let (events_tx, events) = mpsc::channel();
+        let exit = exit_notifier(&events_tx);
+        let devices = DeviceManager::restore(
+            &vm_fd,
+            &ram.mem,
+            &spec.serial,
+            vsock.as_ref(),
+            &frozen.devices,
+            exit,
+            spare::runner_from(&mut spares),
+        )?;
+        kvm_state::restore_vm(&vm_fd, &frozen.vm)?;
+        for (i, (fd, s)) in vcpu_fds.iter().zip(&frozen.vcpus).enumerate() {
+            let current = cpuids.get(i).map(|c| &c[..]);
+            let refused = kvm_state::restore_vcpu(fd, s, current).map_err(|e| Error::Vcpu {
+                index: i,
+                reason: format!("restoring its state: {e}"),
+            })?;
+            if !refused.is_empty() {
+                tracing::warn!("fork child vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
+            }
+            if let Some(vif) = m.pvm_vif_base {
+                if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
+                    return Err(Error::Snapshot(
+                        "the PVM virtual-interrupt cell cannot be registered".into(),
+                    ));
+                }
+            }
+        }
+        let config = VmConfig {
+            serial: spec.serial.clone(),
+            vsock,
+            disk: None,
+            initrd: None,
+            ..frozen.config.clone()
+        };
+        let mut vm = Vm {
+            vcpus: Vec::new(),
+            pending_vcpus: vcpu_fds,
+            devices,
+            events,
+            events_tx,
+            page_server: None,
+            vm_fd,
+            ram,
+            _kvm: kvm_sys,
+            config,
+            pvm_native: m.pvm_vif_base.is_some(),
+            created_at: t0,
+            state: Vm::initial_state(),
+            exit: None,
+            lineage: None,
+            resume_report: None,
+            working_set_saved: true,
+            dirty_tracking: true,
+            agent_sync: None,
+            vcpu_cpus: spec.vcpu_cpus,
+            cpuids: frozen.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
+            spares,
+            fork_carry: Vec::new(),
+        };
+        if spec.start {
+            vm.start()?;
+        }
+        vm.devices.finish_restore()?;
+        if let (Some(timeout), Some(v)) = (spec.agent_sync, &vm.config.vsock) {
+            let path = v.uds_path.clone();
+            let suffix = spec.hostname_suffix;
+            let (tx, rx) = mpsc::sync_channel(1);
+            std::thread::Builder::new()
+                .name("fork-sync".into())
+                .spawn(move || {
+                    let _ = tx.send(fork_sync(&path, timeout, &suffix));
+                })
+                .map_err(|source| Error::Io {
+                    context: "spawning the agent sync thread",
+                    source,
+                })?;
+            vm.agent_sync = Some(rx);
+        }
+        tracing::debug!("fork child built in {:?}", t0.elapsed());
+        Ok(vm)
+    }
+
+    /// Host memory this VM's guest RAM uses, as its proportional set size in KiB (pages
+    /// shared with other VMs count in part), from `/proc/self/smaps`.
+    pub fn memory_pss_kib(&self) -> Result<u64> {
+        let start = self.ram.image_addr();
+        let end = start + self.ram.mem_bytes() as usize;
+        pss_kib(start, end)
+    }
+}
+
+/// PSS in KiB of this process's mappings inside `start..end`.
+pub fn pss_kib(start: usize, end: usize) -> Result<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").map_err(|source| Error::Io {
+        context: "reading /proc/self/smaps",
+        source,
+    })?;
+    let mut inside = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = a >= start && b <= end;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(v) = line.strip_prefix("Pss:") {
+                total += v
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// One child of a fork: its identity and how it starts.
+#[derive(Debug)]
+pub struct ChildSpec {
+    /// Its vsock socket (needed when the parent has a vsock device).
+    pub vsock_path: Option<PathBuf>,
+    /// Its guest CID.
+    pub guest_cid: u32,
+    /// Its serial output.
+    pub serial: SerialOutput,
+    /// A pre-built shell.
+    pub shell: Option<Shell>,
+    /// See [`ForkOptions::agent_sync`].
+    pub agent_sync: Option<Duration>,
+    /// Appended to the guest's hostname by the agent sync.
+    pub hostname_suffix: String,
+    /// Start the vCPUs.
+    pub start: bool,
+    /// vCPU pinning.
+    pub vcpu_cpus: Vec<usize>,
+}
+
+/// The agent sync of a resume (clock, entropy), then the hostname suffix.
+fn fork_sync(
+    path: &std::path::Path,
+    timeout: Duration,
+    suffix: &str,
+) -> std::result::Result<Duration, String> {
+    let t = Instant::now();
+    crate::persist::agent_sync(path, timeout)?;
+    let r = (|| -> Result<()> {
+        let client = crate::agent::Client::connect_timeout(
+            path,
+            crate::agent::Transport::Vsock {
+                port: crate::agent::AGENT_VSOCK_PORT,
+            },
+            timeout,
+        )?;
+        let cmd = crate::agent::Command::new("/bin/sh")
+            .args(["-c", &format!("hostname \"$(hostname){suffix}\"")]);
+        client.output(&cmd, None)?;
+        Ok(())
+    })();
+    match r {
+        Ok(()) => Ok(t.elapsed()),
+        Err(e) => {
+            tracing::warn!("fork: setting the hostname suffix failed (best effort): {e}");
+            Err(e.to_string())
+        }
+    }
+}
