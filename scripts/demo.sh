@@ -43,3 +43,8 @@ echo "== latencies (native tier: bare-metal test guest on this host's KVM)"
 "$CLADE" bench boot --guest "$GUEST" -n 20
 # The agent protocol's round trip over virtio-vsock (the test guest's responder).
 timeout 120 "$CLADE" bench ping --guest "$GUEST"
+# Snapshot cost, resume-to-first-ping (uffd + VM shell pool, against the eager-copy baseline),
+# and live fork into 10 children.
+timeout 300 "$CLADE" bench snapshot --guest "$GUEST" -n 20
+timeout 300 "$CLADE" bench resume --guest "$GUEST" --backend uffd -n 100
+timeout 300 "$CLADE" bench fork --guest "$GUEST" -n 10

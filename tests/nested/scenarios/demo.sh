@@ -17,17 +17,19 @@ KERNEL=${DEMO_KERNEL:-/guest/vmlinuz}
 INITRD=${DEMO_INITRD:-/guest/initrd.cpio}
 DIR=${DEMO_DIR:-/tmp}
 SOCK=$DIR/demo-vsock.sock
+API=$DIR/demo-api.sock
+SNAP=$DIR/demo-snapshot
 LOG=$DIR/demo-guest.log
 OUT=$DIR/demo-exec.out
 
 say() { echo "DEMO: $*"; }
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
 
-rm -f "$SOCK" "$LOG"
+rm -rf "$SOCK" "$API" "$LOG" "$SNAP"
 t0=$(uptime_s)
-say "\$ clade run --kernel $KERNEL --initrd $INITRD --mem 256 --vsock $SOCK ..."
+say "\$ clade run --kernel $KERNEL --initrd $INITRD --mem 256 --vsock $SOCK --api-sock $API ..."
 "$CLADE" run --kernel "$KERNEL" --initrd "$INITRD" --mem 256 --vcpus 1 --vsock "$SOCK" \
-    --serial-file "$LOG" --cmdline "console=ttyS0 panic=-1 quiet" &
+    --api-sock "$API" --serial-file "$LOG" --cmdline "console=ttyS0 panic=-1 quiet" &
 VM=$!
 
 fail() {
@@ -55,11 +57,32 @@ exec_show "uname -a" uname -a
 exec_show "sh -c 'cat /proc/cpuinfo | head'" sh -c 'cat /proc/cpuinfo | head'
 exec_show "sh -c 'id; nproc; free -m'" sh -c 'id; nproc; free -m'
 
+# Persist: write state, snapshot, stop the VM, resume it from the snapshot.
+exec_show "sh -c 'echo installed-once > /tmp/state; cat /tmp/state'" \
+    sh -c 'echo installed-once > /tmp/state; cat /tmp/state'
+say "\$ clade snapshot $API $SNAP"
+"$CLADE" snapshot "$API" "$SNAP" >"$OUT" 2>&1 || fail "snapshot: rc $?: $(cat "$OUT")"
+sed 's/^/    /' "$OUT"
+kill "$VM"
+wait "$VM"
+say "original VM stopped; \$ clade resume $SNAP --backend uffd --vsock $SOCK --api-sock $API"
+rm -f "$SOCK" "$API"
+t0=$(uptime_s)
+"$CLADE" resume "$SNAP" --backend uffd --vsock "$SOCK" --api-sock "$API" \
+    --serial-file "$LOG.resumed" &
+VM=$!
+"$CLADE" ping --wait 120 "$SOCK" >"$OUT" 2>&1 || fail "resumed VM: no ping: $(cat "$OUT")"
+t1=$(uptime_s)
+say "resumed; agent answers $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s after clade resume (emulated wall time)"
+exec_show "cat /tmp/state" cat /tmp/state
+grep -q installed-once "$OUT" || fail "the file written before the snapshot is gone"
+
 say "\$ clade poweroff $SOCK"
 "$CLADE" poweroff "$SOCK" || fail "poweroff: rc $?"
 wait "$VM"
 rc=$?
-[ "$rc" = 0 ] || fail "clade run exited $rc after the guest powered off"
-say "sandbox powered off; clade run exited 0"
+[ "$rc" = 0 ] || fail "clade resume exited $rc after the guest powered off"
+say "sandbox powered off; clade exited 0"
+rm -rf "$SNAP"
 rm -f "$OUT"
 echo "DEMO-SANDBOX-PASS"
