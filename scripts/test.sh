@@ -47,12 +47,13 @@ else
     # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then
-        SCENARIOS+=(disk)
-        cp "$REPO_ROOT/tests/nested/scenarios/disk.sh" "$extra/scenarios/"
+        SCENARIOS+=(disk fork)
+        cp "$REPO_ROOT/tests/nested/scenarios/disk.sh" "$REPO_ROOT/tests/nested/scenarios/fork.sh" \
+            "$extra/scenarios/"
         disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk")
     else
-        echo "nested scenario disk: FAIL (tests/nested/build-rootfs.sh failed)"
-        failed=$((failed + 1))
+        echo "nested scenarios disk, fork: FAIL (tests/nested/build-rootfs.sh failed)"
+        failed=$((failed + 2))
     fi
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done

@@ -214,6 +214,8 @@ pub struct DeviceManager {
     paused: bool,
     /// Restored vsock devices whose socket is not bound yet.
     unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
+    /// The virtio-blk device's disk, if any (frozen when the VM forks).
+    disk: Option<Arc<Mutex<disk::Disk>>>,
 }
 
 impl DeviceManager {
@@ -234,6 +236,7 @@ impl DeviceManager {
             test_device,
             vsock,
             None,
+            None,
             exit,
             snapshot::spawn_thread(),
         )
@@ -242,13 +245,15 @@ impl DeviceManager {
     /// Recreates the devices of a snapshot from `state`: the same devices in the same
     /// places, with their saved registers and queues. The vsock device keeps its guest CID
     /// and listens on `vsock.uds_path`. The device event loop, if one is needed, runs on
-    /// the thread `runner` provides.
+    /// the thread `runner` provides. A saved virtio-blk device is restored over the disk
+    /// chain whose top layer `disk` names.
     #[allow(clippy::too_many_arguments)]
     pub fn restore(
         vm: &VmFd,
         mem: &GuestMemory,
         serial: &SerialOutput,
         vsock: Option<&VsockConfig>,
+        disk: Option<&BlockConfig>,
         state: &DevicesState,
         exit: ExitNotifier,
         runner: snapshot::ThreadRunner,
@@ -259,6 +264,7 @@ impl DeviceManager {
             serial,
             state.test_device.is_some(),
             vsock,
+            disk,
             Some(state),
             exit,
             runner,
@@ -272,6 +278,7 @@ impl DeviceManager {
         serial: &SerialOutput,
         test_device: bool,
         vsock: Option<&VsockConfig>,
+        disk: Option<&BlockConfig>,
         state: Option<&DevicesState>,
         exit: ExitNotifier,
         runner: snapshot::ThreadRunner,
@@ -323,6 +330,8 @@ impl DeviceManager {
         let mut event_loop = None;
         let mut socket_files = Vec::new();
         let mut unbound = Vec::new();
+        let mut restored_disk = None;
+        let mut vsock_seen = false;
         let saved_virtio = state.map(|s| &s.virtio[..]);
         match saved_virtio {
             None => {
@@ -350,16 +359,20 @@ impl DeviceManager {
                                         .into(),
                                 ));
                             };
-                            if event_loop.is_some() {
+                            if vsock_seen {
                                 return Err(Error::Snapshot(
                                     "the snapshot has more than one vsock device".into(),
                                 ));
                             }
+                            vsock_seen = true;
                             // Fail now rather than after the vCPUs started.
                             if socket_in_use(&v.uds_path) {
                                 return Err(devices::Error::SocketInUse(v.uds_path.clone()).into());
                             }
-                            let lp = start_loop()?;
+                            let lp = match event_loop.take() {
+                                Some(lp) => lp,
+                                None => start_loop()?,
+                            };
                             // Bound by finish_restore, while the vCPUs already run.
                             let slot: ListenerSlot = Arc::new(Mutex::new(None));
                             virtio.push(Box::new(VsockDevice::restore(
@@ -370,6 +383,33 @@ impl DeviceManager {
                                 lp.handle(),
                             )?));
                             unbound.push((v.uds_path.clone(), slot));
+                            event_loop = Some(lp);
+                        }
+                        VirtioDeviceState::Block(bs) => {
+                            let Some(cfg) = disk else {
+                                return Err(Error::Snapshot(
+                                    "the saved VM has a virtio-blk disk but no disk was given"
+                                        .into(),
+                                ));
+                            };
+                            if restored_disk.is_some() {
+                                return Err(Error::Snapshot(
+                                    "the saved VM has more than one virtio-blk disk".into(),
+                                ));
+                            }
+                            let image = disk::Disk::open(
+                                &cfg.path,
+                                disk::OpenOptions {
+                                    read_only: cfg.read_only,
+                                },
+                            )?;
+                            let lp = match event_loop.take() {
+                                Some(lp) => lp,
+                                None => start_loop()?,
+                            };
+                            let device = BlockDevice::restore(bs, image, lp.handle())?;
+                            restored_disk = Some(device.disk());
+                            virtio.push(Box::new(device));
                             event_loop = Some(lp);
                         }
                     }
@@ -404,6 +444,7 @@ impl DeviceManager {
             transports,
             paused: false,
             unbound,
+            disk: restored_disk,
         })
     }
 
@@ -444,6 +485,11 @@ impl DeviceManager {
             lock(t).unpause_device();
         }
         self.paused = false;
+    }
+
+    /// The virtio-blk device's disk, if the VM has one.
+    pub fn disk(&self) -> Option<Arc<Mutex<disk::Disk>>> {
+        self.disk.clone()
     }
 
     /// Fails when a device cannot be snapshotted (virtio-blk, for now: its disk layers
@@ -508,6 +554,7 @@ impl DeviceManager {
         };
         let device = BlockDevice::new(image, &serial, lp.handle())?;
         let shared = device.disk();
+        self.disk = Some(Arc::clone(&shared));
         let mmio = Arc::get_mut(&mut self.buses.mmio)
             .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
         let n = self.virtio_slots.len();

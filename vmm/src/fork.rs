@@ -17,6 +17,17 @@
 //!    [`ForkOptions::agent_sync`] the current time, fresh entropy and a hostname suffix
 //!    given to the guest agent right after it starts (best effort, in the background).
 //!
+//! A VM with a virtio-blk disk forks its disk in the same pause: the block worker is
+//! paused between requests, its queue position saved with the transport, and
+//! [`disk::Disk::snapshot`] freezes the top layer in place; the parent continues on a new
+//! overlay next to it (`<name>-p<k>.cdsk`) and each child gets its own overlay on the frozen
+//! layer ([`Frozen::child_overlay`]; `<frozen name>-c<k>.cdsk` for [`Vm::fork`]), so the
+//! guest's disk and its page cache stay consistent. A read-only disk is shared as it is.
+//!
+//! Children in other processes (`clade fork`): [`Frozen::handoff`] encodes the state and
+//! lists the memory layers' memfds; the other process rebuilds it with
+//! [`Frozen::from_handoff`] and calls [`Vm::from_frozen`].
+//!
 //! Pages are shared (page cache of the memfds) until the parent or a child writes one;
 //! the first write copies that page (~6.5 us here). A child is an ordinary [`Vm`]: it can
 //! be snapshotted, forked again and stopped on its own; dropping the parent does not
@@ -25,8 +36,7 @@
 //! # Limits
 //!
 //! - VMs resumed with the `uffd` or `file` backend cannot fork (their memory is not a
-//!   memfd); VMs with a virtio-blk disk cannot fork yet (like snapshots: the block device
-//!   has no saved state yet).
+//!   memfd).
 //! - Each fork generation with writes in between adds a layer, and one mapping per run of
 //!   written pages to every VM on it (at most
 //!   [`MAX_FROZEN_LAYERS`](crate::vstate::memory::MAX_FROZEN_LAYERS) layers).
@@ -37,7 +47,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use crate::config::{SerialOutput, VmConfig, VsockConfig};
+use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
 use crate::device_manager::{DeviceManager, DevicesState};
 use crate::error::{Error, Result};
 use crate::persist::{MachineState, SavedVsock, Steps};
@@ -88,6 +98,20 @@ pub struct Frozen {
     pub devices: DevicesState,
     /// The parent's configuration.
     pub config: VmConfig,
+    /// The disk, when the VM has one.
+    pub disk: Option<FrozenDisk>,
+}
+
+/// A forked VM's disk at the frozen instant.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct FrozenDisk {
+    /// The frozen layer each child gets its own overlay on ([`Frozen::child_overlay`]); for
+    /// a read-only disk, the disk's own top layer, which children open read-only too.
+    pub layer: PathBuf,
+    /// The disk was read-only.
+    pub read_only: bool,
+    /// The configured serial.
+    pub serial: Option<String>,
 }
 
 /// What a fork did.
@@ -150,7 +174,16 @@ impl Vm {
             }
             let t = Instant::now();
             let seq = FORK_SEQ.fetch_add(1, Ordering::Relaxed);
+            let disk_path = match &frozen.disk {
+                Some(d) if !d.read_only => {
+                    let p = sibling_layer(&d.layer, "c");
+                    frozen.child_overlay(&p)?;
+                    Some(p)
+                }
+                _ => None,
+            };
             let spec = ChildSpec {
+                disk_path: disk_path.clone(),
                 vsock_path: options.vsock_paths.get(i).cloned().or_else(|| {
                     frozen.machine.vsock.as_ref().map(|v| {
                         let mut p = v.uds_path.clone().into_os_string();
@@ -170,6 +203,9 @@ impl Vm {
             };
             let child = Vm::from_frozen(&frozen, spec).map_err(|e| {
                 tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
+                if let Some(p) = &disk_path {
+                    let _ = std::fs::remove_file(p);
+                }
                 e
             })?;
             children.push(child);
@@ -203,9 +239,6 @@ impl Vm {
                 op: "fork",
             });
         }
-        self.devices
-            .check_snapshot()
-            .map_err(|_| Error::Snapshot("VMs with a virtio-blk disk cannot fork yet".into()))?;
         if self.page_server.is_some() || !self.dirty_tracking {
             return Err(Error::Snapshot(
                 "only VMs with their whole memory in place and dirty page tracking can fork \
@@ -236,7 +269,7 @@ impl Vm {
         } else {
             Duration::ZERO
         };
-        let (image, vcpus, vm, devices) = captured?;
+        let (image, vcpus, vm, devices, disk) = captured?;
         // The dirty log was consumed: a diff snapshot would miss pages.
         self.lineage = None;
         let frozen = Frozen {
@@ -256,6 +289,7 @@ impl Vm {
             vcpus,
             devices,
             config: self.config.clone(),
+            disk,
         };
         Ok((frozen, pause_time, steps.steps))
     }
@@ -264,8 +298,18 @@ impl Vm {
     fn capture_for_fork(
         &mut self,
         steps: &mut Steps,
-    ) -> Result<(Arc<FrozenImage>, Vec<VcpuState>, VmKvmState, DevicesState)> {
+    ) -> Result<(
+        Arc<FrozenImage>,
+        Vec<VcpuState>,
+        VmKvmState,
+        DevicesState,
+        Option<FrozenDisk>,
+    )> {
         let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
+        let disk = self.freeze_disk()?;
+        if disk.is_some() {
+            steps.done("freeze_disk");
+        }
         // The pages written since this memory was last frozen (a booted VM: none needed,
         // but the log restarts here).
         self.take_dirty()?;
@@ -280,7 +324,35 @@ impl Vm {
             }
         };
         steps.done("freeze_memory");
-        Ok((image, vcpus, vm, devices))
+        Ok((image, vcpus, vm, devices, disk))
+    }
+
+    /// The disk's half of a fork (devices paused): its top layer is frozen and the VM
+    /// continues on a new overlay next to it (`<name>-p<k>.cdsk`). A read-only disk stays
+    /// as it is: children share it.
+    fn freeze_disk(&mut self) -> Result<Option<FrozenDisk>> {
+        let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
+            return Ok(None);
+        };
+        if cfg.read_only {
+            return Ok(Some(FrozenDisk {
+                layer: cfg.path,
+                read_only: true,
+                serial: cfg.serial,
+            }));
+        }
+        let mut d = disk.lock().unwrap_or_else(|e| e.into_inner());
+        let new_top = sibling_layer(d.path(), "p");
+        let frozen = d.snapshot(&new_top)?;
+        drop(d);
+        if let Some(c) = self.config.disk.as_mut() {
+            c.path = new_top;
+        }
+        Ok(Some(FrozenDisk {
+            layer: frozen,
+            read_only: false,
+            serial: cfg.serial,
+        }))
     }
 
     /// A new VM from a frozen instant (a child of a fork), with its own identity.
@@ -320,6 +392,24 @@ impl Vm {
             }
             (None, _) => None,
         };
+        let disk = match (&frozen.disk, &spec.disk_path) {
+            (None, _) => None,
+            (Some(d), _) if d.read_only => Some(BlockConfig {
+                path: d.layer.clone(),
+                read_only: true,
+                serial: d.serial.clone(),
+            }),
+            (Some(d), Some(p)) => Some(BlockConfig {
+                path: p.clone(),
+                read_only: false,
+                serial: d.serial.clone(),
+            }),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "the forked VM has a disk: its child needs an overlay path".into(),
+                ))
+            }
+        };
         let (events_tx, events) = mpsc::channel();
         let exit = exit_notifier(&events_tx);
         let devices = DeviceManager::restore(
@@ -327,6 +417,7 @@ impl Vm {
             &ram.mem,
             &spec.serial,
             vsock.as_ref(),
+            disk.as_ref(),
             &frozen.devices,
             exit,
             spare::runner_from(&mut spares),
@@ -352,7 +443,7 @@ impl Vm {
         let config = VmConfig {
             serial: spec.serial.clone(),
             vsock,
-            disk: None,
+            disk: disk.clone(),
             initrd: None,
             ..frozen.config.clone()
         };
@@ -450,6 +541,9 @@ pub struct ChildSpec {
     pub vsock_path: Option<PathBuf>,
     /// Its guest CID.
     pub guest_cid: u32,
+    /// Its disk overlay (made with [`Frozen::child_overlay`]) when the parent has a
+    /// writable disk.
+    pub disk_path: Option<PathBuf>,
     /// Its serial output.
     pub serial: SerialOutput,
     /// A pre-built shell.
@@ -480,8 +574,12 @@ fn fork_sync(
             },
             timeout,
         )?;
-        let cmd = crate::agent::Command::new("/bin/sh")
-            .args(["-c", &format!("hostname \"$(hostname){suffix}\"")]);
+        // Through /proc: hostname(1) may refuse names it finds invalid, e.g. "(none)-f1".
+        let script = format!(
+            "h=$(cat /proc/sys/kernel/hostname); case \"$h\" in ''|'(none)') h=clade;; esac; \
+             echo \"$h{suffix}\" > /proc/sys/kernel/hostname"
+        );
+        let cmd = crate::agent::Command::new("/bin/sh").args(["-c", &script]);
         client.output(&cmd, None)?;
         Ok(())
     })();
@@ -492,4 +590,161 @@ fn fork_sync(
             Err(e.to_string())
         }
     }
+}
+
+/// The parts of a [`VmConfig`] a child process of a fork needs (the rest is its own).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct HandoffConfig {
+    vcpus: u32,
+    mem_mib: u64,
+    kernel: PathBuf,
+    cmdline: String,
+    test_device: bool,
+    kvm_device: PathBuf,
+}
+
+/// A [`Frozen`] instant as bytes, for a child in another process; the memory layers' files
+/// travel separately (see [`Frozen::handoff`]).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Handoff {
+    machine: MachineState,
+    vm: VmKvmState,
+    vcpus: Vec<VcpuState>,
+    devices: DevicesState,
+    config: HandoffConfig,
+    /// Each memory layer's runs, base first, in the order of the files.
+    layers: Vec<Vec<(u64, u64)>>,
+    disk: Option<FrozenDisk>,
+}
+
+impl Frozen {
+    /// This frozen instant for a child in another process: the state as bytes, and the
+    /// memory layers' files (base first) the child must receive, in this order, to call
+    /// [`Frozen::from_handoff`].
+    pub fn handoff(&self) -> Result<(Vec<u8>, Vec<&std::fs::File>)> {
+        let files: Vec<&std::fs::File> = self.image.parts().map(|(f, _)| f).collect();
+        let layers: Vec<Vec<(u64, u64)>> =
+            self.image.parts().map(|(_, runs)| runs.to_vec()).collect();
+        let c = &self.config;
+        let h = Handoff {
+            machine: self.machine.clone(),
+            vm: self.vm.clone(),
+            vcpus: self.vcpus.iter().map(clone_vcpu).collect::<Result<_>>()?,
+            devices: self.devices.clone(),
+            config: HandoffConfig {
+                vcpus: c.vcpus,
+                mem_mib: c.mem_mib,
+                kernel: c.kernel.clone(),
+                cmdline: c.cmdline.clone(),
+                test_device: c.test_device,
+                kvm_device: c.kvm_device.clone(),
+            },
+            layers,
+            disk: self.disk.clone(),
+        };
+        let bytes = postcard::to_allocvec(&h)
+            .map_err(|e| Error::Snapshot(format!("encoding the fork handoff: {e}")))?;
+        Ok((bytes, files))
+    }
+
+    /// The frozen instant another process handed over ([`Frozen::handoff`]): its bytes and
+    /// the memory layers' files in the same order.
+    pub fn from_handoff(bytes: &[u8], files: Vec<std::fs::File>) -> Result<Frozen> {
+        let h: Handoff = postcard::from_bytes(bytes)
+            .map_err(|e| Error::Snapshot(format!("decoding the fork handoff: {e}")))?;
+        if h.layers.len() != files.len() {
+            return Err(Error::Snapshot(format!(
+                "fork handoff: {} memory layers but {} files",
+                h.layers.len(),
+                files.len()
+            )));
+        }
+        let image = FrozenImage::from_parts(
+            files.into_iter().zip(h.layers).collect(),
+            h.machine.mem_bytes,
+        )?;
+        let c = h.config;
+        let mut config = VmConfig::new(c.kernel);
+        config.vcpus = c.vcpus;
+        config.mem_mib = c.mem_mib;
+        config.cmdline = c.cmdline;
+        config.test_device = c.test_device;
+        config.kvm_device = c.kvm_device;
+        config.vsock = h.machine.vsock.as_ref().map(|v| VsockConfig {
+            uds_path: v.uds_path.clone(),
+            guest_cid: v.guest_cid,
+        });
+        Ok(Frozen {
+            image: Arc::new(image),
+            machine: h.machine,
+            vm: h.vm,
+            vcpus: h.vcpus,
+            devices: h.devices,
+            config,
+            disk: h.disk,
+        })
+    }
+}
+
+impl Frozen {
+    /// Makes a child's own overlay at `path` on the frozen disk layer (only for a writable
+    /// disk; a read-only one is shared as it is).
+    pub fn child_overlay(&self, path: &std::path::Path) -> Result<()> {
+        let Some(d) = self.disk.as_ref().filter(|d| !d.read_only) else {
+            return Ok(());
+        };
+        disk::ops::create(
+            path,
+            &disk::ops::CreateOptions {
+                parent: Some(d.layer.clone()),
+                ..Default::default()
+            },
+        )?;
+        Ok(())
+    }
+}
+
+/// A new layer's path next to `layer`: `<stem>-<tag><k>.cdsk`, a name not taken.
+fn sibling_layer(layer: &std::path::Path, tag: &str) -> PathBuf {
+    let stem = layer
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "disk".into());
+    let dir = layer.parent().unwrap_or(std::path::Path::new("."));
+    loop {
+        let p = dir.join(format!(
+            "{stem}-{tag}{}.cdsk",
+            FORK_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        if !p.exists() {
+            return p;
+        }
+    }
+}
+
+/// `VcpuState` is not `Clone` (KVM structs); a round trip through its encoding copies it.
+fn clone_vcpu(v: &VcpuState) -> Result<VcpuState> {
+    let b = postcard::to_allocvec(v)
+        .map_err(|e| Error::Snapshot(format!("encoding vCPU state: {e}")))?;
+    postcard::from_bytes(&b).map_err(|e| Error::Snapshot(format!("decoding vCPU state: {e}")))
+}
+
+/// A guest CID for a fork child: different between processes (from the pid) and between
+/// the forks of one process, and never `avoid`.
+pub fn process_unique_cid(avoid: u32) -> u32 {
+    static CID_SEQ: AtomicU32 = AtomicU32::new(1);
+    loop {
+        let seq = u64::from(CID_SEQ.fetch_add(1, Ordering::Relaxed));
+        let mixed =
+            (u64::from(std::process::id()) << 10 | (seq & 0x3ff)) % u64::from(u32::MAX - 2000);
+        let c = 1000 + mixed as u32;
+        if c != avoid {
+            return c;
+        }
+    }
+}
+
+/// The next fork sequence number of this process (names and hostname suffixes).
+pub fn next_fork_seq() -> u32 {
+    FORK_SEQ.fetch_add(1, Ordering::Relaxed)
 }

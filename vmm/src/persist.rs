@@ -909,6 +909,7 @@ impl PreparedSnapshot {
             &ram.mem,
             &options.serial,
             vsock.as_ref(),
+            None,
             &state.devices,
             exit,
             spare::runner_from(&mut spares),

@@ -163,6 +163,8 @@ pub struct QueuePosition {
 pub enum VirtioDeviceState {
     /// virtio-vsock.
     Vsock(vsock::VsockState),
+    /// virtio-blk (its disk is the VMM's to reopen).
+    Block(block::BlockState),
 }
 
 /// A virtio device model, independent of the transport that exposes it.

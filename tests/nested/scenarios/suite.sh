@@ -9,7 +9,8 @@
 #       --expect '^NESTED-SCENARIO boot PASS' --expect '^NESTED-SCENARIO agent-vsock PASS' \
 #       --expect '^NESTED-SCENARIO disk PASS'
 #
-# (disk.sh needs the base layer as L1's /dev/vda: tests/nested/build-rootfs.sh, --disk.)
+# (disk.sh and fork.sh need the base layer as L1's /dev/vda: tests/nested/build-rootfs.sh,
+# --disk.)
 #
 # Scenarios, in this order:
 #   boot   the default scenario: $CLADE_CMD from outer-init.sh (the guest prints

@@ -19,6 +19,15 @@
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
 //!
+//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none) |
+//!
+//! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
+//! child becomes its own `clade` process (its own API socket and vsock socket, named
+//! `<prefix>/<api socket stem>-f<k>.{api,vsock}`, serial console and log next to them).
+//! Children outlive the parent. If one child fails to start, the ones started are killed,
+//! their files removed, and the parent runs on. A VM with a disk forks its disk too: its
+//! overlay is frozen, it continues on a new one and each child gets its own.
+//!
 //! `snapshot`: `kind` is `"full"` (default) or `"diff"` (only pages written since the
 //! VM's last snapshot, or since the snapshot it was resumed from; that snapshot's directory
 //! must stay where it is, and the diff must go to another directory). `dir` is created if
@@ -78,6 +87,21 @@ pub enum Request {
         #[serde(default = "default_kind")]
         kind: String,
     },
+    /// Fork the VM into `count` child VM processes (see `clade fork`).
+    Fork {
+        /// Number of children.
+        count: usize,
+        /// Directory for the children's sockets and logs (default: the API socket's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prefix: Option<PathBuf>,
+        /// Give each child's guest agent the time, entropy and a hostname suffix.
+        #[serde(default = "default_true")]
+        agent_sync: bool,
+    },
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_kind() -> String {

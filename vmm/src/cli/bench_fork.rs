@@ -149,6 +149,7 @@ pub fn fork(
     let child = Vm::from_frozen(
         &frozen,
         ChildSpec {
+            disk_path: None,
             vsock_path: Some(bsock.clone()),
             guest_cid: 99,
             serial: SerialOutput::Memory,

@@ -6,6 +6,7 @@ mod bench_snapshot;
 mod cp;
 mod disk;
 mod exec;
+mod fork;
 mod run;
 mod snapshot;
 
@@ -55,6 +56,16 @@ enum Command {
     Snapshot(snapshot::SnapshotArgs),
     /// Start a VM from a snapshot and run it like `clade run` (same exit statuses).
     Resume(snapshot::ResumeArgs),
+    /// Fork a running VM (through its API socket) into N child VM processes.
+    ///
+    /// Each child is its own `clade` process with its own API socket and vsock socket
+    /// (printed one child a line: API socket, vsock socket; --json for JSON), sharing the
+    /// parent's memory copy-on-write. Children outlive the parent; stop them through their
+    /// API (`shutdown`) or a signal.
+    Fork(fork::ForkArgs),
+    /// Internal: one child of `clade fork` (started by the parent VM process).
+    #[command(hide = true)]
+    ForkChild(fork::ForkChildArgs),
 }
 
 /// Options describing the machine, shared by `run` and the benchmarks.
@@ -101,6 +112,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Disk { which } => disk::disk(which),
         Command::Snapshot(args) => snapshot::snapshot(args),
         Command::Resume(args) => snapshot::resume(args),
+        Command::Fork(args) => fork::fork(args),
+        Command::ForkChild(args) => fork::fork_child(args),
     }
 }
 

@@ -107,7 +107,7 @@ pub(super) fn own(mut vm: Vm, api: Option<ApiServer>) -> anyhow::Result<u8> {
         let status = match &api {
             Some(api) => {
                 if let Some(req) = api.next_request(tick) {
-                    if handle(&mut vm, req) == Handled::Shutdown {
+                    if handle(&mut vm, api.path(), req) == Handled::Shutdown {
                         let status = vm.shutdown();
                         tracing::info!("{status}");
                         return Ok(status.exit_code() as u8);
@@ -148,7 +148,7 @@ enum Handled {
     Shutdown,
 }
 
-fn handle(vm: &mut Vm, req: PendingRequest) -> Handled {
+fn handle(vm: &mut Vm, api_sock: &std::path::Path, req: PendingRequest) -> Handled {
     let state = |vm: &Vm| json!({ "state": vm.state_name() });
     let response = match &req.request {
         Request::Status => {
@@ -206,6 +206,17 @@ fn handle(vm: &mut Vm, req: PendingRequest) -> Handled {
                     })),
                     Err(e) => Response::err(e),
                 },
+            }
+        }
+        Request::Fork {
+            count,
+            prefix,
+            agent_sync,
+        } => {
+            match super::fork::fork_processes(vm, api_sock, *count, prefix.as_deref(), *agent_sync)
+            {
+                Ok(fields) => Response::ok(fields),
+                Err(e) => Response::err(format!("{e:#}")),
             }
         }
     };

@@ -28,12 +28,14 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
 
 use crate::GuestMemory;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
 
-use super::{Interrupt, VirtQueue, VirtioDevice};
+use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
 use crate::event_loop::{self, LoopHandle};
 use crate::{Error, Result};
 
@@ -52,8 +54,77 @@ pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as 
 /// Size of `struct virtio_blk_config` up to and including the fields we fill.
 const CONFIG_SIZE: usize = 60;
 
+/// What a virtio-blk device saves besides its transport (queue positions are the
+/// transport's): the identity the guest saw. The disk itself is the VMM's to reopen (a
+/// forked VM gets its own overlay on the frozen layer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    /// The GET_ID answer.
+    pub serial: Vec<u8>,
+    /// The disk was read-only.
+    pub read_only: bool,
+    /// Its size in bytes (the restored disk must have the same).
+    pub size: u64,
+}
+
+/// Shared between the device and its worker: whether the worker may run, and where its
+/// queue stands after each round of work.
+#[derive(Debug, Default)]
+pub(crate) struct GateState {
+    /// False once the device was reset: the worker touches nothing any more.
+    pub active: bool,
+    /// True while the VM is being saved: the worker waits.
+    pub paused: bool,
+    /// Queue position after the worker's last round.
+    pub position: QueuePosition,
+}
+
+/// The worker holds the lock while it works, so whoever holds it knows the worker is idle.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+impl Gate {
+    pub(crate) fn new_active() -> Gate {
+        Gate {
+            state: Mutex::new(GateState {
+                active: true,
+                ..GateState::default()
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For the worker: waits while paused; `None` once the device was reset.
+    pub(crate) fn enter(&self) -> Option<MutexGuard<'_, GateState>> {
+        let mut g = self.lock();
+        while g.active && g.paused {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.active.then_some(g)
+    }
+
+    fn set_paused(&self, paused: bool) {
+        self.lock().paused = paused;
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn deactivate(&self) {
+        let mut g = self.lock();
+        g.active = false;
+        g.paused = false;
+        self.cv.notify_all();
+    }
+}
+
 struct Activation {
-    gate: Arc<Mutex<bool>>,
+    gate: Arc<Gate>,
     id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
 }
 
@@ -96,6 +167,31 @@ impl BlockDevice {
             event_loop,
             active: None,
         })
+    }
+
+    /// A device restored from `state` over `disk` (reopened by the VMM: the same chain, or
+    /// a fork child's own overlay on the frozen layer). The transport restores the queue.
+    pub fn restore(state: &BlockState, disk: disk::Disk, event_loop: LoopHandle) -> Result<Self> {
+        if disk.virtual_size() != state.size {
+            return Err(Error::Restore(format!(
+                "virtio-blk: the disk has {} bytes, the saved device had {}",
+                disk.virtual_size(),
+                state.size
+            )));
+        }
+        if disk.read_only() != state.read_only {
+            return Err(Error::Restore(
+                "virtio-blk: the disk's read-only mode differs from the saved device's".into(),
+            ));
+        }
+        let end = state
+            .serial
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(state.serial.len());
+        let serial = std::str::from_utf8(&state.serial[..end])
+            .map_err(|_| Error::Restore("virtio-blk: saved serial is not UTF-8".into()))?;
+        Self::new(disk, serial, event_loop)
     }
 
     /// The disk, shared with the worker: lock it to freeze or inspect it between requests.
@@ -158,7 +254,7 @@ impl VirtioDevice for BlockDevice {
                 "virtio-blk request queue was not set up".into(),
             ));
         }
-        let gate = Arc::new(Mutex::new(true));
+        let gate = Arc::new(Gate::new_active());
         let worker = BlockWorker::new(
             mem,
             queue,
@@ -179,13 +275,49 @@ impl VirtioDevice for BlockDevice {
             return;
         };
         // Waits for the worker to finish its current request; afterwards it touches nothing.
-        *act.gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        act.gate.deactivate();
         if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
             tracing::error!("virtio-blk reset: {e}");
         }
         // What the guest wrote before the reset is kept like after a flush.
         if let Err(e) = self.disk.lock().unwrap_or_else(|e| e.into_inner()).flush() {
             tracing::error!("virtio-blk reset: flushing the disk: {e}");
+        }
+    }
+
+    fn pause(&mut self) {
+        if let Some(act) = &self.active {
+            act.gate.set_paused(true);
+        }
+    }
+
+    fn unpause(&mut self) {
+        if let Some(act) = &self.active {
+            act.gate.set_paused(false);
+        }
+    }
+
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        match &self.active {
+            Some(act) => vec![act.gate.lock().position],
+            None => Vec::new(),
+        }
+    }
+
+    fn save_state(&self) -> Option<VirtioDeviceState> {
+        Some(VirtioDeviceState::Block(BlockState {
+            serial: self.serial.to_vec(),
+            read_only: self.read_only,
+            size: u64::from_le_bytes(self.config[0..8].try_into().ok()?) * SECTOR_SIZE,
+        }))
+    }
+}
+
+impl Drop for BlockDevice {
+    fn drop(&mut self) {
+        // A paused worker must not block the event loop's shutdown.
+        if let Some(act) = &self.active {
+            act.gate.set_paused(false);
         }
     }
 }

@@ -15,8 +15,9 @@ use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{ID_BYTES, SECTOR_SIZE};
+use super::{Gate, GateState, ID_BYTES, SECTOR_SIZE};
 use crate::virtio::mmio::LogLimiter;
+use crate::virtio::QueuePosition;
 use crate::virtio::{Interrupt, VirtQueue};
 
 /// Size of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
@@ -42,8 +43,9 @@ pub struct BlockWorker {
     queue: Queue,
     evt: EventFd,
     interrupt: Arc<Interrupt>,
-    /// False once the device was reset: from then on the worker touches nothing.
-    gate: Arc<Mutex<bool>>,
+    /// Inactive once the device was reset: from then on the worker touches nothing; paused
+    /// while the VM is saved.
+    gate: Arc<Gate>,
     disk: Arc<Mutex<disk::Disk>>,
     serial: [u8; ID_BYTES],
     buf: Vec<u8>,
@@ -59,7 +61,7 @@ impl BlockWorker {
         mem: GuestMemory,
         queue: VirtQueue,
         interrupt: Arc<Interrupt>,
-        gate: Arc<Mutex<bool>>,
+        gate: Arc<Gate>,
         disk: Arc<Mutex<disk::Disk>>,
         serial: [u8; ID_BYTES],
     ) -> Self {
@@ -74,6 +76,14 @@ impl BlockWorker {
             buf: Vec::new(),
             log: LogLimiter::new(),
         }
+    }
+
+    /// Publishes where the queue stands (for a save); called after each round of work.
+    fn publish(&self, g: &mut GateState) {
+        g.position = QueuePosition {
+            next_avail: self.queue.next_avail(),
+            next_used: self.queue.next_used(),
+        };
     }
 
     /// Completes every available request; interrupts the guest if any was completed.
@@ -299,18 +309,18 @@ impl MutEventSubscriber for BlockWorker {
         }
         // Requests that arrived before we were registered (unless reset in the meantime).
         let gate = Arc::clone(&self.gate);
-        let active = gate.lock().unwrap_or_else(|e| e.into_inner());
-        if *active {
-            self.process_queue();
-        }
+        let Some(mut g) = gate.enter() else {
+            return;
+        };
+        self.process_queue();
+        self.publish(&mut g);
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let gate = Arc::clone(&self.gate);
-        let active = gate.lock().unwrap_or_else(|e| e.into_inner());
-        if !*active {
+        let Some(mut g) = gate.enter() else {
             return;
-        }
+        };
         if events.fd() != self.evt.as_raw_fd() {
             tracing::warn!(
                 "virtio-blk: event for unknown fd {}, unregistered",
@@ -322,5 +332,6 @@ impl MutEventSubscriber for BlockWorker {
         // Clear the notification; the queue itself says what is new.
         let _ = self.evt.read();
         self.process_queue();
+        self.publish(&mut g);
     }
 }

@@ -1286,7 +1286,9 @@ fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections()
     // Bad states are refused, whatever the device.
     let endpoint = h.em.remote_endpoint();
     let restore = |st: &MmioTransportState, path: &Path| {
-        let VirtioDeviceState::Vsock(vs) = st.device;
+        let VirtioDeviceState::Vsock(vs) = st.device else {
+            panic!("not a vsock state: {:?}", st.device)
+        };
         let slot = Arc::new(Mutex::new(None));
         let dev =
             VsockDevice::restore(&vs, vs.guest_cid, slot.clone(), path, endpoint.clone()).unwrap();

@@ -1,0 +1,396 @@
+//! `clade fork` on the native test guest: children are separate `clade` processes that
+//! answer on their own vsock sockets, outlive a SIGKILLed parent, are stopped through their
+//! own API sockets, and a fork failing part-way leaves no child behind.
+
+#[path = "../../tests/src/native_guest.rs"]
+mod native_guest;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+use native_guest::native_guest;
+use vmm::api::{ApiClient, Request};
+
+fn clade() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_clade"))
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("clade-forkcli-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+
+    fn p(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Kills the process if the test fails before it ended.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Kills a child VM process (not ours to wait for) if the test fails before it ended.
+struct Pid(i32);
+
+impl Drop for Pid {
+    fn drop(&mut self) {
+        if pid_alive(self.0) {
+            // SAFETY: plain kill(2) on a process this test started (through the parent).
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+}
+
+fn pid_alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            // State field after "(comm)": Z (zombie) or X (dead) is not alive.
+            let st = s.rsplit(')').next().unwrap_or("").trim_start();
+            !st.starts_with('Z') && !st.starts_with('X')
+        })
+        .unwrap_or(false)
+}
+
+fn wait_for(path: &Path) {
+    let t = Instant::now();
+    while !path.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn wait_for_text(path: &Path, text: &str) {
+    let t = Instant::now();
+    while !std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .contains(text)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no '{text}' in {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ping(sock: &Path) {
+    let o = clade().arg("ping").arg(sock).output().unwrap();
+    assert!(o.status.success(), "ping {}: {}", sock.display(), text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("clade-native-guest"));
+}
+
+fn start_parent(d: &Dir, steps: &str, env: Option<(&str, &str)>) -> Proc {
+    let mut cmd = clade();
+    cmd.arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", &format!("steps={steps}")])
+        .arg("--vsock")
+        .arg(d.p("p.vsock"))
+        .arg("--api-sock")
+        .arg(d.p("p.api"))
+        .arg("--serial-file")
+        .arg(d.p("p.serial"));
+    if let Some((k, v)) = env {
+        cmd.env(k, v);
+    }
+    let p = Proc(cmd.spawn().unwrap());
+    wait_for(&d.p("p.api"));
+    wait_for_text(&d.p("p.serial"), "serving agent port");
+    p
+}
+
+#[test]
+fn fork_children_are_processes_that_outlive_a_killed_parent() {
+    let d = Dir::new("three");
+    let mut parent = start_parent(&d, "vsock,vsock,vsock", None);
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "3", "--no-agent-sync", "--json"])
+        .arg("--prefix")
+        .arg(d.p("kids"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let kids = j["children"].as_array().unwrap().clone();
+    assert_eq!(kids.len(), 3, "{j}");
+    let pids: Vec<Pid> = kids
+        .iter()
+        .map(|k| Pid(k["pid"].as_i64().unwrap() as i32))
+        .collect();
+    let parent_pid = parent.0.id() as i32;
+    let mut cids = Vec::new();
+    for (k, pid) in kids.iter().zip(&pids) {
+        assert_ne!(pid.0, parent_pid, "a child is its own process");
+        assert!(pid_alive(pid.0));
+        let vsock = PathBuf::from(k["vsock"].as_str().unwrap());
+        assert!(vsock.starts_with(d.p("kids")), "{k}");
+        cids.push(k["cid"].as_u64().unwrap());
+        ping(&vsock);
+    }
+    cids.sort();
+    cids.dedup();
+    assert_eq!(cids.len(), 3, "distinct CIDs: {j}");
+    ping(&d.p("p.vsock"));
+
+    // A child is an ordinary VM process: it can be snapshotted.
+    let o = clade()
+        .arg("snapshot")
+        .arg(kids[0]["api_sock"].as_str().unwrap())
+        .arg(d.p("child-snap"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(d.p("child-snap/memory.mem").exists());
+
+    // SIGKILL the parent: the children run on, on their own memory.
+    parent.0.kill().unwrap();
+    parent.0.wait().unwrap();
+    for k in &kids {
+        ping(Path::new(k["vsock"].as_str().unwrap()));
+        let r = ApiClient::connect(Path::new(k["api_sock"].as_str().unwrap()))
+            .unwrap()
+            .call(&Request::Status)
+            .unwrap();
+        assert_eq!(r.fields["state"], "running", "{r:?}");
+    }
+    // Stopped through their own API sockets; they remove their sockets.
+    for (k, pid) in kids.iter().zip(&pids) {
+        let api = PathBuf::from(k["api_sock"].as_str().unwrap());
+        let r = ApiClient::connect(&api)
+            .unwrap()
+            .call(&Request::Shutdown)
+            .unwrap();
+        assert!(r.ok, "{r:?}");
+        let t = Instant::now();
+        while pid_alive(pid.0) {
+            assert!(t.elapsed() < Duration::from_secs(20), "child did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!api.exists());
+        assert!(!Path::new(k["vsock"].as_str().unwrap()).exists());
+    }
+}
+
+#[test]
+fn a_failed_fork_leaves_no_child_and_a_fork_of_a_child_works() {
+    let d = Dir::new("fail");
+    let mut parent = start_parent(
+        &d,
+        "vsock,vsock,vsock",
+        Some(("CLADE_FORK_FAIL_AFTER", "2")),
+    );
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "3", "--no-agent-sync"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("injected failure"), "{err}");
+    let mut left: Vec<_> = std::fs::read_dir(&d.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".api") || n.ends_with(".vsock"))
+        .collect();
+    left.sort();
+    assert_eq!(left, ["p.api", "p.vsock"], "only the parent's sockets");
+    let stale = Command::new("pgrep")
+        .args(["-f", &format!("fork-child --api-sock {}", d.0.display())])
+        .output()
+        .unwrap();
+    assert!(stale.stdout.is_empty(), "children left running");
+    ping(&d.p("p.vsock"));
+
+    // A fork that works (fewer children than the injected failure), then a fork of the
+    // child: a child is an ordinary VM process.
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "1", "--no-agent-sync"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let line = String::from_utf8_lossy(&o.stdout).into_owned();
+    let mut it = line.split_whitespace();
+    let (api, vsock) = (
+        PathBuf::from(it.next().unwrap()),
+        PathBuf::from(it.next().unwrap()),
+    );
+    let status = ApiClient::connect(&api)
+        .unwrap()
+        .call(&Request::Status)
+        .unwrap();
+    assert_eq!(status.fields["state"], "running");
+    let o = clade()
+        .arg("fork")
+        .arg(&api)
+        .args(["-n", "1", "--no-agent-sync", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let grand = &j["children"][0];
+    let _g = Pid(grand["pid"].as_i64().unwrap() as i32);
+    ping(Path::new(grand["vsock"].as_str().unwrap()));
+    ping(&vsock);
+    for a in [api, PathBuf::from(grand["api_sock"].as_str().unwrap())] {
+        let r = ApiClient::connect(&a).unwrap().call(&Request::Shutdown);
+        assert!(r.unwrap().ok);
+    }
+    parent.0.kill().unwrap();
+    parent.0.wait().unwrap();
+}
+
+/// `clade disk info --json`: one object per layer, top first.
+fn disk_info(layer: &Path) -> Vec<serde_json::Value> {
+    let o = clade()
+        .args(["disk", "info", "--json"])
+        .arg(layer)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect()
+}
+
+#[test]
+fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
+    let d = Dir::new("disk");
+    let top = d.p("vm.cdsk");
+    let o = clade()
+        .args(["disk", "create", "--size", "16M"])
+        .arg(&top)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut cmd = clade();
+    cmd.arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", "steps=vsock,vsock"])
+        .arg("--vsock")
+        .arg(d.p("p.vsock"))
+        .arg("--api-sock")
+        .arg(d.p("p.api"))
+        .arg("--serial-file")
+        .arg(d.p("p.serial"))
+        .arg("--disk")
+        .arg(&top);
+    let mut parent = Proc(cmd.spawn().unwrap());
+    wait_for(&d.p("p.api"));
+    wait_for_text(&d.p("p.serial"), "serving agent port");
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "2", "--no-agent-sync", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kids = j["children"].as_array().unwrap().clone();
+    let pids: Vec<Pid> = kids
+        .iter()
+        .map(|k| Pid(k["pid"].as_i64().unwrap() as i32))
+        .collect();
+    let mut overlays = Vec::new();
+    for k in &kids {
+        overlays.push(PathBuf::from(k["disk"].as_str().expect("a child disk")));
+        ping(Path::new(k["vsock"].as_str().unwrap()));
+    }
+    assert_ne!(overlays[0], overlays[1]);
+    ping(&d.p("p.vsock"));
+    // A fork of the parent again freezes the overlay it continued on.
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "1", "--no-agent-sync", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let second = j["children"][0].clone();
+    let p2 = Pid(second["pid"].as_i64().unwrap() as i32);
+    // Stop everyone (layers in use cannot be inspected), then look at the chains.
+    for k in kids.iter().chain(std::iter::once(&second)) {
+        let api = PathBuf::from(k["api_sock"].as_str().unwrap());
+        let r = ApiClient::connect(&api).unwrap().call(&Request::Shutdown);
+        assert!(r.unwrap().ok);
+    }
+    parent.0.kill().unwrap();
+    parent.0.wait().unwrap();
+    for p in pids.iter().chain(std::iter::once(&p2)) {
+        let t = Instant::now();
+        while pid_alive(p.0) {
+            assert!(t.elapsed() < Duration::from_secs(20), "child did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // The parent's first layer is frozen; each first child has its own overlay on it.
+    let info = disk_info(&top);
+    assert_eq!(info[0]["frozen"], true, "{info:?}");
+    for o in &overlays {
+        let layers = disk_info(o);
+        assert_eq!(layers.len(), 2, "{layers:?}");
+        assert_eq!(layers[0]["frozen"], false, "{layers:?}");
+        assert_eq!(
+            layers[1]["id"], info[0]["id"],
+            "on the frozen layer: {layers:?}"
+        );
+    }
+    // The parent went on on `vm-p<k>.cdsk`, frozen by the second fork, and then on another.
+    let mut parent_tops: Vec<_> = std::fs::read_dir(&d.0)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("vm-p") && n.ends_with(".cdsk")
+        })
+        .collect();
+    parent_tops.sort_by_key(|p| disk_info(p).len());
+    assert_eq!(parent_tops.len(), 2, "{parent_tops:?}");
+    let last = disk_info(&parent_tops[1]);
+    assert_eq!(last.len(), 3, "{last:?}");
+    assert_eq!(last[0]["frozen"], false, "{last:?}");
+    assert_eq!(last[1]["frozen"], true, "{last:?}");
+    assert_eq!(last[2]["id"], info[0]["id"], "{last:?}");
+    let layers = disk_info(Path::new(second["disk"].as_str().unwrap()));
+    assert_eq!(layers.len(), 3, "{layers:?}");
+    assert_eq!(layers[1]["id"], last[1]["id"], "{layers:?}");
+}
