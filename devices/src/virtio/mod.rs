@@ -70,6 +70,7 @@
 //! an edge on the IOAPIC pin; leave it masked.
 
 pub mod block;
+mod gate;
 pub mod mmio;
 pub mod vsock;
 

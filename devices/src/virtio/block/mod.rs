@@ -28,7 +28,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -67,61 +67,15 @@ pub struct BlockState {
     pub size: u64,
 }
 
-/// Shared between the device and its worker: whether the worker may run, and where its
-/// queue stands after each round of work.
+/// What the block worker publishes after each round: where its queue stands.
 #[derive(Debug, Default)]
-pub(crate) struct GateState {
-    /// False once the device was reset: the worker touches nothing any more.
-    pub active: bool,
-    /// True while the VM is being saved: the worker waits.
-    pub paused: bool,
+pub(crate) struct BlockProgress {
     /// Queue position after the worker's last round.
     pub position: QueuePosition,
 }
 
-/// The worker holds the lock while it works, so whoever holds it knows the worker is idle.
-#[derive(Debug, Default)]
-pub(crate) struct Gate {
-    state: Mutex<GateState>,
-    cv: Condvar,
-}
-
-impl Gate {
-    pub(crate) fn new_active() -> Gate {
-        Gate {
-            state: Mutex::new(GateState {
-                active: true,
-                ..GateState::default()
-            }),
-            cv: Condvar::new(),
-        }
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// For the worker: waits while paused; `None` once the device was reset.
-    pub(crate) fn enter(&self) -> Option<MutexGuard<'_, GateState>> {
-        let mut g = self.lock();
-        while g.active && g.paused {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-        g.active.then_some(g)
-    }
-
-    fn set_paused(&self, paused: bool) {
-        self.lock().paused = paused;
-        self.cv.notify_all();
-    }
-
-    pub(crate) fn deactivate(&self) {
-        let mut g = self.lock();
-        g.active = false;
-        g.paused = false;
-        self.cv.notify_all();
-    }
-}
+pub(crate) type Gate = super::gate::Gate<BlockProgress>;
+pub(crate) type GateState = super::gate::GateState<BlockProgress>;
 
 struct Activation {
     gate: Arc<Gate>,

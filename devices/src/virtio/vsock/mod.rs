@@ -28,7 +28,7 @@ mod tests;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::GuestMemory;
@@ -273,63 +273,17 @@ pub struct VsockState {
     pub connections: u32,
 }
 
-/// Shared between the device and its worker: whether the worker may run, and what it
-/// publishes after each round of work.
+/// What the vsock worker publishes after each round.
 #[derive(Debug, Default)]
-pub(crate) struct GateState {
-    /// False once the device was reset: the worker touches nothing any more.
-    pub active: bool,
-    /// True while a snapshot is taken: the worker waits.
-    pub paused: bool,
+pub(crate) struct VsockProgress {
     /// Queue positions after the worker's last round.
     pub positions: [QueuePosition; 3],
     /// Open connections after the worker's last round.
     pub connections: usize,
 }
 
-/// The worker holds the lock while it works, so whoever holds it knows the worker is idle.
-#[derive(Debug, Default)]
-pub(crate) struct Gate {
-    state: Mutex<GateState>,
-    cv: Condvar,
-}
-
-impl Gate {
-    pub(crate) fn new_active() -> Gate {
-        Gate {
-            state: Mutex::new(GateState {
-                active: true,
-                ..GateState::default()
-            }),
-            cv: Condvar::new(),
-        }
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// For the worker: waits while paused; `None` once the device was reset.
-    pub(crate) fn enter(&self) -> Option<MutexGuard<'_, GateState>> {
-        let mut g = self.lock();
-        while g.active && g.paused {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-        g.active.then_some(g)
-    }
-
-    fn set_paused(&self, paused: bool) {
-        self.lock().paused = paused;
-        self.cv.notify_all();
-    }
-
-    fn deactivate(&self) {
-        let mut g = self.lock();
-        g.active = false;
-        g.paused = false;
-        self.cv.notify_all();
-    }
-}
+pub(crate) type Gate = super::gate::Gate<VsockProgress>;
+pub(crate) type GateState = super::gate::GateState<VsockProgress>;
 
 struct Activation {
     gate: Arc<Gate>,
