@@ -25,6 +25,7 @@ pub mod page_server;
 pub mod state_file;
 pub mod working_set;
 
+mod bytes;
 mod fsutil;
 mod persist;
 

@@ -39,6 +39,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::bitmap::{words_for, PageBitmap};
+use crate::bytes::{id_at, le_u32, le_u64};
 use crate::fsutil::{data_extents, is_zero, AtomicFile};
 use crate::state_file;
 use crate::{Error, FileType, Result, SnapshotId, SnapshotKind, PAGE_SIZE, PAGE_SIZE_U64};
@@ -152,24 +153,6 @@ pub enum HoleFill {
     AssumeZeroed,
     /// Write zeros over holes.
     Zero,
-}
-
-fn le_u32(b: &[u8], off: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[off..off + 4]);
-    u32::from_le_bytes(a)
-}
-
-fn le_u64(b: &[u8], off: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[off..off + 8]);
-    u64::from_le_bytes(a)
-}
-
-fn id_at(b: &[u8], off: usize) -> SnapshotId {
-    let mut a = [0u8; 16];
-    a.copy_from_slice(&b[off..off + 16]);
-    SnapshotId(a)
 }
 
 fn data_offset_for(region_count: u64, bitmap_words: u64) -> u64 {

@@ -33,6 +33,7 @@ use std::path::Path;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::bytes::{id_at, le_u16, le_u32, le_u64};
 use crate::fsutil::AtomicFile;
 use crate::{CpuCheck, CpuId, Error, FileType, Result, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
 
@@ -146,28 +147,6 @@ impl Default for Expect {
             max_payload: DEFAULT_MAX_PAYLOAD,
         }
     }
-}
-
-fn le_u16(b: &[u8], off: usize) -> u16 {
-    u16::from_le_bytes([b[off], b[off + 1]])
-}
-
-fn le_u32(b: &[u8], off: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[off..off + 4]);
-    u32::from_le_bytes(a)
-}
-
-fn le_u64(b: &[u8], off: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[off..off + 8]);
-    u64::from_le_bytes(a)
-}
-
-fn id_at(b: &[u8], off: usize) -> SnapshotId {
-    let mut a = [0u8; 16];
-    a.copy_from_slice(&b[off..off + 16]);
-    SnapshotId(a)
 }
 
 fn encode_header(meta: &SnapshotMeta, payload: &[u8]) -> [u8; HEADER_LEN] {
