@@ -29,12 +29,40 @@ fn missing_kernel() {
     assert!(e.to_string().contains("/nonexistent/vmlinuz"), "{e}");
 }
 
+fn hardware_virtualization() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap()
+        .split_whitespace()
+        .any(|w| w == "vmx" || w == "svm")
+}
+
+#[test]
+fn linux_on_a_host_without_hardware_virtualization_is_refused_with_the_reason() {
+    if hardware_virtualization() {
+        eprintln!("skipped: this host has VMX/SVM and boots Linux directly");
+        return;
+    }
+    // Anything that is not an ELF is treated as a Linux bzImage.
+    let bz = scratch("bzimage");
+    let mut img = vec![0u8; 64 << 10];
+    img[0x202..0x206].copy_from_slice(b"HdrS");
+    std::fs::write(&bz, img).unwrap();
+    let e = build_err(VmConfig::new(&bz));
+    assert!(matches!(e, Error::UnsupportedHost(_)), "{e}");
+    assert!(e.to_string().contains("hardware virtualization"), "{e}");
+}
+
 #[test]
 fn corrupt_kernels() {
     let junk = scratch("junk-kernel");
     std::fs::write(&junk, vec![0xa5u8; 64 << 10]).unwrap();
     let e = build_err(VmConfig::new(&junk));
-    assert!(matches!(e, Error::KernelInvalid { .. }), "{e}");
+    if hardware_virtualization() {
+        assert!(matches!(e, Error::KernelInvalid { .. }), "{e}");
+    } else {
+        // A non-ELF kernel is refused before loading on the PVM host (see the next test).
+        assert!(matches!(e, Error::UnsupportedHost(_)), "{e}");
+    }
     // A truncated copy of a real ELF.
     let elf = std::fs::read(native_guest()).unwrap();
     let cut = scratch("truncated-elf");

@@ -74,6 +74,14 @@ pub fn build(config: VmConfig) -> Result<Vm> {
     let pvm_native = kvm::register_pvm_vif(&vcpu_fds[0], PVM_VIF_BASE)?;
     let mut cmdline = config.cmdline.clone();
     if pvm_native {
+        if !boot::is_elf(&config.kernel)? {
+            return Err(Error::UnsupportedHost(
+                "this host's /dev/kvm is a software (PVM) hypervisor without VMX/SVM: it cannot \
+                 boot ordinary Linux kernels; use a host with hardware virtualization, or the \
+                 nested tier (scripts/demo.sh)"
+                    .into(),
+            ));
+        }
         if u64::from(config.vcpus) > PVM_VIF_MAX {
             return Err(Error::TooManyVcpus {
                 requested: config.vcpus,

@@ -29,6 +29,9 @@ pub enum Error {
         op: &'static str,
         source: kvm_ioctls::Error,
     },
+    /// This host's KVM cannot run the requested guest.
+    #[error("{0}")]
+    UnsupportedHost(String),
     /// The configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),

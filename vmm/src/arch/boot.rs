@@ -58,6 +58,17 @@ fn kernel_invalid(path: &Path, reason: impl ToString) -> Error {
     }
 }
 
+/// True when `kernel` is an ELF image (vmlinux or the project's test guest), false for a
+/// bzImage or anything else.
+pub fn is_elf(kernel: &Path) -> Result<bool> {
+    let mut magic = [0u8; 4];
+    let mut f = File::open(kernel).map_err(|source| Error::KernelOpen {
+        path: kernel.to_path_buf(),
+        source,
+    })?;
+    Ok(f.read_exact(&mut magic).is_ok() && magic == ELF_MAGIC)
+}
+
 /// Loads everything needed to boot into `mem` and returns the entry point.
 pub fn load(mem: &GuestMemory, spec: &BootSpec) -> Result<BootInfo> {
     let kernel_err = |source| Error::KernelOpen {
