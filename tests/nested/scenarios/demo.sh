@@ -57,6 +57,26 @@ exec_show "uname -a" uname -a
 exec_show "sh -c 'cat /proc/cpuinfo | head'" sh -c 'cat /proc/cpuinfo | head'
 exec_show "sh -c 'id; nproc; free -m'" sh -c 'id; nproc; free -m'
 
+# Fork: two children of the running sandbox, each its own clade process with its own sockets.
+exec_show "sh -c 'echo parent > /tmp/who'" sh -c 'echo parent > /tmp/who'
+say "\$ clade fork $API -n 2 --prefix $DIR/forks"
+mkdir -p "$DIR/forks"
+"$CLADE" fork "$API" -n 2 --prefix "$DIR/forks" >"$OUT" 2>&1 || fail "fork: rc $?: $(cat "$OUT")"
+sed 's/^/    /' "$OUT"
+KIDS=$(awk '{ print $2 }' "$OUT")
+k=0
+for s in $KIDS; do
+    k=$((k + 1))
+    "$CLADE" ping --wait 60 "$s" >/dev/null 2>&1 || fail "fork child $k does not answer"
+    "$CLADE" exec -n "$s" -- sh -c "echo child$k > /tmp/who; hostname; cat /tmp/who" >"$OUT" 2>&1 ||
+        fail "exec in fork child $k: $(cat "$OUT")"
+    say "fork child $k ($s): $(tr '\n' ' ' <"$OUT")"
+    "$CLADE" poweroff "$s" >/dev/null 2>&1 || fail "poweroff fork child $k"
+done
+"$CLADE" exec -n "$SOCK" -- cat /tmp/who >"$OUT" 2>&1 || fail "exec in the parent after the fork"
+grep -q '^parent$' "$OUT" || fail "the parent sees a child's write: $(cat "$OUT")"
+say "parent still sees its own /tmp/who: $(cat "$OUT")"
+
 # Persist: write state, snapshot, stop the VM, resume it from the snapshot.
 exec_show "sh -c 'echo installed-once > /tmp/state; cat /tmp/state'" \
     sh -c 'echo installed-once > /tmp/state; cat /tmp/state'
@@ -83,6 +103,6 @@ wait "$VM"
 rc=$?
 [ "$rc" = 0 ] || fail "clade resume exited $rc after the guest powered off"
 say "sandbox powered off; clade exited 0"
-rm -rf "$SNAP"
+rm -rf "$SNAP" "$DIR/forks"
 rm -f "$OUT"
 echo "DEMO-SANDBOX-PASS"
