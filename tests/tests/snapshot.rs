@@ -636,3 +636,166 @@ fn a_pool_hands_out_prebuilt_shells_and_refills() {
     assert!(!r.resume_report().unwrap().shell_reused);
     finish(&mut r, "unfit shell");
 }
+
+/// `len` bytes of the disk chain of `vm` at offset 0.
+fn disk_bytes(vm: &Vm, len: usize) -> Vec<u8> {
+    let d = vm.disk().expect("the VM has a disk");
+    let mut buf = vec![0u8; len];
+    d.lock().unwrap().read_at(0, &mut buf).unwrap();
+    buf
+}
+
+fn disk_write(vm: &Vm, data: &[u8]) {
+    let d = vm.disk().expect("the VM has a disk");
+    d.lock().unwrap().write_at(0, data).unwrap();
+}
+
+fn disk_top(vm: &Vm) -> PathBuf {
+    let d = vm.disk().expect("the VM has a disk");
+    let p = d.lock().unwrap().path().to_path_buf();
+    p
+}
+
+fn disk_layers(vm: &Vm) -> Vec<PathBuf> {
+    let d = vm.disk().expect("the VM has a disk");
+    let l = d.lock().unwrap();
+    l.layers().iter().map(|l| l.path().to_path_buf()).collect()
+}
+
+/// A VM with a writable disk: the snapshot freezes its top layer (the VM runs on from a
+/// new overlay), each resume gets its own overlay on the frozen layer and sees the disk as
+/// it was at the snapshot, isolated from the original and from the other resume. (Host
+/// level: the native guest has no virtio-blk driver.)
+#[test]
+fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
+    let dir = TmpDir::new("disk");
+    let top = dir.0.join("vm.cdsk");
+    disk::ops::create(
+        &top,
+        &disk::ops::CreateOptions {
+            virtual_size: Some(16 << 20),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut c = guest_config("loop:33");
+    c.disk = Some(vmm::config::BlockConfig {
+        path: top.clone(),
+        read_only: false,
+        serial: None,
+    });
+    let mut vm = Vm::new(c).unwrap();
+    vm.start().unwrap();
+    const BEFORE: &[u8] = b"written before the snapshot";
+    const AFTER: &[u8] = b"the original, after the snap";
+    const MINE: &[u8] = b"resume one's own write here";
+    disk_write(&vm, BEFORE);
+
+    let snap = dir.0.join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    // The original runs on from a new overlay on the frozen layer.
+    let frozen = top.canonicalize().unwrap();
+    assert_ne!(disk_top(&vm), top);
+    assert_eq!(disk_layers(&vm)[1].canonicalize().unwrap(), frozen);
+    assert_eq!(vm.config().disk.as_ref().unwrap().path, disk_top(&vm));
+    disk_write(&vm, AFTER);
+
+    // Resume twice side by side: the default overlay in the snapshot directory, and one
+    // at a given path.
+    let mut r1 = Vm::resume(&snap, MemoryBackend::Copy, options()).unwrap();
+    let own = dir.0.join("r2.cdsk");
+    let mut r2 = Vm::resume(
+        &snap,
+        MemoryBackend::File,
+        ResumeOptions {
+            disk_overlay: Some(own.clone()),
+            ..options()
+        },
+    )
+    .unwrap();
+    let t1 = disk_top(&r1);
+    assert_eq!(t1.parent().unwrap(), snap.canonicalize().unwrap());
+    let name = t1.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("resume-") && name.ends_with(".cdsk"),
+        "{name}"
+    );
+    assert_eq!(disk_top(&r2), own);
+    for r in [&r1, &r2] {
+        let layers = disk_layers(r);
+        assert_eq!(layers.len(), 2, "{layers:?}");
+        assert_eq!(layers[1].canonicalize().unwrap(), frozen);
+        assert_eq!(
+            disk_bytes(r, BEFORE.len()),
+            BEFORE,
+            "the disk at the snapshot"
+        );
+    }
+    // Writes stay where they were made.
+    disk_write(&r1, MINE);
+    assert_eq!(disk_bytes(&r1, MINE.len()), MINE);
+    assert_eq!(disk_bytes(&r2, BEFORE.len()), BEFORE);
+    assert_eq!(disk_bytes(&vm, AFTER.len()), AFTER);
+
+    // An overlay path that exists already: refused, the file left alone, no VM.
+    let Err(e) = Vm::resume(
+        &snap,
+        MemoryBackend::Copy,
+        ResumeOptions {
+            disk_overlay: Some(own.clone()),
+            ..options()
+        },
+    ) else {
+        panic!("a resume onto an existing overlay worked");
+    };
+    assert!(e.to_string().contains("exists"), "{e}");
+    assert_eq!(disk_bytes(&r2, BEFORE.len()), BEFORE);
+    // (The snapshot's own files; resume overlays live next to them.)
+    let snap_files = |d: &Path| {
+        let mut f = files(d);
+        f.retain(|p, _| p.ends_with(STATE_FILE) || p.ends_with(MEMORY_FILE));
+        f
+    };
+    let before = snap_files(&snap);
+    // The resumes are VMs that work: they snapshot (freezing their own overlay) too.
+    let snap2 = dir.0.join("snap2");
+    r1.snapshot(&snap2, SnapshotKind::Full).unwrap();
+    let mut r3 = Vm::resume(&snap2, MemoryBackend::Copy, options()).unwrap();
+    assert_eq!(disk_layers(&r3).len(), 3);
+    assert_eq!(disk_bytes(&r3, MINE.len()), MINE);
+    // A diff snapshot of the original freezes its current overlay: the chain grows.
+    let diff = dir.0.join("diff");
+    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    let mut r4 = Vm::resume(&diff, MemoryBackend::Uffd, options()).unwrap();
+    assert_eq!(disk_layers(&r4).len(), 3);
+    assert_eq!(disk_bytes(&r4, AFTER.len()), AFTER);
+    assert_eq!(snap_files(&snap), before, "the first snapshot is unchanged");
+
+    for v in [&mut vm, &mut r1, &mut r2, &mut r3, &mut r4] {
+        assert_eq!(v.state_name(), "running");
+        v.shutdown();
+    }
+}
+
+/// Resuming a snapshot without a writable disk with a disk overlay is refused.
+#[test]
+fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
+    let dir = TmpDir::new("nodisk");
+    let mut vm = Vm::new(guest_config("loop:33")).unwrap();
+    vm.start().unwrap();
+    vm.snapshot(&dir.0, SnapshotKind::Full).unwrap();
+    vm.shutdown();
+    let overlay = dir.0.join("o.cdsk");
+    let Err(e) = Vm::resume(
+        &dir.0,
+        MemoryBackend::Copy,
+        ResumeOptions {
+            disk_overlay: Some(overlay.clone()),
+            ..options()
+        },
+    ) else {
+        panic!("a disk overlay was accepted for a snapshot without a disk");
+    };
+    assert!(e.to_string().contains("no writable disk"), "{e}");
+    assert!(!overlay.exists());
+}

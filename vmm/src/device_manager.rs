@@ -492,21 +492,6 @@ impl DeviceManager {
         self.disk.clone()
     }
 
-    /// Fails when a device cannot be snapshotted (virtio-blk, for now: its disk layers
-    /// would have to be frozen with the snapshot).
-    pub fn check_snapshot(&self) -> Result<()> {
-        if self
-            .virtio_slots
-            .iter()
-            .any(|s| s.device_type == devices::virtio::block::BLOCK_DEVICE_ID)
-        {
-            return Err(Error::Snapshot(
-                "VMs with a virtio-blk disk cannot be snapshotted yet".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// Every device's state. Call between [`DeviceManager::pause`] and
     /// [`DeviceManager::unpause`], with the vCPUs paused.
     pub fn save(&self) -> Result<DevicesState> {

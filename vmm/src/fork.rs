@@ -306,7 +306,7 @@ impl Vm {
         Option<FrozenDisk>,
     )> {
         let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
-        let disk = self.freeze_disk()?;
+        let disk = self.freeze_disk("p")?;
         if disk.is_some() {
             steps.done("freeze_disk");
         }
@@ -327,23 +327,24 @@ impl Vm {
         Ok((image, vcpus, vm, devices, disk))
     }
 
-    /// The disk's half of a fork (devices paused): its top layer is frozen and the VM
-    /// continues on a new overlay next to it (`<name>-p<k>.cdsk`). A read-only disk stays
-    /// as it is: children share it.
-    fn freeze_disk(&mut self) -> Result<Option<FrozenDisk>> {
+    /// The disk's half of a fork or a snapshot (devices paused): its top layer is flushed
+    /// and frozen and the VM continues on a new overlay next to it (`<name>-<tag><k>.cdsk`).
+    /// A read-only disk stays as it is: children and resumes share it. The layer path
+    /// returned is absolute when it can be resolved.
+    pub(crate) fn freeze_disk(&mut self, tag: &str) -> Result<Option<FrozenDisk>> {
         let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
             return Ok(None);
         };
         if cfg.read_only {
             return Ok(Some(FrozenDisk {
-                layer: cfg.path,
+                layer: absolute(cfg.path),
                 read_only: true,
                 serial: cfg.serial,
             }));
         }
         let mut d = disk.lock().unwrap_or_else(|e| e.into_inner());
-        let new_top = sibling_layer(d.path(), "p");
-        let frozen = d.snapshot(&new_top)?;
+        let new_top = sibling_layer(d.path(), tag);
+        let frozen = absolute(d.snapshot(&new_top)?);
         drop(d);
         if let Some(c) = self.config.disk.as_mut() {
             c.path = new_top;
@@ -702,6 +703,11 @@ impl Frozen {
         )?;
         Ok(())
     }
+}
+
+/// `p` resolved to an absolute path (as it is when it cannot be).
+fn absolute(p: PathBuf) -> PathBuf {
+    p.canonicalize().unwrap_or(p)
 }
 
 /// A new layer's path next to `layer`: `<stem>-<tag><k>.cdsk`, a name not taken.

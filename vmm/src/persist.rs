@@ -53,9 +53,10 @@ use snapshot::{CpuCheck, SnapshotId};
 pub use snapshot::SnapshotKind;
 
 use crate::arch::layout::ram_ranges;
-use crate::config::{SerialOutput, VmConfig, VsockConfig};
+use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
 use crate::device_manager::{DeviceManager, DevicesState};
 use crate::error::{Error, Result};
+use crate::fork::FrozenDisk;
 use crate::vm::{exit_notifier, RunState, Vm};
 use crate::vstate::kvm;
 use crate::vstate::memory::{Backing, GuestRam};
@@ -155,6 +156,9 @@ pub struct VmSnapshotState {
     pub vcpus: Vec<VcpuState>,
     /// Devices.
     pub devices: DevicesState,
+    /// The virtio-blk disk, if any: the layer frozen at the snapshot (absolute path; it
+    /// must stay where it is), which each resume puts a private overlay on.
+    pub disk: Option<FrozenDisk>,
 }
 
 /// The snapshot a VM's memory last matched: the base of its next diff snapshot.
@@ -217,6 +221,10 @@ pub struct ResumeOptions {
     /// Pin vCPU `i` to host CPU `vcpu_cpus[i % len]` (empty: no pinning; see
     /// [`Vm::pin_vcpus`]).
     pub vcpu_cpus: Vec<usize>,
+    /// A snapshot with a writable disk: where the resumed VM's own overlay on the
+    /// snapshot's frozen disk layer is created (it must not exist; default:
+    /// `<snapshot dir>/resume-<random>.cdsk`). The overlay stays after the VM ends.
+    pub disk_overlay: Option<PathBuf>,
 }
 
 impl Default for ResumeOptions {
@@ -233,6 +241,7 @@ impl Default for ResumeOptions {
             dirty_tracking: true,
             start: true,
             vcpu_cpus: Vec::new(),
+            disk_overlay: None,
         }
     }
 }
@@ -329,7 +338,6 @@ impl Vm {
                 })?)
             }
         };
-        self.devices.check_snapshot()?;
         std::fs::create_dir_all(dir).map_err(io_err("creating the snapshot directory"))?;
         let dir = dir
             .canonicalize()
@@ -510,6 +518,13 @@ impl Vm {
         steps: &mut Steps,
     ) -> Result<(PendingMemoryFile, VmSnapshotState, u64)> {
         let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
+        // The disk's current top layer becomes the snapshot's (frozen, flushed); the VM
+        // runs on from a new overlay on it.
+        let disk = self.freeze_disk("s")?;
+        if let Some(d) = &disk {
+            tracing::debug!("snapshot disk layer {}", d.layer.display());
+            steps.done("freeze_disk");
+        }
 
         let ranges = self.ram.ranges().to_vec();
         let mem_path = dir.join(MEMORY_FILE);
@@ -596,6 +611,7 @@ impl Vm {
             vm,
             vcpus,
             devices,
+            disk,
         };
         Ok((pending, state, considered))
     }
@@ -817,6 +833,12 @@ impl PreparedSnapshot {
             }),
         };
 
+        if state.disk.as_ref().is_none_or(|d| d.read_only) && options.disk_overlay.is_some() {
+            return Err(Error::Config(
+                "a disk overlay was given, but the snapshot has no writable disk".into(),
+            ));
+        }
+
         // 2. A VM shell.
         let spec = ShellSpec {
             kvm_device: options.kvm_device.clone(),
@@ -901,7 +923,42 @@ impl PreparedSnapshot {
         ram.clear_vmm_dirty();
         steps.done("memory");
 
-        // 4. Devices, then KVM state.
+        // 4. The disk (its own overlay), devices, then KVM state.
+        let mut overlay = OverlayGuard(None);
+        let disk = match &state.disk {
+            None => None,
+            Some(d) if d.read_only => Some(BlockConfig {
+                path: d.layer.clone(),
+                read_only: true,
+                serial: d.serial.clone(),
+            }),
+            Some(d) => {
+                let path = options.disk_overlay.clone().unwrap_or_else(|| {
+                    let mut name = SnapshotId::random().to_string();
+                    name.truncate(12);
+                    dir.join(format!("resume-{name}.cdsk"))
+                });
+                disk::ops::create(
+                    &path,
+                    &disk::ops::CreateOptions {
+                        parent: Some(d.layer.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                overlay.0 = Some(path.clone());
+                tracing::info!(
+                    "disk overlay {} on the snapshot's layer {}",
+                    path.display(),
+                    d.layer.display()
+                );
+                Some(BlockConfig {
+                    path,
+                    read_only: false,
+                    serial: d.serial.clone(),
+                })
+            }
+        };
+        steps.done("disk");
         let (events_tx, events) = mpsc::channel();
         let exit = exit_notifier(&events_tx);
         let devices = DeviceManager::restore(
@@ -909,7 +966,7 @@ impl PreparedSnapshot {
             &ram.mem,
             &options.serial,
             vsock.as_ref(),
-            None,
+            disk.as_ref(),
             &state.devices,
             exit,
             spare::runner_from(&mut spares),
@@ -954,7 +1011,7 @@ impl PreparedSnapshot {
             test_device: state.devices.test_device.is_some(),
             kvm_device: options.kvm_device.clone(),
             vsock,
-            disk: None,
+            disk,
         };
         let mut vm = Vm {
             vcpus: Vec::new(),
@@ -993,6 +1050,8 @@ impl PreparedSnapshot {
         // builds its mappings of the guest's pages) overlap with them.
         vm.devices.finish_restore()?;
         steps.done("devices_finish");
+        // The VM owns its overlay from here on.
+        overlay.0 = None;
         let report = ResumeReport {
             id: meta.id,
             kind: meta.kind,
@@ -1026,6 +1085,19 @@ impl PreparedSnapshot {
             vm.agent_sync = Some(rx);
         }
         Ok(vm)
+    }
+}
+
+/// Removes a disk overlay a failed resume created.
+struct OverlayGuard(Option<PathBuf>);
+
+impl Drop for OverlayGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            if let Err(e) = std::fs::remove_file(&p) {
+                tracing::warn!("removing the disk overlay {}: {e}", p.display());
+            }
+        }
     }
 }
 

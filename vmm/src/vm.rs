@@ -297,6 +297,11 @@ impl Vm {
         &self.config
     }
 
+    /// The virtio-blk device's disk (its current chain), if the VM has one.
+    pub fn disk(&self) -> Option<std::sync::Arc<std::sync::Mutex<disk::Disk>>> {
+        self.devices.disk()
+    }
+
     /// Guest memory. (Clones of it must not outlive the VM: the memory is unmapped when
     /// the VM is dropped.)
     pub fn memory(&self) -> &GuestMemory {

@@ -19,6 +19,9 @@
 #   isolation the parent and every child write different content to /root/who.txt: each
 #             reads back only its own
 #   orphans   the parent is killed (SIGKILL): the children still answer
+#   snapshot-resume  child 1 is snapshotted (its disk overlay frozen), SIGKILLed and
+#             resumed on its own overlay (--disk-overlay): its synced /root/who.txt is
+#             read from disk; its new write is not seen by child 2
 #   stop      each child powers off; its process ends and removes its sockets
 
 CLADE=/bin/clade
@@ -144,11 +147,51 @@ for s in $KIDS; do
 done
 pass orphans "the parent was SIGKILLed; all 3 children answer"
 
+# --- a child with a disk: snapshot, SIGKILL, resume ------------------------------------------
+# Child 1 wrote /root/who.txt and synced: its disk overlay is frozen with the snapshot, the
+# resume gets its own overlay on it and reads the file from disk.
+S1=$(echo "$KIDS" | head -n 1)
+A1=${S1%.vsock}.api
+K1=""
+for d in /proc/[0-9]*; do
+    tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "fork-child --api-sock $A1 " &&
+        K1=${d#/proc/}
+done
+[ -n "$K1" ] || fail "child 1: no process serving $A1"
+out=$($CLADE snapshot "$A1" /tmp/forks/snap1 2>&1) || fail "child 1: snapshot: $out"
+kill -9 "$K1"
+n=0
+while kill -0 "$K1" 2>/dev/null; do
+    n=$((n + 1))
+    [ "$n" -lt 100 ] || fail "child 1 did not die"
+    sleep 0.1
+done
+rm -f "$S1" "$A1"
+$CLADE resume /tmp/forks/snap1 --backend uffd --vsock /tmp/forks/r1.vsock \
+    --api-sock /tmp/forks/r1.api --disk-overlay /tmp/forks/r1.cdsk \
+    --serial-file /tmp/forks/r1.serial 2>/tmp/forks/r1.log &
+R1=$!
+PIDS="$PIDS $R1"
+$CLADE ping --wait 60 /tmp/forks/r1.vsock >/dev/null || fail "resumed child 1: ping"
+w=$(gx /tmp/forks/r1.vsock sh -c 'echo 3 > /proc/sys/vm/drop_caches; cat /root/who.txt') ||
+    fail "resumed child 1: cat who.txt"
+[ "$w" = child-1 ] || fail "resumed child 1 reads who.txt from its disk as '$w'"
+gx /tmp/forks/r1.vsock sh -c 'echo resumed > /root/who.txt && sync' ||
+    fail "resumed child 1: write who"
+w=$(gx "$(echo "$KIDS" | sed -n 2p)" cat /root/who.txt)
+[ "$w" = child-2 ] || fail "child 2 sees who.txt as '$w' after the resume wrote it"
+[ -f /tmp/forks/r1.cdsk ] || fail "no overlay /tmp/forks/r1.cdsk"
+$CLADE poweroff /tmp/forks/r1.vsock >/dev/null || fail "resumed child 1: poweroff"
+wait "$R1" 2>/dev/null
+KIDS=$(echo "$KIDS" | tail -n +2)
+pass "snapshot-resume" "child 1 snapshotted, SIGKILLed, resumed on /tmp/forks/r1.cdsk: who.txt is child-1"
+
 i=0
 for s in $KIDS; do
     i=$((i + 1))
     $CLADE poweroff "$s" >/dev/null || fail "child $i: poweroff"
 done
+# (Child 1 was snapshotted, killed and resumed above.)
 for s in $KIDS; do
     n=0
     while [ -e "$s" ] || [ -e "${s%.vsock}.api" ]; do
@@ -157,8 +200,14 @@ for s in $KIDS; do
         sleep 0.1
     done
 done
-[ -z "$(child_pids)" ] || fail "fork-child processes left: $(child_pids)"
-pass stop "3 children powered off; their processes ended and their sockets are gone"
+# A process ends just after it removed its sockets.
+n=0
+while [ -n "$(child_pids)" ]; do
+    n=$((n + 1))
+    [ "$n" -lt 50 ] || fail "fork-child processes left: $(child_pids)"
+    sleep 0.1
+done
+pass stop "children powered off; their processes ended and their sockets are gone"
 ls -l /tmp/forks /tmp/*.cdsk
 echo FORK-SCENARIO-PASS
 exit 0

@@ -86,6 +86,10 @@ pub struct ResumeArgs {
     /// KVM device node.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
+    /// A snapshot with a disk: create the VM's own overlay on the snapshot's frozen disk
+    /// layer here (must not exist; default `<snapshot dir>/resume-<random>.cdsk`).
+    #[arg(long, value_name = "PATH")]
+    disk_overlay: Option<PathBuf>,
 }
 
 pub fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
@@ -103,6 +107,7 @@ pub fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
         kvm_device: args.kvm_device,
         agent_sync: (!args.no_agent_sync).then(|| Duration::from_secs_f64(args.agent_sync_timeout)),
         working_set: !args.no_working_set,
+        disk_overlay: args.disk_overlay,
         ..ResumeOptions::default()
     };
     let vm = Vm::resume(&args.dir, args.backend, options)?;
