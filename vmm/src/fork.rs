@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
 use crate::device_manager::{DeviceManager, DevicesState};
 use crate::error::{Error, Result};
-use crate::persist::{MachineState, SavedVsock, Steps};
+use crate::persist::{MachineState, Steps};
 use crate::vm::{exit_notifier, RunState, Vm};
 use crate::vstate::kvm;
 use crate::vstate::memory::{Backing, FrozenImage, GuestRam};
@@ -274,17 +274,7 @@ impl Vm {
         self.lineage = None;
         let frozen = Frozen {
             image,
-            machine: MachineState {
-                vcpus: self.config.vcpus,
-                mem_bytes: self.ram.mem_bytes(),
-                pvm_vif_base: self.pvm_native.then_some(crate::arch::layout::PVM_VIF_BASE),
-                vsock: self.config.vsock.as_ref().map(|v| SavedVsock {
-                    uds_path: v.uds_path.clone(),
-                    guest_cid: v.guest_cid,
-                }),
-                kernel: self.config.kernel.clone(),
-                cmdline: self.config.cmdline.clone(),
-            },
+            machine: self.machine_state(),
             vm,
             vcpus,
             devices,

@@ -306,6 +306,21 @@ fn io_err(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 impl Vm {
+    /// The machine description a snapshot or a fork hands to the VMs built from it.
+    pub(crate) fn machine_state(&self) -> MachineState {
+        MachineState {
+            vcpus: self.config.vcpus,
+            mem_bytes: self.ram.mem_bytes(),
+            pvm_vif_base: self.pvm_native.then_some(crate::arch::layout::PVM_VIF_BASE),
+            vsock: self.config.vsock.as_ref().map(|v| SavedVsock {
+                uds_path: v.uds_path.clone(),
+                guest_cid: v.guest_cid,
+            }),
+            kernel: self.config.kernel.clone(),
+            cmdline: self.config.cmdline.clone(),
+        }
+    }
+
     /// Takes a snapshot of this running (or paused) VM into `dir` (created if needed; a
     /// snapshot already there is replaced once the new one is complete). `Diff` writes only
     /// the pages written since the last snapshot this VM took or was resumed from, and
@@ -596,17 +611,7 @@ impl Vm {
             }
         };
         let state = VmSnapshotState {
-            machine: MachineState {
-                vcpus: self.config.vcpus,
-                mem_bytes: self.ram.mem_bytes(),
-                pvm_vif_base: self.pvm_native.then_some(crate::arch::layout::PVM_VIF_BASE),
-                vsock: self.config.vsock.as_ref().map(|v| SavedVsock {
-                    uds_path: v.uds_path.clone(),
-                    guest_cid: v.guest_cid,
-                }),
-                kernel: self.config.kernel.clone(),
-                cmdline: self.config.cmdline.clone(),
-            },
+            machine: self.machine_state(),
             chain,
             vm,
             vcpus,
