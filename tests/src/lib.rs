@@ -9,7 +9,7 @@ mod native_guest;
 use std::time::Duration;
 
 pub use native_guest::{native_guest, repo_root};
-use vmm::{ExitStatus, SerialOutput, Vm, VmConfig};
+use vmm::{SerialOutput, VmConfig, VmExit};
 
 /// A config that boots the native test guest with `steps`, serial captured in memory.
 pub fn guest_config(steps: &str) -> VmConfig {
@@ -21,8 +21,8 @@ pub fn guest_config(steps: &str) -> VmConfig {
 }
 
 /// Runs a VM to its end (at most `timeout`), returning the status and the serial output.
-pub fn run_to_end(config: VmConfig, timeout: Duration) -> (ExitStatus, String) {
-    let mut vm = Vm::new(config).expect("building the VM");
+pub fn run_to_end(config: VmConfig, timeout: Duration) -> (VmExit, String) {
+    let mut vm = vmm::boot(config).expect("building the VM");
     vm.start().expect("starting the VM");
     let status = vm
         .wait_timeout(timeout)

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clade_tests::{guest_config, native_guest};
-use vmm::{Error, Vm, VmConfig};
+use vmm::{Error, VmConfig};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("clade-errors-{}", std::process::id()));
@@ -12,7 +12,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn build_err(c: VmConfig) -> Error {
-    match Vm::new(c) {
+    match vmm::boot(c) {
         Ok(_) => panic!("expected an error"),
         Err(e) => {
             let msg = e.to_string();
@@ -90,7 +90,7 @@ fn memory_zero_and_beyond_the_host() {
     let mut c = guest_config("hello");
     c.mem_mib = 0;
     assert!(matches!(build_err(c.clone()), Error::Config(_)));
-    c.mem_mib = vmm::vstate::memory::host_mem_mib().unwrap() + 1024;
+    c.mem_mib = vmm::host_mem_mib().unwrap() + 1024;
     let e = build_err(c);
     assert!(matches!(e, Error::MemoryTooLarge { .. }), "{e}");
 }

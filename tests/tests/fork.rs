@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use clade_tests::guest_config;
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::config::VsockConfig;
-use vmm::{ExitStatus, ForkOptions, SerialOutput, Vm};
+use vmm::VsockConfig;
+use vmm::{ForkOptions, SerialOutput, Vm, VmExit};
 
 const T: Duration = Duration::from_secs(60);
 /// The guest's mailbox (tests/native-guest: 64 MiB - 4096).
@@ -62,7 +62,7 @@ fn memsums(out: &str) -> Vec<String> {
 fn finish(vm: &mut Vm, what: &str) -> String {
     let status = vm.wait_timeout(T).unwrap();
     let out = serial(vm);
-    assert_eq!(status, Some(ExitStatus::TestExit(0)), "{what}:\n{out}");
+    assert_eq!(status, Some(VmExit::TestExit(0)), "{what}:\n{out}");
     out
 }
 
@@ -77,7 +77,7 @@ fn fork_opts() -> ForkOptions {
 fn memory_parent(steps: &str) -> Vm {
     let mut c = guest_config(steps);
     c.mem_mib = 128;
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     vm
 }
@@ -87,7 +87,7 @@ fn ten_children_and_the_parent_see_only_their_own_writes() {
     let steps = format!("memfill:1:{MIB},memsum,mbox:0,memsum,memfill:mbox:{MIB},mbox:1,memsum");
     let mut parent = memory_parent(&steps);
     wait_for_output(&parent, "step memsum ok", 1);
-    let (children, report) = parent.fork_with_report(10, fork_opts()).unwrap();
+    let (children, report) = vmm::fork_with_report(&mut parent, 10, fork_opts()).unwrap();
     println!(
         "fork of 10: parent paused {:?} ({:?}); children built in {:?}",
         report.pause_time, report.pause_steps, report.child_times
@@ -133,15 +133,18 @@ fn fork_of_a_fork_and_a_second_fork_of_the_parent_see_the_latest_writes() {
     let steps = format!("memfill:1:{MIB},memsum,mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum");
     let mut parent = memory_parent(&steps);
     wait_for_output(&parent, "step memsum ok", 1);
-    let mut child = parent.fork(1, fork_opts()).unwrap().pop().unwrap();
+    let mut child = vmm::fork(&mut parent, 1, fork_opts())
+        .unwrap()
+        .pop()
+        .unwrap();
     mbox(&parent, 0, 5);
     mbox(&child, 0, 6);
     wait_for_output(&parent, "step memsum ok", 2);
     wait_for_output(&child, "step memsum ok", 1);
 
     // Both wrote since their memory was frozen: the second generation needs a layer.
-    let (mut grand, r1) = child.fork_with_report(1, fork_opts()).unwrap();
-    let (mut second, r2) = parent.fork_with_report(2, fork_opts()).unwrap();
+    let (mut grand, r1) = vmm::fork_with_report(&mut child, 1, fork_opts()).unwrap();
+    let (mut second, r2) = vmm::fork_with_report(&mut parent, 2, fork_opts()).unwrap();
     assert_eq!((r1.layers, r2.layers), (2, 2));
     println!(
         "second-generation forks: paused {:?} / {:?} ({} / {} mappings)",
@@ -201,21 +204,21 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
         uds_path: psock.clone(),
         guest_cid: 3,
     });
-    let mut parent = Vm::new(c).unwrap();
+    let mut parent = vmm::boot(c).unwrap();
     parent.start().unwrap();
     wait_for_output(&parent, "serving agent port", 1);
     let paths: Vec<PathBuf> = (0..3).map(|i| dir.0.join(format!("c{i}.sock"))).collect();
-    let err = parent
-        .fork(
-            3,
-            ForkOptions {
-                vsock_paths: paths.clone(),
-                fail_after: Some(2),
-                ..fork_opts()
-            },
-        )
-        .err()
-        .expect("injected failure");
+    let err = vmm::fork(
+        &mut parent,
+        3,
+        ForkOptions {
+            vsock_paths: paths.clone(),
+            fail_after: Some(2),
+            ..fork_opts()
+        },
+    )
+    .err()
+    .expect("injected failure");
     assert!(err.to_string().contains("injected"), "{err}");
     for p in &paths {
         assert!(!p.exists(), "{} left behind", p.display());
@@ -225,16 +228,16 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
 
     // A real fork afterwards: children with their own sockets and CIDs answer, and so
     // does the parent.
-    let mut kids = parent
-        .fork(
-            2,
-            ForkOptions {
-                vsock_paths: paths[..2].to_vec(),
-                guest_cids: vec![40, 41],
-                ..fork_opts()
-            },
-        )
-        .unwrap();
+    let mut kids = vmm::fork(
+        &mut parent,
+        2,
+        ForkOptions {
+            vsock_paths: paths[..2].to_vec(),
+            guest_cids: vec![40, 41],
+            ..fork_opts()
+        },
+    )
+    .unwrap();
     for (p, k) in paths.iter().zip(&kids) {
         ping(p);
         assert_eq!(

@@ -4,14 +4,14 @@
 use std::time::{Duration, Instant};
 
 use clade_tests::{guest_config, run_to_end};
-use vmm::{ExitStatus, Vm};
+use vmm::VmExit;
 
 const T: Duration = Duration::from_secs(30);
 
 #[test]
 fn guest_exercises_pio_mmio_and_interrupt_wakeup_from_hlt() {
     let (status, out) = run_to_end(guest_config("hello,pio,mmio,hlt"), T);
-    assert_eq!(status, ExitStatus::TestExit(0), "serial:\n{out}");
+    assert_eq!(status, VmExit::TestExit(0), "serial:\n{out}");
     assert!(out.starts_with("clade-native-guest: start\n"), "{out}");
     for step in ["hello", "pio", "mmio", "hlt"] {
         assert!(out.contains(&format!("step {step} ok")), "{step}: {out}");
@@ -21,13 +21,13 @@ fn guest_exercises_pio_mmio_and_interrupt_wakeup_from_hlt() {
 #[test]
 fn counting_loop_runs_at_native_speed() {
     // 2^28 iterations: ~0.09 s native, ~380 s under this host's instruction emulation.
-    let mut vm = Vm::new(guest_config("loop:28")).unwrap();
+    let mut vm = vmm::boot(guest_config("loop:28")).unwrap();
     let t = Instant::now();
     vm.start().unwrap();
     let status = vm.wait_timeout(T).unwrap().expect("guest finished");
     let elapsed = t.elapsed();
     let out = String::from_utf8_lossy(&vm.serial_output().unwrap()).to_string();
-    assert_eq!(status, ExitStatus::TestExit(0), "{out}");
+    assert_eq!(status, VmExit::TestExit(0), "{out}");
     assert!(out.contains("loop 2^28 done"), "{out}");
     println!(
         "native counting loop: 2^28 iterations in {:.3} s (pvm_native={})",
@@ -43,7 +43,7 @@ fn counting_loop_runs_at_native_speed() {
 #[test]
 fn failing_step_and_unknown_step_give_their_result_codes() {
     let (status, out) = run_to_end(guest_config("hello,no-such-step"), T);
-    assert_eq!(status, ExitStatus::TestExit(2), "{out}");
+    assert_eq!(status, VmExit::TestExit(2), "{out}");
     assert_eq!(status.exit_code(), 2);
 }
 
@@ -52,7 +52,7 @@ fn several_vcpus_boot_with_the_bsp_running_the_guest() {
     let mut c = guest_config("hello,hlt");
     c.vcpus = 4;
     let (status, out) = run_to_end(c, T);
-    assert_eq!(status, ExitStatus::TestExit(0), "{out}");
+    assert_eq!(status, VmExit::TestExit(0), "{out}");
 }
 
 #[test]
@@ -60,17 +60,17 @@ fn large_memory_boots() {
     // 16 GiB: RAM is split around the 32-bit MMIO gap; pages are allocated lazily.
     let mut c = guest_config("hello,mmio");
     c.mem_mib = 16 << 10;
-    if vmm::vstate::memory::host_mem_mib().unwrap() < c.mem_mib {
+    if vmm::host_mem_mib().unwrap() < c.mem_mib {
         c.mem_mib = 4 << 10;
     }
     let (status, out) = run_to_end(c, T);
-    assert_eq!(status, ExitStatus::TestExit(0), "{out}");
+    assert_eq!(status, VmExit::TestExit(0), "{out}");
 }
 
 #[test]
 fn pause_stops_the_guest_and_resume_continues_it() {
     // 2^31 iterations take ~0.7 s natively.
-    let mut vm = Vm::new(guest_config("loop:31")).unwrap();
+    let mut vm = vmm::boot(guest_config("loop:31")).unwrap();
     let t = Instant::now();
     vm.start().unwrap();
     std::thread::sleep(Duration::from_millis(20));
@@ -84,7 +84,7 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     );
     vm.unpause().unwrap();
     let status = vm.wait_timeout(T).unwrap().expect("resumed guest finishes");
-    assert_eq!(status, ExitStatus::TestExit(0));
+    assert_eq!(status, VmExit::TestExit(0));
     assert!(t.elapsed() >= paused_for);
     assert!(vm.unpause().is_err(), "an ended VM cannot run again");
 }
@@ -99,11 +99,11 @@ fn shutdown_stops_a_busy_guest_and_leaves_no_threads() {
     {
         let mut c = guest_config("loop:50");
         c.vcpus = 2;
-        let mut vm = Vm::new(c).unwrap();
+        let mut vm = vmm::boot(c).unwrap();
         vm.start().unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let t = Instant::now();
-        assert_eq!(vm.shutdown(), ExitStatus::Stopped);
+        assert_eq!(vm.shutdown(), VmExit::Stopped);
         assert!(
             t.elapsed() < Duration::from_secs(1),
             "stop took {:?}",

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use clade_tests::guest_config;
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::config::VsockConfig;
-use vmm::persist::{MemoryBackend, ResumeOptions, MEMORY_FILE, STATE_FILE};
-use vmm::{ExitStatus, SerialOutput, SnapshotKind, Vm};
+use vmm::VsockConfig;
+use vmm::{MemoryBackend, RestoreOptions, MEMORY_FILE, STATE_FILE};
+use vmm::{SerialOutput, SnapshotKind, Vm, VmExit};
 
 const T: Duration = Duration::from_secs(30);
 const BACKENDS: [MemoryBackend; 3] = [
@@ -45,10 +45,10 @@ fn serial(vm: &Vm) -> String {
     String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
 }
 
-fn options() -> ResumeOptions {
-    ResumeOptions {
+fn options() -> RestoreOptions {
+    RestoreOptions {
         serial: SerialOutput::Memory,
-        ..ResumeOptions::default()
+        ..RestoreOptions::default()
     }
 }
 
@@ -94,7 +94,7 @@ fn wait_for_output(vm: &Vm, what: &str, count: usize) {
 fn finish(vm: &mut Vm, what: &str) -> String {
     let status = vm.wait_timeout(T).unwrap();
     let out = serial(vm);
-    assert_eq!(status, Some(ExitStatus::TestExit(0)), "{what}:\n{out}");
+    assert_eq!(status, Some(VmExit::TestExit(0)), "{what}:\n{out}");
     out
 }
 
@@ -117,11 +117,11 @@ fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 fn snapshot_mid_loop(dir: &Path) -> (u64, String) {
     let mut c = guest_config("memfill:7:32,memsum,loop:30,memsum,mmio,hlt");
     c.mem_mib = 128;
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "step memsum ok", 1);
     vm.pause().unwrap();
-    let info = vm.snapshot(dir, SnapshotKind::Full).unwrap();
+    let info = vmm::snapshot(&mut vm, dir, SnapshotKind::Full).unwrap();
     let sum = checksum(&vm);
     println!(
         "full snapshot: {} pages written, paused (already) {:?}, total {:?}, steps {:?}",
@@ -147,16 +147,16 @@ fn resumed_guest_continues_exactly_with_every_backend_twice() {
     let (sum, memsum) = snapshot_mid_loop(&dir.0);
     for backend in BACKENDS {
         for round in 0..2 {
-            let mut vm = Vm::resume(
+            let mut vm = vmm::restore(
                 &dir.0,
                 backend,
-                ResumeOptions {
+                RestoreOptions {
                     start: false,
                     ..options()
                 },
             )
             .unwrap_or_else(|e| panic!("{backend} resume {round}: {e}"));
-            let report = vm.resume_report().unwrap().clone();
+            let report = vm.restore_report().unwrap().clone();
             assert_eq!(
                 checksum(&vm),
                 sum,
@@ -188,10 +188,10 @@ fn listening_snapshot(dir: &Path, sock: &Path) {
         uds_path: sock.to_path_buf(),
         guest_cid: 3,
     });
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "serving agent port", 1);
-    vm.snapshot(dir, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, dir, SnapshotKind::Full).unwrap();
     assert_eq!(
         vm.state_name(),
         "running",
@@ -211,10 +211,10 @@ fn two_resumes_of_one_snapshot_side_by_side_answer_independently() {
         .iter()
         .zip([MemoryBackend::Uffd, MemoryBackend::File])
         .map(|(s, backend)| {
-            Vm::resume(
+            vmm::restore(
                 &dir.0,
                 backend,
-                ResumeOptions {
+                RestoreOptions {
                     vsock_path: Some(s.clone()),
                     ..options()
                 },
@@ -259,16 +259,16 @@ fn diff_snapshots_restore_on_top_of_their_base() {
         "memfill:1:32,memsum,loop:30,memfill:2:1,memsum,loop:30,memfill:3:1,memsum,loop:30,memsum",
     );
     c.mem_mib = 128;
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "step memsum ok", 1);
-    let full = vm.snapshot(&base, SnapshotKind::Full).unwrap();
+    let full = vmm::snapshot(&mut vm, &base, SnapshotKind::Full).unwrap();
     // A diff before the base exists elsewhere is refused in the base's own directory.
     wait_for_output(&vm, "step memsum ok", 2);
-    assert!(vm.snapshot(&base, SnapshotKind::Diff).is_err());
-    let d1 = vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    assert!(vmm::snapshot(&mut vm, &base, SnapshotKind::Diff).is_err());
+    let d1 = vmm::snapshot(&mut vm, &diff, SnapshotKind::Diff).unwrap();
     wait_for_output(&vm, "step memsum ok", 3);
-    let d2 = vm.snapshot(&diff2, SnapshotKind::Diff).unwrap();
+    let d2 = vmm::snapshot(&mut vm, &diff2, SnapshotKind::Diff).unwrap();
     println!(
         "full: {} pages written (paused {:?}); diff: {} dirty, {} written (paused {:?}); \
          diff2: {} dirty, {} written (paused {:?})",
@@ -293,12 +293,12 @@ fn diff_snapshots_restore_on_top_of_their_base() {
     assert_eq!(sums.len(), 4, "{out}");
     for backend in BACKENDS {
         // The second diff: a chain of three.
-        let mut r = Vm::resume(&diff2, backend, options()).unwrap();
-        assert_eq!(r.resume_report().unwrap().layers, 3);
+        let mut r = vmm::restore(&diff2, backend, options()).unwrap();
+        assert_eq!(r.restore_report().unwrap().layers, 3);
         let o = finish(&mut r, &format!("{backend} diff2"));
         assert_eq!(memsums(&o), vec![sums[3].clone()], "{backend}: {o}");
         // The first diff: its guest still has memfill:3 to do.
-        let mut r = Vm::resume(&diff, backend, options()).unwrap();
+        let mut r = vmm::restore(&diff, backend, options()).unwrap();
         let o = finish(&mut r, &format!("{backend} diff"));
         assert_eq!(memsums(&o), sums[2..].to_vec(), "{backend}: {o}");
     }
@@ -311,22 +311,22 @@ fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
     let diff = dirs.0.join("diff");
     let mut c = guest_config("memfill:1:32,memsum,loop:29,memfill:9:2,memsum,loop:30,memsum");
     c.mem_mib = 128;
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "step memsum ok", 1);
-    vm.snapshot(&base, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, &base, SnapshotKind::Full).unwrap();
     let out = finish(&mut vm, "original");
     let sums = memsums(&out);
     drop(vm);
     for backend in BACKENDS {
-        let mut r = Vm::resume(&base, backend, options()).unwrap();
+        let mut r = vmm::restore(&base, backend, options()).unwrap();
         wait_for_output(&r, "step memsum ok", 1);
-        let d = r.snapshot(&diff, SnapshotKind::Diff).unwrap();
+        let d = vmm::snapshot(&mut r, &diff, SnapshotKind::Diff).unwrap();
         assert!(d.pages_considered >= 512, "memfill:9:2 dirtied 2 MiB");
         let o = finish(&mut r, &format!("{backend} resumed"));
         assert_eq!(memsums(&o), sums[1..].to_vec(), "{backend}: {o}");
         drop(r);
-        let mut r2 = Vm::resume(&diff, MemoryBackend::Uffd, options()).unwrap();
+        let mut r2 = vmm::restore(&diff, MemoryBackend::Uffd, options()).unwrap();
         let o = finish(&mut r2, &format!("{backend} diff of a resumed VM"));
         assert_eq!(memsums(&o), vec![sums[2].clone()], "{backend}: {o}");
     }
@@ -335,15 +335,15 @@ fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
 #[test]
 fn snapshot_requests_that_cannot_work_are_refused() {
     let dir = TmpDir::new("refused");
-    let mut vm = Vm::new(guest_config("loop:33")).unwrap();
-    let e = vm.snapshot(&dir.0, SnapshotKind::Full).unwrap_err();
+    let mut vm = vmm::boot(guest_config("loop:33")).unwrap();
+    let e = vmm::snapshot(&mut vm, &dir.0, SnapshotKind::Full).unwrap_err();
     assert!(e.to_string().contains("not started"), "{e}");
     vm.start().unwrap();
-    let e = vm.snapshot(&dir.0, SnapshotKind::Diff).unwrap_err();
+    let e = vmm::snapshot(&mut vm, &dir.0, SnapshotKind::Diff).unwrap_err();
     assert!(e.to_string().contains("full snapshot"), "{e}");
     assert!(!dir.0.join(STATE_FILE).exists());
     vm.shutdown();
-    let e = vm.snapshot(&dir.0, SnapshotKind::Full).unwrap_err();
+    let e = vmm::snapshot(&mut vm, &dir.0, SnapshotKind::Full).unwrap_err();
     assert!(e.to_string().contains("ended"), "{e}");
 }
 
@@ -353,10 +353,10 @@ fn resume_fails(dir: &Path, all: &Path, expect: &str) {
     let before = files(all);
     let sock = dir.with_extension("sock");
     for backend in BACKENDS {
-        let e = Vm::resume(
+        let e = vmm::restore(
             dir,
             backend,
-            ResumeOptions {
+            RestoreOptions {
                 vsock_path: Some(sock.clone()),
                 ..options()
             },
@@ -419,19 +419,19 @@ fn bad_snapshots_fail_cleanly_and_change_nothing() {
         uds_path: root.0.join("orig.sock"),
         guest_cid: 3,
     });
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "serving agent port", 1);
-    vm.snapshot(&good, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, &good, SnapshotKind::Full).unwrap();
     let diff = root.0.join("diff");
-    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    vmm::snapshot(&mut vm, &diff, SnapshotKind::Diff).unwrap();
     // A snapshot of another size, for its memory file.
     let mut c2 = guest_config("loop:33");
     c2.mem_mib = 128;
-    let mut vm2 = Vm::new(c2).unwrap();
+    let mut vm2 = vmm::boot(c2).unwrap();
     vm2.start().unwrap();
     let other = root.0.join("other");
-    vm2.snapshot(&other, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm2, &other, SnapshotKind::Full).unwrap();
     drop(vm2);
     drop(vm);
     let case = |name: &str| {
@@ -515,10 +515,10 @@ fn bad_snapshots_fail_cleanly_and_change_nothing() {
     std::fs::remove_dir_all(&good).unwrap();
     std::fs::rename(root.0.join("good-moved"), &good).unwrap();
     // Put back, the chain resumes.
-    let mut r = Vm::resume(
+    let mut r = vmm::restore(
         &diff,
         MemoryBackend::Uffd,
-        ResumeOptions {
+        RestoreOptions {
             vsock_path: Some(root.0.join("ok.sock")),
             ..options()
         },
@@ -539,22 +539,21 @@ fn connections_are_reset_on_resume_and_the_listener_survives() {
         uds_path: sock.clone(),
         guest_cid: 3,
     });
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "serving agent port", 1);
     // A connection is open when the snapshot is taken.
     let client = Client::connect_timeout(&sock, AGENT, Duration::from_secs(10)).unwrap();
     client.ping().unwrap();
-    vm.snapshot(&dir.0.join("snap"), SnapshotKind::Full)
-        .unwrap();
+    vmm::snapshot(&mut vm, &dir.0.join("snap"), SnapshotKind::Full).unwrap();
     drop(client);
     drop(vm);
     for backend in BACKENDS {
         let rsock = dir.0.join(format!("{backend}.sock"));
-        let mut r = Vm::resume(
+        let mut r = vmm::restore(
             &dir.0.join("snap"),
             backend,
-            ResumeOptions {
+            RestoreOptions {
                 vsock_path: Some(rsock.clone()),
                 ..options()
             },
@@ -576,16 +575,16 @@ fn connections_are_reset_on_resume_and_the_listener_survives() {
 
 #[test]
 fn a_pool_hands_out_prebuilt_shells_and_refills() {
-    use vmm::persist::PreparedSnapshot;
-    use vmm::pool::ShellPool;
+    use vmm::PreparedSnapshot;
+    use vmm::ShellPool;
 
     let dir = TmpDir::new("pool");
     let mut c = guest_config("memfill:3:8,memsum,loop:30,memsum");
     c.mem_mib = 96;
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "step memsum ok", 1);
-    vm.snapshot(&dir.0, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, &dir.0, SnapshotKind::Full).unwrap();
     let sums = memsums(&finish(&mut vm, "original"));
     drop(vm);
 
@@ -600,22 +599,22 @@ fn a_pool_hands_out_prebuilt_shells_and_refills() {
     for round in 0..3 {
         let shell = pool.take().expect("a ready shell");
         let mut r = snap
-            .resume(
+            .restore(
                 MemoryBackend::Uffd,
-                ResumeOptions {
+                RestoreOptions {
                     shell: Some(shell),
                     ..options()
                 },
             )
             .unwrap();
-        assert!(r.resume_report().unwrap().shell_reused, "round {round}");
+        assert!(r.restore_report().unwrap().shell_reused, "round {round}");
         let out = finish(&mut r, &format!("pool round {round}"));
         assert_eq!(memsums(&out), vec![sums[1].clone()], "round {round}");
         assert!(pool.wait_full(Duration::from_secs(10)), "refilled");
     }
     // A shell of the wrong size is not used.
     let other = ShellPool::new(
-        vmm::vstate::shell::ShellSpec {
+        vmm::ShellSpec {
             kvm_device: "/dev/kvm".into(),
             mem_bytes: 64 << 20,
             vcpus: 1,
@@ -625,15 +624,15 @@ fn a_pool_hands_out_prebuilt_shells_and_refills() {
     )
     .unwrap();
     let mut r = snap
-        .resume(
+        .restore(
             MemoryBackend::File,
-            ResumeOptions {
+            RestoreOptions {
                 shell: other.take(),
                 ..options()
             },
         )
         .unwrap();
-    assert!(!r.resume_report().unwrap().shell_reused);
+    assert!(!r.restore_report().unwrap().shell_reused);
     finish(&mut r, "unfit shell");
 }
 
@@ -679,12 +678,12 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     )
     .unwrap();
     let mut c = guest_config("loop:33");
-    c.disk = Some(vmm::config::BlockConfig {
+    c.disk = Some(vmm::BlockConfig {
         path: top.clone(),
         read_only: false,
         serial: None,
     });
-    let mut vm = Vm::new(c).unwrap();
+    let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     const BEFORE: &[u8] = b"written before the snapshot";
     const AFTER: &[u8] = b"the original, after the snap";
@@ -692,7 +691,7 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     disk_write(&vm, BEFORE);
 
     let snap = dir.0.join("snap");
-    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, &snap, SnapshotKind::Full).unwrap();
     // The original runs on from a new overlay on the frozen layer.
     let frozen = top.canonicalize().unwrap();
     assert_ne!(disk_top(&vm), top);
@@ -702,12 +701,12 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
 
     // Resume twice side by side: the default overlay in the snapshot directory, and one
     // at a given path.
-    let mut r1 = Vm::resume(&snap, MemoryBackend::Copy, options()).unwrap();
+    let mut r1 = vmm::restore(&snap, MemoryBackend::Copy, options()).unwrap();
     let own = dir.0.join("r2.cdsk");
-    let mut r2 = Vm::resume(
+    let mut r2 = vmm::restore(
         &snap,
         MemoryBackend::File,
-        ResumeOptions {
+        RestoreOptions {
             disk_overlay: Some(own.clone()),
             ..options()
         },
@@ -717,7 +716,7 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     assert_eq!(t1.parent().unwrap(), snap.canonicalize().unwrap());
     let name = t1.file_name().unwrap().to_string_lossy().into_owned();
     assert!(
-        name.starts_with("resume-") && name.ends_with(".cdsk"),
+        name.starts_with("restore-") && name.ends_with(".cdsk"),
         "{name}"
     );
     assert_eq!(disk_top(&r2), own);
@@ -738,10 +737,10 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     assert_eq!(disk_bytes(&vm, AFTER.len()), AFTER);
 
     // An overlay path that exists already: refused, the file left alone, no VM.
-    let Err(e) = Vm::resume(
+    let Err(e) = vmm::restore(
         &snap,
         MemoryBackend::Copy,
-        ResumeOptions {
+        RestoreOptions {
             disk_overlay: Some(own.clone()),
             ..options()
         },
@@ -759,14 +758,14 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     let before = snap_files(&snap);
     // The resumes are VMs that work: they snapshot (freezing their own overlay) too.
     let snap2 = dir.0.join("snap2");
-    r1.snapshot(&snap2, SnapshotKind::Full).unwrap();
-    let mut r3 = Vm::resume(&snap2, MemoryBackend::Copy, options()).unwrap();
+    vmm::snapshot(&mut r1, &snap2, SnapshotKind::Full).unwrap();
+    let mut r3 = vmm::restore(&snap2, MemoryBackend::Copy, options()).unwrap();
     assert_eq!(disk_layers(&r3).len(), 3);
     assert_eq!(disk_bytes(&r3, MINE.len()), MINE);
     // A diff snapshot of the original freezes its current overlay: the chain grows.
     let diff = dir.0.join("diff");
-    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
-    let mut r4 = Vm::resume(&diff, MemoryBackend::Uffd, options()).unwrap();
+    vmm::snapshot(&mut vm, &diff, SnapshotKind::Diff).unwrap();
+    let mut r4 = vmm::restore(&diff, MemoryBackend::Uffd, options()).unwrap();
     assert_eq!(disk_layers(&r4).len(), 3);
     assert_eq!(disk_bytes(&r4, AFTER.len()), AFTER);
     assert_eq!(snap_files(&snap), before, "the first snapshot is unchanged");
@@ -781,15 +780,15 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
 #[test]
 fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     let dir = TmpDir::new("nodisk");
-    let mut vm = Vm::new(guest_config("loop:33")).unwrap();
+    let mut vm = vmm::boot(guest_config("loop:33")).unwrap();
     vm.start().unwrap();
-    vm.snapshot(&dir.0, SnapshotKind::Full).unwrap();
+    vmm::snapshot(&mut vm, &dir.0, SnapshotKind::Full).unwrap();
     vm.shutdown();
     let overlay = dir.0.join("o.cdsk");
-    let Err(e) = Vm::resume(
+    let Err(e) = vmm::restore(
         &dir.0,
         MemoryBackend::Copy,
-        ResumeOptions {
+        RestoreOptions {
             disk_overlay: Some(overlay.clone()),
             ..options()
         },

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use clade_tests::guest_config;
 use guest_agent::proto::{self, AgentMsg, Frame, HostMsg, Msg, MAX_FRAME_LEN};
 use vmm::agent::{Client, ErrorKind, Pong, Transport, AGENT_VSOCK_PORT};
-use vmm::config::VsockConfig;
-use vmm::{Error, ExitStatus, Vm};
+use vmm::VsockConfig;
+use vmm::{Error, Vm, VmExit};
 
 const T: Duration = Duration::from_secs(30);
 /// Longest any client call may block (a connect retries for 10 s, each try for up to 10 s).
@@ -34,7 +34,7 @@ fn start(steps: &str, name: &str) -> (Vm, PathBuf) {
         uds_path: sock.clone(),
         guest_cid: 3,
     });
-    let mut vm = Vm::new(c).expect("building the VM");
+    let mut vm = vmm::boot(c).expect("building the VM");
     vm.start().expect("starting the VM");
     (vm, sock)
 }
@@ -88,7 +88,7 @@ fn finish(mut vm: Vm) -> String {
         vm.shutdown();
         panic!("guest still running after the connection ended; serial:\n{out}");
     };
-    assert_eq!(status, ExitStatus::TestExit(0), "serial:\n{out}");
+    assert_eq!(status, VmExit::TestExit(0), "serial:\n{out}");
     out
 }
 
@@ -353,7 +353,7 @@ fn hand_made_frames_get_the_agents_answers_and_credit_flows() {
 #[test]
 fn vsock_step_fails_cleanly_without_a_device() {
     let (status, out) = clade_tests::run_to_end(guest_config("vsock"), T);
-    assert_eq!(status, ExitStatus::TestExit(1), "{out}");
+    assert_eq!(status, VmExit::TestExit(1), "{out}");
     assert!(
         out.contains("step vsock FAIL device setup: no virtio-vsock device"),
         "{out}"

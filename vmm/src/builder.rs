@@ -1,25 +1,43 @@
-//! Assembles a [`Vm`] from a [`VmConfig`]: KVM VM, guest memory, vCPUs, boot state, devices.
-//! Nothing runs until [`Vm::start`].
+//! Prepares the parts of a [`Vm`] for each way one comes to exist, side by side, and hands
+//! them to [`Vm::from_parts`]:
+//!
+//! - [`boot`]: from a [`VmConfig`]: fresh memory, devices, boot tables, kernel, boot
+//!   registers.
+//! - [`from_saved`]: from a [`SavedMachine`] and memory already in place (a snapshot
+//!   restore, a fork child): devices recreated from their state, then the VM's and the
+//!   vCPUs' KVM state.
+//!
+//! Both start from a VM shell ([`Shell`]: KVM VM, memory slots, irqchip, vCPUs) and end
+//! with a VM whose vCPUs have not run ([`Vm::start`]).
 
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::Instant;
+
+use snapshot::page_server::{PageServer, PreparedUffd};
 
 use crate::arch::boot::{self, BootSpec};
 use crate::arch::layout::{PVM_VIF_BASE, PVM_VIF_MAX};
 use crate::arch::{acpi, regs};
-use crate::config::VmConfig;
+use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
 use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
-use crate::vm::Vm;
-use crate::vstate::memory::{self, GuestRam};
+use crate::exit::exit_notifier;
+use crate::saved::{Lineage, SavedMachine, Steps};
+use crate::vm::{Vm, VmParts};
+use crate::vstate::memory::{self, GuestRam, Reservation};
 use crate::vstate::shell::{Shell, ShellSpec};
+use crate::vstate::spare::{self, SpareThread};
+use crate::vstate::state as kvm_state;
 use crate::vstate::{kvm, vcpu};
 
 /// Command-line key telling the test guest where its PVM VIF cell is.
 pub const PVM_VIF_CMDLINE_KEY: &str = "clade.vif";
 
-/// Builds the VM described by `config`.
-pub fn build(config: VmConfig) -> Result<Vm> {
+/// Builds the VM described by `config`, ready to [`Vm::start`]. Everything that can be
+/// checked (config, memory size, readable kernel and initrd) is checked before any KVM
+/// object exists.
+pub fn boot(config: VmConfig) -> Result<Vm> {
     let created_at = Instant::now();
     config.validate()?;
     let host_mib = memory::host_mem_mib()?;
@@ -99,7 +117,7 @@ pub fn build(config: VmConfig) -> Result<Vm> {
     }
 
     let (events_tx, events) = mpsc::channel();
-    let exit = crate::vm::exit_notifier(&events_tx);
+    let exit = exit_notifier(&events_tx);
     // Devices come before the boot tables: the kernel command line and the DSDT announce
     // the virtio-mmio slots.
     let mut devices = DeviceManager::new(
@@ -156,29 +174,212 @@ pub fn build(config: VmConfig) -> Result<Vm> {
         boot_info.entry,
         created_at.elapsed()
     );
-    Ok(Vm {
-        vcpus: Vec::new(),
-        pending_vcpus: vcpu_fds,
+    Ok(Vm::from_parts(VmParts {
+        vcpu_fds,
         devices,
-        events,
-        events_tx,
+        events: (events_tx, events),
         page_server: None,
         vm_fd,
         ram,
-        _kvm: kvm,
+        kvm,
         config,
         pvm_native,
         created_at,
-        state: Vm::initial_state(),
-        exit: None,
         lineage: None,
-        resume_report: None,
-        working_set_saved: true,
+        // Booted VMs always log dirty pages (see the shell above).
         dirty_tracking: true,
-        agent_sync: None,
-        fork_carry: Vec::new(),
-        vcpu_cpus: Vec::new(),
-        cpuids,
         spares,
-    })
+        cpuids,
+        vcpu_cpus: Vec::new(),
+    }))
+}
+
+/// Builds, starts and waits for the VM described by `config` to end.
+pub fn run(config: VmConfig) -> Result<crate::VmExit> {
+    let mut vm = boot(config)?;
+    vm.start()?;
+    vm.wait()
+}
+
+/// What a VM built from saved state has of its own (the rest comes from the state).
+#[derive(Debug)]
+pub(crate) struct Identity {
+    /// Where its serial console goes.
+    pub(crate) serial: SerialOutput,
+    /// Its vsock device (needed exactly when the saved machine has one).
+    pub(crate) vsock: Option<VsockConfig>,
+    /// Its disk: the top layer it writes (an overlay on the saved disk layer), or the
+    /// saved read-only layer itself (needed exactly when the saved machine has a disk).
+    pub(crate) disk: Option<BlockConfig>,
+    /// KVM device node.
+    pub(crate) kvm_device: PathBuf,
+    /// Log dirty pages.
+    pub(crate) dirty_tracking: bool,
+    /// vCPU pinning (see [`Vm::pin_vcpus`]).
+    pub(crate) vcpu_cpus: Vec<usize>,
+    /// The snapshot its memory matches (a restore).
+    pub(crate) lineage: Option<Lineage>,
+}
+
+/// The parts of a shell memory goes into: the reserved address space, the threads kept for
+/// a page server, the shell's userfaultfd.
+pub(crate) struct MemorySlot<'a> {
+    pub(crate) reservation: Reservation,
+    pub(crate) spares: &'a mut Vec<SpareThread>,
+    pub(crate) uffd: Option<PreparedUffd>,
+}
+
+/// A shell for `spec`: `shell` if it fits (else it is dropped, with a warning) or a new one.
+/// Returns whether the given one was used.
+pub(crate) fn shell_for(spec: &ShellSpec, shell: Option<Shell>) -> Result<(Shell, bool)> {
+    match shell {
+        Some(s) if s.spec == *spec => Ok((s, true)),
+        other => {
+            if let Some(s) = other {
+                tracing::warn!(
+                    "the VM shell given does not fit ({:?} vs {spec:?}): building one",
+                    s.spec
+                );
+            }
+            Ok((Shell::create(spec)?, false))
+        }
+    }
+}
+
+/// Builds a VM from `saved` on `shell`: `memory` puts guest memory over the shell's
+/// reservation (and may start a page server for it); then the devices are recreated from
+/// their state with `identity`'s host ends, and the VM's and each vCPU's KVM state is set.
+/// The vCPUs have not run. Returns the VM and the MSRs KVM refused to restore.
+pub(crate) fn from_saved(
+    saved: &SavedMachine,
+    shell: Shell,
+    memory: impl FnOnce(MemorySlot<'_>) -> Result<(GuestRam, Option<PageServer>)>,
+    identity: Identity,
+    steps: &mut Steps,
+) -> Result<(Vm, Vec<u32>)> {
+    let created_at = Instant::now();
+    let m = &saved.machine;
+    check_identity(saved, &identity)?;
+    let Shell {
+        vcpus: vcpu_fds,
+        vm_fd,
+        reservation,
+        kvm: kvm_sys,
+        cpuids,
+        mut spares,
+        uffd,
+        ..
+    } = shell;
+    let (ram, page_server) = memory(MemorySlot {
+        reservation,
+        spares: &mut spares,
+        uffd,
+    })?;
+    ram.clear_vmm_dirty();
+    steps.done("memory");
+
+    let (events_tx, events) = mpsc::channel();
+    let devices = DeviceManager::restore(
+        &vm_fd,
+        &ram.mem,
+        &identity.serial,
+        identity.vsock.as_ref(),
+        identity.disk.as_ref(),
+        &saved.devices,
+        exit_notifier(&events_tx),
+        spare::runner_from(&mut spares),
+    )?;
+    steps.done("devices");
+    kvm_state::restore_vm(&vm_fd, &saved.vm)?;
+    steps.done("vm_state");
+    let mut refused_msrs = Vec::new();
+    for (i, (fd, s)) in vcpu_fds.iter().zip(&saved.vcpus).enumerate() {
+        let current = cpuids.get(i).map(|c| &c[..]);
+        let refused = kvm_state::restore_vcpu(fd, s, current).map_err(|e| Error::Vcpu {
+            index: i,
+            reason: format!("restoring its state: {e}"),
+        })?;
+        if !refused.is_empty() {
+            tracing::warn!("vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
+            refused_msrs.extend(refused);
+        }
+        if let Some(vif) = m.pvm_vif_base {
+            // After SREGS, which resets the hypervisor's view of the cell.
+            if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
+                return Err(Error::UnsupportedHost(
+                    "the state was saved under the PVM hypervisor and its guest needs the PVM \
+                     virtual-interrupt cell, which this host's KVM lacks"
+                        .into(),
+                ));
+            }
+        }
+    }
+    steps.done("vcpu_state");
+
+    let config = VmConfig {
+        vcpus: m.vcpus,
+        mem_mib: m.mem_bytes >> 20,
+        kernel: m.kernel.clone(),
+        initrd: None,
+        cmdline: m.cmdline.clone(),
+        serial: identity.serial,
+        test_device: saved.devices.test_device.is_some(),
+        kvm_device: identity.kvm_device,
+        vsock: identity.vsock,
+        disk: identity.disk,
+    };
+    let vm = Vm::from_parts(VmParts {
+        vcpu_fds,
+        devices,
+        events: (events_tx, events),
+        page_server,
+        vm_fd,
+        ram,
+        kvm: kvm_sys,
+        config,
+        pvm_native: m.pvm_vif_base.is_some(),
+        created_at,
+        lineage: identity.lineage,
+        dirty_tracking: identity.dirty_tracking,
+        spares,
+        cpuids: saved.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
+        vcpu_cpus: identity.vcpu_cpus,
+    });
+    Ok((vm, refused_msrs))
+}
+
+/// The host ends `identity` gives must match the devices `saved` has.
+fn check_identity(saved: &SavedMachine, identity: &Identity) -> Result<()> {
+    match (&saved.machine.vsock, &identity.vsock) {
+        (Some(_), None) => {
+            return Err(Error::Config(
+                "the saved VM has a vsock device: the new VM needs a socket path".into(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::Config(
+                "a vsock socket was given, but the saved VM has no vsock device".into(),
+            ))
+        }
+        _ => {}
+    }
+    match (&saved.disk, &identity.disk) {
+        (Some(_), None) => Err(Error::Config(
+            "the saved VM has a disk: the new VM needs an overlay on its layer".into(),
+        )),
+        (None, Some(_)) => Err(Error::Config(
+            "a disk was given, but the saved VM has no disk".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The shell a VM built from `saved` needs.
+pub(crate) fn shell_spec(saved: &SavedMachine, kvm_device: PathBuf, dirty_log: bool) -> ShellSpec {
+    ShellSpec {
+        kvm_device,
+        mem_bytes: saved.machine.mem_bytes,
+        vcpus: saved.machine.vcpus,
+        dirty_log,
+    }
 }

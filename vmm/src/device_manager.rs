@@ -28,7 +28,7 @@ use snapshot::Persist;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::layout::{
-    pio, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
+    pio, VirtioSlot, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
     VIRTIO_MMIO_SLOT_SIZE,
 };
 use crate::config::{BlockConfig, SerialOutput, VsockConfig};
@@ -106,31 +106,6 @@ fn irq_eventfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
 /// Offset of the QueueNotify register in a virtio-mmio window.
 const VIRTIO_MMIO_QUEUE_NOTIFY: u64 = 0x50;
 
-/// Where one virtio-mmio device sits, as the guest must be told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VirtioSlot {
-    /// Base of the register window.
-    pub base: u64,
-    /// Size of the window.
-    pub len: u64,
-    /// IOAPIC pin (GSI) of its interrupt: edge-triggered, active high.
-    pub gsi: u32,
-    /// virtio device id.
-    pub device_type: u32,
-}
-
-impl VirtioSlot {
-    /// The kernel command-line entry for `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES` kernels.
-    pub fn cmdline_entry(&self) -> String {
-        format!(
-            "virtio_mmio.device={}K@{:#x}:{}",
-            self.len >> 10,
-            self.base,
-            self.gsi
-        )
-    }
-}
-
 /// Puts `device` in virtio-mmio slot `n`: irqfd on its GSI, one ioeventfd per queue on
 /// QueueNotify (datamatch = queue index), the transport on the MMIO bus. With `state`, the
 /// transport (and the device's queues) is restored from it.
@@ -187,12 +162,6 @@ pub struct DevicesState {
     pub test_device: Option<TestMmioState>,
     /// virtio-mmio slots, in slot order.
     pub virtio: Vec<MmioTransportState>,
-}
-
-/// Where a restored VM's devices connect to the host.
-pub struct RestoreHost<'a> {
-    /// The vsock device's Unix socket (when the snapshot has one).
-    pub vsock_path: Option<&'a std::path::Path>,
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -474,6 +443,11 @@ impl DeviceManager {
             lock(t).pause_device();
         }
         self.paused = true;
+    }
+
+    /// Whether [`DeviceManager::pause`] holds the devices still.
+    pub fn is_paused(&self) -> bool {
+        self.paused
     }
 
     /// Lets paused devices work again.

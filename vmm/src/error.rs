@@ -119,6 +119,9 @@ pub enum Error {
     #[error("snapshot: {0}")]
     Snapshot(String),
     /// A snapshot's files are unusable (missing, truncated, corrupted, foreign, ...).
+    #[error("fork: {0}")]
+    Fork(String),
+
     #[error("snapshot {dir}: {source}")]
     SnapshotFile {
         dir: PathBuf,

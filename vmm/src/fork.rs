@@ -1,32 +1,37 @@
-//! Forking a running VM ([`Vm::fork`]): N children that start from the parent's state at
-//! one instant and share its memory copy-on-write.
+//! Forking a running VM ([`fork`]): N children that start from the parent's state at one
+//! instant and share its memory copy-on-write.
 //!
 //! # How
 //!
-//! 1. The parent's vCPUs and device workers pause; vCPU, VM (irqchip, PIT, clock) and
-//!    device state are read into memory (the snapshot code, no files).
+//! 1. The parent's vCPUs and device workers pause ([`Vm::pause_guard`]); its machine is
+//!    saved in memory ([`Vm::save_machine`], the same state a snapshot writes).
 //! 2. Its memory is *frozen* ([`GuestRam::freeze`]): a booted VM's memfd is mapped again,
 //!    `MAP_PRIVATE`, at the same host address (KVM's memory slots stay valid; its MMU
 //!    notifiers drop the old mappings), so nobody writes the memfd any more. A VM forked
 //!    before copies the pages it wrote since (KVM dirty log + the VMM's writes) into a new
 //!    memfd layer over the previous frozen image, and maps that layer back private.
 //! 3. The parent runs again: the pause is steps 1 and 2 only.
-//! 4. Each child is a VM shell with the frozen image's layers mapped `MAP_PRIVATE`, the
-//!    state restored, and its own identity: vsock socket and guest CID (the guest gets a
-//!    transport reset and reads the new CID), serial output, and with
-//!    [`ForkOptions::agent_sync`] the current time, fresh entropy and a hostname suffix
-//!    given to the guest agent right after it starts (best effort, in the background).
+//! 4. Each child is a VM shell with the frozen image's layers mapped `MAP_PRIVATE`, built
+//!    from the saved machine ([`crate::builder::from_saved`]) with its own identity: vsock
+//!    socket and guest CID (the guest gets a transport reset and reads the new CID), serial
+//!    output, disk overlay, and with [`ForkOptions::agent_sync`] the current time, fresh
+//!    entropy and a hostname suffix given to the guest agent right after it starts (best
+//!    effort, in the background).
 //!
 //! A VM with a virtio-blk disk forks its disk in the same pause: the block worker is
-//! paused between requests, its queue position saved with the transport, and
-//! [`disk::Disk::snapshot`] freezes the top layer in place; the parent continues on a new
-//! overlay next to it (`<name>-p<k>.cdsk`) and each child gets its own overlay on the frozen
-//! layer ([`Frozen::child_overlay`]; `<frozen name>-c<k>.cdsk` for [`Vm::fork`]), so the
-//! guest's disk and its page cache stay consistent. A read-only disk is shared as it is.
+//! paused between requests, its queue position saved with the transport, and the top layer
+//! is frozen in place; the parent continues on a new overlay next to it
+//! (`<name>-p<k>.cdsk`) and each child gets its own overlay on the frozen layer
+//! ([`Frozen::child_overlay`]). A read-only disk is shared as it is.
 //!
-//! Children in other processes (`clade fork`): [`Frozen::handoff`] encodes the state and
-//! lists the memory layers' memfds; the other process rebuilds it with
-//! [`Frozen::from_handoff`] and calls [`Vm::from_frozen`].
+//! Every file a child gets is named by one scheme, [`child_path`]: `<stem>-f<k>.<ext>`
+//! next to the parent's (vsock socket, disk overlay) or in a chosen directory (the process
+//! fork of [`crate::host`]: API socket, vsock socket, serial console, log, disk overlay),
+//! with `k` the fork sequence number that is also the guest's hostname suffix `-f<k>`.
+//!
+//! Children in other processes: [`Frozen::handoff`] encodes the saved machine and lists
+//! the memory layers' memfds; the other process rebuilds it with [`Frozen::from_handoff`]
+//! and calls [`Frozen::child`].
 //!
 //! Pages are shared (page cache of the memfds) until the parent or a child writes one;
 //! the first write copies that page (~6.5 us here). A child is an ordinary [`Vm`]: it can
@@ -35,83 +40,79 @@
 //!
 //! # Limits
 //!
-//! - VMs resumed with the `uffd` or `file` backend cannot fork (their memory is not a
+//! - VMs restored with the `uffd` or `file` backend cannot fork (their memory is not a
 //!   memfd).
 //! - Each fork generation with writes in between adds a layer, and one mapping per run of
-//!   written pages to every VM on it (at most
-//!   [`MAX_FROZEN_LAYERS`](crate::vstate::memory::MAX_FROZEN_LAYERS) layers).
+//!   written pages to every VM on it (at most 64 layers).
 //! - A fork consumes the dirty log: the parent's next diff snapshot needs a full one first.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
-use crate::device_manager::{DeviceManager, DevicesState};
-use crate::error::{Error, Result};
-use crate::persist::{MachineState, Steps};
-use crate::vm::{exit_notifier, RunState, Vm};
-use crate::vstate::kvm;
-use crate::vstate::memory::{Backing, FrozenImage, GuestRam};
-use crate::vstate::shell::{Shell, ShellSpec};
-use crate::vstate::spare;
-use crate::vstate::state::{self as kvm_state, VcpuState, VmKvmState};
+use serde::{Deserialize, Serialize};
 
-/// Options of [`Vm::fork`].
-#[derive(Debug, Default)]
+use crate::builder::{self, Identity, MemorySlot};
+use crate::config::{BlockConfig, SerialOutput, VsockConfig};
+use crate::error::{Error, Result};
+use crate::saved::{SavedMachine, Steps};
+use crate::vm::Vm;
+use crate::vstate::memory::{Backing, FrozenImage, GuestRam};
+use crate::vstate::shell::Shell;
+
+/// Options of [`fork`].
+#[derive(Debug)]
 pub struct ForkOptions {
     /// Where each child's serial console goes (default: discarded).
     pub serial: SerialOutput,
     /// Child `i`'s vsock socket (when the parent has a vsock device); missing entries
-    /// default to `<parent socket>.fork<k>` with `k` unique in this process.
+    /// default to [`child_path`] of the parent's socket.
     pub vsock_paths: Vec<PathBuf>,
     /// Child `i`'s guest CID; missing entries get a CID unique in this process (and
     /// different from the parent's).
     pub guest_cids: Vec<u32>,
     /// After a child starts, give its guest agent the current time, fresh entropy and the
-    /// hostname suffix `-f<k>`, in a background thread that gives up after this long.
+    /// hostname suffix `-f<k>`, in a background thread that gives up after this long
+    /// (default: none).
     pub agent_sync: Option<Duration>,
-    /// Pre-built VM shells (e.g. from a [`crate::pool::ShellPool`]); children without one
-    /// build their own.
+    /// Pre-built VM shells (e.g. from a [`crate::ShellPool`]); children without one build
+    /// their own (default: none).
     pub shells: Vec<Shell>,
-    /// Start the children's vCPUs before returning (otherwise call [`Vm::start`]).
+    /// Start the children's vCPUs before returning (default: false; call [`Vm::start`]).
     pub start: bool,
-    /// Pin the children's vCPUs (see [`Vm::pin_vcpus`]).
+    /// Pin the children's vCPUs (see [`Vm::pin_vcpus`]; default: no pinning).
     pub vcpu_cpus: Vec<usize>,
     /// Test hook: fail after this many children were built (checks the cleanup).
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fail_after: Option<usize>,
 }
 
-/// A frozen instant of a VM: its memory image and its state. Children are made from it.
-pub struct Frozen {
-    /// The memory.
-    pub image: Arc<FrozenImage>,
-    /// The machine (vCPUs, memory size, vsock, ...).
-    pub machine: MachineState,
-    /// In-kernel irqchip, PIT and clock.
-    pub vm: VmKvmState,
-    /// Each vCPU.
-    pub vcpus: Vec<VcpuState>,
-    /// Devices.
-    pub devices: DevicesState,
-    /// The parent's configuration.
-    pub config: VmConfig,
-    /// The disk, when the VM has one.
-    pub disk: Option<FrozenDisk>,
+impl Default for ForkOptions {
+    fn default() -> Self {
+        ForkOptions {
+            serial: SerialOutput::Discard,
+            vsock_paths: Vec::new(),
+            guest_cids: Vec::new(),
+            agent_sync: None,
+            shells: Vec::new(),
+            start: false,
+            vcpu_cpus: Vec::new(),
+            #[cfg(any(test, feature = "test-hooks"))]
+            fail_after: None,
+        }
+    }
 }
 
-/// A forked VM's disk at the frozen instant.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct FrozenDisk {
-    /// The frozen layer each child gets its own overlay on ([`Frozen::child_overlay`]); for
-    /// a read-only disk, the disk's own top layer, which children open read-only too.
-    pub layer: PathBuf,
-    /// The disk was read-only.
-    pub read_only: bool,
-    /// The configured serial.
-    pub serial: Option<String>,
+/// A frozen instant of a VM: its memory image and its saved machine. Children are made
+/// from it ([`Frozen::child`]), in this process or, handed over, in another.
+pub struct Frozen {
+    /// The memory.
+    image: Arc<FrozenImage>,
+    /// Everything else.
+    saved: SavedMachine,
+    /// The KVM device node the parent used (children use the same).
+    kvm_device: PathBuf,
 }
 
 /// What a fork did.
@@ -121,7 +122,7 @@ pub struct ForkReport {
     pub pause_time: Duration,
     /// Time steps of the pause, in order.
     pub pause_steps: Vec<(&'static str, Duration)>,
-    /// Layers of the frozen image, and mappings a VM on it has.
+    /// Layers of the frozen image.
     pub layers: usize,
     /// Mappings (runs of pages) each VM on the image has.
     pub mappings: usize,
@@ -131,398 +132,13 @@ pub struct ForkReport {
     pub total: Duration,
 }
 
-static FORK_SEQ: AtomicU32 = AtomicU32::new(1);
-
-/// A CID no other fork in this process handed out, and not `avoid`.
-fn next_cid(avoid: u32) -> u32 {
-    loop {
-        let c = 1000 + FORK_SEQ.fetch_add(1, Ordering::Relaxed);
-        if c != avoid {
-            return c;
-        }
-    }
-}
-
-impl Vm {
-    /// Forks this running (or paused) VM into `n` children (see the [module
-    /// documentation](crate::fork)). The parent runs on afterwards (a paused one stays
-    /// paused). If building a child fails, the children built so far are stopped and
-    /// removed, the parent runs on, and the error is returned.
-    pub fn fork(&mut self, n: usize, options: ForkOptions) -> Result<Vec<Vm>> {
-        self.fork_with_report(n, options).map(|(c, _)| c)
-    }
-
-    /// [`Vm::fork`], with how it went.
-    pub fn fork_with_report(
-        &mut self,
-        n: usize,
-        mut options: ForkOptions,
-    ) -> Result<(Vec<Vm>, ForkReport)> {
-        let t0 = Instant::now();
-        let (frozen, pause_time, pause_steps) = self.freeze_for_fork()?;
-        let frozen = Arc::new(frozen);
-        let mut children = Vec::with_capacity(n);
-        let mut child_times = Vec::with_capacity(n);
-        let mut shells = std::mem::take(&mut options.shells).into_iter();
-        for i in 0..n {
-            if options.fail_after == Some(i) {
-                tracing::warn!("fork: injected failure after {i} children");
-                // Dropping the children built so far stops them and removes their sockets.
-                return Err(Error::Snapshot(format!(
-                    "fork: injected failure after {i} children"
-                )));
-            }
-            let t = Instant::now();
-            let seq = FORK_SEQ.fetch_add(1, Ordering::Relaxed);
-            let disk_path = match &frozen.disk {
-                Some(d) if !d.read_only => {
-                    let p = sibling_layer(&d.layer, "c");
-                    frozen.child_overlay(&p)?;
-                    Some(p)
-                }
-                _ => None,
-            };
-            let spec = ChildSpec {
-                disk_path: disk_path.clone(),
-                vsock_path: options.vsock_paths.get(i).cloned().or_else(|| {
-                    frozen.machine.vsock.as_ref().map(|v| {
-                        let mut p = v.uds_path.clone().into_os_string();
-                        p.push(format!(".fork{}-{seq}", std::process::id()));
-                        PathBuf::from(p)
-                    })
-                }),
-                guest_cid: options.guest_cids.get(i).copied().unwrap_or_else(|| {
-                    next_cid(frozen.machine.vsock.as_ref().map_or(0, |v| v.guest_cid))
-                }),
-                serial: options.serial.clone(),
-                shell: shells.next(),
-                agent_sync: options.agent_sync,
-                hostname_suffix: format!("-f{seq}"),
-                start: options.start,
-                vcpu_cpus: options.vcpu_cpus.clone(),
-            };
-            let child = Vm::from_frozen(&frozen, spec).map_err(|e| {
-                tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
-                if let Some(p) = &disk_path {
-                    let _ = std::fs::remove_file(p);
-                }
-                e
-            })?;
-            children.push(child);
-            child_times.push(t.elapsed());
-        }
-        let report = ForkReport {
-            pause_time,
-            pause_steps,
-            layers: frozen.image.layers(),
-            mappings: frozen.image.mappings(),
-            child_times,
-            total: t0.elapsed(),
-        };
-        tracing::info!(
-            "forked {n} children: parent paused {:?}, {} layers, total {:?}",
-            report.pause_time,
-            report.layers,
-            report.total
-        );
-        Ok((children, report))
-    }
-
-    /// Pauses the VM, saves its state and freezes its memory, lets it run again. The
-    /// parent is left unchanged (still running) on an error.
-    #[allow(clippy::type_complexity)]
-    pub fn freeze_for_fork(&mut self) -> Result<(Frozen, Duration, Vec<(&'static str, Duration)>)> {
-        self.poll_exit();
-        if !matches!(self.state, RunState::Running | RunState::Paused) {
-            return Err(Error::InvalidState {
-                state: self.state_name(),
-                op: "fork",
-            });
-        }
-        if self.page_server.is_some() || !self.dirty_tracking {
-            return Err(Error::Snapshot(
-                "only VMs with their whole memory in place and dirty page tracking can fork \
-                 (a uffd resume cannot)"
-                    .into(),
-            ));
-        }
-        let mut steps = Steps::new();
-        let was_running = self.state == RunState::Running;
-        let t_pause = Instant::now();
-        if was_running {
-            for v in &self.vcpus {
-                v.pause();
-            }
-        }
-        self.devices.pause();
-        steps.done("pause");
-        let captured = self.capture_for_fork(&mut steps);
-        self.devices.unpause();
-        if was_running {
-            for v in &self.vcpus {
-                v.resume();
-            }
-        }
-        steps.done("unpause");
-        let pause_time = if was_running {
-            t_pause.elapsed()
-        } else {
-            Duration::ZERO
-        };
-        let (image, vcpus, vm, devices, disk) = captured?;
-        // The dirty log was consumed: a diff snapshot would miss pages.
-        self.lineage = None;
-        let frozen = Frozen {
-            image,
-            machine: self.machine_state(),
-            vm,
-            vcpus,
-            devices,
-            config: self.config.clone(),
-            disk,
-        };
-        Ok((frozen, pause_time, steps.steps))
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn capture_for_fork(
-        &mut self,
-        steps: &mut Steps,
-    ) -> Result<(
-        Arc<FrozenImage>,
-        Vec<VcpuState>,
-        VmKvmState,
-        DevicesState,
-        Option<FrozenDisk>,
-    )> {
-        let (vcpus, vm, devices) = self.save_machine(Some(steps))?;
-        let disk = self.freeze_disk("p")?;
-        if disk.is_some() {
-            steps.done("freeze_disk");
-        }
-        // The pages written since this memory was last frozen (a booted VM: none needed,
-        // but the log restarts here).
-        self.take_dirty()?;
-        let dirty = std::mem::take(&mut self.fork_carry);
-        steps.done("dirty_log");
-        let forked = matches!(self.ram.backing(), Backing::Forked(_));
-        let image = match self.ram.freeze(forked.then_some(&dirty[..])) {
-            Ok(i) => i,
-            Err(e) => {
-                self.fork_carry = dirty;
-                return Err(e);
-            }
-        };
-        steps.done("freeze_memory");
-        Ok((image, vcpus, vm, devices, disk))
-    }
-
-    /// The disk's half of a fork or a snapshot (devices paused): its top layer is flushed
-    /// and frozen and the VM continues on a new overlay next to it (`<name>-<tag><k>.cdsk`).
-    /// A read-only disk stays as it is: children and resumes share it. The layer path
-    /// returned is absolute when it can be resolved.
-    pub(crate) fn freeze_disk(&mut self, tag: &str) -> Result<Option<FrozenDisk>> {
-        let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
-            return Ok(None);
-        };
-        if cfg.read_only {
-            return Ok(Some(FrozenDisk {
-                layer: absolute(cfg.path),
-                read_only: true,
-                serial: cfg.serial,
-            }));
-        }
-        let mut d = disk.lock().unwrap_or_else(|e| e.into_inner());
-        let new_top = sibling_layer(d.path(), tag);
-        let frozen = absolute(d.snapshot(&new_top)?);
-        drop(d);
-        if let Some(c) = self.config.disk.as_mut() {
-            c.path = new_top;
-        }
-        Ok(Some(FrozenDisk {
-            layer: frozen,
-            read_only: false,
-            serial: cfg.serial,
-        }))
-    }
-
-    /// A new VM from a frozen instant (a child of a fork), with its own identity.
-    pub fn from_frozen(frozen: &Frozen, spec: ChildSpec) -> Result<Vm> {
-        let t0 = Instant::now();
-        let m = &frozen.machine;
-        let shell_spec = ShellSpec {
-            kvm_device: frozen.config.kvm_device.clone(),
-            mem_bytes: m.mem_bytes,
-            vcpus: m.vcpus,
-            dirty_log: true,
-        };
-        let shell = match spec.shell {
-            Some(s) if s.spec == shell_spec => s,
-            _ => Shell::create(&shell_spec)?,
-        };
-        let Shell {
-            vcpus: vcpu_fds,
-            vm_fd,
-            reservation,
-            kvm: kvm_sys,
-            cpuids,
-            mut spares,
-            ..
-        } = shell;
-        let ram = GuestRam::forked(reservation, Arc::clone(&frozen.image))?;
-        ram.clear_vmm_dirty();
-        let vsock = match (&m.vsock, &spec.vsock_path) {
-            (Some(_), Some(p)) => Some(VsockConfig {
-                uds_path: p.clone(),
-                guest_cid: spec.guest_cid,
-            }),
-            (Some(_), None) => {
-                return Err(Error::Config(
-                    "the forked VM has a vsock device: its child needs a socket path".into(),
-                ))
-            }
-            (None, _) => None,
-        };
-        let disk = match (&frozen.disk, &spec.disk_path) {
-            (None, _) => None,
-            (Some(d), _) if d.read_only => Some(BlockConfig {
-                path: d.layer.clone(),
-                read_only: true,
-                serial: d.serial.clone(),
-            }),
-            (Some(d), Some(p)) => Some(BlockConfig {
-                path: p.clone(),
-                read_only: false,
-                serial: d.serial.clone(),
-            }),
-            (Some(_), None) => {
-                return Err(Error::Config(
-                    "the forked VM has a disk: its child needs an overlay path".into(),
-                ))
-            }
-        };
-        let (events_tx, events) = mpsc::channel();
-        let exit = exit_notifier(&events_tx);
-        let devices = DeviceManager::restore(
-            &vm_fd,
-            &ram.mem,
-            &spec.serial,
-            vsock.as_ref(),
-            disk.as_ref(),
-            &frozen.devices,
-            exit,
-            spare::runner_from(&mut spares),
-        )?;
-        kvm_state::restore_vm(&vm_fd, &frozen.vm)?;
-        for (i, (fd, s)) in vcpu_fds.iter().zip(&frozen.vcpus).enumerate() {
-            let current = cpuids.get(i).map(|c| &c[..]);
-            let refused = kvm_state::restore_vcpu(fd, s, current).map_err(|e| Error::Vcpu {
-                index: i,
-                reason: format!("restoring its state: {e}"),
-            })?;
-            if !refused.is_empty() {
-                tracing::warn!("fork child vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
-            }
-            if let Some(vif) = m.pvm_vif_base {
-                if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
-                    return Err(Error::Snapshot(
-                        "the PVM virtual-interrupt cell cannot be registered".into(),
-                    ));
-                }
-            }
-        }
-        let config = VmConfig {
-            serial: spec.serial.clone(),
-            vsock,
-            disk: disk.clone(),
-            initrd: None,
-            ..frozen.config.clone()
-        };
-        let mut vm = Vm {
-            vcpus: Vec::new(),
-            pending_vcpus: vcpu_fds,
-            devices,
-            events,
-            events_tx,
-            page_server: None,
-            vm_fd,
-            ram,
-            _kvm: kvm_sys,
-            config,
-            pvm_native: m.pvm_vif_base.is_some(),
-            created_at: t0,
-            state: Vm::initial_state(),
-            exit: None,
-            lineage: None,
-            resume_report: None,
-            working_set_saved: true,
-            dirty_tracking: true,
-            agent_sync: None,
-            vcpu_cpus: spec.vcpu_cpus,
-            cpuids: frozen.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
-            spares,
-            fork_carry: Vec::new(),
-        };
-        if spec.start {
-            vm.start()?;
-        }
-        vm.devices.finish_restore()?;
-        if let (Some(timeout), Some(v)) = (spec.agent_sync, &vm.config.vsock) {
-            let path = v.uds_path.clone();
-            let suffix = spec.hostname_suffix;
-            let (tx, rx) = mpsc::sync_channel(1);
-            std::thread::Builder::new()
-                .name("fork-sync".into())
-                .spawn(move || {
-                    let _ = tx.send(fork_sync(&path, timeout, &suffix));
-                })
-                .map_err(|source| Error::Io {
-                    context: "spawning the agent sync thread",
-                    source,
-                })?;
-            vm.agent_sync = Some(rx);
-        }
-        tracing::debug!("fork child built in {:?}", t0.elapsed());
-        Ok(vm)
-    }
-
-    /// Host memory this VM's guest RAM uses, as its proportional set size in KiB (pages
-    /// shared with other VMs count in part), from `/proc/self/smaps`.
-    pub fn memory_pss_kib(&self) -> Result<u64> {
-        let start = self.ram.image_addr();
-        let end = start + self.ram.mem_bytes() as usize;
-        pss_kib(start, end)
-    }
-}
-
-/// PSS in KiB of this process's mappings inside `start..end`.
-pub fn pss_kib(start: usize, end: usize) -> Result<u64> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").map_err(|source| Error::Io {
-        context: "reading /proc/self/smaps",
-        source,
-    })?;
-    let mut inside = false;
-    let mut total = 0;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if let Some((a, b)) = first.split_once('-') {
-            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
-                inside = a >= start && b <= end;
-                continue;
-            }
-        }
-        if inside {
-            if let Some(v) = line.strip_prefix("Pss:") {
-                total += v
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .unwrap_or(0);
-            }
-        }
-    }
-    Ok(total)
+/// How freezing the parent went ([`freeze`]).
+#[derive(Debug, Clone)]
+pub struct FreezeReport {
+    /// How long the parent's vCPUs were paused (0 when it was paused already).
+    pub pause_time: Duration,
+    /// Time steps of the pause, in order.
+    pub steps: Vec<(&'static str, Duration)>,
 }
 
 /// One child of a fork: its identity and how it starts.
@@ -549,180 +165,27 @@ pub struct ChildSpec {
     pub vcpu_cpus: Vec<usize>,
 }
 
-/// The agent sync of a resume (clock, entropy), then the hostname suffix.
-fn fork_sync(
-    path: &std::path::Path,
-    timeout: Duration,
-    suffix: &str,
-) -> std::result::Result<Duration, String> {
-    let t = Instant::now();
-    crate::persist::agent_sync(path, timeout)?;
-    let r = (|| -> Result<()> {
-        let client = crate::agent::Client::connect_timeout(
-            path,
-            crate::agent::Transport::Vsock {
-                port: crate::agent::AGENT_VSOCK_PORT,
-            },
-            timeout,
-        )?;
-        // Through /proc: hostname(1) may refuse names it finds invalid, e.g. "(none)-f1".
-        let script = format!(
-            "h=$(cat /proc/sys/kernel/hostname); case \"$h\" in ''|'(none)') h=clade;; esac; \
-             echo \"$h{suffix}\" > /proc/sys/kernel/hostname"
-        );
-        let cmd = crate::agent::Command::new("/bin/sh").args(["-c", &script]);
-        client.output(&cmd, None)?;
-        Ok(())
-    })();
-    match r {
-        Ok(()) => Ok(t.elapsed()),
-        Err(e) => {
-            tracing::warn!("fork: setting the hostname suffix failed (best effort): {e}");
-            Err(e.to_string())
-        }
-    }
+static FORK_SEQ: AtomicU32 = AtomicU32::new(1);
+
+/// The next fork sequence number of this process: the `k` of a child's file names and
+/// hostname suffix ([`child_path`]).
+pub fn next_fork_seq() -> u32 {
+    FORK_SEQ.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The parts of a [`VmConfig`] a child process of a fork needs (the rest is its own).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct HandoffConfig {
-    vcpus: u32,
-    mem_mib: u64,
-    kernel: PathBuf,
-    cmdline: String,
-    test_device: bool,
-    kvm_device: PathBuf,
-}
-
-/// A [`Frozen`] instant as bytes, for a child in another process; the memory layers' files
-/// travel separately (see [`Frozen::handoff`]).
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Handoff {
-    machine: MachineState,
-    vm: VmKvmState,
-    vcpus: Vec<VcpuState>,
-    devices: DevicesState,
-    config: HandoffConfig,
-    /// Each memory layer's runs, base first, in the order of the files.
-    layers: Vec<Vec<(u64, u64)>>,
-    disk: Option<FrozenDisk>,
-}
-
-impl Frozen {
-    /// This frozen instant for a child in another process: the state as bytes, and the
-    /// memory layers' files (base first) the child must receive, in this order, to call
-    /// [`Frozen::from_handoff`].
-    pub fn handoff(&self) -> Result<(Vec<u8>, Vec<&std::fs::File>)> {
-        let files: Vec<&std::fs::File> = self.image.parts().map(|(f, _)| f).collect();
-        let layers: Vec<Vec<(u64, u64)>> =
-            self.image.parts().map(|(_, runs)| runs.to_vec()).collect();
-        let c = &self.config;
-        let h = Handoff {
-            machine: self.machine.clone(),
-            vm: self.vm.clone(),
-            vcpus: self.vcpus.iter().map(clone_vcpu).collect::<Result<_>>()?,
-            devices: self.devices.clone(),
-            config: HandoffConfig {
-                vcpus: c.vcpus,
-                mem_mib: c.mem_mib,
-                kernel: c.kernel.clone(),
-                cmdline: c.cmdline.clone(),
-                test_device: c.test_device,
-                kvm_device: c.kvm_device.clone(),
-            },
-            layers,
-            disk: self.disk.clone(),
-        };
-        let bytes = postcard::to_allocvec(&h)
-            .map_err(|e| Error::Snapshot(format!("encoding the fork handoff: {e}")))?;
-        Ok((bytes, files))
-    }
-
-    /// The frozen instant another process handed over ([`Frozen::handoff`]): its bytes and
-    /// the memory layers' files in the same order.
-    pub fn from_handoff(bytes: &[u8], files: Vec<std::fs::File>) -> Result<Frozen> {
-        let h: Handoff = postcard::from_bytes(bytes)
-            .map_err(|e| Error::Snapshot(format!("decoding the fork handoff: {e}")))?;
-        if h.layers.len() != files.len() {
-            return Err(Error::Snapshot(format!(
-                "fork handoff: {} memory layers but {} files",
-                h.layers.len(),
-                files.len()
-            )));
-        }
-        let image = FrozenImage::from_parts(
-            files.into_iter().zip(h.layers).collect(),
-            h.machine.mem_bytes,
-        )?;
-        let c = h.config;
-        let mut config = VmConfig::new(c.kernel);
-        config.vcpus = c.vcpus;
-        config.mem_mib = c.mem_mib;
-        config.cmdline = c.cmdline;
-        config.test_device = c.test_device;
-        config.kvm_device = c.kvm_device;
-        config.vsock = h.machine.vsock.as_ref().map(|v| VsockConfig {
-            uds_path: v.uds_path.clone(),
-            guest_cid: v.guest_cid,
-        });
-        Ok(Frozen {
-            image: Arc::new(image),
-            machine: h.machine,
-            vm: h.vm,
-            vcpus: h.vcpus,
-            devices: h.devices,
-            config,
-            disk: h.disk,
-        })
-    }
-}
-
-impl Frozen {
-    /// Makes a child's own overlay at `path` on the frozen disk layer (only for a writable
-    /// disk; a read-only one is shared as it is).
-    pub fn child_overlay(&self, path: &std::path::Path) -> Result<()> {
-        let Some(d) = self.disk.as_ref().filter(|d| !d.read_only) else {
-            return Ok(());
-        };
-        disk::ops::create(
-            path,
-            &disk::ops::CreateOptions {
-                parent: Some(d.layer.clone()),
-                ..Default::default()
-            },
-        )?;
-        Ok(())
-    }
-}
-
-/// `p` resolved to an absolute path (as it is when it cannot be).
-fn absolute(p: PathBuf) -> PathBuf {
-    p.canonicalize().unwrap_or(p)
-}
-
-/// A new layer's path next to `layer`: `<stem>-<tag><k>.cdsk`, a name not taken.
-fn sibling_layer(layer: &std::path::Path, tag: &str) -> PathBuf {
-    let stem = layer
+/// A child's file: `<dir>/<stem>-f<seq>.<ext>` — the one naming scheme of fork children's
+/// files. `dir` and `stem` default to those of `like` (`dir` given: the child's files go
+/// there instead).
+pub fn child_path(like: &Path, dir: Option<&Path>, seq: u32, ext: &str) -> PathBuf {
+    let stem = like
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "disk".into());
-    let dir = layer.parent().unwrap_or(std::path::Path::new("."));
-    loop {
-        let p = dir.join(format!(
-            "{stem}-{tag}{}.cdsk",
-            FORK_SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        if !p.exists() {
-            return p;
-        }
-    }
-}
-
-/// `VcpuState` is not `Clone` (KVM structs); a round trip through its encoding copies it.
-fn clone_vcpu(v: &VcpuState) -> Result<VcpuState> {
-    let b = postcard::to_allocvec(v)
-        .map_err(|e| Error::Snapshot(format!("encoding vCPU state: {e}")))?;
-    postcard::from_bytes(&b).map_err(|e| Error::Snapshot(format!("decoding vCPU state: {e}")))
+        .unwrap_or_else(|| "vm".into());
+    let dir = dir
+        .map(Path::to_path_buf)
+        .or_else(|| like.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("."));
+    dir.join(format!("{stem}-f{seq}.{ext}"))
 }
 
 /// A guest CID for a fork child: different between processes (from the pid) and between
@@ -740,7 +203,314 @@ pub fn process_unique_cid(avoid: u32) -> u32 {
     }
 }
 
-/// The next fork sequence number of this process (names and hostname suffixes).
-pub fn next_fork_seq() -> u32 {
-    FORK_SEQ.fetch_add(1, Ordering::Relaxed)
+/// Forks `vm`, running or paused, into `n` children (see the [module documentation](self)).
+/// The parent runs on afterwards (a paused one stays paused). If building a child fails,
+/// the children built so far are stopped and removed, the parent runs on, and the error is
+/// returned.
+pub fn fork(vm: &mut Vm, n: usize, options: ForkOptions) -> Result<Vec<Vm>> {
+    fork_with_report(vm, n, options).map(|(c, _)| c)
+}
+
+/// [`fork`], with how it went.
+pub fn fork_with_report(
+    vm: &mut Vm,
+    n: usize,
+    mut options: ForkOptions,
+) -> Result<(Vec<Vm>, ForkReport)> {
+    let t0 = Instant::now();
+    let (frozen, freeze_report) = freeze(vm)?;
+    let mut children = Vec::with_capacity(n);
+    let mut child_times = Vec::with_capacity(n);
+    let mut shells = std::mem::take(&mut options.shells).into_iter();
+    let parent_vsock = frozen.saved.machine.vsock.clone();
+    for i in 0..n {
+        #[cfg(any(test, feature = "test-hooks"))]
+        if options.fail_after == Some(i) {
+            tracing::warn!("fork: injected failure after {i} children");
+            // Dropping the children built so far stops them and removes their sockets.
+            return Err(Error::Snapshot(format!(
+                "fork: injected failure after {i} children"
+            )));
+        }
+        let t = Instant::now();
+        let seq = next_fork_seq();
+        let disk_path = match &frozen.saved.disk {
+            Some(d) if !d.read_only => {
+                let p = unused(|k| child_path(&d.layer, None, k, "cdsk"), seq);
+                frozen.child_overlay(&p)?;
+                Some(p)
+            }
+            _ => None,
+        };
+        let spec = ChildSpec {
+            disk_path: disk_path.clone(),
+            vsock_path: options.vsock_paths.get(i).cloned().or_else(|| {
+                parent_vsock.as_ref().map(|v| {
+                    let ext = v
+                        .uds_path
+                        .extension()
+                        .map(|e| e.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "vsock".into());
+                    unused(|k| child_path(&v.uds_path, None, k, &ext), seq)
+                })
+            }),
+            guest_cid: options.guest_cids.get(i).copied().unwrap_or_else(|| {
+                process_unique_cid(parent_vsock.as_ref().map_or(0, |v| v.guest_cid))
+            }),
+            serial: options.serial.clone(),
+            shell: shells.next(),
+            agent_sync: options.agent_sync,
+            hostname_suffix: format!("-f{seq}"),
+            start: options.start,
+            vcpu_cpus: options.vcpu_cpus.clone(),
+        };
+        let child = frozen.child(spec).map_err(|e| {
+            tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
+            if let Some(p) = &disk_path {
+                let _ = std::fs::remove_file(p);
+            }
+            e
+        })?;
+        children.push(child);
+        child_times.push(t.elapsed());
+    }
+    let report = ForkReport {
+        pause_time: freeze_report.pause_time,
+        pause_steps: freeze_report.steps,
+        layers: frozen.image.layers(),
+        mappings: frozen.image.mappings(),
+        child_times,
+        total: t0.elapsed(),
+    };
+    tracing::info!(
+        "forked {n} children: parent paused {:?}, {} layers, total {:?}",
+        report.pause_time,
+        report.layers,
+        report.total
+    );
+    Ok((children, report))
+}
+
+/// `name(seq)`, or `name(k)` for the first later `k` whose path is free.
+fn unused(name: impl Fn(u32) -> PathBuf, seq: u32) -> PathBuf {
+    let p = name(seq);
+    if !p.exists() {
+        return p;
+    }
+    loop {
+        let p = name(next_fork_seq());
+        if !p.exists() {
+            return p;
+        }
+    }
+}
+
+/// Pauses `vm`, saves its machine and freezes its memory, lets it run again: the instant
+/// children are made from. The parent is left unchanged (still running) on an error.
+pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
+    vm.check_live("fork")?;
+    if vm.has_page_server() || !vm.dirty_tracking() {
+        return Err(Error::Snapshot(
+            "only VMs with their whole memory in place and dirty page tracking can fork \
+             (a uffd restore cannot)"
+                .into(),
+        ));
+    }
+    let mut steps = Steps::new();
+    let mut paused = vm.pause_guard("fork")?;
+    steps.done("pause");
+    let captured = capture(paused.vm(), &mut steps);
+    let pause_time = paused.release();
+    steps.done("unpause");
+    let (image, saved) = captured?;
+    // The dirty log was consumed: a diff snapshot would miss pages.
+    vm.set_lineage(None);
+    let frozen = Frozen {
+        image,
+        saved,
+        kvm_device: vm.config().kvm_device.clone(),
+    };
+    Ok((
+        frozen,
+        FreezeReport {
+            pause_time,
+            steps: steps.steps,
+        },
+    ))
+}
+
+/// Everything that needs the parent paused: its machine, its memory frozen.
+fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMachine)> {
+    let saved = vm.save_machine("p", steps)?;
+    // The pages written since this memory was last frozen (a booted VM: none needed, but
+    // the log restarts here).
+    vm.take_dirty()?;
+    let dirty = vm.take_fork_carry();
+    steps.done("dirty_log");
+    let forked = matches!(vm.ram().backing(), Backing::Forked(_));
+    let image = match vm.ram_mut().freeze(forked.then_some(&dirty[..])) {
+        Ok(i) => i,
+        Err(e) => {
+            vm.return_fork_carry(dirty);
+            return Err(e);
+        }
+    };
+    steps.done("freeze_memory");
+    Ok((image, saved))
+}
+
+/// The first bytes of a hand-over: what travels besides the saved machine.
+#[derive(Serialize, Deserialize)]
+struct HandoffHeader {
+    /// Each memory layer's runs, base first, in the order of the files.
+    layers: Vec<Vec<(u64, u64)>>,
+    kvm_device: PathBuf,
+}
+
+impl Frozen {
+    /// The saved machine (shape, devices, disk).
+    pub fn saved(&self) -> &SavedMachine {
+        &self.saved
+    }
+
+    /// Layers of the frozen memory image.
+    pub fn layers(&self) -> usize {
+        self.image.layers()
+    }
+
+    /// The same instant with a private full copy of its memory instead of the shared
+    /// copy-on-write image (a fork by copy: the baseline of `clade bench fork`).
+    pub fn with_copied_memory(self) -> Result<Frozen> {
+        Ok(Frozen {
+            image: Arc::new(self.image.deep_copy()?),
+            ..self
+        })
+    }
+
+    /// A new VM from this instant (a child of the fork), with its own identity.
+    pub fn child(&self, spec: ChildSpec) -> Result<Vm> {
+        let t0 = Instant::now();
+        let saved = &self.saved;
+        let shell_spec = builder::shell_spec(saved, self.kvm_device.clone(), true);
+        let (shell, _) = builder::shell_for(&shell_spec, spec.shell)?;
+        let vsock = match (&saved.machine.vsock, &spec.vsock_path) {
+            (Some(_), Some(p)) => Some(VsockConfig {
+                uds_path: p.clone(),
+                guest_cid: spec.guest_cid,
+            }),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "the forked VM has a vsock device: its child needs a socket path".into(),
+                ))
+            }
+            (None, _) => None,
+        };
+        let disk = match (&saved.disk, &spec.disk_path) {
+            (None, _) => None,
+            (Some(d), _) if d.read_only => Some(BlockConfig {
+                path: d.layer.clone(),
+                read_only: true,
+                serial: d.serial.clone(),
+            }),
+            (Some(d), Some(p)) => Some(BlockConfig {
+                path: p.clone(),
+                read_only: false,
+                serial: d.serial.clone(),
+            }),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "the forked VM has a disk: its child needs an overlay path".into(),
+                ))
+            }
+        };
+        let identity = Identity {
+            serial: spec.serial,
+            vsock,
+            disk,
+            kvm_device: self.kvm_device.clone(),
+            dirty_tracking: true,
+            vcpu_cpus: spec.vcpu_cpus,
+            lineage: None,
+        };
+        let image = Arc::clone(&self.image);
+        let memory =
+            move |slot: MemorySlot<'_>| Ok((GuestRam::forked(slot.reservation, image)?, None));
+        let mut steps = Steps::new();
+        let (mut vm, _refused) = builder::from_saved(saved, shell, memory, identity, &mut steps)?;
+        let agent_sync = spec.agent_sync.map(|t| (t, Some(spec.hostname_suffix)));
+        vm.finish_from_saved(spec.start, agent_sync, &mut steps)?;
+        tracing::debug!("fork child built in {:?}", t0.elapsed());
+        Ok(vm)
+    }
+
+    /// Makes a child's own overlay at `path` on the frozen disk layer (only for a writable
+    /// disk; a read-only one is shared as it is).
+    pub fn child_overlay(&self, path: &Path) -> Result<()> {
+        let Some(d) = self.saved.disk.as_ref().filter(|d| !d.read_only) else {
+            return Ok(());
+        };
+        disk::ops::create(
+            path,
+            &disk::ops::CreateOptions {
+                parent: Some(d.layer.clone()),
+                ..Default::default()
+            },
+        )?;
+        Ok(())
+    }
+
+    /// This frozen instant for a child in another process: the state as bytes, and the
+    /// memory layers' files (base first) the child must receive, in this order, to call
+    /// [`Frozen::from_handoff`].
+    pub fn handoff(&self) -> Result<(Vec<u8>, Vec<&std::fs::File>)> {
+        let files: Vec<&std::fs::File> = self.image.parts().map(|(f, _)| f).collect();
+        let header = HandoffHeader {
+            layers: self.image.parts().map(|(_, runs)| runs.to_vec()).collect(),
+            kvm_device: self.kvm_device.clone(),
+        };
+        let encode =
+            |e: postcard::Error| Error::Snapshot(format!("encoding the fork handoff: {e}"));
+        let mut bytes = postcard::to_allocvec(&header).map_err(encode)?;
+        bytes.extend(postcard::to_allocvec(&self.saved).map_err(encode)?);
+        Ok((bytes, files))
+    }
+
+    /// The frozen instant another process handed over ([`Frozen::handoff`]): its bytes and
+    /// the memory layers' files in the same order.
+    pub fn from_handoff(bytes: &[u8], files: Vec<std::fs::File>) -> Result<Frozen> {
+        let decode =
+            |e: postcard::Error| Error::Snapshot(format!("decoding the fork handoff: {e}"));
+        let (header, rest): (HandoffHeader, _) =
+            postcard::take_from_bytes(bytes).map_err(decode)?;
+        let (saved, rest): (SavedMachine, _) = postcard::take_from_bytes(rest).map_err(decode)?;
+        if !rest.is_empty() {
+            return Err(Error::Snapshot(format!(
+                "fork handoff: {} bytes after the state",
+                rest.len()
+            )));
+        }
+        if header.layers.len() != files.len() {
+            return Err(Error::Snapshot(format!(
+                "fork handoff: {} memory layers but {} files",
+                header.layers.len(),
+                files.len()
+            )));
+        }
+        if saved.machine.vcpus == 0 || saved.vcpus.len() != saved.machine.vcpus as usize {
+            return Err(Error::Snapshot(format!(
+                "fork handoff: state for {} vCPUs in a {}-vCPU machine",
+                saved.vcpus.len(),
+                saved.machine.vcpus
+            )));
+        }
+        let image = FrozenImage::from_parts(
+            files.into_iter().zip(header.layers).collect(),
+            saved.machine.mem_bytes,
+        )?;
+        Ok(Frozen {
+            image: Arc::new(image),
+            saved,
+            kvm_device: header.kvm_device,
+        })
+    }
 }

@@ -1,80 +1,32 @@
-//! [`Vm`]: the handle to a built VM — start, pause, resume, wait, shut down.
+//! [`Vm`]: one virtual machine, however it was made (booted, restored from a snapshot,
+//! forked), and everything done to it while it exists: start, pause and unpause, wait,
+//! shut down, save its state.
+//!
+//! A `Vm` is put together in one place, [`Vm::from_parts`], from the parts
+//! [`crate::builder`] prepares for a boot, a restore or a fork child. Snapshot
+//! ([`crate::snapshot`]), restore ([`crate::restore`]) and fork ([`crate::fork`]) are modules
+//! above this one: they call its methods ([`Vm::pause_guard`], [`Vm::save_machine`],
+//! [`Vm::take_dirty`], ...) and never reach into it otherwise.
 
+use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use devices::{ExitNotifier, GuestExit};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use snapshot::page_server::{PageServer, PageServerStats};
 
 use crate::config::VmConfig;
 use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
-use crate::persist::{Lineage, ResumeReport};
-use crate::vstate::memory::{GuestMemory, GuestRam};
+use crate::exit::{VmEvent, VmExit};
+use crate::saved::{
+    Lineage, MachineState, RestoreReport, SavedDisk, SavedMachine, SavedVsock, Steps,
+};
+use crate::vstate::kvm;
+use crate::vstate::memory::{Backing, GuestMemory, GuestRam};
+use crate::vstate::spare::SpareThread;
+use crate::vstate::state::{self as kvm_state, Capabilities};
 use crate::vstate::vcpu::VcpuHandle;
-
-/// How a VM ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExitStatus {
-    /// The guest powered off (ACPI S5).
-    PowerOff,
-    /// The guest reset the machine (reboot, or a panic with `panic=N`); Clade does not reboot.
-    Reset,
-    /// The project's test guest reported this result code.
-    TestExit(u32),
-    /// The guest or KVM failed: triple fault, entry failure, internal error.
-    Crashed(String),
-    /// The host stopped the VM ([`Vm::shutdown`]).
-    Stopped,
-}
-
-impl ExitStatus {
-    /// Process exit code for the `clade` binary: 0 for a power off, the guest's code for the
-    /// test guest (255 if it does not fit), 2 for a reset, 1 for a crash, 0 when stopped.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            ExitStatus::PowerOff | ExitStatus::Stopped => 0,
-            ExitStatus::TestExit(c) => (*c).min(255) as i32,
-            ExitStatus::Reset => 2,
-            ExitStatus::Crashed(_) => 1,
-        }
-    }
-}
-
-impl std::fmt::Display for ExitStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ExitStatus::PowerOff => write!(f, "guest powered off"),
-            ExitStatus::Reset => write!(f, "guest reset the machine (reboot or panic)"),
-            ExitStatus::TestExit(c) => write!(f, "test guest exited with code {c:#x}"),
-            ExitStatus::Crashed(why) => write!(f, "guest crashed: {why}"),
-            ExitStatus::Stopped => write!(f, "stopped by the host"),
-        }
-    }
-}
-
-/// Messages from vCPU threads and devices to the VM owner.
-#[derive(Debug)]
-pub enum VmEvent {
-    /// The VM must end with this status.
-    Exit(ExitStatus),
-}
-
-/// The callback devices use to end the VM: a [`VmEvent::Exit`] to the owner.
-pub(crate) fn exit_notifier(events_tx: &Sender<VmEvent>) -> ExitNotifier {
-    let exit_tx = Mutex::new(events_tx.clone());
-    Arc::new(move |e: GuestExit| {
-        let status = match e {
-            GuestExit::PowerOff => ExitStatus::PowerOff,
-            GuestExit::Reset => ExitStatus::Reset,
-            GuestExit::TestExit(c) => ExitStatus::TestExit(c),
-        };
-        let tx = exit_tx.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = tx.send(VmEvent::Exit(status));
-    })
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RunState {
@@ -99,51 +51,140 @@ impl RunState {
 pub struct Vm {
     // Field order is drop order: vCPU threads stop before devices and the VM fd go, and the VM
     // fd is closed before guest memory is unmapped.
-    pub(crate) vcpus: Vec<VcpuHandle>,
-    pub(crate) pending_vcpus: Vec<VcpuFd>,
+    vcpus: Vec<VcpuHandle>,
+    pending_vcpus: Vec<VcpuFd>,
+    devices: DeviceManager,
+    events: Receiver<VmEvent>,
+    events_tx: Sender<VmEvent>,
+    /// Serves guest memory on demand after a `uffd` restore (stops before memory goes).
+    page_server: Option<PageServer>,
+    vm_fd: VmFd,
+    ram: GuestRam,
+    kvm: Kvm,
+    config: VmConfig,
+    pvm_native: bool,
+    created_at: Instant,
+    state: RunState,
+    exit: Option<VmExit>,
+    /// The snapshot this VM's memory last matched (taken or restored from): the base of the
+    /// next diff snapshot.
+    lineage: Option<Lineage>,
+    /// How the restore that made this VM went.
+    restore_report: Option<RestoreReport>,
+    /// False while a page server records a working set that was not yet written.
+    working_set_saved: bool,
+    /// The memory slots log dirty pages (diff snapshots possible).
+    dirty_tracking: bool,
+    /// Threads started ahead of time for the vCPUs (from a VM shell).
+    spares: Vec<SpareThread>,
+    /// The CPUID set on each vCPU (saved in snapshots).
+    cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
+    /// Host CPUs the vCPU threads are pinned to (vCPU `i` on `vcpu_cpus[i % len]`).
+    vcpu_cpus: Vec<usize>,
+    /// The post-restore agent sync's outcome, once it arrives.
+    agent_sync: Option<Receiver<std::result::Result<Duration, String>>>,
+    /// Forked memory: the pages written since it was frozen that a snapshot already took
+    /// out of the dirty log (see [`crate::fork`]).
+    fork_carry: Vec<Vec<u64>>,
+}
+
+/// Everything a [`Vm`] is made of, prepared by [`crate::builder`] for a boot, a restore or
+/// a fork child. Devices are created and the KVM state (boot registers, or saved state)
+/// is set; the vCPUs have not run.
+pub(crate) struct VmParts {
+    pub(crate) vcpu_fds: Vec<VcpuFd>,
     pub(crate) devices: DeviceManager,
-    pub(crate) events: Receiver<VmEvent>,
-    pub(crate) events_tx: Sender<VmEvent>,
-    /// Serves guest memory on demand after a `uffd` resume (stops before memory goes).
+    pub(crate) events: (Sender<VmEvent>, Receiver<VmEvent>),
     pub(crate) page_server: Option<PageServer>,
     pub(crate) vm_fd: VmFd,
     pub(crate) ram: GuestRam,
-    pub(crate) _kvm: Kvm,
+    pub(crate) kvm: Kvm,
     pub(crate) config: VmConfig,
     pub(crate) pvm_native: bool,
     pub(crate) created_at: Instant,
-    pub(crate) state: RunState,
-    pub(crate) exit: Option<ExitStatus>,
-    /// The snapshot this VM's memory last matched (taken or resumed from): the base of the
-    /// next diff snapshot.
     pub(crate) lineage: Option<Lineage>,
-    /// How the resume that made this VM went.
-    pub(crate) resume_report: Option<ResumeReport>,
-    /// False while a page server records a working set that was not yet written.
-    pub(crate) working_set_saved: bool,
-    /// The memory slots log dirty pages (diff snapshots possible).
     pub(crate) dirty_tracking: bool,
-    /// Threads started ahead of time for the vCPUs (from a VM shell).
-    pub(crate) spares: Vec<crate::vstate::spare::SpareThread>,
-    /// The CPUID set on each vCPU (saved in snapshots).
+    pub(crate) spares: Vec<SpareThread>,
     pub(crate) cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
-    /// Host CPUs the vCPU threads are pinned to (vCPU `i` on `vcpu_cpus[i % len]`).
     pub(crate) vcpu_cpus: Vec<usize>,
-    /// The post-resume agent sync's outcome, once it arrives.
-    pub(crate) agent_sync: Option<Receiver<std::result::Result<Duration, String>>>,
-    /// Forked memory: the pages written since it was frozen that a snapshot already took
-    /// out of the dirty log (see [`Vm::fork`]).
-    pub(crate) fork_carry: Vec<Vec<u64>>,
+}
+
+/// Returned by [`Vm::pause_guard`]: the vCPUs and device workers stay paused while it
+/// lives, and run again when it is dropped (or [`PauseGuard::release`]d), unless the VM was
+/// paused before.
+pub(crate) struct PauseGuard<'a> {
+    vm: &'a mut Vm,
+    was_running: bool,
+    since: Instant,
+    released: bool,
+}
+
+impl PauseGuard<'_> {
+    /// The paused VM.
+    pub(crate) fn vm(&mut self) -> &mut Vm {
+        self.vm
+    }
+
+    /// Lets the VM run again (if it ran before); returns how long its vCPUs were paused
+    /// (zero when it was paused already).
+    pub(crate) fn release(mut self) -> Duration {
+        self.unpause();
+        if self.was_running {
+            self.since.elapsed()
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    fn unpause(&mut self) {
+        if self.released {
+            return;
+        }
+        self.released = true;
+        self.vm.devices.unpause();
+        if self.was_running {
+            for v in &self.vm.vcpus {
+                v.unpause();
+            }
+        }
+    }
+}
+
+impl Drop for PauseGuard<'_> {
+    fn drop(&mut self) {
+        self.unpause();
+    }
 }
 
 impl Vm {
-    /// Builds a VM from `config` (see [`crate::builder`]). It does not run until [`Vm::start`].
-    pub fn new(config: VmConfig) -> Result<Self> {
-        crate::builder::build(config)
-    }
-
-    pub(crate) fn initial_state() -> RunState {
-        RunState::Built
+    /// The one place a `Vm` is put together (boot, restore and fork all come here).
+    pub(crate) fn from_parts(p: VmParts) -> Vm {
+        let recording = p.page_server.as_ref().is_some_and(PageServer::is_recording);
+        Vm {
+            vcpus: Vec::new(),
+            pending_vcpus: p.vcpu_fds,
+            devices: p.devices,
+            events_tx: p.events.0,
+            events: p.events.1,
+            page_server: p.page_server,
+            vm_fd: p.vm_fd,
+            ram: p.ram,
+            kvm: p.kvm,
+            config: p.config,
+            pvm_native: p.pvm_native,
+            created_at: p.created_at,
+            state: RunState::Built,
+            exit: None,
+            lineage: p.lineage,
+            restore_report: None,
+            working_set_saved: !recording,
+            dirty_tracking: p.dirty_tracking,
+            spares: p.spares,
+            cpuids: p.cpuids,
+            vcpu_cpus: p.vcpu_cpus,
+            agent_sync: None,
+            fork_carry: Vec::new(),
+        }
     }
 
     fn invalid(&self, op: &'static str) -> Error {
@@ -189,13 +230,6 @@ impl Vm {
         Ok(())
     }
 
-    /// Builds and starts, then waits for the VM to end.
-    pub fn run(config: VmConfig) -> Result<ExitStatus> {
-        let mut vm = Self::new(config)?;
-        vm.start()?;
-        vm.wait()
-    }
-
     /// Stops all vCPUs from running guest code; guest memory and devices stay as they are.
     pub fn pause(&mut self) -> Result<()> {
         self.poll_exit();
@@ -209,20 +243,20 @@ impl Vm {
         Ok(())
     }
 
-    /// Lets paused vCPUs run again. (Not to be confused with [`Vm::resume`], which
+    /// Lets paused vCPUs run again. (Not to be confused with [`crate::restore`], which
     /// makes a new VM from a snapshot.)
     pub fn unpause(&mut self) -> Result<()> {
         if self.state != RunState::Paused {
             return Err(self.invalid("unpause"));
         }
         for v in &self.vcpus {
-            v.resume();
+            v.unpause();
         }
         self.state = RunState::Running;
         Ok(())
     }
 
-    fn finish(&mut self, status: ExitStatus) -> ExitStatus {
+    fn finish(&mut self, status: VmExit) -> VmExit {
         for v in &mut self.vcpus {
             v.stop();
         }
@@ -233,9 +267,9 @@ impl Vm {
     }
 
     /// A page-server failure leaves a vCPU blocked on a page forever: end the VM.
-    fn page_server_failure(&self) -> Option<ExitStatus> {
+    fn page_server_failure(&self) -> Option<VmExit> {
         let e = self.page_server.as_ref()?.error()?;
-        Some(ExitStatus::Crashed(format!(
+        Some(VmExit::Crashed(format!(
             "guest memory could not be served: {e}"
         )))
     }
@@ -252,7 +286,7 @@ impl Vm {
     }
 
     /// Blocks until the VM ends and returns how it ended.
-    pub fn wait(&mut self) -> Result<ExitStatus> {
+    pub fn wait(&mut self) -> Result<VmExit> {
         loop {
             if let Some(status) = self.wait_timeout(Duration::from_millis(200))? {
                 return Ok(status);
@@ -261,7 +295,7 @@ impl Vm {
     }
 
     /// Like [`Vm::wait`], but gives up after `timeout` (returns `None`, VM still running).
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<VmExit>> {
         if let Some(s) = &self.exit {
             return Ok(Some(s.clone()));
         }
@@ -275,13 +309,13 @@ impl Vm {
             Ok(VmEvent::Exit(status)) => Ok(Some(self.finish(status))),
             Err(RecvTimeoutError::Timeout) => Ok(None),
             // We hold a sender ourselves, so this cannot happen; treat it as a stop.
-            Err(RecvTimeoutError::Disconnected) => Ok(Some(self.finish(ExitStatus::Stopped))),
+            Err(RecvTimeoutError::Disconnected) => Ok(Some(self.finish(VmExit::Stopped))),
         }
     }
 
     /// Stops the VM now, whatever the guest is doing. Returns how it ended (a guest-requested
     /// exit that raced with this call wins).
-    pub fn shutdown(&mut self) -> ExitStatus {
+    pub fn shutdown(&mut self) -> VmExit {
         if let Some(s) = &self.exit {
             return s.clone();
         }
@@ -289,7 +323,7 @@ impl Vm {
         if let Some(s) = &self.exit {
             return s.clone();
         }
-        self.finish(ExitStatus::Stopped)
+        self.finish(VmExit::Stopped)
     }
 
     /// The configuration this VM was built from.
@@ -344,9 +378,9 @@ impl Vm {
         self.lineage.as_ref()
     }
 
-    /// How the resume that created this VM went (None for a booted VM).
-    pub fn resume_report(&self) -> Option<&ResumeReport> {
-        self.resume_report.as_ref()
+    /// How the restore that made this VM went (None for a booted or forked VM).
+    pub fn restore_report(&self) -> Option<&RestoreReport> {
+        self.restore_report.as_ref()
     }
 
     /// Writes the working set the page server recorded since the resume (the pages the
@@ -418,9 +452,274 @@ impl Vm {
             .map(|t| t.duration_since(self.created_at))
     }
 
-    /// The raw KVM VM fd (for later subsystems: snapshot, dirty logging).
-    pub fn vm_fd(&self) -> &VmFd {
-        &self.vm_fd
+    /// Fails unless the VM runs or is paused (`op` names the operation in the error).
+    pub(crate) fn check_live(&mut self, op: &'static str) -> Result<()> {
+        self.poll_exit();
+        if matches!(self.state, RunState::Running | RunState::Paused) {
+            Ok(())
+        } else {
+            Err(self.invalid(op))
+        }
+    }
+
+    /// Pauses the vCPUs (if they run) and the device workers until the guard is dropped:
+    /// guest memory and device state hold still meanwhile. A VM that ended cannot be
+    /// paused (`op` names the operation in that error).
+    pub(crate) fn pause_guard(&mut self, op: &'static str) -> Result<PauseGuard<'_>> {
+        self.check_live(op)?;
+        let was_running = self.state == RunState::Running;
+        let since = Instant::now();
+        if was_running {
+            for v in &self.vcpus {
+                v.pause();
+            }
+        }
+        self.devices.pause();
+        Ok(PauseGuard {
+            vm: self,
+            was_running,
+            since,
+            released: false,
+        })
+    }
+
+    /// The machine's shape, as VMs built from its saved state need it.
+    fn machine_state(&self) -> MachineState {
+        MachineState {
+            vcpus: self.config.vcpus,
+            mem_bytes: self.ram.mem_bytes(),
+            pvm_vif_base: self.pvm_native.then_some(crate::arch::layout::PVM_VIF_BASE),
+            vsock: self.config.vsock.as_ref().map(|v| SavedVsock {
+                uds_path: v.uds_path.clone(),
+                guest_cid: v.guest_cid,
+            }),
+            kernel: self.config.kernel.clone(),
+            cmdline: self.config.cmdline.clone(),
+        }
+    }
+
+    /// Everything but memory, at this instant: vCPUs (each read on its own thread), VM,
+    /// devices, and the disk, whose top layer is flushed and frozen while the VM continues
+    /// on a new overlay next to it (`<name>-<disk_tag><k>.cdsk`; a read-only disk stays as
+    /// it is). Call through a [`PauseGuard`].
+    pub(crate) fn save_machine(
+        &mut self,
+        disk_tag: &str,
+        steps: &mut Steps,
+    ) -> Result<SavedMachine> {
+        if !self.devices.is_paused() {
+            return Err(Error::Snapshot(
+                "the VM must be paused for its state to be saved".into(),
+            ));
+        }
+        let caps = Capabilities::probe(&self.kvm)?;
+        let jobs = self
+            .vcpus
+            .iter()
+            .zip(&self.cpuids)
+            .map(|(v, cpuid)| {
+                let caps = caps.clone();
+                let cpuid = cpuid.clone();
+                v.submit(move |fd| kvm_state::save_vcpu(fd, &caps, cpuid))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vcpus = jobs
+            .into_iter()
+            .zip(&self.vcpus)
+            .map(|(rx, v)| v.wait_job(rx)?)
+            .collect::<Result<Vec<_>>>()?;
+        steps.done("save_vcpus");
+        let vm = kvm_state::save_vm(&self.vm_fd)?;
+        let devices = self.devices.save()?;
+        steps.done("save_vm_devices");
+        let disk = self.freeze_disk(disk_tag)?;
+        if let Some(d) = &disk {
+            tracing::debug!("disk layer {} frozen", d.layer.display());
+            steps.done("freeze_disk");
+        }
+        Ok(SavedMachine {
+            machine: self.machine_state(),
+            vm,
+            vcpus,
+            devices,
+            disk,
+        })
+    }
+
+    /// The disk's half of [`Vm::save_machine`].
+    fn freeze_disk(&mut self, tag: &str) -> Result<Option<SavedDisk>> {
+        let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
+            return Ok(None);
+        };
+        if cfg.read_only {
+            return Ok(Some(SavedDisk {
+                layer: absolute(cfg.path),
+                read_only: true,
+                serial: cfg.serial,
+            }));
+        }
+        let mut d = disk.lock().unwrap_or_else(|e| e.into_inner());
+        let new_top = sibling_layer(d.path(), tag);
+        let frozen = absolute(d.snapshot(&new_top)?);
+        drop(d);
+        if let Some(c) = self.config.disk.as_mut() {
+            c.path = new_top;
+        }
+        Ok(Some(SavedDisk {
+            layer: frozen,
+            read_only: false,
+            serial: cfg.serial,
+        }))
+    }
+
+    /// The pages written since the last call (KVM's dirty log and the VMM's own writes),
+    /// one bitmap per range. A forked VM also keeps them for its next fork (the pages it
+    /// wrote since its memory was frozen).
+    pub(crate) fn take_dirty(&mut self) -> Result<Vec<Vec<u64>>> {
+        let mut dirty = kvm::take_dirty_log(&self.vm_fd, self.ram.ranges())?;
+        for (d, v) in dirty.iter_mut().zip(self.ram.take_vmm_dirty()) {
+            for (a, b) in d.iter_mut().zip(v) {
+                *a |= b;
+            }
+        }
+        if matches!(self.ram.backing(), Backing::Forked(_)) {
+            if self.fork_carry.is_empty() {
+                self.fork_carry = dirty.clone();
+            } else {
+                for (d, v) in self.fork_carry.iter_mut().zip(&dirty) {
+                    for (a, b) in d.iter_mut().zip(v) {
+                        *a |= *b;
+                    }
+                }
+            }
+        }
+        Ok(dirty)
+    }
+
+    /// The pages a forked VM wrote since its memory was last frozen (taken: the next fork
+    /// starts a new count; give them back with [`Vm::return_fork_carry`] on failure).
+    pub(crate) fn take_fork_carry(&mut self) -> Vec<Vec<u64>> {
+        std::mem::take(&mut self.fork_carry)
+    }
+
+    /// Gives back what [`Vm::take_fork_carry`] took when a fork failed.
+    pub(crate) fn return_fork_carry(&mut self, carry: Vec<Vec<u64>>) {
+        self.fork_carry = carry;
+    }
+
+    /// Guest RAM (snapshot and fork read and freeze it).
+    pub(crate) fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    /// Guest RAM, to freeze it for a fork.
+    pub(crate) fn ram_mut(&mut self) -> &mut GuestRam {
+        &mut self.ram
+    }
+
+    /// Whether the memory slots log dirty pages.
+    pub(crate) fn dirty_tracking(&self) -> bool {
+        self.dirty_tracking
+    }
+
+    /// Whether a page server records the guest's working set (a first `uffd` restore).
+    pub(crate) fn page_server_recording(&self) -> bool {
+        self.page_server
+            .as_ref()
+            .is_some_and(PageServer::is_recording)
+    }
+
+    /// Whether guest memory is served on demand by a page server (a `uffd` restore).
+    pub(crate) fn has_page_server(&self) -> bool {
+        self.page_server.is_some()
+    }
+
+    /// Stops the page server after installing every page it has not served yet, so the
+    /// VM runs on plain memory (before a full snapshot reads all of it).
+    pub(crate) fn fill_memory(&mut self) -> Result<Option<u64>> {
+        let Some(ps) = self.page_server.take() else {
+            return Ok(None);
+        };
+        let report = ps
+            .stop(snapshot::page_server::StopMode::FillRemaining)
+            .map_err(|e| Error::Snapshot(format!("filling guest memory from the snapshot: {e}")))?;
+        self.working_set_saved = true;
+        Ok(Some(report.stats.pages_filled))
+    }
+
+    /// Sets the snapshot this VM's memory now matches (None: no diff possible until the
+    /// next full snapshot).
+    pub(crate) fn set_lineage(&mut self, lineage: Option<Lineage>) {
+        self.lineage = lineage;
+    }
+
+    /// Records how the restore that made this VM went.
+    pub(crate) fn set_restore_report(&mut self, report: RestoreReport) {
+        self.restore_report = Some(report);
+    }
+
+    /// Finishes a VM built from saved state: starts the vCPUs if asked, then binds the
+    /// vsock sockets and starts the virtio workers (the vCPUs' first moments overlap with
+    /// them), then with `agent_sync` gives the guest agent the time, fresh entropy and the
+    /// hostname suffix in a background thread ([`Vm::agent_sync_done`] tells the outcome).
+    pub(crate) fn finish_from_saved(
+        &mut self,
+        start: bool,
+        agent_sync: Option<(Duration, Option<String>)>,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        if start {
+            self.start()?;
+            steps.done("start");
+        }
+        self.devices.finish_restore()?;
+        steps.done("devices_finish");
+        if let (Some((timeout, suffix)), Some(v)) = (agent_sync, &self.config.vsock) {
+            let path = v.uds_path.clone();
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            std::thread::Builder::new()
+                .name("agent-sync".into())
+                .spawn(move || {
+                    let r = crate::agent::sync_after_restore(&path, timeout, suffix.as_deref());
+                    let _ = tx.send(r);
+                })
+                .map_err(|source| Error::Io {
+                    context: "spawning the agent sync thread",
+                    source,
+                })?;
+            self.agent_sync = Some(rx);
+        }
+        Ok(())
+    }
+
+    /// Host memory this VM's guest RAM uses, as its proportional set size in KiB (pages
+    /// shared with other VMs count in part), from `/proc/self/smaps`.
+    pub fn memory_pss_kib(&self) -> Result<u64> {
+        let start = self.ram.image_addr();
+        let end = start + self.ram.mem_bytes() as usize;
+        crate::vstate::memory::pss_kib(start, end)
+    }
+}
+
+/// `p` resolved to an absolute path (as it is when it cannot be).
+fn absolute(p: PathBuf) -> PathBuf {
+    p.canonicalize().unwrap_or(p)
+}
+
+/// A new layer's path next to `layer`: `<stem>-<tag><k>.cdsk`, a name not taken.
+fn sibling_layer(layer: &std::path::Path, tag: &str) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let stem = layer
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "disk".into());
+    let dir = layer.parent().unwrap_or(std::path::Path::new("."));
+    loop {
+        let k = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = dir.join(format!("{stem}-{tag}{k}.cdsk"));
+        if !p.exists() {
+            return p;
+        }
     }
 }
 

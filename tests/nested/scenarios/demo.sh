@@ -85,15 +85,15 @@ say "\$ clade snapshot $API $SNAP"
 sed 's/^/    /' "$OUT"
 kill "$VM"
 wait "$VM"
-say "original VM stopped; \$ clade resume $SNAP --backend uffd --vsock $SOCK --api-sock $API"
+say "original VM stopped; \$ clade restore $SNAP --backend uffd --vsock $SOCK --api-sock $API"
 rm -f "$SOCK" "$API"
 t0=$(uptime_s)
-"$CLADE" resume "$SNAP" --backend uffd --vsock "$SOCK" --api-sock "$API" \
+"$CLADE" restore "$SNAP" --backend uffd --vsock "$SOCK" --api-sock "$API" \
     --serial-file "$LOG.resumed" &
 VM=$!
 "$CLADE" ping --wait 120 "$SOCK" >"$OUT" 2>&1 || fail "resumed VM: no ping: $(cat "$OUT")"
 t1=$(uptime_s)
-say "resumed; agent answers $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s after clade resume (emulated wall time)"
+say "resumed; agent answers $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s after clade restore (emulated wall time)"
 exec_show "cat /tmp/state" cat /tmp/state
 grep -q installed-once "$OUT" || fail "the file written before the snapshot is gone"
 
@@ -101,7 +101,7 @@ say "\$ clade poweroff $SOCK"
 "$CLADE" poweroff "$SOCK" || fail "poweroff: rc $?"
 wait "$VM"
 rc=$?
-[ "$rc" = 0 ] || fail "clade resume exited $rc after the guest powered off"
+[ "$rc" = 0 ] || fail "clade restore exited $rc after the guest powered off"
 say "sandbox powered off; clade exited 0"
 rm -rf "$SNAP" "$DIR/forks"
 rm -f "$OUT"

@@ -167,7 +167,7 @@ while kill -0 "$K1" 2>/dev/null; do
     sleep 0.1
 done
 rm -f "$S1" "$A1"
-$CLADE resume /tmp/forks/snap1 --backend uffd --vsock /tmp/forks/r1.vsock \
+$CLADE restore /tmp/forks/snap1 --backend uffd --vsock /tmp/forks/r1.vsock \
     --api-sock /tmp/forks/r1.api --disk-overlay /tmp/forks/r1.cdsk \
     --serial-file /tmp/forks/r1.serial 2>/tmp/forks/r1.log &
 R1=$!

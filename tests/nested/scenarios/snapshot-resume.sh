@@ -10,7 +10,7 @@
 #
 # The guest runs a background process appending a counter to /tmp/counter every 100 ms
 # and has a file written through the agent; `clade snapshot` (full) through the API
-# socket; the VM is killed. Then, for uffd, file and copy: `clade resume`, the file is
+# socket; the VM is killed. Then, for uffd, file and copy: `clade restore`, the file is
 # there, the counter process still runs and continues where it was (the file is 1, 2, 3,
 # ... with no restart), exec works, the agent sync gave the guest the current time; a
 # diff snapshot of the resumed VM resumes too. Finally two resumes of the same snapshot run
@@ -110,7 +110,7 @@ check_resumed() {
 # --- each backend -------------------------------------------------------------------
 for b in uffd file copy; do
     rm -f /tmp/r.sock /tmp/r.api
-    $CLADE resume "$SNAP" --backend "$b" --vsock /tmp/r.sock --api-sock /tmp/r.api \
+    $CLADE restore "$SNAP" --backend "$b" --vsock /tmp/r.sock --api-sock /tmp/r.api \
         --serial-file "/tmp/r-$b.log" &
     R=$!
     VMS="$R"
@@ -124,14 +124,14 @@ for b in uffd file copy; do
     $CLADE poweroff /tmp/r.sock || fail "$b: poweroff: rc $?"
     wait_gone "$R"
     rc=$?
-    [ "$rc" = 0 ] || fail "$b: clade resume exited $rc after the guest powered off"
-    pass "$b poweroff" "clade resume exited 0"
+    [ "$rc" = 0 ] || fail "$b: clade restore exited $rc after the guest powered off"
+    pass "$b poweroff" "clade restore exited 0"
 done
 [ -f "$SNAP/working_set.ws" ] && pass "working set" "$(ls -l "$SNAP/working_set.ws")"
 
 # Without the agent sync the guest's clock lags by the time the snapshot spent on disk.
 rm -f /tmp/r.sock /tmp/r.api
-$CLADE resume "$SNAP" --backend file --no-agent-sync --vsock /tmp/r.sock --api-sock /tmp/r.api \
+$CLADE restore "$SNAP" --backend file --no-agent-sync --vsock /tmp/r.sock --api-sock /tmp/r.api \
     --serial-file /tmp/r-nosync.log &
 R=$!
 VMS="$R"
@@ -144,7 +144,7 @@ $CLADE poweroff /tmp/r.sock || fail "no-sync: poweroff"
 wait_gone "$R"
 
 rm -f /tmp/r.sock /tmp/r.api
-$CLADE resume /tmp/snap-diff --vsock /tmp/r.sock --api-sock /tmp/r.api \
+$CLADE restore /tmp/snap-diff --vsock /tmp/r.sock --api-sock /tmp/r.api \
     --serial-file /tmp/r-diff.log &
 R=$!
 VMS="$R"
@@ -156,10 +156,10 @@ $CLADE poweroff /tmp/r.sock || fail "diff: poweroff"
 wait_gone "$R"
 
 # --- two resumes of one snapshot, side by side -------------------------------------------
-$CLADE resume "$SNAP" --backend uffd --vsock /tmp/a.sock --api-sock /tmp/a.api \
+$CLADE restore "$SNAP" --backend uffd --vsock /tmp/a.sock --api-sock /tmp/a.api \
     --serial-file /tmp/r-a.log &
 A=$!
-$CLADE resume "$SNAP" --backend file --vsock /tmp/b.sock --api-sock /tmp/b.api \
+$CLADE restore "$SNAP" --backend file --vsock /tmp/b.sock --api-sock /tmp/b.api \
     --serial-file /tmp/r-b.log &
 B=$!
 VMS="$A $B"

@@ -23,6 +23,7 @@
 //! into memory are capped ([`MAX_READ_FILE`]).
 
 mod exec;
+mod sync;
 mod transport;
 
 use std::collections::HashMap;
@@ -43,6 +44,7 @@ pub use guest_agent::proto::{
 };
 
 pub use exec::{Command, Exec, ExecEvent, ExecHandle, Output, StdinWriter};
+pub(crate) use sync::sync_after_restore;
 pub use transport::Transport;
 
 use crate::error::{Error, Result};

@@ -1,6 +1,7 @@
 //! The control API of a running VM: newline-delimited JSON over a Unix socket.
 //!
-//! `clade run --api-sock PATH` and `clade resume DIR --api-sock PATH` serve it; the socket
+//! `clade run --api-sock PATH` and `clade restore DIR --api-sock PATH` serve it (through
+//! [`crate::host::own`]); the socket
 //! exists while the VM runs (a stale one is replaced, one in use is refused) and is removed
 //! when the process ends. Any number of connections, each a sequence of one request line
 //! and one response line. Requests are executed one at a time, in arrival order, by the
@@ -13,9 +14,9 @@
 //!
 //! | request | result fields |
 //! |---|---|
-//! | `{"op":"status"}` | `state` (`"running"`, `"paused"`), `vcpus`, `mem_mib`, `pvm_native`; `last_snapshot` `{id, dir}` once the VM took or was resumed from one (the base of its next diff); `resumed` `{backend, kind, us}` for a resumed VM |
+//! | `{"op":"status"}` | `state` (`"running"`, `"paused"`), `vcpus`, `mem_mib`, `pvm_native`; `last_snapshot` `{id, dir}` once the VM took or was restored from one (the base of its next diff); `restored` `{backend, kind, us}` for a restored VM |
 //! | `{"op":"pause"}` | `state`: the vCPUs stop (devices keep running) |
-//! | `{"op":"resume"}` | `state`: paused vCPUs run again (this is not `clade resume`) |
+//! | `{"op":"unpause"}` | `state`: paused vCPUs run again (`"resume"` is accepted as an alias) |
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
 //!
@@ -29,7 +30,7 @@
 //! overlay is frozen, it continues on a new one and each child gets its own.
 //!
 //! `snapshot`: `kind` is `"full"` (default) or `"diff"` (only pages written since the
-//! VM's last snapshot, or since the snapshot it was resumed from; that snapshot's directory
+//! VM's last snapshot, or since the snapshot it was restored from; that snapshot's directory
 //! must stay where it is, and the diff must go to another directory). `dir` is created if
 //! needed; a relative path is relative to the VM process's working directory (`clade
 //! snapshot` sends absolute paths). A snapshot of a running VM leaves it running, of a
@@ -47,7 +48,7 @@
 //! ```
 //!
 //! The server only carries requests ([`ApiServer`]); the VM's owner (the loop in
-//! `clade run` / `clade resume`) executes them, so the VM itself is never shared between
+//! `clade run` / `clade restore`, [`crate::host::own`]) executes them, so the VM itself is never shared between
 //! threads. [`ApiClient`] is the client `clade snapshot` uses.
 
 use std::io::{BufRead, BufReader, Write};
@@ -75,8 +76,9 @@ pub enum Request {
     Status,
     /// Pause all vCPUs.
     Pause,
-    /// Resume paused vCPUs.
-    Resume,
+    /// Let paused vCPUs run again (`"resume"` is accepted too, the op's earlier name).
+    #[serde(alias = "resume")]
+    Unpause,
     /// Stop the VM.
     Shutdown,
     /// Write a snapshot into `dir`.

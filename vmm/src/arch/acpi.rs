@@ -17,8 +17,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use devices::GuestMemory;
 
-use super::layout::{pio, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
-use crate::device_manager::VirtioSlot;
+use super::layout::{pio, VirtioSlot, ACPI_END, ACPI_START, IOAPIC_ADDR, LAPIC_ADDR};
 use crate::error::{Error, Result};
 
 const OEM_ID: [u8; 6] = *b"CLADE ";

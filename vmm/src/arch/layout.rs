@@ -88,6 +88,31 @@ pub fn ram_ranges(mem_bytes: u64) -> Vec<(u64, u64)> {
     }
 }
 
+/// Where one virtio-mmio device sits, as the guest must be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VirtioSlot {
+    /// Base of the register window.
+    pub base: u64,
+    /// Size of the window.
+    pub len: u64,
+    /// IOAPIC pin (GSI) of its interrupt: edge-triggered, active high.
+    pub gsi: u32,
+    /// virtio device id.
+    pub device_type: u32,
+}
+
+impl VirtioSlot {
+    /// The kernel command-line entry for `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES` kernels.
+    pub fn cmdline_entry(&self) -> String {
+        format!(
+            "virtio_mmio.device={}K@{:#x}:{}",
+            self.len >> 10,
+            self.base,
+            self.gsi
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -212,11 +212,6 @@ impl FrozenImage {
         self.layers.iter().map(|l| l.runs.len()).sum()
     }
 
-    /// Image size in bytes.
-    pub fn mem_bytes(&self) -> u64 {
-        self.mem_bytes
-    }
-
     /// The memfds and their runs, base first (handing the image to another process).
     pub fn parts(&self) -> impl Iterator<Item = (&File, &[(u64, u64)])> {
         self.layers.iter().map(|l| (&*l.file, &l.runs[..]))
@@ -247,6 +242,28 @@ impl FrozenImage {
             ));
         }
         Ok(FrozenImage { layers, mem_bytes })
+    }
+
+    /// A one-layer image with a private copy of all of this image's memory (a fork by full
+    /// copy: the baseline a copy-on-write fork is measured against).
+    pub fn deep_copy(&self) -> Result<FrozenImage> {
+        use std::os::unix::fs::FileExt;
+        let copy = memfd("clade-frozen-copy", self.mem_bytes)?;
+        let mut buf = vec![0u8; 1 << 20];
+        for l in &self.layers {
+            for &(off, len) in &l.runs {
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(buf.len() as u64) as usize;
+                    l.file
+                        .read_exact_at(&mut buf[..n], off + done)
+                        .and_then(|()| copy.write_all_at(&buf[..n], off + done))
+                        .map_err(|e| Error::Memory(format!("copying a frozen image: {e}")))?;
+                    done += n as u64;
+                }
+            }
+        }
+        FrozenImage::from_parts(vec![(copy, vec![(0, self.mem_bytes)])], self.mem_bytes)
     }
 
     /// Maps every layer, private, over `base..base + mem_bytes`.
@@ -631,10 +648,41 @@ impl Drop for GuestRam {
     }
 }
 
-/// Creates `mem_bytes` of fresh memfd-backed guest RAM (tests and tools; the VMM reserves
-/// first so that memory slots exist before the memory).
+/// Creates `mem_bytes` of fresh memfd-backed guest RAM (tests; the VMM reserves first so
+/// that memory slots exist before the memory).
+#[cfg(test)]
 pub fn create(mem_bytes: u64) -> Result<GuestRam> {
     GuestRam::memfd(Reservation::new(mem_bytes)?)
+}
+
+/// PSS in KiB of this process's mappings inside `start..end`.
+pub fn pss_kib(start: usize, end: usize) -> Result<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").map_err(|source| Error::Io {
+        context: "reading /proc/self/smaps",
+        source,
+    })?;
+    let mut inside = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = a >= start && b <= end;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(v) = line.strip_prefix("Pss:") {
+                total += v
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    Ok(total)
 }
 
 #[cfg(test)]

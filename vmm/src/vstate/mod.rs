@@ -1,8 +1,10 @@
-//! KVM-owned state: the KVM system and VM file descriptors, guest memory and vCPUs.
+//! KVM-owned state: the KVM system and VM file descriptors, VM shells and their pool, guest
+//! memory, vCPUs and their saved state.
 
-pub mod kvm;
-pub mod memory;
-pub mod shell;
-pub mod spare;
-pub mod state;
-pub mod vcpu;
+pub(crate) mod kvm;
+pub(crate) mod memory;
+pub(crate) mod pool;
+pub(crate) mod shell;
+pub(crate) mod spare;
+pub(crate) mod state;
+pub(crate) mod vcpu;

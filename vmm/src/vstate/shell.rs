@@ -2,7 +2,7 @@
 //! created, but no memory yet. Building one is most of the cost of a VM on this project's
 //! hosts (measured, 1 GiB, dirty logging on: CREATE_VM ~0.15 ms, memory slot ~0.3 ms,
 //! irqchip + PIT after the slot ~3 ms, a vCPU ~0.1 ms), and none of it depends on the
-//! guest, so a resume takes a shell from a pool ([`crate::pool::ShellPool`]) and only maps
+//! guest, so a resume takes a shell from a pool ([`super::pool::ShellPool`]) and only maps
 //! memory over the shell's reserved address space ([`Reservation`]) and sets state.
 //!
 //! Order inside a shell: VM, memory slots over reserved (`PROT_NONE`) address space, then

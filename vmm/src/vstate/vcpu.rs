@@ -19,7 +19,7 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::arch::{msrs, regs};
 use crate::error::{Error, Result};
-use crate::vm::{ExitStatus, VmEvent};
+use crate::exit::{VmEvent, VmExit};
 
 /// Applies the boot state to a vCPU whose CPUID is set (see `vstate::shell`): MSRs,
 /// segment/control registers, general registers, FPU and local APIC.
@@ -217,13 +217,13 @@ impl VcpuHandle {
         }
     }
 
-    /// Stops running guest code until [`VcpuHandle::resume`].
+    /// Stops running guest code until [`VcpuHandle::unpause`].
     pub fn pause(&self) {
         self.park(Request::Pause);
     }
 
     /// Lets a paused vCPU run again.
-    pub fn resume(&self) {
+    pub fn unpause(&self) {
         self.set_request(Request::Run);
     }
 
@@ -254,15 +254,6 @@ impl VcpuHandle {
         }));
         self.control.cv.notify_all();
         Ok(rx)
-    }
-
-    /// Runs `f` on the paused vCPU's thread (see [`VcpuHandle::submit`]) and waits for it.
-    pub fn run_parked<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
-    ) -> Result<R> {
-        let rx = self.submit(f)?;
-        self.wait_job(rx)
     }
 
     /// Waits for the result of a job queued with [`VcpuHandle::submit`].
@@ -358,7 +349,7 @@ impl VcpuThread<'_> {
                 }
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => break,
                 Err(e) => {
-                    let _ = self.events.send(VmEvent::Exit(ExitStatus::Crashed(format!(
+                    let _ = self.events.send(VmEvent::Exit(VmExit::Crashed(format!(
                         "vcpu{}: KVM_RUN: {e}",
                         self.index
                     ))));
@@ -392,7 +383,7 @@ impl VcpuThread<'_> {
                     // Kicked (or interrupted): re-check the requested state.
                 }
                 Err(e) => {
-                    let _ = self.events.send(VmEvent::Exit(ExitStatus::Crashed(format!(
+                    let _ = self.events.send(VmEvent::Exit(VmExit::Crashed(format!(
                         "vcpu{}: KVM_RUN: {e}",
                         self.index
                     ))));
@@ -409,7 +400,7 @@ impl VcpuThread<'_> {
 }
 
 /// Handles one exit; returns the VM's end status when the exit ends it.
-fn handle_exit(index: usize, exit: VcpuExit<'_>, buses: &IoBuses) -> Option<ExitStatus> {
+fn handle_exit(index: usize, exit: VcpuExit<'_>, buses: &IoBuses) -> Option<VmExit> {
     match exit {
         VcpuExit::IoOut(port, data) => {
             if !buses.pio.write(u64::from(port), data) {
@@ -436,29 +427,27 @@ fn handle_exit(index: usize, exit: VcpuExit<'_>, buses: &IoBuses) -> Option<Exit
         // Only without an in-kernel LAPIC, or on the PVM hypervisor: just go back in.
         VcpuExit::Hlt => {}
         VcpuExit::Shutdown => {
-            return Some(ExitStatus::Crashed(format!(
+            return Some(VmExit::Crashed(format!(
                 "vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN)"
             )))
         }
         VcpuExit::SystemEvent(kind, _) => {
             return Some(match kind {
-                kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => ExitStatus::PowerOff,
-                kvm_bindings::KVM_SYSTEM_EVENT_RESET => ExitStatus::Reset,
-                other => ExitStatus::Crashed(format!("vcpu{index}: system event {other}")),
+                kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => VmExit::PowerOff,
+                kvm_bindings::KVM_SYSTEM_EVENT_RESET => VmExit::Reset,
+                other => VmExit::Crashed(format!("vcpu{index}: system event {other}")),
             })
         }
         VcpuExit::FailEntry(reason, cpu) => {
-            return Some(ExitStatus::Crashed(format!(
+            return Some(VmExit::Crashed(format!(
                 "vcpu{index}: KVM entry failed (hardware reason {reason:#x}, cpu {cpu})"
             )))
         }
         VcpuExit::InternalError => {
-            return Some(ExitStatus::Crashed(format!(
-                "vcpu{index}: KVM internal error"
-            )))
+            return Some(VmExit::Crashed(format!("vcpu{index}: KVM internal error")))
         }
         other => {
-            return Some(ExitStatus::Crashed(format!(
+            return Some(VmExit::Crashed(format!(
                 "vcpu{index}: unexpected exit {other:?}"
             )))
         }

@@ -9,11 +9,10 @@ use anyhow::{bail, Context};
 use clade_bench::Samples;
 use serde_json::{json, Value};
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::config::VsockConfig;
-use vmm::persist::PreparedSnapshot;
-use vmm::pool::ShellPool;
-use vmm::vstate::shell::ShellSpec;
-use vmm::{MemoryBackend, ResumeOptions, SerialOutput, SnapshotKind, Vm, VmConfig};
+use vmm::{
+    MemoryBackend, PreparedSnapshot, RestoreOptions, SerialOutput, ShellPool, ShellSpec,
+    SnapshotKind, Vm, VmConfig, VsockConfig,
+};
 
 use super::MachineArgs;
 
@@ -66,7 +65,7 @@ pub(super) fn boot_until(
         }),
         disk: None,
     };
-    let mut vm = Vm::new(config)?;
+    let mut vm = vmm::boot(config)?;
     vm.start()?;
     let t = Instant::now();
     while !serial(&vm).contains(ready) {
@@ -105,7 +104,7 @@ fn pin_vmm_threads() -> anyhow::Result<Vec<usize>> {
     if cpus < 2 {
         return Ok(Vec::new());
     }
-    vmm::vstate::vcpu::pin_current_thread(0).context("pinning the VMM to CPU 0")?;
+    vmm::pin_current_thread(0).context("pinning the VMM to CPU 0")?;
     Ok((1..cpus).collect())
 }
 
@@ -148,16 +147,19 @@ struct ResumeRun {
 const STEP_ORDER: &[&str] = &[
     "read_check",
     "shell",
+    "disk",
     "memory",
     "devices",
-    "kvm_state",
+    "vm_state",
+    "vcpu_state",
     "start",
+    "devices_finish",
     "connect_hello",
     "ping",
 ];
 
 /// Resumes `snap` `n` times with `backend`; each sample is from the call to
-/// `PreparedSnapshot::resume` until the guest answered a ping through vsock.
+/// `PreparedSnapshot::restore` until the guest answered a ping through vsock.
 fn measure_resumes(
     snap: &PreparedSnapshot,
     sock: &Path,
@@ -190,14 +192,14 @@ fn measure_resumes(
         }
         let t0 = Instant::now();
         let mut vm = snap
-            .resume(
+            .restore(
                 backend,
-                ResumeOptions {
+                RestoreOptions {
                     serial: SerialOutput::Memory,
                     vsock_path: Some(sock.to_path_buf()),
                     shell: pool.and_then(ShellPool::take),
                     vcpu_cpus: vcpu_cpus.to_vec(),
-                    ..ResumeOptions::default()
+                    ..RestoreOptions::default()
                 },
             )
             .with_context(|| format!("{backend} resume {i}"))?;
@@ -216,7 +218,7 @@ fn measure_resumes(
             .with_context(|| format!("{backend} resume {i}: ping"))?;
         let total = t0.elapsed();
         let stats = vm.page_server_stats();
-        let report = vm.resume_report().cloned();
+        let report = vm.restore_report().cloned();
         if backend == MemoryBackend::Uffd && i == 0 {
             run.cold = Some((total, stats.map_or(0, |s| s.faults)));
             run.working_set_pages = vm.save_working_set()?;
@@ -273,7 +275,7 @@ pub fn resume(
         "vsock".to_string()
     };
     let mut vm = boot_until(&guest, &machine, &steps, Some(&sock), "serving agent port")?;
-    let snap = vm.snapshot(&dir, SnapshotKind::Full)?;
+    let snap = vmm::snapshot(&mut vm, &dir, SnapshotKind::Full)?;
     vm.shutdown();
     drop(vm);
 
@@ -355,7 +357,7 @@ pub fn resume(
         "vcpu_cpus": vcpu_cpus,
         "fill_mib": fill_mib,
         "snapshot_pages": snap.pages_written,
-        "measured": "PreparedSnapshot::resume call until vmm::agent::Client::ping answered over vsock (native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
+        "measured": "PreparedSnapshot::restore call until vmm::agent::Client::ping answered over vsock (native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
         "steps_p50_us": main.steps.p50_json(STEP_ORDER),
         "baseline_steps_p50_us": baseline.as_ref().map(|b| b.steps.p50_json(STEP_ORDER)),
     });
@@ -405,10 +407,10 @@ pub fn snapshot(
     full_n: usize,
 ) -> anyhow::Result<u8> {
     super::bench::check_guest(&guest)?;
-    if n == 0 || n >= vmm::persist::MAX_DIFF_CHAIN {
+    if n == 0 || n >= vmm::MAX_DIFF_CHAIN {
         bail!(
             "-n must be in 1..{} (each diff is taken on top of the previous one)",
-            vmm::persist::MAX_DIFF_CHAIN
+            vmm::MAX_DIFF_CHAIN
         );
     }
     if !(dirty_pct > 0.0 && dirty_pct <= 100.0) || fill_pct > 100 {
@@ -431,7 +433,11 @@ pub fn snapshot(
 
     let mut full = (Samples::new(), Samples::new(), Vec::new());
     for i in 0..full_n.max(1) {
-        let info = vm.snapshot(&scratch.0.join(format!("full{i}")), SnapshotKind::Full)?;
+        let info = vmm::snapshot(
+            &mut vm,
+            &scratch.0.join(format!("full{i}")),
+            SnapshotKind::Full,
+        )?;
         full.0.push(info.pause_time);
         full.1.push(info.total_time);
         full.2.push(info.pages_written);
@@ -441,7 +447,11 @@ pub fn snapshot(
     for i in 0..n {
         // The guest rewrites its range over and over; let it dirty every page again.
         std::thread::sleep(Duration::from_millis(100));
-        let info = vm.snapshot(&scratch.0.join(format!("diff{i}")), SnapshotKind::Diff)?;
+        let info = vmm::snapshot(
+            &mut vm,
+            &scratch.0.join(format!("diff{i}")),
+            SnapshotKind::Diff,
+        )?;
         diff.0.push(info.pause_time);
         diff.1.push(info.total_time);
         diff.2.push(info.pages_considered);

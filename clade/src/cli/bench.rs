@@ -10,8 +10,7 @@ use anyhow::{bail, Context};
 use clade_bench::Samples;
 use clap::Subcommand;
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::config::VsockConfig;
-use vmm::{ExitStatus, SerialOutput, Vm, VmConfig};
+use vmm::{SerialOutput, Vm, VmConfig, VmExit, VsockConfig};
 
 use super::{bench_snapshot, MachineArgs};
 
@@ -57,10 +56,11 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
-    /// Resume latency: from `Vm::resume` until the native guest (snapshotted while its
+    /// Restore latency: from `PreparedSnapshot::restore` until the native guest (snapshotted while its
     /// `vsock` step waits for a connection) answered an agent ping over vsock; p50/p99 over
-    /// -n resumes, page faults, bytes read, and the `copy` backend as the baseline.
-    Resume {
+    /// -n restores, page faults, bytes read, and the `copy` backend as the baseline.
+    #[command(alias = "resume")]
+    Restore {
         /// The native test guest ELF (see tests/native-guest).
         #[arg(
             long,
@@ -71,17 +71,17 @@ pub enum BenchCommand {
         /// Memory backend measured: uffd, file or copy.
         #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(vmm::MemoryBackend))]
         backend: vmm::MemoryBackend,
-        /// Number of measured resumes.
+        /// Number of measured restores.
         #[arg(short, long, default_value_t = 200)]
         n: usize,
-        /// Pre-built VM shells kept ready (0: build one per resume).
+        /// Pre-built VM shells kept ready (0: build one per restore).
         #[arg(long, default_value_t = 2)]
         pool: usize,
         /// Percentage of the guest memory above 64 MiB that the guest fills (memfill step)
         /// before the snapshot: memory a sandbox has touched but does not need to answer.
         #[arg(long, default_value_t = 50)]
         fill: u32,
-        /// Resumes of the copy baseline (default: -n; 0: none).
+        /// Restores of the copy baseline (default: -n; 0: none).
         #[arg(long)]
         baseline_n: Option<usize>,
         /// Do not pin the VMM's threads to CPU 0 and the vCPUs to the other CPUs (the
@@ -162,7 +162,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             json,
             machine,
         } => ping(guest, n, warmup, json, machine),
-        BenchCommand::Resume {
+        BenchCommand::Restore {
             guest,
             backend,
             n,
@@ -221,12 +221,12 @@ fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::R
             vsock: None,
             disk: None,
         };
-        let mut vm = Vm::new(config)?;
+        let mut vm = vmm::boot(config)?;
         vm.start()?;
         let status = vm
             .wait_timeout(Duration::from_secs(10))?
             .with_context(|| format!("boot {i}: guest did not finish within 10 s"))?;
-        if status != ExitStatus::TestExit(0) {
+        if status != VmExit::TestExit(0) {
             bail!("boot {i}: guest ended with '{status}'");
         }
         let t = vm
@@ -278,7 +278,7 @@ fn ping(
         }),
         disk: None,
     };
-    let mut vm = Vm::new(config)?;
+    let mut vm = vmm::boot(config)?;
     vm.start()?;
     // The client blocks without a timeout; it runs on a thread of its own so that a stuck
     // device or guest ends the benchmark with an error instead of hanging it.
@@ -320,7 +320,7 @@ fn ping(
             last_serial_line(&vm)
         )
     })?;
-    if status != ExitStatus::TestExit(0) {
+    if status != VmExit::TestExit(0) {
         bail!(
             "guest ended with '{status}' (last output: {})",
             last_serial_line(&vm)

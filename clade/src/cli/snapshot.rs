@@ -1,4 +1,4 @@
-//! `clade snapshot` (through a running VM's API socket) and `clade resume`.
+//! `clade snapshot` (through a running VM's API socket) and `clade restore`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -6,17 +6,17 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use vmm::api::{ApiClient, ApiServer, Request};
-use vmm::{MemoryBackend, ResumeOptions, SerialOutput, Vm};
+use vmm::{MemoryBackend, RestoreOptions, SerialOutput};
 
-use super::run::{handle_stop_signals, own};
+use super::run::{own_vm, owner_options};
 
 #[derive(Debug, Args)]
 pub struct SnapshotArgs {
-    /// The VM's API socket (`clade run --api-sock` / `clade resume --api-sock`).
+    /// The VM's API socket (`clade run --api-sock` / `clade restore --api-sock`).
     api_sock: PathBuf,
     /// Directory to write the snapshot into (created if needed).
     dir: PathBuf,
-    /// Only the pages written since the VM's last snapshot (or the snapshot it was resumed
+    /// Only the pages written since the VM's last snapshot (or the snapshot it was restored
     /// from), which must stay where it is.
     #[arg(long)]
     diff: bool,
@@ -58,7 +58,7 @@ pub fn snapshot(args: SnapshotArgs) -> anyhow::Result<u8> {
 }
 
 #[derive(Debug, Args)]
-pub struct ResumeArgs {
+pub struct RestoreArgs {
     /// The snapshot directory (`clade snapshot`).
     dir: PathBuf,
     /// How guest memory is restored: uffd (on demand, with working-set prefetch), file
@@ -74,7 +74,7 @@ pub struct ResumeArgs {
     /// Write the guest's serial console to this file instead of stdout.
     #[arg(long)]
     serial_file: Option<PathBuf>,
-    /// Do not give the guest agent the current time and fresh entropy after the resume.
+    /// Do not give the guest agent the current time and fresh entropy after the restore.
     #[arg(long)]
     no_agent_sync: bool,
     /// How long the agent sync may take (seconds; it is best effort).
@@ -87,18 +87,18 @@ pub struct ResumeArgs {
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
     /// A snapshot with a disk: create the VM's own overlay on the snapshot's frozen disk
-    /// layer here (must not exist; default `<snapshot dir>/resume-<random>.cdsk`).
+    /// layer here (must not exist; default `<snapshot dir>/restore-<random>.cdsk`).
     #[arg(long, value_name = "PATH")]
     disk_overlay: Option<PathBuf>,
 }
 
-pub fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
+pub fn restore(args: RestoreArgs) -> anyhow::Result<u8> {
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
-    handle_stop_signals()?;
+    let owner = owner_options()?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
-    let options = ResumeOptions {
+    let options = RestoreOptions {
         serial: args
             .serial_file
             .map(SerialOutput::File)
@@ -108,17 +108,17 @@ pub fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
         agent_sync: (!args.no_agent_sync).then(|| Duration::from_secs_f64(args.agent_sync_timeout)),
         working_set: !args.no_working_set,
         disk_overlay: args.disk_overlay,
-        ..ResumeOptions::default()
+        ..RestoreOptions::default()
     };
-    let vm = Vm::resume(&args.dir, args.backend, options)?;
-    if let Some(r) = vm.resume_report() {
+    let vm = vmm::restore(&args.dir, args.backend, options)?;
+    if let Some(r) = vm.restore_report() {
         tracing::info!(
-            "resumed {} ({} backend) in {:?}: {:?}",
+            "restored {} ({} backend) in {:?}: {:?}",
             args.dir.display(),
             r.backend,
             r.total,
             r.steps
         );
     }
-    own(vm, api)
+    own_vm(vm, api, &owner)
 }

@@ -55,7 +55,8 @@ enum Command {
     /// Snapshot a running VM through its API socket (`run --api-sock`): full, or --diff.
     Snapshot(snapshot::SnapshotArgs),
     /// Start a VM from a snapshot and run it like `clade run` (same exit statuses).
-    Resume(snapshot::ResumeArgs),
+    #[command(alias = "resume")]
+    Restore(snapshot::RestoreArgs),
     /// Fork a running VM (through its API socket) into N child VM processes.
     ///
     /// Each child is its own `clade` process with its own API socket and vsock socket
@@ -111,7 +112,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Poweroff(args) => exec::power_off(args),
         Command::Disk { which } => disk::disk(which),
         Command::Snapshot(args) => snapshot::snapshot(args),
-        Command::Resume(args) => snapshot::resume(args),
+        Command::Restore(args) => snapshot::restore(args),
         Command::Fork(args) => fork::fork(args),
         Command::ForkChild(args) => fork::fork_child(args),
     }

@@ -3,8 +3,7 @@
 //!
 //! ```no_run
 //! # fn main() -> vmm::Result<()> {
-//! use vmm::pool::ShellPool;
-//! use vmm::vstate::shell::ShellSpec;
+//! use vmm::{ShellPool, ShellSpec};
 //! let pool = ShellPool::new(
 //!     ShellSpec { kvm_device: "/dev/kvm".into(), mem_bytes: 256 << 20, vcpus: 1, dirty_log: true },
 //!     4,

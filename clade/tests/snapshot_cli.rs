@@ -1,4 +1,4 @@
-//! `clade run --api-sock`, `clade snapshot`, `clade resume` and `clade bench
+//! `clade run --api-sock`, `clade snapshot`, `clade restore` and `clade bench
 //! resume|snapshot` on the native test guest.
 
 #[path = "../../tests/src/native_guest.rs"]
@@ -113,7 +113,7 @@ fn run_serves_the_api_and_snapshots_resume_side_by_side() {
         },
     );
     assert!(!r.ok, "bad kind: {r:?}");
-    let r = api(&api_sock, Request::Resume);
+    let r = api(&api_sock, Request::Unpause);
     assert_eq!(r.fields["state"], "running");
 
     // `clade snapshot`: full, then a diff on top (relative paths are the client's).
@@ -153,7 +153,7 @@ fn run_serves_the_api_and_snapshots_resume_side_by_side() {
     for (name, backend) in [("a", "uffd"), ("b", "file")] {
         let p = Proc(
             clade()
-                .arg("resume")
+                .arg("restore")
                 .arg(d.p("diff"))
                 .args(["--backend", backend, "--no-agent-sync"])
                 .arg("--vsock")
@@ -171,7 +171,7 @@ fn run_serves_the_api_and_snapshots_resume_side_by_side() {
     for name in ["a", "b"] {
         let r = api(&d.p(&format!("{name}.api")), Request::Status);
         assert_eq!(r.fields["state"], "running", "{r:?}");
-        assert_eq!(r.fields["resumed"]["kind"], "diff");
+        assert_eq!(r.fields["restored"]["kind"], "diff");
     }
     // b answers a ping and ends; a is still there and is shut down through its API.
     let o = clade().arg("ping").arg(d.p("b.sock")).output().unwrap();
@@ -195,7 +195,7 @@ fn resume_of_a_bad_snapshot_is_a_one_line_error() {
         (d.p("empty"), "truncated"),
     ] {
         let o = clade()
-            .arg("resume")
+            .arg("restore")
             .arg(&dir)
             .arg("--api-sock")
             .arg(d.p("x.api"))
@@ -208,7 +208,7 @@ fn resume_of_a_bad_snapshot_is_a_one_line_error() {
         assert!(!d.p("x.api").exists());
     }
     let o = clade()
-        .args(["resume", "/tmp", "--backend", "mmap"])
+        .args(["restore", "/tmp", "--backend", "mmap"])
         .output()
         .unwrap();
     assert_ne!(o.status.code(), Some(0));
@@ -220,7 +220,7 @@ fn bench_resume_and_snapshot_print_one_json_object() {
     let o = clade()
         .args([
             "bench",
-            "resume",
+            "restore",
             "-n",
             "5",
             "--baseline-n",

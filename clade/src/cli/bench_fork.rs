@@ -2,18 +2,13 @@
 //! N children; the parent's pause, each child's time to its first answered ping, all of
 //! them, and the host memory an idle child adds; a fork by full memory copy as baseline.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clade_bench::Samples;
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::fork::{ChildSpec, Frozen};
-use vmm::vstate::memory::FrozenImage;
-use vmm::vstate::shell::{Shell, ShellSpec};
-use vmm::{ForkOptions, SerialOutput, Vm};
+use vmm::{ChildSpec, ForkOptions, SerialOutput, Shell, ShellSpec};
 
 use super::bench_snapshot::boot_until;
 use super::MachineArgs;
@@ -67,7 +62,8 @@ pub fn fork(
     let pre = shells(&machine, mem_mib, n)?;
     let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
     let t0 = Instant::now();
-    let (children, report) = parent.fork_with_report(
+    let (children, report) = vmm::fork_with_report(
+        &mut parent,
         n,
         ForkOptions {
             serial: SerialOutput::Memory,
@@ -114,52 +110,25 @@ pub fn fork(
     let parent_pss = parent.memory_pss_kib()?;
     drop(children);
 
-    // Baseline: a fork by full copy of guest memory (copy, then the same child build).
-    let (frozen, base_pause, _) = parent.freeze_for_fork()?;
+    // Baseline: a fork by full copy of guest memory (freeze, copy the frozen image, then
+    // the same child build).
+    let (frozen, freeze_report) = vmm::freeze(&mut parent)?;
     let tb = Instant::now();
-    let copy_path = PathBuf::from(format!("/dev/shm/clade-bench-copy-{}", std::process::id()));
-    let mut f = std::fs::File::options()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&copy_path)?;
-    std::fs::remove_file(&copy_path)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut addr = 0u64;
-    let mut image_off = 0u64;
-    for (ga, len) in vmm::arch::layout::ram_ranges(mem_mib << 20) {
-        let _ = addr;
-        addr = ga;
-        let end = ga + len;
-        while addr < end {
-            parent.read_guest(addr, &mut buf)?;
-            f.write_all(&buf)?;
-            addr += buf.len() as u64;
-            image_off += buf.len() as u64;
-        }
-    }
+    let frozen = frozen.with_copied_memory()?;
     let copy_time = tb.elapsed();
-    let image = FrozenImage::from_parts(vec![(f, vec![(0, image_off)])], mem_mib << 20)?;
-    let frozen = Frozen {
-        image: Arc::new(image),
-        ..frozen
-    };
+    let base_pause = freeze_report.pause_time;
     let bsock = dir.join("baseline.sock");
-    let child = Vm::from_frozen(
-        &frozen,
-        ChildSpec {
-            disk_path: None,
-            vsock_path: Some(bsock.clone()),
-            guest_cid: 99,
-            serial: SerialOutput::Memory,
-            shell: shells(&machine, mem_mib, 1)?.pop(),
-            agent_sync: None,
-            hostname_suffix: String::new(),
-            start: true,
-            vcpu_cpus: Vec::new(),
-        },
-    )?;
+    let child = frozen.child(ChildSpec {
+        disk_path: None,
+        vsock_path: Some(bsock.clone()),
+        guest_cid: 99,
+        serial: SerialOutput::Memory,
+        shell: shells(&machine, mem_mib, 1)?.pop(),
+        agent_sync: None,
+        hostname_suffix: String::new(),
+        start: true,
+        vcpu_cpus: Vec::new(),
+    })?;
     ping_once(&bsock)?;
     let baseline = base_pause + tb.elapsed();
     drop(child);

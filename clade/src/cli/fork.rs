@@ -1,0 +1,83 @@
+//! `clade fork` (through a running VM's API socket) and `clade fork-child`, the hidden
+//! child mode. The parent's side of a process fork and the child's start-up are the
+//! library's ([`vmm::host::fork_processes`], [`vmm::host::serve_fork_child`]).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use vmm::api::{ApiClient, Request};
+use vmm::host::serve_fork_child;
+
+use super::run::{owner_options, report_end};
+
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The VM's API socket (`clade run --api-sock`, `clade resume --api-sock`, or a child's).
+    api_sock: PathBuf,
+    /// Number of children.
+    #[arg(short = 'n', long = "count", default_value_t = 1)]
+    count: usize,
+    /// Directory for the children's sockets, serial consoles and logs (default: the
+    /// directory of the VM's API socket).
+    #[arg(long, value_name = "DIR")]
+    prefix: Option<PathBuf>,
+    /// Do not give the children's guest agents the time, entropy and a hostname suffix.
+    #[arg(long)]
+    no_agent_sync: bool,
+    /// Print the VM's answer as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn fork(args: ForkArgs) -> anyhow::Result<u8> {
+    if args.count == 0 {
+        bail!("-n must be at least 1");
+    }
+    let prefix = args
+        .prefix
+        .as_deref()
+        .map(std::path::absolute)
+        .transpose()
+        .context("cannot make the --prefix path absolute")?;
+    let mut client = ApiClient::connect(&args.api_sock)
+        .with_context(|| format!("API socket {}", args.api_sock.display()))?;
+    let r = client.call(&Request::Fork {
+        count: args.count,
+        prefix,
+        agent_sync: !args.no_agent_sync,
+    })?;
+    if !r.ok {
+        bail!(
+            "fork failed: {}",
+            r.error.unwrap_or_else(|| "no reason given".into())
+        );
+    }
+    if args.json {
+        println!("{}", serde_json::Value::Object(r.fields));
+        return Ok(0);
+    }
+    let children = r
+        .fields
+        .get("children")
+        .and_then(|c| c.as_array())
+        .cloned()
+        .unwrap_or_default();
+    for c in &children {
+        let s = |k: &str| c[k].as_str().unwrap_or("-").to_string();
+        println!("{} {}", s("api_sock"), s("vsock"));
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Args)]
+pub struct ForkChildArgs {}
+
+/// `clade fork-child`: becomes one child of a fork (everything it needs arrives on stdin,
+/// see [`vmm::host::serve_fork_child`]), then runs like `clade run`.
+pub fn fork_child(_args: ForkChildArgs) -> anyhow::Result<u8> {
+    let options = owner_options()?;
+    let end = serve_fork_child(&options)?;
+    report_end(&end);
+    Ok(end.exit_code())
+}

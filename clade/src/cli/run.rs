@@ -1,0 +1,109 @@
+//! `clade run`: boot a VM and own it until it ends (the owner loop is the library's,
+//! [`vmm::host::own`]).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use vmm::api::ApiServer;
+use vmm::host::{own, stop_on_signals, OwnerEnd, OwnerOptions};
+use vmm::{BlockConfig, SerialOutput, Vm, VmConfig, VsockConfig};
+
+use super::MachineArgs;
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Kernel image: bzImage or ELF (vmlinux, or the project's native test guest).
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initramfs to load.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long, default_value = "console=ttyS0 panic=-1")]
+    cmdline: String,
+    /// Write the guest's serial console to this file instead of stdout.
+    #[arg(long)]
+    serial_file: Option<PathBuf>,
+    /// Attach the test device (for the project's bare-metal test guest).
+    #[arg(long)]
+    test_device: bool,
+    /// Attach a virtio-vsock device whose host side is this Unix socket (host programs
+    /// connect and send "CONNECT <port>\n"; guest connections to host port P go to PATH_P).
+    #[arg(long, value_name = "PATH")]
+    vsock: Option<PathBuf>,
+    /// The guest's vsock context id (with --vsock).
+    #[arg(long, default_value_t = 3, requires = "vsock")]
+    cid: u32,
+    /// Attach a virtio-blk disk (the guest's /dev/vda): the top layer of a Clade disk
+    /// image, written in place (`clade disk create --parent BASE OVERLAY` makes one).
+    #[arg(long, value_name = "LAYER")]
+    disk: Option<PathBuf>,
+    /// Serve the VM's control API on this Unix socket (status, pause, unpause, shutdown,
+    /// snapshot, fork; see `clade snapshot`, `clade fork`).
+    #[arg(long, value_name = "PATH")]
+    api_sock: Option<PathBuf>,
+    #[command(flatten)]
+    machine: MachineArgs,
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<u8> {
+    let config = VmConfig {
+        vcpus: args.machine.vcpus,
+        mem_mib: args.machine.mem_mib,
+        kernel: args.kernel,
+        initrd: args.initrd,
+        cmdline: args.cmdline,
+        serial: args
+            .serial_file
+            .map(SerialOutput::File)
+            .unwrap_or(SerialOutput::Stdout),
+        test_device: args.test_device,
+        kvm_device: args.machine.kvm_device,
+        vsock: args.vsock.map(|uds_path| VsockConfig {
+            uds_path,
+            guest_cid: args.cid,
+        }),
+        disk: args.disk.map(|path| BlockConfig {
+            path,
+            read_only: false,
+            serial: None,
+        }),
+    };
+    let options = owner_options()?;
+    // The API socket first: a socket in use fails before a VM exists.
+    let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
+    let mut vm = vmm::boot(config)?;
+    if !vm.pvm_native() {
+        tracing::debug!("hardware KVM (no PVM VIF cell)");
+    }
+    vm.start()?;
+    own_vm(vm, api, &options)
+}
+
+/// The owner loop's options for a `clade` process: stop on SIGINT/SIGTERM; fork children
+/// are `clade fork-child` processes.
+pub(super) fn owner_options() -> anyhow::Result<OwnerOptions> {
+    Ok(OwnerOptions {
+        stop: Some(stop_on_signals()?),
+        ..OwnerOptions::default()
+    })
+}
+
+/// Owns `vm` until it ends; returns the process exit code (and says why on stderr when it
+/// is not 0).
+pub(super) fn own_vm(vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> anyhow::Result<u8> {
+    let end = own(vm, api, options)?;
+    report_end(&end);
+    Ok(end.exit_code())
+}
+
+/// Says on stderr why a VM process ends with a non-zero code.
+pub(super) fn report_end(end: &OwnerEnd) {
+    match end {
+        OwnerEnd::VmEnded(status) if status.exit_code() != 0 => eprintln!("clade: {status}"),
+        OwnerEnd::Signal { signal, exit } => {
+            eprintln!("clade: stopped by signal {signal} ({exit})")
+        }
+        _ => {}
+    }
+}

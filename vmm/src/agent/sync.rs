@@ -1,0 +1,64 @@
+//! The agent sync after a VM was restored or forked: its guest clock stood still while it
+//! was saved, its entropy pool is a copy, and a fork child shares its parent's hostname.
+
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::{Client, Command, Transport, AGENT_VSOCK_PORT};
+use crate::error::{Error, Result};
+
+/// Gives the guest agent behind the vsock socket `path` the current time and 64 bytes of
+/// fresh entropy, and with `hostname_suffix` appends it to the guest's hostname. Best
+/// effort: the outcome is logged and returned (how long it took, or why it failed).
+pub(crate) fn sync_after_restore(
+    path: &Path,
+    timeout: Duration,
+    hostname_suffix: Option<&str>,
+) -> std::result::Result<Duration, String> {
+    let t = Instant::now();
+    let result = (|| -> Result<()> {
+        let client = Client::connect_timeout(
+            path,
+            Transport::Vsock {
+                port: AGENT_VSOCK_PORT,
+            },
+            timeout,
+        )?;
+        client.set_clock(SystemTime::now())?;
+        let mut seed = [0u8; 64];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut seed))
+            .map_err(|source| Error::Io {
+                context: "reading /dev/urandom",
+                source,
+            })?;
+        client.add_entropy(&seed)?;
+        if let Some(suffix) = hostname_suffix {
+            // Through /proc: hostname(1) may refuse names it finds invalid, e.g. "(none)-f1".
+            let script = format!(
+                "h=$(cat /proc/sys/kernel/hostname); case \"$h\" in ''|'(none)') h=clade;; esac; \
+                 echo \"$h{suffix}\" > /proc/sys/kernel/hostname"
+            );
+            client.output(&Command::new("/bin/sh").args(["-c", &script]), None)?;
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => {
+            tracing::info!(
+                "agent sync: clock set, entropy added{} in {:?}",
+                if hostname_suffix.is_some() {
+                    ", hostname suffixed"
+                } else {
+                    ""
+                },
+                t.elapsed()
+            );
+            Ok(t.elapsed())
+        }
+        Err(e) => {
+            tracing::warn!("agent sync failed (best effort): {e}");
+            Err(e.to_string())
+        }
+    }
+}

@@ -1,0 +1,437 @@
+//! Process-per-child fork ([`fork_processes`]) and a child's start-up
+//! ([`serve_fork_child`]).
+//!
+//! Hand-over: the frozen memory layers are memfds; the parent starts each child through a
+//! [`ChildLauncher`] with those descriptors inherited (close-on-exec cleared in the child
+//! between fork and exec), writes the child's launch record and the encoded frozen
+//! instant ([`crate::Frozen::handoff`]) to its stdin, and reads one line from its stdout:
+//! `ready` once the child's VM runs and its API socket listens, or `error <message>`. The
+//! child is in its own process group and maps the memfds `MAP_PRIVATE`, so it outlives the
+//! parent and never sees its later writes.
+//!
+//! stdin of a child: a little-endian `u32` length, the launch record ([`ChildLaunch`],
+//! postcard) of that length, then the hand-over bytes to the end.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::owner::{own, OwnerEnd, OwnerOptions};
+use crate::api::ApiServer;
+use crate::config::SerialOutput;
+use crate::error::{Error, Result};
+use crate::fork::{child_path, freeze, next_fork_seq, process_unique_cid, ChildSpec, Frozen};
+use crate::vm::Vm;
+
+/// How long a child may take to report that it runs.
+const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest launch record a child accepts.
+const MAX_LAUNCH_RECORD: usize = 64 * 1024;
+/// How long a child's agent sync may take (best effort).
+const CHILD_AGENT_SYNC: Duration = Duration::from_secs(5);
+
+/// Starts the process of a fork child. The process must call [`serve_fork_child`] (with
+/// its standard input and output as they are): the parent's side sets stdin, stdout,
+/// stderr, the process group and the inherited descriptors on the command returned.
+pub trait ChildLauncher: Send + Sync {
+    /// The command that starts one child.
+    fn command(&self) -> Command;
+}
+
+/// The default [`ChildLauncher`]: this very executable (`/proc/self/exe`, even if its file
+/// was replaced since it started) with `args` (`fork-child` for `clade`).
+#[derive(Debug, Clone)]
+pub struct SelfExec {
+    /// The child's `argv[0]`.
+    pub arg0: String,
+    /// Arguments that make the executable call [`serve_fork_child`].
+    pub args: Vec<String>,
+}
+
+impl Default for SelfExec {
+    fn default() -> Self {
+        SelfExec {
+            arg0: "clade".into(),
+            args: vec!["fork-child".into()],
+        }
+    }
+}
+
+impl ChildLauncher for SelfExec {
+    fn command(&self) -> Command {
+        let mut cmd = Command::new("/proc/self/exe");
+        cmd.arg0(&self.arg0).args(&self.args);
+        cmd
+    }
+}
+
+/// What a child process needs besides the frozen instant: its identity.
+#[derive(Debug, Serialize, Deserialize)]
+struct ChildLaunch {
+    api_sock: PathBuf,
+    vsock: Option<PathBuf>,
+    disk: Option<PathBuf>,
+    cid: u32,
+    serial: PathBuf,
+    hostname_suffix: String,
+    /// Inherited memory layer descriptors, base first.
+    fds: Vec<RawFd>,
+    agent_sync: bool,
+}
+
+/// One child started by [`fork_processes`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkedChild {
+    /// Its process id.
+    pub pid: u32,
+    /// Its control API socket.
+    pub api_sock: PathBuf,
+    /// Its vsock socket (when the parent has a vsock device).
+    pub vsock: Option<PathBuf>,
+    /// Its guest CID (with `vsock`).
+    pub cid: Option<u32>,
+    /// Its serial console.
+    pub serial: PathBuf,
+    /// Its log (standard error).
+    pub log: PathBuf,
+    /// Its disk overlay (when the parent has a writable disk).
+    pub disk: Option<PathBuf>,
+}
+
+/// What [`fork_processes`] did.
+#[derive(Debug, Clone)]
+pub struct ForkedProcesses {
+    /// How long the parent's vCPUs were paused.
+    pub pause: Duration,
+    /// The whole call.
+    pub total: Duration,
+    /// The children, in order.
+    pub children: Vec<ForkedChild>,
+}
+
+impl ForkedProcesses {
+    /// The control API's answer fields: `pause_us`, `total_us`, `children`.
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "pause_us": self.pause.as_micros() as u64,
+            "total_us": self.total.as_micros() as u64,
+            "children": self.children,
+        })
+    }
+}
+
+/// A started child and the files that are its own (removed if the fork fails).
+struct Started {
+    child: Child,
+    files: Vec<PathBuf>,
+}
+
+impl Started {
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for f in &self.files {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// The parent's side: freezes `vm` and starts `count` child processes with `launcher`.
+/// Each child's files are [`child_path`]s of the API socket in `prefix` (default: the API
+/// socket's directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child
+/// is left (the ones started are killed and their files removed; logs stay) and `vm` runs
+/// on.
+pub fn fork_processes(
+    vm: &mut Vm,
+    api_sock: &Path,
+    count: usize,
+    prefix: Option<&Path>,
+    agent_sync: bool,
+    launcher: &dyn ChildLauncher,
+) -> Result<ForkedProcesses> {
+    if count == 0 {
+        return Err(Error::Fork("count must be at least 1".into()));
+    }
+    let dir = match prefix {
+        Some(p) => p.to_path_buf(),
+        None => api_sock
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from(".")),
+    };
+    std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
+        context: "creating the fork children's directory",
+        source,
+    })?;
+    let t0 = Instant::now();
+    let (frozen, report) = freeze(vm)?;
+    let (bytes, files) = frozen.handoff()?;
+    let fds: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+    let mut started: Vec<Started> = Vec::with_capacity(count);
+    let mut children = Vec::with_capacity(count);
+    #[cfg(feature = "test-hooks")]
+    let fail_after = std::env::var("CLADE_FORK_FAIL_AFTER")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    for i in 0..count {
+        #[cfg(feature = "test-hooks")]
+        if fail_after == Some(i) {
+            tracing::warn!("fork: injected failure after {i} children");
+            for s in started {
+                s.kill();
+            }
+            return Err(Error::Fork(format!(
+                "fork child {i}: injected failure after {i} children (CLADE_FORK_FAIL_AFTER)"
+            )));
+        }
+        match start_child(&frozen, &bytes, &fds, &dir, api_sock, agent_sync, launcher) {
+            Ok((s, c)) => {
+                started.push(s);
+                children.push(c);
+            }
+            Err(e) => {
+                tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
+                for s in started {
+                    s.kill();
+                }
+                return Err(Error::Fork(format!("fork child {i}: {e}")));
+            }
+        }
+    }
+    drop(frozen);
+    // Reap each child when it ends (they outlive this process if it ends first).
+    for mut s in started {
+        std::thread::spawn(move || {
+            let _ = s.child.wait();
+        });
+    }
+    let total = t0.elapsed();
+    tracing::info!(
+        "forked {count} child processes: paused {:?}, total {total:?}",
+        report.pause_time
+    );
+    Ok(ForkedProcesses {
+        pause: report.pause_time,
+        total,
+        children,
+    })
+}
+
+fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { context, source }
+}
+
+/// Starts one child and waits until it runs.
+fn start_child(
+    frozen: &Frozen,
+    bytes: &[u8],
+    fds: &[RawFd],
+    dir: &Path,
+    api_sock: &Path,
+    agent_sync: bool,
+    launcher: &dyn ChildLauncher,
+) -> Result<(Started, ForkedChild)> {
+    let seq = next_fork_seq();
+    let file = |ext: &str| child_path(api_sock, Some(dir), seq, ext);
+    let api = file("api");
+    let parent_vsock = frozen.saved().machine.vsock.as_ref();
+    let vsock = parent_vsock.map(|_| file("vsock"));
+    let serial = file("serial");
+    let log = file("log");
+    let cid = process_unique_cid(parent_vsock.map_or(0, |v| v.guest_cid));
+    for p in std::iter::once(&api).chain(vsock.as_ref()) {
+        if p.exists() {
+            return Err(Error::Fork(format!("{} exists already", p.display())));
+        }
+    }
+    let log_file = File::create(&log).map_err(io("creating a fork child's log"))?;
+    let disk = match &frozen.saved().disk {
+        Some(d) if !d.read_only => {
+            let p = file("cdsk");
+            frozen.child_overlay(&p)?;
+            Some(p)
+        }
+        _ => None,
+    };
+    let launch = ChildLaunch {
+        api_sock: api.clone(),
+        vsock: vsock.clone(),
+        disk: disk.clone(),
+        cid,
+        serial: serial.clone(),
+        hostname_suffix: format!("-f{seq}"),
+        fds: fds.to_vec(),
+        agent_sync,
+    };
+    let record = postcard::to_allocvec(&launch)
+        .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;
+    let mut cmd = launcher.command();
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log_file))
+        .process_group(0);
+    let keep = fds.to_vec();
+    // SAFETY: runs in the forked child before exec; only calls fcntl (async-signal safe)
+    // on descriptors this process owns, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &keep {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some(p) = &disk {
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(Error::Io {
+                context: "starting a fork child process",
+                source: e,
+            });
+        }
+    };
+    let pid = child.id();
+    let stdin = child.stdin.take();
+    let stdout = child.stdout.take();
+    let st = Started {
+        child,
+        // The log stays: it says why a child failed.
+        files: [
+            Some(api.clone()),
+            vsock.clone(),
+            Some(serial.clone()),
+            disk.clone(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    };
+    let ready = (|| -> Result<()> {
+        let mut stdin = stdin.ok_or_else(|| Error::Fork("no stdin pipe".into()))?;
+        stdin
+            .write_all(&(record.len() as u32).to_le_bytes())
+            .and_then(|()| stdin.write_all(&record))
+            .and_then(|()| stdin.write_all(bytes))
+            .map_err(io("handing the state to the child"))?;
+        drop(stdin);
+        let stdout = stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(CHILD_READY_TIMEOUT).map_err(|_| {
+            Error::Fork(format!(
+                "the child did not start in {CHILD_READY_TIMEOUT:?}"
+            ))
+        })?;
+        let line = line.trim_end();
+        if line == "ready" {
+            return Ok(());
+        }
+        Err(Error::Fork(match line.strip_prefix("error ") {
+            Some(msg) => msg.to_string(),
+            None => format!("the child ended before it ran (see {})", log.display()),
+        }))
+    })();
+    match ready {
+        Ok(()) => Ok((
+            st,
+            ForkedChild {
+                pid,
+                api_sock: api,
+                cid: vsock.as_ref().map(|_| cid),
+                vsock,
+                serial,
+                log,
+                disk,
+            },
+        )),
+        Err(e) => {
+            st.kill();
+            Err(e)
+        }
+    }
+}
+
+/// A fork child's side: reads the launch record and the frozen instant from standard
+/// input, builds the child VM, binds its API socket, tells the parent `ready` (or `error
+/// <message>`) on standard output, then owns the VM like `clade run` until it ends.
+pub fn serve_fork_child(options: &OwnerOptions) -> Result<OwnerEnd> {
+    let mut stdout = std::io::stdout();
+    match build_child() {
+        Ok((vm, api)) => {
+            writeln!(stdout, "ready")
+                .and_then(|()| stdout.flush())
+                .map_err(io("telling the parent"))?;
+            own(vm, Some(api), options)
+        }
+        Err(e) => {
+            let msg = e.to_string().replace('\n', " ");
+            let _ = writeln!(stdout, "error {msg}");
+            Err(e)
+        }
+    }
+}
+
+fn build_child() -> Result<(Vm, ApiServer)> {
+    let mut input = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut input)
+        .map_err(io("reading the parent's state"))?;
+    let bad = |why: &str| Error::Fork(format!("bad hand-over from the parent: {why}"));
+    let len = input
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or_else(|| bad("too short"))?;
+    if len > MAX_LAUNCH_RECORD || input.len() < 4 + len {
+        return Err(bad("launch record length"));
+    }
+    let launch: ChildLaunch = postcard::from_bytes(&input[4..4 + len])
+        .map_err(|e| bad(&format!("launch record: {e}")))?;
+    let mut files = Vec::with_capacity(launch.fds.len());
+    let mut seen = std::collections::HashSet::new();
+    for fd in &launch.fds {
+        if !seen.insert(*fd) {
+            return Err(bad("a descriptor listed twice"));
+        }
+        if *fd < 3 || !Path::new(&format!("/proc/self/fd/{fd}")).exists() {
+            return Err(Error::Fork(format!(
+                "memory layer descriptor {fd} was not inherited"
+            )));
+        }
+        // SAFETY: the parent left this descriptor open for this process to own (see the
+        // module documentation); nothing else here uses it.
+        let owned = unsafe { OwnedFd::from_raw_fd(*fd) };
+        files.push(File::from(owned));
+    }
+    let frozen = Frozen::from_handoff(&input[4 + len..], files)?;
+    let api = ApiServer::bind(&launch.api_sock)?;
+    let spec = ChildSpec {
+        disk_path: launch.disk,
+        vsock_path: launch.vsock,
+        guest_cid: launch.cid,
+        serial: SerialOutput::File(launch.serial),
+        shell: None,
+        agent_sync: launch.agent_sync.then_some(CHILD_AGENT_SYNC),
+        hostname_suffix: launch.hostname_suffix,
+        start: true,
+        vcpu_cpus: Vec::new(),
+    };
+    let vm = frozen.child(spec)?;
+    Ok((vm, api))
+}

@@ -1,0 +1,22 @@
+//! The host layer: what owns a running VM. `clade run`, `clade restore`, a fork child and
+//! any program that embeds Clade use exactly this code.
+//!
+//! - [`own`]: the owner loop. It waits for the VM to end, for a stop signal
+//!   ([`stop_on_signals`]), and executes the requests of the VM's control API
+//!   ([`crate::api::ApiServer`]) one at a time, so the [`Vm`](crate::Vm) is never shared
+//!   between threads. It also applies the working-set policy: once the agent sync after a
+//!   restore succeeded, the pages the guest touched so far are what it needs to serve a
+//!   request, and they are saved for later restores to prefetch.
+//! - The control-API dispatcher (private): one [`crate::api::Request`] against the VM.
+//! - [`fork_processes`]: process-per-child fork. The VM is frozen and each child is its own
+//!   process, started by a [`ChildLauncher`] (by default this very executable with
+//!   `fork-child`), which calls [`serve_fork_child`].
+
+mod dispatch;
+mod fork;
+mod owner;
+
+pub use fork::{
+    fork_processes, serve_fork_child, ChildLauncher, ForkedChild, ForkedProcesses, SelfExec,
+};
+pub use owner::{own, stop_on_signals, OwnerEnd, OwnerOptions};

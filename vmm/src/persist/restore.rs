@@ -1,0 +1,473 @@
+//! Restoring a snapshot: a new VM from a snapshot directory ([`restore`], or
+//! [`PreparedSnapshot::open`] once and [`PreparedSnapshot::restore`] any number of times).
+//!
+//! Everything is read and checked first (state file, memory files of the whole chain,
+//! geometry, CPU): a bad snapshot fails before any KVM object exists and no file is
+//! written. Then a VM shell (from a pool, or built now) gets memory mapped over its reserved
+//! address space by one of three [`MemoryBackend`]s and the VM is built from the saved
+//! machine ([`crate::builder::from_saved`]). vsock connections do not survive (their host
+//! ends belonged to another process): the guest gets a transport reset when it had any,
+//! its listening sockets stay. With [`RestoreOptions::agent_sync`] a background thread then
+//! gives the guest agent the current time and fresh entropy.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use snapshot::memory_file::{self, HoleFill, MemoryChain, MemoryFile};
+use snapshot::page_server::{GuestMapping, PageServer, PageServerOptions, Prefetch};
+use snapshot::state_file::{self, Expect};
+use snapshot::working_set::WorkingSet;
+use snapshot::{CpuCheck, SnapshotId, SnapshotKind};
+
+use super::{file_err, io_err, StatePayload, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE};
+use crate::arch::layout::ram_ranges;
+use crate::builder::{self, Identity, MemorySlot};
+use crate::config::{BlockConfig, SerialOutput, VsockConfig};
+use crate::error::{Error, Result};
+use crate::saved::{
+    Lineage, MachineState, MemoryBackend, RestoreReport, SavedMachine, SavedVsock, Steps,
+};
+use crate::vm::Vm;
+use crate::vstate::kvm;
+use crate::vstate::memory::GuestRam;
+use crate::vstate::shell::{Shell, ShellSpec};
+use crate::vstate::spare;
+
+/// Options of [`restore`].
+#[derive(Debug)]
+pub struct RestoreOptions {
+    /// Where the serial console goes.
+    pub serial: SerialOutput,
+    /// The vsock device's Unix socket; default: the one in the snapshot.
+    pub vsock_path: Option<PathBuf>,
+    /// KVM device node.
+    pub kvm_device: PathBuf,
+    /// How closely the snapshot's CPU must match this host's.
+    pub cpu_check: CpuCheck,
+    /// A pre-built VM shell (e.g. from [`crate::ShellPool::take`]); one that does not
+    /// fit the snapshot is dropped and a new one built.
+    pub shell: Option<Shell>,
+    /// After the vCPUs run, give the guest agent the current time and fresh entropy, in a
+    /// background thread that gives up after this long (best effort, logged).
+    pub agent_sync: Option<Duration>,
+    /// `uffd`: record the working set on the first restore and prefetch it on later ones.
+    pub working_set: bool,
+    /// `uffd`: how a recorded working set is prefetched.
+    pub prefetch: Prefetch,
+    /// Log dirty pages in the restored VM (needed for its diff snapshots).
+    pub dirty_tracking: bool,
+    /// Start the vCPUs before returning (otherwise call [`Vm::start`]).
+    pub start: bool,
+    /// Pin vCPU `i` to host CPU `vcpu_cpus[i % len]` (empty: no pinning; see
+    /// [`Vm::pin_vcpus`]).
+    pub vcpu_cpus: Vec<usize>,
+    /// A snapshot with a writable disk: where the restored VM's own overlay on the
+    /// snapshot's frozen disk layer is created (it must not exist; default:
+    /// `<snapshot dir>/restore-<random>.cdsk`). The overlay stays after the VM ends.
+    pub disk_overlay: Option<PathBuf>,
+}
+
+impl Default for RestoreOptions {
+    fn default() -> Self {
+        RestoreOptions {
+            serial: SerialOutput::Stdout,
+            vsock_path: None,
+            kvm_device: PathBuf::from(kvm::KVM_PATH),
+            cpu_check: CpuCheck::default(),
+            shell: None,
+            agent_sync: None,
+            working_set: true,
+            prefetch: Prefetch::BeforeStart,
+            dirty_tracking: true,
+            start: true,
+            vcpu_cpus: Vec::new(),
+            disk_overlay: None,
+        }
+    }
+}
+
+/// Makes a new VM from the snapshot in `dir` (see the [module documentation](self)):
+/// [`PreparedSnapshot::open`] then [`PreparedSnapshot::restore`]. The snapshot's files are
+/// only read (a `uffd` restore may add `working_set.ws`). Any error leaves nothing behind:
+/// no VM, no changed file.
+pub fn restore(dir: &Path, backend: MemoryBackend, options: RestoreOptions) -> Result<Vm> {
+    let t0 = Instant::now();
+    let prepared = PreparedSnapshot::open(dir, options.cpu_check)?;
+    let read = t0.elapsed();
+    let vm = prepared.restore_with(backend, options, Some(read))?;
+    Ok(vm)
+}
+
+/// A snapshot whose files were read and checked (state file, every memory file of its
+/// chain, geometry, CPU), ready to be restored any number of times without reading them
+/// again. It keeps the memory files open.
+pub struct PreparedSnapshot {
+    dir: PathBuf,
+    header: state_file::Header,
+    state: StatePayload,
+    chain: Arc<MemoryChain>,
+    vsock: Option<SavedVsock>,
+    /// The working set, once a restore found it (it does not change once written).
+    working_set: Mutex<Option<Arc<WorkingSet>>>,
+}
+
+impl std::fmt::Debug for PreparedSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedSnapshot")
+            .field("dir", &self.dir)
+            .field("id", &self.header.meta.id)
+            .field("kind", &self.header.meta.kind)
+            .field("machine", &self.state.saved.machine)
+            .finish()
+    }
+}
+
+impl PreparedSnapshot {
+    /// Reads and checks the snapshot in `dir`; nothing is created or written.
+    pub fn open(dir: &Path, cpu_check: CpuCheck) -> Result<PreparedSnapshot> {
+        // 1. Read and check everything before touching KVM.
+        let expect = Expect {
+            cpu_check,
+            ..Expect::default()
+        };
+        let (header, state): (_, StatePayload) =
+            state_file::read(&dir.join(STATE_FILE), &expect).map_err(file_err(dir))?;
+        let meta = header.meta;
+        let m = &state.saved.machine;
+        if m.vcpus == 0 || state.saved.vcpus.len() != m.vcpus as usize {
+            return Err(Error::Snapshot(format!(
+                "{}: state for {} vCPUs in a {}-vCPU machine",
+                dir.display(),
+                state.saved.vcpus.len(),
+                m.vcpus
+            )));
+        }
+        if m.mem_bytes != meta.mem_size {
+            return Err(Error::Snapshot(format!(
+                "{}: machine of {} bytes in a snapshot of {} bytes",
+                dir.display(),
+                m.mem_bytes,
+                meta.mem_size
+            )));
+        }
+        match (meta.kind, state.chain.is_empty()) {
+            (SnapshotKind::Full, false) => {
+                return Err(Error::Snapshot(format!(
+                    "{}: a full snapshot that lists base snapshots",
+                    dir.display()
+                )))
+            }
+            (SnapshotKind::Diff, true) => {
+                return Err(Error::Snapshot(format!(
+                    "{}: a diff snapshot that lists no base snapshot",
+                    dir.display()
+                )))
+            }
+            _ => {}
+        }
+        if state.chain.len() >= memory_file::MAX_CHAIN_LEN {
+            return Err(Error::Snapshot(format!(
+                "{}: diff chain of {} snapshots",
+                dir.display(),
+                state.chain.len() + 1
+            )));
+        }
+        let mut layers = Vec::with_capacity(state.chain.len() + 1);
+        for (i, base_dir) in state.chain.iter().enumerate() {
+            let path = base_dir.join(MEMORY_FILE);
+            let f = MemoryFile::open(&path).map_err(|e| match e {
+                snapshot::Error::Io { source, .. }
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    Error::Snapshot(format!(
+                        "{}: this diff snapshot needs its base snapshot {} at {}, which is missing",
+                        dir.display(),
+                        if i + 1 == state.chain.len() {
+                            meta.base.map(|b| b.to_string()).unwrap_or_default()
+                        } else {
+                            "(an earlier one in its chain)".into()
+                        },
+                        base_dir.display()
+                    ))
+                }
+                other => Error::SnapshotFile {
+                    dir: base_dir.clone(),
+                    source: other,
+                },
+            })?;
+            layers.push(f);
+        }
+        layers.push(MemoryFile::open(&dir.join(MEMORY_FILE)).map_err(file_err(dir))?);
+        let chain = MemoryChain::new(layers).map_err(file_err(dir))?;
+        chain.check_state(&header).map_err(file_err(dir))?;
+        if let (Some(base), Some(below)) = (meta.base, chain.layers().iter().rev().nth(1)) {
+            if below.header().id != base {
+                return Err(Error::SnapshotFile {
+                    dir: dir.to_path_buf(),
+                    source: snapshot::Error::BaseMismatch {
+                        diff: meta.id,
+                        expected: base,
+                        found: below.header().id,
+                    },
+                });
+            }
+        }
+        let layout: Vec<(u64, u64)> = ram_ranges(m.mem_bytes);
+        let geometry: Vec<(u64, u64)> = chain
+            .regions()
+            .iter()
+            .map(|r| (r.guest_addr, r.size))
+            .collect();
+        if layout != geometry {
+            return Err(Error::SnapshotFile {
+                dir: dir.to_path_buf(),
+                source: snapshot::Error::GeometryMismatch(format!(
+                    "memory regions {geometry:#x?}, a {}-byte machine has {layout:#x?}",
+                    m.mem_bytes
+                )),
+            });
+        }
+        let dir = dir
+            .canonicalize()
+            .map_err(io_err("resolving the snapshot directory"))?;
+        let vsock = state.saved.machine.vsock.clone();
+        Ok(PreparedSnapshot {
+            dir,
+            header,
+            state,
+            chain: Arc::new(chain),
+            vsock,
+            working_set: Mutex::new(None),
+        })
+    }
+
+    /// The snapshot's id.
+    pub fn id(&self) -> SnapshotId {
+        self.header.meta.id
+    }
+
+    /// Full or diff.
+    pub fn kind(&self) -> SnapshotKind {
+        self.header.meta.kind
+    }
+
+    /// The machine it restores.
+    pub fn machine(&self) -> &MachineState {
+        &self.state.saved.machine
+    }
+
+    /// The VM shell it fits (for a [`crate::ShellPool`]).
+    pub fn shell_spec(&self, kvm_device: &Path, dirty_log: bool) -> ShellSpec {
+        ShellSpec {
+            kvm_device: kvm_device.to_path_buf(),
+            mem_bytes: self.state.saved.machine.mem_bytes,
+            vcpus: self.state.saved.machine.vcpus,
+            dirty_log,
+        }
+    }
+
+    /// The working set at `path`, read once and kept (None while there is none yet).
+    fn cached_working_set(&self, path: &Path) -> Option<Arc<WorkingSet>> {
+        let mut cache = self.working_set.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.is_none() {
+            if let Ok(ws) = WorkingSet::load(path, self.header.meta.id, self.chain.pages()) {
+                *cache = Some(Arc::new(ws));
+            }
+        }
+        cache.clone()
+    }
+
+    /// Makes a new VM from this snapshot (see [`restore`]).
+    pub fn restore(&self, backend: MemoryBackend, options: RestoreOptions) -> Result<Vm> {
+        self.restore_with(backend, options, None)
+    }
+
+    /// [`PreparedSnapshot::restore`]; `read` is how long opening the snapshot took, when
+    /// that was part of the same call (it is reported as the first step).
+    pub(crate) fn restore_with(
+        &self,
+        backend: MemoryBackend,
+        mut options: RestoreOptions,
+        read: Option<Duration>,
+    ) -> Result<Vm> {
+        let t0 = Instant::now();
+        let mut steps = Steps::new();
+        let dir = &self.dir;
+        let saved: &SavedMachine = &self.state.saved;
+        let m = &saved.machine;
+        let meta = self.header.meta;
+        let vsock = match (&self.vsock, &options.vsock_path) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(Error::Config(
+                    "a vsock socket was given, but the snapshot has no vsock device".into(),
+                ))
+            }
+            (Some(v), path) => Some(VsockConfig {
+                uds_path: path.clone().unwrap_or_else(|| v.uds_path.clone()),
+                guest_cid: v.guest_cid,
+            }),
+        };
+        if saved.disk.as_ref().is_none_or(|d| d.read_only) && options.disk_overlay.is_some() {
+            return Err(Error::Config(
+                "a disk overlay was given, but the snapshot has no writable disk".into(),
+            ));
+        }
+
+        let spec = builder::shell_spec(saved, options.kvm_device.clone(), options.dirty_tracking);
+        let (shell, shell_reused) = builder::shell_for(&spec, options.shell.take())?;
+        steps.done("shell");
+
+        // The disk: the snapshot's read-only layer, or an overlay of the VM's own on the
+        // frozen layer (removed again if the restore fails).
+        let mut overlay = OverlayGuard(None);
+        let disk = match &saved.disk {
+            None => None,
+            Some(d) if d.read_only => Some(BlockConfig {
+                path: d.layer.clone(),
+                read_only: true,
+                serial: d.serial.clone(),
+            }),
+            Some(d) => {
+                let path = options.disk_overlay.clone().unwrap_or_else(|| {
+                    let mut name = SnapshotId::random().to_string();
+                    name.truncate(12);
+                    dir.join(format!("restore-{name}.cdsk"))
+                });
+                disk::ops::create(
+                    &path,
+                    &disk::ops::CreateOptions {
+                        parent: Some(d.layer.clone()),
+                        ..Default::default()
+                    },
+                )?;
+                overlay.0 = Some(path.clone());
+                tracing::info!(
+                    "disk overlay {} on the snapshot's layer {}",
+                    path.display(),
+                    d.layer.display()
+                );
+                Some(BlockConfig {
+                    path,
+                    read_only: false,
+                    serial: d.serial.clone(),
+                })
+            }
+        };
+        steps.done("disk");
+
+        let mut bytes_read = 0;
+        let memory = |slot: MemorySlot<'_>| -> Result<(GuestRam, Option<PageServer>)> {
+            match backend {
+                MemoryBackend::Copy => {
+                    let ram = GuestRam::memfd(slot.reservation)?;
+                    // SAFETY: nothing runs yet: no vCPU, no device; this is the only slice.
+                    let image = unsafe { ram.image_mut() };
+                    bytes_read = self
+                        .chain
+                        .restore_into(image, HoleFill::AssumeZeroed)
+                        .map_err(file_err(dir))?;
+                    Ok((ram, None))
+                }
+                MemoryBackend::File => {
+                    let base = &self.chain.layers()[0];
+                    let ram = GuestRam::file_private(
+                        slot.reservation,
+                        base.file(),
+                        base.header().data_offset,
+                    )?;
+                    // SAFETY: as above.
+                    let image = unsafe { ram.image_mut() };
+                    bytes_read = self
+                        .chain
+                        .overlay_diffs_into(image)
+                        .map_err(file_err(dir))?;
+                    Ok((ram, None))
+                }
+                MemoryBackend::Uffd => {
+                    let ram = GuestRam::anonymous(slot.reservation)?;
+                    let ws = options.working_set.then(|| dir.join(WORKING_SET_FILE));
+                    let loaded = ws.as_deref().and_then(|p| self.cached_working_set(p));
+                    let ps = PageServer::start_with(
+                        Arc::clone(&self.chain),
+                        &[GuestMapping {
+                            host_addr: ram.image_addr(),
+                            len: m.mem_bytes as usize,
+                            image_offset: 0,
+                        }],
+                        PageServerOptions {
+                            working_set: ws,
+                            working_set_loaded: loaded,
+                            prefetch: options.prefetch,
+                        },
+                        spare::runner_from(slot.spares),
+                        slot.uffd,
+                    )
+                    .map_err(file_err(dir))?;
+                    bytes_read = ps.stats().bytes_read;
+                    Ok((ram, Some(ps)))
+                }
+            }
+        };
+        let identity = Identity {
+            serial: options.serial.clone(),
+            vsock,
+            disk,
+            kvm_device: options.kvm_device.clone(),
+            dirty_tracking: options.dirty_tracking,
+            vcpu_cpus: options.vcpu_cpus.clone(),
+            lineage: Some(Lineage {
+                id: meta.id,
+                dir: dir.clone(),
+                chain: self.state.chain.clone(),
+            }),
+        };
+        let (mut vm, refused_msrs) =
+            builder::from_saved(saved, shell, memory, identity, &mut steps)?;
+        let agent_sync = options.agent_sync.map(|t| (t, None));
+        let recording = vm.page_server_recording();
+        vm.finish_from_saved(options.start, agent_sync, &mut steps)?;
+        // The VM owns its overlay from here on.
+        overlay.0 = None;
+        let mut report = RestoreReport {
+            id: meta.id,
+            kind: meta.kind,
+            layers: 1 + self.state.chain.len(),
+            backend,
+            shell_reused,
+            total: t0.elapsed(),
+            steps: steps.steps,
+            bytes_read,
+            page_server: vm.page_server_stats(),
+            recording_working_set: recording,
+            refused_msrs,
+        };
+        if let Some(read) = read {
+            report.steps.insert(0, ("read_check", read));
+            report.total += read;
+        }
+        tracing::info!(
+            "restored snapshot {} ({}, {} backend) in {:?}",
+            report.id,
+            report.kind,
+            backend,
+            report.total
+        );
+        vm.set_restore_report(report);
+        Ok(vm)
+    }
+}
+
+/// Removes a disk overlay a failed restore created.
+struct OverlayGuard(Option<PathBuf>);
+
+impl Drop for OverlayGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            if let Err(e) = std::fs::remove_file(&p) {
+                tracing::warn!("removing the disk overlay {}: {e}", p.display());
+            }
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Taking a snapshot of a running (or paused) VM: [`snapshot`].
+//!
+//! The vCPUs are paused (kicked out of KVM_RUN, pending I/O completed), devices stop their
+//! background work, the machine is saved ([`Vm::save_machine`]), then the memory: every
+//! page (full), or for a diff the pages KVM's dirty log and the VMM's own writes
+//! (virtqueues, rx buffers: tracked by `vm-memory`'s bitmap) marked since the last
+//! snapshot. The memory file is written while paused but made durable (fsync, rename)
+//! after the vCPUs run again; the state file is written last and commits the snapshot.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use snapshot::memory_file::{self, GuestRegion, PendingMemoryFile, RegionData};
+use snapshot::state_file::{self, SnapshotMeta};
+use snapshot::{SnapshotId, SnapshotKind};
+
+use super::{
+    file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE,
+};
+use crate::error::{Error, Result};
+use crate::saved::{Lineage, Steps};
+use crate::vm::Vm;
+use crate::vstate::memory::Backing;
+
+/// What [`snapshot`] did.
+#[derive(Debug, Clone)]
+pub struct SnapshotInfo {
+    /// The new snapshot's id.
+    pub id: SnapshotId,
+    /// Full or diff.
+    pub kind: SnapshotKind,
+    /// Its directory (absolute).
+    pub dir: PathBuf,
+    /// How long the vCPUs were paused (0 when the VM was paused already).
+    pub pause_time: Duration,
+    /// Whole call.
+    pub total_time: Duration,
+    /// Pages in the dirty bitmap (diff) or in guest memory (full).
+    pub pages_considered: u64,
+    /// Non-zero pages written to the memory file.
+    pub pages_written: u64,
+    /// Time steps, in order.
+    pub steps: Vec<(&'static str, Duration)>,
+}
+
+/// Takes a snapshot of `vm`, running or paused, into `dir` (created if needed; a snapshot
+/// already there is replaced once the new one is complete). `Diff` writes only the pages
+/// written since the last snapshot this VM took or was restored from, and needs that
+/// snapshot's directory to stay where it is. The VM keeps running afterwards (a paused VM
+/// stays paused).
+pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotInfo> {
+    let t0 = Instant::now();
+    let mut steps = Steps::new();
+    vm.check_live("snapshot")?;
+    let base = match kind {
+        SnapshotKind::Full => None,
+        SnapshotKind::Diff => {
+            if !vm.dirty_tracking() {
+                return Err(Error::Snapshot(
+                    "a diff snapshot needs dirty page tracking, which this VM runs without".into(),
+                ));
+            }
+            Some(vm.last_snapshot().cloned().ok_or_else(|| {
+                Error::Snapshot(
+                    "a diff snapshot needs a base: take a full snapshot of this VM first".into(),
+                )
+            })?)
+        }
+    };
+    std::fs::create_dir_all(dir).map_err(io_err("creating the snapshot directory"))?;
+    let dir = dir
+        .canonicalize()
+        .map_err(io_err("resolving the snapshot directory"))?;
+    if let Some(l) = &base {
+        if l.chain.len() + 2 > MAX_DIFF_CHAIN {
+            return Err(Error::Snapshot(format!(
+                "a diff would make a chain of {} snapshots (at most {MAX_DIFF_CHAIN}): \
+                 take a full snapshot",
+                l.chain.len() + 2
+            )));
+        }
+        if l.dir == dir || l.chain.contains(&dir) {
+            return Err(Error::Snapshot(format!(
+                "{} holds this diff's base snapshot: write the diff elsewhere",
+                dir.display()
+            )));
+        }
+    }
+    if kind == SnapshotKind::Full && vm.has_page_server() {
+        // A full snapshot reads all of memory: install what the page server has not
+        // served yet, while the guest still runs, then run on plain memory.
+        if let Some(filled) = vm.fill_memory()? {
+            tracing::debug!("page server stopped before a full snapshot: {filled} pages filled");
+            steps.done("fill_memory");
+        }
+    }
+    let id = SnapshotId::random();
+    let mut paused = vm.pause_guard("snapshot")?;
+    steps.done("pause");
+    let captured = capture(paused.vm(), &dir, kind, id, base.as_ref(), &mut steps);
+    let pause_time = paused.release();
+    steps.done("unpause");
+    let (pending, payload, pages_considered) = match captured {
+        Ok(c) => c,
+        Err(e) => {
+            // The dirty log may have been consumed: only a full snapshot is safe now.
+            vm.set_lineage(None);
+            return Err(e);
+        }
+    };
+    let committed = (|| -> Result<u64> {
+        let (header, stats) = pending.commit().map_err(file_err(&dir))?;
+        steps.done("commit_memory");
+        let meta = match &base {
+            None => SnapshotMeta::full(id, header.mem_size),
+            Some(b) => SnapshotMeta::diff(id, b.id, header.mem_size),
+        };
+        state_file::write(&dir.join(STATE_FILE), &meta, &payload).map_err(file_err(&dir))?;
+        steps.done("write_state");
+        Ok(stats.pages_written)
+    })();
+    let pages_written = match committed {
+        Ok(c) => c,
+        Err(e) => {
+            vm.set_lineage(None);
+            return Err(e);
+        }
+    };
+    // A working set recorded for the snapshot this one replaced is useless now.
+    match std::fs::remove_file(dir.join(WORKING_SET_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("removing a stale working set in {}: {e}", dir.display()),
+    }
+    vm.set_lineage(Some(Lineage {
+        id,
+        dir: dir.clone(),
+        chain: payload.chain,
+    }));
+    let info = SnapshotInfo {
+        id,
+        kind,
+        dir,
+        pause_time,
+        total_time: t0.elapsed(),
+        pages_considered,
+        pages_written,
+        steps: steps.steps,
+    };
+    tracing::info!(
+        "{kind} snapshot {id} in {}: {} pages written, paused {:?}, total {:?}",
+        info.dir.display(),
+        info.pages_written,
+        info.pause_time,
+        info.total_time
+    );
+    Ok(info)
+}
+
+/// Everything that needs the vCPUs and devices paused: the machine, and the memory file
+/// written (not yet committed).
+fn capture(
+    vm: &mut Vm,
+    dir: &Path,
+    kind: SnapshotKind,
+    id: SnapshotId,
+    base: Option<&Lineage>,
+    steps: &mut Steps,
+) -> Result<(PendingMemoryFile, StatePayload, u64)> {
+    // The disk's current top layer becomes the snapshot's (frozen, flushed); the VM runs
+    // on from a new overlay on it.
+    let saved = vm.save_machine("s", steps)?;
+    let mem_path = dir.join(MEMORY_FILE);
+    let (pending, considered) = match (kind, base) {
+        (SnapshotKind::Full, _) => {
+            if vm.dirty_tracking() {
+                // Start a new interval: the next diff covers what changes after this.
+                vm.take_dirty()?;
+            }
+            steps.done("dirty_log");
+            let ram = vm.ram();
+            let ranges = ram.ranges();
+            let regions: Vec<GuestRegion<'_>> = match ram.backing() {
+                Backing::Memfd(f) => ranges
+                    .iter()
+                    .map(|r| GuestRegion {
+                        guest_addr: r.guest_addr,
+                        data: RegionData::Fd {
+                            fd: f.as_fd(),
+                            offset: r.image_offset,
+                            len: r.len as u64,
+                        },
+                    })
+                    .collect(),
+                _ => (0..ranges.len())
+                    .map(|i| GuestRegion {
+                        guest_addr: ranges[i].guest_addr,
+                        // SAFETY: vCPUs and devices are paused: nothing writes guest
+                        // memory while the slices live (until this function returns).
+                        data: RegionData::Slice(unsafe { ram.range_slice(i) }),
+                    })
+                    .collect(),
+            };
+            let p =
+                memory_file::write_full_pending(&mem_path, id, &regions).map_err(file_err(dir))?;
+            (p, ram.mem_bytes() / snapshot::PAGE_SIZE_U64)
+        }
+        (SnapshotKind::Diff, Some(base)) => {
+            let dirty = vm.take_dirty()?;
+            steps.done("dirty_log");
+            let considered = dirty
+                .iter()
+                .flatten()
+                .map(|w| u64::from(w.count_ones()))
+                .sum();
+            let ram = vm.ram();
+            let ranges = ram.ranges();
+            let regions: Vec<GuestRegion<'_>> = (0..ranges.len())
+                .map(|i| GuestRegion {
+                    guest_addr: ranges[i].guest_addr,
+                    // SAFETY: as above: nothing writes guest memory while paused.
+                    data: RegionData::Slice(unsafe { ram.range_slice(i) }),
+                })
+                .collect();
+            let dirty_refs: Vec<&[u64]> = dirty.iter().map(|d| &d[..]).collect();
+            let p = memory_file::write_diff_pending(&mem_path, id, base.id, &regions, &dirty_refs)
+                .map_err(file_err(dir))?;
+            (p, considered)
+        }
+        (SnapshotKind::Diff, None) => {
+            return Err(Error::Snapshot("a diff snapshot needs a base".into()))
+        }
+    };
+    steps.done("write_memory");
+    let chain = match base {
+        None => Vec::new(),
+        Some(b) => {
+            let mut c = b.chain.clone();
+            c.push(b.dir.clone());
+            c
+        }
+    };
+    Ok((pending, StatePayload { saved, chain }, considered))
+}
