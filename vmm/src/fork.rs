@@ -26,7 +26,7 @@
 //!
 //! Every file a child gets is named by one scheme, [`child_path`]: `<stem>-f<k>.<ext>`
 //! next to the parent's (vsock socket, disk overlay) or in a chosen directory (the process
-//! fork of [`crate::host`]: API socket, vsock socket, serial console, log, disk overlay),
+//! fork of the host layer: API socket, vsock socket, serial console, log, disk overlay),
 //! with `k` the fork sequence number that is also the guest's hostname suffix `-f<k>`.
 //!
 //! Children in other processes: [`Frozen::handoff`] encodes the saved machine and lists

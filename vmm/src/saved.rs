@@ -2,7 +2,7 @@
 //! [`RestoreReport`]).
 //!
 //! One saved-machine type serves all three places a VM's state goes: snapshot files
-//! ([`crate::snapshot()`]), the in-memory instant children of a fork are made from
+//! (snapshot files), the in-memory instant children of a fork are made from
 //! ([`crate::Frozen`]) and the hand-over of that instant to a child process
 //! ([`crate::Frozen::handoff`]). The VM's `save_machine` makes one and the builder's
 //! `from_saved` builds a VM from one.

@@ -2,9 +2,8 @@
 //! forked), and everything done to it while it exists: start, pause and unpause, wait,
 //! shut down, save its state.
 //!
-//! A `Vm` is put together in one place, [`Vm::from_parts`], from the parts
-//! [`crate::builder`] prepares for a boot, a restore or a fork child. Snapshot
-//! ([`crate::snapshot`]), restore ([`crate::restore`]) and fork ([`crate::fork`]) are modules
+//! A `Vm` is put together in one place, [`Vm::from_parts`], from the parts the builder
+//! prepares for a boot, a restore or a fork child. Snapshot, restore and fork are modules
 //! above this one: they call its methods ([`Vm::pause_guard`], [`Vm::save_machine`],
 //! [`Vm::take_dirty`], ...) and never reach into it otherwise.
 
@@ -84,11 +83,11 @@ pub struct Vm {
     /// The post-restore agent sync's outcome, once it arrives.
     agent_sync: Option<Receiver<std::result::Result<Duration, String>>>,
     /// Forked memory: the pages written since it was frozen that a snapshot already took
-    /// out of the dirty log (see [`crate::fork`]).
+    /// out of the dirty log (the fork module's business).
     fork_carry: Vec<Vec<u64>>,
 }
 
-/// Everything a [`Vm`] is made of, prepared by [`crate::builder`] for a boot, a restore or
+/// Everything a [`Vm`] is made of, prepared by the builder for a boot, a restore or
 /// a fork child. Devices are created and the KVM state (boot registers, or saved state)
 /// is set; the vCPUs have not run.
 pub(crate) struct VmParts {
@@ -243,8 +242,8 @@ impl Vm {
         Ok(())
     }
 
-    /// Lets paused vCPUs run again. (Not to be confused with [`crate::restore`], which
-    /// makes a new VM from a snapshot.)
+    /// Lets paused vCPUs run again. (Not to be confused with restoring, which makes a new
+    /// VM from a snapshot.)
     pub fn unpause(&mut self) -> Result<()> {
         if self.state != RunState::Paused {
             return Err(self.invalid("unpause"));

@@ -253,14 +253,14 @@ unsafe fn child_exec(
         let mut buf = [0u8; 5];
         buf[0] = step as u8;
         buf[1..].copy_from_slice(&errno.to_ne_bytes());
-        // SAFETY (whole block): async-signal-safe calls on valid buffers and descriptors,
+        // SAFETY: (whole block) async-signal-safe calls on valid buffers and descriptors,
         // in the single-threaded child.
         unsafe {
             libc::write(err_fd, buf.as_ptr().cast(), buf.len());
             libc::_exit(127)
         }
     };
-    // SAFETY (whole block): we are the freshly forked child; every call below is
+    // SAFETY: (whole block) we are the freshly forked child; every call below is
     // async-signal-safe and gets valid pointers prepared before the fork.
     unsafe {
         // A clean signal state: nothing blocked, SIGPIPE back to default (Rust ignores it).

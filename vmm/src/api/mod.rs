@@ -1,7 +1,7 @@
 //! The control API of a running VM: newline-delimited JSON over a Unix socket.
 //!
 //! `clade run --api-sock PATH` and `clade restore DIR --api-sock PATH` serve it (through
-//! [`crate::host::own`]); the socket
+//! the host layer's owner loop); the socket
 //! exists while the VM runs (a stale one is replaced, one in use is refused) and is removed
 //! when the process ends. Any number of connections, each a sequence of one request line
 //! and one response line. Requests are executed one at a time, in arrival order, by the
@@ -47,9 +47,9 @@
 //! <- {"ok":false,"error":"VM is paused: cannot pause"}
 //! ```
 //!
-//! The server only carries requests ([`ApiServer`]); the VM's owner (the loop in
-//! `clade run` / `clade restore`, [`crate::host::own`]) executes them, so the VM itself is never shared between
-//! threads. [`ApiClient`] is the client `clade snapshot` uses.
+//! The server only carries requests ([`ApiServer`]); the VM's owner (the host layer's owner
+//! loop, in `clade run` / `clade restore`) executes them, so the VM itself is never shared
+//! between threads. [`ApiClient`] is the client `clade snapshot` uses.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -1,5 +1,5 @@
-//! Process-per-child fork ([`fork_processes`]) and a child's start-up
-//! ([`serve_fork_child`]).
+//! Process-per-child fork, the parent's side ([`fork_processes`]; the child's side is
+//! `serve_fork_child`).
 //!
 //! Hand-over: the frozen memory layers are memfds; the parent starts each child through a
 //! [`ChildLauncher`] with those descriptors inherited (close-on-exec cleared in the child
@@ -13,8 +13,8 @@
 //! postcard) of that length, then the hand-over bytes to the end.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -24,19 +24,12 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::owner::{own, OwnerEnd, OwnerOptions};
-use crate::api::ApiServer;
-use crate::config::SerialOutput;
 use crate::error::{Error, Result};
-use crate::fork::{child_path, freeze, next_fork_seq, process_unique_cid, ChildSpec, Frozen};
+use crate::fork::{child_path, freeze, next_fork_seq, process_unique_cid, Frozen};
 use crate::vm::Vm;
 
 /// How long a child may take to report that it runs.
 const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest launch record a child accepts.
-const MAX_LAUNCH_RECORD: usize = 64 * 1024;
-/// How long a child's agent sync may take (best effort).
-const CHILD_AGENT_SYNC: Duration = Duration::from_secs(5);
 
 /// Starts the process of a fork child. The process must call [`serve_fork_child`] (with
 /// its standard input and output as they are): the parent's side sets stdin, stdout,
@@ -75,16 +68,16 @@ impl ChildLauncher for SelfExec {
 
 /// What a child process needs besides the frozen instant: its identity.
 #[derive(Debug, Serialize, Deserialize)]
-struct ChildLaunch {
-    api_sock: PathBuf,
-    vsock: Option<PathBuf>,
-    disk: Option<PathBuf>,
-    cid: u32,
-    serial: PathBuf,
-    hostname_suffix: String,
+pub(super) struct ChildLaunch {
+    pub(super) api_sock: PathBuf,
+    pub(super) vsock: Option<PathBuf>,
+    pub(super) disk: Option<PathBuf>,
+    pub(super) cid: u32,
+    pub(super) serial: PathBuf,
+    pub(super) hostname_suffix: String,
     /// Inherited memory layer descriptors, base first.
-    fds: Vec<RawFd>,
-    agent_sync: bool,
+    pub(super) fds: Vec<RawFd>,
+    pub(super) agent_sync: bool,
 }
 
 /// One child started by [`fork_processes`].
@@ -225,7 +218,7 @@ pub fn fork_processes(
     })
 }
 
-fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+pub(super) fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
 }
 
@@ -366,72 +359,4 @@ fn start_child(
             Err(e)
         }
     }
-}
-
-/// A fork child's side: reads the launch record and the frozen instant from standard
-/// input, builds the child VM, binds its API socket, tells the parent `ready` (or `error
-/// <message>`) on standard output, then owns the VM like `clade run` until it ends.
-pub fn serve_fork_child(options: &OwnerOptions) -> Result<OwnerEnd> {
-    let mut stdout = std::io::stdout();
-    match build_child() {
-        Ok((vm, api)) => {
-            writeln!(stdout, "ready")
-                .and_then(|()| stdout.flush())
-                .map_err(io("telling the parent"))?;
-            own(vm, Some(api), options)
-        }
-        Err(e) => {
-            let msg = e.to_string().replace('\n', " ");
-            let _ = writeln!(stdout, "error {msg}");
-            Err(e)
-        }
-    }
-}
-
-fn build_child() -> Result<(Vm, ApiServer)> {
-    let mut input = Vec::new();
-    std::io::stdin()
-        .read_to_end(&mut input)
-        .map_err(io("reading the parent's state"))?;
-    let bad = |why: &str| Error::Fork(format!("bad hand-over from the parent: {why}"));
-    let len = input
-        .get(..4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or_else(|| bad("too short"))?;
-    if len > MAX_LAUNCH_RECORD || input.len() < 4 + len {
-        return Err(bad("launch record length"));
-    }
-    let launch: ChildLaunch = postcard::from_bytes(&input[4..4 + len])
-        .map_err(|e| bad(&format!("launch record: {e}")))?;
-    let mut files = Vec::with_capacity(launch.fds.len());
-    let mut seen = std::collections::HashSet::new();
-    for fd in &launch.fds {
-        if !seen.insert(*fd) {
-            return Err(bad("a descriptor listed twice"));
-        }
-        if *fd < 3 || !Path::new(&format!("/proc/self/fd/{fd}")).exists() {
-            return Err(Error::Fork(format!(
-                "memory layer descriptor {fd} was not inherited"
-            )));
-        }
-        // SAFETY: the parent left this descriptor open for this process to own (see the
-        // module documentation); nothing else here uses it.
-        let owned = unsafe { OwnedFd::from_raw_fd(*fd) };
-        files.push(File::from(owned));
-    }
-    let frozen = Frozen::from_handoff(&input[4 + len..], files)?;
-    let api = ApiServer::bind(&launch.api_sock)?;
-    let spec = ChildSpec {
-        disk_path: launch.disk,
-        vsock_path: launch.vsock,
-        guest_cid: launch.cid,
-        serial: SerialOutput::File(launch.serial),
-        shell: None,
-        agent_sync: launch.agent_sync.then_some(CHILD_AGENT_SYNC),
-        hostname_suffix: launch.hostname_suffix,
-        start: true,
-        vcpu_cpus: Vec::new(),
-    };
-    let vm = frozen.child(spec)?;
-    Ok((vm, api))
 }

@@ -12,11 +12,11 @@
 //!   process, started by a [`ChildLauncher`] (by default this very executable with
 //!   `fork-child`), which calls [`serve_fork_child`].
 
+mod child;
 mod dispatch;
 mod fork;
 mod owner;
 
-pub use fork::{
-    fork_processes, serve_fork_child, ChildLauncher, ForkedChild, ForkedProcesses, SelfExec,
-};
+pub use child::serve_fork_child;
+pub use fork::{fork_processes, ChildLauncher, ForkedChild, ForkedProcesses, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd, OwnerOptions};
