@@ -16,7 +16,7 @@ cd "$REPO_ROOT"
 . "$REPO_ROOT/tests/nested/lib.sh"
 
 echo "== building clade (release) and the native test guest"
-cargo build --release -q -p vmm --bin clade
+cargo build --release -q -p clade --bin clade
 (cd tests/native-guest && env -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
     CARGO_TARGET_DIR="$REPO_ROOT/target/native-guest" cargo build --release -q)
 CLADE="$REPO_ROOT/target/release/clade"

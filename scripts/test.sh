@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test.sh: every test tier. Exit 0 only if all pass.
 #   1. unit tests            (no KVM)                       cargo test, next to the code
-#   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, vmm/tests
+#   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, clade/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
 #                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
 #                            "agent-vsock", "snapshot-resume" and "disk" (each counts as one
@@ -27,6 +27,17 @@ sum() { grep -E '^test result:' "$LOG" | grep -oE "[0-9]+ $1" | awk '{s += $1} E
 passed=$(sum passed)
 failed=$(sum failed)
 grep -h 'native counting loop' "$LOG" || true
+
+echo "== the embedding example (vmm/examples/embed.rs) on the native test guest"
+# Built by the tests above (tests/src/native_guest.rs).
+if cargo run --release --quiet -p vmm --example embed -- \
+    "$REPO_ROOT/target/native-guest/release/native-guest" --test-guest; then
+    passed=$((passed + 1))
+    echo "example embed: PASS"
+else
+    failed=$((failed + 1))
+    echo "example embed: FAIL"
+fi
 
 if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
     echo "== tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"

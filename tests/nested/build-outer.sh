@@ -43,7 +43,7 @@ if [ "${NESTED_SKIP_CLADE:-0}" = 1 ]; then
     log "NESTED_SKIP_CLADE=1: not building clade"
 else
     log "building static clade"
-    cargo_static -p vmm --bin clade >&2 || die "cargo build -p vmm --bin clade failed"
+    cargo_static -p clade --bin clade >&2 || die "cargo build -p clade --bin clade failed"
     CLADE="$STATIC_BIN_DIR/clade"
     [ -x "$CLADE" ] || die "$CLADE missing after build"
     if command -v file >/dev/null 2>&1 && file "$CLADE" | grep -q 'dynamically linked'; then

@@ -62,7 +62,7 @@ WANT="suite=$SUITE include=$INCLUDE slack=$SLACK_MIB script=$SCRIPT_SUM"
 if [ -z "${CLADE:-}" ]; then
     # The static build build-outer.sh makes too (same flags: built once).
     log "building clade"
-    cargo_static -p vmm --bin clade >&2 || die "cargo build failed"
+    cargo_static -p clade --bin clade >&2 || die "cargo build failed"
     CLADE="$STATIC_BIN_DIR/clade"
 fi
 [ -x "$CLADE" ] || die "$CLADE is not executable"
