@@ -67,7 +67,7 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
     }
 
     let mem_bytes = config.mem_mib << 20;
-    // The same pre-built VM a resume uses: slots over reserved address space, irqchip,
+    // The same pre-built VM a restore uses: slots over reserved address space, irqchip,
     // vCPUs; then fresh memory over the reservation.
     let Shell {
         vcpus: vcpu_fds,

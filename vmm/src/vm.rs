@@ -365,14 +365,14 @@ impl Vm {
         self.state.name()
     }
 
-    /// The page server's counters, when the VM was resumed with the `uffd` backend and the
+    /// The page server's counters, when the VM was restored with the `uffd` backend and the
     /// server still runs.
     pub fn page_server_stats(&self) -> Option<PageServerStats> {
         self.page_server.as_ref().map(|p| p.stats())
     }
 
     /// The snapshot this VM's memory last matched (the last one it took, or the one it
-    /// was resumed from): the base of its next diff snapshot.
+    /// was restored from): the base of its next diff snapshot.
     pub fn last_snapshot(&self) -> Option<&Lineage> {
         self.lineage.as_ref()
     }
@@ -382,8 +382,8 @@ impl Vm {
         self.restore_report.as_ref()
     }
 
-    /// Writes the working set the page server recorded since the resume (the pages the
-    /// guest touched, in order) next to the snapshot, so that later resumes prefetch it.
+    /// Writes the working set the page server recorded since the restore (the pages the
+    /// guest touched, in order) next to the snapshot, so that later restores prefetch it.
     /// Call it once the guest has served its first request; a VM that never calls it saves
     /// everything it touched when it ends. Returns the pages written (None: not recording).
     pub fn save_working_set(&mut self) -> Result<Option<usize>> {
@@ -403,7 +403,7 @@ impl Vm {
         Ok(n)
     }
 
-    /// The outcome of the agent sync a resume started ([`crate::ResumeOptions::agent_sync`]):
+    /// The outcome of the agent sync a restore started ([`crate::RestoreOptions::agent_sync`]):
     /// `Some` once, when it has finished (with how long it took, or why it failed).
     pub fn agent_sync_done(&mut self) -> Option<std::result::Result<Duration, String>> {
         let r = self.agent_sync.as_ref()?.try_recv();

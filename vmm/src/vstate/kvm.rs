@@ -71,7 +71,7 @@ pub fn create_vm(kvm: &Kvm) -> Result<VmFd> {
 /// are set: on this project's PVM hosts a memory slot added after the irqchip costs ~4-7 ms
 /// instead of ~0.2-0.3 ms (measured with 256 MiB and 1 GiB), and one added after the vCPUs
 /// ~7 ms. (The irqchip itself then takes ~3 ms: whichever comes second pays. That is why a
-/// resume takes a pre-built VM shell whose slots point at reserved address space, and maps
+/// restore takes a pre-built VM shell whose slots point at reserved address space, and maps
 /// the snapshot's memory over it: see `vstate::shell`.)
 pub fn create_irqchip(vm: &VmFd) -> Result<()> {
     vm.create_irq_chip()

@@ -7,9 +7,9 @@
 //!
 //! | backing | mapping | used by | next snapshot reads |
 //! |---|---|---|---|
-//! | [`Backing::Memfd`] | `MAP_SHARED` of a memfd holding the image | boot, `copy` resume | the memfd (holes skipped) |
-//! | [`Backing::Anonymous`] | private anonymous | `uffd` resume (page server fills it) | the mapping |
-//! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` resume | the mapping |
+//! | [`Backing::Memfd`] | `MAP_SHARED` of a memfd holding the image | boot, `copy` restore | the memfd (holes skipped) |
+//! | [`Backing::Anonymous`] | private anonymous | `uffd` restore (page server fills it) | the mapping |
+//! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` restore | the mapping |
 //!
 //! Writes the VMM makes through [`GuestMemory`] (devices) are recorded in per-region dirty
 //! bitmaps ([`GuestRam::take_vmm_dirty`]), the complement of KVM's dirty log.
@@ -496,7 +496,7 @@ impl GuestRam {
     ///   the previous frozen image, and mapped back private (the private copies are freed
     ///   and shared from then on). Costs in proportion to the pages written, not to memory.
     ///
-    /// Other backings fail (a `uffd` or `file` resume: take a snapshot and resume it with
+    /// Other backings fail (a `uffd` or `file` restore: take a snapshot and restore it with
     /// `copy` to fork it). On an error the memory is unchanged.
     pub fn freeze(&mut self, dirty: Option<&[Vec<u64>]>) -> Result<Arc<FrozenImage>> {
         match &self.backing {
@@ -533,7 +533,7 @@ impl GuestRam {
                 if prev.layers.len() >= MAX_FROZEN_LAYERS {
                     return Err(Error::Memory(format!(
                         "this VM's memory has {} fork layers (at most {MAX_FROZEN_LAYERS}): \
-                         snapshot it and resume with the copy backend to start a new line",
+                         snapshot it and restore with the copy backend to start a new line",
                         prev.layers.len()
                     )));
                 }
@@ -570,7 +570,7 @@ impl GuestRam {
                 Ok(image)
             }
             Backing::Anonymous | Backing::FilePrivate => Err(Error::Memory(
-                "only booted VMs, VMs resumed with the copy backend and forked VMs can fork \
+                "only booted VMs, VMs restored with the copy backend and forked VMs can fork \
                  (this one's memory comes from a snapshot file or a page server)"
                     .into(),
             )),

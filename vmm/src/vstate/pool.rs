@@ -1,5 +1,5 @@
 //! A pool of pre-built VM shells ([`Shell`]) for one machine size, refilled by a background
-//! thread, so that a resume finds its KVM VM, memory slots, irqchip and vCPUs ready.
+//! thread, so that a restore finds its KVM VM, memory slots, irqchip and vCPUs ready.
 //!
 //! ```no_run
 //! # fn main() -> vmm::Result<()> {
@@ -26,7 +26,7 @@ pub const MAX_POOL_SIZE: usize = 64;
 
 /// How long the refill thread waits after a shell was taken before building a new one:
 /// building one is ~1-4 ms of mostly in-kernel work that would compete for the CPU with
-/// the resume that just took a shell.
+/// the restore that just took a shell.
 pub const REFILL_DELAY: Duration = Duration::from_millis(10);
 
 struct PoolState {
@@ -150,7 +150,7 @@ impl ShellPool {
 
 fn refill(inner: &Inner) {
     // Building a shell is mostly kernel work (~4 ms here); it must not take CPU time from
-    // the resume that just took a shell, or from running guests: only idle CPU time.
+    // the restore that just took a shell, or from running guests: only idle CPU time.
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sets the calling thread's scheduling policy; `param` is a valid struct.
     if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
@@ -170,7 +170,7 @@ fn refill(inner: &Inner) {
                     st = inner.cv.wait(st).unwrap_or_else(|e| e.into_inner());
                     continue;
                 }
-                // Let a resume that just took a shell finish first.
+                // Let a restore that just took a shell finish first.
                 let quiet = st.last_take.map_or(REFILL_DELAY, |t| t.elapsed());
                 if quiet >= REFILL_DELAY {
                     break;

@@ -2,7 +2,7 @@
 //! created, but no memory yet. Building one is most of the cost of a VM on this project's
 //! hosts (measured, 1 GiB, dirty logging on: CREATE_VM ~0.15 ms, memory slot ~0.3 ms,
 //! irqchip + PIT after the slot ~3 ms, a vCPU ~0.1 ms), and none of it depends on the
-//! guest, so a resume takes a shell from a pool ([`super::pool::ShellPool`]) and only maps
+//! guest, so a restore takes a shell from a pool ([`super::pool::ShellPool`]) and only maps
 //! memory over the shell's reserved address space ([`Reservation`]) and sets state.
 //!
 //! Order inside a shell: VM, memory slots over reserved (`PROT_NONE`) address space, then
@@ -47,9 +47,9 @@ pub struct Shell {
     pub(crate) spec: ShellSpec,
     /// Threads waiting to run the vCPUs, the device event loop and the page server.
     pub(crate) spares: Vec<SpareThread>,
-    /// A userfaultfd for a `uffd` resume (None where this process may not create one).
+    /// A userfaultfd for a `uffd` restore (None where this process may not create one).
     pub(crate) uffd: Option<snapshot::page_server::PreparedUffd>,
-    /// The CPUID set on each vCPU (what a VM booted on this host gets; a resume of a
+    /// The CPUID set on each vCPU (what a VM booted on this host gets; a restore of a
     /// snapshot with the same CPUID need not set it again).
     pub(crate) cpuids: Vec<Vec<kvm_cpuid_entry2>>,
     pub(crate) build_time: Duration,

@@ -1,6 +1,6 @@
 //! Spare threads: started ahead of time (by a VM shell, in the background), each waiting to
 //! run one body (a vCPU, the device event loop, the page server). Starting a thread costs
-//! ~50-70 us on this project's hosts; a resume that finds them ready only hands bodies over.
+//! ~50-70 us on this project's hosts; a restore that finds them ready only hands bodies over.
 
 use std::sync::mpsc::{self, SyncSender};
 

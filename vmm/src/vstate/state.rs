@@ -174,7 +174,7 @@ pub fn restore_vm(vm: &VmFd, s: &VmKvmState) -> Result<()> {
     vm.set_pit2(&s.pit).map_err(Error::kvm("KVM_SET_PIT2"))?;
     // Only the value: the flags KVM reported (TSC_STABLE, ...) are not inputs, and
     // KVM_CLOCK_REALTIME would make the guest's clock jump by the time spent on disk. The
-    // guest agent sets the wall clock after a resume instead.
+    // guest agent sets the wall clock after a restore instead.
     let clock = kvm_clock_data {
         clock: s.clock.clock,
         ..Default::default()

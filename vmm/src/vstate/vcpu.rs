@@ -1,7 +1,7 @@
 //! vCPUs: boot-time register setup and the per-vCPU thread that runs KVM_RUN and dispatches
 //! port I/O and MMIO exits to the device buses.
 //!
-//! Control (pause, resume, stop) goes through a small state machine shared with the thread.
+//! Control (pause, unpause, stop) goes through a small state machine shared with the thread.
 //! To get a thread out of KVM_RUN we send it a signal whose handler does nothing: KVM_RUN then
 //! returns EINTR and the thread looks at its state before entering the guest again. A signal
 //! that arrives just before KVM_RUN is lost, so the controller re-kicks until the thread
