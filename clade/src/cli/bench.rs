@@ -1,30 +1,24 @@
-//! `clade bench`: latency measurements on the native test guest.
+//! `clade bench`: latency measurements on the native test guest. The scenarios live in the
+//! `clade-bench` crate; this module defines the options, runs one and prints its report.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::fmt::Display;
+use std::path::PathBuf;
 
-use anyhow::{bail, Context};
-use clade_bench::Samples;
+use clade_bench::{ForkParams, Guest, Machine, RestoreParams, SnapshotParams};
 use clap::Subcommand;
-use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
-use vmm::{SerialOutput, Vm, VmConfig, VmExit, VsockConfig};
 
-use super::{bench_snapshot, MachineArgs};
+use super::MachineArgs;
+
+/// The native test guest (tests/native-guest), built by build.rs: the default `--guest`.
+static NATIVE_GUEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/native-guest"));
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Boot time: from the start of VM creation to the guest's first serial output.
     Boot {
-        /// The native test guest ELF (see tests/native-guest).
-        #[arg(
-            long,
-            env = "CLADE_NATIVE_GUEST",
-            default_value = "target/native-guest/release/native-guest"
-        )]
-        guest: PathBuf,
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
         /// Number of boots.
         #[arg(short, long, default_value_t = 20)]
         n: usize,
@@ -37,13 +31,9 @@ pub enum BenchCommand {
     /// Agent round trip: `vmm::agent::Client::ping` over virtio-vsock to the native test
     /// guest's agent-protocol responder (its `vsock` step), through the VM's Unix socket.
     Ping {
-        /// The native test guest ELF (see tests/native-guest).
-        #[arg(
-            long,
-            env = "CLADE_NATIVE_GUEST",
-            default_value = "target/native-guest/release/native-guest"
-        )]
-        guest: PathBuf,
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
         /// Number of measured pings.
         #[arg(short, long, default_value_t = 1000)]
         n: usize,
@@ -61,13 +51,9 @@ pub enum BenchCommand {
     /// -n restores, page faults, bytes read, and the `copy` backend as the baseline.
     #[command(alias = "resume")]
     Restore {
-        /// The native test guest ELF (see tests/native-guest).
-        #[arg(
-            long,
-            env = "CLADE_NATIVE_GUEST",
-            default_value = "target/native-guest/release/native-guest"
-        )]
-        guest: PathBuf,
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
         /// Memory backend measured: uffd, file or copy.
         #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(vmm::MemoryBackend))]
         backend: vmm::MemoryBackend,
@@ -97,13 +83,9 @@ pub enum BenchCommand {
     /// Snapshot cost: full snapshots, then -n diff snapshots of a guest that keeps
     /// rewriting --dirty percent of its memory; how long the vCPUs were paused, and in all.
     Snapshot {
-        /// The native test guest ELF (see tests/native-guest).
-        #[arg(
-            long,
-            env = "CLADE_NATIVE_GUEST",
-            default_value = "target/native-guest/release/native-guest"
-        )]
-        guest: PathBuf,
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
         /// Number of diff snapshots (each on top of the previous one).
         #[arg(short, long, default_value_t = 30)]
         n: usize,
@@ -126,13 +108,9 @@ pub enum BenchCommand {
     /// each child's first answered ping, all of them, PSS per idle child, and a fork by
     /// full memory copy as baseline.
     Fork {
-        /// The native test guest ELF (see tests/native-guest).
-        #[arg(
-            long,
-            env = "CLADE_NATIVE_GUEST",
-            default_value = "target/native-guest/release/native-guest"
-        )]
-        guest: PathBuf,
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
         /// Number of children.
         #[arg(short, long, default_value_t = 10)]
         n: usize,
@@ -154,14 +132,20 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             n,
             json,
             machine,
-        } => boot(guest, n, json, machine),
+        } => {
+            let s = clade_bench::boot(&load(guest)?, &machine.into(), n)?;
+            print(json, s.to_json(), s);
+        }
         BenchCommand::Ping {
             guest,
             n,
             warmup,
             json,
             machine,
-        } => ping(guest, n, warmup, json, machine),
+        } => {
+            let s = clade_bench::ping(&load(guest)?, &machine.into(), n, warmup)?;
+            print(json, s.to_json(), s);
+        }
         BenchCommand::Restore {
             guest,
             backend,
@@ -172,9 +156,18 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             no_pin,
             json,
             machine,
-        } => bench_snapshot::resume(
-            guest, backend, n, json, machine, pool, fill, baseline_n, !no_pin,
-        ),
+        } => {
+            let params = RestoreParams {
+                backend,
+                n,
+                pool,
+                fill_pct: fill,
+                baseline_n,
+                pin: !no_pin,
+            };
+            let r = clade_bench::restore(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
+        }
         BenchCommand::Snapshot {
             guest,
             n,
@@ -183,187 +176,54 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             fill,
             json,
             machine,
-        } => bench_snapshot::snapshot(guest, n, json, machine, dirty, fill, full_n),
+        } => {
+            let params = SnapshotParams {
+                n,
+                full_n,
+                dirty_pct: dirty,
+                fill_pct: fill,
+            };
+            let r = clade_bench::snapshot(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
+        }
         BenchCommand::Fork {
             guest,
             n,
             fill,
             json,
             machine,
-        } => super::bench_fork::fork(guest, n, json, machine, fill),
-    }
-}
-
-pub(super) fn check_guest(guest: &Path) -> anyhow::Result<()> {
-    if !guest.exists() {
-        bail!(
-            "native test guest {} not found: build it with \
-             `cd tests/native-guest && CARGO_TARGET_DIR=../../target/native-guest cargo build --release`",
-            guest.display()
-        );
-    }
-    Ok(())
-}
-
-fn boot(guest: PathBuf, n: usize, json: bool, machine: MachineArgs) -> anyhow::Result<u8> {
-    check_guest(&guest)?;
-    let mut samples = Samples::new();
-    for i in 0..n {
-        let config = VmConfig {
-            vcpus: machine.vcpus,
-            mem_mib: machine.mem_mib,
-            kernel: guest.clone(),
-            initrd: None,
-            cmdline: "steps=hello".into(),
-            serial: SerialOutput::Memory,
-            test_device: true,
-            kvm_device: machine.kvm_device.clone(),
-            vsock: None,
-            disk: None,
-        };
-        let mut vm = vmm::boot(config)?;
-        vm.start()?;
-        let status = vm
-            .wait_timeout(Duration::from_secs(10))?
-            .with_context(|| format!("boot {i}: guest did not finish within 10 s"))?;
-        if status != VmExit::TestExit(0) {
-            bail!("boot {i}: guest ended with '{status}'");
+        } => {
+            let params = ForkParams { n, fill_pct: fill };
+            let r = clade_bench::fork(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
         }
-        let t = vm
-            .time_to_first_output()
-            .with_context(|| format!("boot {i}: guest wrote nothing"))?;
-        samples.push(t);
-    }
-    let summary = samples.summary("boot_to_first_output");
-    if json {
-        println!("{}", summary.json());
-    } else {
-        println!("{}", summary.line());
     }
     Ok(0)
 }
 
-/// The guest's last line of serial output, quoted, for one-line error messages.
-fn last_serial_line(vm: &Vm) -> String {
-    let out = vm.serial_output().unwrap_or_default();
-    let text = String::from_utf8_lossy(&out);
-    format!("{:?}", text.trim_end().lines().last().unwrap_or(""))
+/// The guest ELF at `path`, or the one built into this binary (kept in a memory file for
+/// as long as the returned value lives).
+fn load(path: Option<PathBuf>) -> clade_bench::Result<Guest> {
+    match path {
+        Some(p) => Guest::from_path(p),
+        None => Guest::from_image(NATIVE_GUEST),
+    }
 }
 
-fn ping(
-    guest: PathBuf,
-    n: usize,
-    warmup: usize,
-    json: bool,
-    machine: MachineArgs,
-) -> anyhow::Result<u8> {
-    check_guest(&guest)?;
-    if n == 0 {
-        bail!("--n must be at least 1");
-    }
-    // Removed by the VM when it is dropped.
-    let sock = std::env::temp_dir().join(format!("clade-bench-ping-{}.sock", std::process::id()));
-    let config = VmConfig {
-        vcpus: machine.vcpus,
-        mem_mib: machine.mem_mib,
-        kernel: guest,
-        initrd: None,
-        cmdline: "steps=vsock".into(),
-        serial: SerialOutput::Memory,
-        test_device: true,
-        kvm_device: machine.kvm_device,
-        vsock: Some(VsockConfig {
-            uds_path: sock.clone(),
-            guest_cid: 3,
-        }),
-        disk: None,
-    };
-    let mut vm = vmm::boot(config)?;
-    vm.start()?;
-    // The client blocks without a timeout; it runs on a thread of its own so that a stuck
-    // device or guest ends the benchmark with an error instead of hanging it.
-    let done = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::channel();
-    let progress = Arc::clone(&done);
-    let sock_path = sock.clone();
-    std::thread::spawn(move || {
-        let _ = tx.send(measure(&sock_path, warmup, n, &progress));
-    });
-    let mut seen = 0;
-    let mut since = Instant::now();
-    let samples = loop {
-        match rx.recv_timeout(Duration::from_secs(1)) {
-            Ok(Ok(samples)) => break samples,
-            Ok(Err(e)) => {
-                return Err(e.context(format!("guest's last output: {}", last_serial_line(&vm))))
-            }
-            Err(RecvTimeoutError::Disconnected) => bail!("the client thread panicked"),
-            Err(RecvTimeoutError::Timeout) => {
-                let now = done.load(Ordering::Relaxed);
-                if now != seen {
-                    seen = now;
-                    since = Instant::now();
-                } else if since.elapsed() > STALL {
-                    bail!(
-                        "no answer from the guest for {STALL:?} after {now} pings \
-                         (guest's last output: {})",
-                        last_serial_line(&vm)
-                    );
-                }
-            }
-        }
-    };
-    // The client closed the connection, which ends the guest's step and the guest.
-    let status = vm.wait_timeout(Duration::from_secs(10))?.with_context(|| {
-        format!(
-            "guest still running after the host closed (last output: {})",
-            last_serial_line(&vm)
-        )
-    })?;
-    if status != VmExit::TestExit(0) {
-        bail!(
-            "guest ended with '{status}' (last output: {})",
-            last_serial_line(&vm)
-        );
-    }
-    // The guest's own count must match what was measured.
-    let out = String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned();
-    let expect = format!(" {} pings,", warmup + n);
-    if !out.contains(&expect) {
-        bail!(
-            "the guest did not report{expect} its output ends with {}",
-            last_serial_line(&vm)
-        );
-    }
-    let summary = samples.summary("agent_ping_rtt");
+fn print(json: bool, json_text: String, text: impl Display) {
     if json {
-        println!("{}", summary.json());
+        println!("{json_text}");
     } else {
-        println!("{}", summary.line());
+        println!("{text}");
     }
-    Ok(0)
 }
 
-/// Longest the ping benchmark waits for any progress (connecting included: it retries for
-/// 10 s, each try waiting up to 10 s for the guest).
-const STALL: Duration = Duration::from_secs(25);
-
-/// Connects to the guest's agent port through the VM's vsock socket, pings `warmup + n`
-/// times and returns the round trips of the last `n`. Closes the connection when done.
-fn measure(sock: &Path, warmup: usize, n: usize, done: &AtomicUsize) -> anyhow::Result<Samples> {
-    let transport = Transport::Vsock {
-        port: AGENT_VSOCK_PORT,
-    };
-    let client = Client::connect_timeout(sock, transport, Duration::from_secs(10))
-        .context("connect to the guest's agent port")?;
-    let mut samples = Samples::new();
-    for i in 0..warmup + n {
-        let t = Instant::now();
-        client.ping().with_context(|| format!("ping {i}"))?;
-        if i >= warmup {
-            samples.push(t.elapsed());
+impl From<MachineArgs> for Machine {
+    fn from(m: MachineArgs) -> Machine {
+        Machine {
+            vcpus: m.vcpus,
+            mem_mib: m.mem_mib,
+            kvm_device: m.kvm_device,
         }
-        done.fetch_add(1, Ordering::Relaxed);
     }
-    Ok(samples)
 }

@@ -1,8 +1,6 @@
 //! Command-line definitions and dispatch.
 
 mod bench;
-mod bench_fork;
-mod bench_snapshot;
 mod cp;
 mod disk;
 mod exec;

@@ -1,0 +1,232 @@
+//! `fork`: fork a running native guest (its `vsock` step answering pings) into N children;
+//! the parent's pause, each child's time to its first answered ping, all of them, and the
+//! host memory an idle child adds; a fork by full memory copy as baseline.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use vmm::{ChildSpec, ForkOptions, SerialOutput, Shell};
+
+use crate::error::{Error, Result};
+use crate::guest::{boot_until, ping_once, Guest, Machine, Scratch};
+use crate::stats::{Samples, Summary};
+use crate::FILL_BASE_MIB;
+
+/// What `fork` measures.
+#[derive(Debug, Clone)]
+pub struct ForkParams {
+    /// Number of children.
+    pub n: usize,
+    /// Percentage of the memory above 64 MiB the guest fills before the fork.
+    pub fill_pct: u32,
+}
+
+/// What `fork` reports.
+#[derive(Debug, Clone)]
+pub struct ForkReport {
+    /// Guest memory, MiB.
+    pub mem_mib: u64,
+    /// MiB the guest filled before the fork.
+    pub fill_mib: u64,
+    /// Number of children.
+    pub n: usize,
+    /// How long the parent's vCPUs were paused.
+    pub pause_time: Duration,
+    /// Steps of that pause, in order.
+    pub pause_steps: Vec<(&'static str, Duration)>,
+    /// Each child's latency: the pause, its own build, then its first answered ping.
+    pub child: Summary,
+    /// From the fork call until every child was built.
+    pub built: Duration,
+    /// From the fork call until every child answered.
+    pub all: Duration,
+    /// PSS of an idle child, KiB.
+    pub pss_per_child_kib: u64,
+    /// PSS of the parent, KiB.
+    pub parent_pss_kib: u64,
+    /// Baseline (fork by full memory copy): pause, copy, build, first answered ping.
+    pub baseline: Duration,
+    /// The baseline's memory copy.
+    pub copy_time: Duration,
+}
+
+fn shells(machine: &Machine, n: usize) -> Result<Vec<Shell>> {
+    let spec = machine.shell_spec();
+    (0..n)
+        .map(|_| Shell::create(&spec).map_err(Into::into))
+        .collect()
+}
+
+/// Boots the guest (filling `fill_pct` of its memory above 64 MiB, then answering pings),
+/// forks it into `n` children and pings each; then forks it once more by full memory copy.
+pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<ForkReport> {
+    let n = params.n;
+    let mem_mib = machine.mem_mib;
+    let scratch = Scratch::new("fork")?;
+    let dir = &scratch.0;
+    let psock = dir.join("p.sock");
+    let fill_mib =
+        (mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100).max(1);
+    let mut parent = boot_until(
+        guest,
+        machine,
+        &format!("memfill:1:{fill_mib},vsock,vsock"),
+        Some(&psock),
+        "serving agent port",
+    )?;
+    // Shells are built ahead (a pool's job, not measured).
+    let pre = shells(machine, n)?;
+    let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
+    let t0 = Instant::now();
+    let (children, report) = vmm::fork_with_report(
+        &mut parent,
+        n,
+        ForkOptions {
+            serial: SerialOutput::Memory,
+            vsock_paths: paths.clone(),
+            shells: pre,
+            start: true,
+            ..ForkOptions::default()
+        },
+    )?;
+    let built = t0.elapsed();
+    tracing::debug!(n, ?built, pause = ?report.pause_time, "forked");
+    // Every child answered: pinged in parallel.
+    let handles: Vec<_> = paths
+        .iter()
+        .cloned()
+        .map(|p| {
+            std::thread::spawn(move || -> Result<Duration> {
+                let t = Instant::now();
+                ping_once(&p)?;
+                Ok(t.elapsed())
+            })
+        })
+        .collect();
+    let mut ping_times = Vec::new();
+    for h in handles {
+        ping_times.push(h.join().map_err(|_| Error::ThreadPanicked("ping"))??);
+    }
+    let all = t0.elapsed();
+    // A child's latency: the pause plus its own build, then its first answered ping.
+    let mut samples = Samples::new();
+    for (b, p) in report.child_times.iter().zip(&ping_times) {
+        samples.push(report.pause_time + *b + *p);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let pss: u64 = children
+        .iter()
+        .map(|c| c.memory_pss_kib())
+        .collect::<vmm::Result<Vec<_>>>()?
+        .iter()
+        .sum();
+    let pss_per_child_kib = pss / n.max(1) as u64;
+    let parent_pss_kib = parent.memory_pss_kib()?;
+    drop(children);
+
+    // Baseline: a fork by full copy of guest memory (freeze, copy the frozen image, then
+    // the same child build).
+    let (frozen, freeze_report) = vmm::freeze(&mut parent)?;
+    let tb = Instant::now();
+    let frozen = frozen.with_copied_memory()?;
+    let copy_time = tb.elapsed();
+    let base_pause = freeze_report.pause_time;
+    let bsock = dir.join("baseline.sock");
+    let child = frozen.child(ChildSpec {
+        disk_path: None,
+        vsock_path: Some(bsock.clone()),
+        guest_cid: 99,
+        serial: SerialOutput::Memory,
+        shell: shells(machine, 1)?.pop(),
+        agent_sync: None,
+        hostname_suffix: String::new(),
+        start: true,
+        vcpu_cpus: Vec::new(),
+    })?;
+    ping_once(&bsock)?;
+    let baseline = base_pause + tb.elapsed();
+    drop(child);
+    drop(parent);
+
+    Ok(ForkReport {
+        mem_mib,
+        fill_mib,
+        n,
+        pause_time: report.pause_time,
+        pause_steps: report.pause_steps,
+        child: samples.summary("child_first_ping"),
+        built,
+        all,
+        pss_per_child_kib,
+        parent_pss_kib,
+        baseline,
+        copy_time,
+    })
+}
+
+impl ForkReport {
+    /// The report as one JSON object.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "bench": "fork",
+            "mem_mib": self.mem_mib,
+            "fill_mib": self.fill_mib,
+            "n": self.n,
+            "pause_us": self.pause_time.as_micros() as u64,
+            "pause_steps_us": self
+                .pause_steps
+                .iter()
+                .map(|(k, d)| (k.to_string(), d.as_micros() as u64))
+                .collect::<BTreeMap<_, _>>(),
+            "child_p50_us": self.child.p50_us as u64,
+            "child_p99_us": self.child.p99_us as u64,
+            "children_built_ms": self.built.as_secs_f64() * 1e3,
+            "all_ms": self.all.as_secs_f64() * 1e3,
+            "pss_per_child_kib": self.pss_per_child_kib,
+            "parent_pss_kib": self.parent_pss_kib,
+            "baseline_child_p50_us": self.baseline.as_micros() as u64,
+            "baseline_copy_us": self.copy_time.as_micros() as u64,
+        })
+        .to_string()
+    }
+}
+
+/// A few lines of text.
+impl fmt::Display for ForkReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (mem_mib, fill_mib, n) = (self.mem_mib, self.fill_mib, self.n);
+        writeln!(
+            f,
+            "fork of a {mem_mib} MiB guest ({fill_mib} MiB filled) into {n} children"
+        )?;
+        writeln!(
+            f,
+            "  parent paused       {:?} ({:?})",
+            self.pause_time, self.pause_steps
+        )?;
+        writeln!(
+            f,
+            "  child first ping    p50 {} us, p99 {} us",
+            self.child.p50_us as u128, self.child.p99_us as u128
+        )?;
+        writeln!(
+            f,
+            "  all {n} answering    {:.2} ms (built in {:.2} ms)",
+            self.all.as_secs_f64() * 1e3,
+            self.built.as_secs_f64() * 1e3
+        )?;
+        writeln!(
+            f,
+            "  PSS per idle child  {} KiB (parent {} KiB)",
+            self.pss_per_child_kib, self.parent_pss_kib
+        )?;
+        write!(
+            f,
+            "  baseline (full copy) child first ping {} us (copy {:?})",
+            self.baseline.as_micros(),
+            self.copy_time
+        )
+    }
+}

@@ -1,0 +1,204 @@
+//! The native test guest (tests/native-guest) and the machine it runs on: where its ELF
+//! comes from, booting it until it is ready, and small helpers every scenario shares.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
+use vmm::{SerialOutput, ShellSpec, Vm, VmConfig, VsockConfig};
+
+use crate::error::{Context, Error, Result};
+
+/// The machine a benchmark boots the guest on.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest memory, MiB.
+    pub mem_mib: u64,
+    /// KVM device node.
+    pub kvm_device: PathBuf,
+}
+
+impl Machine {
+    /// A pre-built VM shell of this machine's shape.
+    pub(crate) fn shell_spec(&self) -> ShellSpec {
+        ShellSpec {
+            kvm_device: self.kvm_device.clone(),
+            mem_bytes: self.mem_mib << 20,
+            vcpus: self.vcpus,
+            dirty_log: true,
+        }
+    }
+}
+
+/// The native test guest ELF a benchmark boots: a file, or an image held in memory (the one
+/// the `clade` binary embeds), exposed as `/proc/self/fd/<fd>` of a memory file that lives
+/// as long as this value.
+#[derive(Debug)]
+pub struct Guest {
+    path: PathBuf,
+    _image: Option<File>,
+}
+
+impl Guest {
+    /// The guest ELF at `path`; fails when there is no such file.
+    pub fn from_path(path: impl Into<PathBuf>) -> Result<Guest> {
+        let path = path.into();
+        if !path.exists() {
+            return Err(Error::GuestNotFound { path });
+        }
+        Ok(Guest { path, _image: None })
+    }
+
+    /// The guest ELF `image`, written to an anonymous memory file (memfd, closed on exec).
+    pub fn from_image(image: &[u8]) -> Result<Guest> {
+        let name = c"clade-native-guest";
+        // SAFETY: `name` is a NUL-terminated string that outlives the call, and
+        // memfd_create reads nothing else. A non-negative result is a new descriptor that
+        // nothing else in this process owns or closes, so OwnedFd may take it over.
+        let fd = unsafe {
+            let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+            (fd >= 0).then(|| OwnedFd::from_raw_fd(fd))
+        };
+        let fd = fd.ok_or_else(|| Error::GuestImage(std::io::Error::last_os_error()))?;
+        let mut file = File::from(fd);
+        file.write_all(image).map_err(Error::GuestImage)?;
+        let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        tracing::debug!(bytes = image.len(), path = %path.display(), "native test guest in a memory file");
+        Ok(Guest {
+            path,
+            _image: Some(file),
+        })
+    }
+
+    /// The path to give the VMM as the kernel.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The configuration booting `guest` on `machine` with the guest's `steps` (serial output
+/// kept in memory, test device on, and a vsock device with CID 3 behind `vsock`).
+pub(crate) fn config(
+    guest: &Guest,
+    machine: &Machine,
+    steps: &str,
+    vsock: Option<&Path>,
+) -> VmConfig {
+    VmConfig {
+        vcpus: machine.vcpus,
+        mem_mib: machine.mem_mib,
+        kernel: guest.path().to_path_buf(),
+        initrd: None,
+        cmdline: format!("steps={steps}"),
+        serial: SerialOutput::Memory,
+        test_device: true,
+        kvm_device: machine.kvm_device.clone(),
+        vsock: vsock.map(|p| VsockConfig {
+            uds_path: p.to_path_buf(),
+            guest_cid: 3,
+        }),
+        disk: None,
+    }
+}
+
+/// The guest's serial output so far.
+pub(crate) fn serial(vm: &Vm) -> String {
+    String::from_utf8_lossy(&vm.serial_output().unwrap_or_default()).into_owned()
+}
+
+/// The guest's last line of serial output, quoted, for one-line error messages.
+pub(crate) fn last_serial_line(vm: &Vm) -> String {
+    let text = serial(vm);
+    format!("{:?}", text.trim_end().lines().last().unwrap_or(""))
+}
+
+/// Boots the native guest with `steps` and waits for `ready` in its output.
+pub(crate) fn boot_until(
+    guest: &Guest,
+    machine: &Machine,
+    steps: &str,
+    vsock: Option<&Path>,
+    ready: &str,
+) -> Result<Vm> {
+    tracing::debug!(steps, ready, "booting the native guest");
+    let mut vm = vmm::boot(config(guest, machine, steps, vsock))?;
+    vm.start()?;
+    let t = Instant::now();
+    while !serial(&vm).contains(ready) {
+        if let Some(status) = vm.wait_timeout(Duration::from_millis(5))? {
+            return Err(Error::Guest(format!(
+                "the guest ended ({status}) before '{ready}':\n{}",
+                serial(&vm)
+            )));
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            return Err(Error::Guest(format!(
+                "no '{ready}' from the guest in 120 s:\n{}",
+                serial(&vm)
+            )));
+        }
+    }
+    tracing::debug!(elapsed = ?t.elapsed(), "the native guest is ready");
+    Ok(vm)
+}
+
+/// Connects to the agent port of the guest behind the vsock socket `sock`.
+pub(crate) fn connect(sock: &Path, timeout: Duration) -> vmm::Result<Client> {
+    Client::connect_timeout(
+        sock,
+        Transport::Vsock {
+            port: AGENT_VSOCK_PORT,
+        },
+        timeout,
+    )
+}
+
+/// Connects to the guest behind `sock` and waits for one answered ping.
+pub(crate) fn ping_once(sock: &Path) -> Result<()> {
+    let c = connect(sock, Duration::from_secs(20))
+        .context_with(|| format!("connecting to {}", sock.display()))?;
+    c.ping()?;
+    Ok(())
+}
+
+/// A scratch directory, removed when dropped.
+pub(crate) struct Scratch(pub(crate) PathBuf);
+
+impl Scratch {
+    /// `clade-bench-<what>-<pid>` in the temporary directory, emptied.
+    pub(crate) fn new(what: &str) -> Result<Scratch> {
+        let d = std::env::temp_dir().join(format!("clade-bench-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).context_with(|| format!("creating {}", d.display()))?;
+        Ok(Scratch(d))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_image_is_readable_through_its_path() {
+        let g = Guest::from_image(b"\x7fELF test").unwrap();
+        assert!(g.path().starts_with("/proc/self/fd"));
+        assert_eq!(std::fs::read(g.path()).unwrap(), b"\x7fELF test");
+    }
+
+    #[test]
+    fn a_missing_file_is_an_error() {
+        let e = Guest::from_path("/nonexistent/native-guest").unwrap_err();
+        assert!(matches!(e, Error::GuestNotFound { .. }), "{e}");
+    }
+}

@@ -1,0 +1,356 @@
+//! `restore` (alias `resume`): from `PreparedSnapshot::restore` until the native guest
+//! (snapshotted while its `vsock` step waits for a connection) answered an agent ping over
+//! vsock; page faults, bytes read, and the `copy` backend as the baseline.
+
+use std::fmt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use vmm::{MemoryBackend, PreparedSnapshot, RestoreOptions, SerialOutput, ShellPool, SnapshotKind};
+
+use crate::error::{Context, Error, Result};
+use crate::guest::{boot_until, connect, serial, Guest, Machine, Scratch};
+use crate::stats::{pct_u64, r1, us, Samples, StepTimes};
+use crate::FILL_BASE_MIB;
+
+/// What `restore` measures.
+#[derive(Debug, Clone)]
+pub struct RestoreParams {
+    /// Memory backend measured.
+    pub backend: MemoryBackend,
+    /// Number of measured restores (at least 1).
+    pub n: usize,
+    /// Pre-built VM shells kept ready (0: build one per restore).
+    pub pool: usize,
+    /// Percentage of the guest memory above 64 MiB the guest fills before the snapshot.
+    pub fill_pct: u32,
+    /// Restores of the copy baseline (`None`: `n`; 0: none).
+    pub baseline_n: Option<usize>,
+    /// Pin the VMM's threads to CPU 0 and the vCPUs to the other CPUs.
+    pub pin: bool,
+}
+
+/// One backend's restore measurements.
+#[derive(Debug, Clone)]
+pub struct BackendRun {
+    /// The memory backend.
+    pub backend: MemoryBackend,
+    /// Restore call until the first answered ping.
+    pub samples: Samples,
+    /// Page faults served per restore.
+    pub faults: Vec<u64>,
+    /// Bytes read from the memory file per restore.
+    pub bytes_read: Vec<u64>,
+    /// Restore steps.
+    pub steps: StepTimes,
+    /// uffd: the first (recording) restore and its faults.
+    pub cold: Option<(Duration, u64)>,
+    /// uffd: pages of the working set recorded by the first restore.
+    pub working_set_pages: Option<usize>,
+}
+
+/// What `restore` reports.
+#[derive(Debug, Clone)]
+pub struct RestoreReport {
+    /// The machine restored.
+    pub machine: Machine,
+    /// Pre-built VM shells kept ready.
+    pub pool: usize,
+    /// CPUs the vCPUs were pinned to (empty: not pinned).
+    pub vcpu_cpus: Vec<usize>,
+    /// MiB the guest filled before the snapshot.
+    pub fill_mib: u64,
+    /// Pages the snapshot wrote.
+    pub snapshot_pages: u64,
+    /// Opening the snapshot.
+    pub open: Samples,
+    /// The measured backend.
+    pub main: BackendRun,
+    /// The copy baseline, when measured apart.
+    pub baseline: Option<BackendRun>,
+}
+
+const STEP_ORDER: &[&str] = &[
+    "read_check",
+    "shell",
+    "disk",
+    "memory",
+    "devices",
+    "vm_state",
+    "vcpu_state",
+    "start",
+    "devices_finish",
+    "connect_hello",
+    "ping",
+];
+
+/// Pins this thread (and so every VMM thread it starts from now on) to host CPU 0 and
+/// returns the CPUs left for vCPUs: the native guest busy-polls, and a VMM thread queued
+/// behind a spinning vCPU on a 2-CPU host waits out a scheduler time slice (~3 ms).
+fn pin_vmm_threads() -> Result<Vec<usize>> {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    if cpus < 2 {
+        return Ok(Vec::new());
+    }
+    vmm::pin_current_thread(0).context("pinning the VMM to CPU 0")?;
+    Ok((1..cpus).collect())
+}
+
+/// Resumes `snap` `n` times with `backend`; each sample is from the call to
+/// `PreparedSnapshot::restore` until the guest answered a ping through vsock.
+fn measure_resumes(
+    snap: &PreparedSnapshot,
+    sock: &Path,
+    backend: MemoryBackend,
+    n: usize,
+    pool: Option<&ShellPool>,
+    vcpu_cpus: &[usize],
+) -> Result<BackendRun> {
+    let mut run = BackendRun {
+        backend,
+        samples: Samples::new(),
+        faults: Vec::new(),
+        bytes_read: Vec::new(),
+        steps: StepTimes::default(),
+        cold: None,
+        working_set_pages: None,
+    };
+    // uffd: the first resume records the working set (saved once the guest answered);
+    // it is reported apart, as the cold resume.
+    let rounds = n + usize::from(backend == MemoryBackend::Uffd);
+    for i in 0..rounds {
+        if let Some(p) = pool {
+            // Resumes spaced so the pool is full again (its refill is not measured).
+            if !p.wait_full(Duration::from_secs(10)) {
+                return Err(Error::Guest(format!(
+                    "the VM pool did not refill: {}",
+                    p.last_error().unwrap_or_default()
+                )));
+            }
+        }
+        let t0 = Instant::now();
+        let mut vm = snap
+            .restore(
+                backend,
+                RestoreOptions {
+                    serial: SerialOutput::Memory,
+                    vsock_path: Some(sock.to_path_buf()),
+                    shell: pool.and_then(ShellPool::take),
+                    vcpu_cpus: vcpu_cpus.to_vec(),
+                    ..RestoreOptions::default()
+                },
+            )
+            .context_with(|| format!("{backend} resume {i}"))?;
+        let t_resumed = t0.elapsed();
+        let client = connect(sock, Duration::from_secs(10)).context_with(|| {
+            format!("{backend} resume {i}: connecting; serial:\n{}", serial(&vm))
+        })?;
+        let t_connected = t0.elapsed();
+        client
+            .ping()
+            .context_with(|| format!("{backend} resume {i}: ping"))?;
+        let total = t0.elapsed();
+        tracing::debug!(%backend, i, ?total, "restore");
+        let stats = vm.page_server_stats();
+        let report = vm.restore_report().cloned();
+        if backend == MemoryBackend::Uffd && i == 0 {
+            run.cold = Some((total, stats.map_or(0, |s| s.faults)));
+            run.working_set_pages = vm.save_working_set()?;
+        } else {
+            run.samples.push(total);
+            run.faults.push(stats.map_or(0, |s| s.faults));
+            run.bytes_read.push(stats.map_or_else(
+                || report.as_ref().map_or(0, |r| r.bytes_read),
+                |s| s.bytes_read,
+            ));
+            if let Some(r) = &report {
+                for (name, d) in &r.steps {
+                    run.steps.add(name, *d);
+                }
+                run.steps
+                    .add("start_to_return", t_resumed.saturating_sub(r.total));
+            }
+            run.steps.add("connect_hello", t_connected - t_resumed);
+            run.steps.add("ping", total - t_connected);
+        }
+        drop(vm);
+        drop(client);
+    }
+    Ok(run)
+}
+
+/// Boots the guest (filling `fill_pct` of its memory, then waiting in its `vsock` step),
+/// snapshots it, and restores that snapshot `n` times with `backend`, then with the copy
+/// backend as the baseline.
+pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Result<RestoreReport> {
+    if params.n == 0 {
+        return Err(Error::InvalidParams("-n must be at least 1".into()));
+    }
+    if params.fill_pct > 100 {
+        return Err(Error::InvalidParams(
+            "--fill must be a percentage (0..=100)".into(),
+        ));
+    }
+    let vcpu_cpus = if params.pin {
+        pin_vmm_threads()?
+    } else {
+        Vec::new()
+    };
+    let scratch = Scratch::new("resume")?;
+    let dir = scratch.0.join("snap");
+    let sock = scratch.0.join("v.sock");
+    let fill_mib = machine.mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100;
+    let steps = if fill_mib > 0 {
+        format!("memfill:5:{fill_mib},vsock")
+    } else {
+        "vsock".to_string()
+    };
+    let mut vm = boot_until(guest, machine, &steps, Some(&sock), "serving agent port")?;
+    let snap = vmm::snapshot(&mut vm, &dir, SnapshotKind::Full)?;
+    vm.shutdown();
+    drop(vm);
+
+    let pool = if params.pool > 0 {
+        Some(ShellPool::new(machine.shell_spec(), params.pool)?)
+    } else {
+        None
+    };
+    // Opening a snapshot (reading and checking its files) is done once, as a service
+    // resuming one snapshot many times would; its cost is reported apart.
+    let mut open = Samples::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        drop(PreparedSnapshot::open(&dir, Default::default())?);
+        open.push(t.elapsed());
+    }
+    let prepared = PreparedSnapshot::open(&dir, Default::default())?;
+    let main = measure_resumes(
+        &prepared,
+        &sock,
+        params.backend,
+        params.n,
+        pool.as_ref(),
+        &vcpu_cpus,
+    )?;
+    let baseline = match params.baseline_n {
+        Some(0) => None,
+        _ if params.backend == MemoryBackend::Copy => None,
+        bn => Some(measure_resumes(
+            &prepared,
+            &sock,
+            MemoryBackend::Copy,
+            bn.unwrap_or(params.n),
+            pool.as_ref(),
+            &vcpu_cpus,
+        )?),
+    };
+    Ok(RestoreReport {
+        machine: machine.clone(),
+        pool: params.pool,
+        vcpu_cpus,
+        fill_mib,
+        snapshot_pages: snap.pages_written,
+        open,
+        main,
+        baseline,
+    })
+}
+
+impl RestoreReport {
+    /// The report as one JSON object.
+    pub fn to_json(&self) -> String {
+        let main = &self.main;
+        let backend = main.backend;
+        let s = main.samples.summary("resume_to_first_ping");
+        let base_s = self
+            .baseline
+            .as_ref()
+            .map(|b| b.samples.summary("resume_to_first_ping"));
+        let (baseline_p50, baseline_p99) = match (&base_s, backend) {
+            (Some(b), _) => (b.p50_us, b.p99_us),
+            (None, MemoryBackend::Copy) => (s.p50_us, s.p99_us),
+            (None, _) => (f64::NAN, f64::NAN),
+        };
+        json!({
+            "backend": backend.name(),
+            "mem_mib": self.machine.mem_mib,
+            "vcpus": self.machine.vcpus,
+            "n": s.n,
+            "p50_us": r1(s.p50_us),
+            "p99_us": r1(s.p99_us),
+            "min_us": r1(s.min_us),
+            "max_us": r1(s.max_us),
+            "faults_p50": pct_u64(&main.faults, 50.0),
+            "faults_p99": pct_u64(&main.faults, 99.0),
+            "bytes_read_p50": pct_u64(&main.bytes_read, 50.0),
+            "baseline_backend": "copy",
+            "baseline_n": match (&base_s, backend) {
+                (Some(b), _) => b.n,
+                (None, MemoryBackend::Copy) => s.n,
+                (None, _) => 0,
+            },
+            "baseline_p50_us": r1(baseline_p50),
+            "baseline_p99_us": r1(baseline_p99),
+            "baseline_bytes_read_p50": self.baseline.as_ref().map_or_else(
+                || pct_u64(&main.bytes_read, 50.0),
+                |b| pct_u64(&b.bytes_read, 50.0)
+            ),
+            "speedup_p50": r1(baseline_p50 / s.p50_us),
+            "cold_us": main.cold.map(|c| r1(us(c.0))),
+            "cold_faults": main.cold.map(|c| c.1),
+            "working_set_pages": main.working_set_pages,
+            "open_p50_us": r1(self.open.percentile(50.0).unwrap_or(f64::NAN)),
+            "pool": self.pool,
+            "vcpu_cpus": self.vcpu_cpus,
+            "fill_mib": self.fill_mib,
+            "snapshot_pages": self.snapshot_pages,
+            "measured": "PreparedSnapshot::restore call until vmm::agent::Client::ping answered over vsock (native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
+            "steps_p50_us": main.steps.p50_json(STEP_ORDER),
+            "baseline_steps_p50_us": self.baseline.as_ref().map(|b| b.steps.p50_json(STEP_ORDER)),
+        })
+        .to_string()
+    }
+}
+
+/// A few lines of text.
+impl fmt::Display for RestoreReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let main = &self.main;
+        let s = main.samples.summary("resume_to_first_ping");
+        write!(
+            f,
+            "resume_to_first_ping {}: n={} p50={:.1} us p99={:.1} us, faults p50 {}, \
+             {} MiB guest ({} MiB filled), pool {}",
+            main.backend,
+            s.n,
+            s.p50_us,
+            s.p99_us,
+            pct_u64(&main.faults, 50.0),
+            self.machine.mem_mib,
+            self.fill_mib,
+            self.pool
+        )?;
+        if let Some((cold, faults)) = main.cold {
+            write!(
+                f,
+                "\n  cold (first, recording): {:.1} us, {faults} faults; working set {} pages",
+                us(cold),
+                main.working_set_pages.unwrap_or(0)
+            )?;
+        }
+        write!(f, "\n  steps p50 (us): {}", main.steps.p50_json(STEP_ORDER))?;
+        if let Some(b) = &self.baseline {
+            let b = b.samples.summary("resume_to_first_ping");
+            write!(
+                f,
+                "\n  baseline copy: n={} p50={:.1} us p99={:.1} us -> {:.1}x",
+                b.n,
+                b.p50_us,
+                b.p99_us,
+                b.p50_us / s.p50_us
+            )?;
+        }
+        Ok(())
+    }
+}
