@@ -15,12 +15,9 @@ cd "$REPO_ROOT"
 # shellcheck source-path=SCRIPTDIR source=../tests/nested/lib.sh
 . "$REPO_ROOT/tests/nested/lib.sh"
 
-echo "== building clade (release) and the native test guest"
+echo "== building clade (release; the native test guest is built into it)"
 cargo build --release -q -p clade --bin clade
-(cd tests/native-guest && env -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
-    CARGO_TARGET_DIR="$REPO_ROOT/target/native-guest" cargo build --release -q)
 CLADE="$REPO_ROOT/target/release/clade"
-GUEST="$REPO_ROOT/target/native-guest/release/native-guest"
 
 SANDBOX="$NESTED_DIR/scenarios/demo.sh"
 if grep -qwE 'vmx|svm' /proc/cpuinfo && [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
@@ -39,12 +36,12 @@ else
     "$NESTED_DIR/run.sh" --l1-test "$SANDBOX" --expect DEMO-SANDBOX-PASS --expect '^CLADE-EXIT 0$'
 fi
 
-echo "== latencies (native tier: bare-metal test guest on this host's KVM)"
-"$CLADE" bench boot --guest "$GUEST" -n 20
+echo "== latencies (native tier: the bare-metal test guest embedded in clade, on this host's KVM)"
+"$CLADE" bench boot -n 20
 # The agent protocol's round trip over virtio-vsock (the test guest's responder).
-timeout 120 "$CLADE" bench ping --guest "$GUEST"
-# Snapshot cost, resume-to-first-ping (uffd + VM shell pool, against the eager-copy baseline),
-# and live fork into 10 children.
-timeout 300 "$CLADE" bench snapshot --guest "$GUEST" -n 20
-timeout 300 "$CLADE" bench resume --guest "$GUEST" --backend uffd -n 100
-timeout 300 "$CLADE" bench fork --guest "$GUEST" -n 10
+timeout 120 "$CLADE" bench ping
+# Snapshot cost, restore-to-first-ping (uffd + VM shell pool, against the eager-copy
+# baseline), and live fork into 10 children.
+timeout 300 "$CLADE" bench snapshot -n 20
+timeout 300 "$CLADE" bench restore --backend uffd -n 100
+timeout 300 "$CLADE" bench fork -n 10
