@@ -228,6 +228,15 @@ fn a_failed_fork_leaves_no_child_and_a_fork_of_a_child_works() {
         .call(&Request::Status)
         .unwrap();
     assert_eq!(status.fields["state"], "running");
+    // The stale-children check above looks for this command line: a live child has it.
+    let live = Command::new("pgrep")
+        .args(["-f", &format!("fork-child --api-sock {}", api.display())])
+        .output()
+        .unwrap();
+    assert!(
+        !live.stdout.is_empty(),
+        "no process with the child's command line"
+    );
     let o = clade()
         .arg("fork")
         .arg(&api)

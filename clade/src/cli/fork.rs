@@ -71,13 +71,18 @@ pub fn fork(args: ForkArgs) -> anyhow::Result<u8> {
 }
 
 #[derive(Debug, Args)]
-pub struct ForkChildArgs {}
+pub struct ForkChildArgs {
+    /// The child's API socket, as the parent named it (the launch record on stdin is
+    /// authoritative; this names the process in listings and is checked against it).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+}
 
 /// `clade fork-child`: becomes one child of a fork (everything it needs arrives on stdin,
 /// see [`vmm::host::serve_fork_child`]), then runs like `clade run`.
-pub fn fork_child(_args: ForkChildArgs) -> anyhow::Result<u8> {
+pub fn fork_child(args: ForkChildArgs) -> anyhow::Result<u8> {
     let options = owner_options()?;
-    let end = serve_fork_child(&options)?;
+    let end = serve_fork_child(&options, args.api_sock.as_deref())?;
     report_end(&end);
     Ok(end.exit_code())
 }

@@ -23,9 +23,12 @@ const CHILD_AGENT_SYNC: Duration = Duration::from_secs(5);
 /// A fork child's side: reads the launch record and the frozen instant from standard
 /// input, builds the child VM, binds its API socket, tells the parent `ready` (or `error
 /// <message>`) on standard output, then owns the VM like `clade run` until it ends.
-pub fn serve_fork_child(options: &OwnerOptions) -> Result<OwnerEnd> {
+///
+/// `api_sock`: the API socket the launcher named on the command line (see
+/// [`super::ChildLauncher::command`]); when given, it must be the launch record's.
+pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Result<OwnerEnd> {
     let mut stdout = std::io::stdout();
-    match build_child() {
+    match build_child(api_sock) {
         Ok((vm, api)) => {
             writeln!(stdout, "ready")
                 .and_then(|()| stdout.flush())
@@ -40,7 +43,7 @@ pub fn serve_fork_child(options: &OwnerOptions) -> Result<OwnerEnd> {
     }
 }
 
-fn build_child() -> Result<(Vm, ApiServer)> {
+fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer)> {
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)
@@ -55,6 +58,11 @@ fn build_child() -> Result<(Vm, ApiServer)> {
     }
     let launch: ChildLaunch = postcard::from_bytes(&input[4..4 + len])
         .map_err(|e| bad(&format!("launch record: {e}")))?;
+    if api_sock.is_some_and(|p| p != launch.api_sock) {
+        return Err(bad(
+            "the API socket on the command line is not the launch record's",
+        ));
+    }
     let mut files = Vec::with_capacity(launch.fds.len());
     let mut seen = std::collections::HashSet::new();
     for fd in &launch.fds {

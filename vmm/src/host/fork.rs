@@ -1,5 +1,5 @@
 //! Process-per-child fork, the parent's side ([`fork_processes`]; the child's side is
-//! `serve_fork_child`).
+//! [`super::serve_fork_child`]).
 //!
 //! Hand-over: the frozen memory layers are memfds; the parent starts each child through a
 //! [`ChildLauncher`] with those descriptors inherited (close-on-exec cleared in the child
@@ -31,16 +31,20 @@ use crate::vm::Vm;
 /// How long a child may take to report that it runs.
 const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Starts the process of a fork child. The process must call [`serve_fork_child`] (with
-/// its standard input and output as they are): the parent's side sets stdin, stdout,
-/// stderr, the process group and the inherited descriptors on the command returned.
+/// Starts the process of a fork child. The process must call
+/// [`super::serve_fork_child`] (with its standard input and output as they are): the
+/// parent's side sets stdin, stdout, stderr, the process group and the inherited
+/// descriptors on the command returned.
 pub trait ChildLauncher: Send + Sync {
-    /// The command that starts one child.
-    fn command(&self) -> Command;
+    /// The command that starts the child whose control API socket will be `api_sock` (the
+    /// child learns everything from its standard input; `api_sock` is for naming it, e.g.
+    /// in process listings).
+    fn command(&self, api_sock: &Path) -> Command;
 }
 
 /// The default [`ChildLauncher`]: this very executable (`/proc/self/exe`, even if its file
-/// was replaced since it started) with `args` (`fork-child` for `clade`).
+/// was replaced since it started) with `args` (`fork-child` for `clade`), then
+/// `--api-sock <child's API socket>`, so a child can be found by its command line.
 #[derive(Debug, Clone)]
 pub struct SelfExec {
     /// The child's `argv[0]`.
@@ -59,9 +63,12 @@ impl Default for SelfExec {
 }
 
 impl ChildLauncher for SelfExec {
-    fn command(&self) -> Command {
+    fn command(&self, api_sock: &Path) -> Command {
         let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg0(&self.arg0).args(&self.args);
+        cmd.arg0(&self.arg0)
+            .args(&self.args)
+            .arg("--api-sock")
+            .arg(api_sock);
         cmd
     }
 }
@@ -266,7 +273,7 @@ fn start_child(
     };
     let record = postcard::to_allocvec(&launch)
         .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;
-    let mut cmd = launcher.command();
+    let mut cmd = launcher.command(&api);
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(log_file))
