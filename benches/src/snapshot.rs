@@ -40,6 +40,19 @@ pub struct SnapshotRuns {
     pub steps: StepTimes,
 }
 
+impl SnapshotRuns {
+    /// Adds one snapshot's figures.
+    fn record(&mut self, info: &vmm::SnapshotInfo) {
+        self.pause.push(info.pause_time);
+        self.total.push(info.total_time);
+        self.pages_considered.push(info.pages_considered);
+        self.pages_written.push(info.pages_written);
+        for (name, d) in &info.steps {
+            self.steps.add(name, *d);
+        }
+    }
+}
+
 /// What `snapshot` reports.
 #[derive(Debug, Clone)]
 pub struct SnapshotReport {
@@ -111,13 +124,7 @@ pub fn snapshot(
             SnapshotKind::Full,
         )?;
         tracing::debug!(i, pause = ?info.pause_time, total = ?info.total_time, "full snapshot");
-        full.pause.push(info.pause_time);
-        full.total.push(info.total_time);
-        full.pages_considered.push(info.pages_considered);
-        full.pages_written.push(info.pages_written);
-        for (name, d) in &info.steps {
-            full.steps.add(name, *d);
-        }
+        full.record(&info);
     }
     let mut diff = SnapshotRuns::default();
     for i in 0..n {
@@ -129,13 +136,7 @@ pub fn snapshot(
             SnapshotKind::Diff,
         )?;
         tracing::debug!(i, pause = ?info.pause_time, total = ?info.total_time, "diff snapshot");
-        diff.pause.push(info.pause_time);
-        diff.total.push(info.total_time);
-        diff.pages_considered.push(info.pages_considered);
-        diff.pages_written.push(info.pages_written);
-        for (name, d) in &info.steps {
-            diff.steps.add(name, *d);
-        }
+        diff.record(&info);
     }
     vm.shutdown();
     Ok(SnapshotReport {

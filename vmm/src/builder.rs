@@ -231,7 +231,7 @@ pub(crate) struct MemorySlot<'a> {
 
 /// A shell for `spec`: `shell` if it fits (else it is dropped, with a warning) or a new one.
 /// Returns whether the given one was used.
-pub(crate) fn shell_for(spec: &ShellSpec, shell: Option<Shell>) -> Result<(Shell, bool)> {
+fn shell_for(spec: &ShellSpec, shell: Option<Shell>) -> Result<(Shell, bool)> {
     match shell {
         Some(s) if s.spec == *spec => Ok((s, true)),
         other => {
@@ -246,20 +246,38 @@ pub(crate) fn shell_for(spec: &ShellSpec, shell: Option<Shell>) -> Result<(Shell
     }
 }
 
-/// Builds a VM from `saved` on `shell`: `memory` puts guest memory over the shell's
-/// reservation (and may start a page server for it); then the devices are recreated from
-/// their state with `identity`'s host ends, and the VM's and each vCPU's KVM state is set.
-/// The vCPUs have not run. Returns the VM and the MSRs KVM refused to restore.
+/// A VM built from saved state ([`from_saved`]).
+pub(crate) struct Built {
+    pub(crate) vm: Vm,
+    /// MSRs KVM refused to restore (logged).
+    pub(crate) refused_msrs: Vec<u32>,
+    /// The shell given was used (it fit).
+    pub(crate) shell_reused: bool,
+}
+
+/// Builds a VM from `saved`: checks `identity` against it, takes `shell` if it fits (or
+/// builds one), `memory` puts guest memory over the shell's reservation (and may start a
+/// page server for it); then the devices are recreated from their state with
+/// `identity`'s host ends, and the VM's and each vCPU's KVM state is set. The vCPUs have
+/// not run.
 pub(crate) fn from_saved(
     saved: &SavedMachine,
-    shell: Shell,
+    shell: Option<Shell>,
     memory: impl FnOnce(MemorySlot<'_>) -> Result<(GuestRam, Option<PageServer>)>,
     identity: Identity,
     steps: &mut Steps,
-) -> Result<(Vm, Vec<u32>)> {
+) -> Result<Built> {
     let created_at = Instant::now();
     let m = &saved.machine;
     check_identity(saved, &identity)?;
+    let spec = ShellSpec {
+        kvm_device: identity.kvm_device.clone(),
+        mem_bytes: m.mem_bytes,
+        vcpus: m.vcpus,
+        dirty_log: identity.dirty_tracking,
+    };
+    let (shell, shell_reused) = shell_for(&spec, shell)?;
+    steps.done("shell");
     let Shell {
         vcpus: vcpu_fds,
         vm_fd,
@@ -345,7 +363,11 @@ pub(crate) fn from_saved(
         cpuids: saved.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
         vcpu_cpus: identity.vcpu_cpus,
     });
-    Ok((vm, refused_msrs))
+    Ok(Built {
+        vm,
+        refused_msrs,
+        shell_reused,
+    })
 }
 
 /// The host ends `identity` gives must match the devices `saved` has.
@@ -371,15 +393,5 @@ fn check_identity(saved: &SavedMachine, identity: &Identity) -> Result<()> {
             "a disk was given, but the saved VM has no disk".into(),
         )),
         _ => Ok(()),
-    }
-}
-
-/// The shell a VM built from `saved` needs.
-pub(crate) fn shell_spec(saved: &SavedMachine, kvm_device: PathBuf, dirty_log: bool) -> ShellSpec {
-    ShellSpec {
-        kvm_device,
-        mem_bytes: saved.machine.mem_bytes,
-        vcpus: saved.machine.vcpus,
-        dirty_log,
     }
 }

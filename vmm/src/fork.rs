@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::builder::{self, Identity, MemorySlot};
-use crate::config::{BlockConfig, SerialOutput, VsockConfig};
+use crate::config::{SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{SavedMachine, Steps};
 use crate::vm::Vm;
@@ -391,38 +391,21 @@ impl Frozen {
     pub fn child(&self, spec: ChildSpec) -> Result<Vm> {
         let t0 = Instant::now();
         let saved = &self.saved;
-        let shell_spec = builder::shell_spec(saved, self.kvm_device.clone(), true);
-        let (shell, _) = builder::shell_for(&shell_spec, spec.shell)?;
-        let vsock = match (&saved.machine.vsock, &spec.vsock_path) {
-            (Some(_), Some(p)) => Some(VsockConfig {
-                uds_path: p.clone(),
+        // A missing socket or overlay is refused by the builder, before any KVM object.
+        let vsock = saved
+            .machine
+            .vsock
+            .as_ref()
+            .and(spec.vsock_path)
+            .map(|p| VsockConfig {
+                uds_path: p,
                 guest_cid: spec.guest_cid,
-            }),
-            (Some(_), None) => {
-                return Err(Error::Config(
-                    "the forked VM has a vsock device: its child needs a socket path".into(),
-                ))
-            }
-            (None, _) => None,
-        };
-        let disk = match (&saved.disk, &spec.disk_path) {
-            (None, _) => None,
-            (Some(d), _) if d.read_only => Some(BlockConfig {
-                path: d.layer.clone(),
-                read_only: true,
-                serial: d.serial.clone(),
-            }),
-            (Some(d), Some(p)) => Some(BlockConfig {
-                path: p.clone(),
-                read_only: false,
-                serial: d.serial.clone(),
-            }),
-            (Some(_), None) => {
-                return Err(Error::Config(
-                    "the forked VM has a disk: its child needs an overlay path".into(),
-                ))
-            }
-        };
+            });
+        let disk = saved
+            .disk
+            .as_ref()
+            .map(|d| d.block_config(spec.disk_path.as_deref()))
+            .transpose()?;
         let identity = Identity {
             serial: spec.serial,
             vsock,
@@ -436,7 +419,7 @@ impl Frozen {
         let memory =
             move |slot: MemorySlot<'_>| Ok((GuestRam::forked(slot.reservation, image)?, None));
         let mut steps = Steps::new();
-        let (mut vm, _refused) = builder::from_saved(saved, shell, memory, identity, &mut steps)?;
+        let mut vm = builder::from_saved(saved, spec.shell, memory, identity, &mut steps)?.vm;
         let agent_sync = spec.agent_sync.map(|t| (t, Some(spec.hostname_suffix)));
         vm.finish_from_saved(spec.start, agent_sync, &mut steps)?;
         tracing::debug!("fork child built in {:?}", t0.elapsed());
@@ -446,17 +429,10 @@ impl Frozen {
     /// Makes a child's own overlay at `path` on the frozen disk layer (only for a writable
     /// disk; a read-only one is shared as it is).
     pub fn child_overlay(&self, path: &Path) -> Result<()> {
-        let Some(d) = self.saved.disk.as_ref().filter(|d| !d.read_only) else {
-            return Ok(());
-        };
-        disk::ops::create(
-            path,
-            &disk::ops::CreateOptions {
-                parent: Some(d.layer.clone()),
-                ..Default::default()
-            },
-        )?;
-        Ok(())
+        match &self.saved.disk {
+            Some(d) => d.create_overlay(path),
+            None => Ok(()),
+        }
     }
 
     /// This frozen instant for a child in another process: the state as bytes, and the

@@ -7,7 +7,7 @@
 //! ([`crate::Frozen::handoff`]). The VM's `save_machine` makes one and the builder's
 //! `from_saved` builds a VM from one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use snapshot::page_server::PageServerStats;
 use snapshot::{SnapshotId, SnapshotKind};
 
+use crate::config::BlockConfig;
 use crate::device_manager::DevicesState;
+use crate::error::{Error, Result};
 use crate::vstate::state::{VcpuState, VmKvmState};
 
 /// The vsock device of a saved machine.
@@ -56,6 +58,44 @@ pub struct SavedDisk {
     pub read_only: bool,
     /// The configured serial.
     pub serial: Option<String>,
+}
+
+impl SavedDisk {
+    /// Creates a VM's own overlay at `path` on the saved layer (nothing for a read-only
+    /// disk: VMs share it as it is).
+    pub(crate) fn create_overlay(&self, path: &Path) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        disk::ops::create(
+            path,
+            &disk::ops::CreateOptions {
+                parent: Some(self.layer.clone()),
+                ..Default::default()
+            },
+        )?;
+        Ok(())
+    }
+
+    /// The disk of a VM built from the saved state: its overlay at `overlay` (made with
+    /// [`SavedDisk::create_overlay`]; needed for a writable disk), or the saved read-only
+    /// layer itself.
+    pub(crate) fn block_config(&self, overlay: Option<&Path>) -> Result<BlockConfig> {
+        let path =
+            match (self.read_only, overlay) {
+                (true, _) => self.layer.clone(),
+                (false, Some(p)) => p.to_path_buf(),
+                (false, None) => return Err(Error::Config(
+                    "the saved VM has a writable disk: the new VM needs an overlay on its layer"
+                        .into(),
+                )),
+            };
+        Ok(BlockConfig {
+            path,
+            read_only: self.read_only,
+            serial: self.serial.clone(),
+        })
+    }
 }
 
 /// Everything about a VM at one instant but its memory: machine shape, in-kernel state,

@@ -23,11 +23,9 @@ use snapshot::{CpuCheck, SnapshotId, SnapshotKind};
 use super::{file_err, io_err, StatePayload, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE};
 use crate::arch::layout::ram_ranges;
 use crate::builder::{self, Identity, MemorySlot};
-use crate::config::{BlockConfig, SerialOutput, VsockConfig};
+use crate::config::{SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
-use crate::saved::{
-    Lineage, MachineState, MemoryBackend, RestoreReport, SavedMachine, SavedVsock, Steps,
-};
+use crate::saved::{Lineage, MachineState, MemoryBackend, RestoreReport, SavedMachine, Steps};
 use crate::vm::Vm;
 use crate::vstate::kvm;
 use crate::vstate::memory::GuestRam;
@@ -107,7 +105,6 @@ pub struct PreparedSnapshot {
     header: state_file::Header,
     state: StatePayload,
     chain: Arc<MemoryChain>,
-    vsock: Option<SavedVsock>,
     /// The working set, once a restore found it (it does not change once written).
     working_set: Mutex<Option<Arc<WorkingSet>>>,
 }
@@ -231,13 +228,11 @@ impl PreparedSnapshot {
         let dir = dir
             .canonicalize()
             .map_err(io_err("resolving the snapshot directory"))?;
-        let vsock = state.saved.machine.vsock.clone();
         Ok(PreparedSnapshot {
             dir,
             header,
             state,
             chain: Arc::new(chain),
-            vsock,
             working_set: Mutex::new(None),
         })
     }
@@ -297,7 +292,7 @@ impl PreparedSnapshot {
         let saved: &SavedMachine = &self.state.saved;
         let m = &saved.machine;
         let meta = self.header.meta;
-        let vsock = match (&self.vsock, &options.vsock_path) {
+        let vsock = match (&m.vsock, &options.vsock_path) {
             (None, None) => None,
             (None, Some(_)) => {
                 return Err(Error::Config(
@@ -315,48 +310,31 @@ impl PreparedSnapshot {
             ));
         }
 
-        let spec = builder::shell_spec(saved, options.kvm_device.clone(), options.dirty_tracking);
-        let (shell, shell_reused) = builder::shell_for(&spec, options.shell.take())?;
-        steps.done("shell");
-
         // The disk: the snapshot's read-only layer, or an overlay of the VM's own on the
         // frozen layer (removed again if the restore fails).
         let mut overlay = OverlayGuard(None);
         let disk = match &saved.disk {
             None => None,
-            Some(d) if d.read_only => Some(BlockConfig {
-                path: d.layer.clone(),
-                read_only: true,
-                serial: d.serial.clone(),
-            }),
+            Some(d) if d.read_only => Some(d.block_config(None)?),
             Some(d) => {
                 let path = options.disk_overlay.clone().unwrap_or_else(|| {
                     let mut name = SnapshotId::random().to_string();
                     name.truncate(12);
                     dir.join(format!("restore-{name}.cdsk"))
                 });
-                disk::ops::create(
-                    &path,
-                    &disk::ops::CreateOptions {
-                        parent: Some(d.layer.clone()),
-                        ..Default::default()
-                    },
-                )?;
+                d.create_overlay(&path)?;
                 overlay.0 = Some(path.clone());
                 tracing::info!(
                     "disk overlay {} on the snapshot's layer {}",
                     path.display(),
                     d.layer.display()
                 );
-                Some(BlockConfig {
-                    path,
-                    read_only: false,
-                    serial: d.serial.clone(),
-                })
+                Some(d.block_config(Some(&path))?)
             }
         };
         steps.done("disk");
 
+        let shell = options.shell.take();
         let mut bytes_read = 0;
         let memory = |slot: MemorySlot<'_>| -> Result<(GuestRam, Option<PageServer>)> {
             match backend {
@@ -423,8 +401,11 @@ impl PreparedSnapshot {
                 chain: self.state.chain.clone(),
             }),
         };
-        let (mut vm, refused_msrs) =
-            builder::from_saved(saved, shell, memory, identity, &mut steps)?;
+        let builder::Built {
+            mut vm,
+            refused_msrs,
+            shell_reused,
+        } = builder::from_saved(saved, shell, memory, identity, &mut steps)?;
         let agent_sync = options.agent_sync.map(|t| (t, None));
         let recording = vm.page_server_recording();
         vm.finish_from_saved(options.start, agent_sync, &mut steps)?;
