@@ -83,6 +83,10 @@ fn ping(sock: &Path) {
 }
 
 fn start_parent(d: &Dir, steps: &str, env: Option<(&str, &str)>) -> Proc {
+    start_parent_with(d, steps, env, &[])
+}
+
+fn start_parent_with(d: &Dir, steps: &str, env: Option<(&str, &str)>, extra: &[&str]) -> Proc {
     let mut cmd = clade();
     cmd.arg("run")
         .arg("--kernel")
@@ -93,7 +97,8 @@ fn start_parent(d: &Dir, steps: &str, env: Option<(&str, &str)>) -> Proc {
         .arg("--api-sock")
         .arg(d.p("p.api"))
         .arg("--serial-file")
-        .arg(d.p("p.serial"));
+        .arg(d.p("p.serial"))
+        .args(extra);
     if let Some((k, v)) = env {
         cmd.env(k, v);
     }
@@ -374,4 +379,102 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
     let layers = disk_info(Path::new(second["disk"].as_str().unwrap()));
     assert_eq!(layers.len(), 3, "{layers:?}");
     assert_eq!(layers[1]["id"], last[1]["id"], "{layers:?}");
+}
+
+#[test]
+fn bad_fork_and_snapshot_requests_get_errors_and_touch_nothing() {
+    let d = Dir::new("bad-requests");
+    let root = d.p("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let root_arg = root.to_string_lossy().into_owned();
+    let _parent = start_parent_with(&d, "vsock,vsock,vsock", None, &["--files-root", &root_arg]);
+    let call = |r: &Request| ApiClient::connect(&d.p("p.api")).unwrap().call(r).unwrap();
+    // A count no host could serve: an error answer, not a dead VM.
+    let r = call(&Request::Fork {
+        count: usize::MAX,
+        prefix: None,
+        agent_sync: false,
+    });
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("children"),
+        "{r:?}"
+    );
+    // Paths must be absolute.
+    let r = call(&Request::Snapshot {
+        dir: PathBuf::from("relative/snap"),
+        kind: "full".into(),
+    });
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("absolute"),
+        "{r:?}"
+    );
+    assert!(!Path::new("relative").exists());
+    // Outside the files root: refused; inside: works.
+    let r = call(&Request::Snapshot {
+        dir: d.p("outside"),
+        kind: "full".into(),
+    });
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("outside"),
+        "{r:?}"
+    );
+    assert!(!d.p("outside").exists());
+    let r = call(&Request::Snapshot {
+        dir: root.join("s1"),
+        kind: "full".into(),
+    });
+    assert!(r.ok, "{r:?}");
+    // A symlink planted where the first child's log will go: the fork fails and the file
+    // it points at is untouched.
+    let victim = d.p("victim");
+    std::fs::write(&victim, b"keep me").unwrap();
+    std::os::unix::fs::symlink(&victim, d.p("p-f1.log")).unwrap();
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args(["-n", "1", "--no-agent-sync"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("p-f1.log"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+    let r = call(&Request::Status);
+    assert_eq!(r.fields["state"], "running", "{r:?}");
+    ping(&d.p("p.vsock"));
+    // A child keeps the parent's files root.
+    let o = clade()
+        .arg("fork")
+        .arg(d.p("p.api"))
+        .args([
+            "-n",
+            "1",
+            "--no-agent-sync",
+            "--json",
+            "--prefix",
+            &root_arg,
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let child = &j["children"][0];
+    let _c = Pid(child["pid"].as_i64().unwrap() as i32);
+    let child_api = PathBuf::from(child["api_sock"].as_str().unwrap());
+    let mut c = ApiClient::connect(&child_api).unwrap();
+    let r = c
+        .call(&Request::Snapshot {
+            dir: d.p("outside-child"),
+            kind: "full".into(),
+        })
+        .unwrap();
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("outside"),
+        "{r:?}"
+    );
+    let r = c.call(&Request::Shutdown).unwrap();
+    assert!(r.ok, "{r:?}");
 }

@@ -30,6 +30,40 @@ pub struct EventLoop {
     done: Option<Receiver<()>>,
 }
 
+/// The eventfds this process has open, by descriptor number.
+fn open_eventfds() -> std::collections::HashSet<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return Default::default();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let fd = e.file_name().to_str()?.parse::<i32>().ok()?;
+        let target = std::fs::read_link(e.path()).ok()?;
+        (target.as_os_str() == "anon_inode:[eventfd]").then_some(fd)
+    })
+    .collect()
+}
+
+/// Runs `f` and makes the eventfds it opened close-on-exec. event-manager 0.4 opens its
+/// wake-up eventfd without `EFD_CLOEXEC` and does not expose it; without this, every
+/// process the VMM starts (fork children) would inherit it. (Eventfds opened meanwhile by
+/// other threads are the VMM's too, and none is meant to be inherited.)
+fn new_eventfds_cloexec<T>(f: impl FnOnce() -> T) -> T {
+    let before = open_eventfds();
+    let r = f();
+    for fd in open_eventfds().difference(&before) {
+        // SAFETY: F_GETFD/F_SETFD only change the descriptor's close-on-exec flag; a number
+        // closed meanwhile makes them fail harmlessly.
+        unsafe {
+            let flags = libc::fcntl(*fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(*fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    r
+}
+
 impl EventLoop {
     /// Starts the loop thread.
     pub fn start(name: &str) -> Result<Self> {
@@ -38,7 +72,8 @@ impl EventLoop {
 
     /// Starts the loop on the thread `runner` provides.
     pub fn start_on(name: &str, runner: snapshot::ThreadRunner) -> Result<Self> {
-        let mut manager = Manager::new().map_err(|e| Error::EventLoop(e.to_string()))?;
+        let mut manager =
+            new_eventfds_cloexec(Manager::new).map_err(|e| Error::EventLoop(e.to_string()))?;
         let handle = manager.remote_endpoint();
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);

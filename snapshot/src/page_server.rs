@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use userfaultfd::{Event, EventBuffer, FeatureFlags, IoctlFlags, Uffd, UffdBuilder};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use crate::bitmap::PageBitmap;
 use crate::memory_file::{MemoryChain, PageLocation};
@@ -376,8 +376,8 @@ impl PageServer {
             control: AtomicU8::new(RUN),
         });
         add(&shared.counters.working_set_len, working_set.len() as u64);
-        let stop_evt =
-            EventFd::new(EFD_NONBLOCK).map_err(|e| Error::PageServer(format!("eventfd: {e}")))?;
+        let stop_evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC)
+            .map_err(|e| Error::PageServer(format!("eventfd: {e}")))?;
         let thread_evt = stop_evt
             .try_clone()
             .map_err(|e| Error::PageServer(format!("eventfd: {e}")))?;

@@ -25,7 +25,7 @@ use devices::{Bus, ExitNotifier, GuestMemory};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
 use snapshot::Persist;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use crate::arch::layout::{
     pio, VirtioSlot, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
@@ -68,15 +68,29 @@ impl Write for TappedWriter {
     }
 }
 
+fn open_serial_file(path: &std::path::Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
 fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap)> {
     let mut tap = SerialTap::default();
     let inner: Box<dyn Write + Send> = match out {
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::File(path) => {
-            Box::new(File::create(path).map_err(|source| Error::SerialOutput {
-                path: path.clone(),
-                source,
-            })?)
+            // Not through a symlink, and private: the guest writes this file.
+            Box::new(
+                open_serial_file(path).map_err(|source| Error::SerialOutput {
+                    path: path.clone(),
+                    source,
+                })?,
+            )
         }
         SerialOutput::Memory => {
             tap.buffer = Some(Arc::new(Mutex::new(Vec::new())));
@@ -94,7 +108,7 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
 }
 
 fn irq_eventfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
-    let evt = EventFd::new(EFD_NONBLOCK).map_err(|source| Error::Io {
+    let evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| Error::Io {
         context: "creating an interrupt eventfd",
         source,
     })?;

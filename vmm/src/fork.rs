@@ -165,6 +165,19 @@ pub struct ChildSpec {
     pub vcpu_cpus: Vec<usize>,
 }
 
+/// Most children one fork makes.
+pub const MAX_FORK_CHILDREN: usize = 64;
+
+/// `n` must be 1..=[`MAX_FORK_CHILDREN`].
+pub(crate) fn check_child_count(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_FORK_CHILDREN {
+        return Err(Error::Fork(format!(
+            "{n} children asked for: a fork makes 1 to {MAX_FORK_CHILDREN}"
+        )));
+    }
+    Ok(())
+}
+
 static FORK_SEQ: AtomicU32 = AtomicU32::new(1);
 
 /// The next fork sequence number of this process: the `k` of a child's file names and
@@ -218,6 +231,7 @@ pub fn fork_with_report(
     mut options: ForkOptions,
 ) -> Result<(Vec<Vm>, ForkReport)> {
     let t0 = Instant::now();
+    check_child_count(n)?;
     let (frozen, freeze_report) = freeze(vm)?;
     let mut children = Vec::with_capacity(n);
     let mut child_times = Vec::with_capacity(n);

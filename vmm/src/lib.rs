@@ -43,7 +43,7 @@ pub use error::{Error, Result};
 pub use exit::VmExit;
 pub use fork::{
     child_path, fork, fork_with_report, freeze, next_fork_seq, process_unique_cid, ChildSpec,
-    ForkOptions, ForkReport, FreezeReport, Frozen,
+    ForkOptions, ForkReport, FreezeReport, Frozen, MAX_FORK_CHILDREN,
 };
 pub use persist::restore::{restore, PreparedSnapshot, RestoreOptions};
 pub use persist::take::{snapshot, SnapshotInfo};

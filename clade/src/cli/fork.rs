@@ -81,7 +81,8 @@ pub struct ForkChildArgs {
 /// `clade fork-child`: becomes one child of a fork (everything it needs arrives on stdin,
 /// see [`vmm::host::serve_fork_child`]), then runs like `clade run`.
 pub fn fork_child(args: ForkChildArgs) -> anyhow::Result<u8> {
-    let options = owner_options()?;
+    // A child takes no files root of its own (the parent's is not handed over).
+    let options = owner_options(None)?;
     let end = serve_fork_child(&options, args.api_sock.as_deref())?;
     report_end(&end);
     Ok(end.exit_code())

@@ -42,6 +42,9 @@ pub struct RunArgs {
     /// snapshot, fork; see `clade snapshot`, `clade fork`).
     #[arg(long, value_name = "PATH")]
     api_sock: Option<PathBuf>,
+    /// Snapshot and fork requests through the API may only name directories under DIR.
+    #[arg(long, value_name = "DIR", requires = "api_sock")]
+    files_root: Option<PathBuf>,
     #[command(flatten)]
     machine: MachineArgs,
 }
@@ -69,7 +72,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
             serial: None,
         }),
     };
-    let options = owner_options()?;
+    let options = owner_options(args.files_root)?;
     // The API socket first: a socket in use fails before a VM exists.
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let mut vm = vmm::boot(config)?;
@@ -82,9 +85,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
 
 /// The owner loop's options for a `clade` process: stop on SIGINT/SIGTERM; fork children
 /// are `clade fork-child` processes.
-pub(super) fn owner_options() -> anyhow::Result<OwnerOptions> {
+pub(super) fn owner_options(files_root: Option<PathBuf>) -> anyhow::Result<OwnerOptions> {
     Ok(OwnerOptions {
         stop: Some(stop_on_signals()?),
+        files_root,
         ..OwnerOptions::default()
     })
 }

@@ -68,6 +68,9 @@ pub struct RestoreArgs {
     /// Serve the VM's control API on this Unix socket.
     #[arg(long, value_name = "PATH")]
     api_sock: Option<PathBuf>,
+    /// Snapshot and fork requests through the API may only name directories under DIR.
+    #[arg(long, value_name = "DIR", requires = "api_sock")]
+    files_root: Option<PathBuf>,
     /// The vsock device's Unix socket (default: the snapshot's, which must be free).
     #[arg(long, value_name = "PATH")]
     vsock: Option<PathBuf>,
@@ -96,7 +99,7 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<u8> {
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
-    let owner = owner_options()?;
+    let owner = owner_options(args.files_root)?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let options = RestoreOptions {
         serial: args

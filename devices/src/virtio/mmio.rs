@@ -19,7 +19,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 
 use crate::GuestMemory;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use super::{
     Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState, VENDOR_ID,
@@ -150,7 +150,7 @@ impl MmioTransport {
         }
         let queue_evts = max_sizes
             .iter()
-            .map(|_| EventFd::new(EFD_NONBLOCK))
+            .map(|_| EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC))
             .collect::<std::io::Result<Vec<_>>>()?;
         Ok(Self {
             device,

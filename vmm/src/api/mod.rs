@@ -1,16 +1,19 @@
 //! The control API of a running VM: newline-delimited JSON over a Unix socket.
 //!
 //! `clade run --api-sock PATH` and `clade restore DIR --api-sock PATH` serve it (through
-//! the host layer's owner loop); the socket
-//! exists while the VM runs (a stale one is replaced, one in use is refused) and is removed
-//! when the process ends. Any number of connections, each a sequence of one request line
-//! and one response line. Requests are executed one at a time, in arrival order, by the
-//! process that owns the VM.
+//! the host layer's owner loop). The socket exists while the VM runs, with mode 0600; a
+//! stale socket at the path is replaced, a live one or any other file is refused, and only
+//! the socket this server bound is removed when the process ends. Peers must run as the
+//! VMM's user or root (`SO_PEERCRED`, [`PeerCheck`]). Up to 32 connections at once (one more
+//! gets an error line and is closed), each a sequence of one request line and one response
+//! line, closed after 60 s of silence. Requests are executed one at a time, in arrival
+//! order, by the process that owns the VM.
 //!
 //! Every response is an object with `"ok"`: `true` plus result fields, or `false` plus
 //! `"error"` (one line naming the problem). A line that is not a request gets
 //! `{"ok":false,"error":"bad request: ..."}` and the connection stays usable; a line over
-//! 64 KiB is answered with an error and the connection closed.
+//! 64 KiB is answered with an error and the connection closed. A fork makes 1 to 64
+//! children.
 //!
 //! | request | result fields |
 //! |---|---|
@@ -32,8 +35,8 @@
 //! `snapshot`: `kind` is `"full"` (default) or `"diff"` (only pages written since the
 //! VM's last snapshot, or since the snapshot it was restored from; that snapshot's directory
 //! must stay where it is, and the diff must go to another directory). `dir` is created if
-//! needed; a relative path is relative to the VM process's working directory (`clade
-//! snapshot` sends absolute paths). A snapshot of a running VM leaves it running, of a
+//! needed; it must be absolute, without `..`, and under the owner's files root when one is
+//! configured (`--files-root`); so must a fork's `prefix`. A snapshot of a running VM leaves it running, of a
 //! paused one paused. Errors: the VM is not running or paused, a diff without a base, I/O.
 //!
 //! ```text
@@ -67,6 +70,10 @@ use crate::error::{Error, Result};
 /// Longest request line accepted; longer lines are answered with an error and the
 /// connection is closed.
 pub const MAX_REQUEST: usize = 64 * 1024;
+/// Most connections served at once; one more is answered with an error and closed.
+pub const MAX_CONNECTIONS: usize = 32;
+/// A connection that sends nothing for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A control request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,9 +167,27 @@ impl PendingRequest {
     }
 }
 
+/// Who may use an API socket, besides its file mode (0600: the socket's owner).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerCheck {
+    /// Peers whose uid (`SO_PEERCRED`) is this process's effective uid, or root.
+    SameUser,
+    /// Only peers with this uid (and root).
+    Uid(u32),
+    /// Anyone who can open the socket file.
+    None,
+}
+
 /// Listens on the API socket and hands requests to the VM owner.
+///
+/// Bounded: at most [`MAX_CONNECTIONS`] connections at once, [`MAX_REQUEST`] bytes a line,
+/// [`IDLE_TIMEOUT`] of silence. The socket is created with mode 0600, never replaces
+/// anything but a stale socket, and is removed when the server is dropped only if the path
+/// still names the socket this server bound.
 pub struct ApiServer {
     path: PathBuf,
+    /// Device and inode of the socket file this server bound.
+    identity: (u64, u64),
     requests: Receiver<PendingRequest>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -172,19 +197,61 @@ fn io_err(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { context, source }
 }
 
+/// Device and inode of `path` itself (not what a symlink points at).
+fn file_identity(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
 impl ApiServer {
-    /// Binds `path`. A stale socket file (nobody listening) is replaced; a live one is an error.
+    /// Binds `path` with [`PeerCheck::SameUser`]. A stale socket file (nobody listening) is
+    /// replaced; a live one, or any other kind of file, is an error.
     pub fn bind(path: &Path) -> Result<Self> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(Error::Config(format!(
-                    "API socket {} is in use by another VM",
-                    path.display()
-                )));
+        Self::bind_with(path, PeerCheck::SameUser)
+    }
+
+    /// Binds `path`, serving only peers that pass `peers`.
+    pub fn bind_with(path: &Path, peers: PeerCheck) -> Result<Self> {
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => {
+                if UnixStream::connect(path).is_ok() {
+                    return Err(Error::Config(format!(
+                        "API socket {} is in use by another VM",
+                        path.display()
+                    )));
+                }
+                std::fs::remove_file(path).map_err(io_err("removing a stale API socket"))?;
             }
-            std::fs::remove_file(path).map_err(io_err("removing a stale API socket"))?;
+            Ok(_) => {
+                return Err(Error::Config(format!(
+                    "API socket {}: a file that is not a socket is there; not replacing it",
+                    path.display()
+                )))
+            }
+            Err(_) => {}
         }
-        let listener = UnixListener::bind(path).map_err(io_err("binding the API socket"))?;
+        // Bound under a private name, made 0600, then renamed into place: the socket is
+        // never reachable with the umask's mode.
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let _ = std::fs::remove_file(&tmp);
+        let listener = UnixListener::bind(&tmp).map_err(io_err("binding the API socket"))?;
+        let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .and_then(|()| file_identity(path));
+        let identity = match placed {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(Error::Io {
+                    context: "placing the API socket",
+                    source: e,
+                });
+            }
+        };
         listener
             .set_nonblocking(true)
             .map_err(io_err("configuring the API socket"))?;
@@ -193,10 +260,11 @@ impl ApiServer {
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || accept_loop(listener, tx, &stop2))
+            .spawn(move || accept_loop(listener, tx, &stop2, peers))
             .map_err(io_err("spawning the API thread"))?;
         Ok(Self {
             path: path.to_path_buf(),
+            identity,
             requests,
             stop,
             thread: Some(thread),
@@ -220,18 +288,85 @@ impl Drop for ApiServer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        // Only our own socket: another VM may have bound the path since.
+        if file_identity(&self.path).is_ok_and(|id| id == self.identity) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
-fn accept_loop(listener: UnixListener, tx: Sender<PendingRequest>, stop: &AtomicBool) {
+/// The peer's uid (`SO_PEERCRED`).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which lives for the call;
+    // the descriptor is the stream's own.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+fn peer_allowed(stream: &UnixStream, peers: PeerCheck) -> bool {
+    let want = match peers {
+        PeerCheck::None => return true,
+        // SAFETY: geteuid has no preconditions.
+        PeerCheck::SameUser => unsafe { libc::geteuid() },
+        PeerCheck::Uid(u) => u,
+    };
+    peer_uid(stream).is_ok_and(|uid| uid == want || uid == 0)
+}
+
+fn accept_loop(
+    listener: UnixListener,
+    tx: Sender<PendingRequest>,
+    stop: &AtomicBool,
+    peers: PeerCheck,
+) {
+    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
-            Ok((stream, _)) => {
+            Ok((mut stream, _)) => {
+                if !peer_allowed(&stream, peers) {
+                    tracing::warn!("API connection refused: peer uid not allowed");
+                    let _ = write_response(&mut stream, &Response::err("permission denied"));
+                    continue;
+                }
+                if live.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    let _ = stream.set_nonblocking(false);
+                    let _ = write_response(
+                        &mut stream,
+                        &Response::err(format!("too many connections (at most {MAX_CONNECTIONS})")),
+                    );
+                    continue;
+                }
+                live.fetch_add(1, Ordering::SeqCst);
                 let tx = tx.clone();
-                let _ = std::thread::Builder::new()
-                    .name("api-conn".into())
-                    .spawn(move || serve_connection(stream, tx));
+                let live2 = Arc::clone(&live);
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("api-conn".into())
+                        .spawn(move || {
+                            serve_connection(stream, tx);
+                            live2.fetch_sub(1, Ordering::SeqCst);
+                        });
+                if spawned.is_err() {
+                    live.fetch_sub(1, Ordering::SeqCst);
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -252,6 +387,7 @@ fn write_response(stream: &mut UnixStream, r: &Response) -> std::io::Result<()> 
 
 fn serve_connection(stream: UnixStream, tx: Sender<PendingRequest>) {
     let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(IDLE_TIMEOUT));
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
@@ -368,5 +504,100 @@ mod tests {
         let server = owner.join().unwrap();
         drop(server);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("clade-api-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn the_socket_is_private_and_only_a_stale_socket_is_replaced() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = scratch("files");
+        let path = d.join("vm.api");
+        // A regular file (say, one a symlink attack aims at) is never removed.
+        std::fs::write(&path, b"precious").unwrap();
+        let e = ApiServer::bind(&path)
+            .err()
+            .expect("a file in the way is refused");
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+        std::fs::remove_file(&path).unwrap();
+
+        let server = ApiServer::bind(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "socket mode {mode:o}");
+        // Another VM took the path over (ours was removed under us): dropping ours must
+        // leave theirs.
+        std::fs::remove_file(&path).unwrap();
+        let other = ApiServer::bind(&path).unwrap();
+        drop(server);
+        assert!(path.exists(), "the other VM's socket was removed");
+        ApiClient::connect(&path).expect("the other VM's socket still answers");
+        drop(other);
+        assert!(!path.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn connections_beyond_the_limit_get_an_error() {
+        let d = scratch("conns");
+        let path = d.join("vm.api");
+        let server = ApiServer::bind(&path).unwrap();
+        let held: Vec<UnixStream> = (0..MAX_CONNECTIONS)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        // Let the accept loop take them all.
+        let t = std::time::Instant::now();
+        let refused = loop {
+            let extra = UnixStream::connect(&path).unwrap();
+            extra
+                .set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut line = String::new();
+            if BufReader::new(&extra).read_line(&mut line).is_ok() && !line.is_empty() {
+                break line;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no refusal");
+        };
+        assert!(refused.contains("too many connections"), "{refused}");
+        drop(held);
+        // Slots free up again once connections close.
+        let t = std::time::Instant::now();
+        loop {
+            let p2 = path.clone();
+            let client = std::thread::spawn(move || {
+                ApiClient::connect(&p2).and_then(|mut c| c.call(&Request::Status))
+            });
+            if let Some(p) = server.next_request(Duration::from_secs(2)) {
+                p.respond(Response::ok(serde_json::json!({})));
+            }
+            if client.join().unwrap().is_ok_and(|r| r.ok) {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "slots never freed");
+        }
+        drop(server);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_huge_fork_count_is_a_request_not_a_crash() {
+        let r: Request =
+            serde_json::from_str(r#"{"op":"fork","count":18446744073709551615}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::Fork {
+                count: usize::MAX,
+                prefix: None,
+                agent_sync: true
+            }
+        );
+        assert!(crate::fork::check_child_count(usize::MAX).is_err());
+        assert!(crate::fork::check_child_count(0).is_err());
+        assert!(crate::fork::check_child_count(crate::fork::MAX_FORK_CHILDREN).is_ok());
     }
 }

@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::fork::{io, ChildLaunch};
@@ -29,11 +29,17 @@ const CHILD_AGENT_SYNC: Duration = Duration::from_secs(5);
 pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Result<OwnerEnd> {
     let mut stdout = std::io::stdout();
     match build_child(api_sock) {
-        Ok((vm, api)) => {
+        Ok((vm, api, files_root)) => {
             writeln!(stdout, "ready")
                 .and_then(|()| stdout.flush())
                 .map_err(io("telling the parent"))?;
-            own(vm, Some(api), options)
+            // The parent's files root holds here too (unless this process was given one).
+            let options = OwnerOptions {
+                launcher: options.launcher.clone(),
+                stop: options.stop,
+                files_root: options.files_root.clone().or(files_root),
+            };
+            own(vm, Some(api), &options)
         }
         Err(e) => {
             let msg = e.to_string().replace('\n', " ");
@@ -43,7 +49,7 @@ pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Resu
     }
 }
 
-fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer)> {
+fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer, Option<PathBuf>)> {
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)
@@ -93,5 +99,5 @@ fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer)> {
         vcpu_cpus: Vec::new(),
     };
     let vm = frozen.child(spec)?;
-    Ok((vm, api))
+    Ok((vm, api, launch.files_root))
 }

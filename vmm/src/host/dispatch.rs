@@ -1,11 +1,12 @@
 //! The control-API dispatcher: one [`Request`] executed against the VM its owner holds.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::json;
 use snapshot::SnapshotKind;
 
-use super::fork::{fork_processes, ChildLauncher};
+use super::fork::fork_processes;
+use super::owner::OwnerOptions;
 use crate::api::{PendingRequest, Request, Response};
 use crate::persist::take::snapshot;
 use crate::vm::Vm;
@@ -22,8 +23,9 @@ pub(crate) fn handle(
     vm: &mut Vm,
     api_sock: &Path,
     req: PendingRequest,
-    launcher: &dyn ChildLauncher,
+    options: &OwnerOptions,
 ) -> Handled {
+    let root = options.files_root.as_deref();
     let state = |vm: &Vm| json!({ "state": vm.state_name() });
     let response = match &req.request {
         Request::Status => {
@@ -69,7 +71,9 @@ pub(crate) fn handle(
             };
             match kind {
                 None => Response::err("snapshot kind must be \"full\" or \"diff\""),
-                Some(kind) => match snapshot(vm, dir, kind) {
+                Some(kind) => match confine(dir, root)
+                    .and_then(|dir| snapshot(vm, &dir, kind).map_err(|e| e.to_string()))
+                {
                     Ok(info) => Response::ok(json!({
                         "id": info.id.to_string(),
                         "kind": info.kind.to_string(),
@@ -87,18 +91,100 @@ pub(crate) fn handle(
             count,
             prefix,
             agent_sync,
-        } => match fork_processes(
-            vm,
-            api_sock,
-            *count,
-            prefix.as_deref(),
-            *agent_sync,
-            launcher,
-        ) {
+        } => match prefix
+            .as_deref()
+            .map(|p| confine(p, root))
+            .transpose()
+            .and_then(|prefix| {
+                fork_processes(
+                    vm,
+                    api_sock,
+                    *count,
+                    prefix.as_deref(),
+                    *agent_sync,
+                    options.launcher.as_ref(),
+                    root,
+                )
+                .map_err(|e| e.to_string())
+            }) {
             Ok(forked) => Response::ok(forked.to_json()),
             Err(e) => Response::err(e),
         },
     };
     req.respond(response);
     Handled::Continue
+}
+
+/// A directory a request names, checked: absolute, no `..`, and under `root` (when given)
+/// once symlinks in its existing part are resolved.
+fn confine(path: &Path, root: Option<&Path>) -> Result<PathBuf, String> {
+    if !path.is_absolute() {
+        return Err(format!("{}: the path must be absolute", path.display()));
+    }
+    if path
+        .components()
+        .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return Err(format!(
+            "{}: the path must not contain '..'",
+            path.display()
+        ));
+    }
+    let Some(root) = root else {
+        return Ok(path.to_path_buf());
+    };
+    let root = root
+        .canonicalize()
+        .map_err(|e| format!("the files root {}: {e}", root.display()))?;
+    // The longest existing ancestor, resolved; the rest cannot hold symlinks yet.
+    let mut existing = path;
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => break,
+        }
+    }
+    let mut resolved = existing
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", existing.display()))?;
+    for name in rest.iter().rev() {
+        resolved.push(name);
+    }
+    if !resolved.starts_with(&root) {
+        return Err(format!(
+            "{}: outside the directory this VM may write to ({})",
+            path.display(),
+            root.display()
+        ));
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_paths_are_absolute_and_confined() {
+        let base = std::env::temp_dir().join(format!("clade-confine-{}", std::process::id()));
+        let root = base.join("root");
+        std::fs::create_dir_all(root.join("snaps")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
+        assert!(confine(Path::new("rel/dir"), None).is_err());
+        assert!(confine(Path::new("/a/../b"), None).is_err());
+        assert_eq!(
+            confine(Path::new("/x/y"), None).unwrap(),
+            PathBuf::from("/x/y")
+        );
+        let ok = confine(&root.join("snaps/new/s1"), Some(&root)).unwrap();
+        assert!(ok.ends_with("snaps/new/s1"));
+        let e = confine(&root.join("out/s1"), Some(&root)).unwrap_err();
+        assert!(e.contains("outside"), "{e}");
+        assert!(confine(Path::new("/tmp/elsewhere"), Some(&root)).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }

@@ -25,7 +25,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::error::{Error, Result};
-use crate::fork::{child_path, freeze, next_fork_seq, process_unique_cid, Frozen};
+use crate::fork::{
+    check_child_count, child_path, freeze, next_fork_seq, process_unique_cid, Frozen,
+};
 use crate::vm::Vm;
 
 /// How long a child may take to report that it runs.
@@ -85,6 +87,8 @@ pub(super) struct ChildLaunch {
     /// Inherited memory layer descriptors, base first.
     pub(super) fds: Vec<RawFd>,
     pub(super) agent_sync: bool,
+    /// The parent's files root (see [`super::OwnerOptions::files_root`]): the child keeps it.
+    pub(super) files_root: Option<PathBuf>,
 }
 
 /// One child started by [`fork_processes`].
@@ -148,7 +152,7 @@ impl Started {
 /// Each child's files are [`child_path`]s of the API socket in `prefix` (default: the API
 /// socket's directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child
 /// is left (the ones started are killed and their files removed; logs stay) and `vm` runs
-/// on.
+/// on. Each child keeps `files_root` for its own API's snapshot and fork paths.
 pub fn fork_processes(
     vm: &mut Vm,
     api_sock: &Path,
@@ -156,10 +160,9 @@ pub fn fork_processes(
     prefix: Option<&Path>,
     agent_sync: bool,
     launcher: &dyn ChildLauncher,
+    files_root: Option<&Path>,
 ) -> Result<ForkedProcesses> {
-    if count == 0 {
-        return Err(Error::Fork("count must be at least 1".into()));
-    }
+    check_child_count(count)?;
     let dir = match prefix {
         Some(p) => p.to_path_buf(),
         None => api_sock
@@ -192,7 +195,13 @@ pub fn fork_processes(
                 "fork child {i}: injected failure after {i} children (CLADE_FORK_FAIL_AFTER)"
             )));
         }
-        match start_child(&frozen, &bytes, &fds, &dir, api_sock, agent_sync, launcher) {
+        let child = ChildPlan {
+            dir: &dir,
+            api_sock,
+            agent_sync,
+            files_root,
+        };
+        match start_child(&frozen, &bytes, &fds, &child, launcher) {
             Ok((s, c)) => {
                 started.push(s);
                 children.push(c);
@@ -229,16 +238,34 @@ pub(super) fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error 
     move |source| Error::Io { context, source }
 }
 
+/// Creates `path` for writing: it must not exist (not even as a symlink), mode 0600.
+fn new_private_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Where a child's files go and what it keeps of the parent's settings.
+struct ChildPlan<'a> {
+    dir: &'a Path,
+    api_sock: &'a Path,
+    agent_sync: bool,
+    files_root: Option<&'a Path>,
+}
+
 /// Starts one child and waits until it runs.
 fn start_child(
     frozen: &Frozen,
     bytes: &[u8],
     fds: &[RawFd],
-    dir: &Path,
-    api_sock: &Path,
-    agent_sync: bool,
+    plan: &ChildPlan<'_>,
     launcher: &dyn ChildLauncher,
 ) -> Result<(Started, ForkedChild)> {
+    let (dir, api_sock) = (plan.dir, plan.api_sock);
     let seq = next_fork_seq();
     let file = |ext: &str| child_path(api_sock, Some(dir), seq, ext);
     let api = file("api");
@@ -248,15 +275,27 @@ fn start_child(
     let log = file("log");
     let cid = process_unique_cid(parent_vsock.map_or(0, |v| v.guest_cid));
     for p in std::iter::once(&api).chain(vsock.as_ref()) {
-        if p.exists() {
+        if std::fs::symlink_metadata(p).is_ok() {
             return Err(Error::Fork(format!("{} exists already", p.display())));
         }
     }
-    let log_file = File::create(&log).map_err(io("creating a fork child's log"))?;
+    // The child's own files are new, private, and never reached through a symlink someone
+    // planted at their predictable names.
+    let created = |p: &Path| {
+        new_private_file(p).map_err(|e| Error::Fork(format!("creating {}: {e}", p.display())))
+    };
+    let log_file = created(&log)?;
+    if let Err(e) = created(&serial) {
+        let _ = std::fs::remove_file(&log);
+        return Err(e);
+    }
     let disk = match &frozen.saved().disk {
         Some(d) if !d.read_only => {
             let p = file("cdsk");
-            frozen.child_overlay(&p)?;
+            if let Err(e) = frozen.child_overlay(&p) {
+                let _ = std::fs::remove_file(&serial);
+                return Err(e);
+            }
             Some(p)
         }
         _ => None,
@@ -269,7 +308,8 @@ fn start_child(
         serial: serial.clone(),
         hostname_suffix: format!("-f{seq}"),
         fds: fds.to_vec(),
-        agent_sync,
+        agent_sync: plan.agent_sync,
+        files_root: plan.files_root.map(Path::to_path_buf),
     };
     let record = postcard::to_allocvec(&launch)
         .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;
@@ -279,10 +319,14 @@ fn start_child(
         .stderr(Stdio::from(log_file))
         .process_group(0);
     let keep = fds.to_vec();
-    // SAFETY: runs in the forked child before exec; only calls fcntl (async-signal safe)
-    // on descriptors this process owns, and allocates nothing.
+    // SAFETY: runs in the forked child before exec; only calls close_range and fcntl
+    // (async-signal safe) on descriptors this process owns, and allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
+            // Whatever a library left inheritable: the child gets its stdio and the memory
+            // layers, nothing else of the parent's.
+            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC);
             for &fd in &keep {
                 if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -294,7 +338,7 @@ fn start_child(
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
-            if let Some(p) = &disk {
+            for p in disk.iter().chain([&serial]) {
                 let _ = std::fs::remove_file(p);
             }
             return Err(Error::Io {

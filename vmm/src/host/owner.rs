@@ -1,5 +1,6 @@
 //! The owner loop of a running VM ([`own`]).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +45,9 @@ pub struct OwnerOptions {
     pub launcher: Arc<dyn ChildLauncher>,
     /// Set to a signal number to stop the VM (see [`stop_on_signals`]); None: no signals.
     pub stop: Option<&'static AtomicI32>,
+    /// Directories that snapshot and fork requests name must lie under this one (None:
+    /// anywhere). Paths must be absolute either way.
+    pub files_root: Option<PathBuf>,
 }
 
 impl Default for OwnerOptions {
@@ -52,6 +56,7 @@ impl Default for OwnerOptions {
         OwnerOptions {
             launcher: Arc::new(SelfExec::default()),
             stop: None,
+            files_root: None,
         }
     }
 }
@@ -89,9 +94,7 @@ pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result
         let status = match &api {
             Some(api) => {
                 if let Some(req) = api.next_request(tick) {
-                    if handle(&mut vm, api.path(), req, options.launcher.as_ref())
-                        == Handled::Shutdown
-                    {
+                    if handle(&mut vm, api.path(), req, options) == Handled::Shutdown {
                         let status = vm.shutdown();
                         tracing::info!("{status}");
                         return Ok(OwnerEnd::ShutdownRequested(status));
