@@ -451,7 +451,7 @@ fn exec_errors_are_typed() {
     spec.cwd = Some("/nonexistent-dir".into());
     let e = c.call_err(&HostMsg::Exec(spec));
     assert_eq!(e.kind, ErrorKind::NotFound);
-    assert!(e.message.contains("chdir"), "{e}");
+    assert!(e.message.contains("chdir /nonexistent-dir"), "{e}");
     let e = c.call_err(&HostMsg::Exec(ExecSpec::default()));
     assert_eq!(e.kind, ErrorKind::InvalidArgument);
     // A non-executable file.

@@ -407,10 +407,22 @@ impl PageServer {
             add(&shared.counters.prefetch_ns, t.elapsed().as_nanos() as u64);
         }
         let (done_tx, thread) = mpsc::sync_channel(1);
+        let thread_shared = Arc::clone(&shared);
         runner(
             "clade-uffd".into(),
             Box::new(move || {
-                let _ = done_tx.send(server.run(&thread_evt));
+                // A server that fails or panics leaves faulting threads blocked: say so
+                // through `error()`, which the VMM watches, not only to `stop()`.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    server.run(&thread_evt)
+                }))
+                .unwrap_or_else(|_| Err(Error::PageServer("server thread panicked".into())));
+                if let Err(e) = &r {
+                    if let Ok(mut slot) = thread_shared.error.lock() {
+                        slot.get_or_insert_with(|| e.to_string());
+                    }
+                }
+                let _ = done_tx.send(r);
             }),
         )
         .map_err(|e| Error::PageServer(format!("spawn thread: {e}")))?;

@@ -798,3 +798,41 @@ fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     assert!(e.to_string().contains("no writable disk"), "{e}");
     assert!(!overlay.exists());
 }
+
+/// A full snapshot of a `uffd`-restored VM first installs every page not served yet. If
+/// that fails, those pages would read as zeros: the VM must end, not run on (and not be
+/// snapshotted with its memory gone).
+#[test]
+fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
+    let dir = TmpDir::new("fill-fails");
+    let snap = dir.0.join("s");
+    snapshot_mid_loop(&snap);
+    let mut vm = vmm::restore(
+        &snap,
+        MemoryBackend::Uffd,
+        RestoreOptions {
+            working_set: false,
+            start: false,
+            ..options()
+        },
+    )
+    .unwrap();
+    vm.start().unwrap();
+    vm.pause().unwrap();
+    // The memory file loses its pages under the page server.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(snap.join(MEMORY_FILE))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let e = vmm::snapshot(&mut vm, &dir.0.join("s2"), SnapshotKind::Full).unwrap_err();
+    assert!(e.to_string().contains("could not be filled"), "{e}");
+    assert_eq!(vm.state_name(), "ended");
+    let status = vm.wait().unwrap();
+    assert!(
+        matches!(&status, VmExit::Crashed(why) if why.contains("could not be filled")),
+        "{status:?}"
+    );
+    assert!(!dir.0.join("s2").join(STATE_FILE).exists());
+}

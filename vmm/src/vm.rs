@@ -634,16 +634,25 @@ impl Vm {
     }
 
     /// Stops the page server after installing every page it has not served yet, so the
-    /// VM runs on plain memory (before a full snapshot reads all of it).
+    /// VM runs on plain memory (before a full snapshot reads all of it). If that fails,
+    /// the pages not installed would read as zeros from now on: the VM is ended
+    /// ([`VmExit::Crashed`]) rather than left running on memory it lost.
     pub(crate) fn fill_memory(&mut self) -> Result<Option<u64>> {
         let Some(ps) = self.page_server.take() else {
             return Ok(None);
         };
-        let report = ps
-            .stop(snapshot::page_server::StopMode::FillRemaining)
-            .map_err(|e| Error::Snapshot(format!("filling guest memory from the snapshot: {e}")))?;
-        self.working_set_saved = true;
-        Ok(Some(report.stats.pages_filled))
+        match ps.stop(snapshot::page_server::StopMode::FillRemaining) {
+            Ok(report) => {
+                self.working_set_saved = true;
+                Ok(Some(report.stats.pages_filled))
+            }
+            Err(e) => {
+                let why = format!("guest memory could not be filled from the snapshot: {e}");
+                tracing::error!("{why}: ending the VM");
+                self.finish(VmExit::Crashed(why.clone()));
+                Err(Error::Snapshot(why))
+            }
+        }
     }
 
     /// Sets the snapshot this VM's memory now matches (None: no diff possible until the

@@ -472,9 +472,15 @@ pub(crate) fn start(conn: &Arc<Conn>, id: u32, spec: ExecSpec) -> Result<(), Rem
         Reaper::global().unwatch(pid);
         let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
         let err = io::Error::from_raw_os_error(errno);
+        // Name what the failing step acted on: the directory for chdir, the program
+        // otherwise.
+        let subject = match (report[0], spec.cwd.as_deref()) {
+            (6, Some(dir)) => dir.display().to_string(),
+            _ => name.to_string(),
+        };
         return Err(RemoteError::from_io(
             &err,
-            format_args!("{} {name}", step_name(report[0])),
+            format_args!("{} {subject}", step_name(report[0])),
         ));
     }
 
