@@ -264,3 +264,161 @@ fn bench_resume_and_snapshot_print_one_json_object() {
     assert!(j["diff"]["pause_p50_us"].as_f64().unwrap() > 0.0, "{j}");
     assert!(j["diff"]["dirty_pages_p50"].as_u64().unwrap() >= 256, "{j}");
 }
+
+/// A native guest VM process serving `<name>.api`, killed when dropped; `crash_at` sets
+/// the snapshot crash hook (the process aborts at that point of its next snapshot).
+fn vm_process(d: &Dir, name: &str, crash_at: Option<&str>) -> Proc {
+    let (api_sock, serial) = (d.p(&format!("{name}.api")), d.p(&format!("{name}.serial")));
+    let mut cmd = clade();
+    cmd.arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", "steps=vsock,vsock,vsock"])
+        .arg("--vsock")
+        .arg(d.p(&format!("{name}.vsock")))
+        .arg("--api-sock")
+        .arg(&api_sock)
+        .arg("--serial-file")
+        .arg(&serial)
+        .stderr(Stdio::null());
+    if let Some(point) = crash_at {
+        cmd.env("CLADE_SNAPSHOT_CRASH_AT", point);
+    }
+    let p = Proc(cmd.spawn().unwrap());
+    wait_for(&api_sock);
+    wait_for_text(&serial, "serving agent port");
+    p
+}
+
+fn snapshot_id(dir: &Path) -> String {
+    let o = clade()
+        .args([
+            "restore",
+            "--backend",
+            "copy",
+            "--no-agent-sync",
+            "--serial-file",
+        ])
+        .arg(dir.with_extension("probe-serial"))
+        .arg("--vsock")
+        .arg(dir.with_extension("probe-vsock"))
+        .arg("--api-sock")
+        .arg(dir.with_extension("probe-api"))
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut p = Proc(o);
+    let api_sock = dir.with_extension("probe-api");
+    wait_for(&api_sock);
+    let r = api(&api_sock, Request::Status);
+    assert!(r.ok, "{r:?}");
+    let id = r.fields["last_snapshot"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    api(&api_sock, Request::Shutdown);
+    wait_exit(&mut p);
+    id
+}
+
+/// A snapshot replacing another is one transaction: a VMM killed before or right after
+/// the new one is put in place leaves a whole snapshot (old or new) that restores, and
+/// the files others keep in the directory (a restored VM's disk overlay) survive.
+#[test]
+fn a_kill_while_replacing_a_snapshot_leaves_a_whole_one() {
+    let d = Dir::new("crash");
+    let snap = d.p("snap");
+    let mut good = vm_process(&d, "good", None);
+    let full = |sock: &Path| {
+        api(
+            sock,
+            Request::Snapshot {
+                dir: snap.clone(),
+                kind: "full".into(),
+            },
+        )
+    };
+    let r = full(&d.p("good.api"));
+    assert!(r.ok, "{r:?}");
+    let first = r.fields["id"].as_str().unwrap().to_string();
+    std::fs::write(snap.join("restore-keep.cdsk"), b"someone's overlay").unwrap();
+    let staging = || -> Vec<String> {
+        std::fs::read_dir(&d.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".staging-"))
+            .collect()
+    };
+
+    // Killed with the new snapshot written but not in place: the old one is there.
+    let mut dying = vm_process(&d, "staged", Some("staged"));
+    let _ = ApiClient::connect(&d.p("staged.api"))
+        .unwrap()
+        .call(&Request::Snapshot {
+            dir: snap.clone(),
+            kind: "full".into(),
+        });
+    assert_ne!(wait_exit(&mut dying), 0);
+    assert_eq!(snapshot_id(&snap), first);
+    assert_eq!(
+        std::fs::read(snap.join("restore-keep.cdsk")).unwrap(),
+        b"someone's overlay"
+    );
+    assert_eq!(
+        staging().len(),
+        1,
+        "the dead VMM's staging directory is left"
+    );
+
+    // Killed right after the exchange: the new snapshot is in place, whole.
+    let mut dying = vm_process(&d, "exchanged", Some("exchanged"));
+    let _ = ApiClient::connect(&d.p("exchanged.api"))
+        .unwrap()
+        .call(&Request::Snapshot {
+            dir: snap.clone(),
+            kind: "full".into(),
+        });
+    assert_ne!(wait_exit(&mut dying), 0);
+    let second = snapshot_id(&snap);
+    assert_ne!(second, first);
+
+    // The next snapshot sweeps what the dead ones left and brings the overlay back.
+    let r = full(&d.p("good.api"));
+    assert!(r.ok, "{r:?}");
+    assert_eq!(snapshot_id(&snap), r.fields["id"].as_str().unwrap());
+    assert_eq!(
+        std::fs::read(snap.join("restore-keep.cdsk")).unwrap(),
+        b"someone's overlay"
+    );
+    assert!(staging().is_empty(), "left: {:?}", staging());
+    api(&d.p("good.api"), Request::Shutdown);
+    wait_exit(&mut good);
+}
+
+/// Under RLIMIT_FSIZE a file that would grow past the limit (here: the guest's memory
+/// itself) is an error with a message, not SIGXFSZ killing the VMM.
+#[test]
+fn the_file_size_limit_gives_an_error_not_a_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = Dir::new("fsize");
+    // 16 MiB files at most (`ulimit -f` counts 1 KiB blocks); the guest has 256 MiB.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -f 16384 && exec \"$@\"")
+        .arg("sh")
+        .arg(env!("CARGO_BIN_EXE_clade"))
+        .arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", "steps=vsock"])
+        .arg("--api-sock")
+        .arg(d.p("vm.api"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), None, "killed by a signal: {}", text(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("too large"), "{err}");
+}

@@ -355,7 +355,7 @@ pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
 
 /// Everything that needs the parent paused: its machine, its memory frozen.
 fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMachine)> {
-    let saved = vm.save_machine("p", steps)?;
+    let mut saved = vm.save_machine(steps)?;
     // The pages written since this memory was last frozen (a booted VM: none needed, but
     // the log restarts here).
     vm.take_dirty()?;
@@ -370,6 +370,7 @@ fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMac
         }
     };
     steps.done("freeze_memory");
+    saved.disk = vm.freeze_disk("p", steps)?;
     Ok((image, saved))
 }
 

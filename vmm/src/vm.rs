@@ -497,15 +497,11 @@ impl Vm {
         }
     }
 
-    /// Everything but memory, at this instant: vCPUs (each read on its own thread), VM,
-    /// devices, and the disk, whose top layer is flushed and frozen while the VM continues
-    /// on a new overlay next to it (`<name>-<disk_tag><k>.cdsk`; a read-only disk stays as
-    /// it is). Call through a [`PauseGuard`].
-    pub(crate) fn save_machine(
-        &mut self,
-        disk_tag: &str,
-        steps: &mut Steps,
-    ) -> Result<SavedMachine> {
+    /// Everything but memory and disk, at this instant: vCPUs (each read on its own
+    /// thread), VM, devices. The disk is the caller's to freeze ([`Vm::freeze_disk`]) once
+    /// the memory is safe, so that a failed snapshot or fork does not grow the disk's
+    /// layer chain. Call through a [`PauseGuard`].
+    pub(crate) fn save_machine(&mut self, steps: &mut Steps) -> Result<SavedMachine> {
         if !self.devices.is_paused() {
             return Err(Error::Snapshot(
                 "the VM must be paused for its state to be saved".into(),
@@ -531,22 +527,32 @@ impl Vm {
         let vm = kvm_state::save_vm(&self.vm_fd)?;
         let devices = self.devices.save()?;
         steps.done("save_vm_devices");
-        let disk = self.freeze_disk(disk_tag)?;
-        if let Some(d) = &disk {
-            tracing::debug!("disk layer {} frozen", d.layer.display());
-            steps.done("freeze_disk");
-        }
         Ok(SavedMachine {
             machine: self.machine_state(),
             vm,
             vcpus,
             devices,
-            disk,
+            disk: None,
         })
     }
 
-    /// The disk's half of [`Vm::save_machine`].
-    fn freeze_disk(&mut self, tag: &str) -> Result<Option<SavedDisk>> {
+    /// The disk's half of a saved machine (vCPUs and devices paused): the top layer is
+    /// flushed and frozen, and the VM continues on a new overlay next to it
+    /// (`<name>-<tag><k>.cdsk`); a read-only disk stays as it is.
+    pub(crate) fn freeze_disk(
+        &mut self,
+        tag: &str,
+        steps: &mut Steps,
+    ) -> Result<Option<SavedDisk>> {
+        let disk = self.freeze_disk_layer(tag)?;
+        if let Some(d) = &disk {
+            tracing::debug!("disk layer {} frozen", d.layer.display());
+            steps.done("freeze_disk");
+        }
+        Ok(disk)
+    }
+
+    fn freeze_disk_layer(&mut self, tag: &str) -> Result<Option<SavedDisk>> {
         let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
             return Ok(None);
         };

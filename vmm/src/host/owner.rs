@@ -69,7 +69,13 @@ extern "C" fn on_stop_signal(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut 
 
 /// Installs SIGINT and SIGTERM handlers that ask the owner loop to stop the VM; returns
 /// the flag for [`OwnerOptions::stop`]. (A signal handler is process-wide, so the flag is.)
+/// Also ignores SIGXFSZ: a write beyond RLIMIT_FSIZE (a snapshot's memory file, a disk
+/// layer) then fails with EFBIG and that operation reports an error, instead of the
+/// signal killing the VMM and its guest.
 pub fn stop_on_signals() -> Result<&'static AtomicI32> {
+    // SAFETY: SIG_IGN for SIGXFSZ installs no handler code; it only changes the
+    // disposition of a signal nothing else here relies on.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     for sig in [libc::SIGINT, libc::SIGTERM] {
         vmm_sys_util::signal::register_signal_handler(sig, on_stop_signal).map_err(|e| {
             Error::Io {

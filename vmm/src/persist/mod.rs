@@ -9,12 +9,17 @@
 //! | `memory.mem` | guest memory, sparse and page-aligned: every page (full) or the pages written since the base (diff) |
 //! | `working_set.ws` | written by the first `uffd` restore: the pages the guest touched first, prefetched by later restores |
 //!
+//! A snapshot is written whole into a staging directory next to its target and put in
+//! place by one atomic rename (see `staging`): replacing a snapshot never leaves a broken
+//! one, whenever the VMM dies, and files others keep in the directory stay.
+//!
 //! A diff snapshot's state file names the directories of the snapshots below it (base
 //! first, absolute paths); restoring it needs all of them in place. A snapshot of a VM
 //! with a writable disk references the disk layer frozen at the snapshot (it must stay
 //! where it is, like a diff's base); each restore puts its own overlay on it.
 
 pub(crate) mod restore;
+mod staging;
 pub(crate) mod take;
 
 use std::path::{Path, PathBuf};

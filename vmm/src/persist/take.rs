@@ -15,9 +15,8 @@ use snapshot::memory_file::{self, GuestRegion, PendingMemoryFile, RegionData};
 use snapshot::state_file::{self, SnapshotMeta};
 use snapshot::{SnapshotId, SnapshotKind};
 
-use super::{
-    file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE,
-};
+use super::staging::{crash_point, Staging};
+use super::{file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE};
 use crate::error::{Error, Result};
 use crate::saved::{Lineage, Steps};
 use crate::vm::Vm;
@@ -68,10 +67,7 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             })?)
         }
     };
-    std::fs::create_dir_all(dir).map_err(io_err("creating the snapshot directory"))?;
-    let dir = dir
-        .canonicalize()
-        .map_err(io_err("resolving the snapshot directory"))?;
+    let dir = target_dir(dir)?;
     if let Some(l) = &base {
         if l.chain.len() + 2 > MAX_DIFF_CHAIN {
             return Err(Error::Snapshot(format!(
@@ -96,9 +92,19 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         }
     }
     let id = SnapshotId::random();
+    // Everything is written into a staging directory and put in place at the end: an
+    // existing snapshot at `dir` survives any failure or kill before that.
+    let staging = Staging::begin(&dir)?;
     let mut paused = vm.pause_guard("snapshot")?;
     steps.done("pause");
-    let captured = capture(paused.vm(), &dir, kind, id, base.as_ref(), &mut steps);
+    let captured = capture(
+        paused.vm(),
+        staging.path(),
+        kind,
+        id,
+        base.as_ref(),
+        &mut steps,
+    );
     let pause_time = paused.release();
     steps.done("unpause");
     let (pending, payload, pages_considered) = match captured {
@@ -116,8 +122,12 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             None => SnapshotMeta::full(id, header.mem_size),
             Some(b) => SnapshotMeta::diff(id, b.id, header.mem_size),
         };
-        state_file::write(&dir.join(STATE_FILE), &meta, &payload).map_err(file_err(&dir))?;
+        state_file::write(&staging.path().join(STATE_FILE), &meta, &payload)
+            .map_err(file_err(&dir))?;
         steps.done("write_state");
+        crash_point("staged");
+        staging.commit()?;
+        steps.done("put_in_place");
         Ok(stats.pages_written)
     })();
     let pages_written = match committed {
@@ -127,12 +137,6 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             return Err(e);
         }
     };
-    // A working set recorded for the snapshot this one replaced is useless now.
-    match std::fs::remove_file(dir.join(WORKING_SET_FILE)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!("removing a stale working set in {}: {e}", dir.display()),
-    }
     vm.set_lineage(Some(Lineage {
         id,
         dir: dir.clone(),
@@ -168,9 +172,7 @@ fn capture(
     base: Option<&Lineage>,
     steps: &mut Steps,
 ) -> Result<(PendingMemoryFile, StatePayload, u64)> {
-    // The disk's current top layer becomes the snapshot's (frozen, flushed); the VM runs
-    // on from a new overlay on it.
-    let saved = vm.save_machine("s", steps)?;
+    let mut saved = vm.save_machine(steps)?;
     let mem_path = dir.join(MEMORY_FILE);
     let (pending, considered) = match (kind, base) {
         (SnapshotKind::Full, _) => {
@@ -233,6 +235,9 @@ fn capture(
         }
     };
     steps.done("write_memory");
+    // Only now, with the memory written, the disk's current top layer becomes the
+    // snapshot's (frozen, flushed); the VM runs on from a new overlay on it.
+    saved.disk = vm.freeze_disk("s", steps)?;
     let chain = match base {
         None => Vec::new(),
         Some(b) => {
@@ -242,4 +247,26 @@ fn capture(
         }
     };
     Ok((pending, StatePayload { saved, chain }, considered))
+}
+
+/// The snapshot directory `dir` as an absolute path with its symlinks resolved (its parent
+/// is created if needed; `dir` itself is made when the snapshot is put in place).
+fn target_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.exists() {
+        return dir
+            .canonicalize()
+            .map_err(io_err("resolving the snapshot directory"));
+    }
+    let name = dir
+        .file_name()
+        .ok_or_else(|| Error::Snapshot(format!("{}: not a directory name", dir.display())))?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io_err("creating the snapshot's parent directory"))?;
+    Ok(parent
+        .canonicalize()
+        .map_err(io_err("resolving the snapshot directory"))?
+        .join(name))
 }
