@@ -16,6 +16,8 @@ pub const MODULE_LOAD_ORDER: &str = "load-order";
 
 /// `RNDADDENTROPY` = `_IOW('R', 0x03, int[2])` (linux/random.h; not in the libc crate).
 const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `RNDRESEEDCRNG` = `_IO('R', 0x07)`: reseed the kernel's CRNG from the input pool now.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
 /// Outcome of loading one module.
 #[derive(Debug)]
@@ -104,7 +106,9 @@ pub fn set_clock(unix_ns: i64) -> io::Result<()> {
 }
 
 /// Mixes `data` into the kernel's entropy pool and credits 8 bits per byte (RNDADDENTROPY
-/// on /dev/urandom; needs CAP_SYS_ADMIN).
+/// on /dev/urandom; needs CAP_SYS_ADMIN), then makes the CRNG reseed from it at once
+/// (RNDRESEEDCRNG): adding entropy alone does not, and clones of one snapshot or fork
+/// would go on producing the same random bytes until the kernel's next scheduled reseed.
 pub fn add_entropy(data: &[u8]) -> io::Result<()> {
     let len = libc::c_int::try_from(data.len())
         .ok()
@@ -120,6 +124,14 @@ pub fn add_entropy(data: &[u8]) -> io::Result<()> {
     // kernel only reads it.
     if unsafe { libc::ioctl(dev.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) } != 0 {
         return Err(io::Error::last_os_error());
+    }
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(dev.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
+        let e = io::Error::last_os_error();
+        // ENODATA: the CRNG is not seeded yet; it seeds itself from the pool when it is.
+        if e.raw_os_error() != Some(libc::ENODATA) {
+            return Err(e);
+        }
     }
     Ok(())
 }

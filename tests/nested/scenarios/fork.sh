@@ -90,6 +90,7 @@ pass setup "/root/fork.txt written; counter at $n lines; hostname $phost"
 out=$($CLADE fork /tmp/fork-p.api -n 3 --prefix /tmp/forks) || fail "clade fork: rc $?: $out"
 [ "$(echo "$out" | wc -l)" = 3 ] || fail "clade fork printed: $out"
 KIDS=$(echo "$out" | awk '{ print $2 }')
+rm -f /tmp/fork-urandom
 [ "$(child_pids | wc -l)" = 3 ] || fail "not 3 fork-child processes: $(child_pids)"
 pass fork "$(echo "$out" | tr '\n' ' ')"
 
@@ -113,7 +114,15 @@ for s in $KIDS; do
     done
     case "$h" in *-f[0-9]*) ;; *) fail "child $i: hostname '$h' (parent $phost)" ;; esac
     pass "child $i" "file there, counter $c1 -> $c2 consecutive, hostname $h"
+    # The hostname is the sync's last step: entropy was added and the CRNG reseeded.
+    r=$(gx "$s" sh -c 'head -c 16 /dev/urandom | od -An -tx1 | tr -d " \n"') ||
+        fail "child $i: reading /dev/urandom"
+    echo "$r" >>/tmp/fork-urandom
 done
+dup=$(sort /tmp/fork-urandom | uniq -d)
+[ "$(wc -l </tmp/fork-urandom)" = 3 ] && [ -z "$dup" ] ||
+    fail "fork children share random bytes: $(tr '\n' ';' </tmp/fork-urandom)"
+pass urandom "3 children, 3 different first reads after their agent sync"
 
 # --- isolation: same path, different content ----------------------------------------------
 gx /tmp/fork-p.sock sh -c 'echo parent > /root/who.txt && sync' || fail "parent: write who"

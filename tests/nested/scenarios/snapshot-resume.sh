@@ -105,7 +105,14 @@ check_resumed() {
         fail "$name: guest clock $g, L1 clock $l1 (agent sync?)"
     fi
     pass "$name exec+clock" "uname $k; guest clock $g vs L1 $l1"
+    # The agent sync gave entropy and reseeded the CRNG before it set the clock (checked
+    # above): from here on this clone's random bytes are its own.
+    r=$(gexec "$s" sh -c 'head -c 16 /dev/urandom | od -An -tx1 | tr -d " \n"') ||
+        fail "$name: reading /dev/urandom"
+    echo "$r $name" >>/tmp/urandom-firsts
+    pass "$name urandom" "$r"
 }
+rm -f /tmp/urandom-firsts
 
 # --- each backend -------------------------------------------------------------------
 for b in uffd file copy; do
@@ -177,4 +184,10 @@ $CLADE poweroff /tmp/a.sock || fail "A: poweroff"
 $CLADE poweroff /tmp/b.sock || fail "B: poweroff"
 wait_gone "$A"
 wait_gone "$B"
+# Every clone of the one snapshot read different random bytes after its agent sync.
+n=$(wc -l </tmp/urandom-firsts)
+dup=$(cut -d' ' -f1 /tmp/urandom-firsts | sort | uniq -d)
+[ "$n" -ge 6 ] && [ -z "$dup" ] ||
+    fail "clones share random bytes: $(tr '\n' ';' </tmp/urandom-firsts)"
+pass "urandom" "$n clones, $n different first reads"
 echo "SNAP-SCENARIO-PASS"

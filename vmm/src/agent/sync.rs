@@ -24,7 +24,8 @@ pub(crate) fn sync_after_restore(
             },
             timeout,
         )?;
-        client.set_clock(SystemTime::now())?;
+        // Entropy (and the guest's CRNG reseed) first: once the clock is right, the
+        // guest's randomness is its own too (tests rely on that order).
         let mut seed = [0u8; 64];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut seed))
@@ -33,6 +34,7 @@ pub(crate) fn sync_after_restore(
                 source,
             })?;
         client.add_entropy(&seed)?;
+        client.set_clock(SystemTime::now())?;
         if let Some(suffix) = hostname_suffix {
             // Through /proc: hostname(1) may refuse names it finds invalid, e.g. "(none)-f1".
             let script = format!(
