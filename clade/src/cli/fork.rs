@@ -82,7 +82,7 @@ pub struct ForkChildArgs {
 /// see [`vmm::host::serve_fork_child`]), then runs like `clade run`.
 pub fn fork_child(args: ForkChildArgs) -> anyhow::Result<u8> {
     // A child takes no files root of its own (the parent's is not handed over).
-    let options = owner_options(None)?;
+    let options = owner_options(None, true)?;
     let end = serve_fork_child(&options, args.api_sock.as_deref())?;
     report_end(&end);
     Ok(end.exit_code())

@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// Snapshot and fork requests through the API may only name directories under DIR.
     #[arg(long, value_name = "DIR", requires = "api_sock")]
     files_root: Option<PathBuf>,
+    /// Do not filter the VMM's system calls (seccomp is on by default: a call outside the
+    /// VMM's allow-list ends the process with a line naming it).
+    #[arg(long)]
+    no_seccomp: bool,
     #[command(flatten)]
     machine: MachineArgs,
 }
@@ -72,7 +76,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
             serial: None,
         }),
     };
-    let options = owner_options(args.files_root)?;
+    let options = owner_options(args.files_root, !args.no_seccomp)?;
     // The API socket first: a socket in use fails before a VM exists.
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let mut vm = vmm::boot(config)?;
@@ -85,10 +89,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<u8> {
 
 /// The owner loop's options for a `clade` process: stop on SIGINT/SIGTERM; fork children
 /// are `clade fork-child` processes.
-pub(super) fn owner_options(files_root: Option<PathBuf>) -> anyhow::Result<OwnerOptions> {
+pub(super) fn owner_options(
+    files_root: Option<PathBuf>,
+    seccomp: bool,
+) -> anyhow::Result<OwnerOptions> {
     Ok(OwnerOptions {
         stop: Some(stop_on_signals()?),
         files_root,
+        seccomp,
         ..OwnerOptions::default()
     })
 }

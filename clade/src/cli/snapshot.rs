@@ -71,6 +71,10 @@ pub struct RestoreArgs {
     /// Snapshot and fork requests through the API may only name directories under DIR.
     #[arg(long, value_name = "DIR", requires = "api_sock")]
     files_root: Option<PathBuf>,
+    /// Do not filter the VMM's system calls (seccomp is on by default: a call outside the
+    /// VMM's allow-list ends the process with a line naming it).
+    #[arg(long)]
+    no_seccomp: bool,
     /// The vsock device's Unix socket (default: the snapshot's, which must be free).
     #[arg(long, value_name = "PATH")]
     vsock: Option<PathBuf>,
@@ -99,7 +103,7 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<u8> {
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
-    let owner = owner_options(args.files_root)?;
+    let owner = owner_options(args.files_root, !args.no_seccomp)?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let options = RestoreOptions {
         serial: args

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::fork::{io, ChildLaunch};
-use super::owner::{own, OwnerEnd, OwnerOptions};
+use super::options::OwnerOptions;
+use super::owner::{own, OwnerEnd};
 use crate::api::ApiServer;
 use crate::config::SerialOutput;
 use crate::error::{Error, Result};
@@ -29,7 +30,7 @@ const CHILD_AGENT_SYNC: Duration = Duration::from_secs(5);
 pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Result<OwnerEnd> {
     let mut stdout = std::io::stdout();
     match build_child(api_sock) {
-        Ok((vm, api, files_root)) => {
+        Ok((vm, api, (files_root, seccomp))) => {
             writeln!(stdout, "ready")
                 .and_then(|()| stdout.flush())
                 .map_err(io("telling the parent"))?;
@@ -38,6 +39,7 @@ pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Resu
                 launcher: options.launcher.clone(),
                 stop: options.stop,
                 files_root: options.files_root.clone().or(files_root),
+                seccomp: options.seccomp && seccomp,
             };
             own(vm, Some(api), &options)
         }
@@ -49,7 +51,8 @@ pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Resu
     }
 }
 
-fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer, Option<PathBuf>)> {
+#[allow(clippy::type_complexity)]
+fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer, (Option<PathBuf>, bool))> {
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)
@@ -99,5 +102,5 @@ fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer, Option<PathBuf
         vcpu_cpus: Vec::new(),
     };
     let vm = frozen.child(spec)?;
-    Ok((vm, api, launch.files_root))
+    Ok((vm, api, (launch.files_root, launch.seccomp)))
 }

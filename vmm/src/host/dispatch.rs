@@ -6,7 +6,7 @@ use serde_json::json;
 use snapshot::SnapshotKind;
 
 use super::fork::fork_processes;
-use super::owner::OwnerOptions;
+use super::options::OwnerOptions;
 use crate::api::{PendingRequest, Request, Response};
 use crate::persist::take::snapshot;
 use crate::vm::Vm;
@@ -102,8 +102,7 @@ pub(crate) fn handle(
                     *count,
                     prefix.as_deref(),
                     *agent_sync,
-                    options.launcher.as_ref(),
-                    root,
+                    options,
                 )
                 .map_err(|e| e.to_string())
             }) {

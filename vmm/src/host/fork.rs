@@ -17,13 +17,14 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::options::{ChildLauncher, OwnerOptions};
 use crate::error::{Error, Result};
 use crate::fork::{
     check_child_count, child_path, freeze, next_fork_seq, process_unique_cid, Frozen,
@@ -32,48 +33,6 @@ use crate::vm::Vm;
 
 /// How long a child may take to report that it runs.
 const CHILD_READY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Starts the process of a fork child. The process must call
-/// [`super::serve_fork_child`] (with its standard input and output as they are): the
-/// parent's side sets stdin, stdout, stderr, the process group and the inherited
-/// descriptors on the command returned.
-pub trait ChildLauncher: Send + Sync {
-    /// The command that starts the child whose control API socket will be `api_sock` (the
-    /// child learns everything from its standard input; `api_sock` is for naming it, e.g.
-    /// in process listings).
-    fn command(&self, api_sock: &Path) -> Command;
-}
-
-/// The default [`ChildLauncher`]: this very executable (`/proc/self/exe`, even if its file
-/// was replaced since it started) with `args` (`fork-child` for `clade`), then
-/// `--api-sock <child's API socket>`, so a child can be found by its command line.
-#[derive(Debug, Clone)]
-pub struct SelfExec {
-    /// The child's `argv[0]`.
-    pub arg0: String,
-    /// Arguments that make the executable call [`serve_fork_child`].
-    pub args: Vec<String>,
-}
-
-impl Default for SelfExec {
-    fn default() -> Self {
-        SelfExec {
-            arg0: "clade".into(),
-            args: vec!["fork-child".into()],
-        }
-    }
-}
-
-impl ChildLauncher for SelfExec {
-    fn command(&self, api_sock: &Path) -> Command {
-        let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg0(&self.arg0)
-            .args(&self.args)
-            .arg("--api-sock")
-            .arg(api_sock);
-        cmd
-    }
-}
 
 /// What a child process needs besides the frozen instant: its identity.
 #[derive(Debug, Serialize, Deserialize)]
@@ -89,6 +48,9 @@ pub(super) struct ChildLaunch {
     pub(super) agent_sync: bool,
     /// The parent's files root (see [`super::OwnerOptions::files_root`]): the child keeps it.
     pub(super) files_root: Option<PathBuf>,
+    /// Whether the parent filters system calls: the child does too (it has inherited the
+    /// filter anyway when it does).
+    pub(super) seccomp: bool,
 }
 
 /// One child started by [`fork_processes`].
@@ -152,15 +114,15 @@ impl Started {
 /// Each child's files are [`child_path`]s of the API socket in `prefix` (default: the API
 /// socket's directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child
 /// is left (the ones started are killed and their files removed; logs stay) and `vm` runs
-/// on. Each child keeps `files_root` for its own API's snapshot and fork paths.
+/// on. Children are started by `owner.launcher` and keep the owner's files root and
+/// system-call filter setting.
 pub fn fork_processes(
     vm: &mut Vm,
     api_sock: &Path,
     count: usize,
     prefix: Option<&Path>,
     agent_sync: bool,
-    launcher: &dyn ChildLauncher,
-    files_root: Option<&Path>,
+    owner: &OwnerOptions,
 ) -> Result<ForkedProcesses> {
     check_child_count(count)?;
     let dir = match prefix {
@@ -199,9 +161,10 @@ pub fn fork_processes(
             dir: &dir,
             api_sock,
             agent_sync,
-            files_root,
+            files_root: owner.files_root.as_deref(),
+            seccomp: owner.seccomp,
         };
-        match start_child(&frozen, &bytes, &fds, &child, launcher) {
+        match start_child(&frozen, &bytes, &fds, &child, owner.launcher.as_ref()) {
             Ok((s, c)) => {
                 started.push(s);
                 children.push(c);
@@ -255,6 +218,7 @@ struct ChildPlan<'a> {
     api_sock: &'a Path,
     agent_sync: bool,
     files_root: Option<&'a Path>,
+    seccomp: bool,
 }
 
 /// Starts one child and waits until it runs.
@@ -310,6 +274,7 @@ fn start_child(
         fds: fds.to_vec(),
         agent_sync: plan.agent_sync,
         files_root: plan.files_root.map(Path::to_path_buf),
+        seccomp: plan.seccomp,
     };
     let record = postcard::to_allocvec(&launch)
         .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;

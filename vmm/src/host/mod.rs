@@ -15,8 +15,11 @@
 mod child;
 mod dispatch;
 mod fork;
+mod options;
 mod owner;
+pub mod seccomp;
 
 pub use child::serve_fork_child;
-pub use fork::{fork_processes, ChildLauncher, ForkedChild, ForkedProcesses, SelfExec};
-pub use owner::{own, stop_on_signals, OwnerEnd, OwnerOptions};
+pub use fork::{fork_processes, ForkedChild, ForkedProcesses};
+pub use options::{ChildLauncher, OwnerOptions, SelfExec};
+pub use owner::{own, stop_on_signals, OwnerEnd};

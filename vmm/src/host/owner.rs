@@ -1,12 +1,10 @@
 //! The owner loop of a running VM ([`own`]).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::dispatch::{handle, Handled};
-use super::fork::{ChildLauncher, SelfExec};
+use super::options::OwnerOptions;
 use crate::api::ApiServer;
 use crate::error::{Error, Result};
 use crate::exit::VmExit;
@@ -35,28 +33,6 @@ impl OwnerEnd {
         match self {
             OwnerEnd::VmEnded(e) | OwnerEnd::ShutdownRequested(e) => e.exit_code() as u8,
             OwnerEnd::Signal { signal, .. } => 128u8.saturating_add(*signal as u8),
-        }
-    }
-}
-
-/// How the owner loop runs.
-pub struct OwnerOptions {
-    /// Starts the children of a process fork (a `fork` request).
-    pub launcher: Arc<dyn ChildLauncher>,
-    /// Set to a signal number to stop the VM (see [`stop_on_signals`]); None: no signals.
-    pub stop: Option<&'static AtomicI32>,
-    /// Directories that snapshot and fork requests name must lie under this one (None:
-    /// anywhere). Paths must be absolute either way.
-    pub files_root: Option<PathBuf>,
-}
-
-impl Default for OwnerOptions {
-    /// This executable's `fork-child` mode as the launcher; no stop signals.
-    fn default() -> Self {
-        OwnerOptions {
-            launcher: Arc::new(SelfExec::default()),
-            stop: None,
-            files_root: None,
         }
     }
 }
@@ -91,6 +67,10 @@ pub fn stop_on_signals() -> Result<&'static AtomicI32> {
 /// working set once a restored guest's agent answered. Returns how it ended; the VM has
 /// ended then.
 pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result<OwnerEnd> {
+    if options.seccomp {
+        super::seccomp::install()?;
+        super::seccomp::probe();
+    }
     let tick = if api.is_some() {
         Duration::from_millis(20)
     } else {

@@ -1,0 +1,76 @@
+//! How a VM's owner runs ([`OwnerOptions`]) and how it starts fork children
+//! ([`ChildLauncher`]).
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicI32;
+use std::sync::Arc;
+
+/// How the owner loop runs.
+pub struct OwnerOptions {
+    /// Starts the children of a process fork (a `fork` request).
+    pub launcher: Arc<dyn ChildLauncher>,
+    /// Set to a signal number to stop the VM (see [`stop_on_signals`]); None: no signals.
+    pub stop: Option<&'static AtomicI32>,
+    /// Directories that snapshot and fork requests name must lie under this one (None:
+    /// anywhere). Paths must be absolute either way.
+    pub files_root: Option<PathBuf>,
+    /// Install the system-call filter ([`super::seccomp`]) on every thread before the loop
+    /// runs (default: true).
+    pub seccomp: bool,
+}
+
+impl Default for OwnerOptions {
+    /// This executable's `fork-child` mode as the launcher; no stop signals.
+    fn default() -> Self {
+        OwnerOptions {
+            launcher: Arc::new(SelfExec::default()),
+            stop: None,
+            files_root: None,
+            seccomp: true,
+        }
+    }
+}
+
+/// Starts the process of a fork child. The process must call
+/// [`super::serve_fork_child`] (with its standard input and output as they are): the
+/// parent's side sets stdin, stdout, stderr, the process group and the inherited
+/// descriptors on the command returned.
+pub trait ChildLauncher: Send + Sync {
+    /// The command that starts the child whose control API socket will be `api_sock` (the
+    /// child learns everything from its standard input; `api_sock` is for naming it, e.g.
+    /// in process listings).
+    fn command(&self, api_sock: &Path) -> Command;
+}
+
+/// The default [`ChildLauncher`]: this very executable (`/proc/self/exe`, even if its file
+/// was replaced since it started) with `args` (`fork-child` for `clade`), then
+/// `--api-sock <child's API socket>`, so a child can be found by its command line.
+#[derive(Debug, Clone)]
+pub struct SelfExec {
+    /// The child's `argv[0]`.
+    pub arg0: String,
+    /// Arguments that make the executable call [`serve_fork_child`].
+    pub args: Vec<String>,
+}
+
+impl Default for SelfExec {
+    fn default() -> Self {
+        SelfExec {
+            arg0: "clade".into(),
+            args: vec!["fork-child".into()],
+        }
+    }
+}
+
+impl ChildLauncher for SelfExec {
+    fn command(&self, api_sock: &Path) -> Command {
+        let mut cmd = Command::new("/proc/self/exe");
+        cmd.arg0(&self.arg0)
+            .args(&self.args)
+            .arg("--api-sock")
+            .arg(api_sock);
+        cmd
+    }
+}
