@@ -167,7 +167,7 @@ for d in /proc/[0-9]*; do
         K1=${d#/proc/}
 done
 [ -n "$K1" ] || fail "child 1: no process serving $A1"
-out=$($CLADE snapshot "$A1" /tmp/forks/snap1 2>&1) || fail "child 1: snapshot: $out"
+out=$(timeout 300 $CLADE snapshot "$A1" /tmp/forks/snap1 2>&1) || fail "child 1: snapshot: rc $?: $out"
 kill -9 "$K1"
 n=0
 while kill -0 "$K1" 2>/dev/null; do
