@@ -30,6 +30,10 @@ enum Command {
     Run(run::RunArgs),
     /// Measure latencies on the native test guest (prints p50/p99; --json for JSON).
     Bench {
+        /// Run the benchmark under the VMM's system-call filter, as `clade run` runs
+        /// (installed on every thread of this process before the benchmark starts).
+        #[arg(long, global = true)]
+        seccomp: bool,
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
@@ -103,7 +107,12 @@ fn parse_mem_mib(s: &str) -> Result<u64, String> {
 pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Run(args) => run::run(args),
-        Command::Bench { which } => bench::bench(which),
+        Command::Bench { seccomp, which } => {
+            if seccomp {
+                vmm::host::seccomp::install()?;
+            }
+            bench::bench(which)
+        }
         Command::Exec(args) => exec::exec(args),
         Command::Cp(args) => cp::cp(args),
         Command::Ping(args) => exec::ping(args),

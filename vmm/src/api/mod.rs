@@ -600,4 +600,72 @@ mod tests {
         assert!(crate::fork::check_child_count(0).is_err());
         assert!(crate::fork::check_child_count(crate::fork::MAX_FORK_CHILDREN).is_ok());
     }
+
+    /// Mutated and random request lines through a live server: each gets one answer line
+    /// (an error for what is not a request) and the server keeps serving.
+    #[test]
+    fn mutated_request_lines_get_answers_and_the_server_survives() {
+        let d = scratch("fuzz");
+        let path = d.join("vm.api");
+        let server = ApiServer::bind(&path).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let owner = std::thread::spawn(move || {
+            while !stop2.load(Ordering::SeqCst) {
+                if let Some(p) = server.next_request(Duration::from_millis(20)) {
+                    p.respond(Response::err("fuzzing"));
+                }
+            }
+        });
+        let seeds: [&[u8]; 4] = [
+            br#"{"op":"status"}"#,
+            br#"{"op":"snapshot","dir":"/tmp/x","kind":"diff"}"#,
+            br#"{"op":"fork","count":3,"prefix":"/tmp/p","agent_sync":false}"#,
+            br#"{"op":"unpause"}"#,
+        ];
+        let mut x: u64 = 0x0061_7069_6675_7a7a;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let conn = UnixStream::connect(&path).unwrap();
+        let mut reader = BufReader::new(conn.try_clone().unwrap());
+        let mut writer = conn;
+        let (mut parsed, mut refused) = (0, 0);
+        for i in 0..3000 {
+            let mut line = seeds[i % seeds.len()].to_vec();
+            for _ in 0..1 + next() % 4 {
+                let v = next();
+                let at = (v >> 8) as usize % (line.len() + 1);
+                match v % 3 {
+                    0 if at < line.len() => line[at] = (v >> 16) as u8,
+                    1 => line.insert(at, (v >> 16) as u8),
+                    _ => line.truncate(at.max(1)),
+                }
+            }
+            line.retain(|&b| b != b'\n');
+            if serde_json::from_slice::<Request>(&line).is_ok() {
+                parsed += 1;
+            } else {
+                refused += 1;
+            }
+            line.push(b'\n');
+            writer.write_all(&line).unwrap();
+            let mut answer = String::new();
+            reader.read_line(&mut answer).unwrap();
+            let r: Response = serde_json::from_str(&answer).unwrap();
+            assert!(!r.ok, "{answer}");
+        }
+        assert!(
+            refused > 0 && parsed > 0,
+            "{parsed} parsed, {refused} refused"
+        );
+        let mut c = ApiClient::connect(&path).unwrap();
+        assert!(!c.call(&Request::Status).unwrap().ok, "still answering");
+        stop.store(true, Ordering::SeqCst);
+        owner.join().unwrap();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

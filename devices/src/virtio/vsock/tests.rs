@@ -1220,6 +1220,42 @@ fn connect_lines_parse() {
     assert_eq!(parse(&[0xff, 0xfe]), None);
 }
 
+/// Random and mutated `CONNECT` lines: a port comes out only of a well-formed line.
+#[test]
+fn random_connect_lines_are_refused_or_parsed_exactly() {
+    use super::worker::parse_connect_line as parse;
+    let mut x: u64 = 0x0063_6f6e_6e65_6374;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for i in 0..200_000u32 {
+        let mut line = if i % 2 == 0 {
+            format!("CONNECT {}", next() % (1 << 33)).into_bytes()
+        } else {
+            Vec::new()
+        };
+        for _ in 0..next() % 4 {
+            let v = next();
+            match v % 3 {
+                0 if !line.is_empty() => {
+                    let at = (v >> 8) as usize % line.len();
+                    line[at] = (v >> 16) as u8;
+                }
+                1 => line.push((v >> 8) as u8),
+                _ => line.truncate((v >> 8) as usize % (line.len() + 1)),
+            }
+        }
+        if let Some(port) = parse(&line) {
+            let text = std::str::from_utf8(&line).unwrap();
+            assert!(text.starts_with("CONNECT "), "{line:?}");
+            assert!(text.contains(&port.to_string()), "{line:?} -> {port}");
+        }
+    }
+}
+
 #[test]
 fn header_round_trips() {
     let h = Hdr {
