@@ -111,6 +111,15 @@ pub(crate) fn write_new_layer(
     file.set_len(header.data_offset)
         .map_err(Error::io(path, "size the table"))?;
     file.sync_all().map_err(Error::io(path, "fsync"))?;
+    // The new name must be durable too: a layer that vanishes after a crash would orphan
+    // whatever was written on it (a VM's disk, a snapshot's frozen layer).
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(Error::io(dir, "fsync the directory"))?;
     guard.armed = false;
     Ok(header)
 }
