@@ -231,6 +231,22 @@ fn exec_output_exit_codes_and_errors() {
     assert_eq!(remote_kind(&e), ErrorKind::NotFound);
 }
 
+/// Collected output is bounded: a command that writes past the limit is killed and the
+/// call fails with a typed error; the connection keeps working.
+#[test]
+fn collected_output_is_bounded() {
+    let agent = Agent::start();
+    let c = agent.client();
+    let exec = c.spawn(&Command::new("yes")).unwrap();
+    let e = exec.wait_with_output_limit(1 << 20).unwrap_err();
+    assert!(
+        matches!(e, Error::AgentOutputTooLarge { limit } if limit == 1 << 20),
+        "{e}"
+    );
+    let out = c.output(&sh("echo still here"), None).unwrap();
+    assert_eq!(out.stdout, b"still here\n");
+}
+
 #[test]
 fn ten_mib_stdin_and_fifty_mib_stdout() {
     let agent = Agent::start();

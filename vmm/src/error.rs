@@ -110,6 +110,11 @@ pub enum Error {
     #[error("agent protocol: {0}")]
     AgentProtocol(String),
     /// The agent connection is closed.
+    #[error(
+        "the command wrote more than {limit} bytes of output: killed (stream its output instead)"
+    )]
+    AgentOutputTooLarge { limit: u64 },
+
     #[error("agent connection closed")]
     AgentDisconnected,
     /// The agent answered with an error.

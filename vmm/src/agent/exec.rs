@@ -290,14 +290,38 @@ impl Exec {
         self.wait_with(|_| {}, |_| {})
     }
 
-    /// Closes stdin if still held here and collects all output.
+    /// Closes stdin if still held here and collects all output, at most
+    /// [`super::MAX_OUTPUT`] bytes of stdout and stderr together.
     pub fn wait_with_output(self) -> Result<Output> {
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
-        let status = self.wait_with(
-            |d| stdout.extend_from_slice(d),
-            |d| stderr.extend_from_slice(d),
-        )?;
+        self.wait_with_output_limit(super::MAX_OUTPUT)
+    }
+
+    /// [`Exec::wait_with_output`] with at most `limit` bytes of output kept in memory. A
+    /// command that writes more is killed (SIGKILL) and the call fails with
+    /// [`Error::AgentOutputTooLarge`] once it has ended.
+    pub fn wait_with_output_limit(self, limit: u64) -> Result<Output> {
+        use std::cell::Cell;
+        let handle = self.handle();
+        let (total, over) = (Cell::new(0u64), Cell::new(false));
+        let keep = |buf: &mut Vec<u8>, d: &[u8]| {
+            if over.get() {
+                return;
+            }
+            total.set(total.get() + d.len() as u64);
+            if total.get() > limit {
+                over.set(true);
+                if let Err(e) = handle.signal(libc::SIGKILL) {
+                    tracing::warn!("killing a command whose output is too large: {e}");
+                }
+            } else {
+                buf.extend_from_slice(d);
+            }
+        };
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        let status = self.wait_with(|d| keep(&mut stdout, d), |d| keep(&mut stderr, d))?;
+        if over.get() {
+            return Err(Error::AgentOutputTooLarge { limit });
+        }
         Ok(Output {
             status,
             stdout,

@@ -49,6 +49,9 @@ pub use transport::Transport;
 
 use crate::error::{Error, Result};
 
+/// Most output (stdout and stderr together) [`Client::output`] keeps in memory; a command
+/// that writes more is killed (stream it with [`Exec::wait_with`] instead).
+pub const MAX_OUTPUT: u64 = 1 << 30;
 /// Largest file [`Client::read_file`] reads into memory (use [`Client::read_file_to`]).
 pub const MAX_READ_FILE: u64 = 1 << 30;
 /// Largest number of entries [`Client::list`] accepts.
