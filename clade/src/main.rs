@@ -12,7 +12,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // virtio-queue logs each malformed queue access the guest makes, without a
+                // limit; the devices report those themselves, rate-limited.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,virtio_queue=off")),
         )
         .init();
     match cli::dispatch(args) {

@@ -6,7 +6,7 @@
 //! never a panic. Queue notifications normally never reach this code: the VMM registers each
 //! queue's eventfd as a KVM ioeventfd on the QueueNotify register (datamatch = queue index).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -52,8 +52,12 @@ const STATUS_STEPS: [u32; 5] = [
 ];
 
 /// Guest-triggered warnings: at most this many per window, so a misbehaving guest cannot
-/// flood the host log.
-pub(crate) struct LogLimiter {
+/// flood the host log. Clones share the count: a device hands its limiter to the worker of
+/// each activation, so resetting and reactivating the device does not start a new window.
+#[derive(Clone)]
+pub(crate) struct LogLimiter(Arc<Mutex<LimiterState>>);
+
+struct LimiterState {
     window_start: Option<Instant>,
     count: u32,
 }
@@ -62,28 +66,29 @@ impl LogLimiter {
     const PER_WINDOW: u32 = 20;
     const WINDOW: Duration = Duration::from_secs(10);
 
-    pub(crate) const fn new() -> Self {
-        Self {
+    pub(crate) fn new() -> Self {
+        Self(Arc::new(Mutex::new(LimiterState {
             window_start: None,
             count: 0,
-        }
+        })))
     }
 
     /// True if a message may be logged now.
-    pub(crate) fn allow(&mut self) -> bool {
+    pub(crate) fn allow(&self) -> bool {
+        let mut st = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        match self.window_start {
+        match st.window_start {
             Some(t) if now.duration_since(t) < Self::WINDOW => {}
             _ => {
-                self.window_start = Some(now);
-                self.count = 0;
+                st.window_start = Some(now);
+                st.count = 0;
             }
         }
-        self.count += 1;
-        if self.count == Self::PER_WINDOW + 1 {
+        st.count = st.count.saturating_add(1);
+        if st.count == Self::PER_WINDOW + 1 {
             tracing::warn!("further guest-triggered warnings suppressed for a while");
         }
-        self.count <= Self::PER_WINDOW
+        st.count <= Self::PER_WINDOW
     }
 }
 
@@ -230,7 +235,8 @@ impl MmioTransport {
             return;
         }
         if value & S_FAILED != 0 {
-            tracing::warn!(
+            guest_warn!(
+                self,
                 "virtio-mmio: driver marked device type {} FAILED",
                 self.device_type()
             );
@@ -323,7 +329,10 @@ impl MmioTransport {
 
     /// The device cannot work with what the driver set up: tell the driver it needs a reset.
     fn fail(&mut self, why: String) {
-        tracing::error!("virtio-mmio: device type {}: {why}", self.device_type());
+        // What the driver set up is the guest's: rate-limited like its other mistakes.
+        if self.log.allow() {
+            tracing::error!("virtio-mmio: device type {}: {why}", self.device_type());
+        }
         self.status |= S_NEEDS_RESET;
         self.interrupt.signal_config_change();
     }
@@ -766,6 +775,18 @@ impl BusDevice for MmioTransport {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn log_limiter_clones_share_one_window() {
+        let a = LogLimiter::new();
+        let b = a.clone();
+        let allowed = (0..LogLimiter::PER_WINDOW * 2)
+            .filter(|i| if i % 2 == 0 { a.allow() } else { b.allow() })
+            .count();
+        assert_eq!(allowed, LogLimiter::PER_WINDOW as usize);
+        // A fresh clone (a new activation's worker) does not start a new window.
+        assert!(!a.clone().allow());
+    }
     use super::*;
     use crate::GuestMemory;
     use std::sync::Mutex;

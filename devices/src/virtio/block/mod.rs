@@ -85,6 +85,8 @@ struct Activation {
 /// The virtio-blk device model: features, configuration space and activation. The data
 /// path is [`BlockWorker`] on the device event loop.
 pub struct BlockDevice {
+    /// Guest-triggered warnings, across activations.
+    log: crate::virtio::mmio::LogLimiter,
     disk: Arc<Mutex<disk::Disk>>,
     serial: [u8; ID_BYTES],
     config: [u8; CONFIG_SIZE],
@@ -114,6 +116,7 @@ impl BlockDevice {
         config[0..8].copy_from_slice(&(size / SECTOR_SIZE).to_le_bytes());
         config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
         Ok(Self {
+            log: crate::virtio::mmio::LogLimiter::new(),
             read_only: disk.read_only(),
             disk: Arc::new(Mutex::new(disk)),
             serial: id,
@@ -216,7 +219,8 @@ impl VirtioDevice for BlockDevice {
             Arc::clone(&gate),
             Arc::clone(&self.disk),
             self.serial,
-        );
+        )
+        .with_log(self.log.clone());
         let id = Arc::new(Mutex::new(None));
         event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
         self.active = Some(Activation { gate, id });

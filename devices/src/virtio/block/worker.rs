@@ -57,6 +57,12 @@ type Chain<'a> = DescriptorChain<&'a GuestMemory>;
 type Bs<'a> = vm_memory::bitmap::BS<'a, vm_memory::bitmap::AtomicBitmap>;
 
 impl BlockWorker {
+    /// Logs guest-triggered warnings through `log` (the device's, shared by its workers).
+    pub(crate) fn with_log(mut self, log: LogLimiter) -> Self {
+        self.log = log;
+        self
+    }
+
     pub(crate) fn new(
         mem: GuestMemory,
         queue: VirtQueue,

@@ -309,6 +309,8 @@ pub struct VsockDevice {
     active: Option<Activation>,
     /// Restored from a snapshot that had connections: tell the guest they are gone.
     reset_on_activate: bool,
+    /// Guest-triggered warnings, across activations.
+    log: crate::virtio::mmio::LogLimiter,
 }
 
 impl VsockDevice {
@@ -344,6 +346,7 @@ impl VsockDevice {
             event_loop,
             active: None,
             reset_on_activate: false,
+            log: crate::virtio::mmio::LogLimiter::new(),
         })
     }
 
@@ -460,7 +463,8 @@ impl VirtioDevice for VsockDevice {
             self.uds_path.clone(),
             listener,
         )?
-        .with_transport_reset(std::mem::take(&mut self.reset_on_activate));
+        .with_transport_reset(std::mem::take(&mut self.reset_on_activate))
+        .with_log(self.log.clone());
         let id = Arc::new(Mutex::new(None));
         event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
         self.active = Some(Activation { gate, id });

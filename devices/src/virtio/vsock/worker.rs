@@ -102,6 +102,12 @@ pub struct VsockWorker {
 
 impl VsockWorker {
     /// A worker for an activated device.
+    /// Logs guest-triggered warnings through `log` (the device's, shared by its workers).
+    pub(crate) fn with_log(mut self, log: LogLimiter) -> Self {
+        self.log = log;
+        self
+    }
+
     pub(crate) fn new(
         mem: GuestMemory,
         queues: [VirtQueue; 3],
