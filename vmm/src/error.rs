@@ -32,6 +32,9 @@ pub enum Error {
     /// This host's KVM cannot run the requested guest.
     #[error("{0}")]
     UnsupportedHost(String),
+    /// Setting up the jail failed (see [`crate::host::jail`]).
+    #[error("jail: {0}")]
+    Jail(String),
     /// The configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),

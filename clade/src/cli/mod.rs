@@ -5,6 +5,7 @@ mod cp;
 mod disk;
 mod exec;
 mod fork;
+mod jail;
 mod run;
 mod snapshot;
 

@@ -8,6 +8,7 @@ use vmm::api::ApiServer;
 use vmm::host::{own, stop_on_signals, OwnerEnd, OwnerOptions};
 use vmm::{BlockConfig, SerialOutput, Vm, VmConfig, VsockConfig};
 
+use super::jail::JailArgs;
 use super::MachineArgs;
 
 #[derive(Debug, Args)]
@@ -51,9 +52,48 @@ pub struct RunArgs {
     no_seccomp: bool,
     #[command(flatten)]
     machine: MachineArgs,
+    #[command(flatten)]
+    jail: JailArgs,
 }
 
-pub fn run(args: RunArgs) -> anyhow::Result<u8> {
+pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
+    args.jail.absolute(
+        [&mut args.kernel]
+            .into_iter()
+            .chain(&mut args.initrd)
+            .chain(&mut args.serial_file)
+            .chain(&mut args.vsock)
+            .chain(&mut args.disk)
+            .chain(&mut args.api_sock)
+            .chain(&mut args.files_root),
+    )?;
+    if args.jail.jailed() && args.api_sock.is_some() && args.files_root.is_none() {
+        anyhow::bail!(
+            "a jailed VM with --api-sock needs --files-root (where its snapshots and forks go)"
+        );
+    }
+    let jailed = args.jail.enter(&args.machine.kvm_device, |p| {
+        p.read(&args.kernel)?;
+        if let Some(initrd) = &args.initrd {
+            p.read(initrd)?;
+        }
+        for file in [&args.serial_file, &args.vsock, &args.api_sock]
+            .into_iter()
+            .flatten()
+        {
+            p.write_dir_of(file)?;
+        }
+        if let Some(root) = &args.files_root {
+            p.write_dir(root)?;
+        }
+        if let Some(disk) = &args.disk {
+            p.disk(disk, true)?;
+        }
+        Ok(())
+    })?;
+    if let Some(code) = jailed {
+        return Ok(code);
+    }
     let config = VmConfig {
         vcpus: args.machine.vcpus,
         mem_mib: args.machine.mem_mib,

@@ -8,6 +8,7 @@ use clap::Args;
 use vmm::api::{ApiClient, ApiServer, Request};
 use vmm::{MemoryBackend, RestoreOptions, SerialOutput};
 
+use super::jail::JailArgs;
 use super::run::{own_vm, owner_options};
 
 #[derive(Debug, Args)]
@@ -97,11 +98,59 @@ pub struct RestoreArgs {
     /// layer here (must not exist; default `<snapshot dir>/restore-<random>.cdsk`).
     #[arg(long, value_name = "PATH")]
     disk_overlay: Option<PathBuf>,
+    #[command(flatten)]
+    jail: JailArgs,
 }
 
-pub fn restore(args: RestoreArgs) -> anyhow::Result<u8> {
+pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
+    args.jail.absolute(
+        [&mut args.dir]
+            .into_iter()
+            .chain(&mut args.api_sock)
+            .chain(&mut args.files_root)
+            .chain(&mut args.vsock)
+            .chain(&mut args.serial_file)
+            .chain(&mut args.disk_overlay),
+    )?;
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
+    }
+    if args.jail.jailed() && args.api_sock.is_some() && args.files_root.is_none() {
+        bail!("a jailed VM with --api-sock needs --files-root (where its snapshots and forks go)");
+    }
+    let jailed = args.jail.enter(&args.kvm_device, |p| {
+        // The snapshot is read and checked here, before the jail, to know what it needs.
+        let snap = vmm::PreparedSnapshot::open(&args.dir, vmm::CpuCheck::default())?;
+        // Its directory takes the working set and, by default, the VM's disk overlay.
+        p.write_dir(&args.dir)?;
+        for dir in snap.chain_dirs() {
+            p.read(dir)?;
+        }
+        let vsock = args
+            .vsock
+            .clone()
+            .or_else(|| snap.machine().vsock.as_ref().map(|v| v.uds_path.clone()));
+        for file in [
+            &args.serial_file,
+            &vsock,
+            &args.api_sock,
+            &args.disk_overlay,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            p.write_dir_of(file)?;
+        }
+        if let Some(root) = &args.files_root {
+            p.write_dir(root)?;
+        }
+        if let Some(disk) = snap.disk() {
+            p.disk(&disk.layer, false)?;
+        }
+        Ok(())
+    })?;
+    if let Some(code) = jailed {
+        return Ok(code);
     }
     let owner = owner_options(args.files_root, !args.no_seccomp)?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;

@@ -23,7 +23,7 @@
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
 //!
-//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none) |
+//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
 //!
 //! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
 //! child becomes its own `clade` process (its own API socket and vsock socket, named

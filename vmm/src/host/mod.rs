@@ -11,10 +11,13 @@
 //! - [`fork_processes`]: process-per-child fork. The VM is frozen and each child is its own
 //!   process, started by a [`ChildLauncher`] (by default this very executable with
 //!   `fork-child`), which calls [`serve_fork_child`].
+//! - [`jail`]: namespaces, a pivoted root with only what the VM needs, cgroup limits and
+//!   dropped privileges, entered before the VM is built.
 
 mod child;
 mod dispatch;
 mod fork;
+pub mod jail;
 mod options;
 mod owner;
 pub mod seccomp;

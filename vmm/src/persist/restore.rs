@@ -25,7 +25,9 @@ use crate::arch::layout::ram_ranges;
 use crate::builder::{self, Identity, MemorySlot};
 use crate::config::{SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
-use crate::saved::{Lineage, MachineState, MemoryBackend, RestoreReport, SavedMachine, Steps};
+use crate::saved::{
+    Lineage, MachineState, MemoryBackend, RestoreReport, SavedDisk, SavedMachine, Steps,
+};
 use crate::vm::Vm;
 use crate::vstate::kvm;
 use crate::vstate::memory::GuestRam;
@@ -250,6 +252,17 @@ impl PreparedSnapshot {
     /// The machine it restores.
     pub fn machine(&self) -> &MachineState {
         &self.state.saved.machine
+    }
+
+    /// The disk it restores (its frozen layer; each restored VM gets an overlay on it).
+    pub fn disk(&self) -> Option<&SavedDisk> {
+        self.state.saved.disk.as_ref()
+    }
+
+    /// The directories of the snapshots below this diff snapshot, base first (empty for a
+    /// full snapshot): their memory files are read too.
+    pub fn chain_dirs(&self) -> &[PathBuf] {
+        &self.state.chain
     }
 
     /// The VM shell it fits (for a [`crate::ShellPool`]).

@@ -25,7 +25,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -196,9 +196,22 @@ impl SocketFile {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(sock_err(e)),
         }
-        let listener = UnixListener::bind(path).map_err(sock_err)?;
+        // Bound under a private name, made 0600, then renamed into place: the socket is
+        // never reachable with the umask's mode (only the VMM's user and root may talk to
+        // the guest's agent).
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let _ = std::fs::remove_file(&tmp);
+        let listener = UnixListener::bind(&tmp).map_err(sock_err)?;
+        let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+            .and_then(|()| std::fs::rename(&tmp, path));
+        if let Err(e) = placed {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(sock_err(e));
+        }
         listener.set_nonblocking(true).map_err(sock_err)?;
-        let md = std::fs::metadata(path).map_err(sock_err)?;
+        let md = std::fs::symlink_metadata(path).map_err(sock_err)?;
         Ok((
             listener,
             SocketFile {

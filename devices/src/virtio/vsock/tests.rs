@@ -1197,6 +1197,26 @@ fn a_socket_in_use_is_refused_and_a_stale_one_replaced() {
 }
 
 #[test]
+fn the_socket_is_created_with_mode_0600_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new();
+    let path = dir.0.join("v.sock");
+    // SAFETY: umask(2) only swaps the process's file-creation mask.
+    let old = unsafe { libc::umask(0) };
+    let bound = SocketFile::bind(&path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    let (_listener, _file) = bound.unwrap();
+    let mode = std::fs::symlink_metadata(&path)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "{mode:o}");
+    assert!(UnixStream::connect(&path).is_ok());
+}
+
+#[test]
 fn reserved_cids_are_refused() {
     let dir = TempDir::new();
     let em = Manager::new().unwrap();

@@ -1,0 +1,871 @@
+//! The jail ([`enter`]): a VM process confined the way a multi-tenant host needs it, so a
+//! guest that escapes into the VMM finds itself with no privileges, no view of the host's
+//! files or processes and bounded resources.
+//!
+//! `enter` is called by a process that runs as root and has not started any thread. It
+//! checks everything first (paths, ids, devices, cgroup support), then splits into three
+//! processes:
+//!
+//! 1. **The caller** stays in the host's namespaces: it waits for the jail, passes SIGINT,
+//!    SIGTERM and SIGHUP on, removes the jail's cgroup at the end, and gets
+//!    [`Jailed::Ended`] with the VM's exit code. If it is killed, the whole jail is. A
+//!    failure while the jail was being set up comes back to it as an [`Error::Jail`]
+//!    (through a close-on-exec socket pair).
+//! 2. **The keeper**: PID 1 of a new PID namespace, in new mount, IPC and UTS namespaces
+//!    (and the cgroup when limits were asked for). It mounts a small tmpfs on the jail
+//!    directory and builds the VM's view of the world there: each path the VM needs is
+//!    bind-mounted at the same absolute path (files the VM only reads read-only; the
+//!    directories it writes into read-write; all `nosuid,nodev`), device nodes for
+//!    `/dev/kvm` and `/dev/userfaultfd` owned by the VM's user, `null`, `zero`, `random`,
+//!    `urandom`, and a `/proc` of the new PID namespace. It pivots the mount namespace into
+//!    that root, detaches the host's tree, makes the root read-only, and starts the VM
+//!    process. It then only reaps processes and passes signals on, and ends with the VM's
+//!    exit code once every process of the jail has ended: fork children (started inside the
+//!    jail by the VM process) outlive their parent as they do unjailed.
+//! 3. **The VM process** drops to `uid`/`gid` (no supplementary groups, no capabilities,
+//!    `no_new_privs`) and gets [`Jailed::Inside`]: the caller goes on to build and run
+//!    the VM exactly as it would unjailed, with the same paths.
+//!
+//! The network namespace joins when networking lands. The system-call filter is installed by
+//! the owner loop as usual ([`super::own`]), after the jail.
+//!
+//! Written with the `nix` crate's wrappers of the namespace, mount and credential calls.
+
+use std::fs::{self, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{kill, sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{
+    chdir, fork, pivot_root, setgroups, sethostname, setresgid, setresuid, ForkResult, Gid, Pid,
+    Uid,
+};
+
+use crate::error::{Error, Result};
+
+/// How a path is shown inside the jail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Bind-mounted read-only (a file or a directory).
+    ReadOnly,
+    /// A directory the VM creates and writes files in (sockets, snapshots, disk layers),
+    /// bind-mounted read-write.
+    ReadWrite,
+}
+
+/// Resource limits for the jail's cgroup (cgroup v2). Each is applied only when set; any
+/// set one needs a cgroup v2 hierarchy with that controller at `/sys/fs/cgroup`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CgroupLimits {
+    /// `memory.max`, bytes (guest memory counts: it is the VM process's memory).
+    pub memory_max: Option<u64>,
+    /// `pids.max`: processes and threads in the jail.
+    pub pids_max: Option<u64>,
+    /// `cpu.max` as a number of CPUs' worth of time (e.g. 1.5).
+    pub cpus: Option<f64>,
+}
+
+impl CgroupLimits {
+    fn any(&self) -> bool {
+        self.memory_max.is_some() || self.pids_max.is_some() || self.cpus.is_some()
+    }
+}
+
+/// What a jail is made of.
+#[derive(Debug, Clone)]
+pub struct JailConfig {
+    /// The directory the jail's root is mounted on (absolute; created if missing; must be
+    /// empty). Nothing is written into it on the host: the jail's tree is a tmpfs that
+    /// lives only in the jail's mount namespace.
+    pub root: PathBuf,
+    /// The user the VM process runs as (not 0).
+    pub uid: u32,
+    /// Its group (not 0).
+    pub gid: u32,
+    /// The jail's host name (UTS namespace) and the base of its cgroup's name.
+    pub name: String,
+    /// cgroup limits.
+    pub limits: CgroupLimits,
+    /// The paths the VM needs, each shown at the same absolute path inside.
+    pub paths: Vec<(PathBuf, Access)>,
+    /// The KVM device node whose twin the jail gets at the same path.
+    pub kvm_device: PathBuf,
+}
+
+/// Which process [`enter`] returned in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Jailed {
+    /// The VM process, inside the jail with its privileges dropped: go on and run the VM.
+    Inside,
+    /// The original process: the jail ended; the VM process's exit code (128 + signal if a
+    /// signal ended it).
+    Ended(u8),
+}
+
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// Size of the jail's own tmpfs: it holds only mount points and device nodes.
+const TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
+
+/// A signal to pass on, set by [`on_forward_signal`].
+static FORWARD: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_forward_signal(num: libc::c_int) {
+    FORWARD.store(num, Ordering::SeqCst);
+}
+
+fn jail_err(msg: impl Into<String>) -> Error {
+    Error::Jail(msg.into())
+}
+
+fn errno_err(what: impl std::fmt::Display, e: Errno) -> Error {
+    Error::Jail(format!("{what}: {}", e.desc()))
+}
+
+/// Everything checked before any namespace, process or mount exists.
+#[derive(Debug)]
+struct Checked {
+    paths: Vec<(PathBuf, Access)>,
+    kvm_rdev: u64,
+    uffd_rdev: Option<u64>,
+}
+
+fn check(config: &JailConfig) -> Result<Checked> {
+    if !Uid::effective().is_root() {
+        return Err(jail_err(
+            "the jail needs root (it creates namespaces, mounts and device nodes, then drops \
+             to --uid/--gid)",
+        ));
+    }
+    if config.uid == 0 || config.gid == 0 {
+        return Err(jail_err(
+            "--uid and --gid must not be 0: the jail exists to drop root",
+        ));
+    }
+    let root = &config.root;
+    if !root.is_absolute() || root.parent().is_none() {
+        return Err(jail_err(format!(
+            "jail directory {}: must be an absolute path other than /",
+            root.display()
+        )));
+    }
+    if config.name.is_empty()
+        || config.name.len() > 64
+        || !config
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(jail_err(format!(
+            "jail name {:?}: 1 to 64 letters, digits, '-' or '_'",
+            config.name
+        )));
+    }
+    match fs::symlink_metadata(root) {
+        Ok(m) if m.is_dir() => {
+            let mut entries = fs::read_dir(root)
+                .map_err(|e| jail_err(format!("jail directory {}: {e}", root.display())))?;
+            if entries.next().is_some() {
+                return Err(jail_err(format!(
+                    "jail directory {}: not empty",
+                    root.display()
+                )));
+            }
+        }
+        Ok(_) => {
+            return Err(jail_err(format!(
+                "jail directory {}: not a directory",
+                root.display()
+            )))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(root)
+            .map_err(|e| jail_err(format!("jail directory {}: {e}", root.display())))?,
+        Err(e) => return Err(jail_err(format!("jail directory {}: {e}", root.display()))),
+    }
+    // Every path: absolute, normal components only, existing, of the right kind, not the
+    // jail itself or above it.
+    let mut paths = Vec::with_capacity(config.paths.len());
+    for (p, access) in &config.paths {
+        if !p.is_absolute()
+            || p.components()
+                .any(|c| !matches!(c, Component::RootDir | Component::Normal(_)))
+        {
+            return Err(jail_err(format!(
+                "{}: paths shown in the jail must be absolute, without '.' or '..'",
+                p.display()
+            )));
+        }
+        if p.parent().is_none() {
+            return Err(jail_err("the host's / cannot be shown in the jail"));
+        }
+        if root.starts_with(p) || p.starts_with(root) {
+            return Err(jail_err(format!(
+                "{}: overlaps the jail directory {}",
+                p.display(),
+                root.display()
+            )));
+        }
+        let m = fs::metadata(p).map_err(|e| jail_err(format!("{}: {e}", p.display())))?;
+        if *access == Access::ReadWrite && !m.is_dir() {
+            return Err(jail_err(format!(
+                "{}: a read-write path in the jail must be a directory",
+                p.display()
+            )));
+        }
+        if !m.is_dir() && !m.is_file() && !m.file_type().is_block_device() {
+            return Err(jail_err(format!(
+                "{}: only files, block devices and directories can be shown in the jail",
+                p.display()
+            )));
+        }
+        paths.push((p.clone(), *access));
+    }
+    // The VM process starts this executable again for fork children (through
+    // /proc/self/exe): a dynamically linked one needs its loader and libraries in the jail.
+    for lib in own_libraries()? {
+        paths.push((lib, Access::ReadOnly));
+    }
+    // Shallow first, so a path inside an already shown directory is seen to be there.
+    paths.sort_by_key(|(p, _)| p.components().count());
+    paths.dedup_by(|a, b| {
+        a.0 == b.0 && {
+            // Keep the wider access.
+            if a.1 == Access::ReadWrite {
+                b.1 = Access::ReadWrite;
+            }
+            true
+        }
+    });
+    let kvm = fs::metadata(&config.kvm_device)
+        .map_err(|e| jail_err(format!("{}: {e}", config.kvm_device.display())))?;
+    if !kvm.file_type().is_char_device() {
+        return Err(jail_err(format!(
+            "{}: not a character device",
+            config.kvm_device.display()
+        )));
+    }
+    let uffd_rdev = fs::metadata("/dev/userfaultfd")
+        .ok()
+        .filter(|m| m.file_type().is_char_device())
+        .map(|m| m.rdev());
+    if config.limits.any() {
+        check_cgroup(&config.limits)?;
+    }
+    // fork() below is only sound while this process has one thread.
+    let threads = fs::read_dir("/proc/self/task")
+        .map_err(|e| jail_err(format!("/proc/self/task: {e}")))?
+        .count();
+    if threads != 1 {
+        return Err(jail_err(format!(
+            "the jail must be entered before any thread starts ({threads} threads)"
+        )));
+    }
+    Ok(Checked {
+        paths,
+        kvm_rdev: kvm.rdev(),
+        uffd_rdev,
+    })
+}
+
+/// The program interpreter (dynamic loader) named by this executable and the shared
+/// libraries mapped into this process: what running this executable again needs (nothing
+/// for a static build).
+fn own_libraries() -> Result<Vec<PathBuf>> {
+    let mut libs = Vec::new();
+    // The program headers and the interpreter's name sit at the start of the file.
+    let mut exe = Vec::new();
+    fs::File::open("/proc/self/exe")
+        .and_then(|f| f.take(64 << 10).read_to_end(&mut exe))
+        .map_err(|e| jail_err(format!("/proc/self/exe: {e}")))?;
+    if let Some(interp) = elf_interpreter(&exe) {
+        libs.push(interp);
+    }
+    let maps = fs::read_to_string("/proc/self/maps")
+        .map_err(|e| jail_err(format!("/proc/self/maps: {e}")))?;
+    for line in maps.lines() {
+        // address perms offset dev inode path
+        let Some(path) = line.split_whitespace().nth(5) else {
+            continue;
+        };
+        let name = path.rsplit('/').next().unwrap_or("");
+        if path.starts_with('/') && (name.ends_with(".so") || name.contains(".so.")) {
+            let p = PathBuf::from(path);
+            if !libs.contains(&p) {
+                libs.push(p);
+            }
+        }
+    }
+    Ok(libs)
+}
+
+/// PT_INTERP of an x86_64 ELF image, if it has one. (A few fixed offsets of the ELF64
+/// header and program headers: no ELF crate is needed for that.)
+fn elf_interpreter(image: &[u8]) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    const PT_INTERP: u32 = 3;
+    let u16_at = |o: usize| Some(u16::from_le_bytes(image.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(image.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(image.get(o..o + 8)?.try_into().ok()?));
+    // ELF magic, 64-bit, little-endian.
+    if image.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    if phentsize < 56 {
+        return None;
+    }
+    for i in 0..phnum {
+        let ph = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        if u32_at(ph)? != PT_INTERP {
+            continue;
+        }
+        let off = usize::try_from(u64_at(ph + 8)?).ok()?;
+        let len = usize::try_from(u64_at(ph + 32)?).ok()?;
+        let bytes = image.get(off..off.checked_add(len)?)?;
+        let bytes = bytes.split(|&b| b == 0).next()?;
+        let path = PathBuf::from(std::ffi::OsStr::from_bytes(bytes));
+        return path.is_absolute().then_some(path);
+    }
+    None
+}
+
+fn check_cgroup(limits: &CgroupLimits) -> Result<()> {
+    let controllers = fs::read_to_string(Path::new(CGROUP_ROOT).join("cgroup.controllers"))
+        .map_err(|e| {
+            jail_err(format!(
+                "cgroup limits need cgroup v2 at {CGROUP_ROOT} ({e}); mount it or drop the limits"
+            ))
+        })?;
+    let have: Vec<&str> = controllers.split_whitespace().collect();
+    for (wanted, name) in [
+        (limits.memory_max.is_some(), "memory"),
+        (limits.pids_max.is_some(), "pids"),
+        (limits.cpus.is_some(), "cpu"),
+    ] {
+        if wanted && !have.contains(&name) {
+            return Err(jail_err(format!(
+                "this host's cgroup v2 has no {name} controller (it has: {controllers})"
+            )));
+        }
+    }
+    if let Some(c) = limits.cpus {
+        if !(c.is_finite() && c > 0.0 && c <= 4096.0) {
+            return Err(jail_err("the CPU limit must be a positive number of CPUs"));
+        }
+    }
+    Ok(())
+}
+
+/// The jail's cgroup, removed when dropped (once its processes ended).
+struct Cgroup {
+    dir: PathBuf,
+}
+
+impl Cgroup {
+    fn create(name: &str, limits: &CgroupLimits) -> Result<Cgroup> {
+        let root = Path::new(CGROUP_ROOT);
+        for c in ["memory", "pids", "cpu"] {
+            // The root cgroup may hand its controllers to children; each may already be
+            // on, and one the host lacks was refused by check_cgroup if it was asked for.
+            if let Err(e) = fs::write(root.join("cgroup.subtree_control"), format!("+{c}")) {
+                tracing::debug!("enabling the {c} cgroup controller: {e}");
+            }
+        }
+        let dir = root.join(format!("clade-{name}-{}", std::process::id()));
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(&dir)
+            .map_err(|e| jail_err(format!("cgroup {}: {e}", dir.display())))?;
+        let cg = Cgroup { dir };
+        let mut settings = Vec::new();
+        if let Some(m) = limits.memory_max {
+            settings.push(("memory.max", m.to_string()));
+            // No swapping the guest out behind the limit's back.
+            settings.push(("memory.swap.max", "0".to_string()));
+        }
+        if let Some(p) = limits.pids_max {
+            settings.push(("pids.max", p.to_string()));
+        }
+        if let Some(c) = limits.cpus {
+            let period = 100_000u64;
+            settings.push((
+                "cpu.max",
+                format!("{} {period}", (c * period as f64) as u64),
+            ));
+        }
+        for (file, value) in settings {
+            let path = cg.dir.join(file);
+            if file == "memory.swap.max" && !path.exists() {
+                continue;
+            }
+            fs::write(&path, &value).map_err(|e| {
+                jail_err(format!("cgroup {}: writing {value}: {e}", path.display()))
+            })?;
+        }
+        Ok(cg)
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // The processes are gone; the kernel may take a moment to let the directory go.
+        for _ in 0..50 {
+            match fs::remove_dir(&self.dir) {
+                Ok(()) => return,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => {
+                    tracing::warn!("removing cgroup {}: {e}", self.dir.display());
+                    return;
+                }
+            }
+        }
+        tracing::warn!("cgroup {} still busy; left in place", self.dir.display());
+    }
+}
+
+/// Sets up the jail described by `config` and returns in the VM process
+/// ([`Jailed::Inside`]) and, once the jail ended, in the caller ([`Jailed::Ended`]). See
+/// the module documentation.
+pub fn enter(config: &JailConfig) -> Result<Jailed> {
+    let checked = check(config)?;
+    let cgroup = if config.limits.any() {
+        Some(Cgroup::create(&config.name, &config.limits)?)
+    } else {
+        None
+    };
+    let (report_rx, report_tx) = UnixStream::pair()
+        .map_err(|e| jail_err(format!("creating the jail's report channel: {e}")))?;
+    unshare(CloneFlags::CLONE_NEWPID).map_err(|e| errno_err("new PID namespace", e))?;
+    // SAFETY: this process has exactly one thread (checked above), so the child is a
+    // complete copy and may run any code.
+    match unsafe { fork() }.map_err(|e| errno_err("starting the jail's keeper", e))? {
+        ForkResult::Child => {
+            drop(report_rx);
+            // The jail ends with the process that started it (SIGKILL to PID 1 ends every
+            // process of the namespace): no VM is left behind by a killed supervisor.
+            // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+            match keeper(config, &checked, cgroup.as_ref(), report_tx) {
+                Ok(KeeperRole::Vm) => Ok(Jailed::Inside),
+                Ok(KeeperRole::Done(code)) => std::process::exit(code.into()),
+                Err((e, tx)) => {
+                    report(tx, &e.to_string());
+                    std::process::exit(1)
+                }
+            }
+        }
+        ForkResult::Parent { child } => {
+            drop(report_tx);
+            // The namespace is for the keeper; this process stays where it was.
+            let setup = read_report(report_rx);
+            let code = wait_forwarding(child);
+            drop(cgroup);
+            match setup {
+                Some(msg) => Err(Error::Jail(msg)),
+                None => Ok(Jailed::Ended(code)),
+            }
+        }
+    }
+}
+
+/// Writes a setup failure to the report channel.
+fn report(mut tx: UnixStream, msg: &str) {
+    let _ = tx.write_all(msg.as_bytes());
+}
+
+/// Reads the report channel to its end: None when the jail was set up (nothing written).
+fn read_report(rx: UnixStream) -> Option<String> {
+    let mut msg = String::new();
+    let _ = rx.take(4096).read_to_string(&mut msg);
+    (!msg.is_empty()).then_some(msg)
+}
+
+fn forward_signals() {
+    let action = SigAction::new(
+        SigHandler::Handler(on_forward_signal),
+        // No SA_RESTART: waitpid returns EINTR so the signal is passed on at once.
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        if let Err(e) = unsafe { sigaction(sig, &action) } {
+            tracing::warn!("jail: cannot pass {sig} on: {e}");
+        }
+    }
+}
+
+fn pass_on(pid: Pid) {
+    let sig = FORWARD.swap(0, Ordering::SeqCst);
+    if sig != 0 {
+        if let Ok(s) = Signal::try_from(sig) {
+            let _ = kill(pid, s);
+        }
+    }
+}
+
+fn exit_code(status: WaitStatus) -> Option<u8> {
+    match status {
+        WaitStatus::Exited(_, code) => Some(code as u8),
+        WaitStatus::Signaled(_, sig, _) => Some(128u8.saturating_add(sig as i32 as u8)),
+        _ => None,
+    }
+}
+
+/// The caller's side: waits for the keeper, passing stop signals on.
+fn wait_forwarding(keeper: Pid) -> u8 {
+    forward_signals();
+    loop {
+        match waitpid(keeper, None) {
+            Ok(status) => {
+                if let Some(code) = exit_code(status) {
+                    return code;
+                }
+            }
+            Err(Errno::EINTR) => pass_on(keeper),
+            Err(e) => {
+                tracing::warn!("jail: waiting for the keeper: {e}");
+                return 1;
+            }
+        }
+    }
+}
+
+enum KeeperRole {
+    /// This is the VM process.
+    Vm,
+    /// The keeper's work is done: exit with this code.
+    Done(u8),
+}
+
+type KeeperResult<T> = std::result::Result<T, (Error, UnixStream)>;
+
+/// PID 1 of the jail: builds the jail, starts the VM process, reaps.
+fn keeper(
+    config: &JailConfig,
+    checked: &Checked,
+    cgroup: Option<&Cgroup>,
+    report_tx: UnixStream,
+) -> KeeperResult<KeeperRole> {
+    if let Err(e) = build_root(config, checked, cgroup) {
+        return Err((e, report_tx));
+    }
+    // SAFETY: the keeper has one thread (it is a fork of a one-thread process and started
+    // none).
+    match unsafe { fork() } {
+        Err(e) => Err((errno_err("starting the VM process", e), report_tx)),
+        Ok(ForkResult::Child) => match drop_privileges(config) {
+            Ok(()) => {
+                // Success is the channel's end with nothing written.
+                drop(report_tx);
+                Ok(KeeperRole::Vm)
+            }
+            Err(e) => Err((e, report_tx)),
+        },
+        Ok(ForkResult::Parent { child }) => {
+            drop(report_tx);
+            Ok(KeeperRole::Done(reap(child)))
+        }
+    }
+}
+
+/// Waits for every process of the jail; the VM process's exit code.
+fn reap(vm: Pid) -> u8 {
+    forward_signals();
+    let mut code = None;
+    loop {
+        match waitpid(Pid::from_raw(-1), None) {
+            Ok(status) => {
+                if status.pid() == Some(vm) {
+                    code = exit_code(status).or(code);
+                }
+            }
+            Err(Errno::EINTR) => pass_on(vm),
+            Err(Errno::ECHILD) => return code.unwrap_or(1),
+            Err(e) => {
+                tracing::warn!("jail: reaping: {e}");
+                return code.unwrap_or(1);
+            }
+        }
+    }
+}
+
+/// Makes `path` (absolute) relative to the jail root `root`.
+fn inside(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// The keeper's mount work, in its new namespaces.
+fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -> Result<()> {
+    if let Some(cg) = cgroup {
+        // "0": the writing process itself; its children follow.
+        fs::write(cg.dir.join("cgroup.procs"), "0")
+            .map_err(|e| jail_err(format!("joining cgroup {}: {e}", cg.dir.display())))?;
+    }
+    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS)
+        .map_err(|e| errno_err("new mount, IPC and UTS namespaces", e))?;
+    sethostname(&config.name).map_err(|e| errno_err("setting the jail's host name", e))?;
+    // Nothing mounted from here on propagates back to the host.
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| errno_err("making mounts private", e))?;
+    let root = &config.root;
+    mount(
+        Some("tmpfs"),
+        root,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID,
+        Some(TMPFS_OPTIONS),
+    )
+    .map_err(|e| errno_err(format!("tmpfs on {}", root.display()), e))?;
+
+    let mut shown: Vec<&Path> = Vec::new();
+    for (path, access) in &checked.paths {
+        if shown.iter().any(|d| path.starts_with(d)) {
+            // Already visible through a directory shown before it.
+            continue;
+        }
+        bind(root, path, *access)?;
+        if fs::metadata(path).map(|m| m.is_dir()).unwrap_or(false) {
+            shown.push(path);
+        }
+    }
+
+    let dev = root.join("dev");
+    mkdir_all(&dev)?;
+    let owner = Some((config.uid, config.gid));
+    make_node(root, &config.kvm_device, checked.kvm_rdev, 0o600, owner)?;
+    if let Some(rdev) = checked.uffd_rdev {
+        make_node(root, Path::new("/dev/userfaultfd"), rdev, 0o600, owner)?;
+    }
+    for (name, minor) in [("null", 3), ("zero", 5), ("random", 8), ("urandom", 9)] {
+        let path = PathBuf::from("/dev").join(name);
+        make_node(root, &path, makedev(1, minor), 0o666, None)?;
+    }
+    let proc_dir = root.join("proc");
+    mkdir_all(&proc_dir)?;
+    mount(
+        Some("proc"),
+        &proc_dir,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(|e| errno_err("mounting /proc in the jail", e))?;
+
+    // Into the new root; the host's tree is stacked below it and then detached.
+    chdir(root).map_err(|e| errno_err(format!("chdir {}", root.display()), e))?;
+    pivot_root(".", ".").map_err(|e| errno_err("pivot_root into the jail", e))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| errno_err("detaching the host's tree", e))?;
+    chdir("/").map_err(|e| errno_err("chdir /", e))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
+        None::<&str>,
+    )
+    .map_err(|e| errno_err("making the jail's root read-only", e))?;
+    Ok(())
+}
+
+fn mkdir_all(dir: &Path) -> Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .map_err(|e| jail_err(format!("{}: {e}", dir.display())))
+}
+
+/// Bind-mounts `path` at the same path under `root`.
+fn bind(root: &Path, path: &Path, access: Access) -> Result<()> {
+    let target = inside(root, path);
+    let is_dir = fs::metadata(path)
+        .map_err(|e| jail_err(format!("{}: {e}", path.display())))?
+        .is_dir();
+    if is_dir {
+        mkdir_all(&target)?;
+    } else {
+        if let Some(parent) = target.parent() {
+            mkdir_all(parent)?;
+        }
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&target)
+            .map_err(|e| jail_err(format!("{}: {e}", target.display())))?;
+    }
+    mount(
+        Some(path),
+        &target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(|e| errno_err(format!("showing {} in the jail", path.display()), e))?;
+    let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_NOSUID;
+    if !path.starts_with("/dev") {
+        flags |= MsFlags::MS_NODEV;
+    }
+    if access == Access::ReadOnly {
+        flags |= MsFlags::MS_RDONLY;
+    }
+    mount(None::<&str>, &target, None::<&str>, flags, None::<&str>)
+        .map_err(|e| errno_err(format!("restricting {} in the jail", path.display()), e))?;
+    tracing::debug!("jail: {} shown {:?}", path.display(), access);
+    Ok(())
+}
+
+/// Creates a character device node at `path` (absolute, inside `root`).
+fn make_node(
+    root: &Path,
+    path: &Path,
+    rdev: u64,
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> Result<()> {
+    let target = inside(root, path);
+    if let Some(parent) = target.parent() {
+        mkdir_all(parent)?;
+    }
+    mknod(
+        &target,
+        SFlag::S_IFCHR,
+        Mode::from_bits_truncate(mode),
+        rdev,
+    )
+    .map_err(|e| errno_err(format!("device node {}", path.display()), e))?;
+    // mknod applies the umask; set the mode exactly.
+    nix::sys::stat::fchmodat(
+        None,
+        &target,
+        Mode::from_bits_truncate(mode),
+        nix::sys::stat::FchmodatFlags::FollowSymlink,
+    )
+    .map_err(|e| errno_err(format!("device node {}", path.display()), e))?;
+    if let Some((uid, gid)) = owner {
+        nix::unistd::chown(&target, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
+            .map_err(|e| errno_err(format!("device node {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+/// The VM process gives up root for good.
+fn drop_privileges(config: &JailConfig) -> Result<()> {
+    let (uid, gid) = (Uid::from_raw(config.uid), Gid::from_raw(config.gid));
+    setgroups(&[gid]).map_err(|e| errno_err("setgroups", e))?;
+    setresgid(gid, gid, gid).map_err(|e| errno_err("setresgid", e))?;
+    setresuid(uid, uid, uid).map_err(|e| errno_err("setresuid", e))?;
+    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1) takes no pointers.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(jail_err(format!(
+            "no_new_privs: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // Changing every uid away from 0 cleared the capability sets; check it did.
+    let status = fs::read_to_string("/proc/self/status")
+        .map_err(|e| jail_err(format!("/proc/self/status: {e}")))?;
+    let cap_eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(str::trim);
+    if cap_eff != Some("0000000000000000") {
+        return Err(jail_err(format!(
+            "capabilities left after dropping privileges: CapEff {cap_eff:?}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(root: &Path) -> JailConfig {
+        JailConfig {
+            root: root.to_path_buf(),
+            uid: 1000,
+            gid: 1000,
+            name: "t".into(),
+            limits: CgroupLimits::default(),
+            paths: vec![],
+            kvm_device: "/dev/kvm".into(),
+        }
+    }
+
+    #[test]
+    fn refuses_root_ids_relative_paths_and_overlaps() {
+        let tmp = std::env::temp_dir().join(format!("clade-jail-unit-{}", std::process::id()));
+        let mut c = config(&tmp);
+        c.uid = 0;
+        let e = check(&c).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("root") || e.contains("0"), "{e}");
+        if !Uid::effective().is_root() {
+            return; // every other check comes after the root check
+        }
+        let mut c = config(&tmp);
+        c.paths = vec![(PathBuf::from("relative/x"), Access::ReadOnly)];
+        assert!(check(&c).unwrap_err().to_string().contains("absolute"));
+        c.paths = vec![(PathBuf::from("/a/../b"), Access::ReadOnly)];
+        assert!(check(&c).unwrap_err().to_string().contains("'..'"));
+        c.paths = vec![(tmp.clone(), Access::ReadWrite)];
+        assert!(check(&c).unwrap_err().to_string().contains("overlaps"));
+        c.paths = vec![(PathBuf::from("/"), Access::ReadOnly)];
+        assert!(check(&c).unwrap_err().to_string().contains("/"));
+        c.paths = vec![(PathBuf::from("/etc/hostname"), Access::ReadWrite)];
+        assert!(check(&c).unwrap_err().to_string().contains("directory"));
+        c.paths = vec![];
+        c.name = "../x".into();
+        assert!(check(&c).unwrap_err().to_string().contains("jail name"));
+        let _ = fs::remove_dir(&tmp);
+    }
+
+    #[test]
+    fn elf_interpreter_of_this_test_binary() {
+        let exe = fs::read("/proc/self/exe").unwrap();
+        // Test binaries are dynamically linked (static builds set crt-static explicitly).
+        if let Some(interp) = elf_interpreter(&exe) {
+            assert!(interp.exists(), "{}", interp.display());
+        }
+        assert_eq!(elf_interpreter(b"\x7fELF\x02\x01"), None);
+        assert_eq!(elf_interpreter(b"garbage"), None);
+        let mut bad = exe.clone();
+        bad.truncate(0x40);
+        let _ = elf_interpreter(&bad);
+    }
+
+    #[test]
+    fn a_non_empty_jail_directory_is_refused() {
+        if !Uid::effective().is_root() {
+            return;
+        }
+        let tmp = std::env::temp_dir().join(format!("clade-jail-unit2-{}", std::process::id()));
+        fs::create_dir_all(tmp.join("x")).unwrap();
+        let e = check(&config(&tmp)).unwrap_err().to_string();
+        assert!(e.contains("not empty"), "{e}");
+        fs::remove_dir_all(&tmp).unwrap();
+    }
+}
