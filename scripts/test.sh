@@ -4,8 +4,9 @@
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, clade/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
 #                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
-#                            "agent-vsock", "snapshot-resume" and "disk" (each counts as one
-#                            test; "disk" needs the Debian root filesystem of
+#                            "agent-vsock", "snapshot-resume", "disk", "fork" and "jail"
+#                            (each counts as one test; the last three need the Debian root
+#                            filesystem of
 #                            tests/nested/build-rootfs.sh, built once with debootstrap and
 #                            cached under build/rootfs/)
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2.
@@ -58,13 +59,13 @@ else
     # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then
-        SCENARIOS+=(disk fork)
+        SCENARIOS+=(disk fork jail)
         cp "$REPO_ROOT/tests/nested/scenarios/disk.sh" "$REPO_ROOT/tests/nested/scenarios/fork.sh" \
-            "$extra/scenarios/"
+            "$REPO_ROOT/tests/nested/scenarios/jail.sh" "$extra/scenarios/"
         disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk")
     else
-        echo "nested scenarios disk, fork: FAIL (tests/nested/build-rootfs.sh failed)"
-        failed=$((failed + 2))
+        echo "nested scenarios disk, fork, jail: FAIL (tests/nested/build-rootfs.sh failed)"
+        failed=$((failed + 3))
     fi
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done

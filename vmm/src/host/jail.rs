@@ -16,12 +16,13 @@
 //!    directory and builds the VM's view of the world there: each path the VM needs is
 //!    bind-mounted at the same absolute path (files the VM only reads read-only; the
 //!    directories it writes into read-write; all `nosuid,nodev`), device nodes for
-//!    `/dev/kvm` and `/dev/userfaultfd` owned by the VM's user, `null`, `zero`, `random`,
-//!    `urandom`, and a `/proc` of the new PID namespace. It pivots the mount namespace into
-//!    that root, detaches the host's tree, makes the root read-only, and starts the VM
-//!    process. It then only reaps processes and passes signals on, and ends with the VM's
-//!    exit code once every process of the jail has ended: fork children (started inside the
-//!    jail by the VM process) outlive their parent as they do unjailed.
+//!    `/dev/kvm`, `/dev/userfaultfd` and block devices holding disk layers owned by the
+//!    VM's user, `null`, `zero`, `random`, `urandom`, and a `/proc` of the new PID
+//!    namespace. It pivots the mount namespace into that root, detaches the host's tree,
+//!    makes the root read-only, and starts the VM process. It then only reaps processes
+//!    and passes signals on, and ends with the VM's exit code once every process of the
+//!    jail has ended: fork children (started inside the jail by the VM process) outlive
+//!    their parent as they do unjailed.
 //! 3. **The VM process** drops to `uid`/`gid` (no supplementary groups, no capabilities,
 //!    `no_new_privs`) and gets [`Jailed::Inside`]: the caller goes on to build and run
 //!    the VM exactly as it would unjailed, with the same paths.
@@ -463,7 +464,11 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
                 Ok(KeeperRole::Vm) => Ok(Jailed::Inside),
                 Ok(KeeperRole::Done(code)) => std::process::exit(code.into()),
                 Err((e, tx)) => {
-                    report(tx, &e.to_string());
+                    let msg = match e {
+                        Error::Jail(m) => m,
+                        other => other.to_string(),
+                    };
+                    report(tx, &msg);
                     std::process::exit(1)
                 }
             }
@@ -644,6 +649,19 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
             // Already visible through a directory shown before it.
             continue;
         }
+        let meta = fs::metadata(path).map_err(|e| jail_err(format!("{}: {e}", path.display())))?;
+        if meta.file_type().is_block_device() {
+            // A disk layer on a block device: the jail's own node, which the VM's user
+            // may open (read-only unless asked otherwise).
+            let mode = if *access == Access::ReadOnly {
+                0o400
+            } else {
+                0o600
+            };
+            let owner = Some((config.uid, config.gid));
+            make_node(root, path, SFlag::S_IFBLK, meta.rdev(), mode, owner)?;
+            continue;
+        }
         bind(root, path, *access)?;
         if fs::metadata(path).map(|m| m.is_dir()).unwrap_or(false) {
             shown.push(path);
@@ -653,13 +671,27 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
     let dev = root.join("dev");
     mkdir_all(&dev)?;
     let owner = Some((config.uid, config.gid));
-    make_node(root, &config.kvm_device, checked.kvm_rdev, 0o600, owner)?;
+    make_node(
+        root,
+        &config.kvm_device,
+        SFlag::S_IFCHR,
+        checked.kvm_rdev,
+        0o600,
+        owner,
+    )?;
     if let Some(rdev) = checked.uffd_rdev {
-        make_node(root, Path::new("/dev/userfaultfd"), rdev, 0o600, owner)?;
+        make_node(
+            root,
+            Path::new("/dev/userfaultfd"),
+            SFlag::S_IFCHR,
+            rdev,
+            0o600,
+            owner,
+        )?;
     }
     for (name, minor) in [("null", 3), ("zero", 5), ("random", 8), ("urandom", 9)] {
         let path = PathBuf::from("/dev").join(name);
-        make_node(root, &path, makedev(1, minor), 0o666, None)?;
+        make_node(root, &path, SFlag::S_IFCHR, makedev(1, minor), 0o666, None)?;
     }
     let proc_dir = root.join("proc");
     mkdir_all(&proc_dir)?;
@@ -674,8 +706,22 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
 
     // Into the new root; the host's tree is stacked below it and then detached.
     chdir(root).map_err(|e| errno_err(format!("chdir {}", root.display()), e))?;
-    pivot_root(".", ".").map_err(|e| errno_err("pivot_root into the jail", e))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(|e| errno_err("detaching the host's tree", e))?;
+    match pivot_root(".", ".") {
+        Ok(()) => {
+            umount2(".", MntFlags::MNT_DETACH)
+                .map_err(|e| errno_err("detaching the host's tree", e))?;
+        }
+        // The host's root is the initramfs (rootfs), which cannot be pivoted away from:
+        // move the jail's root over / and chroot into it instead. The host's tree stays
+        // below it; leaving a chroot needs CAP_SYS_CHROOT, which the VM process drops.
+        Err(Errno::EINVAL) if host_root_is_rootfs() => {
+            tracing::debug!("jail: the host's root is rootfs; moving the jail's root over it");
+            mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+                .map_err(|e| errno_err("moving the jail's root over /", e))?;
+            nix::unistd::chroot(".").map_err(|e| errno_err("chroot into the jail", e))?;
+        }
+        Err(e) => return Err(errno_err("pivot_root into the jail", e)),
+    }
     chdir("/").map_err(|e| errno_err("chdir /", e))?;
     mount(
         None::<&str>,
@@ -686,6 +732,20 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
     )
     .map_err(|e| errno_err("making the jail's root read-only", e))?;
     Ok(())
+}
+
+/// True if / is the initramfs's rootfs (an initramfs-only host).
+fn host_root_is_rootfs() -> bool {
+    fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| {
+            m.lines().any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                // mount-id parent-id dev root mount-point ... - fstype source options
+                let fstype = f.iter().position(|&x| x == "-").and_then(|i| f.get(i + 1));
+                f.get(4) == Some(&"/") && matches!(fstype, Some(&"rootfs"))
+            })
+        })
+        .unwrap_or(false)
 }
 
 fn mkdir_all(dir: &Path) -> Result<()> {
@@ -738,10 +798,11 @@ fn bind(root: &Path, path: &Path, access: Access) -> Result<()> {
     Ok(())
 }
 
-/// Creates a character device node at `path` (absolute, inside `root`).
+/// Creates a device node at `path` (absolute, inside `root`).
 fn make_node(
     root: &Path,
     path: &Path,
+    kind: SFlag,
     rdev: u64,
     mode: u32,
     owner: Option<(u32, u32)>,
@@ -750,13 +811,8 @@ fn make_node(
     if let Some(parent) = target.parent() {
         mkdir_all(parent)?;
     }
-    mknod(
-        &target,
-        SFlag::S_IFCHR,
-        Mode::from_bits_truncate(mode),
-        rdev,
-    )
-    .map_err(|e| errno_err(format!("device node {}", path.display()), e))?;
+    mknod(&target, kind, Mode::from_bits_truncate(mode), rdev)
+        .map_err(|e| errno_err(format!("device node {}", path.display()), e))?;
     // mknod applies the umask; set the mode exactly.
     nix::sys::stat::fchmodat(
         None,
