@@ -405,7 +405,7 @@ fn reads_writes_get_id_and_flush() {
     assert_eq!((s, used), (VIRTIO_BLK_S_OK, 1));
     let file = std::fs::read(&h.top).unwrap();
     let entry = |idx: usize| {
-        let o = 4096 + idx * 8;
+        let o = disk::table_offset_for(disk::VERSION) as usize + idx * 8;
         u64::from_le_bytes(file[o..o + 8].try_into().unwrap()) as usize
     };
     // Sector 129 is 512 bytes into block 1.
