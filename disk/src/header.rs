@@ -1,5 +1,13 @@
 //! The layer header: encoding, decoding and every check that needs only the header bytes.
 //! The byte layout is documented in `FORMAT.md`.
+//!
+//! Version 2 keeps two copies ("slots") of the header, at offsets 0 and [`HEADER_SIZE`],
+//! each with its own checksum and a sequence number; the valid slot with the highest
+//! sequence is the header ([`decode_slots`]). A header is rewritten (to freeze the layer)
+//! into the *other* slot, so a write torn by a crash leaves the previous header intact and
+//! the layer opens in its old or its new state, never not at all. Version 1 (one slot, the
+//! table right after it) is what older builds wrote; such files still open and are still
+//! rewritten in place.
 
 use std::path::{Path, PathBuf};
 
@@ -7,10 +15,14 @@ use crate::{Error, Result};
 
 /// First 8 bytes of every layer file.
 pub const MAGIC: [u8; 8] = *b"CLADEDSK";
-/// The format version this code reads and writes.
-pub const VERSION: u32 = 1;
-/// Size of the header region; the allocation table starts here.
+/// The format version this code writes (it also reads [`VERSION_1`]).
+pub const VERSION: u32 = 2;
+/// The single-slot format of older builds: still read, and frozen in place.
+pub const VERSION_1: u32 = 1;
+/// Size of one header slot; in version 1 the allocation table starts here.
 pub const HEADER_SIZE: u64 = 4096;
+/// Header slots in version 2 (at 0 and [`HEADER_SIZE`]); the allocation table follows them.
+pub const HEADER_SLOTS: u64 = 2;
 /// Sector size of the virtual disk: sizes are multiples of it.
 pub const SECTOR_SIZE: u64 = 512;
 /// Block size of new layers: the unit of allocation and copy-on-write.
@@ -46,6 +58,8 @@ const OFF_PARENT_TABLE_CRC: usize = 96;
 const OFF_TABLE_CRC: usize = 100;
 const OFF_PARENT_PATH_LEN: usize = 104;
 const OFF_PARENT_PATH: usize = 106;
+/// Version 2: the slot's sequence number (after the longest parent path; zero in version 1).
+const OFF_SEQUENCE: usize = 2160;
 
 /// A 128-bit random layer identity.
 pub type LayerId = [u8; 16];
@@ -66,13 +80,18 @@ pub struct ParentRef {
 /// A decoded, validated header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
+    /// Format version: [`VERSION`] for layers this build creates, [`VERSION_1`] for older ones.
+    pub version: u32,
+    /// Version 2: which write of the header this is (1 at creation, +1 on each rewrite); the
+    /// valid slot with the highest one wins. 0 in version 1.
+    pub sequence: u64,
     /// [`FLAG_FROZEN`] or 0.
     pub flags: u32,
     /// Bytes per block, a power of two in `MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE`.
     pub block_size: u32,
     /// Size of the virtual disk in bytes, a multiple of [`SECTOR_SIZE`].
     pub virtual_size: u64,
-    /// File offset of the allocation table (always [`HEADER_SIZE`] in version 1).
+    /// File offset of the allocation table: after the header slots ([`table_offset_for`]).
     pub table_offset: u64,
     /// Number of table entries: `ceil(virtual_size / block_size)`.
     pub table_entries: u64,
@@ -114,6 +133,15 @@ pub fn entries_for(virtual_size: u64, block_size: u32) -> u64 {
     virtual_size.div_ceil(u64::from(block_size))
 }
 
+/// Where a layer of format `version` keeps its allocation table (after its header slots).
+pub fn table_offset_for(version: u32) -> u64 {
+    if version == VERSION_1 {
+        HEADER_SIZE
+    } else {
+        HEADER_SLOTS * HEADER_SIZE
+    }
+}
+
 /// Rounds `v` up to a multiple of `align` (a power of two), or `None` on overflow.
 pub(crate) fn align_up(v: u64, align: u64) -> Option<u64> {
     Some(v.checked_add(align - 1)? & !(align - 1))
@@ -150,7 +178,8 @@ impl Header {
         parent: Option<ParentRef>,
     ) -> std::result::Result<Self, String> {
         let table_entries = check_geometry(virtual_size, block_size)?;
-        let data_offset = align_up(HEADER_SIZE + table_entries * 8, u64::from(block_size))
+        let table_offset = table_offset_for(VERSION);
+        let data_offset = align_up(table_offset + table_entries * 8, u64::from(block_size))
             .ok_or("table too large")?;
         if let Some(p) = &parent {
             if p.path.as_os_str().len() > MAX_PARENT_PATH {
@@ -161,10 +190,12 @@ impl Header {
             }
         }
         Ok(Self {
+            version: VERSION,
+            sequence: 1,
             flags: 0,
             block_size,
             virtual_size,
-            table_offset: HEADER_SIZE,
+            table_offset,
             table_entries,
             data_offset,
             layer_id,
@@ -183,12 +214,16 @@ impl Header {
         self.table_entries * 8
     }
 
-    /// The 4096-byte encoding, CRC included.
+    /// The 4096-byte encoding of one slot, CRC included (version 1: byte for byte what
+    /// older builds wrote).
     pub fn encode(&self) -> Vec<u8> {
         use std::os::unix::ffi::OsStrExt;
         let mut b = vec![0u8; HEADER_SIZE as usize];
         b[0..8].copy_from_slice(&MAGIC);
-        b[OFF_VERSION..OFF_VERSION + 4].copy_from_slice(&VERSION.to_le_bytes());
+        b[OFF_VERSION..OFF_VERSION + 4].copy_from_slice(&self.version.to_le_bytes());
+        if self.version != VERSION_1 {
+            b[OFF_SEQUENCE..OFF_SEQUENCE + 8].copy_from_slice(&self.sequence.to_le_bytes());
+        }
         b[OFF_FLAGS..OFF_FLAGS + 4].copy_from_slice(&self.flags.to_le_bytes());
         b[OFF_BLOCK_SIZE..OFF_BLOCK_SIZE + 4].copy_from_slice(&self.block_size.to_le_bytes());
         b[OFF_VIRTUAL_SIZE..OFF_VIRTUAL_SIZE + 8].copy_from_slice(&self.virtual_size.to_le_bytes());
@@ -215,8 +250,8 @@ impl Header {
         b
     }
 
-    /// Decodes and checks a header read from `path`. `b` is what the file holds at offset
-    /// 0 (possibly less than [`HEADER_SIZE`] bytes for a short file).
+    /// Decodes and checks one header slot read from `path`. `b` is what the file holds at
+    /// the slot's offset (possibly less than [`HEADER_SIZE`] bytes for a short file).
     pub fn decode(path: &Path, b: &[u8]) -> Result<Self> {
         use std::os::unix::ffi::OsStrExt;
         let corrupt = |what: String| Error::Corrupt {
@@ -234,7 +269,7 @@ impl Header {
         }
         let b = &b[..HEADER_SIZE as usize];
         let version = u32_at(b, OFF_VERSION);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_1 {
             return Err(Error::UnsupportedVersion {
                 path: path.to_path_buf(),
                 version,
@@ -260,9 +295,10 @@ impl Header {
         let virtual_size = u64_at(b, OFF_VIRTUAL_SIZE);
         let entries = check_geometry(virtual_size, block_size).map_err(corrupt)?;
         let table_offset = u64_at(b, OFF_TABLE_OFFSET);
-        if table_offset != HEADER_SIZE {
+        let want_table = table_offset_for(version);
+        if table_offset != want_table {
             return Err(corrupt(format!(
-                "table offset {table_offset} (version 1 puts the table at {HEADER_SIZE})"
+                "table offset {table_offset} (version {version} puts the table at {want_table})"
             )));
         }
         let table_entries = u64_at(b, OFF_TABLE_ENTRIES);
@@ -273,7 +309,7 @@ impl Header {
             )));
         }
         let data_offset = u64_at(b, OFF_DATA_OFFSET);
-        let min_data = align_up(HEADER_SIZE + entries * 8, u64::from(block_size))
+        let min_data = align_up(table_offset + entries * 8, u64::from(block_size))
             .ok_or_else(|| corrupt("table too large".into()))?;
         if data_offset < min_data || !data_offset.is_multiple_of(u64::from(block_size)) {
             return Err(corrupt(format!(
@@ -309,6 +345,12 @@ impl Header {
             })
         };
         Ok(Self {
+            version,
+            sequence: if version == VERSION_1 {
+                0
+            } else {
+                u64_at(b, OFF_SEQUENCE)
+            },
             flags,
             block_size,
             virtual_size,
@@ -320,6 +362,37 @@ impl Header {
             table_crc: u32_at(b, OFF_TABLE_CRC),
         })
     }
+}
+
+/// The header of a layer file whose first bytes are `b` (up to [`HEADER_SLOTS`] slots; less
+/// for a short file), and the slot it came from. A version-1 file has one slot. Otherwise
+/// the valid version-2 slot with the highest sequence wins: a torn rewrite of one slot
+/// leaves the other. With no valid slot, slot 0's error (bad magic, checksum, …) is
+/// returned.
+pub fn decode_slots(path: &Path, b: &[u8]) -> Result<(Header, usize)> {
+    let slot = |i: u64| {
+        let start = (i * HEADER_SIZE).min(b.len() as u64) as usize;
+        let end = ((i + 1) * HEADER_SIZE).min(b.len() as u64) as usize;
+        &b[start..end]
+    };
+    let first = Header::decode(path, slot(0));
+    if let Ok(h) = &first {
+        if h.version == VERSION_1 {
+            return Ok((h.clone(), 0));
+        }
+    }
+    let mut best: Option<(Header, usize)> = first.as_ref().ok().map(|h| (h.clone(), 0));
+    for i in 1..HEADER_SLOTS {
+        // A version-1 file has its table here; only a valid version-2 slot counts.
+        if let Ok(h) = Header::decode(path, slot(i)) {
+            if h.version != VERSION_1 && best.as_ref().is_none_or(|(b, _)| h.sequence > b.sequence)
+            {
+                best = Some((h, i as usize));
+            }
+        }
+    }
+    // (A valid slot 0 is always among the candidates: with none, `first` is its error.)
+    best.map_or_else(|| first.map(|h| (h, 0)), Ok)
 }
 
 #[cfg(test)]
@@ -354,8 +427,61 @@ mod tests {
         assert_eq!(
             h.data_offset,
             64 * 1024,
-            "table (1280 B) fits in the first block"
+            "two header slots and the table (1280 B) fit in the first block"
         );
+        assert_eq!((h.version, h.sequence, h.table_offset), (VERSION, 1, 8192));
+        // Version 1 encodes as older builds did: no sequence, table at 4096.
+        let mut v1 = sample(true);
+        v1.version = VERSION_1;
+        v1.sequence = 0;
+        v1.table_offset = HEADER_SIZE;
+        let b = v1.encode();
+        assert!(b[OFF_SEQUENCE..].iter().all(|&x| x == 0));
+        assert_eq!(Header::decode(Path::new("x"), &b).unwrap(), v1);
+    }
+
+    #[test]
+    fn the_valid_slot_with_the_highest_sequence_wins() {
+        let p = Path::new("x");
+        let old = sample(true);
+        let mut new = old.clone();
+        new.sequence = 2;
+        new.flags |= FLAG_FROZEN;
+        new.table_crc = 0x1234;
+        let mut both = old.encode();
+        both.extend(new.encode());
+        assert_eq!(decode_slots(p, &both).unwrap(), (new.clone(), 1));
+        // Slot 1 torn anywhere: slot 0.
+        for cut in [0, 1, 12, 16, 100, 511, 512, 2160, 4095] {
+            let mut b = old.encode();
+            let mut n = new.encode();
+            n[cut..].copy_from_slice(&old.encode()[cut..]);
+            b.extend(n);
+            let want = if cut == 4095 && old.encode()[4095] == new.encode()[4095] {
+                1
+            } else {
+                0
+            };
+            assert_eq!(decode_slots(p, &b).unwrap().1, want, "cut at {cut}");
+        }
+        // Slot 0 torn, slot 1 valid: slot 1 (and the reverse order of sequences too).
+        let mut b = new.encode();
+        b[..100].fill(0xaa);
+        let mut n = old.clone();
+        n.sequence = 3;
+        b.extend(n.encode());
+        assert_eq!(decode_slots(p, &b).unwrap(), (n, 1));
+        // Neither valid: slot 0's error.
+        let b = vec![0u8; 8192];
+        assert!(matches!(decode_slots(p, &b), Err(Error::BadMagic(_))));
+        // A version-1 header in slot 0 ignores what follows (its table).
+        let mut v1 = old.clone();
+        v1.version = VERSION_1;
+        v1.sequence = 0;
+        v1.table_offset = HEADER_SIZE;
+        let mut b = v1.encode();
+        b.extend(new.encode());
+        assert_eq!(decode_slots(p, &b).unwrap(), (v1, 0));
     }
 
     #[test]

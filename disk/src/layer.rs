@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::header::{Header, HEADER_SIZE};
+use crate::header::{decode_slots, Header, HEADER_SIZE, HEADER_SLOTS, VERSION_1};
 use crate::{Error, Result};
 
 /// An open layer file. The allocation table is held in memory: entry `i` is 0 when block `i`
@@ -16,6 +16,8 @@ pub struct Layer {
     pub(crate) path: PathBuf,
     pub(crate) file: File,
     pub(crate) header: Header,
+    /// The header slot `header` was read from (the next rewrite goes to the other one).
+    pub(crate) header_slot: usize,
     pub(crate) table: Vec<u64>,
     pub(crate) file_len: u64,
     pub(crate) writable: bool,
@@ -75,21 +77,22 @@ impl Layer {
             .write(writable)
             .open(path)
             .map_err(Error::io(path, "open"))?;
-        let read_header = || -> Result<(u64, Header)> {
+        let read_header = || -> Result<(u64, Header, usize)> {
             let len = file_len(&file, path)?;
-            let mut head = vec![0u8; HEADER_SIZE.min(len) as usize];
+            let mut head = vec![0u8; (HEADER_SLOTS * HEADER_SIZE).min(len) as usize];
             file.read_exact_at(&mut head, 0)
                 .map_err(Error::io(path, "read header"))?;
-            Ok((len, Header::decode(path, &head)?))
+            let (header, slot) = decode_slots(path, &head)?;
+            Ok((len, header, slot))
         };
         if let Err(e) = lock(&file, path, writable) {
             // A frozen layer has readers: say why it cannot be written rather than "in use".
-            if writable && matches!(read_header(), Ok((_, h)) if h.frozen()) {
+            if writable && matches!(read_header(), Ok((_, h, _)) if h.frozen()) {
                 return Err(Error::Frozen(path.to_path_buf()));
             }
             return Err(e);
         }
-        let (len, header) = read_header()?;
+        let (len, header, header_slot) = read_header()?;
         if writable && header.frozen() {
             return Err(Error::Frozen(path.to_path_buf()));
         }
@@ -143,6 +146,7 @@ impl Layer {
             path: path.to_path_buf(),
             file,
             header,
+            header_slot,
             table,
             file_len: len,
             writable,
@@ -207,14 +211,25 @@ impl Layer {
         Ok(true)
     }
 
-    /// Writes the header (after the caller changed it) and syncs.
+    /// Writes the header (after the caller changed it) and syncs. Version 2: into the slot
+    /// not in use, with the next sequence number, so a torn write leaves the current header
+    /// valid (everything the new header describes must be durable before this is called).
+    /// Version 1 has one slot and is rewritten in place.
     pub(crate) fn write_header(&mut self) -> Result<()> {
+        let slot = if self.header.version == VERSION_1 {
+            0
+        } else {
+            self.header.sequence = self.header.sequence.wrapping_add(1);
+            (self.header_slot + 1) % HEADER_SLOTS as usize
+        };
         self.file
-            .write_all_at(&self.header.encode(), 0)
+            .write_all_at(&self.header.encode(), slot as u64 * HEADER_SIZE)
             .map_err(Error::io(&self.path, "write header"))?;
         self.file
             .sync_data()
-            .map_err(Error::io(&self.path, "fdatasync"))
+            .map_err(Error::io(&self.path, "fdatasync"))?;
+        self.header_slot = slot;
+        Ok(())
     }
 
     /// Marks this (flushed, writable) layer frozen: table checksum and flag in the header,

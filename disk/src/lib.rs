@@ -19,6 +19,9 @@
 //! own overlays and never see each other's writes. Chains are at most [`MAX_CHAIN_DEPTH`]
 //! layers deep: flatten long chains into a new base.
 //!
+//! A header rewrite (freezing) is crash-safe: version-2 layers keep two header slots and
+//! write the one not in use (see `header`), so a torn write cannot make a layer unopenable.
+//!
 //! Every file opened here is untrusted: a bad magic, unknown version, checksum mismatch,
 //! truncated table, table entry outside the file, or a parent that is not the one recorded is
 //! a clear [`Error`], never a panic.
@@ -32,8 +35,9 @@ use std::path::PathBuf;
 
 pub use chain::{Disk, OpenOptions};
 pub use header::{
-    id_hex, Header, LayerId, ParentRef, DEFAULT_BLOCK_SIZE, FLAG_FROZEN, HEADER_SIZE, MAGIC,
-    MAX_BLOCK_SIZE, MAX_PARENT_PATH, MAX_TABLE_ENTRIES, MIN_BLOCK_SIZE, SECTOR_SIZE, VERSION,
+    decode_slots, id_hex, table_offset_for, Header, LayerId, ParentRef, DEFAULT_BLOCK_SIZE,
+    FLAG_FROZEN, HEADER_SIZE, HEADER_SLOTS, MAGIC, MAX_BLOCK_SIZE, MAX_PARENT_PATH,
+    MAX_TABLE_ENTRIES, MIN_BLOCK_SIZE, SECTOR_SIZE, VERSION, VERSION_1,
 };
 pub use layer::Layer;
 
@@ -54,7 +58,7 @@ pub enum Error {
     #[error("{}: not a Clade disk layer (bad magic); import raw images with `clade disk create --from RAW`", .0.display())]
     BadMagic(PathBuf),
     /// A format version this code does not know.
-    #[error("{}: unsupported layer format version {version} (this build reads version {VERSION})", path.display())]
+    #[error("{}: unsupported layer format version {version} (this build reads versions {VERSION_1} and {VERSION})", path.display())]
     UnsupportedVersion { path: PathBuf, version: u32 },
     /// The layer's header or allocation table is inconsistent.
     #[error("{}: corrupt layer: {what}", path.display())]

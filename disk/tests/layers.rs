@@ -362,20 +362,22 @@ fn corrupt_layers_are_refused_with_a_clear_error() {
     assert!(e.contains("not a Clade disk layer"), "{e}");
     let e = with(&|b| b.truncate(2000));
     assert!(e.contains("truncated header"), "{e}");
-    let e = with(&|b| b[8] = 2);
+    let e = with(&|b| b[8] = 9);
     assert!(e.contains("version"), "{e}");
     let e = with(&|b| b[50] ^= 0x40);
     assert!(e.contains("checksum"), "{e}");
-    // The table is at 4096: a 4 MiB disk in 64 KiB blocks has 64 entries (512 bytes).
-    let e = with(&|b| b.truncate(4096 + 100));
+    // Version 2: two 4096-byte header slots, then the table at 8192: a 4 MiB disk in
+    // 64 KiB blocks has 64 entries (512 bytes).
+    const T: usize = 8192;
+    let e = with(&|b| b.truncate(T + 100));
     assert!(e.contains("truncated allocation table"), "{e}");
-    let e = with(&|b| b[4096..4104].copy_from_slice(&(1u64 << 40).to_le_bytes()));
+    let e = with(&|b| b[T..T + 8].copy_from_slice(&(1u64 << 40).to_le_bytes()));
     assert!(e.contains("outside the data area"), "{e}");
-    let e = with(&|b| b[4096..4104].copy_from_slice(&65537u64.to_le_bytes()));
+    let e = with(&|b| b[T..T + 8].copy_from_slice(&65537u64.to_le_bytes()));
     assert!(e.contains("outside the data area"), "{e}");
     let e = with(&|b| {
-        let second = b[4096 + 16 * 8..4096 + 17 * 8].to_vec();
-        b[4096..4104].copy_from_slice(&second);
+        let second = b[T + 16 * 8..T + 17 * 8].to_vec();
+        b[T..T + 8].copy_from_slice(&second);
     });
     assert!(e.contains("share"), "{e}");
     // Data blocks cut off at the end of the file.
@@ -387,9 +389,9 @@ fn corrupt_layers_are_refused_with_a_clear_error() {
     assert!(Disk::open(&t.0, ro()).is_err());
     // A frozen layer whose table changed after freezing.
     let mut b = std::fs::read(&base).unwrap();
-    let first = b[4096..4104].to_vec();
-    b[4096 + 63 * 8..4096 + 64 * 8].copy_from_slice(&first);
-    b[4096..4104].fill(0);
+    let first = b[T..T + 8].to_vec();
+    b[T + 63 * 8..T + 64 * 8].copy_from_slice(&first);
+    b[T..T + 8].fill(0);
     std::fs::write(&bad, &b).unwrap();
     let e = open_err(&bad);
     assert!(e.contains("table checksum"), "{e}");
@@ -465,7 +467,8 @@ fn chains_cannot_loop() {
     let a_id = std::fs::read(&a).unwrap()[56..72].to_vec();
     b[72..88].copy_from_slice(&a_id);
     b[88..96].copy_from_slice(&(4 * MIB).to_le_bytes());
-    b[96..100].copy_from_slice(&std::fs::read(&a).unwrap()[100..104]);
+    // `a` was frozen into its second header slot (at 4096): its table_crc is there.
+    b[96..100].copy_from_slice(&std::fs::read(&a).unwrap()[4096 + 100..4096 + 104]);
     b[104..106].copy_from_slice(&6u16.to_le_bytes());
     b[106..112].copy_from_slice(b"a.cdsk");
     b[12..16].fill(0);
@@ -563,4 +566,160 @@ fn real_enospc_from_the_filesystem_keeps_the_image_consistent() {
             );
         }
     }
+}
+
+// ---- crash-safe header rewrite ----------------------------------------------------------
+
+/// xorshift64*: deterministic pseudo-random numbers.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+#[test]
+fn a_torn_freeze_leaves_the_layer_in_its_old_or_its_new_state() {
+    let t = TempDir::new();
+    let (base, raw) = make_base(&t);
+    let a = overlay(&t, &base, "a.cdsk");
+    let data = pattern(40, 100_000);
+    {
+        let mut d = Disk::open(&a, rw()).unwrap();
+        d.write_at(3 * BS + 7 * 512, &data).unwrap();
+        d.flush().unwrap();
+    }
+    let mut want = raw.clone();
+    let at = (3 * BS + 7 * 512) as usize;
+    want[at..at + data.len()].copy_from_slice(&data);
+    let before = std::fs::read(&a).unwrap();
+    let old_header = Disk::open(&a, ro()).unwrap().layers()[0].header().clone();
+    ops::freeze(&a).unwrap();
+    let after = std::fs::read(&a).unwrap();
+    let new_header = Disk::open(&a, ro()).unwrap().layers()[0].header().clone();
+    assert!(new_header.frozen() && !old_header.frozen());
+    assert_eq!(new_header.sequence, old_header.sequence + 1);
+    // The freeze wrote only the second header slot (the first stays as it was).
+    const SLOT: std::ops::Range<usize> = 4096..8192;
+    assert_eq!(before.len(), after.len());
+    assert_eq!(
+        before[..SLOT.start],
+        after[..SLOT.start],
+        "slot 0 untouched"
+    );
+    assert_eq!(
+        before[SLOT.end..],
+        after[SLOT.end..],
+        "table and data untouched"
+    );
+    assert_ne!(before[SLOT], after[SLOT]);
+
+    // Every way the slot write can be torn by a crash: a prefix or a suffix of the new
+    // bytes reached the disk, any mix of its eight 512-byte sectors, or garbage.
+    let mut rng = Rng(0x746f_726e_6672_7a65);
+    let mut slots: Vec<Vec<u8>> = Vec::new();
+    for cut in (0..=4096).step_by(16) {
+        let mut s = after[SLOT].to_vec();
+        s[cut..].copy_from_slice(&before[SLOT][cut..]);
+        slots.push(s);
+        let mut s = before[SLOT].to_vec();
+        s[cut..].copy_from_slice(&after[SLOT][cut..]);
+        slots.push(s);
+    }
+    for mask in 0..256u32 {
+        let mut s = before[SLOT].to_vec();
+        for sector in 0..8 {
+            if mask & (1 << sector) != 0 {
+                let r = sector * 512..(sector + 1) * 512;
+                s[r.clone()].copy_from_slice(&after[SLOT][r]);
+            }
+        }
+        slots.push(s);
+    }
+    for _ in 0..100 {
+        let mut s = after[SLOT].to_vec();
+        let from = (rng.next() % 4096) as usize;
+        let to = from + (rng.next() % (4096 - from as u64 + 1)) as usize;
+        for b in &mut s[from..to] {
+            *b = rng.next() as u8;
+        }
+        slots.push(s);
+    }
+    let torn = t.p("torn.cdsk");
+    let (mut old, mut new) = (0, 0);
+    for (i, s) in slots.iter().enumerate() {
+        let mut b = before.clone();
+        b[SLOT].copy_from_slice(s);
+        std::fs::write(&torn, &b).unwrap();
+        let d = Disk::open(&torn, ro())
+            .unwrap_or_else(|e| panic!("torn write {i} left the layer unopenable: {e}"));
+        let h = d.layers()[0].header().clone();
+        if h.frozen() {
+            assert_eq!(h, new_header, "case {i}");
+            new += 1;
+        } else {
+            assert_eq!(h, old_header, "case {i}");
+            old += 1;
+        }
+        assert_eq!(read(&d, 0, want.len()), want, "case {i}: content");
+        drop(d);
+        // The old state is the layer before the freeze: it can be frozen again.
+        if !h.frozen() && i % 50 == 0 {
+            ops::freeze(&torn).unwrap();
+            let d = Disk::open(&torn, ro()).unwrap();
+            assert!(d.layers()[0].header().frozen());
+            assert_eq!(read(&d, 0, want.len()), want);
+        }
+    }
+    println!(
+        "torn freeze: {} cases, {old} old state, {new} new",
+        slots.len()
+    );
+    assert!(old > 0 && new > 0, "{old} old, {new} new");
+}
+
+#[test]
+fn version_1_layers_still_open_write_freeze_and_parent() {
+    let t = TempDir::new();
+    let p = t.p("v1.cdsk");
+    // What older builds wrote: one header slot, the table at 4096, data at 64 KiB.
+    let mut h = disk::Header::new(4 * MIB, disk::DEFAULT_BLOCK_SIZE, [3; 16], None).unwrap();
+    h.version = disk::VERSION_1;
+    h.sequence = 0;
+    h.table_offset = disk::HEADER_SIZE;
+    h.data_offset = BS;
+    let mut b = h.encode();
+    b.resize(BS as usize, 0);
+    std::fs::write(&p, &b).unwrap();
+    let data = pattern(41, 70_000);
+    {
+        let mut d = Disk::open(&p, rw()).unwrap();
+        assert_eq!(d.layers()[0].header(), &h);
+        d.write_at(MIB, &data).unwrap();
+        d.flush().unwrap();
+    }
+    let file = std::fs::read(&p).unwrap();
+    let entry =
+        |f: &[u8], i: usize| u64::from_le_bytes(f[4096 + 8 * i..4104 + 8 * i].try_into().unwrap());
+    assert_ne!(entry(&file, 16), 0, "the table is at 4096");
+    ops::freeze(&p).unwrap();
+    let d = Disk::open(&p, ro()).unwrap();
+    let fh = d.layers()[0].header().clone();
+    assert!(fh.frozen());
+    assert_eq!((fh.version, fh.table_offset), (disk::VERSION_1, 4096));
+    assert_eq!(read(&d, MIB, data.len()), data);
+    drop(d);
+    // An overlay (version 2) on the version-1 base.
+    let c = overlay(&t, &p, "child.cdsk");
+    let mut d = Disk::open(&c, rw()).unwrap();
+    assert_eq!(d.layers()[0].header().version, disk::VERSION);
+    assert_eq!(read(&d, MIB, data.len()), data);
+    d.write_at(MIB, b"child").unwrap();
+    assert_eq!(read(&d, MIB, 5), b"child");
 }

@@ -70,6 +70,8 @@
 //! an edge on the IOAPIC pin; leave it masked.
 
 pub mod block;
+#[cfg(test)]
+pub(crate) mod fuzz_util;
 mod gate;
 pub mod mmio;
 pub mod vsock;

@@ -4,12 +4,28 @@
 //! - one request queue (index 0) of up to [`QUEUE_SIZE`] entries;
 //! - features: `VIRTIO_BLK_F_FLUSH` (a volatile write cache: data the guest was told is
 //!   written is on the host's disk once a FLUSH completes: the overlay is `fdatasync`ed and
-//!   its allocation table committed), `VIRTIO_BLK_F_SEG_MAX` (`QUEUE_SIZE - 2` data segments
-//!   per request), and `VIRTIO_BLK_F_RO` when the disk is read-only;
+//!   its allocation table committed), `VIRTIO_BLK_F_SEG_MAX` ([`SEG_MAX`] = `QUEUE_SIZE - 2`
+//!   data segments per request), `VIRTIO_BLK_F_SIZE_MAX` ([`SIZE_MAX`] = 64 KiB per data
+//!   segment), and `VIRTIO_BLK_F_RO` when the disk is read-only;
 //! - config space (`struct virtio_blk_config`, read-only): `le64 capacity` in 512-byte
-//!   sectors at 0, `le32 seg_max` at 12; every other field reads as 0;
+//!   sectors at 0, `le32 size_max` at 8, `le32 seg_max` at 12; every other field reads as 0;
 //! - requests: IN (read), OUT (write), FLUSH, GET_ID (the serial, at most 20 bytes, padded
 //!   with NULs when shorter); anything else gets `VIRTIO_BLK_S_UNSUPP`.
+//!
+//! # Request size
+//!
+//! Requests run synchronously on the event loop that vsock shares, so their size is
+//! bounded: a request may have at most [`SEG_MAX`] data descriptors (plus header and status)
+//! of at most [`SIZE_MAX`] bytes each, so at most [`MAX_REQUEST_BYTES`] (about 16 MiB) of
+//! data. Linux derives its queue limits (`max_segments`, `max_segment_size`) from exactly
+//! these two fields, so it never builds a larger request; a chain over the limits (possible
+//! with indirect descriptors, or a guest that ignores them) is answered with
+//! `VIRTIO_BLK_S_IOERR` after one walk over its descriptors, before any buffer is mapped or
+//! any memory is allocated for it. A descriptor may carry [`HDR_BYTES`] more than
+//! `SIZE_MAX` (header and data in one buffer are allowed by the spec's any-layout rule). The
+//! worker moves data through a bounce buffer of at most 256 KiB whatever the request size,
+//! and yields the event loop after [`ROUND_BYTES`] of requests, so one busy disk delays vsock
+//! by one bounded round, not by a whole queue of requests.
 //!
 //! Every request is checked before it touches the disk: the chain must be device-readable
 //! descriptors (16-byte header, then OUT data) followed by device-writable ones (IN data or
@@ -33,7 +49,9 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::GuestMemory;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX};
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+};
 
 use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
 use crate::event_loop::{self, LoopHandle};
@@ -47,6 +65,14 @@ pub const BLOCK_DEVICE_ID: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 pub const QUEUE_SIZE: u16 = 256;
 /// Most data segments in one request (the header and status take two descriptors).
 pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// Largest data segment (one descriptor) of a request, advertised as `size_max`.
+pub const SIZE_MAX: u32 = 64 * 1024;
+/// Most data bytes in one request: what `SEG_MAX` segments of `SIZE_MAX` bytes hold.
+pub const MAX_REQUEST_BYTES: u64 = SEG_MAX as u64 * SIZE_MAX as u64;
+/// Size of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
+pub const HDR_BYTES: u32 = 16;
+/// Data the worker handles in one turn on the event loop before it lets other devices run.
+pub const ROUND_BYTES: u64 = MAX_REQUEST_BYTES;
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR_SIZE: u64 = 512;
 /// Length of the GET_ID answer.
@@ -114,6 +140,7 @@ impl BlockDevice {
         id[..serial.len()].copy_from_slice(serial.as_bytes());
         let mut config = [0u8; CONFIG_SIZE];
         config[0..8].copy_from_slice(&(size / SECTOR_SIZE).to_le_bytes());
+        config[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
         config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
         Ok(Self {
             log: crate::virtio::mmio::LogLimiter::new(),
@@ -163,7 +190,9 @@ impl VirtioDevice for BlockDevice {
     }
 
     fn avail_features(&self) -> u64 {
-        let mut f = (1u64 << VIRTIO_BLK_F_FLUSH) | (1u64 << VIRTIO_BLK_F_SEG_MAX);
+        let mut f = (1u64 << VIRTIO_BLK_F_FLUSH)
+            | (1u64 << VIRTIO_BLK_F_SEG_MAX)
+            | (1u64 << VIRTIO_BLK_F_SIZE_MAX);
         if self.read_only {
             f |= 1u64 << VIRTIO_BLK_F_RO;
         }

@@ -12,16 +12,22 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
+use vm_memory::{Address, Bytes, GuestAddress};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{Gate, GateState, ID_BYTES, SECTOR_SIZE};
+use super::{
+    Gate, GateState, HDR_BYTES, ID_BYTES, MAX_REQUEST_BYTES, ROUND_BYTES, SECTOR_SIZE, SEG_MAX,
+    SIZE_MAX,
+};
 use crate::virtio::mmio::LogLimiter;
 use crate::virtio::QueuePosition;
 use crate::virtio::{Interrupt, VirtQueue};
 
 /// Size of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
-const HDR_SIZE: usize = 16;
+const HDR_SIZE: usize = HDR_BYTES as usize;
+/// Most requests completed in one turn on the event loop (see [`ROUND_BYTES`]).
+const ROUND_REQUESTS: usize = 64;
 /// Largest bounce buffer between the disk and guest memory.
 const MAX_CHUNK: usize = 256 * 1024;
 
@@ -92,23 +98,36 @@ impl BlockWorker {
         };
     }
 
-    /// Completes every available request; interrupts the guest if any was completed.
+    /// Completes the available requests, at most [`ROUND_BYTES`] of data or
+    /// [`ROUND_REQUESTS`] requests per call; interrupts the guest if any was completed. When
+    /// the round's budget is used up the worker notifies itself and returns, so the event
+    /// loop serves the other devices before the rest of the queue.
     fn process_queue(&mut self) {
         let mem = self.mem.clone();
         let mut used = false;
+        let (mut bytes, mut requests) = (0u64, 0usize);
         while let Some(chain) = self.queue.pop_descriptor_chain(&mem) {
             let head = chain.head_index();
-            let len = match self.handle(&mem, chain) {
-                Ok(len) => len,
+            let (len, cost) = match self.handle(&mem, chain) {
+                Ok(done) => done,
                 Err(Unanswerable(why)) => {
                     guest_warn!(self, "virtio-blk: request dropped: {why}");
-                    0
+                    (0, 0)
                 }
             };
             if let Err(e) = self.queue.add_used(&mem, head, len) {
                 guest_warn!(self, "virtio-blk: used ring: {e}");
             }
             used = true;
+            bytes = bytes.saturating_add(cost);
+            requests += 1;
+            if bytes >= ROUND_BYTES || requests >= ROUND_REQUESTS {
+                // The rest on the next turn (a spurious wake-up if nothing is left).
+                if let Err(e) = self.evt.write(1) {
+                    tracing::error!("virtio-blk: rescheduling the queue: {e}");
+                }
+                break;
+            }
         }
         // Without EVENT_IDX this is always true; an unreadable ring: notify anyway.
         if used && self.queue.needs_notification(&mem).unwrap_or(true) {
@@ -117,9 +136,20 @@ impl BlockWorker {
     }
 
     /// Handles one request; returns the used length (bytes written to the guest, status
-    /// byte included).
-    fn handle(&mut self, mem: &GuestMemory, chain: Chain<'_>) -> Result<u32, Unanswerable> {
-        check_shape(&chain).map_err(Unanswerable)?;
+    /// byte included) and the request's data size (for the round's budget).
+    fn handle(&mut self, mem: &GuestMemory, chain: Chain<'_>) -> Result<(u32, u64), Unanswerable> {
+        // One walk over the descriptors, before any buffer is mapped or allocated for.
+        let shape = check_shape(&chain).map_err(Unanswerable)?;
+        if let Err(why) = shape.check_limits() {
+            guest_warn!(self, "virtio-blk: request refused: {why}");
+            // The status byte is the last byte of the last (device-writable) descriptor.
+            let status = shape
+                .status
+                .ok_or_else(|| Unanswerable(format!("{why}, and no status byte")))?;
+            mem.write_obj(VIRTIO_BLK_S_IOERR as u8, status)
+                .map_err(|e| Unanswerable(format!("{why}; writing the status byte: {e}")))?;
+            return Ok((1, 0));
+        }
         let mut reader: Reader<'_, Bs<'_>> = Reader::new(mem, chain.clone())
             .map_err(|e| Unanswerable(format!("device-readable buffers: {e}")))?;
         let mut writer: Writer<'_, Bs<'_>> = Writer::new(mem, chain)
@@ -149,7 +179,8 @@ impl BlockWorker {
         status_w
             .write_all(&[status as u8])
             .map_err(|e| Unanswerable(format!("writing the status byte: {e}")))?;
-        Ok(u32::try_from(written).unwrap_or(u32::MAX).saturating_add(1))
+        let used = u32::try_from(written).unwrap_or(u32::MAX).saturating_add(1);
+        Ok((used, shape.bytes))
     }
 
     /// Runs a request with a valid header; returns (status, data bytes written to the guest).
@@ -280,13 +311,65 @@ impl BlockWorker {
     }
 }
 
+/// What one walk over a chain found (nothing mapped, nothing allocated).
+#[derive(Debug)]
+struct Shape {
+    /// Descriptors in the chain (indirect ones counted, the indirect table's own not).
+    descriptors: u64,
+    /// Sum of the descriptors' lengths.
+    bytes: u64,
+    /// Length of the longest descriptor.
+    longest: u32,
+    /// Where the status byte goes: the last byte of the last descriptor, if device-writable.
+    status: Option<GuestAddress>,
+}
+
+impl Shape {
+    /// Most descriptors a request may have: its data segments, the header and the status.
+    const MAX_DESCRIPTORS: u64 = SEG_MAX as u64 + 2;
+    /// Longest descriptor: a data segment, or one sharing its buffer with the header.
+    const MAX_DESCRIPTOR: u32 = SIZE_MAX + HDR_BYTES;
+    /// Most bytes in all descriptors: the data, the header and the status byte.
+    const MAX_BYTES: u64 = MAX_REQUEST_BYTES + HDR_BYTES as u64 + 1;
+
+    /// The request size limits (see the module documentation).
+    fn check_limits(&self) -> Result<(), String> {
+        if self.descriptors > Self::MAX_DESCRIPTORS {
+            return Err(format!(
+                "{} descriptors (at most {SEG_MAX} data segments, header and status)",
+                self.descriptors
+            ));
+        }
+        if self.longest > Self::MAX_DESCRIPTOR {
+            return Err(format!(
+                "a {}-byte segment (size_max is {SIZE_MAX})",
+                self.longest
+            ));
+        }
+        if self.bytes > Self::MAX_BYTES {
+            return Err(format!(
+                "{} bytes of buffers (at most {MAX_REQUEST_BYTES} bytes of data)",
+                self.bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The spec's chain shape: device-readable descriptors, then device-writable ones, and a
 /// chain that ends (the iterator stops early on a loop, an index past the table or an
-/// unreadable descriptor, which leaves the last one with NEXT set).
-fn check_shape(chain: &Chain<'_>) -> Result<(), String> {
+/// unreadable descriptor, which leaves the last one with NEXT set). The walk is bounded by
+/// the iterator (at most the queue size plus one indirect table of 65535 descriptors) and
+/// reads only the descriptors.
+fn check_shape(chain: &Chain<'_>) -> Result<Shape, String> {
     let mut seen_writable = false;
-    let mut count = 0usize;
     let mut last_has_next = false;
+    let mut shape = Shape {
+        descriptors: 0,
+        bytes: 0,
+        longest: 0,
+        status: None,
+    };
     for d in chain.clone() {
         if d.is_write_only() {
             seen_writable = true;
@@ -294,18 +377,24 @@ fn check_shape(chain: &Chain<'_>) -> Result<(), String> {
             return Err("device-readable descriptor after a device-writable one".into());
         }
         last_has_next = d.has_next();
-        count += 1;
+        shape.descriptors += 1;
+        shape.bytes += u64::from(d.len());
+        shape.longest = shape.longest.max(d.len());
+        shape.status = (d.is_write_only() && d.len() > 0)
+            .then(|| d.addr().checked_add(u64::from(d.len()) - 1))
+            .flatten();
     }
-    if count == 0 {
+    if shape.descriptors == 0 {
         return Err("empty or unreadable descriptor chain".into());
     }
     if last_has_next {
         return Err(format!(
-            "descriptor chain broken after {count} descriptors (loop, bad next index or \
-             unreadable descriptor)"
+            "descriptor chain broken after {} descriptors (loop, bad next index or \
+             unreadable descriptor)",
+            shape.descriptors
         ));
     }
-    Ok(())
+    Ok(shape)
 }
 
 impl MutEventSubscriber for BlockWorker {
