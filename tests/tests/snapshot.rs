@@ -466,9 +466,9 @@ fn bad_snapshots_fail_cleanly_and_change_nothing() {
 
     let d = case("wrong-version");
     rewrite(&d.join(STATE_FILE), |b| {
-        b[8..12].copy_from_slice(&2u32.to_le_bytes())
+        b[8..12].copy_from_slice(&3u32.to_le_bytes())
     });
-    resume_fails(&d, &root.0, "version 2");
+    resume_fails(&d, &root.0, "version 3");
 
     let d = case("not-a-snapshot");
     std::fs::write(d.join(STATE_FILE), b"#!/bin/sh\necho hello\n").unwrap();
