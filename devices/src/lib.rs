@@ -10,6 +10,7 @@ pub mod event_loop;
 pub mod legacy;
 pub mod test_device;
 pub mod virtio;
+pub mod vmgenid;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -51,6 +52,9 @@ pub enum Error {
     /// Saved device state cannot be restored (it does not fit this device, or it is invalid).
     #[error("device state: {0}")]
     Restore(String),
+    /// The VM generation ID cannot be made, placed or announced.
+    #[error("VM generation ID: {0}")]
+    VmGenId(String),
 }
 
 /// Result type of this crate.

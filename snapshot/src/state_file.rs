@@ -6,7 +6,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 8 | magic `CLADESNP` |
-//! | 8 | 4 | format version (1) |
+//! | 8 | 4 | format version (2; 1 is read too) |
 //! | 12 | 4 | header length (128) |
 //! | 16 | 4 | kind: 1 full, 2 diff |
 //! | 20 | 4 | flags (0; reserved) |
@@ -24,6 +24,11 @@
 //!
 //! [`write()`] writes a temporary file, fsyncs it and renames it over the target, so a
 //! reader sees either the old file or the complete new one.
+//!
+//! Versions 1 and 2 have the same header; the version also tells the payload's layout,
+//! which is the caller's: version 2 is the first with a payload layout differing from
+//! version 1's. [`read_with`] hands the version to the caller's decoder, so that files
+//! written with an older layout still load.
 
 use std::fs::File;
 use std::io::Read;
@@ -39,8 +44,10 @@ use crate::{CpuCheck, CpuId, Error, FileType, Result, SnapshotId, SnapshotKind, 
 
 /// Magic bytes at offset 0.
 pub const MAGIC: [u8; 8] = *b"CLADESNP";
-/// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format version this build writes.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this build reads.
+pub const OLDEST_READABLE_VERSION: u32 = 1;
 /// Length of the fixed header.
 pub const HEADER_LEN: usize = 128;
 /// Default cap on the payload length ([`Expect::max_payload`]).
@@ -187,7 +194,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header> {
         return Err(truncated());
     }
     let version = le_u32(bytes, 8);
-    if version != FORMAT_VERSION {
+    if !(OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(Error::UnsupportedVersion {
             file: FILE,
             found: version,
@@ -280,6 +287,12 @@ fn check_and_decode<T: DeserializeOwned>(
     payload: &[u8],
     expect: &Expect,
 ) -> Result<(Header, T)> {
+    check_payload(&header, payload, expect)?;
+    Ok((header, decode_payload(payload)?))
+}
+
+/// Checks the payload's checksum and the header against `expect`.
+fn check_payload(header: &Header, payload: &[u8], expect: &Expect) -> Result<()> {
     let computed = crc32fast::hash(payload);
     if computed != header.payload_crc {
         return Err(Error::ChecksumMismatch {
@@ -303,6 +316,12 @@ fn check_and_decode<T: DeserializeOwned>(
             host: expect.host_cpu,
         });
     }
+    Ok(())
+}
+
+/// Decodes a whole payload as `T` (bytes left over are an error). For decoders given to
+/// [`read_with`].
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
     let (value, rest) = postcard::take_from_bytes::<T>(payload).map_err(Error::Decode)?;
     if !rest.is_empty() {
         return Err(Error::corrupt(
@@ -310,7 +329,7 @@ fn check_and_decode<T: DeserializeOwned>(
             format!("{} undecoded bytes at the end of the payload", rest.len()),
         ));
     }
-    Ok((header, value))
+    Ok(value)
 }
 
 /// Serialise a complete state file (header + payload) into memory.
@@ -376,8 +395,20 @@ pub fn read_header(path: &Path) -> Result<Header> {
     parse_header(&head)
 }
 
-/// Read, verify and decode the state file at `path`.
+/// Read, verify and decode the state file at `path` (whatever its version: for payloads
+/// whose layout never changed).
 pub fn read<T: DeserializeOwned>(path: &Path, expect: &Expect) -> Result<(Header, T)> {
+    read_with(path, expect, |_, payload| decode_payload(payload))
+}
+
+/// Read and verify the state file at `path`, then decode its payload with `decode`, which
+/// gets the file's format version and the verified payload bytes (see
+/// [`decode_payload`]).
+pub fn read_with<T>(
+    path: &Path,
+    expect: &Expect,
+    decode: impl FnOnce(u32, &[u8]) -> Result<T>,
+) -> Result<(Header, T)> {
     let (file, len, head) = open(path)?;
     let header = parse_header(&head)?;
     check_payload_len(&header, len, expect)?;
@@ -385,9 +416,10 @@ pub fn read<T: DeserializeOwned>(path: &Path, expect: &Expect) -> Result<(Header
     let mut payload = vec![0u8; header.payload_len as usize];
     file.read_exact_at(&mut payload, HEADER_LEN as u64)
         .map_err(|e| Error::io("read payload", path, e))?;
-    let out = check_and_decode(header, &payload, expect)?;
+    check_payload(&header, &payload, expect)?;
+    let value = decode(header.version, &payload)?;
     tracing::debug!(path = %path.display(), id = %header.meta.id, "read snapshot state file");
-    Ok(out)
+    Ok((header, value))
 }
 
 #[cfg(test)]
@@ -488,6 +520,42 @@ mod tests {
             other => panic!("expected WrongHostCpu, got {other:?}"),
         }
         assert!(decode_from_bytes::<State>(&bytes, &any_cpu()).is_ok());
+    }
+
+    #[test]
+    fn older_versions_load_and_their_decoder_knows_the_version() {
+        let dir = TempDir::new_with_prefix("/tmp/clade-snap-state").unwrap();
+        let path = dir.as_path().join("state.snap");
+        let meta = SnapshotMeta::full(SnapshotId::random(), 1 << 20);
+        let h = write(&path, &meta, &state()).unwrap();
+        assert_eq!(h.version, FORMAT_VERSION);
+        let with_version = |v: u32| {
+            let mut b = std::fs::read(&path).unwrap();
+            b[8..12].copy_from_slice(&v.to_le_bytes());
+            let crc = crc32fast::hash(&b[..124]);
+            b[124..128].copy_from_slice(&crc.to_le_bytes());
+            let p = dir.as_path().join(format!("v{v}.snap"));
+            std::fs::write(&p, b).unwrap();
+            p
+        };
+        let v1 = with_version(1);
+        let (h, (seen, s)) = read_with(&v1, &Expect::default(), |v, payload| {
+            Ok((v, decode_payload::<State>(payload)?))
+        })
+        .unwrap();
+        assert_eq!((h.version, seen, s), (1, 1, state()));
+        // The decoder's own error comes through.
+        let e = read_with(&v1, &Expect::default(), |_, _| -> Result<()> {
+            Err(Error::corrupt(FILE, "layout"))
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("layout"), "{e}");
+        for v in [0, FORMAT_VERSION + 1] {
+            assert!(matches!(
+                read::<State>(&with_version(v), &Expect::default()),
+                Err(Error::UnsupportedVersion { found, .. }) if found == v
+            ));
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //!   registers.
 //! - [`from_saved`]: from a [`SavedMachine`] and memory already in place (a snapshot
 //!   restore, a fork child): devices recreated from their state, then the VM's and the
-//!   vCPUs' KVM state.
+//!   vCPUs' KVM state, then a new VM generation ID for the guest.
 //!
 //! Both start from a VM shell ([`Shell`]: KVM VM, memory slots, irqchip, vCPUs) and end
 //! with a VM whose vCPUs have not run ([`Vm::start`]).
@@ -139,7 +139,12 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
     }
 
     regs::write_boot_tables(&ram.mem)?;
-    acpi::write_tables(&ram.mem, config.vcpus, devices.virtio_slots())?;
+    acpi::write_tables(
+        &ram.mem,
+        config.vcpus,
+        devices.virtio_slots(),
+        devices.vmgenid().as_ref(),
+    )?;
     let boot_info = boot::load(
         &ram.mem,
         &BootSpec {
@@ -297,7 +302,7 @@ pub(crate) fn from_saved(
     steps.done("memory");
 
     let (events_tx, events) = mpsc::channel();
-    let devices = DeviceManager::restore(
+    let mut devices = DeviceManager::restore(
         &vm_fd,
         &ram.mem,
         &identity.serial,
@@ -333,6 +338,12 @@ pub(crate) fn from_saved(
         }
     }
     steps.done("vcpu_state");
+    // A VM built from saved state may be one of many from the same instant: a new
+    // generation ID makes the guest kernel reseed its CRNG as soon as it runs. After the
+    // irqchip state (which would drop the interrupt), before the vCPUs run.
+    if devices.new_vm_generation(&ram.mem)? {
+        steps.done("vmgenid");
+    }
 
     let config = VmConfig {
         vcpus: m.vcpus,

@@ -6,6 +6,11 @@
 //! notifications as KVM ioeventfds (no exit to userspace) and the interrupt as an irqfd.
 //! Their work runs on one device event-loop thread, never on vCPU threads. The builder
 //! announces every slot on the kernel command line and in the ACPI DSDT.
+//!
+//! Every booted VM has a VM generation ID ([`VmGenId`]) at [`VMGENID_ADDR`], announced in
+//! the DSDT with its generic event device's interrupt on [`pio::GED_GSI`]; a VM built from
+//! saved state has one exactly when the saved state does (older snapshots do not), and gets
+//! a new ID before it runs ([`DeviceManager::new_vm_generation`]).
 
 use std::fs::File;
 use std::io::Write;
@@ -21,15 +26,17 @@ use devices::virtio::block::BlockDevice;
 use devices::virtio::mmio::{MmioTransport, MmioTransportArgs, MmioTransportState};
 use devices::virtio::vsock::{socket_in_use, ListenerSlot, SocketFile, VsockDevice};
 use devices::virtio::{VirtioDevice, VirtioDeviceState};
+use devices::vmgenid::{VmGenId, VmGenIdState};
 use devices::{Bus, ExitNotifier, GuestMemory};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
 use snapshot::Persist;
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
+use crate::arch::acpi::GenIdPlace;
 use crate::arch::layout::{
     pio, VirtioSlot, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
-    VIRTIO_MMIO_SLOT_SIZE,
+    VIRTIO_MMIO_SLOT_SIZE, VMGENID_ADDR,
 };
 use crate::config::{BlockConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
@@ -176,6 +183,9 @@ pub struct DevicesState {
     pub test_device: Option<TestMmioState>,
     /// virtio-mmio slots, in slot order.
     pub virtio: Vec<MmioTransportState>,
+    /// The VM generation ID device (absent in snapshots taken before VMs had one, whose
+    /// guests do not know it).
+    pub vmgenid: Option<VmGenIdState>,
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -194,6 +204,7 @@ pub struct DeviceManager {
     serial: Arc<Mutex<SerialDevice>>,
     test_mmio: Option<Arc<Mutex<TestMmio>>>,
     transports: Vec<Arc<Mutex<MmioTransport>>>,
+    vmgenid: Option<VmGenId>,
     paused: bool,
     /// Restored vsock devices whose socket is not bound yet.
     unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
@@ -293,6 +304,29 @@ impl DeviceManager {
             u64::from(pio::ACPI_PM),
             1,
         )?;
+        let vmgenid = match state {
+            None => Some(VmGenId::new(
+                mem,
+                VMGENID_ADDR,
+                pio::GED_GSI,
+                irq_eventfd(vm, pio::GED_GSI)?,
+            )?),
+            Some(st) => match &st.vmgenid {
+                None => None,
+                Some(g) => {
+                    // Its GSI must be a free IOAPIC pin below the virtio-mmio ones.
+                    if g.gsi >= VIRTIO_MMIO_GSI_BASE
+                        || [0, 2, pio::SERIAL_COM1_GSI, pio::TEST_DEVICE_GSI].contains(&g.gsi)
+                    {
+                        return Err(Error::Snapshot(format!(
+                            "the saved VM generation ID device uses GSI {}, which is taken",
+                            g.gsi
+                        )));
+                    }
+                    Some(VmGenId::restore(g, irq_eventfd(vm, g.gsi)?)?)
+                }
+            },
+        };
         let mut test_mmio = None;
         if test_device {
             pio_bus.insert(
@@ -425,6 +459,7 @@ impl DeviceManager {
             serial: serial_dev,
             test_mmio,
             transports,
+            vmgenid,
             paused: false,
             unbound,
             disk: restored_disk,
@@ -497,7 +532,34 @@ impl DeviceManager {
                 .iter()
                 .map(|t| lock(t).save())
                 .collect::<devices::Result<Vec<_>>>()?,
+            vmgenid: self.vmgenid.as_ref().map(VmGenId::save),
         })
+    }
+
+    /// Where the VM generation ID is and its interrupt, if the VM has the device.
+    pub fn vmgenid(&self) -> Option<GenIdPlace> {
+        self.vmgenid.as_ref().map(|g| GenIdPlace {
+            addr: g.addr(),
+            gsi: g.gsi(),
+        })
+    }
+
+    /// The current VM generation ID, if the VM has the device.
+    pub fn vm_generation_id(&self) -> Option<[u8; devices::vmgenid::VMGENID_LEN]> {
+        self.vmgenid.as_ref().map(VmGenId::generation_id)
+    }
+
+    /// Gives the guest a new VM generation ID (written into `mem`) and raises the interrupt
+    /// that tells it, if the VM has the device. For a VM built from saved state: after the
+    /// in-kernel irqchip state is restored, before the vCPUs run. Returns whether it did.
+    pub fn new_vm_generation(&mut self, mem: &GuestMemory) -> Result<bool> {
+        match &mut self.vmgenid {
+            Some(g) => {
+                g.new_generation(mem)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 
     /// Adds a virtio-blk disk in the next virtio-mmio slot (its layers are opened and

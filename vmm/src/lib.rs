@@ -45,6 +45,8 @@ pub use fork::{
     child_path, fork, fork_with_report, freeze, next_fork_seq, process_unique_cid, ChildSpec,
     ForkOptions, ForkReport, FreezeReport, Frozen, MAX_FORK_CHILDREN,
 };
+#[cfg(feature = "test-hooks")]
+pub use persist::downgrade_state_file_to_v1;
 pub use persist::restore::{restore, PreparedSnapshot, RestoreOptions};
 pub use persist::take::{snapshot, SnapshotInfo};
 pub use persist::{MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE};
@@ -52,6 +54,8 @@ pub use saved::{
     Lineage, MachineState, MemoryBackend, RestoreReport, SavedDisk, SavedMachine, SavedVsock,
 };
 pub use vm::Vm;
+/// Guest-physical address of the VM generation ID (16 bytes), in VMs that have one.
+pub const VMGENID_ADDR: u64 = arch::layout::VMGENID_ADDR;
 pub use vstate::memory::host_mem_mib;
 pub use vstate::pool::ShellPool;
 pub use vstate::shell::{Shell, ShellSpec};

@@ -706,6 +706,12 @@ impl Vm {
         Ok(())
     }
 
+    /// The guest's current VM generation ID (at [`crate::VMGENID_ADDR`]), if the VM has the
+    /// device (VMs from snapshots taken before it existed do not).
+    pub fn vm_generation_id(&self) -> Option<[u8; 16]> {
+        self.devices.vm_generation_id()
+    }
+
     /// Host memory this VM's guest RAM uses, as its proportional set size in KiB (pages
     /// shared with other VMs count in part), from `/proc/self/smaps`.
     pub fn memory_pss_kib(&self) -> Result<u64> {

@@ -15,7 +15,8 @@
 #   setup     the parent writes /root/fork.txt and starts a background counter process
 #   fork      `clade fork -n 3` prints three children (API socket, vsock socket)
 #   child i   each child sees /root/fork.txt, its counter process still runs and counts
-#             on from the parent's count, its hostname has the fork suffix
+#             on from the parent's count, its hostname has the fork suffix, its kernel
+#             logged a CRNG reseed for a VM fork (new VM generation ID; the parent none)
 #   isolation the parent and every child write different content to /root/who.txt: each
 #             reads back only its own
 #   orphans   the parent is killed (SIGKILL): the children still answer
@@ -84,6 +85,9 @@ sleep 2
 n=$(gx /tmp/fork-p.sock sh -c 'wc -l < /tmp/counter') || fail "parent: counter"
 [ "$n" -gt 3 ] || fail "parent: the counter does not count ($n lines)"
 phost=$(gx /tmp/fork-p.sock hostname) || fail "parent: hostname"
+RESEED="crng reseeded due to virtual machine fork"
+k=$(gx /tmp/fork-p.sock sh -c "dmesg | grep -c '$RESEED'; true")
+[ "$k" = 0 ] || fail "parent: a VM-fork reseed before any fork ($k)"
 pass setup "/root/fork.txt written; counter at $n lines; hostname $phost"
 
 # --- the fork --------------------------------------------------------------------------
@@ -113,7 +117,9 @@ for s in $KIDS; do
         sleep 0.5
     done
     case "$h" in *-f[0-9]*) ;; *) fail "child $i: hostname '$h' (parent $phost)" ;; esac
-    pass "child $i" "file there, counter $c1 -> $c2 consecutive, hostname $h"
+    n=$(gx "$s" sh -c "dmesg | grep -c '$RESEED'; true")
+    [ "$n" = 1 ] || fail "child $i: $n times '$RESEED' in its kernel log, not 1"
+    pass "child $i" "file there, counter $c1 -> $c2 consecutive, hostname $h, kernel reseeded"
     # The hostname is the sync's last step: entropy was added and the CRNG reseeded.
     r=$(gx "$s" sh -c 'head -c 16 /dev/urandom | od -An -tx1 | tr -d " \n"') ||
         fail "child $i: reading /dev/urandom"
@@ -123,6 +129,9 @@ dup=$(sort /tmp/fork-urandom | uniq -d)
 [ "$(wc -l </tmp/fork-urandom)" = 3 ] && [ -z "$dup" ] ||
     fail "fork children share random bytes: $(tr '\n' ';' </tmp/fork-urandom)"
 pass urandom "3 children, 3 different first reads after their agent sync"
+n=$(gx /tmp/fork-p.sock sh -c "dmesg | grep -c '$RESEED'; true")
+[ "$n" = 0 ] || fail "parent: a VM-fork reseed after forking children ($n)"
+pass vmgenid "each child's kernel reseeded once for the fork, the parent's not"
 
 # --- isolation: same path, different content ----------------------------------------------
 gx /tmp/fork-p.sock sh -c 'echo parent > /root/who.txt && sync' || fail "parent: write who"

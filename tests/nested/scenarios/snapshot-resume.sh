@@ -15,6 +15,11 @@
 # ... with no restart), exec works, the agent sync gave the guest the current time; a
 # diff snapshot of the resumed VM resumes too. Finally two resumes of the same snapshot run
 # side by side, each with its own sockets and its own files.
+#
+# VM generation ID: the guest kernel's vmgenid driver is bound to clade's ACPI device
+# (CLAD0001) at boot; every resumed guest's kernel logged its CRNG reseed for a VM fork
+# (the ID changed and the generic event device's interrupt came), also with
+# --no-agent-sync, where two resumes of one snapshot still read different random bytes.
 
 CLADE=/bin/clade
 SNAP=/tmp/snap
@@ -55,6 +60,14 @@ VMS="$VM"
 out=$($CLADE ping --wait 180 /tmp/vsock.sock) || fail "ping: rc $?: $out"
 pass boot "$out"
 
+# The kernel's vmgenid driver found the device (and nothing changed its ID yet).
+RESEED="crng reseeded due to virtual machine fork"
+b=$(gexec /tmp/vsock.sock ls /sys/bus/acpi/drivers/vmgenid) || fail "no vmgenid driver in sysfs"
+case "$b" in *CLAD0001:00*) ;; *) fail "the vmgenid driver is not bound to CLAD0001:00: $b" ;; esac
+n=$(gexec /tmp/vsock.sock sh -c "dmesg | grep -c '$RESEED'; true")
+[ "$n" = 0 ] || fail "a VM-fork reseed before any resume: $n"
+pass vmgenid "driver bound: $(echo "$b" | tr '\n' ' ')"
+
 gexec /tmp/vsock.sock setsid sh -c \
     'i=0; while :; do i=$((i + 1)); echo $i >> /tmp/counter; sleep 0.1; done' \
     </dev/null >/dev/null 2>&1 &
@@ -79,12 +92,28 @@ ls -l "$SNAP"
 # sync after the resume sets it.
 sleep 6
 
+# reseeded SOCK NAME [MIN]: the resumed guest's kernel logged a CRNG reseed for a VM fork
+# (its VM generation ID changed and it was told), at least MIN times (default 1: one resume).
+reseeded() {
+    n=0
+    min=${3:-1}
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        n=$(gexec "$1" sh -c "dmesg | grep -c '$RESEED'; true")
+        [ "$n" -ge "$min" ] && break
+        sleep 0.5
+    done
+    [ "$n" -ge "$min" ] || fail "$2: $n times '$RESEED' in the guest's kernel log, not $min"
+    pass "$2 vmgenid" "kernel: $RESEED ($n)"
+}
+
 # check_resumed SOCK NAME: the checks every resumed VM must pass.
 check_resumed() {
     s=$1
     name=$2
     out=$($CLADE ping --wait 120 "$s") || fail "$name: ping: rc $?: $out"
     pass "$name ping" "$out"
+    # A diff of a resumed VM is that VM's second resume.
+    if [ "$name" = diff ]; then reseeded "$s" "$name" 2; else reseeded "$s" "$name"; fi
     m=$(gexec "$s" cat /tmp/marker) || fail "$name: cat /tmp/marker: rc $?"
     [ "$m" = written-before-the-snapshot ] || fail "$name: marker '$m'"
     pass "$name file" "/tmp/marker survived"
@@ -136,19 +165,31 @@ for b in uffd file copy; do
 done
 [ -f "$SNAP/working_set.ws" ] && pass "working set" "$(ls -l "$SNAP/working_set.ws")"
 
-# Without the agent sync the guest's clock lags by the time the snapshot spent on disk.
-rm -f /tmp/r.sock /tmp/r.api
-$CLADE restore "$SNAP" --backend file --no-agent-sync --vsock /tmp/r.sock --api-sock /tmp/r.api \
-    --serial-file /tmp/r-nosync.log &
-R=$!
-VMS="$R"
-$CLADE ping --wait 120 /tmp/r.sock >/dev/null || fail "no-sync: ping"
-g=$(gexec /tmp/r.sock date +%s)
-l1=$(date +%s)
-[ $((l1 - g)) -ge 5 ] || fail "no-sync: guest clock $g, L1 $l1: expected a lag of >= 5 s"
-pass "clock without agent sync" "guest $g lags L1 $l1 by $((l1 - g)) s"
-$CLADE poweroff /tmp/r.sock || fail "no-sync: poweroff"
-wait_gone "$R"
+# Without the agent sync the guest's clock lags by the time the snapshot spent on disk; its
+# CRNG is still reseeded, by the kernel itself (VM generation ID): two such resumes of one
+# snapshot read different random bytes.
+rm -f /tmp/nosync-urandom
+for b in file copy; do
+    rm -f /tmp/r.sock /tmp/r.api
+    $CLADE restore "$SNAP" --backend "$b" --no-agent-sync --vsock /tmp/r.sock \
+        --api-sock /tmp/r.api --serial-file "/tmp/r-nosync-$b.log" &
+    R=$!
+    VMS="$R"
+    $CLADE ping --wait 120 /tmp/r.sock >/dev/null || fail "no-sync $b: ping"
+    g=$(gexec /tmp/r.sock date +%s)
+    l1=$(date +%s)
+    [ $((l1 - g)) -ge 5 ] || fail "no-sync $b: guest clock $g, L1 $l1: expected a lag of >= 5 s"
+    pass "clock without agent sync ($b)" "guest $g lags L1 $l1 by $((l1 - g)) s"
+    reseeded /tmp/r.sock "no-sync $b"
+    r=$(gexec /tmp/r.sock sh -c 'head -c 16 /dev/urandom | od -An -tx1 | tr -d " \n"') ||
+        fail "no-sync $b: reading /dev/urandom"
+    echo "$r" >>/tmp/nosync-urandom
+    $CLADE poweroff /tmp/r.sock || fail "no-sync $b: poweroff"
+    wait_gone "$R"
+done
+[ "$(sort -u /tmp/nosync-urandom | wc -l)" = 2 ] ||
+    fail "resumes without the agent share random bytes: $(tr '\n' ';' </tmp/nosync-urandom)"
+pass "urandom without agent sync" "$(tr '\n' ' ' </tmp/nosync-urandom)"
 
 rm -f /tmp/r.sock /tmp/r.api
 $CLADE restore /tmp/snap-diff --vsock /tmp/r.sock --api-sock /tmp/r.api \

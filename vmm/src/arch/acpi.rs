@@ -2,6 +2,9 @@
 //! one I/O port), MADT (local APICs and the IOAPIC) and a DSDT announcing S5 (power off).
 //! Debian's stock kernel finds virtio-mmio devices only through the DSDT, so each virtio-mmio
 //! slot is a DSDT device there (`_HID "LNRO0005"`, the id Linux's virtio_mmio driver matches).
+//! The VM generation ID (see `devices::vmgenid`) is a DSDT device too (`_CID
+//! "VM_GEN_COUNTER"`, its address from the `ADDR` method), notified through a generic event
+//! device (`ACPI0013`), the hardware-reduced way to signal ACPI events with an interrupt.
 
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
@@ -71,7 +74,66 @@ fn virtio_mmio_device(uid: u32, slot: &VirtioSlot) -> Result<Vec<u8>> {
     Ok(aml_bytes(&aml::Device::new(path.as_str().into(), children)))
 }
 
-fn dsdt(virtio: &[VirtioSlot]) -> Result<Vec<u8>> {
+/// Where the VM generation ID is and which interrupt announces its changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenIdPlace {
+    /// Guest-physical address of the 16-byte ID.
+    pub addr: u64,
+    /// GSI of the generic event device's interrupt (edge-triggered, active high).
+    pub gsi: u32,
+}
+
+/// `_HID` of the VM generation ID device (a valid ACPI id: four letters, four hex digits).
+/// Linux's driver matches the `_CID`; the `_HID` only has to be this machine's own.
+const VMGENID_HID: &str = "CLAD0001";
+/// The compatible id (and DOS device name) every VM generation ID driver looks for.
+const VMGENID_CID: &str = "VM_GEN_COUNTER";
+/// ACPI path of the VM generation ID device.
+const VMGENID_PATH: &str = "\\_SB_.VGEN";
+
+/// The VM generation ID device: `ADDR` returns the ID's address as a package of its low
+/// and high 32 bits.
+fn vmgenid_device(place: &GenIdPlace) -> Vec<u8> {
+    let hid: aml::AmlStr = VMGENID_HID;
+    let cid: aml::AmlStr = VMGENID_CID;
+    let low = place.addr & 0xffff_ffff;
+    let high = place.addr >> 32;
+    let addr = aml::Package::new(vec![&low, &high]);
+    let ret = aml::Return::new(&addr);
+    let names = [
+        aml::Name::new("_HID".into(), &hid),
+        aml::Name::new("_CID".into(), &cid),
+        aml::Name::new("_DDN".into(), &cid),
+    ];
+    let method = aml::Method::new("ADDR".into(), 0, false, vec![&ret]);
+    let mut children: Vec<&dyn Aml> = names.iter().map(|n| n as &dyn Aml).collect();
+    children.push(&method);
+    aml_bytes(&aml::Device::new(VMGENID_PATH.into(), children))
+}
+
+/// The generic event device: one edge-triggered interrupt whose `_EVT` (called with the
+/// GSI) notifies the VM generation ID device (0x80: "the ID changed, read it again").
+fn ged_device(place: &GenIdPlace) -> Vec<u8> {
+    let hid: aml::AmlStr = "ACPI0013";
+    let uid = aml::ZERO;
+    let irq = aml::Interrupt::new(true, true, false, false, place.gsi);
+    let crs = aml::ResourceTemplate::new(vec![&irq]);
+    let target = aml::Path::new(VMGENID_PATH);
+    let notify = aml::Notify::new(&target, &0x80u8);
+    let is_ours = aml::Equal::new(&aml::Arg(0), &place.gsi);
+    let on_event = aml::If::new(&is_ours, vec![&notify]);
+    let evt = aml::Method::new("_EVT".into(), 1, true, vec![&on_event]);
+    let names = [
+        aml::Name::new("_HID".into(), &hid),
+        aml::Name::new("_UID".into(), &uid),
+        aml::Name::new("_CRS".into(), &crs),
+    ];
+    let mut children: Vec<&dyn Aml> = names.iter().map(|n| n as &dyn Aml).collect();
+    children.push(&evt);
+    aml_bytes(&aml::Device::new("_SB_.GED_".into(), children))
+}
+
+fn dsdt(virtio: &[VirtioSlot], genid: Option<&GenIdPlace>) -> Result<Vec<u8>> {
     let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     let s5 = aml::Name::new("_S5_".into(), &aml::Package::new(vec![&ACPI_PM_S5_SLP_TYP]));
     dsdt.append_slice(&aml_bytes(&s5));
@@ -79,6 +141,10 @@ fn dsdt(virtio: &[VirtioSlot]) -> Result<Vec<u8>> {
     for (uid, slot) in virtio.iter().enumerate() {
         let uid = u32::try_from(uid).map_err(|_| Error::Boot("too many devices".into()))?;
         dsdt.append_slice(&virtio_mmio_device(uid, slot)?);
+    }
+    if let Some(place) = genid {
+        dsdt.append_slice(&vmgenid_device(place));
+        dsdt.append_slice(&ged_device(place));
     }
     Ok(dsdt.as_slice().to_vec())
 }
@@ -125,8 +191,14 @@ fn madt(vcpus: u32) -> Vec<u8> {
 }
 
 /// Writes the tables into the legacy BIOS area; the RSDP lands at [`ACPI_START`].
-/// `virtio` are the virtio-mmio slots to announce in the DSDT.
-pub fn write_tables(mem: &GuestMemory, vcpus: u32, virtio: &[VirtioSlot]) -> Result<()> {
+/// `virtio` are the virtio-mmio slots to announce in the DSDT, `genid` the VM generation
+/// ID device, if the VM has one.
+pub fn write_tables(
+    mem: &GuestMemory,
+    vcpus: u32,
+    virtio: &[VirtioSlot],
+    genid: Option<&GenIdPlace>,
+) -> Result<()> {
     let mut cursor = ACPI_START + Rsdp::len() as u64;
     let mut place = |bytes: &[u8]| -> Result<u64> {
         let addr = (cursor + 15) & !15;
@@ -138,7 +210,7 @@ pub fn write_tables(mem: &GuestMemory, vcpus: u32, virtio: &[VirtioSlot]) -> Res
         cursor = addr + bytes.len() as u64;
         Ok(addr)
     };
-    let dsdt_addr = place(&dsdt(virtio)?)?;
+    let dsdt_addr = place(&dsdt(virtio, genid)?)?;
     let fadt_addr = place(&fadt(dsdt_addr))?;
     let madt_addr = place(&madt(vcpus))?;
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
@@ -162,7 +234,7 @@ mod tests {
     #[test]
     fn tables_are_linked_and_checksummed() {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        write_tables(&mem, 4, &[]).unwrap();
+        write_tables(&mem, 4, &[], None).unwrap();
         let mut rsdp = [0u8; 36];
         mem.read_slice(&mut rsdp, GuestAddress(ACPI_START)).unwrap();
         assert_eq!(&rsdp[..8], b"RSD PTR ");
@@ -183,11 +255,70 @@ mod tests {
             .map(|c| read_table(u64::from_le_bytes(c.try_into().unwrap()))[..4].to_vec())
             .collect();
         assert_eq!(sigs, vec![b"FACP".to_vec(), b"APIC".to_vec()]);
-        let dsdt = dsdt(&[]).unwrap();
+        let dsdt = dsdt(&[], None).unwrap();
         assert!(dsdt.windows(4).any(|w| w == b"_S5_"));
         assert!(dsdt.windows(4).any(|w| w == b"COM1"));
         assert!(checksum_ok(&dsdt));
         assert!(!dsdt.windows(8).any(|w| w == b"LNRO0005"));
+        assert!(!dsdt.windows(4).any(|w| w == b"VGEN" || w == b"GED_"));
+    }
+
+    #[test]
+    fn vmgenid_and_its_event_device_are_in_the_dsdt() {
+        let place = GenIdPlace {
+            addr: 0xff000,
+            gsi: 3,
+        };
+        let dsdt = dsdt(&[], Some(&place)).unwrap();
+        assert!(checksum_ok(&dsdt));
+        let find = |needle: &[u8]| dsdt.windows(needle.len()).position(|w| w == needle);
+        let count = |needle: &[u8]| dsdt.windows(needle.len()).filter(|w| *w == needle).count();
+        // Names: strings are StringPrefix (0x0d), the bytes, NUL.
+        let vgen = find(b"VGEN").expect("device VGEN");
+        let hid = find(b"\x0dCLAD0001\0").expect("_HID string");
+        assert_eq!(count(b"\x0dVM_GEN_COUNTER\0"), 2, "_CID and _DDN");
+        assert!(vgen < hid);
+        assert_eq!(&dsdt[hid - 4..hid], b"_HID");
+        let cid = find(b"_CID\x0dVM_GEN_COUNTER\0").expect("_CID");
+        assert!(cid > vgen);
+        // ADDR: MethodOp, PkgLength, name, flags (no arguments), then
+        // Return(Package(2) { DWord 0xff000, Zero }).
+        let m = find(b"ADDR").expect("ADDR method");
+        assert_eq!(dsdt[m - 2], 0x14, "MethodOp");
+        let mut body = vec![0x00, 0xa4, 0x12, 0x08, 0x02, 0x0c];
+        body.extend_from_slice(&0xff000u32.to_le_bytes());
+        body.push(0x00);
+        assert_eq!(
+            &dsdt[m + 4..m + 4 + body.len()],
+            &body[..],
+            "ADDR returns the address"
+        );
+
+        // The GED: _HID ACPI0013, its interrupt (extended interrupt descriptor: consumer,
+        // edge, active high, exclusive; GSI 3) and _EVT notifying \_SB_.VGEN with 0x80.
+        let ged = find(b"GED_").expect("device GED_");
+        assert!(ged > m, "the GED comes after the device it notifies");
+        assert_eq!(
+            &dsdt[ged + 4..ged + 8],
+            b"\x08_HI",
+            "its first name is _HID"
+        );
+        assert!(find(b"\x0dACPI0013\0").unwrap() > ged);
+        let irq = [0x89, 6, 0, 0x03, 1, 3, 0, 0, 0];
+        assert!(find(&irq).unwrap() > ged, "the GED's interrupt");
+        let evt = find(b"_EVT").expect("_EVT");
+        assert_eq!(dsdt[evt + 4], 0x09, "one argument, serialized");
+        // If (LEqual (Arg0, 3)) { Notify (\_SB_.VGEN, 0x80) }
+        let mut cond = vec![0x93, 0x68, 0x0a, 0x03];
+        cond.extend_from_slice(&[0x86, b'\\', 0x2e]);
+        cond.extend_from_slice(b"_SB_VGEN");
+        cond.extend_from_slice(&[0x0a, 0x80]);
+        let c = find(&cond).expect("If (Arg0 == GSI) Notify (\\_SB_.VGEN, 0x80)");
+        assert!(c > evt);
+        assert_eq!(dsdt[c - 2], 0xa0, "IfOp");
+
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        write_tables(&mem, 1, &[], Some(&place)).unwrap();
     }
 
     #[test]
@@ -206,7 +337,7 @@ mod tests {
                 device_type: 2,
             },
         ];
-        let dsdt = dsdt(&slots).unwrap();
+        let dsdt = dsdt(&slots, None).unwrap();
         assert!(checksum_ok(&dsdt));
         let find = |needle: &[u8]| dsdt.windows(needle.len()).position(|w| w == needle);
         // Device names and the _HID string.
@@ -230,6 +361,6 @@ mod tests {
         let uid0 = find(b"_UID").unwrap();
         assert_eq!(dsdt[uid0 + 4], 0x00, "ZeroOp");
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        write_tables(&mem, 1, &slots).unwrap();
+        write_tables(&mem, 1, &slots, None).unwrap();
     }
 }

@@ -226,6 +226,20 @@ mod tests {
         let (a1, t1, a2) = (m[1].addr, m[1].r#type, m[2].addr);
         assert_eq!((a1, t1), (PVM_VIF_BASE, E820_RESERVED));
         assert_eq!(a2, PVM_VIF_BASE + 0x2000);
+        // The VM generation ID page is reserved, never RAM.
+        for map in [e820_map(256 << 20, 0), e820_map(256 << 20, 4)] {
+            let covers = |e: &boot_e820_entry| {
+                let (addr, size, t) = (e.addr, e.size, e.r#type);
+                (addr <= VMGENID_ADDR && VMGENID_ADDR + 0x1000 <= addr + size).then_some(t)
+            };
+            let types: Vec<u32> = map.iter().filter_map(covers).collect();
+            assert_eq!(types, vec![E820_RESERVED]);
+            let overlaps_ram = map.iter().any(|e| {
+                let (addr, size, t) = (e.addr, e.size, e.r#type);
+                t == E820_RAM && addr < VMGENID_ADDR + 0x1000 && VMGENID_ADDR < addr + size
+            });
+            assert!(!overlaps_ram);
+        }
         let high = m.last().unwrap();
         assert_eq!(
             (high.addr, high.size),

@@ -6,7 +6,8 @@
 //! 0x0001_0000  PML4, PDPT, 4 PDs (identity map of 4 GiB; CR3 bit 12 clear, see PVM notes)
 //! 0x0002_0000  kernel command line
 //! 0x0008_0000  PVM virtual-interrupt-flag cells, one page per vCPU (reserved in e820)
-//! 0x0009_fc00  EBDA .. 1 MiB    reserved; ACPI tables from 0xe_0000
+//! 0x0009_fc00  EBDA .. 1 MiB    reserved; ACPI tables from 0xe_0000, the VM generation ID
+//!              page at 0xf_f000
 //! 0x0010_0000  high memory: kernel, initrd (at the top of low RAM)
 //! 0xc000_0000  MMIO gap up to 4 GiB: devices, IOAPIC, LAPIC
 //!              0xd000_0000 test device, 0xd000_1000.. virtio-mmio slots (4 KiB each)
@@ -39,8 +40,11 @@ pub const PVM_VIF_MAX: u64 = (EBDA_START - PVM_VIF_BASE) / 0x1000;
 pub const EBDA_START: u64 = 0x9fc00;
 /// ACPI tables (RSDP first; Linux also scans here).
 pub const ACPI_START: u64 = 0xe0000;
-/// End of the ACPI table area.
-pub const ACPI_END: u64 = 0x100000;
+/// End of the ACPI table area (the VM generation ID page follows).
+pub const ACPI_END: u64 = VMGENID_ADDR;
+/// The VM generation ID (16 bytes at the start of the last page below 1 MiB, in the
+/// reserved legacy area: the guest kernel never uses it as RAM).
+pub const VMGENID_ADDR: u64 = 0xff000;
 /// Where the kernel may be loaded and where high memory starts.
 pub const HIMEM_START: u64 = 0x100000;
 /// Start of the 32-bit MMIO hole; RAM above it is moved beyond 4 GiB.
@@ -74,6 +78,9 @@ pub mod pio {
     pub const ACPI_PM: u16 = 0x3c0;
     /// Test device interrupt line.
     pub const TEST_DEVICE_GSI: u32 = 5;
+    /// The ACPI generic event device's interrupt (VM generation ID changes): COM2's ISA
+    /// line, unused here (GSIs 4 and 5 are COM1 and the test device, 6..=23 virtio-mmio).
+    pub const GED_GSI: u32 = 3;
 }
 
 /// The guest RAM ranges (guest address, size) for `mem_bytes` of memory.
@@ -140,5 +147,9 @@ mod tests {
             )
         };
         const { assert!(PVM_VIF_MAX >= 16) };
+        // The generation ID page is in the reserved legacy area, after the ACPI tables.
+        const { assert!(VMGENID_ADDR >= ACPI_START && VMGENID_ADDR + 0x1000 <= HIMEM_START) };
+        const { assert!(VMGENID_ADDR >= EBDA_START && VMGENID_ADDR.is_multiple_of(0x1000)) };
+        const { assert!(pio::GED_GSI != pio::SERIAL_COM1_GSI && pio::GED_GSI < pio::TEST_DEVICE_GSI) };
     }
 }

@@ -130,8 +130,9 @@ impl PreparedSnapshot {
             cpu_check,
             ..Expect::default()
         };
-        let (header, state): (_, StatePayload) =
-            state_file::read(&dir.join(STATE_FILE), &expect).map_err(file_err(dir))?;
+        let (header, state) =
+            state_file::read_with(&dir.join(STATE_FILE), &expect, StatePayload::decode)
+                .map_err(file_err(dir))?;
         let meta = header.meta;
         let m = &state.saved.machine;
         if m.vcpus == 0 || state.saved.vcpus.len() != m.vcpus as usize {
