@@ -40,6 +40,7 @@ use crate::arch::layout::{
 };
 use crate::config::{BlockConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
+use crate::seccomp::ThreadKind;
 use crate::vstate::vcpu::IoBuses;
 
 /// Serial output shared with the [`crate::Vm`] handle: the in-memory buffer (if any) and the
@@ -281,7 +282,10 @@ impl DeviceManager {
         let mut runner = Some(runner);
         let mut start_loop = move || -> Result<EventLoop> {
             let r = runner.take().unwrap_or_else(snapshot::spawn_thread);
-            Ok(EventLoop::start_on("clade-devices", r)?)
+            Ok(EventLoop::start_on(
+                "clade-devices",
+                crate::seccomp::confine(ThreadKind::DeviceLoop, r),
+            )?)
         };
         let mut pio_bus = Bus::new();
         let mut mmio_bus = Bus::new();
@@ -585,7 +589,10 @@ impl DeviceManager {
         });
         let lp = match &self._event_loop {
             Some(lp) => lp,
-            None => self._event_loop.insert(EventLoop::start("clade-devices")?),
+            None => self._event_loop.insert(EventLoop::start_on(
+                "clade-devices",
+                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
+            )?),
         };
         let device = BlockDevice::new(image, &serial, lp.handle())?;
         let shared = device.disk();

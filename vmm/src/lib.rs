@@ -32,6 +32,7 @@ mod fork;
 pub mod host;
 mod persist;
 mod saved;
+pub mod seccomp;
 mod vm;
 mod vstate;
 

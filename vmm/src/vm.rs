@@ -21,6 +21,7 @@ use crate::exit::{VmEvent, VmExit};
 use crate::saved::{
     Lineage, MachineState, RestoreReport, SavedDisk, SavedMachine, SavedVsock, Steps,
 };
+use crate::seccomp::ThreadKind;
 use crate::vstate::kvm;
 use crate::vstate::memory::{Backing, GuestMemory, GuestRam};
 use crate::vstate::spare::SpareThread;
@@ -202,7 +203,10 @@ impl Vm {
         for (index, fd) in self.pending_vcpus.drain(..).enumerate() {
             let cpu =
                 (!self.vcpu_cpus.is_empty()).then(|| self.vcpu_cpus[index % self.vcpu_cpus.len()]);
-            let runner = crate::vstate::spare::runner_from(&mut self.spares);
+            let runner = crate::seccomp::confine(
+                ThreadKind::Vcpu,
+                crate::vstate::spare::runner_from(&mut self.spares),
+            );
             let handle = VcpuHandle::spawn(
                 index,
                 fd,
@@ -694,6 +698,7 @@ impl Vm {
             std::thread::Builder::new()
                 .name("agent-sync".into())
                 .spawn(move || {
+                    crate::seccomp::confine_current_thread(ThreadKind::Helper);
                     let r = crate::agent::sync_after_restore(&path, timeout, suffix.as_deref());
                     let _ = tx.send(r);
                 })

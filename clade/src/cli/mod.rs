@@ -110,7 +110,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Run(args) => run::run(args),
         Command::Bench { seccomp, which } => {
             if seccomp {
-                vmm::host::seccomp::install()?;
+                vmm::seccomp::install()?;
             }
             bench::bench(which)
         }

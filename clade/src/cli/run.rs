@@ -94,6 +94,10 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     if let Some(code) = jailed {
         return Ok(code);
     }
+    // The process filter before any VM thread exists, so each can narrow it to its kind.
+    if !args.no_seccomp {
+        vmm::seccomp::install()?;
+    }
     let config = VmConfig {
         vcpus: args.machine.vcpus,
         mem_mib: args.machine.mem_mib,

@@ -152,6 +152,10 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if let Some(code) = jailed {
         return Ok(code);
     }
+    // The process filter before any VM thread exists, so each can narrow it to its kind.
+    if !args.no_seccomp {
+        vmm::seccomp::install()?;
+    }
     let owner = owner_options(args.files_root, !args.no_seccomp)?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let options = RestoreOptions {

@@ -391,7 +391,10 @@ impl Client {
         let r = routes.clone();
         std::thread::Builder::new()
             .name("agent-reader".into())
-            .spawn(move || read_loop(reader, &r))
+            .spawn(move || {
+                crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Helper);
+                read_loop(reader, &r)
+            })
             .map_err(|e| Error::Io {
                 context: "start the agent reader thread",
                 source: e,

@@ -260,7 +260,11 @@ impl ApiServer {
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || accept_loop(listener, tx, &stop2, peers))
+            .spawn(move || {
+                // Connection threads inherit this thread's filters.
+                crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Api);
+                accept_loop(listener, tx, &stop2, peers)
+            })
             .map_err(io_err("spawning the API thread"))?;
         Ok(Self {
             path: path.to_path_buf(),

@@ -182,6 +182,7 @@ pub fn fork_processes(
     // Reap each child when it ends (they outlive this process if it ends first).
     for mut s in started {
         std::thread::spawn(move || {
+            crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Helper);
             let _ = s.child.wait();
         });
     }
@@ -339,6 +340,7 @@ fn start_child(
         let stdout = stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))?;
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
+            crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Helper);
             let mut line = String::new();
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);

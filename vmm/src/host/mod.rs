@@ -20,7 +20,6 @@ mod fork;
 pub mod jail;
 mod options;
 mod owner;
-pub mod seccomp;
 
 pub use child::serve_fork_child;
 pub use fork::{fork_processes, ForkedChild, ForkedProcesses};

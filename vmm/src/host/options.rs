@@ -16,7 +16,7 @@ pub struct OwnerOptions {
     /// Directories that snapshot and fork requests name must lie under this one (None:
     /// anywhere). Paths must be absolute either way.
     pub files_root: Option<PathBuf>,
-    /// Install the system-call filter ([`super::seccomp`]) on every thread before the loop
+    /// Install the system-call filter ([`crate::seccomp`]) on every thread before the loop
     /// runs (default: true).
     pub seccomp: bool,
 }

@@ -68,8 +68,8 @@ pub fn stop_on_signals() -> Result<&'static AtomicI32> {
 /// ended then.
 pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result<OwnerEnd> {
     if options.seccomp {
-        super::seccomp::install()?;
-        super::seccomp::probe();
+        crate::seccomp::install()?;
+        crate::seccomp::probe(None);
     }
     let tick = if api.is_some() {
         Duration::from_millis(20)

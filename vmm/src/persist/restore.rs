@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::saved::{
     Lineage, MachineState, MemoryBackend, RestoreReport, SavedDisk, SavedMachine, Steps,
 };
+use crate::seccomp::ThreadKind;
 use crate::vm::Vm;
 use crate::vstate::kvm;
 use crate::vstate::memory::GuestRam;
@@ -393,7 +394,10 @@ impl PreparedSnapshot {
                             working_set_loaded: loaded,
                             prefetch: options.prefetch,
                         },
-                        spare::runner_from(slot.spares),
+                        crate::seccomp::confine(
+                            ThreadKind::PageServer,
+                            spare::runner_from(slot.spares),
+                        ),
                         slot.uffd,
                     )
                     .map_err(file_err(dir))?;

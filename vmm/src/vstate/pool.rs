@@ -91,7 +91,10 @@ impl ShellPool {
         let i = Arc::clone(&inner);
         let thread = std::thread::Builder::new()
             .name("clade-pool".into())
-            .spawn(move || refill(&i))
+            .spawn(move || {
+                crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Helper);
+                refill(&i)
+            })
             .map_err(|source| Error::Io {
                 context: "spawning the VM pool thread",
                 source,
