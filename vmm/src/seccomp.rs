@@ -286,6 +286,9 @@ const THREAD_BASE: &[libc::c_long] = &[
     libc::SYS_close,
     libc::SYS_fstat,
     libc::SYS_fcntl,
+    // A guest's power-off (handled on its vCPU) flushes the disk.
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
     libc::SYS_poll,
     libc::SYS_ppoll,
     libc::SYS_epoll_wait,
