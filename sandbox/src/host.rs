@@ -418,8 +418,9 @@ impl Host {
         Ok(rec)
     }
 
-    /// Forks a running sandbox into `count` new sandboxes (the VM's live fork: memory
-    /// shared copy-on-write, each child its own process). Children inherit the template,
+    /// Forks a running sandbox into `count` new sandboxes: the VM's live fork (memory
+    /// shared copy-on-write, each child its own process) when its memory allows, else a
+    /// snapshot of the running parent that each child restores (the parent runs on). Children inherit the template,
     /// metadata, env vars and auto-pause, and time out `timeout_s` from now.
     pub fn fork(&self, id: &str, count: usize, timeout_s: u64) -> Result<Vec<Record>> {
         self.check_timeout(timeout_s)?;
@@ -447,38 +448,79 @@ impl Host {
             .join("forks")
             .join(format!("{id}-{}", ids::random_string(6)));
         std::fs::create_dir_all(&prefix).map_err(Error::io("creating", &prefix))?;
-        let children = self
-            .driver
-            .fork(&api, count, &prefix, !template.test_guest)?;
+        let live = match self.driver.fork(&api, count, &prefix, !template.test_guest) {
+            Ok(children) => Some(children),
+            // A VM whose memory is served from a snapshot (the uffd and file backends, how
+            // sandboxes start) cannot fork live: the children restore a snapshot instead.
+            Err(Error::VmApi { message, .. }) if message.contains("can fork") => None,
+            Err(e) => return Err(e),
+        };
         let now = ids::now_ms();
+        let new_child = |cid: String, dir: PathBuf| Record {
+            id: cid,
+            template: parent.template.clone(),
+            state: State::Paused,
+            pid: None,
+            api_sock: None,
+            vsock: None,
+            dir,
+            snapshot: None,
+            pauses: 0,
+            started_ms: now,
+            end_ms: now + (timeout_s as i64) * 1000,
+            auto_pause: parent.auto_pause,
+            metadata: parent.metadata.clone(),
+            env_vars: parent.env_vars.clone(),
+            vcpus: parent.vcpus,
+            mem_mib: parent.mem_mib,
+            disk: None,
+            crash: None,
+            parent: Some(parent.id.clone()),
+        };
         let mut out = Vec::new();
-        for c in children {
-            let cid = ids::new_sandbox_id();
-            let dir = self.sandboxes_dir().join(&cid);
-            std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
-            let rec = Record {
-                id: cid,
-                template: parent.template.clone(),
-                state: State::Running,
-                pid: Some(c.pid),
-                api_sock: Some(c.api_sock),
-                vsock: c.vsock,
-                dir,
-                snapshot: None,
-                pauses: 0,
-                started_ms: now,
-                end_ms: now + (timeout_s as i64) * 1000,
-                auto_pause: parent.auto_pause,
-                metadata: parent.metadata.clone(),
-                env_vars: parent.env_vars.clone(),
-                vcpus: parent.vcpus,
-                mem_mib: parent.mem_mib,
-                disk: c.disk,
-                crash: None,
-                parent: Some(parent.id.clone()),
-            };
-            self.reg().insert(&rec)?;
-            out.push(rec);
+        match live {
+            Some(children) => {
+                for c in children {
+                    let cid = ids::new_sandbox_id();
+                    let dir = self.sandboxes_dir().join(&cid);
+                    std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
+                    let mut rec = new_child(cid, dir);
+                    rec.state = State::Running;
+                    rec.pid = Some(c.pid);
+                    rec.api_sock = Some(c.api_sock);
+                    rec.vsock = c.vsock;
+                    rec.disk = c.disk;
+                    self.reg().insert(&rec)?;
+                    out.push(rec);
+                }
+            }
+            None => {
+                // The fork's base snapshot stays where it is while any child needs it (the
+                // children's memory and their later diffs build on it), so it is not in the
+                // parent's directory.
+                let base = prefix.join("base");
+                if self.driver.snapshot(&api, &base, true).is_err() {
+                    let _ = std::fs::remove_dir_all(&base);
+                    self.driver.snapshot(&api, &base, false)?;
+                }
+                for _ in 0..count {
+                    let cid = ids::new_sandbox_id();
+                    let dir = self.sandboxes_dir().join(&cid);
+                    std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
+                    let mut rec = new_child(cid, dir);
+                    if let Err(e) = self.start_vm(&mut rec, &template, &base) {
+                        let _ = std::fs::remove_dir_all(&rec.dir);
+                        // The children started so far stay: each is a sandbox of its own.
+                        tracing::warn!(sandbox = %id, "fork child {}: {e}", out.len() + 1);
+                        if out.is_empty() {
+                            return Err(e);
+                        }
+                        break;
+                    }
+                    self.reg().insert(&rec)?;
+                    out.push(rec);
+                }
+            }
         }
         tracing::info!(sandbox = %id, children = out.len(), "forked");
         Ok(out)
@@ -515,7 +557,9 @@ impl Host {
             let lock = self.lock_of(&rec.id);
             // Busy: an operation on it is under way and will see for itself.
             let Ok(_g) = lock.try_lock() else { continue };
-            if let Some(fresh) = self.reg().get(&rec.id)? {
+            // (The registry guard must be gone before check_alive writes.)
+            let fresh = self.reg().get(&rec.id)?;
+            if let Some(fresh) = fresh {
                 self.check_alive(fresh)?;
             }
         }

@@ -15,6 +15,8 @@ pub(crate) struct FakeDriver {
     pub log: Mutex<Vec<String>>,
     /// Diffs refused (as for a VM without a base snapshot).
     pub no_diff: std::sync::atomic::AtomicBool,
+    /// Live forks refused (as for a VM restored with the uffd backend).
+    pub no_live_fork: std::sync::atomic::AtomicBool,
 }
 
 impl FakeDriver {
@@ -66,6 +68,12 @@ impl VmDriver for FakeDriver {
         prefix: &Path,
         _sync: bool,
     ) -> Result<Vec<ForkedChild>> {
+        if self.no_live_fork.load(Ordering::SeqCst) {
+            return Err(Error::VmApi {
+                op: "fork",
+                message: "guest memory: only booted VMs ... can fork".into(),
+            });
+        }
         Ok((1..=count)
             .map(|k| {
                 let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
@@ -230,7 +238,7 @@ fn timeouts_kill_or_pause() {
 
 #[test]
 fn forks_become_sandboxes() {
-    let (h, _drv, d) = host("fork");
+    let (h, drv, d) = host("fork");
     let mut r = req(60);
     r.metadata.insert("who".into(), "parent".into());
     let p = h.create(r).unwrap();
@@ -246,6 +254,24 @@ fn forks_become_sandboxes() {
     // A child pauses (full snapshot fallback is the driver's business) and resumes alone.
     h.pause(&kids[0].id).unwrap();
     h.connect(&kids[0].id, 10).unwrap();
+    // A VM that cannot fork live: the children restore a snapshot of the running parent.
+    drv.no_live_fork.store(true, Ordering::SeqCst);
+    let kids2 = h.fork(&p.id, 2, 30).unwrap();
+    assert_eq!(kids2.len(), 2);
+    for k in &kids2 {
+        assert_eq!(k.state, State::Running);
+        assert!(drv
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with(&format!("start {}", k.pid.unwrap())) && l.ends_with("/base")));
+    }
+    assert_eq!(
+        h.get(&p.id).unwrap().state,
+        State::Running,
+        "the parent runs on"
+    );
     // A paused parent cannot fork.
     h.pause(&p.id).unwrap();
     assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
@@ -260,6 +286,9 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let c = h.create(req(60)).unwrap();
     h.pause(&b.id).unwrap();
     drv.crash(c.pid.unwrap());
+    // Found by a list (the sweep) as well as by a lookup.
+    let (l, _) = h.list(&Query::default()).unwrap();
+    assert_eq!(l.len(), 2);
     let got = h.get(&c.id).unwrap();
     assert_eq!(got.state, State::Crashed);
     assert!(got.crash.unwrap().contains("gone"));
