@@ -7,6 +7,7 @@ mod exec;
 mod fork;
 mod jail;
 mod run;
+mod serve;
 mod snapshot;
 
 use std::path::PathBuf;
@@ -67,6 +68,19 @@ enum Command {
     /// parent's memory copy-on-write. Children outlive the parent; stop them through their
     /// API (`shutdown`) or a signal.
     Fork(fork::ForkArgs),
+    /// The sandbox host: an E2B-compatible control API (HTTP) over Clade sandboxes.
+    ///
+    /// Every sandbox is its own VM process restored from a template (`clade template
+    /// build`); the registry (SQLite) lives in --state-dir, so a restarted `serve` finds
+    /// running sandboxes again and paused ones stay resumable. Point the e2b SDK at it with
+    /// E2B_API_URL=http://ADDR and E2B_API_KEY=KEY. Endpoints and differences from E2B:
+    /// docs/e2b-compat.md.
+    Serve(serve::ServeArgs),
+    /// Templates for `clade serve`: build (boot, setup commands, snapshot), ls, rm.
+    Template {
+        #[command(subcommand)]
+        which: serve::TemplateCommand,
+    },
     /// Internal: one child of `clade fork` (started by the parent VM process).
     #[command(hide = true)]
     ForkChild(fork::ForkChildArgs),
@@ -123,6 +137,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Restore(args) => snapshot::restore(args),
         Command::Fork(args) => fork::fork(args),
         Command::ForkChild(args) => fork::fork_child(args),
+        Command::Serve(args) => serve::serve_cmd(args),
+        Command::Template { which } => serve::template(which),
     }
 }
 

@@ -1,0 +1,383 @@
+//! `clade serve` (the sandbox host: the `sandbox` crate behind an HTTP listener) and
+//! `clade template build|ls|rm` (what sandboxes start from).
+//!
+//! A template build is an ordinary `clade run` child with an API and a vsock socket: this
+//! command waits for its agent, runs the setup commands through it, snapshots it into
+//! `<state dir>/templates/<name>/snapshot` and stops it. Only then is `template.json`
+//! written, so `clade serve` never sees half a template.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use disk::ops::CreateOptions;
+use sandbox::http::{serve, AppState};
+use sandbox::{Host, HostConfig, ProcessDriver, Template, TemplateStore};
+use vmm::agent::{Client, Transport};
+use vmm::api::{ApiClient, Request};
+
+use super::MachineArgs;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on (HTTP), e.g. 127.0.0.1:3000 (point the SDK's E2B_API_URL here).
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    listen: String,
+    /// The host's state: registry.sqlite, templates/, sandboxes/ (created if needed).
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// The API key clients must send in X-API-KEY (E2B_API_KEY for the SDK).
+    #[arg(
+        long,
+        env = "CLADE_API_KEY",
+        hide_env_values = true,
+        conflicts_with = "api_key_file"
+    )]
+    api_key: Option<String>,
+    /// Read the API key from this file (first line).
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Most children one fork request may make.
+    #[arg(long, default_value_t = 16)]
+    max_fork: usize,
+    /// Longest sandbox timeout a client may ask for (seconds).
+    #[arg(long, default_value_t = 86400)]
+    max_timeout: u64,
+}
+
+/// `clade serve`: runs until SIGINT/SIGTERM. Sandboxes' VM processes are not stopped then:
+/// the next `clade serve` on the same state dir finds them again.
+pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
+    let key = match (&args.api_key, &args.api_key_file) {
+        (Some(k), None) => k.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string(),
+        _ => bail!("give --api-key KEY (or CLADE_API_KEY) or --api-key-file FILE"),
+    };
+    if key.is_empty() {
+        bail!("the API key is empty");
+    }
+    let state_dir = std::path::absolute(&args.state_dir)?;
+    let mut cfg = HostConfig::new(state_dir.clone());
+    cfg.max_fork = args.max_fork.clamp(1, 64);
+    cfg.max_timeout_s = args.max_timeout.max(1);
+    let exe = std::env::current_exe().context("finding the clade executable")?;
+    let host = Host::open(cfg, Arc::new(ProcessDriver::new(exe)))?;
+    let (running, paused, crashed) = host.recover()?;
+    tracing::info!(running, paused, crashed, "registry loaded");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("listening on {}", args.listen))?;
+        eprintln!(
+            "clade serve: listening on http://{} (state {}; {running} running, {paused} paused, {crashed} crashed sandboxes)",
+            listener.local_addr()?,
+            state_dir.display()
+        );
+        let state = AppState {
+            host: Arc::new(host),
+            api_key: Arc::new(key),
+        };
+        let shutdown = async {
+            use tokio::signal::unix::{signal, SignalKind};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        };
+        serve(listener, state, Duration::from_millis(250), shutdown).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(0)
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TemplateCommand {
+    /// Boot a VM, wait for its agent, run setup commands, snapshot it as template NAME.
+    Build(BuildArgs),
+    /// List the templates in a state dir.
+    Ls {
+        /// The host's state dir.
+        #[arg(long, value_name = "DIR")]
+        state_dir: PathBuf,
+        /// One JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a template (no sandbox may use it).
+    Rm {
+        /// Template name.
+        name: String,
+        /// The host's state dir.
+        #[arg(long, value_name = "DIR")]
+        state_dir: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct BuildArgs {
+    /// Template name (the SDK's template / templateID).
+    name: String,
+    /// Kernel image (or the project's native test guest, with --test-device).
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initramfs.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long, default_value = "console=ttyS0 panic=-1")]
+    cmdline: String,
+    /// A frozen base disk layer: the template VM writes its own overlay on it, frozen by
+    /// the snapshot; each sandbox gets an overlay on that.
+    #[arg(long, value_name = "BASE.cdsk")]
+    disk: Option<PathBuf>,
+    /// The project's bare-metal test guest (it answers only the agent's Hello and Ping).
+    #[arg(long)]
+    test_device: bool,
+    /// A setup command run in the guest with `sh -c` (repeatable; in order; any failure
+    /// fails the build). Needs a Linux guest with clade-agent.
+    #[arg(long = "run", value_name = "CMD")]
+    run: Vec<String>,
+    /// The host's state dir.
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Replace an existing template of that name.
+    #[arg(long)]
+    force: bool,
+    /// How long the agent may take to answer after boot (seconds).
+    #[arg(long, default_value_t = 60.0)]
+    agent_timeout: f64,
+    #[command(flatten)]
+    machine: MachineArgs,
+}
+
+pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
+    match cmd {
+        TemplateCommand::Build(a) => build(a),
+        TemplateCommand::Ls { state_dir, json } => {
+            let ts = TemplateStore::new(&state_dir).list()?;
+            if json {
+                let v: Vec<_> = ts
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({"name": t.name, "vcpus": t.vcpus, "mem_mib": t.mem_mib,
+                            "disk": t.disk, "test_guest": t.test_guest, "created_ms": t.created_ms})
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                for t in ts {
+                    println!(
+                        "{}\t{} vCPU\t{} MiB\t{}{}",
+                        t.name,
+                        t.vcpus,
+                        t.mem_mib,
+                        if t.disk { "disk" } else { "no disk" },
+                        if t.test_guest { "\ttest guest" } else { "" }
+                    );
+                }
+            }
+            Ok(0)
+        }
+        TemplateCommand::Rm { name, state_dir } => {
+            let state_dir = std::path::absolute(&state_dir)?;
+            // A service may hold the registry open: SQLite allows a second reader.
+            let users = if state_dir.join("registry.sqlite").exists() {
+                sandbox::registry::Registry::open(&state_dir.join("registry.sqlite"))?
+                    .count_template(&name)?
+            } else {
+                0
+            };
+            TemplateStore::new(&state_dir).remove(&name, users)?;
+            println!("removed template {name}");
+            Ok(0)
+        }
+    }
+}
+
+/// Kills the build VM if the build fails before it was shut down.
+struct BuildVm(std::process::Child);
+
+impl Drop for BuildVm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn build(a: BuildArgs) -> anyhow::Result<u8> {
+    if a.test_device && !a.run.is_empty() {
+        bail!(
+            "--run needs a Linux guest with clade-agent: the native test guest (--test-device) \
+             answers only the agent's Hello and Ping"
+        );
+    }
+    let state_dir = std::path::absolute(&a.state_dir)?;
+    let store = TemplateStore::new(&state_dir);
+    let dir = store.prepare(&a.name, a.force)?;
+    let t0 = Instant::now();
+    let r = build_into(&a, &store, &dir);
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let t = r?;
+    println!(
+        "template {} built in {:.2}s: {} ({} vCPU, {} MiB{})",
+        t.name,
+        t0.elapsed().as_secs_f64(),
+        dir.display(),
+        t.vcpus,
+        t.mem_mib,
+        if t.disk { ", disk" } else { "" }
+    );
+    Ok(0)
+}
+
+fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Result<Template> {
+    let api = dir.join("build.api");
+    let vsock = dir.join("build.vsock");
+    let serial = dir.join("build.serial");
+    let overlay = dir.join("disk.cdsk");
+    if let Some(base) = &a.disk {
+        disk::ops::create(
+            &overlay,
+            &CreateOptions {
+                virtual_size: None,
+                block_size: None,
+                parent: Some(std::path::absolute(base)?),
+            },
+        )
+        .with_context(|| format!("overlay on {}", base.display()))?;
+    }
+    let exe = std::env::current_exe().context("finding the clade executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("run")
+        .arg("--kernel")
+        .arg(std::path::absolute(&a.kernel)?)
+        .arg("--cmdline")
+        .arg(&a.cmdline)
+        .arg("--vcpus")
+        .arg(a.machine.vcpus.to_string())
+        .arg("--mem")
+        .arg(a.machine.mem_mib.to_string())
+        .arg("--kvm-device")
+        .arg(&a.machine.kvm_device)
+        .arg("--vsock")
+        .arg(&vsock)
+        .arg("--api-sock")
+        .arg(&api)
+        .arg("--files-root")
+        .arg(dir)
+        .arg("--serial-file")
+        .arg(&serial);
+    if let Some(i) = &a.initrd {
+        cmd.arg("--initrd").arg(std::path::absolute(i)?);
+    }
+    if a.disk.is_some() {
+        cmd.arg("--disk").arg(&overlay);
+    }
+    if a.test_device {
+        cmd.arg("--test-device");
+    }
+    let log = std::fs::File::create(dir.join("build.log"))?;
+    let mut vm = BuildVm(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting the build VM")?,
+    );
+    let timeout = Duration::from_secs_f64(a.agent_timeout.max(0.1));
+    let t = Instant::now();
+    while !vsock.exists() || !api.exists() {
+        if let Some(status) = vm.0.try_wait()? {
+            bail!(
+                "the build VM ended ({status}) before its sockets appeared: {}",
+                std::fs::read_to_string(dir.join("build.log")).unwrap_or_default()
+            );
+        }
+        if t.elapsed() > timeout {
+            bail!("the build VM's sockets did not appear in {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    {
+        let left = timeout.saturating_sub(t.elapsed());
+        let client = Client::connect_timeout(&vsock, Transport::Vsock { port: 52 }, left)
+            .context("waiting for the guest agent")?;
+        let pong = client.ping().context("agent ping")?;
+        tracing::info!("agent {} answers", pong.agent_version);
+        for c in &a.run {
+            let out = client
+                .spawn(&vmm::agent::Command::new("/bin/sh").arg("-c").arg(c))
+                .with_context(|| format!("starting '{c}'"))?
+                .wait_with_output()
+                .with_context(|| format!("running '{c}'"))?;
+            if !out.status.success() {
+                bail!(
+                    "setup command '{c}' failed ({:?}): {}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        if !a.run.is_empty() {
+            client
+                .spawn(&vmm::agent::Command::new("/bin/sync"))?
+                .wait()
+                .context("sync")?;
+        }
+    }
+    let snap = store.snapshot_dir(&a.name)?;
+    let mut c = ApiClient::connect(&api)?;
+    let r = c.call(&Request::Snapshot {
+        dir: snap,
+        kind: "full".into(),
+    })?;
+    if !r.ok {
+        bail!("snapshot: {}", r.error.unwrap_or_default());
+    }
+    let _ = c.call(&Request::Shutdown);
+    let t = Instant::now();
+    while vm.0.try_wait()?.is_none() {
+        if t.elapsed() > Duration::from_secs(5) {
+            let _ = vm.0.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _ = vm.0.wait();
+    let t = Template {
+        name: a.name.clone(),
+        vcpus: a.machine.vcpus,
+        mem_mib: a.machine.mem_mib,
+        disk: a.disk.is_some(),
+        test_guest: a.test_device,
+        created_ms: sandbox::ids::now_ms(),
+        setup: a.run.clone(),
+    };
+    store.finish(&t)?;
+    Ok(t)
+}

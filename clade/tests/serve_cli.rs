@@ -1,0 +1,304 @@
+//! `clade serve` on the native test guest: a template built by `clade template build`,
+//! then create / list / info / timeout / pause / connect / fork / kill / 404 / 401 over HTTP,
+//! each sandbox's agent answering on its own vsock socket, and a service restart that finds
+//! the running sandbox again and keeps the paused one resumable.
+
+#[path = "../../tests/src/native_guest.rs"]
+mod native_guest;
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Dir, Proc};
+use native_guest::native_guest;
+use serde_json::Value;
+
+fn clade() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_clade"))
+}
+
+/// One HTTP/1.1 request (Connection: close); returns (status, body as JSON or Null).
+fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, Value) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let key = key
+        .map(|k| format!("X-API-KEY: {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status: u16 = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+fn ping(sock: &Path) {
+    let o = clade().arg("ping").arg(sock).output().unwrap();
+    assert!(
+        o.status.success(),
+        "ping {}: {}",
+        sock.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start_serve(state: &Path, port: u16) -> Proc {
+    let p = Proc(
+        clade()
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--api-key",
+                "k",
+            ])
+            .arg("--state-dir")
+            .arg(state)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "serve never listened"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    p
+}
+
+fn id_of(v: &Value) -> String {
+    v["sandboxID"].as_str().expect("sandboxID").to_string()
+}
+
+#[test]
+fn serve_drives_sandboxes_of_the_native_guest() {
+    let d = Dir::new("serve");
+    let state = d.p("state");
+    // Each `vsock` step serves one agent connection: enough for the build's and the test's.
+    let steps = vec!["vsock"; 30].join(",");
+    let o = clade()
+        .args(["template", "build", "t", "--test-device", "--mem", "64"])
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--cmdline", &format!("steps={steps}")])
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = clade()
+        .args(["template", "build", "u", "--test-device", "--run", "true"])
+        .arg("--kernel")
+        .arg(native_guest())
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("Hello and Ping"));
+    let o = clade()
+        .args(["template", "ls", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("t\t"));
+
+    let port = free_port();
+    let mut serve = start_serve(&state, port);
+    let vsock = |id: &str| state.join("sandboxes").join(id).join("vm.vsock");
+
+    // Auth.
+    assert_eq!(http(port, "GET", "/v2/sandboxes", None, "").0, 401);
+    let (s, v) = http(port, "GET", "/v2/sandboxes", Some("nope"), "");
+    assert_eq!((s, v["code"].as_u64()), (401, Some(401)));
+
+    // Create: the agent answers.
+    let t = Instant::now();
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t","timeout":300,"metadata":{"role":"a"}}"#,
+    );
+    eprintln!("create: {:?}", t.elapsed());
+    assert_eq!(s, 201, "{v}");
+    let a = id_of(&v);
+    ping(&vsock(&a));
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"zz"}"#,
+    );
+    assert_eq!(s, 400, "{v}");
+    let (s, v) = http(port, "POST", "/v2/sandboxes", Some("k"), "{bad");
+    assert_eq!((s, v["code"].as_u64()), (400, Some(400)));
+
+    // Info, list with a metadata filter, timeout.
+    let (s, v) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!((s, v["state"].as_str()), (200, Some("running")), "{v}");
+    let (_, v) = http(
+        port,
+        "GET",
+        "/v2/sandboxes?metadata=role%3Da",
+        Some("k"),
+        "",
+    );
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    let (_, v) = http(
+        port,
+        "GET",
+        "/v2/sandboxes?metadata=role%3Db",
+        Some("k"),
+        "",
+    );
+    assert_eq!(v.as_array().unwrap().len(), 0);
+    let (s, _) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/timeout"),
+        Some("k"),
+        r#"{"timeout":600}"#,
+    );
+    assert_eq!(s, 204);
+    let (s, v) = http(
+        port,
+        "GET",
+        &format!("/sandboxes/{a}/metrics"),
+        Some("k"),
+        "",
+    );
+    assert_eq!(s, 200);
+    assert!(v[0]["memUsed"].as_u64().unwrap() > 0, "{v}");
+
+    // Pause: the VM process is gone; connect resumes it and the agent answers.
+    let (s, _) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/pause"),
+        Some("k"),
+        "{}",
+    );
+    assert_eq!(s, 204);
+    assert!(!vsock(&a).exists());
+    let (s, _) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/pause"),
+        Some("k"),
+        "{}",
+    );
+    assert_eq!(s, 409);
+    let t = Instant::now();
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/v2/sandboxes/{a}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    eprintln!("connect (resume): {:?}", t.elapsed());
+    assert_eq!(s, 201, "{v}");
+    ping(&vsock(&a));
+
+    // Fork: two new sandboxes that answer, the parent runs on.
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/fork"),
+        Some("k"),
+        r#"{"count":2,"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    let kids: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| id_of(&k["sandbox"]))
+        .collect();
+    assert_eq!(kids.len(), 2);
+    for k in &kids {
+        ping(&vsock(k));
+    }
+    ping(&vsock(&a));
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/fork"),
+        Some("k"),
+        r#"{"count":100}"#,
+    );
+    assert_eq!(s, 400, "{v}");
+
+    // A paused one for the restart.
+    let (s, _) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{}/pause", kids[1]),
+        Some("k"),
+        "{}",
+    );
+    assert_eq!(s, 204);
+
+    // Service restart: running ones found again, the paused one resumable.
+    serve.0.kill().unwrap();
+    serve.0.wait().unwrap();
+    let _serve = start_serve(&state, port);
+    let (_, v) = http(port, "GET", "/v2/sandboxes?state=running", Some("k"), "");
+    assert_eq!(v.as_array().unwrap().len(), 2, "{v}");
+    let (_, v) = http(port, "GET", "/v2/sandboxes?state=paused", Some("k"), "");
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    ping(&vsock(&a));
+    let (s, _) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{}/connect", kids[1]),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201);
+    ping(&vsock(&kids[1]));
+
+    // Kill everything; then 404s.
+    for id in kids.iter().chain([&a]) {
+        let (s, _) = http(port, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "");
+        assert_eq!(s, 204);
+    }
+    let (s, v) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!((s, v["code"].as_u64()), (404, Some(404)));
+    assert_eq!(
+        http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "").0,
+        404
+    );
+    let (_, v) = http(port, "GET", "/v2/sandboxes", Some("k"), "");
+    assert_eq!(v.as_array().unwrap().len(), 0);
+    let o = clade()
+        .args(["template", "rm", "t", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

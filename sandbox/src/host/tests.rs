@@ -1,0 +1,325 @@
+//! The lifecycle against a driver that keeps VM "processes" in a table (no KVM): states,
+//! timeouts, pause/resume bookkeeping, forks, crashes and recovery after a restart.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use super::*;
+use crate::template::Template;
+use crate::vmproc::ForkedChild;
+
+#[derive(Default)]
+pub(crate) struct FakeDriver {
+    next_pid: AtomicI32,
+    pub alive: Mutex<HashSet<i32>>,
+    pub log: Mutex<Vec<String>>,
+    /// Diffs refused (as for a VM without a base snapshot).
+    pub no_diff: std::sync::atomic::AtomicBool,
+    /// Live forks refused (as for a VM restored with the uffd backend).
+    pub no_live_fork: std::sync::atomic::AtomicBool,
+}
+
+impl FakeDriver {
+    fn note(&self, s: String) {
+        self.log.lock().unwrap().push(s);
+    }
+    pub(crate) fn crash(&self, pid: i32) {
+        self.alive.lock().unwrap().remove(&pid);
+    }
+}
+
+impl VmDriver for FakeDriver {
+    fn start(&self, spec: &StartSpec) -> Result<i32> {
+        if !spec.snapshot.exists() {
+            return Err(Error::Vm(format!(
+                "no snapshot {}",
+                spec.snapshot.display()
+            )));
+        }
+        let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
+        self.alive.lock().unwrap().insert(pid);
+        self.note(format!("start {pid} {}", spec.snapshot.display()));
+        Ok(pid)
+    }
+    fn snapshot(&self, _api: &Path, dir: &Path, diff: bool) -> Result<()> {
+        if diff && self.no_diff.load(Ordering::SeqCst) {
+            return Err(Error::VmApi {
+                op: "snapshot",
+                message: "no base".into(),
+            });
+        }
+        std::fs::create_dir_all(dir).unwrap();
+        self.note(format!(
+            "snapshot {} {}",
+            if diff { "diff" } else { "full" },
+            dir.display()
+        ));
+        Ok(())
+    }
+    fn stop(&self, pid: i32, _api: &Path) -> Result<()> {
+        self.alive.lock().unwrap().remove(&pid);
+        self.note(format!("stop {pid}"));
+        Ok(())
+    }
+    fn fork(
+        &self,
+        _api: &Path,
+        count: usize,
+        prefix: &Path,
+        _sync: bool,
+    ) -> Result<Vec<ForkedChild>> {
+        if self.no_live_fork.load(Ordering::SeqCst) {
+            return Err(Error::VmApi {
+                op: "fork",
+                message: "guest memory: only booted VMs ... can fork".into(),
+            });
+        }
+        Ok((1..=count)
+            .map(|k| {
+                let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
+                self.alive.lock().unwrap().insert(pid);
+                ForkedChild {
+                    pid,
+                    api_sock: prefix.join(format!("vm-f{k}.api")),
+                    vsock: Some(prefix.join(format!("vm-f{k}.vsock"))),
+                    disk: None,
+                }
+            })
+            .collect())
+    }
+    fn exited(&self, pid: i32, _api: &Path) -> Option<String> {
+        (!self.alive.lock().unwrap().contains(&pid)).then(|| format!("pid {pid} gone"))
+    }
+}
+
+pub(crate) fn state_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sandbox-host-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let store = TemplateStore::new(&d);
+    let t = store.prepare("t", false).unwrap();
+    std::fs::create_dir_all(t.join("snapshot")).unwrap();
+    store
+        .finish(&Template {
+            name: "t".into(),
+            vcpus: 2,
+            mem_mib: 128,
+            disk: false,
+            test_guest: true,
+            created_ms: 0,
+            setup: vec![],
+        })
+        .unwrap();
+    d
+}
+
+pub(crate) fn host(name: &str) -> (Host, Arc<FakeDriver>, PathBuf) {
+    let d = state_dir(name);
+    let driver = Arc::new(FakeDriver::default());
+    let h = Host::open(HostConfig::new(d.clone()), driver.clone()).unwrap();
+    (h, driver, d)
+}
+
+fn req(timeout_s: u64) -> CreateRequest {
+    CreateRequest {
+        template: "t".into(),
+        timeout_s,
+        ..CreateRequest::default()
+    }
+}
+
+#[test]
+fn create_pause_resume_kill() {
+    let (h, drv, d) = host("cycle");
+    let r = h.create(req(60)).unwrap();
+    assert_eq!(r.state, State::Running);
+    assert_eq!((r.vcpus, r.mem_mib), (2, 128));
+    assert!(r.dir.starts_with(d.join("sandboxes")));
+    let pid = r.pid.unwrap();
+
+    let p = h.pause(&r.id).unwrap();
+    assert_eq!(p.state, State::Paused);
+    assert!(p.pid.is_none() && p.api_sock.is_none());
+    assert_eq!(p.snapshot.as_deref(), Some(r.dir.join("pause-1").as_path()));
+    assert!(
+        drv.exited(pid, Path::new("")).is_some(),
+        "a paused sandbox has no process"
+    );
+    assert!(matches!(h.pause(&r.id), Err(Error::Conflict(_))));
+    // Only a diff was taken (the VM was restored from the template: it has a base).
+    assert!(drv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.starts_with("snapshot diff")));
+
+    let (c, resumed) = h.connect(&r.id, 30).unwrap();
+    assert!(resumed);
+    assert_eq!(c.state, State::Running);
+    assert!(
+        drv.log.lock().unwrap().last().unwrap().contains("pause-1"),
+        "resumed from the pause"
+    );
+    let (_, resumed) = h.connect(&r.id, 30).unwrap();
+    assert!(!resumed, "connect to a running sandbox does not resume it");
+    assert!(matches!(h.resume(&r.id, 30), Err(Error::Conflict(_))));
+
+    // A second pause numbers its snapshot on; a refused diff falls back to a full one.
+    drv.no_diff.store(true, Ordering::SeqCst);
+    let p2 = h.pause(&r.id).unwrap();
+    assert_eq!(
+        p2.snapshot.as_deref(),
+        Some(r.dir.join("pause-2").as_path())
+    );
+    assert!(drv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.starts_with("snapshot full")));
+    let r2 = h.resume(&r.id, 30).unwrap();
+    assert_eq!(r2.state, State::Running);
+
+    h.kill(&r.id).unwrap();
+    assert!(matches!(h.get(&r.id), Err(Error::NotFound(_))));
+    assert!(!r.dir.exists());
+    assert!(matches!(h.kill(&r.id), Err(Error::NotFound(_))));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn bad_requests_are_refused_before_anything_starts() {
+    let (h, drv, d) = host("bad");
+    assert!(matches!(h.create(req(0)), Err(Error::BadRequest(_))));
+    assert!(matches!(
+        h.create(req(10 * 86400)),
+        Err(Error::BadRequest(_))
+    ));
+    let mut r = req(10);
+    r.template = "nope".into();
+    assert!(matches!(h.create(r), Err(Error::BadRequest(m)) if m.contains("nope")));
+    let mut r = req(10);
+    r.template = "../../etc".into();
+    assert!(matches!(h.create(r), Err(Error::BadRequest(_))));
+    assert!(drv.log.lock().unwrap().is_empty());
+    assert!(matches!(h.get("../x"), Err(Error::NotFound(_))));
+    assert!(matches!(h.pause("nosuchsandbox"), Err(Error::NotFound(_))));
+    let s = h.create(req(10)).unwrap();
+    assert!(matches!(h.fork(&s.id, 0, 10), Err(Error::BadRequest(_))));
+    assert!(matches!(h.fork(&s.id, 17, 10), Err(Error::BadRequest(_))));
+    assert!(matches!(h.set_timeout(&s.id, 0), Err(Error::BadRequest(_))));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn timeouts_kill_or_pause() {
+    let (h, _drv, d) = host("timeouts");
+    let killed = h.create(req(1)).unwrap();
+    let mut ap = req(1);
+    ap.auto_pause = true;
+    let paused = h.create(ap).unwrap();
+    let lives = h.create(req(100)).unwrap();
+    let now = ids::now_ms();
+    assert!(h.expire(now).unwrap().is_empty(), "nothing is due yet");
+    let done = h.expire(now + 2000).unwrap();
+    assert_eq!(done.len(), 2);
+    assert!(matches!(h.get(&killed.id), Err(Error::NotFound(_))));
+    assert_eq!(h.get(&paused.id).unwrap().state, State::Paused);
+    assert_eq!(h.get(&lives.id).unwrap().state, State::Running);
+    // A paused sandbox does not time out again; an extended one is not due.
+    h.set_timeout(&lives.id, 1000).unwrap();
+    assert!(h.expire(now + 5000).unwrap().is_empty());
+    // refresh never shortens.
+    let before = h.get(&lives.id).unwrap().end_ms;
+    h.refresh(&lives.id, 1).unwrap();
+    assert_eq!(h.get(&lives.id).unwrap().end_ms, before);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn forks_become_sandboxes() {
+    let (h, drv, d) = host("fork");
+    let mut r = req(60);
+    r.metadata.insert("who".into(), "parent".into());
+    let p = h.create(r).unwrap();
+    let kids = h.fork(&p.id, 3, 30).unwrap();
+    assert_eq!(kids.len(), 3);
+    for k in &kids {
+        assert_eq!(k.parent.as_deref(), Some(p.id.as_str()));
+        assert_eq!(k.metadata.get("who").map(String::as_str), Some("parent"));
+        assert_eq!(h.get(&k.id).unwrap().state, State::Running);
+    }
+    let (all, _) = h.list(&Query::default()).unwrap();
+    assert_eq!(all.len(), 4);
+    // A child pauses (full snapshot fallback is the driver's business) and resumes alone.
+    h.pause(&kids[0].id).unwrap();
+    h.connect(&kids[0].id, 10).unwrap();
+    // A VM that cannot fork live: the children restore a snapshot of the running parent.
+    drv.no_live_fork.store(true, Ordering::SeqCst);
+    let kids2 = h.fork(&p.id, 2, 30).unwrap();
+    assert_eq!(kids2.len(), 2);
+    for k in &kids2 {
+        assert_eq!(k.state, State::Running);
+        assert!(drv
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with(&format!("start {}", k.pid.unwrap())) && l.ends_with("/base")));
+    }
+    assert_eq!(
+        h.get(&p.id).unwrap().state,
+        State::Running,
+        "the parent runs on"
+    );
+    // A paused parent cannot fork.
+    h.pause(&p.id).unwrap();
+    assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn crashes_show_and_a_restart_finds_everything_again() {
+    let (h, drv, d) = host("restart");
+    let a = h.create(req(60)).unwrap();
+    let b = h.create(req(60)).unwrap();
+    let c = h.create(req(60)).unwrap();
+    h.pause(&b.id).unwrap();
+    drv.crash(c.pid.unwrap());
+    // Found by a list (the sweep) as well as by a lookup.
+    let (l, _) = h.list(&Query::default()).unwrap();
+    assert_eq!(l.len(), 2);
+    let got = h.get(&c.id).unwrap();
+    assert_eq!(got.state, State::Crashed);
+    assert!(got.crash.unwrap().contains("gone"));
+    assert!(matches!(h.pause(&c.id), Err(Error::Crashed { .. })));
+    // Lists leave crashed sandboxes out.
+    let (l, _) = h.list(&Query::default()).unwrap();
+    assert_eq!(l.len(), 2);
+    drop(h);
+
+    // "Restart": a new host on the same state dir and the same processes.
+    let h = Host::open(HostConfig::new(d.clone()), drv.clone()).unwrap();
+    assert_eq!(h.recover().unwrap(), (1, 1, 1));
+    assert_eq!(h.get(&a.id).unwrap().pid, a.pid);
+    let (r, resumed) = h.connect(&b.id, 10).unwrap();
+    assert!(resumed && r.state == State::Running);
+    // A crashed sandbox can be killed (removed).
+    h.kill(&c.id).unwrap();
+    assert!(matches!(h.get(&c.id), Err(Error::NotFound(_))));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn templates_in_use_stay() {
+    let (h, _drv, d) = host("tpl");
+    let s = h.create(req(60)).unwrap();
+    let store = TemplateStore::new(&d);
+    assert!(matches!(
+        store.remove("t", h.template_users("t").unwrap()),
+        Err(Error::Conflict(_))
+    ));
+    h.kill(&s.id).unwrap();
+    store.remove("t", h.template_users("t").unwrap()).unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}

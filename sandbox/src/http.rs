@@ -1,0 +1,532 @@
+//! The E2B control API over HTTP (axum): paths, JSON shapes, status codes and error bodies
+//! as the `e2b` Python SDK (pinned in `tests/e2b/requirements.txt`) calls and parses them.
+//! See `docs/e2b-compat.md` for what differs from E2B's own service.
+//!
+//! Every request needs the `X-API-KEY` header; errors are `{"code": N, "message": "..."}`
+//! like E2B's. Request bodies are parsed here (not by axum's extractors) so that malformed
+//! JSON gets the same error body as any other bad input. The lifecycle calls block (they
+//! start and stop processes), so they run on tokio's blocking pool.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, Request, State as AxState};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::error::Error;
+use crate::host::{CreateRequest, Host};
+use crate::ids;
+use crate::registry::{Query, Record, State};
+
+/// The envd version reported for every sandbox. The SDK refuses sandboxes below 0.1.0 and
+/// picks data-plane features by it; the data plane (issue 11) decides the final value.
+pub const ENVD_VERSION: &str = "0.1.0";
+/// `clientID` in every answer (E2B's identifies the orchestrator node; one host here).
+pub const CLIENT_ID: &str = "clade";
+/// E2B's default sandbox timeout (seconds) when a request gives none.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+/// E2B's default page size of `GET /v2/sandboxes`, and its largest.
+pub const DEFAULT_PAGE: usize = 100;
+/// Largest page.
+pub const MAX_PAGE: usize = 1000;
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub struct AppState {
+    /// The sandbox host.
+    pub host: Arc<Host>,
+    /// The API key every request must carry.
+    pub api_key: Arc<String>,
+}
+
+/// An error answer: status plus E2B's error body.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    error_code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            error_code: None,
+        }
+    }
+
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::NotFound(_) => StatusCode::NOT_FOUND,
+            Error::Crashed { .. } => StatusCode::NOT_FOUND,
+            Error::BadRequest(_) | Error::TemplateNotFound(_) => StatusCode::BAD_REQUEST,
+            Error::Conflict(_) => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            tracing::error!("{e}");
+        }
+        Self {
+            status,
+            error_code: matches!(e, Error::Crashed { .. }).then_some("sandbox_crashed"),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = json!({"code": self.status.as_u16(), "message": self.message});
+        if let Some(c) = self.error_code {
+            body["error_code"] = json!(c);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Runs a blocking lifecycle call on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    st: &AppState,
+    f: impl FnOnce(&Host) -> crate::Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    let host = st.host.clone();
+    tokio::task::spawn_blocking(move || f(&host))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("worker: {e}")))?
+        .map_err(ApiError::from)
+}
+
+/// Parses a JSON body; an empty body is `{}`.
+fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
+    let bytes: &[u8] = if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        b"{}"
+    } else {
+        bytes
+    };
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad(format!("invalid request body: {e}")))
+}
+
+/// A JSON object of strings (`metadata`, `envVars`), or absent/null.
+fn string_map(v: Option<Value>, what: &str) -> ApiResult<BTreeMap<String, String>> {
+    match v {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(Value::Object(m)) => m
+            .into_iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k, s)),
+                other => Err(ApiError::bad(format!(
+                    "{what}.{k}: expected a string, got {other}"
+                ))),
+            })
+            .collect(),
+        Some(other) => Err(ApiError::bad(format!(
+            "{what}: expected an object, got {other}"
+        ))),
+    }
+}
+
+fn timeout_of(v: Option<i64>) -> ApiResult<u64> {
+    match v {
+        None => Ok(DEFAULT_TIMEOUT_S),
+        Some(t) if t >= 0 => Ok(t as u64),
+        Some(t) => Err(ApiError::bad(format!("timeout must not be negative: {t}"))),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<i64>,
+    auto_pause: Option<bool>,
+    metadata: Option<Value>,
+    env_vars: Option<Value>,
+    // Accepted, not acted on (see docs/e2b-compat.md): autoPauseMemory, autoResume,
+    // secure, allow_internet_access, network, mcp, iam, volumeMounts.
+}
+
+#[derive(Deserialize, Default)]
+struct TimeoutBody {
+    timeout: Option<i64>,
+}
+
+#[derive(Deserialize, Default)]
+struct RefreshBody {
+    duration: Option<i64>,
+}
+
+#[derive(Deserialize, Default)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+/// `Sandbox` of the spec: what create, connect, resume and fork answer.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SandboxOut {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    alias: String,
+    #[serde(rename = "clientID")]
+    client_id: &'static str,
+    envd_version: &'static str,
+    domain: Option<String>,
+}
+
+fn sandbox_out(r: &Record) -> SandboxOut {
+    SandboxOut {
+        template_id: r.template.clone(),
+        sandbox_id: r.id.clone(),
+        alias: r.template.clone(),
+        client_id: CLIENT_ID,
+        envd_version: ENVD_VERSION,
+        domain: None,
+    }
+}
+
+/// `ListedSandbox` / `SandboxDetail` of the spec.
+fn listed(r: &Record, detail: bool) -> Value {
+    let mut v = json!({
+        "templateID": r.template,
+        "alias": r.template,
+        "sandboxID": r.id,
+        "clientID": CLIENT_ID,
+        "startedAt": ids::rfc3339(r.started_ms),
+        "endAt": ids::rfc3339(r.end_ms),
+        "cpuCount": r.vcpus,
+        "memoryMB": r.mem_mib,
+        "diskSizeMB": 0,
+        "state": r.state.as_str(),
+        "envdVersion": ENVD_VERSION,
+        "metadata": r.metadata,
+    });
+    if detail {
+        v["domain"] = Value::Null;
+        v["lifecycle"] = json!({
+            "autoResume": false,
+            "onTimeout": if r.auto_pause { "pause" } else { "kill" },
+        });
+        if r.state == State::Paused {
+            v["pauseMode"] = json!("full");
+        }
+    }
+    v
+}
+
+/// The router with every endpoint, behind the API-key check.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/sandboxes", post(create).get(list_v1))
+        .route("/v2/sandboxes", post(create).get(list_v2))
+        .route("/sandboxes/{id}", get(info).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+/// Constant-time comparison (the key's length is not secret).
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn auth(AxState(st): AxState<AppState>, req: Request, next: Next) -> Response {
+    match req.headers().get("x-api-key") {
+        None => ApiError::new(StatusCode::UNAUTHORIZED, "Authorization header is missing")
+            .into_response(),
+        Some(k) if same_key(k.as_bytes(), st.api_key.as_bytes()) => next.run(req).await,
+        Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
+    }
+}
+
+async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Response> {
+    let b: NewSandbox = body(&bytes)?;
+    let req = CreateRequest {
+        template: b.template_id,
+        timeout_s: timeout_of(b.timeout)?,
+        auto_pause: b.auto_pause.unwrap_or(false),
+        metadata: string_map(b.metadata, "metadata")?,
+        env_vars: string_map(b.env_vars, "envVars")?,
+    };
+    let rec = blocking(&st, move |h| h.create(req)).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())
+}
+
+/// The query string's pairs (one level of URL decoding).
+fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
+    q.as_deref()
+        .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+/// E2B's `metadata` filter: `k1=v1&k2=v2` (URL-encoded as a whole, each key and value
+/// URL-encoded once more by the SDK).
+fn metadata_filter(s: &str) -> BTreeMap<String, String> {
+    let decode = |t: &str| {
+        percent_encoding::percent_decode_str(t)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    form_urlencoded::parse(s.as_bytes())
+        .map(|(k, v)| (decode(&k), decode(&v)))
+        .collect()
+}
+
+fn parse_query(q: &Option<String>, v2: bool) -> ApiResult<Query> {
+    let mut out = Query {
+        limit: if v2 { DEFAULT_PAGE } else { 0 },
+        states: if v2 { vec![] } else { vec![State::Running] },
+        ..Query::default()
+    };
+    for (k, v) in query_pairs(q) {
+        match k.as_str() {
+            "metadata" | "query" => out.metadata.extend(metadata_filter(&v)),
+            "state" if v2 => {
+                out.states = v
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| match s {
+                        "running" => Ok(State::Running),
+                        "paused" => Ok(State::Paused),
+                        other => Err(ApiError::bad(format!("unknown state '{other}'"))),
+                    })
+                    .collect::<ApiResult<_>>()?
+            }
+            "template" if v2 => out.template = Some(v),
+            "startedAfter" if v2 => {
+                out.started_after = Some(
+                    ids::parse_rfc3339(&v)
+                        .ok_or_else(|| ApiError::bad(format!("startedAfter: not a time: {v}")))?,
+                )
+            }
+            "order" if v2 => {
+                out.descending = match v.as_str() {
+                    "asc" => false,
+                    "desc" => true,
+                    other => return Err(ApiError::bad(format!("order: '{other}' (asc or desc)"))),
+                }
+            }
+            "limit" if v2 => {
+                out.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| ApiError::bad(format!("limit must be 1 to {MAX_PAGE}")))?
+            }
+            "nextToken" if v2 => {
+                out.offset = v.parse::<usize>().map_err(|_| {
+                    ApiError::bad(format!("nextToken: not a token this host issued: {v}"))
+                })?
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+async fn list_v1(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
+    let query = parse_query(&q, false)?;
+    let (recs, _) = blocking(&st, move |h| h.list(&query)).await?;
+    let out: Vec<Value> = recs.iter().map(|r| listed(r, false)).collect();
+    Ok(Json(out).into_response())
+}
+
+async fn list_v2(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
+    let query = parse_query(&q, true)?;
+    let next = query.offset + query.limit;
+    let (recs, more) = blocking(&st, move |h| h.list(&query)).await?;
+    let out: Vec<Value> = recs.iter().map(|r| listed(r, false)).collect();
+    let mut headers = HeaderMap::new();
+    if more {
+        headers.insert("x-next-token", HeaderValue::from(next));
+    }
+    Ok((headers, Json(out)).into_response())
+}
+
+async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    let rec = blocking(&st, move |h| h.get(&id)).await?;
+    if rec.state == State::Crashed {
+        return Err(Error::Crashed {
+            id: rec.id,
+            why: rec.crash.unwrap_or_default(),
+        }
+        .into());
+    }
+    Ok(Json(listed(&rec, true)).into_response())
+}
+
+async fn kill(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    blocking(&st, move |h| h.kill(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn set_timeout(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<StatusCode> {
+    let b: TimeoutBody = body(&bytes)?;
+    let t = b
+        .timeout
+        .ok_or_else(|| ApiError::bad("timeout is required"))
+        .and_then(|t| timeout_of(Some(t)))?;
+    blocking(&st, move |h| h.set_timeout(&id, t)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn refresh(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<StatusCode> {
+    let b: RefreshBody = body(&bytes)?;
+    let d = timeout_of(Some(b.duration.unwrap_or(DEFAULT_TIMEOUT_S as i64)))?;
+    blocking(&st, move |h| h.refresh(&id, d)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn pause(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<StatusCode> {
+    // {"memory": bool, "requireHealthyGuest": bool}: a pause here always keeps memory.
+    let _: Value = body(&bytes)?;
+    blocking(&st, move |h| h.pause(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn resume(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let b: TimeoutBody = body(&bytes)?;
+    let t = timeout_of(b.timeout)?;
+    let rec = blocking(&st, move |h| h.resume(&id, t)).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())
+}
+
+async fn connect(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let b: TimeoutBody = body(&bytes)?;
+    let t = timeout_of(b.timeout)?;
+    let (rec, resumed) = blocking(&st, move |h| h.connect(&id, t)).await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox_out(&rec))).into_response())
+}
+
+async fn fork(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let b: ForkBody = body(&bytes)?;
+    let t = timeout_of(b.timeout)?;
+    let count = b.count.unwrap_or(1);
+    let count = usize::try_from(count)
+        .map_err(|_| ApiError::bad(format!("count must be positive, not {count}")))?;
+    let recs = blocking(&st, move |h| h.fork(&id, count, t)).await?;
+    let out: Vec<Value> = recs
+        .iter()
+        .map(|r| json!({"sandbox": sandbox_out(r)}))
+        .collect();
+    Ok((StatusCode::CREATED, Json(out)).into_response())
+}
+
+async fn metrics(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    let ms = blocking(&st, move |h| h.metrics(&id)).await?;
+    let out: Vec<Value> = ms
+        .iter()
+        .map(|m| {
+            json!({
+                "timestamp": ids::rfc3339(m.at_ms),
+                "timestampUnix": m.at_ms / 1000,
+                "cpuCount": m.cpu_count,
+                "cpuUsedPct": m.cpu_used_pct,
+                "memUsed": m.mem_used,
+                "memTotal": m.mem_total,
+                "memCache": 0,
+                "diskUsed": m.disk_used,
+                "diskTotal": m.disk_total,
+            })
+        })
+        .collect();
+    Ok(Json(out).into_response())
+}
+
+/// Serves the API on `listener` until `shutdown` resolves; applies timeouts and notices
+/// crashed VMs every `tick`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    tick: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let host = state.host.clone();
+    let ticker = tokio::spawn(async move {
+        let mut iv = tokio::time::interval(tick);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            iv.tick().await;
+            let h = host.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                h.expire(ids::now_ms())?;
+                h.reap()
+            })
+            .await;
+            match r {
+                Ok(Err(e)) => tracing::warn!("timeout sweep: {e}"),
+                Err(e) => tracing::warn!("timeout sweep: {e}"),
+                Ok(Ok(())) => {}
+            }
+        }
+    });
+    let r = axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    ticker.abort();
+    r
+}
+
+#[cfg(test)]
+mod tests;

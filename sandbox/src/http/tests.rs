@@ -1,0 +1,272 @@
+//! The HTTP layer against the lifecycle with a table-driven VM driver (no KVM): status
+//! codes, bodies and headers as the e2b SDK parses them.
+
+use axum::body::Body;
+use axum::http::Request as HttpRequest;
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+use super::*;
+use crate::host::tests::host;
+
+const KEY: &str = "e2b_test_key";
+
+fn app(name: &str) -> (Router, std::path::PathBuf) {
+    let (h, _drv, d) = host(name);
+    let st = AppState {
+        host: Arc::new(h),
+        api_key: Arc::new(KEY.into()),
+    };
+    (router(st), d)
+}
+
+async fn call(
+    app: &Router,
+    method: &str,
+    uri: &str,
+    body: Option<&str>,
+) -> (u16, HeaderMap, Value) {
+    call_key(app, method, uri, body, Some(KEY)).await
+}
+
+async fn call_key(
+    app: &Router,
+    method: &str,
+    uri: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> (u16, HeaderMap, Value) {
+    let mut b = HttpRequest::builder().method(method).uri(uri);
+    if let Some(k) = key {
+        b = b.header("X-API-KEY", k);
+    }
+    let req = b
+        .header("content-type", "application/json")
+        .body(Body::from(body.unwrap_or("").to_string()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    (status, headers, v)
+}
+
+#[tokio::test]
+async fn auth_is_required() {
+    let (app, d) = app("auth");
+    let (s, _, v) = call_key(&app, "GET", "/v2/sandboxes", None, None).await;
+    assert_eq!(s, 401);
+    assert_eq!(v["code"], 401);
+    assert!(v["message"].as_str().unwrap().contains("missing"));
+    let (s, _, v) = call_key(&app, "GET", "/v2/sandboxes", None, Some("wrong")).await;
+    assert_eq!(s, 401);
+    assert_eq!(v["message"], "Invalid API key");
+    // Unknown paths need the key too, then are 404 with an error body.
+    let (s, _, v) = call(&app, "GET", "/nope", None).await;
+    assert_eq!((s, v["code"].clone()), (404, json!(404)));
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn sandbox_life_over_http() {
+    let (app, d) = app("life");
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"t","timeout":60,"metadata":{"user":"ann"},"envVars":{"A":"1"},"autoPause":false,"secure":true,"allow_internet_access":true}"#),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(id.len(), 20);
+    assert_eq!(v["templateID"], "t");
+    assert_eq!(v["clientID"], CLIENT_ID);
+    assert_eq!(v["envdVersion"], ENVD_VERSION);
+
+    let (s, _, v) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v["state"], "running");
+    assert_eq!(v["cpuCount"], 2);
+    assert_eq!(v["memoryMB"], 128);
+    assert_eq!(v["metadata"]["user"], "ann");
+    assert_eq!(v["lifecycle"]["onTimeout"], "kill");
+    assert!(ids::parse_rfc3339(v["endAt"].as_str().unwrap()).is_some());
+
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/timeout"),
+        Some(r#"{"timeout":120}"#),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/refreshes"),
+        Some(r#"{"duration":10}"#),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let (s, _, v) = call(&app, "GET", &format!("/sandboxes/{id}/metrics"), None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v[0]["memTotal"], 128 * 1024 * 1024);
+
+    let (s, _, _) = call(&app, "POST", &format!("/sandboxes/{id}/pause"), Some("{}")).await;
+    assert_eq!(s, 204);
+    let (s, _, v) = call(&app, "POST", &format!("/sandboxes/{id}/pause"), None).await;
+    assert_eq!(s, 409, "{v}");
+    let (s, _, v) = call(&app, "GET", "/v2/sandboxes?state=paused", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(v[0]["state"], "paused");
+    let (s, _, v) = call(&app, "GET", "/sandboxes", None).await;
+    assert_eq!(
+        (s, v.as_array().unwrap().len()),
+        (200, 0),
+        "v1 lists running ones"
+    );
+
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":30}"#),
+    )
+    .await;
+    assert_eq!(s, 201, "resumed: {v}");
+    assert_eq!(v["sandboxID"], id.as_str());
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":30}"#),
+    )
+    .await;
+    assert_eq!(s, 200, "already running");
+
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(r#"{"count":2,"timeout":30}"#),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let kids: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["sandbox"]["sandboxID"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(kids.len(), 2);
+    let (_, _, v) = call(&app, "GET", "/v2/sandboxes?state=running", None).await;
+    assert_eq!(v.as_array().unwrap().len(), 3);
+
+    for k in kids.iter().chain([&id]) {
+        let (s, _, _) = call(&app, "DELETE", &format!("/sandboxes/{k}"), None).await;
+        assert_eq!(s, 204);
+    }
+    let (s, _, v) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, 404);
+    assert_eq!(v["code"], 404);
+    let (s, _, _) = call(&app, "DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, 404);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn bad_input_gets_400_with_a_message() {
+    let (app, d) = app("badinput");
+    for body in [
+        "{not json",
+        "[]",
+        r#"{"timeout":5}"#,
+        r#"{"templateID":"nope"}"#,
+        r#"{"templateID":"t","timeout":-1}"#,
+        r#"{"templateID":"t","timeout":99999999}"#,
+        r#"{"templateID":"t","metadata":{"a":1}}"#,
+        r#"{"templateID":"t","envVars":"x"}"#,
+        r#"{"templateID":7}"#,
+    ] {
+        let (s, _, v) = call(&app, "POST", "/v2/sandboxes", Some(body)).await;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_eq!(v["code"], 400);
+        assert!(!v["message"].as_str().unwrap().is_empty());
+    }
+    let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    for (uri, body) in [
+        (format!("/sandboxes/{id}/fork"), r#"{"count":1000}"#),
+        (format!("/sandboxes/{id}/fork"), r#"{"count":-1}"#),
+        (format!("/sandboxes/{id}/timeout"), r#"{}"#),
+        (format!("/sandboxes/{id}/timeout"), r#"{"timeout":"soon"}"#),
+    ] {
+        let (s, _, v) = call(&app, "POST", &uri, Some(body)).await;
+        assert_eq!(s, 400, "{uri} {body}: {v}");
+    }
+    for q in [
+        "state=sleeping",
+        "limit=0",
+        "limit=x",
+        "order=up",
+        "nextToken=abc",
+        "startedAfter=today",
+    ] {
+        let (s, _, v) = call(&app, "GET", &format!("/v2/sandboxes?{q}"), None).await;
+        assert_eq!(s, 400, "{q}: {v}");
+    }
+    let (s, _, _) = call(&app, "POST", "/sandboxes/nosuch/pause", None).await;
+    assert_eq!(s, 404);
+    let (s, _, _) = call(&app, "GET", "/sandboxes/..%2F..%2Fetc", None).await;
+    assert_eq!(s, 404);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn lists_filter_by_metadata_and_page() {
+    let (app, d) = app("pages");
+    for i in 0..5 {
+        let body = format!(r#"{{"templateID":"t","metadata":{{"n":"{i}","k y":"a&b"}}}}"#);
+        let (s, _, _) = call(&app, "POST", "/v2/sandboxes", Some(&body)).await;
+        assert_eq!(s, 201);
+    }
+    // As the SDK sends it: urlencode({quote(k): quote(v)}) as the value of `metadata`.
+    let (s, _, v) = call(
+        &app,
+        "GET",
+        "/v2/sandboxes?metadata=n%3D3%26k%252520y%3Da%252526b",
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v[0]["metadata"]["n"], "3");
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let uri = match &token {
+            Some(t) => format!("/v2/sandboxes?limit=2&nextToken={t}"),
+            None => "/v2/sandboxes?limit=2".to_string(),
+        };
+        let (s, h, v) = call(&app, "GET", &uri, None).await;
+        assert_eq!(s, 200);
+        seen.extend(v.as_array().unwrap().iter().map(|x| x["sandboxID"].clone()));
+        token = h
+            .get("x-next-token")
+            .map(|t| t.to_str().unwrap().to_string());
+        if token.is_none() {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 5);
+    std::fs::remove_dir_all(d).unwrap();
+}

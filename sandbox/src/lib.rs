@@ -1,0 +1,30 @@
+//! The sandbox host: what `clade serve` is. It owns every sandbox on a machine — a
+//! registry (SQLite) of sandboxes and the lifecycle that decides each one's fate (create
+//! from a template, timeouts, pause/resume, fork, kill, recovery after a restart) — and
+//! serves E2B's control API over HTTP so the `e2b` SDK can drive it.
+//!
+//! It sits at the top: it uses the VMM only through VM processes (`clade restore`, their
+//! control API socket; [`vmproc`]), so a VM crash stays one sandbox's problem and nothing
+//! below depends on this crate.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`template`] | templates on disk (a snapshot plus its metadata) |
+//! | [`registry`] | the SQLite registry of sandboxes |
+//! | [`vmproc`] | starting, asking and stopping VM processes |
+//! | [`host`] | the lifecycle |
+//! | [`http`] | the E2B control API |
+
+pub mod error;
+pub mod host;
+pub mod http;
+pub mod ids;
+pub mod registry;
+pub mod template;
+pub mod vmproc;
+
+pub use error::{Error, Result};
+pub use host::{CreateRequest, Host, HostConfig};
+pub use registry::{Record, State};
+pub use template::{Template, TemplateStore};
+pub use vmproc::{ProcessDriver, VmDriver};

@@ -1,0 +1,230 @@
+//! Templates: what a sandbox starts from. A template is a directory
+//! `<state dir>/templates/<name>/` with `template.json` (this module's [`Template`]) and
+//! `snapshot/` (a full snapshot of a VM that booted and ran the template's setup commands;
+//! with a disk, the snapshot names its frozen disk layer, which lives next to it).
+//!
+//! `clade template build` writes one (it boots the VM; see the CLI); `clade serve` only
+//! reads them: creating a sandbox restores `snapshot/`, so every sandbox of a template shares
+//! the template's memory file and disk layer copy-on-write. A template is complete only once
+//! `template.json` exists (written last, atomically), so a build that failed half-way is
+//! never offered.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The file that makes a template directory a template.
+pub const TEMPLATE_FILE: &str = "template.json";
+/// The snapshot directory inside a template.
+pub const SNAPSHOT_DIR: &str = "snapshot";
+
+/// A built template, as `template.json` records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    /// Its name (the E2B `templateID`).
+    pub name: String,
+    /// vCPUs of its VM.
+    pub vcpus: u32,
+    /// Guest memory (MiB).
+    pub mem_mib: u64,
+    /// Whether the VM has a disk (each sandbox then gets its own overlay).
+    pub disk: bool,
+    /// The project's bare-metal test guest (answers only the agent's Hello and Ping): no
+    /// agent sync after restore or fork, no setup commands.
+    pub test_guest: bool,
+    /// When it was built (ms since the epoch).
+    pub created_ms: i64,
+    /// The setup commands it ran.
+    #[serde(default)]
+    pub setup: Vec<String>,
+}
+
+/// Whether `name` is usable as a template name (a directory name; what E2B accepts as an id
+/// or alias: letters, digits, `-`, `_`, `.`, not starting with `.`).
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// The templates under one state directory.
+#[derive(Debug, Clone)]
+pub struct TemplateStore {
+    root: PathBuf,
+}
+
+impl TemplateStore {
+    /// The store of `<state_dir>/templates`.
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            root: state_dir.join("templates"),
+        }
+    }
+
+    /// The directory template `name` lives (or would live) in.
+    pub fn dir(&self, name: &str) -> Result<PathBuf> {
+        if !valid_name(name) {
+            return Err(Error::BadRequest(format!(
+                "'{name}' is not a template name (letters, digits, '-', '_', '.')"
+            )));
+        }
+        Ok(self.root.join(name))
+    }
+
+    /// Its snapshot directory.
+    pub fn snapshot_dir(&self, name: &str) -> Result<PathBuf> {
+        Ok(self.dir(name)?.join(SNAPSHOT_DIR))
+    }
+
+    /// The template `name`, if it was built completely.
+    pub fn get(&self, name: &str) -> Result<Template> {
+        let file = self.dir(name)?.join(TEMPLATE_FILE);
+        let text = match std::fs::read_to_string(&file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::TemplateNotFound(name.to_string()))
+            }
+            Err(e) => return Err(Error::io("reading", file)(e)),
+        };
+        let t: Template = serde_json::from_str(&text).map_err(|e| Error::TemplateBroken {
+            name: name.into(),
+            why: format!("{}: {e}", file.display()),
+        })?;
+        if t.name != name {
+            return Err(Error::TemplateBroken {
+                name: name.into(),
+                why: format!("{} names template '{}'", file.display(), t.name),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Every complete template, by name.
+    pub fn list(&self) -> Result<Vec<Template>> {
+        let entries = match std::fs::read_dir(&self.root) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io("listing", &self.root)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            match self.get(&name) {
+                Ok(t) => out.push(t),
+                Err(Error::TemplateNotFound(_)) | Err(Error::BadRequest(_)) => {}
+                Err(e) => tracing::warn!("skipping template {name}: {e}"),
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Prepares an empty directory for building template `name` (refuses an existing one
+    /// unless `replace`). Returns the directory.
+    pub fn prepare(&self, name: &str, replace: bool) -> Result<PathBuf> {
+        let dir = self.dir(name)?;
+        if dir.exists() {
+            if !replace && dir.join(TEMPLATE_FILE).exists() {
+                return Err(Error::Conflict(format!(
+                    "template {name} exists (remove it first: clade template rm {name})"
+                )));
+            }
+            std::fs::remove_dir_all(&dir).map_err(Error::io("removing", &dir))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+        Ok(dir)
+    }
+
+    /// Records a finished build (written to a temporary file and renamed: atomic).
+    pub fn finish(&self, t: &Template) -> Result<()> {
+        let dir = self.dir(&t.name)?;
+        let tmp = dir.join(".template.json.tmp");
+        let text = serde_json::to_string_pretty(t).map_err(|e| Error::Corrupt(e.to_string()))?;
+        std::fs::write(&tmp, text).map_err(Error::io("writing", &tmp))?;
+        let file = dir.join(TEMPLATE_FILE);
+        std::fs::rename(&tmp, &file).map_err(Error::io("renaming", &file))
+    }
+
+    /// Removes template `name`. Sandboxes created from it must be gone first (their memory
+    /// and disk are the template's files); `in_use` says how many are not.
+    pub fn remove(&self, name: &str, in_use: usize) -> Result<()> {
+        self.get(name)?;
+        if in_use > 0 {
+            return Err(Error::Conflict(format!(
+                "template {name} is used by {in_use} sandbox(es); kill them first"
+            )));
+        }
+        let dir = self.dir(name)?;
+        std::fs::remove_dir_all(&dir).map_err(Error::io("removing", &dir))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sandbox-tpl-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn t(name: &str) -> Template {
+        Template {
+            name: name.into(),
+            vcpus: 1,
+            mem_mib: 64,
+            disk: false,
+            test_guest: true,
+            created_ms: 1,
+            setup: vec![],
+        }
+    }
+
+    #[test]
+    fn build_list_get_remove() {
+        let d = tmp("cycle");
+        let s = TemplateStore::new(&d);
+        assert!(s.list().unwrap().is_empty());
+        assert!(matches!(s.get("a"), Err(Error::TemplateNotFound(_))));
+        s.prepare("a", false).unwrap();
+        // Not finished: not a template yet.
+        assert!(s.list().unwrap().is_empty());
+        s.finish(&t("a")).unwrap();
+        assert_eq!(s.get("a").unwrap(), t("a"));
+        assert!(matches!(s.prepare("a", false), Err(Error::Conflict(_))));
+        s.prepare("b", false).unwrap();
+        s.finish(&t("b")).unwrap();
+        let names: Vec<_> = s.list().unwrap().into_iter().map(|t| t.name).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert!(matches!(s.remove("a", 2), Err(Error::Conflict(_))));
+        s.remove("a", 0).unwrap();
+        assert!(matches!(s.get("a"), Err(Error::TemplateNotFound(_))));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn names_cannot_escape_the_store() {
+        let s = TemplateStore::new(Path::new("/nonexistent"));
+        for bad in ["", "..", "../x", "a/b", ".hidden", "a b"] {
+            assert!(matches!(s.dir(bad), Err(Error::BadRequest(_))), "{bad}");
+        }
+        assert!(s.dir("base-1.2_x").is_ok());
+    }
+
+    #[test]
+    fn a_garbled_template_file_is_an_error_not_a_panic() {
+        let d = tmp("garbled");
+        let s = TemplateStore::new(&d);
+        let dir = s.prepare("g", false).unwrap();
+        std::fs::write(dir.join(TEMPLATE_FILE), "{not json").unwrap();
+        assert!(matches!(s.get("g"), Err(Error::TemplateBroken { .. })));
+        assert!(s.list().unwrap().is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -1,0 +1,359 @@
+//! VM processes: how the host starts, asks and stops the `clade` process behind a sandbox.
+//!
+//! Each sandbox is its own VM process (`clade restore SNAPSHOT --api-sock … --vsock …`), so
+//! a VM that crashes, or is jailed, is one sandbox's business. The host talks to it through
+//! its control API socket (`vmm::api`: snapshot, fork, shutdown) and never holds a VM in
+//! its own address space. [`VmDriver`] is that boundary; [`ProcessDriver`] is the real one,
+//! and the lifecycle's tests use their own.
+//!
+//! A VM process is identified by its pid *and* its API socket path (which is on its command
+//! line): after a service restart the pid alone could name an unrelated process.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use vmm::api::{ApiClient, Request};
+
+use crate::error::{Error, Result};
+
+/// What a new VM process starts from and where its files go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartSpec {
+    /// The snapshot to restore.
+    pub snapshot: PathBuf,
+    /// Its control API socket.
+    pub api_sock: PathBuf,
+    /// Its vsock socket.
+    pub vsock: PathBuf,
+    /// Its serial console file.
+    pub serial: PathBuf,
+    /// Its stderr (the VMM's log).
+    pub log: PathBuf,
+    /// Snapshot and fork paths it accepts through its API must be under this directory.
+    pub files_root: PathBuf,
+    /// Its own disk overlay (snapshots with a disk).
+    pub disk_overlay: Option<PathBuf>,
+    /// Give the guest agent the time and fresh entropy after the restore.
+    pub agent_sync: bool,
+}
+
+/// A child of a fork, as the parent VM reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForkedChild {
+    /// Its process.
+    pub pid: i32,
+    /// Its control API socket.
+    pub api_sock: PathBuf,
+    /// Its vsock socket.
+    pub vsock: Option<PathBuf>,
+    /// Its disk overlay.
+    pub disk: Option<PathBuf>,
+}
+
+/// Starting, asking and stopping VM processes.
+pub trait VmDriver: Send + Sync {
+    /// Starts a VM process from a snapshot; returns once its API answers. Returns its pid.
+    fn start(&self, spec: &StartSpec) -> Result<i32>;
+    /// Snapshots the VM into `dir`: a diff on the VM's last snapshot when `diff` (an error
+    /// if it has none), else full. The VM keeps running.
+    fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()>;
+    /// Stops the VM process (API shutdown, then SIGKILL if it does not end in time) and
+    /// waits until it is gone.
+    fn stop(&self, pid: i32, api_sock: &Path) -> Result<()>;
+    /// Forks the VM into `count` children with their files under `prefix`.
+    fn fork(
+        &self,
+        api_sock: &Path,
+        count: usize,
+        prefix: &Path,
+        agent_sync: bool,
+    ) -> Result<Vec<ForkedChild>>;
+    /// `None` while the VM process runs; why not otherwise (exit status, or "gone").
+    fn exited(&self, pid: i32, api_sock: &Path) -> Option<String>;
+}
+
+/// How long a new VM process may take until its API answers.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a VM process may take to end after an API shutdown before it is killed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The real driver: VM processes are `clade restore` children of this process.
+pub struct ProcessDriver {
+    clade: PathBuf,
+    /// VM processes this process started (reaped here; others are watched through /proc).
+    children: Mutex<HashMap<i32, Child>>,
+}
+
+impl ProcessDriver {
+    /// A driver that starts VMs with the `clade` executable at `clade`.
+    pub fn new(clade: PathBuf) -> Self {
+        Self {
+            clade,
+            children: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn children(&self) -> std::sync::MutexGuard<'_, HashMap<i32, Child>> {
+        self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn api_call(api_sock: &Path, op: &'static str, req: &Request) -> Result<vmm::api::Response> {
+    let mut c = ApiClient::connect(api_sock).map_err(|e| Error::VmApi {
+        op,
+        message: e.to_string(),
+    })?;
+    let r = c.call(req).map_err(|e| Error::VmApi {
+        op,
+        message: e.to_string(),
+    })?;
+    if !r.ok {
+        return Err(Error::VmApi {
+            op,
+            message: r.error.unwrap_or_else(|| "no reason given".into()),
+        });
+    }
+    Ok(r)
+}
+
+/// The last lines of a VM's log, for an error message.
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(3).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// Whether `pid` is a live (not zombie) process whose command line names `api_sock`.
+pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+    if state.starts_with('Z') || state.starts_with('X') {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let want = api_sock.as_os_str().as_encoded_bytes();
+    cmdline.split(|b| *b == 0).any(|arg| arg == want)
+}
+
+impl VmDriver for ProcessDriver {
+    fn start(&self, spec: &StartSpec) -> Result<i32> {
+        let log = File::create(&spec.log).map_err(Error::io("creating", &spec.log))?;
+        let mut cmd = Command::new(&self.clade);
+        cmd.arg("restore")
+            .arg(&spec.snapshot)
+            .arg("--api-sock")
+            .arg(&spec.api_sock)
+            .arg("--vsock")
+            .arg(&spec.vsock)
+            .arg("--serial-file")
+            .arg(&spec.serial)
+            .arg("--files-root")
+            .arg(&spec.files_root);
+        if let Some(d) = &spec.disk_overlay {
+            cmd.arg("--disk-overlay").arg(d);
+        }
+        if !spec.agent_sync {
+            cmd.arg("--no-agent-sync");
+        }
+        // Its own process group: a Ctrl-C meant for the service does not stop sandboxes.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(Error::io("starting", &self.clade))?;
+        let pid = child.id() as i32;
+        let t = Instant::now();
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(Error::Vm(format!(
+                    "clade restore {} ended ({status}): {}",
+                    spec.snapshot.display(),
+                    log_tail(&spec.log)
+                )));
+            }
+            if spec.api_sock.exists() {
+                if let Ok(mut c) = ApiClient::connect(&spec.api_sock) {
+                    if c.call(&Request::Status).is_ok_and(|r| r.ok) {
+                        break;
+                    }
+                }
+            }
+            if t.elapsed() > START_TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Vm(format!(
+                    "clade restore {}: API not answering after {:?}: {}",
+                    spec.snapshot.display(),
+                    START_TIMEOUT,
+                    log_tail(&spec.log)
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.children().insert(pid, child);
+        Ok(pid)
+    }
+
+    fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()> {
+        api_call(
+            api_sock,
+            "snapshot",
+            &Request::Snapshot {
+                dir: dir.to_path_buf(),
+                kind: if diff { "diff" } else { "full" }.into(),
+            },
+        )
+        .map(|_| ())
+    }
+
+    fn stop(&self, pid: i32, api_sock: &Path) -> Result<()> {
+        if self.exited(pid, api_sock).is_some() {
+            return Ok(());
+        }
+        if let Err(e) = api_call(api_sock, "shutdown", &Request::Shutdown) {
+            tracing::warn!("pid {pid}: {e}; killing it");
+        }
+        let t = Instant::now();
+        while self.exited(pid, api_sock).is_none() {
+            if t.elapsed() > STOP_TIMEOUT {
+                tracing::warn!("pid {pid} did not end after shutdown; killing it");
+                if let Some(mut child) = self.children().remove(&pid) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                } else if process_alive(pid, api_sock) {
+                    nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    )
+                    .map_err(|e| Error::Vm(format!("killing pid {pid}: {e}")))?;
+                }
+                let t2 = Instant::now();
+                while self.exited(pid, api_sock).is_none() {
+                    if t2.elapsed() > STOP_TIMEOUT {
+                        return Err(Error::Vm(format!("pid {pid} does not end")));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
+    }
+
+    fn fork(
+        &self,
+        api_sock: &Path,
+        count: usize,
+        prefix: &Path,
+        agent_sync: bool,
+    ) -> Result<Vec<ForkedChild>> {
+        let r = api_call(
+            api_sock,
+            "fork",
+            &Request::Fork {
+                count,
+                prefix: Some(prefix.to_path_buf()),
+                agent_sync,
+            },
+        )?;
+        let bad = |what: &str| Error::VmApi {
+            op: "fork",
+            message: format!("answer without {what}"),
+        };
+        let children = r
+            .fields
+            .get("children")
+            .and_then(|c| c.as_array())
+            .ok_or_else(|| bad("children"))?;
+        let path =
+            |c: &serde_json::Value, k: &str| c.get(k).and_then(|v| v.as_str()).map(PathBuf::from);
+        children
+            .iter()
+            .map(|c| {
+                Ok(ForkedChild {
+                    pid: c
+                        .get("pid")
+                        .and_then(|p| p.as_i64())
+                        .and_then(|p| i32::try_from(p).ok())
+                        .ok_or_else(|| bad("a child's pid"))?,
+                    api_sock: path(c, "api_sock").ok_or_else(|| bad("a child's api_sock"))?,
+                    vsock: path(c, "vsock"),
+                    disk: path(c, "disk"),
+                })
+            })
+            .collect()
+    }
+
+    fn exited(&self, pid: i32, api_sock: &Path) -> Option<String> {
+        let mut children = self.children();
+        if let Some(child) = children.get_mut(&pid) {
+            return match child.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => {
+                    children.remove(&pid);
+                    Some(format!("VM process {pid} {status}"))
+                }
+                Err(e) => Some(format!("VM process {pid}: {e}")),
+            };
+        }
+        drop(children);
+        (!process_alive(pid, api_sock)).then(|| format!("VM process {pid} is gone"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_needs_the_socket_on_the_command_line() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as i32;
+        // Until the exec, the child's command line is still this test's.
+        let t = Instant::now();
+        while !process_alive(pid, Path::new("30")) {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "sleep never showed up"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!process_alive(pid, Path::new("/some/other.api")));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!process_alive(pid, Path::new("30")));
+        assert!(!process_alive(-1, Path::new("30")));
+    }
+
+    #[test]
+    fn a_vm_that_cannot_start_is_an_error_with_its_log() {
+        let d = std::env::temp_dir().join(format!("sandbox-vmproc-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        // `false` ends at once: the driver reports it instead of waiting for a socket.
+        let driver = ProcessDriver::new(PathBuf::from("false"));
+        let spec = StartSpec {
+            snapshot: d.join("nosnap"),
+            api_sock: d.join("vm.api"),
+            vsock: d.join("vm.vsock"),
+            serial: d.join("serial"),
+            log: d.join("log"),
+            files_root: d.clone(),
+            disk_overlay: None,
+            agent_sync: false,
+        };
+        let e = driver.start(&spec).unwrap_err();
+        assert!(matches!(e, Error::Vm(_)), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
