@@ -24,6 +24,7 @@ use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
 use crate::exit::exit_notifier;
 use crate::saved::{Lineage, SavedMachine, Steps};
+use crate::seccomp::ThreadKind;
 use crate::vm::{Vm, VmParts};
 use crate::vstate::memory::{self, GuestRam, Reservation};
 use crate::vstate::shell::{Shell, ShellSpec};
@@ -310,7 +311,7 @@ pub(crate) fn from_saved(
         identity.disk.as_ref(),
         &saved.devices,
         exit_notifier(&events_tx),
-        spare::runner_from(&mut spares),
+        spare::runner_for(&mut spares, ThreadKind::DeviceLoop),
     )?;
     steps.done("devices");
     kvm_state::restore_vm(&vm_fd, &saved.vm)?;

@@ -233,7 +233,7 @@ impl DeviceManager {
             None,
             None,
             exit,
-            snapshot::spawn_thread(),
+            crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
         )
     }
 
@@ -278,14 +278,14 @@ impl DeviceManager {
         exit: ExitNotifier,
         runner: snapshot::ThreadRunner,
     ) -> Result<Self> {
-        // At most one event loop: the runner is used once.
+        // At most one event loop: the runner (which confines its thread as a device loop)
+        // is used once.
         let mut runner = Some(runner);
         let mut start_loop = move || -> Result<EventLoop> {
-            let r = runner.take().unwrap_or_else(snapshot::spawn_thread);
-            Ok(EventLoop::start_on(
-                "clade-devices",
-                crate::seccomp::confine(ThreadKind::DeviceLoop, r),
-            )?)
+            let r = runner.take().unwrap_or_else(|| {
+                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread())
+            });
+            Ok(EventLoop::start_on("clade-devices", r)?)
         };
         let mut pio_bus = Bus::new();
         let mut mmio_bus = Bus::new();

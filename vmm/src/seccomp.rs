@@ -478,6 +478,13 @@ pub fn active() -> bool {
 /// Adds `kind`'s filter to the calling thread if the process filter is on (nothing
 /// otherwise: a VMM run with `--no-seccomp`, or a library user without filters).
 pub fn confine_current_thread(kind: ThreadKind) {
+    add_thread_filter(kind);
+    probe(Some(kind));
+}
+
+/// [`confine_current_thread`] without the test hook (a spare thread confines itself long
+/// before it gets its body, and probes then).
+pub(crate) fn add_thread_filter(kind: ThreadKind) {
     if !active() {
         return;
     }
@@ -500,7 +507,6 @@ pub fn confine_current_thread(kind: ThreadKind) {
             break;
         }
     }
-    probe(Some(kind));
 }
 
 /// `runner`, with each body run as a confined thread of `kind`.

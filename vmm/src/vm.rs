@@ -203,10 +203,7 @@ impl Vm {
         for (index, fd) in self.pending_vcpus.drain(..).enumerate() {
             let cpu =
                 (!self.vcpu_cpus.is_empty()).then(|| self.vcpu_cpus[index % self.vcpu_cpus.len()]);
-            let runner = crate::seccomp::confine(
-                ThreadKind::Vcpu,
-                crate::vstate::spare::runner_from(&mut self.spares),
-            );
+            let runner = crate::vstate::spare::runner_for(&mut self.spares, ThreadKind::Vcpu);
             let handle = VcpuHandle::spawn(
                 index,
                 fd,

@@ -394,10 +394,7 @@ impl PreparedSnapshot {
                             working_set_loaded: loaded,
                             prefetch: options.prefetch,
                         },
-                        crate::seccomp::confine(
-                            ThreadKind::PageServer,
-                            spare::runner_from(slot.spares),
-                        ),
+                        spare::runner_for(slot.spares, ThreadKind::PageServer),
                         slot.uffd,
                     )
                     .map_err(file_err(dir))?;

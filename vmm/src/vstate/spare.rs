@@ -1,16 +1,20 @@
 //! Spare threads: started ahead of time (by a VM shell, in the background), each waiting to
 //! run one body (a vCPU, the device event loop, the page server). Starting a thread costs
-//! ~50-70 us on this project's hosts; a restore that finds them ready only hands bodies over.
+//! ~50-70 us on this project's hosts, and confining it to its kind's system-call filter
+//! about as much again; a restore that finds them ready only hands bodies over.
 
 use std::sync::mpsc::{self, SyncSender};
 
 use snapshot::ThreadRunner;
+
+use crate::seccomp::{self, ThreadKind};
 
 type Body = Box<dyn FnOnce() + Send>;
 
 /// A thread waiting for its body. Dropped unused, the thread ends.
 pub struct SpareThread {
     tx: SyncSender<(String, Body)>,
+    kind: ThreadKind,
 }
 
 impl std::fmt::Debug for SpareThread {
@@ -20,8 +24,9 @@ impl std::fmt::Debug for SpareThread {
 }
 
 impl SpareThread {
-    /// Starts a thread that waits for one body.
-    pub fn start() -> std::io::Result<SpareThread> {
+    /// Starts a thread that confines itself as a `kind` thread (if the process filter is
+    /// on: [`seccomp::confine_current_thread`]) and waits for one body.
+    pub fn start(kind: ThreadKind) -> std::io::Result<SpareThread> {
         let (tx, rx) = mpsc::sync_channel::<(String, Body)>(1);
         std::thread::Builder::new()
             .name("clade-spare".into())
@@ -31,12 +36,14 @@ impl SpareThread {
                 let param = libc::sched_param { sched_priority: 0 };
                 // SAFETY: sets the calling thread's policy; `param` is a valid struct.
                 unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+                seccomp::add_thread_filter(kind);
                 if let Ok((name, body)) = rx.recv() {
                     set_thread_name(&name);
+                    seccomp::probe(Some(kind));
                     body();
                 }
             })?;
-        Ok(SpareThread { tx })
+        Ok(SpareThread { tx, kind })
     }
 
     /// A runner that hands the body to this thread.
@@ -59,11 +66,12 @@ fn set_thread_name(name: &str) {
     unsafe { libc::prctl(libc::PR_SET_NAME, buf.as_ptr() as libc::c_ulong, 0, 0, 0) };
 }
 
-/// A spare thread's runner if there is one left, else one that starts a new thread.
-pub fn runner_from(spares: &mut Vec<SpareThread>) -> ThreadRunner {
-    match spares.pop() {
-        Some(s) => s.runner(),
-        None => snapshot::spawn_thread(),
+/// A runner for a `kind` thread: a spare of that kind if there is one left, else one that
+/// starts a new thread and confines it.
+pub fn runner_for(spares: &mut Vec<SpareThread>, kind: ThreadKind) -> ThreadRunner {
+    match spares.iter().position(|s| s.kind == kind) {
+        Some(i) => spares.swap_remove(i).runner(),
+        None => seccomp::confine(kind, snapshot::spawn_thread()),
     }
 }
 
@@ -73,7 +81,7 @@ mod tests {
 
     #[test]
     fn a_spare_runs_its_body_under_the_given_name() {
-        let s = SpareThread::start().unwrap();
+        let s = SpareThread::start(ThreadKind::Helper).unwrap();
         let (tx, rx) = mpsc::channel();
         s.runner()(
             "clade-test".into(),
@@ -85,6 +93,6 @@ mod tests {
         .unwrap();
         assert_eq!(rx.recv().unwrap().trim(), "clade-test");
         // An unused spare ends when dropped.
-        drop(SpareThread::start().unwrap());
+        drop(SpareThread::start(ThreadKind::Helper).unwrap());
     }
 }
