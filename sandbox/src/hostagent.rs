@@ -60,6 +60,17 @@ impl HostAgentDriver {
     }
 }
 
+/// The agents are this driver's children: they end with it (a test harness leaves
+/// nothing running; `clade serve` keeps its driver until it exits).
+impl Drop for HostAgentDriver {
+    fn drop(&mut self) {
+        for (_, mut c) in self.kids().drain() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 impl VmDriver for HostAgentDriver {
     fn start(&self, spec: &StartSpec) -> Result<i32> {
         let _ = std::fs::remove_file(&spec.vsock);

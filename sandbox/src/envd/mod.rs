@@ -75,7 +75,7 @@ pub fn route(h: &HeaderMap) -> Option<Target> {
             .get("e2b-sandbox-port")
             .and_then(|v| v.to_str().ok())
             .and_then(|p| p.trim().parse().ok())
-            .unwrap_or(0);
+            .unwrap_or(ENVD_PORT);
         return Some(Target {
             sandbox: id.trim().to_string(),
             port,
@@ -433,6 +433,10 @@ pub(crate) async fn target_sandbox(
 /// `data` is [`router`]'s result.
 pub async fn dispatch(State(data): State<Router>, mut req: Request, next: Next) -> Response {
     match route(req.headers()) {
+        Some(t) if t.port != ENVD_PORT => proxy_error(format!(
+            "The sandbox {}: port {} is not open (only envd's port {ENVD_PORT} is served)",
+            t.sandbox, t.port
+        )),
         Some(t) => {
             req.extensions_mut().insert(t);
             match data.oneshot(req).await {
