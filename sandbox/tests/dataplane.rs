@@ -735,3 +735,83 @@ async fn malformed_requests_get_connect_errors() {
         StatusCode::UNAUTHORIZED
     );
 }
+
+/// What the data plane adds to an envd-style unary call over a direct agent round trip:
+/// `Filesystem/Stat` of `/` over HTTP/1.1 keep-alive (TCP loopback, routing, sandbox
+/// lookup, JSON codec, agent call) against the same `Stat` through a direct agent client.
+/// Prints p50s; run with `--ignored --nocapture` (timings, not a pass/fail check).
+#[test]
+#[ignore]
+fn dataplane_added_latency() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let env = setup("latency");
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = env.app.clone();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    let n = 2000;
+    let p50 = |mut v: Vec<u128>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    // Direct: the agent's own Stat round trip over its socket.
+    let vsock = env
+        .dir
+        .parent()
+        .unwrap()
+        .join("sandboxes")
+        .join(&env.id)
+        .join("vm.vsock");
+    let c = vmm::agent::Client::connect(&vsock).unwrap();
+    let direct: Vec<u128> = (0..n)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            c.stat("/").unwrap();
+            t.elapsed().as_micros()
+        })
+        .collect();
+    // Through the data plane.
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let body = br#"{"path":"/"}"#;
+    let req = format!(
+        "POST /filesystem.Filesystem/Stat HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        env.id,
+        body.len()
+    );
+    let mut dp = Vec::new();
+    for i in 0..n + 50 {
+        let t = std::time::Instant::now();
+        w.write_all(req.as_bytes()).unwrap();
+        w.write_all(body).unwrap();
+        let mut len = 0usize;
+        let mut status = String::new();
+        r.read_line(&mut status).unwrap();
+        assert!(status.contains(" 200 "), "{status}");
+        loop {
+            let mut l = String::new();
+            r.read_line(&mut l).unwrap();
+            if l == "\r\n" {
+                break;
+            }
+            if let Some(v) = l.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut b = vec![0; len];
+        r.read_exact(&mut b).unwrap();
+        if i >= 50 {
+            dp.push(t.elapsed().as_micros());
+        }
+    }
+    let (d, h) = (p50(direct), p50(dp));
+    println!(
+        "stat p50: direct agent {d} us, through the data plane {h} us, added {} us",
+        h.saturating_sub(d)
+    );
+}
