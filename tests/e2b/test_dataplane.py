@@ -170,3 +170,17 @@ def test_killed_sandbox_is_not_running():
     assert s.is_running() is False
     with pytest.raises(SandboxException):
         s.commands.run("true")
+
+
+def test_pty_bash_with_resize(sb):
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    out = bytearray()
+    h = sb.pty.create(PtySize(rows=24, cols=80))
+    sb.pty.resize(h.pid, PtySize(rows=40, cols=132))
+    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((6*7)); exit 5\n")
+    with pytest.raises(CommandExitException) as e:
+        h.wait(on_pty=out.extend)
+    assert e.value.exit_code == 5
+    text = out.decode(errors="replace")
+    assert "40 132" in text and "pty-42" in text, text

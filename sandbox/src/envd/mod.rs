@@ -302,26 +302,27 @@ impl DataPlane {
         }
         let host = self.host.clone();
         let id = t.sandbox.clone();
-        let rec = tokio::task::spawn_blocking(move || {
-            let rec = host.get(&id)?;
-            match rec.state {
-                SbState::Running => Ok(rec),
-                SbState::Paused => {
-                    tracing::info!(sandbox = %id, "auto-resume for a data-plane request");
-                    host.connect(&id, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
-                }
-                SbState::Crashed => Err(Error::NotFound(id)),
-            }
-        })
-        .await
-        .map_err(|e| proxy_error(format!("worker: {e}")))?;
+        // The lookup is one indexed registry read and a liveness check (no process
+        // start): done inline, it saves a hop to the blocking pool on every request.
+        // Only a resume goes there.
+        let rec = match host.get(&id) {
+            Ok(rec) if rec.state == SbState::Paused => tokio::task::spawn_blocking(move || {
+                tracing::info!(sandbox = %id, "auto-resume for a data-plane request");
+                host.connect(&id, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
+            })
+            .await
+            .map_err(|e| proxy_error(format!("worker: {e}")))?,
+            Ok(rec) if rec.state == SbState::Crashed => Err(Error::NotFound(id)),
+            r => r,
+        };
         let rec = match rec {
             Ok(r) => r,
             Err(Error::NotFound(_)) | Err(Error::Crashed { .. }) => {
+                lock(&self.sandboxes).remove(&t.sandbox);
                 return Err(proxy_error(format!(
                     "The sandbox {} was not found",
                     t.sandbox
-                )))
+                )));
             }
             Err(e) => return Err(proxy_error(format!("sandbox {}: {e}", t.sandbox))),
         };
@@ -348,11 +349,6 @@ impl DataPlane {
         });
         map.insert(rec.id.clone(), c.clone());
         Ok(c)
-    }
-
-    /// Forgets sandboxes that are no longer running (called by the sweep).
-    pub fn forget(&self, running: impl Fn(&str) -> bool) {
-        lock(&self.sandboxes).retain(|id, _| running(id));
     }
 }
 
