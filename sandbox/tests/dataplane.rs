@@ -815,3 +815,58 @@ fn dataplane_added_latency() {
         h.saturating_sub(d)
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_end_but_processes_outlive_them() {
+    let env = setup("outlive");
+    let marker = env.dir.join("marker");
+    let cmd = format!("sleep 0.5; echo done > {}", marker.display());
+    // A client that goes away after the start event.
+    let resp = env
+        .app
+        .clone()
+        .oneshot(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            start_json(&cmd, false),
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let pid = serde_json::from_slice::<Value>(&first[5..]).unwrap()["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    drop(body);
+    let (_, v) = env.unary("process.Process/List", json!({})).await;
+    assert!(v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["pid"] == pid));
+    // A stream whose deadline passes ends with deadline_exceeded; the process goes on.
+    let mut r = env.req(
+        "POST",
+        "/process.Process/Connect",
+        Some("application/connect+json"),
+        envelope(
+            serde_json::to_vec(&json!({"process": {"pid": pid}}))
+                .unwrap()
+                .as_slice(),
+        ),
+    );
+    r.headers_mut()
+        .insert("connect-timeout-ms", "100".parse().unwrap());
+    let (_, _, b) = env.send(r).await;
+    let (events, end) = json_stream(&b);
+    assert_eq!(events[0]["start"]["pid"], pid);
+    assert_eq!(end["error"]["code"], "deadline_exceeded");
+    for _ in 0..100 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "done\n");
+}
