@@ -381,6 +381,18 @@ pub enum HostMsg {
     AddEntropy(Vec<u8>),
     Sync,
     PowerOff,
+    /// Create a directory with exactly `mode` (umask ignored); with `parents`, missing
+    /// parents too (mode 0o755) and no error if it exists already as a directory.
+    MakeDir {
+        path: PathBuf,
+        mode: u32,
+        parents: bool,
+    },
+    /// rename(2) `from` to `to` (same filesystem; replaces a file at `to`).
+    Rename {
+        from: PathBuf,
+        to: PathBuf,
+    },
 }
 
 /// Messages agent -> host (tags 0x80..0xff).
@@ -456,6 +468,8 @@ mod tag {
     pub const ADD_ENTROPY: u8 = 0x10;
     pub const SYNC: u8 = 0x11;
     pub const POWER_OFF: u8 = 0x12;
+    pub const MAKE_DIR: u8 = 0x13;
+    pub const RENAME: u8 = 0x14;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -672,6 +686,23 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
         }
         HostMsg::Sync => Enc::new(tag::SYNC, id),
         HostMsg::PowerOff => Enc::new(tag::POWER_OFF, id),
+        HostMsg::MakeDir {
+            path,
+            mode,
+            parents,
+        } => {
+            let mut e = Enc::new(tag::MAKE_DIR, id);
+            e.os(path.as_os_str());
+            e.u32(*mode);
+            e.bool(*parents);
+            e
+        }
+        HostMsg::Rename { from, to } => {
+            let mut e = Enc::new(tag::RENAME, id);
+            e.os(from.as_os_str());
+            e.os(to.as_os_str());
+            e
+        }
     };
     e.finish()
 }
@@ -1026,6 +1057,15 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
         tag::ADD_ENTROPY => HostMsg::AddEntropy(d.bytes("data")?),
         tag::SYNC => HostMsg::Sync,
         tag::POWER_OFF => HostMsg::PowerOff,
+        tag::MAKE_DIR => HostMsg::MakeDir {
+            path: d.path("path")?,
+            mode: d.u32("mode")?,
+            parents: d.bool("parents")?,
+        },
+        tag::RENAME => HostMsg::Rename {
+            from: d.path("from")?,
+            to: d.path("to")?,
+        },
         other => return Err(Error::UnknownTag(other)),
     })
 }
@@ -1203,6 +1243,15 @@ mod tests {
             HostMsg::AddEntropy(vec![7; 32]),
             HostMsg::Sync,
             HostMsg::PowerOff,
+            HostMsg::MakeDir {
+                path: "/tmp/d/e".into(),
+                mode: 0o750,
+                parents: true,
+            },
+            HostMsg::Rename {
+                from: "/tmp/a".into(),
+                to: "/tmp/b".into(),
+            },
         ]
     }
 

@@ -683,6 +683,66 @@ fn file_errors_stat_list_remove() {
 }
 
 #[test]
+fn make_dir_and_rename() {
+    use std::os::unix::fs::PermissionsExt;
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let d = agent.dir.join("mk");
+    // Without parents, a missing parent is NotFound.
+    let e = c.call_err(&HostMsg::MakeDir {
+        path: d.join("a/b"),
+        mode: 0o700,
+        parents: false,
+    });
+    assert_eq!(e.kind, ErrorKind::NotFound);
+    // With parents, the whole path appears; the leaf has exactly the mode asked for.
+    let mk = |parents| HostMsg::MakeDir {
+        path: d.join("a/b"),
+        mode: 0o750,
+        parents,
+    };
+    assert_eq!(c.call(&mk(true)), AgentMsg::Ok);
+    let m = std::fs::metadata(d.join("a/b")).unwrap();
+    assert!(m.is_dir());
+    assert_eq!(m.permissions().mode() & 0o7777, 0o750);
+    // Existing: fine with parents (mkdir -p), AlreadyExists without.
+    assert_eq!(c.call(&mk(true)), AgentMsg::Ok);
+    assert_eq!(c.call_err(&mk(false)).kind, ErrorKind::AlreadyExists);
+    // A file in the way is AlreadyExists even with parents.
+    std::fs::write(d.join("f"), "x").unwrap();
+    let e = c.call_err(&HostMsg::MakeDir {
+        path: d.join("f"),
+        mode: 0o755,
+        parents: true,
+    });
+    assert_eq!(e.kind, ErrorKind::AlreadyExists);
+
+    // Rename a file, then a directory; a missing source is NotFound.
+    assert_eq!(
+        c.call(&HostMsg::Rename {
+            from: d.join("f"),
+            to: d.join("a/g"),
+        }),
+        AgentMsg::Ok
+    );
+    assert_eq!(std::fs::read(d.join("a/g")).unwrap(), b"x");
+    assert!(!d.join("f").exists());
+    assert_eq!(
+        c.call(&HostMsg::Rename {
+            from: d.join("a"),
+            to: d.join("z"),
+        }),
+        AgentMsg::Ok
+    );
+    assert!(d.join("z/b").is_dir());
+    let e = c.call_err(&HostMsg::Rename {
+        from: d.join("a"),
+        to: d.join("y"),
+    });
+    assert_eq!(e.kind, ErrorKind::NotFound);
+}
+
+#[test]
 fn large_directory_listing_spans_frames() {
     let agent = Agent::start();
     let mut c = agent.connect();

@@ -26,9 +26,9 @@ use crate::host::{CreateRequest, Host};
 use crate::ids;
 use crate::registry::{Query, Record, State};
 
-/// The envd version reported for every sandbox. The SDK refuses sandboxes below 0.1.0 and
-/// picks data-plane features by it; the data plane (issue 11) decides the final value.
-pub const ENVD_VERSION: &str = "0.1.0";
+/// The envd version reported for every sandbox: what the data plane ([`crate::envd`])
+/// serves. The SDK picks data-plane features by it.
+pub const ENVD_VERSION: &str = crate::envd::ENVD_VERSION;
 /// `clientID` in every answer (E2B's identifies the orchestrator node; one host here).
 pub const CLIENT_ID: &str = "clade";
 /// E2B's default sandbox timeout (seconds) when a request gives none.
@@ -234,8 +234,12 @@ fn listed(r: &Record, detail: bool) -> Value {
     v
 }
 
-/// The router with every endpoint, behind the API-key check.
+/// The router with every endpoint, behind the API-key check; requests addressed to a
+/// sandbox (`E2b-Sandbox-Id`, or a `<port>-<id>.<domain>` host) go to the data plane
+/// ([`crate::envd`]) instead, which needs no API key (like E2B's envd without an access
+/// token: the sandbox id is the capability).
 pub fn router(state: AppState) -> Router {
+    let data = crate::envd::router(crate::envd::DataPlane::new(state.host.clone()));
     Router::new()
         .route("/sandboxes", post(create).get(list_v1))
         .route("/v2/sandboxes", post(create).get(list_v2))
@@ -250,6 +254,10 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/metrics", get(metrics))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .layer(axum::middleware::from_fn_with_state(
+            data,
+            crate::envd::dispatch,
+        ))
         .with_state(state)
 }
 

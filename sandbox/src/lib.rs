@@ -14,9 +14,12 @@
 //! | [`vmproc`] | starting, asking and stopping VM processes |
 //! | [`host`] | the lifecycle |
 //! | [`http`] | the E2B control API |
+//! | [`envd`] | the E2B data plane (envd's protocol, translated to the agent's) |
 
+pub mod envd;
 pub mod error;
 pub mod host;
+pub mod hostagent;
 pub mod http;
 pub mod ids;
 pub mod registry;

@@ -246,9 +246,11 @@ impl Registry {
 
     /// The sandbox `id`.
     pub fn get(&self, id: &str) -> Result<Option<Record>> {
+        // Cached: every data-plane request looks its sandbox up.
         let sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1");
         self.db
-            .query_row(&sql, [id], from_row)
+            .prepare_cached(&sql)?
+            .query_row([id], from_row)
             .optional()?
             .map(finish_row)
             .transpose()

@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// Longest sandbox timeout a client may ask for (seconds).
     #[arg(long, default_value_t = 86400)]
     max_timeout: u64,
+    /// TEST HARNESS ONLY: sandboxes are host-run `clade-agent --listen-unix` processes
+    /// (this executable), not VMs; commands run on the host as this user. Installs the
+    /// template `host-agent`. For SDK tests on machines that cannot boot Linux guests.
+    #[arg(long, value_name = "CLADE_AGENT", hide = true)]
+    test_host_agent: Option<PathBuf>,
 }
 
 /// `clade serve`: runs until SIGINT/SIGTERM. Sandboxes' VM processes are not stopped then:
@@ -70,7 +75,20 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     cfg.max_fork = args.max_fork.clamp(1, 64);
     cfg.max_timeout_s = args.max_timeout.max(1);
     let exe = std::env::current_exe().context("finding the clade executable")?;
-    let host = Host::open(cfg, Arc::new(ProcessDriver::new(exe)))?;
+    let driver: Arc<dyn sandbox::VmDriver> = match &args.test_host_agent {
+        Some(agent) => {
+            eprintln!(
+                "clade serve: TEST HARNESS: sandboxes are host-run {} processes, not VMs; commands run on this host",
+                agent.display()
+            );
+            sandbox::hostagent::HostAgentDriver::install_template(&state_dir)?;
+            Arc::new(sandbox::hostagent::HostAgentDriver::new(
+                std::path::absolute(agent)?,
+            ))
+        }
+        None => Arc::new(ProcessDriver::new(exe)),
+    };
+    let host = Host::open(cfg, driver)?;
     let (running, paused, crashed) = host.recover()?;
     tracing::info!(running, paused, crashed, "registry loaded");
     let rt = tokio::runtime::Builder::new_multi_thread()

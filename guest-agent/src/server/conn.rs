@@ -275,6 +275,16 @@ impl Session {
             HostMsg::Remove { path, recursive } => {
                 reply_unit(conn, id, files::remove(&path, recursive));
             }
+            HostMsg::MakeDir {
+                path,
+                mode,
+                parents,
+            } => {
+                reply_unit(conn, id, files::make_dir(&path, mode, parents));
+            }
+            HostMsg::Rename { from, to } => {
+                reply_unit(conn, id, files::rename(&from, &to));
+            }
             HostMsg::SetClock { unix_ns } => {
                 let r = match conn.shared.opts.mode {
                     SystemMode::Guest => crate::system::set_clock(unix_ns)

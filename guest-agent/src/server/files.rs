@@ -1,4 +1,5 @@
-//! File operations: read (streamed in chunks), write (streamed uploads), stat, list, remove.
+//! File operations: read (streamed in chunks), write (streamed uploads), stat, list, remove,
+//! make directory, rename.
 
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{self, Read, Write};
@@ -232,4 +233,32 @@ pub(crate) fn remove(path: &Path, recursive: bool) -> Result<(), RemoteError> {
         fs::remove_file(path)
     };
     r.map_err(|e| io_err(&e, "remove", path))
+}
+
+pub(crate) fn make_dir(path: &Path, mode: u32, parents: bool) -> Result<(), RemoteError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mut b = fs::DirBuilder::new();
+    if parents {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            b.recursive(true)
+                .mode(0o755)
+                .create(parent)
+                .map_err(|e| io_err(&e, "mkdir", parent))?;
+        }
+        b.recursive(false);
+    }
+    match b.mode(0o7777 & mode).create(path) {
+        Ok(()) => {}
+        Err(e) if parents && e.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => {
+            return Ok(())
+        }
+        Err(e) => return Err(io_err(&e, "mkdir", path)),
+    }
+    // Exactly `mode`, whatever the umask.
+    fs::set_permissions(path, fs::Permissions::from_mode(0o7777 & mode))
+        .map_err(|e| io_err(&e, "chmod", path))
+}
+
+pub(crate) fn rename(from: &Path, to: &Path) -> Result<(), RemoteError> {
+    fs::rename(from, to).map_err(|e| io_err(&e, &format!("rename to {}:", to.display()), from))
 }

@@ -645,6 +645,30 @@ impl Client {
         )
     }
 
+    /// Creates directory `path` with permission bits `mode`; with `parents`, its missing
+    /// parents too, and an existing directory at `path` is not an error.
+    pub fn make_dir(&self, path: impl AsRef<Path>, mode: u32, parents: bool) -> Result<()> {
+        self.call_ok(
+            "make_dir",
+            &HostMsg::MakeDir {
+                path: path.as_ref().to_path_buf(),
+                mode,
+                parents,
+            },
+        )
+    }
+
+    /// Renames `from` to `to` (rename(2): same filesystem, replaces a file at `to`).
+    pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> Result<()> {
+        self.call_ok(
+            "rename",
+            &HostMsg::Rename {
+                from: from.as_ref().to_path_buf(),
+                to: to.as_ref().to_path_buf(),
+            },
+        )
+    }
+
     /// Sets the guest's wall clock.
     pub fn set_clock(&self, t: SystemTime) -> Result<()> {
         let ns = t

@@ -1,0 +1,587 @@
+//! `filesystem.Filesystem` (Stat, ListDir, MakeDir, Move, Remove) and envd's plain HTTP
+//! `/files` (download; upload as multipart or octet-stream, optionally gzip), over the
+//! agent's file operations.
+//!
+//! Transfers stream: each `/files` request gets an agent connection of its own (the
+//! agent client stalls a whole connection while one operation's reader lags, so a slow
+//! HTTP client must not hold up the sandbox's shared connection), and bytes move through
+//! bounded channels between the async side and the blocking agent calls.
+//!
+//! Not served yet: WatchDir and the watcher RPCs, symlink targets (`symlink_target`),
+//! extended-attribute metadata.
+
+use std::io::Read;
+use std::path::Path as FsPath;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Multipart, Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use vmm::agent::{FileKind, FileStat};
+
+use super::connect::{self, Code, Codec, RpcError};
+use super::pb;
+use super::{read_body, target_sandbox, DataPlane, SandboxConn, Target, User};
+
+/// Depth of a ListDir without one (envd's default).
+const DEFAULT_DEPTH: u32 = 1;
+/// Most entries one ListDir returns.
+const MAX_ENTRIES: usize = 100_000;
+
+/// Go's `FileMode.String()` (`-rw-r--r--`, `drwxr-xr-x`, `Lrwxrwxrwx`), as envd reports
+/// `permissions`.
+fn permissions(kind: FileKind, mode: u32) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'L',
+        _ => '-',
+    });
+    for (i, c) in "rwxrwxrwx".chars().enumerate() {
+        s.push(if mode & (1 << (8 - i)) != 0 { c } else { '-' });
+    }
+    s
+}
+
+fn entry(
+    sb: &SandboxConn,
+    path: &FsPath,
+    st: &FileStat,
+    target: Option<&FileStat>,
+) -> pb::EntryInfo {
+    let shown = target.unwrap_or(st);
+    let ty = match shown.kind {
+        FileKind::Dir => pb::FileType::Directory,
+        FileKind::File => pb::FileType::File,
+        FileKind::Symlink => pb::FileType::Symlink,
+        _ => pb::FileType::Unspecified,
+    };
+    let (owner, group) = sb.names(st.uid, st.gid);
+    pb::EntryInfo {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into()),
+        r#type: ty as i32,
+        path: path.to_string_lossy().into_owned(),
+        size: shown.size.min(i64::MAX as u64) as i64,
+        mode: st.mode
+            | match st.kind {
+                // Go's os.ModeDir / os.ModeSymlink bits, as envd sends them.
+                FileKind::Dir => 1 << 31,
+                FileKind::Symlink => 1 << 27,
+                _ => 0,
+            },
+        permissions: permissions(st.kind, st.mode),
+        owner,
+        group,
+        modified_time: Some(pb::Timestamp {
+            seconds: st.mtime_ns.div_euclid(1_000_000_000),
+            nanos: st.mtime_ns.rem_euclid(1_000_000_000) as i32,
+        }),
+        symlink_target: None,
+        metadata: Default::default(),
+        is_symlink: st.kind == FileKind::Symlink,
+    }
+}
+
+/// lstat, and for a symlink also the target's stat (if it resolves).
+fn stat_entry(sb: &SandboxConn, path: &FsPath) -> Result<pb::EntryInfo, RpcError> {
+    let st = sb
+        .with_client(|c| c.lstat(path))
+        .map_err(|e| missing(e, path))?;
+    let target = if st.kind == FileKind::Symlink {
+        sb.with_client(|c| c.stat(path)).ok()
+    } else {
+        None
+    };
+    Ok(entry(sb, path, &st, target.as_ref()))
+}
+
+fn missing(mut e: RpcError, path: &FsPath) -> RpcError {
+    if e.code == Code::NotFound {
+        e.message = format!("path '{}' does not exist", path.display());
+    }
+    e
+}
+
+fn check_path(p: &str) -> Result<(), RpcError> {
+    if p.contains('\0') {
+        return Err(RpcError::new(Code::InvalidArgument, "NUL byte in the path"));
+    }
+    Ok(())
+}
+
+/// `POST /filesystem.Filesystem/{method}` (all unary).
+pub(crate) async fn dispatch(
+    State(dp): State<Arc<DataPlane>>,
+    Path(method): Path<String>,
+    req: Request,
+) -> Response {
+    if !matches!(
+        method.as_str(),
+        "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove"
+    ) {
+        return RpcError::new(
+            Code::Unimplemented,
+            format!("filesystem.Filesystem/{method} is not served"),
+        )
+        .unary_response();
+    }
+    let codec = match Codec::from_headers(req.headers(), false) {
+        Ok(c) => c,
+        Err(e) => return e.unary_response(),
+    };
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let user_name = super::basic_user(req.headers());
+    let body = match read_body(req, connect::MAX_MESSAGE).await {
+        Ok(b) => b,
+        Err(e) => return e.unary_response(),
+    };
+    let r = tokio::task::spawn_blocking(move || {
+        let user = sb.user(user_name.as_deref())?;
+        fs_call(&sb, &user, codec, &method, &body)
+    })
+    .await
+    .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
+    r.unwrap_or_else(|e| e.unary_response())
+}
+
+fn fs_call(
+    sb: &SandboxConn,
+    user: &User,
+    codec: Codec,
+    method: &str,
+    body: &[u8],
+) -> Result<Response, RpcError> {
+    match method {
+        "Stat" => {
+            let r: pb::PathRequest = codec.decode(body)?;
+            check_path(&r.path)?;
+            let p = user.resolve(&r.path);
+            let e = stat_entry(sb, &p)?;
+            Ok(connect::unary_ok(
+                codec,
+                &pb::EntryResponse { entry: Some(e) },
+            ))
+        }
+        "ListDir" => {
+            let r: pb::ListDirRequest = codec.decode(body)?;
+            check_path(&r.path)?;
+            let root = user.resolve(&r.path);
+            let depth = if r.depth == 0 { DEFAULT_DEPTH } else { r.depth };
+            let st = sb
+                .with_client(|c| c.stat(&root))
+                .map_err(|e| missing(e, &root))?;
+            if st.kind != FileKind::Dir {
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    format!("path '{}' is not a directory", root.display()),
+                ));
+            }
+            let mut entries = Vec::new();
+            let mut level = vec![root];
+            for _ in 0..depth {
+                let mut next = Vec::new();
+                for dir in &level {
+                    let list = match sb.with_client(|c| c.list(dir)) {
+                        Ok(l) => l,
+                        // A subdirectory that vanished or cannot be read is skipped.
+                        Err(_) if !entries.is_empty() => continue,
+                        Err(e) => return Err(missing(e, dir)),
+                    };
+                    for d in list {
+                        let p = dir.join(&d.name);
+                        if d.stat.kind == FileKind::Dir {
+                            next.push(p.clone());
+                        }
+                        entries.push(entry(sb, &p, &d.stat, None));
+                        if entries.len() > MAX_ENTRIES {
+                            return Err(RpcError::new(
+                                Code::ResourceExhausted,
+                                format!("more than {MAX_ENTRIES} entries"),
+                            ));
+                        }
+                    }
+                }
+                level = next;
+                if level.is_empty() {
+                    break;
+                }
+            }
+            Ok(connect::unary_ok(codec, &pb::ListDirResponse { entries }))
+        }
+        "MakeDir" => {
+            let r: pb::PathRequest = codec.decode(body)?;
+            check_path(&r.path)?;
+            let p = user.resolve(&r.path);
+            if sb.with_client(|c| c.lstat(&p)).is_ok() {
+                return Err(RpcError::new(
+                    Code::AlreadyExists,
+                    format!("path '{}' already exists", p.display()),
+                ));
+            }
+            sb.with_client(|c| c.make_dir(&p, 0o755, true))?;
+            chown_for(sb, user, &p);
+            let e = stat_entry(sb, &p)?;
+            Ok(connect::unary_ok(
+                codec,
+                &pb::EntryResponse { entry: Some(e) },
+            ))
+        }
+        "Move" => {
+            let r: pb::MoveRequest = codec.decode(body)?;
+            check_path(&r.source)?;
+            check_path(&r.destination)?;
+            let (from, to) = (user.resolve(&r.source), user.resolve(&r.destination));
+            sb.with_client(|c| c.rename(&from, &to))
+                .map_err(|e| missing(e, &from))?;
+            let e = stat_entry(sb, &to)?;
+            Ok(connect::unary_ok(
+                codec,
+                &pb::EntryResponse { entry: Some(e) },
+            ))
+        }
+        _ => {
+            let r: pb::PathRequest = codec.decode(body)?;
+            check_path(&r.path)?;
+            let p = user.resolve(&r.path);
+            sb.with_client(|c| c.remove(&p, true))
+                .map_err(|e| missing(e, &p))?;
+            Ok(connect::unary_ok(codec, &pb::Empty {}))
+        }
+    }
+}
+
+/// Files made for a non-root user should be theirs; the agent has no chown yet, so they
+/// stay root's (see docs/e2b-compat.md).
+fn chown_for(_sb: &SandboxConn, user: &User, path: &FsPath) {
+    if user.uid != 0 {
+        tracing::debug!(path = %path.display(), user = %user.name, "created as root (no chown in the agent)");
+    }
+}
+
+/// envd's `/files` error body.
+fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(serde_json::json!({"code": status.as_u16(), "message": message.into()})),
+    )
+        .into_response()
+}
+
+fn rpc_to_http(e: RpcError) -> Response {
+    let status = match e.code {
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::AlreadyExists => StatusCode::CONFLICT,
+        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        Code::Unavailable => StatusCode::BAD_GATEWAY,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    http_error(status, e.message)
+}
+
+/// `path` and `username` of a `/files` query.
+fn file_query(req: &Request) -> (Option<String>, Option<String>) {
+    let (mut path, mut user) = (None, None);
+    if let Some(q) = req.uri().query() {
+        for (k, v) in form_urlencoded::parse(q.as_bytes()) {
+            match &*k {
+                "path" => path = Some(v.into_owned()),
+                "username" => user = Some(v.into_owned()),
+                _ => {}
+            }
+        }
+    }
+    (path, user)
+}
+
+/// `GET /files?path=…&username=…`: the file's bytes, streamed.
+pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let (path, qs_user) = file_query(&req);
+    let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let Some(path) = path.filter(|p| !p.is_empty()) else {
+        return http_error(StatusCode::BAD_REQUEST, "the path parameter is required");
+    };
+    if let Err(e) = check_path(&path) {
+        return rpc_to_http(e);
+    }
+    let sb2 = sb.clone();
+    let prep = tokio::task::spawn_blocking(move || {
+        let user = sb2.user(user_name.as_deref())?;
+        let p = user.resolve(&path);
+        let st = sb2
+            .with_client(|c| c.stat(&p))
+            .map_err(|e| missing(e, &p))?;
+        if st.kind == FileKind::Dir {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("path '{}' is a directory", p.display()),
+            ));
+        }
+        let client = sb2.connect_new()?;
+        Ok((p, st.size, client))
+    })
+    .await
+    .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
+    let (p, size, client) = match prep {
+        Ok(x) => x,
+        Err(e) => return rpc_to_http(e),
+    };
+    let (tx, mut rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::task::spawn_blocking(move || {
+        let mut w = ChanWriter { tx: tx.clone() };
+        if let Err(e) = client.read_file_to(&p, &mut w) {
+            // The status line is gone: fail the body so the client sees a broken transfer.
+            let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+        }
+    });
+    let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+    let mut r = Response::new(body);
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    // Only a hint: the agent streams what the file holds when it reads it.
+    let _ = size;
+    r
+}
+
+struct ChanWriter {
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+}
+
+impl std::io::Write for ChanWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.tx
+            .blocking_send(Ok(Bytes::copy_from_slice(buf)))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client went away"))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Bytes from the async side, read by a blocking agent upload.
+struct ChanReader {
+    rx: mpsc::Receiver<Result<Bytes, String>>,
+    cur: Bytes,
+}
+
+impl Read for ChanReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                None => return Ok(0),
+                Some(Ok(b)) => self.cur = b,
+                Some(Err(e)) => return Err(std::io::Error::other(e)),
+            }
+        }
+        let n = buf.len().min(self.cur.len());
+        buf[..n].copy_from_slice(&self.cur[..n]);
+        self.cur = self.cur.slice(n..);
+        Ok(n)
+    }
+}
+
+/// One file upload: parents made, bytes streamed in from `rx` (gunzipped if `gzip`).
+fn write_one(
+    sb: &SandboxConn,
+    client: &vmm::agent::Client,
+    user: &User,
+    path: &FsPath,
+    rx: mpsc::Receiver<Result<Bytes, String>>,
+    gzip: bool,
+) -> Result<pb::EntryInfo, RpcError> {
+    if let Some(parent) = path.parent() {
+        client
+            .make_dir(parent, 0o755, true)
+            .map_err(RpcError::from)?;
+    }
+    let raw = ChanReader {
+        rx,
+        cur: Bytes::new(),
+    };
+    let mut reader: Box<dyn Read> = if gzip {
+        Box::new(flate2::read::GzDecoder::new(raw))
+    } else {
+        Box::new(raw)
+    };
+    client
+        .write_file_from(path, 0o644, &mut reader)
+        .map_err(|e| match e {
+            vmm::Error::Io { source, .. } => {
+                RpcError::new(Code::InvalidArgument, format!("upload body: {source}"))
+            }
+            e => RpcError::from(e),
+        })?;
+    chown_for(sb, user, path);
+    let _ = sb;
+    Ok(pb::EntryInfo {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        r#type: pb::FileType::File as i32,
+        path: path.to_string_lossy().into_owned(),
+        ..Default::default()
+    })
+}
+
+/// `WriteInfo` of the `/files` answer.
+fn write_info(e: &pb::EntryInfo) -> serde_json::Value {
+    serde_json::json!({"name": e.name, "type": "file", "path": e.path})
+}
+
+/// `POST /files?path=…&username=…`: multipart (`file` parts, each named by its
+/// filename when no `path` is given) or an octet-stream body (one file at `path`,
+/// `Content-Encoding: gzip` allowed). Answers `[WriteInfo]`.
+pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let (qpath, qs_user) = file_query(&req);
+    let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let gzip = req
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
+        .unwrap_or(false);
+    for p in qpath.iter() {
+        if let Err(e) = check_path(p) {
+            return rpc_to_http(e);
+        }
+    }
+    let sb2 = sb.clone();
+    let setup = tokio::task::spawn_blocking(move || {
+        let user = sb2.user(user_name.as_deref())?;
+        let client = sb2.connect_new()?;
+        Ok::<_, RpcError>((user, client))
+    })
+    .await
+    .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
+    let (user, client) = match setup {
+        Ok(x) => x,
+        Err(e) => return rpc_to_http(e),
+    };
+    let mut written = Vec::new();
+    if ct.starts_with("multipart/form-data") {
+        let mut mp = match Multipart::from_request(req, &()).await {
+            Ok(m) => m,
+            Err(e) => return http_error(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
+        };
+        let mut n = 0usize;
+        loop {
+            let mut field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return http_error(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
+            };
+            n += 1;
+            let target = match (&qpath, field.file_name()) {
+                (Some(p), _) if n == 1 => p.clone(),
+                (_, Some(f)) if !f.is_empty() => f.to_string(),
+                _ => {
+                    return http_error(
+                        StatusCode::BAD_REQUEST,
+                        "a multipart part without a file name (and no path parameter)",
+                    )
+                }
+            };
+            if let Err(e) = check_path(&target) {
+                return rpc_to_http(e);
+            }
+            let path = user.resolve(&target);
+            let (tx, rx) = mpsc::channel(8);
+            let (sb3, c3, u3, p3) = (sb.clone(), client.clone(), user.clone(), path.clone());
+            let job =
+                tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, false));
+            let mut feed_err = None;
+            loop {
+                match field.chunk().await {
+                    Ok(Some(b)) => {
+                        if tx.send(Ok(b)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string())).await;
+                        feed_err = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            drop(tx);
+            match job.await {
+                Ok(Ok(e)) if feed_err.is_none() => written.push(e),
+                Ok(Ok(_)) => {
+                    return http_error(
+                        StatusCode::BAD_REQUEST,
+                        format!("multipart: {}", feed_err.unwrap_or_default()),
+                    )
+                }
+                Ok(Err(e)) => return rpc_to_http(e),
+                Err(e) => return http_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            }
+        }
+    } else {
+        let Some(target) = qpath.filter(|p| !p.is_empty()) else {
+            return http_error(StatusCode::BAD_REQUEST, "the path parameter is required");
+        };
+        let path = user.resolve(&target);
+        let (tx, rx) = mpsc::channel(8);
+        let (sb3, c3, u3, p3) = (sb.clone(), client.clone(), user.clone(), path.clone());
+        let job = tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, gzip));
+        let mut stream = req.into_body().into_data_stream();
+        while let Some(chunk) = stream.next().await {
+            let r = chunk.map_err(|e| e.to_string());
+            let stop = r.is_err();
+            if tx.send(r).await.is_err() || stop {
+                break;
+            }
+        }
+        drop(tx);
+        match job.await {
+            Ok(Ok(e)) => written.push(e),
+            Ok(Err(e)) => return rpc_to_http(e),
+            Err(e) => return http_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+    let out: Vec<serde_json::Value> = written.iter().map(write_info).collect();
+    axum::Json(out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permissions_like_go() {
+        assert_eq!(permissions(FileKind::File, 0o644), "-rw-r--r--");
+        assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
+        assert_eq!(permissions(FileKind::Symlink, 0o777), "Lrwxrwxrwx");
+    }
+}

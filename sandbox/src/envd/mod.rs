@@ -1,0 +1,504 @@
+//! The E2B data plane: envd's protocol served by `clade serve` and translated into Clade's
+//! agent protocol over each sandbox's vsock socket.
+//!
+//! Why here and not in the guest: E2B runs `envd` (HTTP + Connect RPC + protobuf) inside
+//! every VM. Clade keeps the guest small — `clade-agent` speaks a compact framed protocol
+//! (`guest-agent/PROTOCOL.md`) and knows nothing of HTTP — so the host does the HTTP,
+//! Connect and protobuf work once, for every sandbox, and forwards operations.
+//!
+//! Routing: the SDK sends every data-plane request to `E2B_SANDBOX_URL` with the headers
+//! `E2b-Sandbox-Id` and `E2b-Sandbox-Port` (49983, envd's port); clients that address
+//! sandboxes by host name use `<port>-<id>.<domain>`. [`route`] recognizes both; the
+//! control API shares the listener (its requests carry neither).
+//!
+//! State kept here, per sandbox ([`SandboxConn`]): one shared agent connection for short
+//! operations (stat, list, mkdir…), and the table of processes started through `Start`
+//! (`process`): each holds its own agent connection, because the agent kills an exec's
+//! process group when the connection that started it closes, and a process must outlive
+//! the HTTP stream that started it (background commands, `Connect` by pid or tag). A
+//! process that ends leaves the table. Nothing here survives a service restart or a pause
+//! (vsock connections do not survive a snapshot): see docs/e2b-compat.md.
+//!
+//! A request for a paused sandbox resumes it first (auto-resume); an unknown, killed or
+//! crashed sandbox gets E2B's proxy answer, 502 "... was not found", which the SDK turns
+//! into `SandboxNotRunningException`.
+
+pub mod connect;
+mod files;
+pub mod pb;
+mod process;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use tower::ServiceExt;
+use vmm::agent::{Client, Transport};
+
+use crate::error::Error;
+use crate::host::Host;
+use crate::registry::State as SbState;
+use connect::{Code, RpcError};
+
+/// The envd version reported for every sandbox (control plane `envdVersion`). The SDK
+/// enables features by it: 0.5.7 means default user chosen by the server (>= 0.4.0),
+/// stdin control and `CloseStdin` (>= 0.3.0, 0.5.2), octet-stream and gzip uploads
+/// (>= 0.5.7). File metadata (0.6.2) and watch entries (0.6.3) are not served, so the SDK
+/// refuses them client-side.
+pub const ENVD_VERSION: &str = "0.5.7";
+/// envd's port: the only sandbox port served.
+pub const ENVD_PORT: u16 = 49983;
+/// How long connecting to a sandbox's agent may take.
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout of a sandbox resumed by a data-plane request (seconds; never shortens).
+const AUTO_RESUME_TIMEOUT_S: u64 = 300;
+
+/// Which sandbox a data-plane request is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub sandbox: String,
+    pub port: u16,
+}
+
+/// The sandbox a request addresses, by `E2b-Sandbox-Id` (+ `E2b-Sandbox-Port`, default
+/// envd's) or by a `<port>-<id>.<domain>` host name; `None` for control-plane requests.
+pub fn route(h: &HeaderMap) -> Option<Target> {
+    if let Some(id) = h.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) {
+        let port = h
+            .get("e2b-sandbox-port")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(ENVD_PORT);
+        return Some(Target {
+            sandbox: id.trim().to_string(),
+            port,
+        });
+    }
+    let host = h.get(header::HOST)?.to_str().ok()?;
+    let first = host.split('.').next()?;
+    // A bare IP or `localhost:3000` has no `<port>-<id>` label.
+    if !host.contains('.') || first.contains(':') {
+        return None;
+    }
+    let (port, id) = first.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return None;
+    }
+    Some(Target {
+        sandbox: id.to_string(),
+        port,
+    })
+}
+
+/// A sandbox user as envd resolves one (`/etc/passwd` in the guest).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct User {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+}
+
+impl User {
+    fn root() -> Self {
+        User {
+            name: "root".into(),
+            uid: 0,
+            gid: 0,
+            home: "/root".into(),
+        }
+    }
+
+    /// `path` made absolute: relative paths are relative to the user's home.
+    pub fn resolve(&self, path: &str) -> PathBuf {
+        let p = Path::new(path);
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else if let Some(rest) = path.strip_prefix("~/") {
+            self.home.join(rest)
+        } else if path == "~" || path.is_empty() {
+            self.home.clone()
+        } else {
+            self.home.join(p)
+        }
+    }
+}
+
+/// The guest's users (`/etc/passwd`) and group names by gid (`/etc/group`).
+type Accounts = (Vec<User>, HashMap<u32, String>);
+
+/// One sandbox as the data plane sees it.
+pub(crate) struct SandboxConn {
+    pub id: String,
+    pub vsock: PathBuf,
+    /// Environment variables given at create time (every process gets them).
+    pub env: BTreeMap<String, String>,
+    client: Mutex<Option<Client>>,
+    users: Mutex<Option<Accounts>>,
+    pub procs: Mutex<HashMap<u32, Arc<process::Proc>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl SandboxConn {
+    /// A new connection of its own to the sandbox's agent.
+    pub fn connect_new(&self) -> Result<Client, RpcError> {
+        Client::connect_timeout(&self.vsock, Transport::Auto, AGENT_CONNECT_TIMEOUT).map_err(|e| {
+            RpcError::new(
+                Code::Unavailable,
+                format!("sandbox {}: its agent cannot be reached: {e}", self.id),
+            )
+        })
+    }
+
+    /// Runs `f` with the shared agent connection, reconnecting once if it broke.
+    pub fn with_client<T>(&self, f: impl Fn(&Client) -> vmm::Result<T>) -> Result<T, RpcError> {
+        for attempt in 0..2 {
+            let c = {
+                let mut g = lock(&self.client);
+                match &*g {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = self.connect_new()?;
+                        *g = Some(c.clone());
+                        c
+                    }
+                }
+            };
+            match f(&c) {
+                Err(vmm::Error::AgentDisconnected) if attempt == 0 => {
+                    *lock(&self.client) = None;
+                }
+                r => return r.map_err(RpcError::from),
+            }
+        }
+        Err(RpcError::new(Code::Unavailable, "agent connection lost"))
+    }
+
+    fn load_users(&self) -> Result<(), RpcError> {
+        if lock(&self.users).is_some() {
+            return Ok(());
+        }
+        let read = |p: &str| {
+            self.with_client(|c| c.read_file(p))
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default()
+        };
+        let passwd = read("/etc/passwd");
+        let group = read("/etc/group");
+        let users: Vec<User> = passwd
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                if f.len() < 6 {
+                    return None;
+                }
+                Some(User {
+                    name: f[0].to_string(),
+                    uid: f[2].parse().ok()?,
+                    gid: f[3].parse().ok()?,
+                    home: PathBuf::from(f[5]),
+                })
+            })
+            .collect();
+        let groups: HashMap<u32, String> = group
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                if f.len() < 3 {
+                    return None;
+                }
+                Some((f[2].parse().ok()?, f[0].to_string()))
+            })
+            .collect();
+        *lock(&self.users) = Some((users, groups));
+        Ok(())
+    }
+
+    /// The user a request runs as: `name`, or root when none is given (envd >= 0.4.0 lets
+    /// the server pick; Clade's templates have no `user` account).
+    pub fn user(&self, name: Option<&str>) -> Result<User, RpcError> {
+        let name = match name {
+            None | Some("") | Some("root") => return Ok(self.user_by_uid(0)),
+            Some(n) => n,
+        };
+        self.load_users()?;
+        let g = lock(&self.users);
+        g.as_ref()
+            .and_then(|(u, _)| u.iter().find(|u| u.name == name).cloned())
+            .ok_or_else(|| {
+                RpcError::new(
+                    Code::InvalidArgument,
+                    format!("user '{name}' does not exist in sandbox {}", self.id),
+                )
+            })
+    }
+
+    fn user_by_uid(&self, uid: u32) -> User {
+        if self.load_users().is_ok() {
+            if let Some((users, _)) = lock(&self.users).as_ref() {
+                if let Some(u) = users.iter().find(|u| u.uid == uid) {
+                    return u.clone();
+                }
+            }
+        }
+        User::root()
+    }
+
+    /// Owner and group names for `EntryInfo` (numbers when unknown).
+    pub fn names(&self, uid: u32, gid: u32) -> (String, String) {
+        let _ = self.load_users();
+        let g = lock(&self.users);
+        let (users, groups) = match g.as_ref() {
+            Some(x) => (&x.0[..], Some(&x.1)),
+            None => (&[][..], None),
+        };
+        let owner = users
+            .iter()
+            .find(|u| u.uid == uid)
+            .map(|u| u.name.clone())
+            .unwrap_or_else(|| uid.to_string());
+        let group = groups
+            .and_then(|g| g.get(&gid).cloned())
+            .unwrap_or_else(|| gid.to_string());
+        (owner, group)
+    }
+}
+
+/// The data plane: sandboxes' connections and process tables.
+pub struct DataPlane {
+    host: Arc<Host>,
+    sandboxes: Mutex<HashMap<String, Arc<SandboxConn>>>,
+}
+
+impl DataPlane {
+    pub fn new(host: Arc<Host>) -> Arc<Self> {
+        Arc::new(Self {
+            host,
+            sandboxes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The sandbox `t` names, resumed if it was paused.
+    pub(crate) async fn sandbox(
+        self: &Arc<Self>,
+        t: &Target,
+    ) -> Result<Arc<SandboxConn>, Response> {
+        if t.port != ENVD_PORT {
+            return Err(proxy_error(format!(
+                "The sandbox {} is running but port {} is not open (only envd's port {ENVD_PORT} is served)",
+                t.sandbox, t.port
+            )));
+        }
+        let host = self.host.clone();
+        let id = t.sandbox.clone();
+        // The lookup is one indexed registry read and a liveness check (no process
+        // start): done inline, it saves a hop to the blocking pool on every request.
+        // Only a resume goes there.
+        let rec = match host.get(&id) {
+            Ok(rec) if rec.state == SbState::Paused => tokio::task::spawn_blocking(move || {
+                tracing::info!(sandbox = %id, "auto-resume for a data-plane request");
+                host.connect(&id, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
+            })
+            .await
+            .map_err(|e| proxy_error(format!("worker: {e}")))?,
+            Ok(rec) if rec.state == SbState::Crashed => Err(Error::NotFound(id)),
+            r => r,
+        };
+        let rec = match rec {
+            Ok(r) => r,
+            Err(Error::NotFound(_)) | Err(Error::Crashed { .. }) => {
+                lock(&self.sandboxes).remove(&t.sandbox);
+                return Err(proxy_error(format!(
+                    "The sandbox {} was not found",
+                    t.sandbox
+                )));
+            }
+            Err(e) => return Err(proxy_error(format!("sandbox {}: {e}", t.sandbox))),
+        };
+        let Some(vsock) = rec.vsock.clone() else {
+            return Err(proxy_error(format!(
+                "The sandbox {} was not found (no agent socket)",
+                t.sandbox
+            )));
+        };
+        let mut map = lock(&self.sandboxes);
+        if let Some(c) = map.get(&rec.id) {
+            if c.vsock == vsock {
+                return Ok(c.clone());
+            }
+        }
+        // New, or resumed since (a new VM process: old connections and processes are gone).
+        let c = Arc::new(SandboxConn {
+            id: rec.id.clone(),
+            vsock,
+            env: rec.env_vars.clone(),
+            client: Mutex::new(None),
+            users: Mutex::new(None),
+            procs: Mutex::new(HashMap::new()),
+        });
+        map.insert(rec.id.clone(), c.clone());
+        Ok(c)
+    }
+}
+
+/// E2B's proxy answer for a sandbox that is not there: 502 with a JSON message.
+fn proxy_error(message: String) -> Response {
+    (
+        StatusCode::BAD_GATEWAY,
+        axum::Json(serde_json::json!({"code": 502, "message": message})),
+    )
+        .into_response()
+}
+
+/// The user named by `Authorization: Basic base64(user:)`, as the SDK sends it.
+pub(crate) fn basic_user(h: &HeaderMap) -> Option<String> {
+    use base64::Engine;
+    let v = h.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let b = v.strip_prefix("Basic ")?;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(b.trim())
+        .ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    let user = s.split(':').next()?.to_string();
+    (!user.is_empty()).then_some(user)
+}
+
+/// The data-plane router (requests already carry their [`Target`] as an extension).
+pub fn router(dp: Arc<DataPlane>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route(
+            "/files",
+            get(files::download)
+                .post(files::upload)
+                .layer(axum::extract::DefaultBodyLimit::disable()),
+        )
+        .route("/process.Process/{method}", post(process::dispatch))
+        .route("/filesystem.Filesystem/{method}", post(files::dispatch))
+        .fallback(unknown)
+        .with_state(dp)
+}
+
+async fn unknown(req: Request) -> Response {
+    RpcError::new(
+        Code::Unimplemented,
+        format!("{} {} is not served", req.method(), req.uri().path()),
+    )
+    .unary_response()
+}
+
+/// `GET /health`: 204 once the sandbox's agent answers a ping.
+async fn health(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let r = tokio::task::spawn_blocking(move || sb.with_client(|c| c.ping())).await;
+    match r {
+        Ok(Ok(_)) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => proxy_error(format!(
+            "The sandbox is running but port {ENVD_PORT} is not open: {}",
+            e.message
+        )),
+        Err(e) => proxy_error(format!("worker: {e}")),
+    }
+}
+
+/// The sandbox of a request (its [`Target`], put there by [`dispatch`]).
+pub(crate) async fn target_sandbox(
+    dp: &Arc<DataPlane>,
+    t: Option<Target>,
+) -> Result<Arc<SandboxConn>, Response> {
+    let t = t.ok_or_else(|| proxy_error("no sandbox named in the request".into()))?;
+    dp.sandbox(&t).await
+}
+
+/// Middleware in front of the control API: requests addressed to a sandbox go to the
+/// data plane.
+/// `data` is [`router`]'s result.
+pub async fn dispatch(State(data): State<Router>, mut req: Request, next: Next) -> Response {
+    match route(req.headers()) {
+        Some(t) if t.port != ENVD_PORT => proxy_error(format!(
+            "The sandbox {}: port {} is not open (only envd's port {ENVD_PORT} is served)",
+            t.sandbox, t.port
+        )),
+        Some(t) => {
+            req.extensions_mut().insert(t);
+            match data.oneshot(req).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            }
+        }
+        None => next.run(req).await,
+    }
+}
+
+/// Reads a whole request body of at most `limit` bytes.
+pub(crate) async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, RpcError> {
+    axum::body::to_bytes(req.into_body(), limit)
+        .await
+        .map_err(|e| {
+            RpcError::new(
+                Code::ResourceExhausted,
+                format!("request body over {limit} bytes or unreadable: {e}"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_by_header_or_host() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, "127.0.0.1:3000".parse().unwrap());
+        assert_eq!(route(&h), None);
+        h.insert(header::HOST, "localhost".parse().unwrap());
+        assert_eq!(route(&h), None);
+        h.insert(header::HOST, "49983-abc123.example.org".parse().unwrap());
+        assert_eq!(
+            route(&h),
+            Some(Target {
+                sandbox: "abc123".into(),
+                port: 49983
+            })
+        );
+        h.insert(header::HOST, "api.example.org".parse().unwrap());
+        assert_eq!(route(&h), None);
+        h.insert("e2b-sandbox-id", "zz9".parse().unwrap());
+        h.insert("e2b-sandbox-port", "49983".parse().unwrap());
+        assert_eq!(
+            route(&h),
+            Some(Target {
+                sandbox: "zz9".into(),
+                port: 49983
+            })
+        );
+    }
+
+    #[test]
+    fn users_and_paths() {
+        let mut h = HeaderMap::new();
+        assert_eq!(basic_user(&h), None);
+        h.insert(header::AUTHORIZATION, "Basic dXNlcjo=".parse().unwrap());
+        assert_eq!(basic_user(&h).as_deref(), Some("user"));
+        h.insert(header::AUTHORIZATION, "Basic !!!".parse().unwrap());
+        assert_eq!(basic_user(&h), None);
+        let u = User::root();
+        assert_eq!(u.resolve("a/b"), PathBuf::from("/root/a/b"));
+        assert_eq!(u.resolve("~/x"), PathBuf::from("/root/x"));
+        assert_eq!(u.resolve("/etc"), PathBuf::from("/etc"));
+    }
+}

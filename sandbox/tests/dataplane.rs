@@ -1,0 +1,872 @@
+//! The data plane (envd's protocol) end to end through the service's router, against a
+//! real `clade-agent --listen-unix` per sandbox (the host-agent test harness: no VM).
+//! Both Connect codecs, streaming envelopes, exit codes, stdin, signals, file transfers
+//! with checksums, filesystem calls, and malformed requests.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use prost::Message;
+use sandbox::envd::pb;
+use sandbox::hostagent::{HostAgentDriver, TEMPLATE};
+use sandbox::http::{router, AppState};
+use sandbox::{CreateRequest, Host, HostConfig};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+/// Builds `clade-agent` once, in a target directory of its own (the outer `cargo test`
+/// holds the main one).
+fn agent_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("agent-build");
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-agent/Cargo.toml");
+        let status = std::process::Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--quiet",
+                "--bin",
+                "clade-agent",
+                "--manifest-path",
+            ])
+            .arg(&manifest)
+            .arg("--target-dir")
+            .arg(&target)
+            .status()
+            .expect("run cargo build for clade-agent");
+        assert!(status.success(), "building clade-agent failed");
+        target.join("debug/clade-agent")
+    })
+}
+
+struct Env {
+    app: Router,
+    id: String,
+    dir: PathBuf,
+}
+
+fn setup(name: &str) -> Env {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dataplane-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("scratch")).unwrap();
+    HostAgentDriver::install_template(&dir).unwrap();
+    let host = Host::open(
+        HostConfig::new(dir.clone()),
+        Arc::new(HostAgentDriver::new(agent_bin().to_path_buf())),
+    )
+    .unwrap();
+    let rec = host
+        .create(CreateRequest {
+            template: TEMPLATE.into(),
+            timeout_s: 300,
+            env_vars: [("SB_VAR".to_string(), "from-create".to_string())].into(),
+            ..Default::default()
+        })
+        .unwrap();
+    let app = router(AppState {
+        host: Arc::new(host),
+        api_key: Arc::new("k".into()),
+    });
+    Env {
+        app,
+        id: rec.id,
+        dir: dir.join("scratch"),
+    }
+}
+
+impl Env {
+    fn req(&self, method: &str, uri: &str, ct: Option<&str>, body: Vec<u8>) -> Request<Body> {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("e2b-sandbox-id", &self.id)
+            .header("e2b-sandbox-port", "49983");
+        if let Some(ct) = ct {
+            b = b.header("content-type", ct);
+        }
+        b.body(Body::from(body)).unwrap()
+    }
+
+    async fn send(&self, r: Request<Body>) -> (StatusCode, String, Vec<u8>) {
+        let resp = self.app.clone().oneshot(r).await.unwrap();
+        let status = resp.status();
+        let ct = resp
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec();
+        (status, ct, body)
+    }
+
+    /// A unary JSON call: status and body.
+    async fn unary(&self, method: &str, body: Value) -> (StatusCode, Value) {
+        let (s, _, b) = self
+            .send(self.req(
+                "POST",
+                &format!("/{method}"),
+                Some("application/json"),
+                serde_json::to_vec(&body).unwrap(),
+            ))
+            .await;
+        (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+}
+
+fn envelope(payload: &[u8]) -> Vec<u8> {
+    let mut v = vec![0];
+    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    v.extend_from_slice(payload);
+    v
+}
+
+/// Splits a streaming body into (flags, payload) envelopes; panics on a malformed one
+/// (the server must never send one).
+fn envelopes(mut b: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        assert!(b.len() >= 5, "truncated envelope");
+        let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+        out.push((b[0], b[5..5 + len].to_vec()));
+        b = &b[5 + len..];
+    }
+    out
+}
+
+/// A JSON stream's events and its end-of-stream JSON.
+fn json_stream(body: &[u8]) -> (Vec<Value>, Value) {
+    let env = envelopes(body);
+    let (last, msgs) = env.split_last().expect("an end-of-stream envelope");
+    assert_eq!(last.0, 2, "stream must end with an end-of-stream envelope");
+    let msgs = msgs
+        .iter()
+        .map(|(f, p)| {
+            assert_eq!(*f, 0);
+            serde_json::from_slice::<Value>(p).unwrap()["event"].clone()
+        })
+        .collect();
+    (msgs, serde_json::from_slice(&last.1).unwrap())
+}
+
+fn b64(s: &str) -> Vec<u8> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
+
+fn collect_output(events: &[Value], which: &str) -> Vec<u8> {
+    events
+        .iter()
+        .filter_map(|e| e["data"][which].as_str())
+        .flat_map(b64)
+        .collect()
+}
+
+fn start_json(cmd: &str, stdin: bool) -> Vec<u8> {
+    envelope(
+        serde_json::to_vec(&json!({
+            "process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": {"REQ_VAR": "r"}},
+            "stdin": stdin
+        }))
+        .unwrap()
+        .as_slice(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn start_streams_output_and_exit_codes_json() {
+    let env = setup("start-json");
+    let (s, ct, body) = env
+        .send(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            start_json("echo out $SB_VAR $REQ_VAR; echo err >&2; exit 7", false),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(ct, "application/connect+json");
+    let (events, end) = json_stream(&body);
+    assert!(events[0]["start"]["pid"].as_u64().unwrap() > 0);
+    assert_eq!(collect_output(&events, "stdout"), b"out from-create r\n");
+    assert_eq!(collect_output(&events, "stderr"), b"err\n");
+    let last = &events[events.len() - 1]["end"];
+    assert_eq!(last["exitCode"], 7);
+    assert_eq!(last["exited"], true);
+    assert_eq!(last["status"], "exit status 7");
+    assert_eq!(last["error"], "exit status 7");
+    assert_eq!(end, json!({}));
+
+    // A command that does not exist fails the call (no start event).
+    let (s, _, body) = env
+        .send(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            envelope(br#"{"process":{"cmd":"/no/such/program"}}"#),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (events, end) = json_stream(&body);
+    assert!(events.is_empty());
+    assert_eq!(end["error"]["code"], "not_found", "{end}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn start_streams_binary_protobuf() {
+    let env = setup("start-proto");
+    let req = pb::StartRequest {
+        process: Some(pb::ProcessConfig {
+            cmd: "/bin/sh".into(),
+            args: vec!["-c".into(), "printf 'a\\0b'; exit 0".into()],
+            ..Default::default()
+        }),
+        stdin: Some(false),
+        ..Default::default()
+    };
+    let (s, ct, body) = env
+        .send(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+proto"),
+            envelope(&req.encode_to_vec()),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(ct, "application/connect+proto");
+    let env_ = envelopes(&body);
+    let (end_flags, end) = env_.last().unwrap();
+    assert_eq!(*end_flags, 2);
+    assert_eq!(end.as_slice(), b"{}");
+    let events: Vec<pb::Event> = env_[..env_.len() - 1]
+        .iter()
+        .map(|(_, p)| {
+            pb::EventResponse::decode(p.as_slice())
+                .unwrap()
+                .event
+                .unwrap()
+                .event
+                .unwrap()
+        })
+        .collect();
+    assert!(matches!(events[0], pb::Event::Start(pb::StartEvent { pid }) if pid > 0));
+    let out: Vec<u8> = events
+        .iter()
+        .filter_map(|e| match e {
+            pb::Event::Data(pb::DataEvent {
+                output: Some(pb::Output::Stdout(d)),
+            }) => Some(d.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(out, b"a\0b");
+    assert!(
+        matches!(events.last(), Some(pb::Event::End(e)) if e.exit_code == 0 && e.exited && e.error.is_none())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_signals_list_and_connect() {
+    let env = setup("stdin");
+    // A background `cat` with stdin: its stream is read concurrently.
+    let app = env.app.clone();
+    let start = env.req(
+        "POST",
+        "/process.Process/Start",
+        Some("application/connect+json"),
+        start_json("cat; echo done", true),
+    );
+    let resp = app.oneshot(start).await.unwrap();
+    let mut body = resp.into_body();
+    // The first frame holds the start event.
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let pid = serde_json::from_slice::<Value>(&first[5..]).unwrap()["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    let rest = tokio::spawn(async move { body.collect().await.unwrap().to_bytes().to_vec() });
+
+    let (s, v) = env.unary("process.Process/List", json!({})).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["pid"] == pid && p["config"]["cmd"] == "/bin/sh"));
+    // Reconnect by pid while it runs; its stream sees the same output.
+    let connect = env.req(
+        "POST",
+        "/process.Process/Connect",
+        Some("application/connect+json"),
+        envelope(
+            serde_json::to_vec(&json!({"process": {"pid": pid}}))
+                .unwrap()
+                .as_slice(),
+        ),
+    );
+    let app2 = env.app.clone();
+    let second = tokio::spawn(async move {
+        let r = app2.oneshot(connect).await.unwrap();
+        r.into_body().collect().await.unwrap().to_bytes().to_vec()
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    for chunk in ["hello ", "world\n"] {
+        let (s, v) = env
+            .unary(
+                "process.Process/SendInput",
+                json!({"process": {"pid": pid}, "input": {"stdin": base64_of(chunk.as_bytes())}}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    let (s, _) = env
+        .unary(
+            "process.Process/CloseStdin",
+            json!({"process": {"pid": pid}}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (events, _) = json_stream(&rest.await.unwrap()[..]);
+    assert_eq!(collect_output(&events, "stdout"), b"hello world\ndone\n");
+    let (events2, _) = json_stream(&second.await.unwrap());
+    assert_eq!(events2[0]["start"]["pid"], pid);
+    assert!(String::from_utf8(collect_output(&events2, "stdout"))
+        .unwrap()
+        .ends_with("done\n"));
+    assert_eq!(events2.last().unwrap()["end"]["exitCode"], 0);
+
+    // Signals: SIGTERM ends a sleeping process with Go's wording; then it is gone.
+    let app3 = env.app.clone();
+    let sleeper = env.req(
+        "POST",
+        "/process.Process/Start",
+        Some("application/connect+json"),
+        start_json("exec sleep 30", false),
+    );
+    let resp = app3.oneshot(sleeper).await.unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let pid = serde_json::from_slice::<Value>(&first[5..]).unwrap()["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    let (s, v) = env
+        .unary(
+            "process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (events, _) = json_stream(&body.collect().await.unwrap().to_bytes());
+    let end = &events.last().unwrap()["end"];
+    assert_eq!(end["exitCode"], -1);
+    assert_eq!(end["exited"], false);
+    assert_eq!(end["status"], "signal: terminated");
+    // Ended processes leave the table.
+    for _ in 0..50 {
+        let (_, v) = env.unary("process.Process/List", json!({})).await;
+        if !v["processes"]
+            .as_array()
+            .map(|a| a.iter().any(|p| p["pid"] == pid))
+            .unwrap_or(false)
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (s, v) = env
+        .unary(
+            "process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(v["code"], "not_found");
+    // Input to a process started without stdin is refused.
+    let (s, v) = env
+        .unary(
+            "process.Process/SendInput",
+            json!({"process": {"pid": 1}, "input": {"stdin": "eA=="}}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+}
+
+fn base64_of(b: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+fn sha(b: &[u8]) -> u64 {
+    // FNV-1a: enough to tell a corrupted transfer from a good one in a test.
+    b.iter().fold(0xcbf29ce484222325u64, |h, x| {
+        (h ^ *x as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn files_round_trip_and_filesystem_calls() {
+    let env = setup("files");
+    let d = env.dir.to_string_lossy().into_owned();
+    let data: Vec<u8> = (0..(3u32 << 20))
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    // Octet-stream upload into a directory that does not exist yet.
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            &format!("/files?path={d}/new/dir/a.bin"),
+            Some("application/octet-stream"),
+            data.clone(),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v[0]["path"], format!("{d}/new/dir/a.bin"));
+    assert_eq!(
+        sha(&std::fs::read(env.dir.join("new/dir/a.bin")).unwrap()),
+        sha(&data)
+    );
+    let (s, _, got) = env
+        .send(env.req(
+            "GET",
+            &format!("/files?path={d}/new/dir/a.bin"),
+            None,
+            vec![],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(got.len(), data.len());
+    assert_eq!(sha(&got), sha(&data));
+    // Multipart, two files named by their filenames.
+    let mut mp = Vec::new();
+    for (name, content) in [("m1.txt", "one"), ("m2.txt", "two")] {
+        mp.extend_from_slice(
+            format!(
+                "--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{d}/{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n{content}\r\n"
+            )
+            .as_bytes(),
+        );
+    }
+    mp.extend_from_slice(b"--XX--\r\n");
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            "/files",
+            Some("multipart/form-data; boundary=XX"),
+            mp,
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(
+        std::fs::read_to_string(env.dir.join("m2.txt")).unwrap(),
+        "two"
+    );
+    // Gzip upload.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, b"zipped text").unwrap();
+    let mut r = env.req(
+        "POST",
+        &format!("/files?path={d}/z.txt"),
+        Some("application/octet-stream"),
+        gz.finish().unwrap(),
+    );
+    r.headers_mut()
+        .insert("content-encoding", "gzip".parse().unwrap());
+    assert_eq!(env.send(r).await.0, StatusCode::OK);
+    assert_eq!(
+        std::fs::read_to_string(env.dir.join("z.txt")).unwrap(),
+        "zipped text"
+    );
+    // Missing file: 404 with envd's JSON body; a directory: 400.
+    let (s, _, b) = env
+        .send(env.req("GET", &format!("/files?path={d}/nope"), None, vec![]))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["code"], 404);
+    let (s, _, _) = env
+        .send(env.req("GET", &format!("/files?path={d}"), None, vec![]))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    // Stat / ListDir / MakeDir / Move / Remove.
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/Stat",
+            json!({"path": format!("{d}/m1.txt")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["entry"]["type"], "FILE_TYPE_FILE");
+    assert_eq!(v["entry"]["size"], "3");
+    assert_eq!(v["entry"]["permissions"], "-rw-r--r--");
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/Stat",
+            json!({"path": format!("{d}/nope")}),
+        )
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+    let (s, _) = env
+        .unary(
+            "filesystem.Filesystem/MakeDir",
+            json!({"path": format!("{d}/k/l")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/MakeDir",
+            json!({"path": format!("{d}/k/l")}),
+        )
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::CONFLICT, Some("already_exists"))
+    );
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/ListDir",
+            json!({"path": &d, "depth": 2}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let mut paths: Vec<String> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap().to_string())
+        .collect();
+    paths.sort();
+    let want: Vec<String> = ["k", "k/l", "m1.txt", "m2.txt", "new", "new/dir", "z.txt"]
+        .iter()
+        .map(|p| format!("{d}/{p}"))
+        .collect();
+    assert_eq!(paths, want);
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/Move",
+            json!({"source": format!("{d}/m1.txt"), "destination": format!("{d}/k/moved.txt")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["entry"]["name"], "moved.txt");
+    assert!(!env.dir.join("m1.txt").exists());
+    let (s, _) = env
+        .unary(
+            "filesystem.Filesystem/Remove",
+            json!({"path": format!("{d}/k")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(!env.dir.join("k").exists());
+    let (s, _) = env
+        .unary(
+            "filesystem.Filesystem/Remove",
+            json!({"path": format!("{d}/k")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_requests_get_connect_errors() {
+    let env = setup("malformed");
+    let start = "/process.Process/Start";
+    // Bad envelope (length beyond the body): 200 + end-of-stream error.
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            start,
+            Some("application/connect+json"),
+            vec![0, 0, 0, 0, 99, b'{'],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (ev, end) = json_stream(&b);
+    assert!(ev.is_empty());
+    assert_eq!(end["error"]["code"], "invalid_argument");
+    // Compressed envelope: unimplemented.
+    let (_, _, b) = env
+        .send(env.req(
+            "POST",
+            start,
+            Some("application/connect+json"),
+            vec![1, 0, 0, 0, 0],
+        ))
+        .await;
+    assert_eq!(json_stream(&b).1["error"]["code"], "unimplemented");
+    // Oversized message.
+    let (_, _, b) = env
+        .send(env.req(
+            "POST",
+            start,
+            Some("application/connect+json"),
+            vec![0, 0x7f, 0xff, 0xff, 0xff],
+        ))
+        .await;
+    assert_eq!(json_stream(&b).1["error"]["code"], "resource_exhausted");
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            "/process.Process/List",
+            Some("application/json"),
+            vec![b' '; (4 << 20) + 10],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&b).unwrap()["code"],
+        "resource_exhausted"
+    );
+    // Malformed JSON and protobuf.
+    let (s, v) = env
+        .unary("filesystem.Filesystem/Stat", json!("not an object"))
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_argument"))
+    );
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            "/filesystem.Filesystem/Stat",
+            Some("application/proto"),
+            vec![0x0a, 0x7f, 0x01],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&b).unwrap()["code"],
+        "invalid_argument"
+    );
+    // A streaming content type on a unary method and vice versa.
+    let (s, _, _) = env
+        .send(env.req(
+            "POST",
+            "/process.Process/List",
+            Some("application/connect+json"),
+            vec![],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::NOT_IMPLEMENTED);
+    // Unknown methods and services.
+    let (s, v) = env.unary("process.Process/Nope", json!({})).await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_IMPLEMENTED, Some("unimplemented"))
+    );
+    let (s, v) = env.unary("filesystem.Filesystem/WatchDir", json!({})).await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_IMPLEMENTED, Some("unimplemented"))
+    );
+    let (s, v) = env.unary("other.Service/X", json!({})).await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_IMPLEMENTED, Some("unimplemented"))
+    );
+    // No selector; a Start without a process.
+    let (s, v) = env
+        .unary("process.Process/SendSignal", json!({"signal": 9}))
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_argument"))
+    );
+    let (_, _, b) = env
+        .send(env.req(
+            "POST",
+            start,
+            Some("application/connect+json"),
+            envelope(b"{}"),
+        ))
+        .await;
+    assert_eq!(json_stream(&b).1["error"]["code"], "invalid_argument");
+    // An unknown sandbox: E2B's proxy answer, 502 "... was not found".
+    let r = Request::builder()
+        .method("GET")
+        .uri("/health")
+        .header("e2b-sandbox-id", "nosuchsandbox0000000")
+        .body(Body::empty())
+        .unwrap();
+    let resp = env.app.clone().oneshot(r).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert!(
+        v["message"].as_str().unwrap().contains("was not found"),
+        "{v}"
+    );
+    // Another port of a real sandbox: not open.
+    let r = Request::builder()
+        .uri("/")
+        .header("host", format!("8080-{}.clade.local", env.id))
+        .body(Body::empty())
+        .unwrap();
+    let resp = env.app.clone().oneshot(r).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    // Health by host name routing; the service still answers afterwards.
+    let r = Request::builder()
+        .uri("/health")
+        .header("host", format!("49983-{}.clade.local", env.id))
+        .body(Body::empty())
+        .unwrap();
+    let resp = env.app.clone().oneshot(r).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::NO_CONTENT);
+    // Control-plane requests are unaffected (still need the API key).
+    let r = Request::builder()
+        .uri("/sandboxes")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        env.app.clone().oneshot(r).await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+/// What the data plane adds to an envd-style unary call over a direct agent round trip:
+/// `Filesystem/Stat` of `/` over HTTP/1.1 keep-alive (TCP loopback, routing, sandbox
+/// lookup, JSON codec, agent call) against the same `Stat` through a direct agent client.
+/// Prints p50s; run with `--ignored --nocapture` (timings, not a pass/fail check).
+#[test]
+#[ignore]
+fn dataplane_added_latency() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let env = setup("latency");
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = env.app.clone();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    let n = 2000;
+    let p50 = |mut v: Vec<u128>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    // Direct: the agent's own Stat round trip over its socket.
+    let vsock = env
+        .dir
+        .parent()
+        .unwrap()
+        .join("sandboxes")
+        .join(&env.id)
+        .join("vm.vsock");
+    let c = vmm::agent::Client::connect(&vsock).unwrap();
+    let direct: Vec<u128> = (0..n)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            c.stat("/").unwrap();
+            t.elapsed().as_micros()
+        })
+        .collect();
+    // Through the data plane.
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let body = br#"{"path":"/"}"#;
+    let req = format!(
+        "POST /filesystem.Filesystem/Stat HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        env.id,
+        body.len()
+    );
+    let mut dp = Vec::new();
+    for i in 0..n + 50 {
+        let t = std::time::Instant::now();
+        w.write_all(req.as_bytes()).unwrap();
+        w.write_all(body).unwrap();
+        let mut len = 0usize;
+        let mut status = String::new();
+        r.read_line(&mut status).unwrap();
+        assert!(status.contains(" 200 "), "{status}");
+        loop {
+            let mut l = String::new();
+            r.read_line(&mut l).unwrap();
+            if l == "\r\n" {
+                break;
+            }
+            if let Some(v) = l.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut b = vec![0; len];
+        r.read_exact(&mut b).unwrap();
+        if i >= 50 {
+            dp.push(t.elapsed().as_micros());
+        }
+    }
+    let (d, h) = (p50(direct), p50(dp));
+    println!(
+        "stat p50: direct agent {d} us, through the data plane {h} us, added {} us",
+        h.saturating_sub(d)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_end_but_processes_outlive_them() {
+    let env = setup("outlive");
+    let marker = env.dir.join("marker");
+    let cmd = format!("sleep 0.5; echo done > {}", marker.display());
+    // A client that goes away after the start event.
+    let resp = env
+        .app
+        .clone()
+        .oneshot(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            start_json(&cmd, false),
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let pid = serde_json::from_slice::<Value>(&first[5..]).unwrap()["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    drop(body);
+    let (_, v) = env.unary("process.Process/List", json!({})).await;
+    assert!(v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["pid"] == pid));
+    // A stream whose deadline passes ends with deadline_exceeded; the process goes on.
+    let mut r = env.req(
+        "POST",
+        "/process.Process/Connect",
+        Some("application/connect+json"),
+        envelope(
+            serde_json::to_vec(&json!({"process": {"pid": pid}}))
+                .unwrap()
+                .as_slice(),
+        ),
+    );
+    r.headers_mut()
+        .insert("connect-timeout-ms", "100".parse().unwrap());
+    let (_, _, b) = env.send(r).await;
+    let (events, end) = json_stream(&b);
+    assert_eq!(events[0]["start"]["pid"], pid);
+    assert_eq!(end["error"]["code"], "deadline_exceeded");
+    for _ in 0..100 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "done\n");
+}

@@ -1,0 +1,186 @@
+"""The e2b SDK (pinned in requirements.txt) against `clade serve`'s data plane.
+
+TEST HARNESS: the service runs with `--test-host-agent`, so each sandbox is a host-run
+`clade-agent --listen-unix` (commands run on this host, in a scratch directory) instead of
+a VM. What is tested is the data plane: envd's Connect protocol and /files through the
+SDK, translated to the agent protocol. Run with tests/e2b/run_dataplane.sh.
+"""
+
+import hashlib
+import io
+import os
+import time
+
+import pytest
+from e2b import CommandExitException, Sandbox
+from e2b.exceptions import NotFoundException, SandboxException
+
+TEMPLATE = "host-agent"
+SCRATCH = os.environ.get("CLADE_DP_SCRATCH", "/tmp/clade-dp-scratch")
+
+
+@pytest.fixture(scope="module")
+def sb():
+    s = Sandbox.create(TEMPLATE, timeout=600)
+    yield s
+    try:
+        s.kill()
+    except Exception:
+        pass
+
+
+@pytest.fixture
+def d(sb, request):
+    path = f"{SCRATCH}/{request.node.name}"
+    sb.commands.run(f"rm -rf {path} && mkdir -p {path}")
+    return path
+
+
+def test_run_stdout_stderr_exit_code(sb):
+    r = sb.commands.run("echo hi; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as e:
+        sb.commands.run("echo out; echo bad >&2; exit 3")
+    assert e.value.exit_code == 3
+    assert e.value.stdout == "out\n" and e.value.stderr == "bad\n"
+
+
+def test_envs_cwd_and_sandbox_env(sb, d):
+    r = sb.commands.run("echo $FOO; pwd", envs={"FOO": "bar baz"}, cwd=d)
+    assert r.stdout == f"bar baz\n{d}\n"
+
+
+def test_streaming_callbacks_and_large_output(sb):
+    chunks = []
+    r = sb.commands.run(
+        "for i in 1 2 3; do echo line$i; sleep 0.1; done", on_stdout=chunks.append
+    )
+    assert "".join(chunks) == "line1\nline2\nline3\n" == r.stdout
+    big = sb.commands.run("head -c 3000000 /dev/zero | tr '\\0' a")
+    assert len(big.stdout) == 3_000_000
+
+
+def test_stdin_send_and_close(sb):
+    h = sb.commands.run("cat", background=True, stdin=True)
+    h.send_stdin("hello ")
+    h.send_stdin(b"world")
+    h.close_stdin()
+    r = h.wait()
+    assert r.stdout == "hello world"
+
+
+def test_background_list_connect_kill(sb):
+    h = sb.commands.run("echo started; sleep 30", background=True)
+    pids = [p.pid for p in sb.commands.list()]
+    assert h.pid in pids
+    info = [p for p in sb.commands.list() if p.pid == h.pid][0]
+    assert info.cmd == "/bin/bash" and info.args[-1] == "echo started; sleep 30"
+    h.disconnect()
+    # The process outlives the stream that started it; reconnect by pid.
+    h2 = sb.commands.connect(h.pid)
+    assert sb.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException) as e:
+        h2.wait()
+    assert e.value.exit_code == -1 and "killed" in (e.value.error or "")
+    # Gone from the table; killing again reports False.
+    deadline = time.time() + 5
+    while h.pid in [p.pid for p in sb.commands.list()] and time.time() < deadline:
+        time.sleep(0.05)
+    assert h.pid not in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(h.pid) is False
+
+
+def test_connect_unknown_pid(sb):
+    with pytest.raises(SandboxException):
+        sb.commands.connect(999999)
+
+
+def test_files_round_trip_10mib(sb, d):
+    data = os.urandom(10 << 20)
+    want = hashlib.sha256(data).hexdigest()
+    sb.files.write(f"{d}/big.bin", data)  # multipart
+    got = sb.files.read(f"{d}/big.bin", format="bytes")
+    assert hashlib.sha256(got).hexdigest() == want
+    sb.files.write(f"{d}/big2.bin", io.BytesIO(data))  # octet-stream, streamed
+    r = sb.commands.run(f"sha256sum {d}/big2.bin")
+    assert r.stdout.split()[0] == want
+    sb.files.write(f"{d}/gz.txt", "compressed " * 1000, gzip=True)
+    assert sb.files.read(f"{d}/gz.txt") == "compressed " * 1000
+    stream = sb.files.read(f"{d}/big.bin", format="stream")
+    h = hashlib.sha256()
+    for chunk in stream:
+        h.update(chunk)
+    assert h.hexdigest() == want
+
+
+def test_write_files_many_and_parents(sb, d):
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    infos = sb.files.write_files(
+        [WriteEntry(path=f"{d}/x/1.txt", data="one"), WriteEntry(path=f"{d}/y/z/2.txt", data=b"two")]
+    )
+    assert sorted(i.path for i in infos) == [f"{d}/x/1.txt", f"{d}/y/z/2.txt"]
+    assert sb.files.read(f"{d}/y/z/2.txt") == "two"
+
+
+def test_list_stat_mkdir_rename_remove(sb, d):
+    assert sb.files.make_dir(f"{d}/sub/deeper") is True
+    assert sb.files.make_dir(f"{d}/sub/deeper") is False
+    sb.files.write(f"{d}/sub/f.txt", "12345")
+    names = sorted(e.name for e in sb.files.list(d))
+    assert names == ["sub"]
+    deep = sorted(e.path for e in sb.files.list(d, depth=3))
+    assert deep == [f"{d}/sub", f"{d}/sub/deeper", f"{d}/sub/f.txt"]
+    info = sb.files.get_info(f"{d}/sub/f.txt")
+    assert info.size == 5 and info.type.value == "file" and info.permissions == "-rw-r--r--"
+    assert sb.files.get_info(f"{d}/sub").type.value == "dir"
+    moved = sb.files.rename(f"{d}/sub/f.txt", f"{d}/g.txt")
+    assert moved.path == f"{d}/g.txt"
+    assert sb.files.exists(f"{d}/g.txt") and not sb.files.exists(f"{d}/sub/f.txt")
+    sb.files.remove(f"{d}/sub")
+    assert not sb.files.exists(f"{d}/sub")
+
+
+def test_missing_paths(sb, d):
+    with pytest.raises(NotFoundException):
+        sb.files.read(f"{d}/nope")
+    with pytest.raises(NotFoundException):
+        sb.files.get_info(f"{d}/nope")
+    with pytest.raises(NotFoundException):
+        sb.files.list(f"{d}/nope")
+    with pytest.raises(NotFoundException):
+        sb.files.rename(f"{d}/nope", f"{d}/other")
+
+
+def test_pause_then_auto_resume():
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        s.commands.run(f"mkdir -p {SCRATCH} && echo kept > {SCRATCH}/pause.txt")
+        s.pause()
+        # A data-plane request for a paused sandbox resumes it first.
+        assert s.commands.run(f"cat {SCRATCH}/pause.txt").stdout == "kept\n"
+        assert s.get_info().state.value == "running"
+    finally:
+        s.kill()
+
+
+def test_killed_sandbox_is_not_running():
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    s.kill()
+    assert s.is_running() is False
+    with pytest.raises(SandboxException):
+        s.commands.run("true")
+
+
+def test_pty_bash_with_resize(sb):
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    out = bytearray()
+    h = sb.pty.create(PtySize(rows=24, cols=80))
+    sb.pty.resize(h.pid, PtySize(rows=40, cols=132))
+    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((6*7)); exit 5\n")
+    with pytest.raises(CommandExitException) as e:
+        h.wait(on_pty=out.extend)
+    assert e.value.exit_code == 5
+    text = out.decode(errors="replace")
+    assert "40 132" in text and "pty-42" in text, text
