@@ -9,7 +9,8 @@
 #                            filesystem of
 #                            tests/nested/build-rootfs.sh, built once with debootstrap and
 #                            cached under build/rootfs/)
-# Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2.
+#   +  the e2b SDK suite     (tests/e2b: pinned SDK in a venv against clade serve)
+# Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2 (and the SDK suite).
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
@@ -38,6 +39,19 @@ if cargo run --release --quiet -p vmm --example embed -- \
 else
     failed=$((failed + 1))
     echo "example embed: FAIL"
+fi
+
+echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve (host-run agents)"
+# Data-plane tests through the real SDK: clade serve's --test-host-agent harness makes each
+# sandbox a host-run clade-agent, so commands, PTYs and files run without a Linux VM.
+if "$REPO_ROOT/tests/e2b/run_dataplane.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b.log"; then
+    n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b.log" | tail -1 | awk '{print $1}')
+    passed=$((passed + ${n:-0}))
+    echo "e2b SDK suite: PASS (${n:-0} tests)"
+else
+    n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b.log" | tail -1 | awk '{print $1}')
+    failed=$((failed + ${n:-1}))
+    echo "e2b SDK suite: FAIL"
 fi
 
 if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
