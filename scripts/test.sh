@@ -41,18 +41,21 @@ else
     echo "example embed: FAIL"
 fi
 
-echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve (host-run agents)"
-# Data-plane tests through the real SDK: clade serve's --test-host-agent harness makes each
-# sandbox a host-run clade-agent, so commands, PTYs and files run without a Linux VM.
-if "$REPO_ROOT/tests/e2b/run_dataplane.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b.log"; then
-    n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b.log" | tail -1 | awk '{print $1}')
-    passed=$((passed + ${n:-0}))
-    echo "e2b SDK suite: PASS (${n:-0} tests)"
-else
-    n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b.log" | tail -1 | awk '{print $1}')
-    failed=$((failed + ${n:-1}))
-    echo "e2b SDK suite: FAIL"
-fi
+echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
+# The control plane with real VMs (templates of the native test guest), and the data plane
+# through clade serve's --test-host-agent harness (each sandbox a host-run clade-agent, so
+# commands, PTYs and files run without a Linux VM).
+for suite in control dataplane; do
+    if "$REPO_ROOT/tests/e2b/run_$suite.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b-$suite.log"; then
+        n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}')
+        passed=$((passed + ${n:-0}))
+        echo "e2b SDK $suite suite: PASS (${n:-0} tests)"
+    else
+        n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}')
+        failed=$((failed + ${n:-1}))
+        echo "e2b SDK $suite suite: FAIL"
+    fi
+done
 
 if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
     echo "== tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
