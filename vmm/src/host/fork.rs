@@ -339,8 +339,9 @@ fn start_child(
         drop(stdin);
         let stdout = stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))?;
         let (tx, rx) = mpsc::channel();
+        // On the fork's path: no filter of its own (installing one costs ~0.2 ms); it only
+        // reads the child's ready line, under the process filter.
         std::thread::spawn(move || {
-            crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Helper);
             let mut line = String::new();
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
