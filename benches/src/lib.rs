@@ -2,7 +2,7 @@
 //! statistics and reports.
 //!
 //! Benchmarks measure; they do not assert. Each scenario ([`boot()`], [`ping()`],
-//! [`restore()`], [`snapshot()`], [`fork()`]) boots the guest described by a [`Guest`] on a
+//! [`restore()`], [`snapshot()`], [`fork()`], [`serve()`]) boots the guest described by a [`Guest`] on a
 //! [`Machine`] and returns a report: a [`Summary`] or a scenario's own report type, each
 //! with `to_json()` (one JSON object) and a text rendering (`Display`). Printing is the
 //! caller's job.
@@ -13,6 +13,7 @@ mod fork;
 mod guest;
 mod ping;
 mod restore;
+mod serve;
 mod snapshot;
 mod stats;
 
@@ -22,6 +23,7 @@ pub use fork::{fork, ForkParams, ForkReport};
 pub use guest::{Guest, Machine};
 pub use ping::ping;
 pub use restore::{restore, BackendRun, RestoreParams, RestoreReport};
+pub use serve::{serve, ServeParams, ServeReport, ServeRun};
 pub use snapshot::{snapshot, SnapshotParams, SnapshotReport, SnapshotRuns};
 pub use stats::{pct_u64, Samples, StepTimes, Summary};
 

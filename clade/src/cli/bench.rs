@@ -123,6 +123,24 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
+    /// The sandbox host over HTTP: `clade serve` (started by the benchmark, this executable)
+    /// with a template of the native test guest; create (POST /v2/sandboxes until the new
+    /// sandbox's agent answered a ping) and wake (connect of a paused sandbox until its
+    /// agent answered), p50/p99, with 1 and with --background paused sandboxes on the host.
+    Serve {
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
+        /// Measured creates and wakes per run.
+        #[arg(short, long, default_value_t = 50)]
+        n: usize,
+        /// Paused sandboxes on the host in the second run (0: one run only).
+        #[arg(long, default_value_t = 100)]
+        background: usize,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
@@ -184,6 +202,24 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 fill_pct: fill,
             };
             let r = clade_bench::snapshot(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
+        }
+        BenchCommand::Serve {
+            guest,
+            n,
+            background,
+            json,
+        } => {
+            let mut runs = vec![0];
+            if background > 0 {
+                runs.push(background);
+            }
+            let params = clade_bench::ServeParams {
+                clade: std::env::current_exe()?,
+                n,
+                background: runs,
+            };
+            let r = clade_bench::serve(&load(guest)?, &params)?;
             print(json, r.to_json(), r);
         }
         BenchCommand::Fork {

@@ -1,0 +1,336 @@
+//! `serve`: the sandbox host as its users see it. `clade serve` runs as a child process and
+//! is driven over HTTP/1.1 (a keep-alive connection, as the e2b SDK's client keeps one):
+//!
+//! - **create**: `POST /v2/sandboxes` of a template made from the native test guest, until
+//!   the new sandbox's agent answered a ping over its vsock socket;
+//! - **wake**: a paused sandbox, `POST /v2/sandboxes/{id}/connect`, until its agent
+//!   answered a ping (the restore happens on the request's path).
+//!
+//! Each is measured with `background` other sandboxes already on the host. Those are
+//! *paused* (a paused sandbox holds no guest memory and no process): a running native test
+//! guest busy-polls a CPU, so running ones would measure this 2-CPU host's contention, not
+//! the service. HTTP is ureq (no TLS); the service is the real binary with its real
+//! registry, processes and sockets.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::error::{Context, Error, Result};
+use crate::guest::{ping_once, Guest};
+use crate::stats::Samples;
+
+const KEY: &str = "clade-bench";
+/// Agent connections each sandbox of the template can serve: the native test guest's
+/// responder serves one connection per `vsock` step (restore's agent sync, then a ping).
+const STEPS: usize = 150;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ServeParams {
+    /// The `clade` executable (its `template build` and `serve`).
+    pub clade: PathBuf,
+    /// Measured creates and wakes per run.
+    pub n: usize,
+    /// Runs: how many paused sandboxes are on the host during each.
+    pub background: Vec<usize>,
+}
+
+/// One run's figures.
+#[derive(Debug)]
+pub struct ServeRun {
+    /// Paused sandboxes on the host besides the measured ones.
+    pub background: usize,
+    /// create → ping answered.
+    pub create: Samples,
+    /// connect of a paused sandbox → ping answered.
+    pub wake: Samples,
+}
+
+/// Every run.
+#[derive(Debug)]
+pub struct ServeReport {
+    /// In the order of [`ServeParams::background`].
+    pub runs: Vec<ServeRun>,
+}
+
+/// The `clade serve` process and its scratch state directory, both removed when dropped
+/// (the sandboxes first: their VM processes outlive the service by design).
+struct Service {
+    child: Child,
+    state: PathBuf,
+    url: String,
+    agent: ureq::Agent,
+}
+
+impl Service {
+    fn start(clade: &Path, guest: &Guest) -> Result<Service> {
+        let state = std::env::temp_dir().join(format!("clade-bench-serve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state).map_err(|source| Error::Io {
+            what: "creating the state directory".into(),
+            source,
+        })?;
+        // The guest as a path another process can open (the built-in one is this
+        // process's memory file).
+        let kernel = match guest.path().strip_prefix("/proc/self") {
+            Ok(rest) => Path::new("/proc")
+                .join(std::process::id().to_string())
+                .join(rest),
+            Err(_) => guest.path().to_path_buf(),
+        };
+        let steps = vec!["vsock"; STEPS].join(",");
+        let o = Command::new(clade)
+            .args(["template", "build", "bench", "--test-device", "--mem", "64"])
+            .arg("--kernel")
+            .arg(&kernel)
+            .arg("--cmdline")
+            .arg(format!("steps={steps}"))
+            .arg("--state-dir")
+            .arg(&state)
+            .output()
+            .map_err(|source| Error::Io {
+                what: "running clade template build".into(),
+                source,
+            })?;
+        if !o.status.success() {
+            return Err(Error::Guest(format!(
+                "clade template build: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )));
+        }
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io {
+                what: "finding a free port".into(),
+                source,
+            })?;
+            l.local_addr()
+                .map_err(|source| Error::Io {
+                    what: "finding a free port".into(),
+                    source,
+                })?
+                .port()
+        };
+        let child = Command::new(clade)
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--api-key", KEY, "--max-timeout", "86400"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| Error::Io {
+                what: "starting clade serve".into(),
+                source,
+            })?;
+        let service = Service {
+            child,
+            state,
+            url: format!("http://127.0.0.1:{port}"),
+            agent: ureq::AgentBuilder::new()
+                .timeout(Duration::from_secs(60))
+                .build(),
+        };
+        let t = Instant::now();
+        while service.call("GET", "/v2/sandboxes", None).is_err() {
+            if t.elapsed() > Duration::from_secs(20) {
+                return Err(Error::Guest(
+                    "clade serve did not answer within 20 s".into(),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(service)
+    }
+
+    /// One request; the answer's JSON body (Null when empty).
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+        let req = self
+            .agent
+            .request(method, &format!("{}{path}", self.url))
+            .set("X-API-KEY", KEY);
+        let resp = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        let text = match resp {
+            Ok(r) => r.into_string(),
+            Err(ureq::Error::Status(code, r)) => {
+                return Err(Error::Guest(format!(
+                    "{method} {path}: HTTP {code}: {}",
+                    r.into_string().unwrap_or_default()
+                )))
+            }
+            Err(e) => return Err(Error::Guest(format!("{method} {path}: {e}"))),
+        }
+        .map_err(|source| Error::Io {
+            what: "reading an HTTP answer".into(),
+            source,
+        })?;
+        if text.trim().is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Guest(format!("{method} {path}: not JSON ({e}): {text}")))
+    }
+
+    fn create(&self) -> Result<String> {
+        let v = self.call(
+            "POST",
+            "/v2/sandboxes",
+            Some(json!({"templateID": "bench", "timeout": 3600})),
+        )?;
+        v["sandboxID"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| Error::Guest(format!("create answered without sandboxID: {v}")))
+    }
+
+    fn vsock(&self, id: &str) -> PathBuf {
+        self.state.join("sandboxes").join(id).join("vm.vsock")
+    }
+
+    fn kill(&self, id: &str) -> Result<()> {
+        self.call("DELETE", &format!("/sandboxes/{id}"), None)
+            .map(|_| ())
+    }
+
+    fn pause(&self, id: &str) -> Result<()> {
+        self.call("POST", &format!("/sandboxes/{id}/pause"), None)
+            .map(|_| ())
+    }
+
+    fn connect(&self, id: &str) -> Result<()> {
+        self.call(
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({"timeout": 3600})),
+        )
+        .map(|_| ())
+    }
+
+    /// Every sandbox the service knows (both states).
+    fn all(&self) -> Result<Vec<String>> {
+        let v = self.call("GET", "/v2/sandboxes?state=running,paused&limit=1000", None)?;
+        Ok(v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s["sandboxID"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(ids) = self.all() {
+            for id in ids {
+                let _ = self.kill(&id);
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+/// Runs the benchmark (see the module documentation).
+pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
+    if params.n == 0 {
+        return Err(Error::InvalidParams("--n must be at least 1".into()));
+    }
+    if params.n > STEPS / 2 - 2 {
+        return Err(Error::InvalidParams(format!(
+            "--n at most {} (the test guest serves {STEPS} agent connections)",
+            STEPS / 2 - 2
+        )));
+    }
+    let service = Service::start(&params.clade, guest)?;
+    let mut paused = Vec::new();
+    let mut runs = Vec::new();
+    for &background in &params.background {
+        while paused.len() < background {
+            let id = service.create()?;
+            ping_once(&service.vsock(&id)).context("a background sandbox's agent")?;
+            service.pause(&id)?;
+            paused.push(id);
+        }
+        let mut create = Samples::new();
+        for _ in 0..params.n {
+            let t = Instant::now();
+            let id = service.create()?;
+            ping_once(&service.vsock(&id)).context("a new sandbox's agent")?;
+            create.push(t.elapsed());
+            service.kill(&id)?;
+        }
+        // One sandbox woken n times: each wake is a restore of its latest pause.
+        let id = service.create()?;
+        ping_once(&service.vsock(&id)).context("the woken sandbox's agent")?;
+        let mut wake = Samples::new();
+        for _ in 0..params.n {
+            service.pause(&id)?;
+            let t = Instant::now();
+            service.connect(&id)?;
+            ping_once(&service.vsock(&id)).context("a woken sandbox's agent")?;
+            wake.push(t.elapsed());
+        }
+        service.kill(&id)?;
+        runs.push(ServeRun {
+            background,
+            create,
+            wake,
+        });
+    }
+    Ok(ServeReport { runs })
+}
+
+impl ServeReport {
+    /// One JSON object: the first run's figures at the top (`create_p50_us`, ...,
+    /// `sandboxes`), every run under `runs`.
+    pub fn to_json(&self) -> String {
+        let run = |r: &ServeRun| {
+            let p = |s: &Samples, q| s.percentile(q).map(|v| (v * 10.0).round() / 10.0);
+            json!({
+                "sandboxes": r.background + 1,
+                "background_paused": r.background,
+                "n": r.create.len(),
+                "create_p50_us": p(&r.create, 50.0),
+                "create_p99_us": p(&r.create, 99.0),
+                "wake_p50_us": p(&r.wake, 50.0),
+                "wake_p99_us": p(&r.wake, 99.0),
+            })
+        };
+        let mut top = self.runs.first().map(run).unwrap_or_else(|| json!({}));
+        top["bench"] = json!("serve");
+        top["runs"] = Value::Array(self.runs.iter().map(run).collect());
+        top.to_string()
+    }
+}
+
+impl std::fmt::Display for ServeReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "clade serve over HTTP (native test guest template): create = POST /v2/sandboxes -> agent ping answered; wake = connect of a paused sandbox -> agent ping answered"
+        )?;
+        for r in &self.runs {
+            let p = |s: &Samples, q| s.percentile(q).unwrap_or(f64::NAN);
+            writeln!(
+                f,
+                "  {:>4} paused sandboxes on the host: create p50 {:>8.1} us  p99 {:>8.1} us | wake p50 {:>8.1} us  p99 {:>8.1} us  (n={})",
+                r.background,
+                p(&r.create, 50.0),
+                p(&r.create, 99.0),
+                p(&r.wake, 50.0),
+                p(&r.wake, 99.0),
+                r.create.len()
+            )?;
+        }
+        Ok(())
+    }
+}
