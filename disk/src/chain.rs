@@ -5,7 +5,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::layer::{encode_entries, Layer};
-use crate::{ops, Error, Result, MAX_CHAIN_DEPTH};
+use crate::{Error, Result, MAX_CHAIN_DEPTH};
 
 /// How to open a disk.
 #[derive(Debug, Clone, Copy, Default)]
@@ -362,7 +362,7 @@ impl Disk {
     /// Freezes the current top layer (flushed, then immutable) and continues on a new empty
     /// overlay at `new_top` on top of it; returns the frozen layer's path. This is the
     /// parent's half of a fork: give each child its own overlay on the returned path with
-    /// [`ops::create`]. On error the disk is unchanged (and `new_top` not left behind).
+    /// [`crate::ops::create`]. On error the disk is unchanged (and `new_top` not left behind).
     pub fn snapshot(&mut self, new_top: &Path) -> Result<PathBuf> {
         if self.read_only {
             return Err(Error::ReadOnly(self.path().to_path_buf()));
@@ -373,8 +373,9 @@ impl Disk {
         self.flush()?;
         let frozen_path = self.layers[0].path.clone();
         let top = &self.layers[0];
-        let pref = ops::parent_ref_for(&frozen_path, new_top, &top.header, top.table_crc())?;
-        ops::write_new_layer(
+        let pref =
+            crate::layer::parent_ref_for(&frozen_path, new_top, &top.header, top.table_crc())?;
+        crate::layer::write_new_layer(
             new_top,
             self.virtual_size,
             top.header.block_size,

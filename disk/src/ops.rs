@@ -1,128 +1,17 @@
 //! Offline operations on layer files: create, import, flatten, freeze, info.
 
 use std::fs::File;
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::chain::{open_parents, Disk, OpenOptions};
-use crate::header::{Header, LayerId, ParentRef, DEFAULT_BLOCK_SIZE, SECTOR_SIZE};
-use crate::layer::{encode_entries, file_len, lock, Layer};
+use crate::header::{Header, DEFAULT_BLOCK_SIZE, SECTOR_SIZE};
+pub use crate::layer::random_id;
+use crate::layer::{
+    create_file, encode_entries, file_len, lock, parent_ref_for, write_new_layer, Layer,
+    RemoveOnError,
+};
 use crate::{Error, Result};
-
-/// A fresh random layer id (never all zeros, which means "no parent").
-pub fn random_id() -> LayerId {
-    let mut id = [0u8; 16];
-    let from_urandom = File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut id));
-    if from_urandom.is_err() || id == [0; 16] {
-        // Unique enough without a random source: time, pid and a counter, hashed.
-        use std::hash::{BuildHasher, Hasher};
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        for (i, chunk) in id.chunks_mut(8).enumerate() {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u128(t);
-            h.write_u32(std::process::id());
-            h.write_u64(n);
-            h.write_usize(i);
-            chunk.copy_from_slice(&h.finish().to_le_bytes());
-        }
-        id[0] |= 1;
-    }
-    id
-}
-
-/// How a child at `child` refers to its parent at `parent`: by file name when both are in
-/// the same directory (the pair can then be moved together), else by absolute path.
-fn stored_parent_path(parent: &Path, child: &Path) -> Result<PathBuf> {
-    let parent_abs = parent
-        .canonicalize()
-        .map_err(Error::io(parent, "resolve path"))?;
-    let child_dir = match child.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let child_dir = child_dir
-        .canonicalize()
-        .map_err(Error::io(&child_dir, "resolve directory"))?;
-    match (parent_abs.parent(), parent_abs.file_name()) {
-        (Some(d), Some(name)) if d == child_dir => Ok(PathBuf::from(name)),
-        _ => Ok(parent_abs),
-    }
-}
-
-/// The parent record for a child at `child` of the (frozen, or about to be frozen with
-/// table checksum `table_crc`) layer at `parent` with header `header`.
-pub(crate) fn parent_ref_for(
-    parent: &Path,
-    child: &Path,
-    header: &Header,
-    table_crc: u32,
-) -> Result<ParentRef> {
-    Ok(ParentRef {
-        id: header.layer_id,
-        virtual_size: header.virtual_size,
-        table_crc,
-        path: stored_parent_path(parent, child)?,
-    })
-}
-
-/// Removes a half-written output file unless disarmed.
-struct RemoveOnError<'a> {
-    path: &'a Path,
-    armed: bool,
-}
-
-impl Drop for RemoveOnError<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = std::fs::remove_file(self.path);
-        }
-    }
-}
-
-fn create_file(path: &Path) -> Result<File> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(Error::io(path, "create"))
-}
-
-/// Writes a new empty layer file (header, zero table) at `path`, which must not exist.
-pub(crate) fn write_new_layer(
-    path: &Path,
-    virtual_size: u64,
-    block_size: u32,
-    parent: Option<ParentRef>,
-) -> Result<Header> {
-    let header = Header::new(virtual_size, block_size, random_id(), parent)
-        .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
-    let file = create_file(path)?;
-    let mut guard = RemoveOnError { path, armed: true };
-    file.write_all_at(&header.encode(), 0)
-        .map_err(Error::io(path, "write header"))?;
-    // The table is a hole: all zeros, "no block here".
-    file.set_len(header.data_offset)
-        .map_err(Error::io(path, "size the table"))?;
-    file.sync_all().map_err(Error::io(path, "fsync"))?;
-    // The new name must be durable too: a layer that vanishes after a crash would orphan
-    // whatever was written on it (a VM's disk, a snapshot's frozen layer).
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(Error::io(dir, "fsync the directory"))?;
-    guard.armed = false;
-    Ok(header)
-}
 
 /// What [`create`] makes.
 #[derive(Debug, Clone, Default)]
