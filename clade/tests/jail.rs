@@ -129,7 +129,12 @@ fn assert_confined(pid: i32) {
 }
 
 fn ping(sock: &Path) {
-    let o = clade().arg("ping").arg(sock).output().unwrap();
+    // --wait: a restored VM's vsock socket appears after its API socket.
+    let o = clade()
+        .args(["ping", "--wait", "20"])
+        .arg(sock)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "ping {}: {}", sock.display(), text(&o));
 }
 

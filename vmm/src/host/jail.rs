@@ -237,7 +237,8 @@ fn check(config: &JailConfig) -> Result<Checked> {
         paths.push((lib, Access::ReadOnly));
     }
     // Shallow first, so a path inside an already shown directory is seen to be there.
-    paths.sort_by_key(|(p, _)| p.components().count());
+    // (Then by path, so that the same path given twice is adjacent and merged below.)
+    paths.sort_by(|(a, _), (b, _)| (a.components().count(), a).cmp(&(b.components().count(), b)));
     paths.dedup_by(|a, b| {
         a.0 == b.0 && {
             // Keep the wider access.
