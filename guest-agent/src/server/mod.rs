@@ -8,6 +8,7 @@
 mod conn;
 mod exec;
 mod files;
+mod reply;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
