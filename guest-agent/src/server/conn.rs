@@ -2,20 +2,60 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::exec;
+use super::exec::{self, ExecEntry};
 use super::files::{self, Upload};
-use super::reply::{Conn, RunningExec};
 use super::{Shared, SystemMode};
 use crate::proto::{
     self, decode_frame, AgentMsg, ErrorKind, HostMsg, Msg, RemoteError, MAX_ENTROPY_LEN,
     MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use crate::Error;
+
+/// The sending half of a connection, shared by every thread that replies on it.
+pub(crate) struct Conn {
+    pub(crate) n: u64,
+    out: Mutex<File>,
+    broken: AtomicBool,
+    pub(crate) shared: Arc<Shared>,
+    /// Execs in flight, by request id.
+    pub(crate) execs: Mutex<HashMap<u32, Arc<ExecEntry>>>,
+}
+
+impl Conn {
+    /// Sends one frame; false once the connection is broken (the caller may stop producing).
+    pub(crate) fn send(&self, id: u32, msg: &AgentMsg) -> bool {
+        if self.broken.load(Ordering::Relaxed) {
+            return false;
+        }
+        let frame = match proto::encode_agent(id, msg) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(conn = self.n, id, "cannot encode reply: {e}");
+                return true;
+            }
+        };
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = out.write_all(&frame) {
+            tracing::debug!(conn = self.n, "send failed: {e}");
+            self.broken.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub(crate) fn send_err(&self, id: u32, err: RemoteError) -> bool {
+        self.send(id, &AgentMsg::Error(err))
+    }
+
+    pub(crate) fn execs(&self) -> MutexGuard<'_, HashMap<u32, Arc<ExecEntry>>> {
+        self.execs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
 
 /// Per-connection state owned by the reading thread.
 struct Session {
@@ -36,7 +76,13 @@ pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
         }
     };
     let raw = fd.as_raw_fd();
-    let conn = Arc::new(Conn::new(n, out, shared));
+    let conn = Arc::new(Conn {
+        n,
+        out: Mutex::new(out),
+        broken: AtomicBool::new(false),
+        shared,
+        execs: Mutex::new(HashMap::new()),
+    });
     let mut session = Session {
         conn: conn.clone(),
         negotiated: false,
@@ -88,11 +134,11 @@ pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
         }
     }
     tracing::debug!(conn = n, "closed");
-    conn.mark_broken();
+    conn.broken.store(true, Ordering::Relaxed);
     // SAFETY: shutdown on the connection socket, which stays open until `input` drops below;
     // it makes blocked writers on other threads fail instead of hanging.
     unsafe { libc::shutdown(raw, libc::SHUT_RDWR) };
-    let execs: Vec<Arc<dyn RunningExec>> = conn.execs().values().cloned().collect();
+    let execs: Vec<Arc<ExecEntry>> = conn.execs().values().cloned().collect();
     for e in execs {
         e.kill_on_disconnect();
     }

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::conn::Conn;
 use super::pipe;
-use super::reply::{Conn, RunningExec};
 use crate::proto::{AgentMsg, ErrorKind, ExecSpec, ExitStatus, RemoteError, WinSize, CHUNK_LEN};
 use crate::reaper::Reaper;
 
@@ -46,8 +46,8 @@ enum StdinCmd {
     Close,
 }
 
-impl RunningExec for ExecEntry {
-    fn stdin_data(&self, data: Vec<u8>) {
+impl ExecEntry {
+    pub(crate) fn stdin_data(&self, data: Vec<u8>) {
         if let Some(tx) = self
             .stdin
             .lock()
@@ -58,7 +58,7 @@ impl RunningExec for ExecEntry {
         }
     }
 
-    fn stdin_close(&self) {
+    pub(crate) fn stdin_close(&self) {
         if let Some(tx) = self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = tx.send(StdinCmd::Close);
         }
@@ -66,7 +66,7 @@ impl RunningExec for ExecEntry {
 
     /// Sends `signal` to the process (or its process group: every exec is a session and
     /// group leader).
-    fn signal(&self, signal: i32, group: bool) -> Result<(), RemoteError> {
+    pub(crate) fn signal(&self, signal: i32, group: bool) -> Result<(), RemoteError> {
         if !(0..=64).contains(&signal) {
             return Err(RemoteError::new(
                 ErrorKind::InvalidArgument,
@@ -89,14 +89,14 @@ impl RunningExec for ExecEntry {
         }
     }
 
-    fn resize(&self, size: WinSize) -> Result<(), RemoteError> {
+    pub(crate) fn resize(&self, size: WinSize) -> Result<(), RemoteError> {
         let master = self.tty_master.as_ref().ok_or_else(|| {
             RemoteError::new(ErrorKind::InvalidArgument, "the exec has no terminal")
         })?;
         set_winsize(master.as_raw_fd(), size).map_err(|e| RemoteError::from_io(&e, "TIOCSWINSZ"))
     }
 
-    fn kill_on_disconnect(&self) {
+    pub(crate) fn kill_on_disconnect(&self) {
         // SAFETY: kill(2) on our own, not yet reaped, process group.
         Reaper::global().with_live(self.pid, || unsafe { libc::kill(-self.pid, libc::SIGKILL) });
     }

@@ -7,7 +7,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::reply::Conn;
+use super::conn::Conn;
 use crate::proto::{
     dir_entry_wire_len, AgentMsg, DirEntry, ErrorKind, FileKind, FileStat, RemoteError, CHUNK_LEN,
     MAX_FRAME_LEN,

@@ -8,7 +8,6 @@
 mod conn;
 mod exec;
 mod files;
-mod reply;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
