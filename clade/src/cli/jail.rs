@@ -149,6 +149,17 @@ impl JailArgs {
         Ok(())
     }
 
+    /// A jailed VM with a control API must be told where its snapshots and forks may go:
+    /// only directories shown in the jail exist for it.
+    pub fn require_files_root(&self, api_sock: bool, files_root: bool) -> anyhow::Result<()> {
+        if self.jailed() && api_sock && !files_root {
+            bail!(
+                "a jailed VM with --api-sock needs --files-root (where its snapshots and forks go)"
+            );
+        }
+        Ok(())
+    }
+
     /// Whether a jail was asked for.
     pub fn jailed(&self) -> bool {
         self.jail.is_some()

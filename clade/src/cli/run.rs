@@ -67,11 +67,8 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
             .chain(&mut args.api_sock)
             .chain(&mut args.files_root),
     )?;
-    if args.jail.jailed() && args.api_sock.is_some() && args.files_root.is_none() {
-        anyhow::bail!(
-            "a jailed VM with --api-sock needs --files-root (where its snapshots and forks go)"
-        );
-    }
+    args.jail
+        .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
     let jailed = args.jail.enter(&args.machine.kvm_device, |p| {
         p.read(&args.kernel)?;
         if let Some(initrd) = &args.initrd {

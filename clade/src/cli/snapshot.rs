@@ -115,9 +115,8 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
-    if args.jail.jailed() && args.api_sock.is_some() && args.files_root.is_none() {
-        bail!("a jailed VM with --api-sock needs --files-root (where its snapshots and forks go)");
-    }
+    args.jail
+        .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
     let jailed = args.jail.enter(&args.kvm_device, |p| {
         // The snapshot is read and checked here, before the jail, to know what it needs.
         let snap = vmm::PreparedSnapshot::open(&args.dir, vmm::CpuCheck::default())?;
