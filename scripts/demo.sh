@@ -28,12 +28,31 @@ if grep -qwE 'vmx|svm' /proc/cpuinfo && [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
     DEMO_DIR=$(mktemp -d /tmp/clade-demo.XXXXXX)
     CLADE="$CLADE" DEMO_KERNEL="$KVMLINUZ" DEMO_INITRD="$GUEST_CPIO" DEMO_DIR="$DEMO_DIR" \
         sh "$SANDBOX"
+    echo "== the e2b SDK session (tests/e2b/sdk_session.py) against clade serve, Linux template"
+    tests/nested/build-rootfs.sh >/dev/null
+    STATE="$DEMO_DIR/serve"
+    "$CLADE" template build debian --state-dir "$STATE" --kernel "$KVMLINUZ" \
+        --initrd "$GUEST_CPIO" --disk "$REPO_ROOT/build/rootfs/base.cdsk" \
+        --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda"
+    "$CLADE" serve --listen 127.0.0.1:39481 --state-dir "$STATE" --api-key demo-key \
+        >"$DEMO_DIR/serve.log" 2>&1 &
+    SERVE=$!
+    for _ in $(seq 100); do grep -q listening "$DEMO_DIR/serve.log" && break; sleep 0.1; done
+    [ -x build/venv/bin/python ] || { python3 -m venv build/venv &&
+        build/venv/bin/pip install -q -r tests/e2b/requirements.txt pytest; }
+    E2B_API_URL=http://127.0.0.1:39481 E2B_SANDBOX_URL=http://127.0.0.1:39481 \
+        E2B_API_KEY=demo-key build/venv/bin/python tests/e2b/sdk_session.py
+    kill "$SERVE"
+    wait "$SERVE" || true
     rm -rf "$DEMO_DIR"
 else
     echo "== this host's /dev/kvm cannot boot Linux guests (no VMX/SVM: software PVM hypervisor)."
     echo "== Running the same sandbox inside the nested tier instead (QEMU TCG + nested KVM: slow;"
     echo "== times printed there are emulated wall times, not latencies)."
     "$NESTED_DIR/run.sh" --l1-test "$SANDBOX" --expect DEMO-SANDBOX-PASS --expect '^CLADE-EXIT 0$'
+    echo "== the e2b SDK session (tests/e2b/sdk_session.py) on this host, against clade serve in"
+    echo "== the nested machine (Linux template; port forwarded to 127.0.0.1)"
+    tests/e2b/run_nested.sh --standalone --session
 fi
 
 echo "== latencies (native tier: the bare-metal test guest embedded in clade, on this host's KVM)"

@@ -9,7 +9,10 @@
 #                            filesystem of
 #                            tests/nested/build-rootfs.sh, built once with debootstrap and
 #                            cached under build/rootfs/)
-#   +  the e2b SDK suite     (tests/e2b: pinned SDK in a venv against clade serve)
+#   +  the e2b SDK suites    (tests/e2b: pinned SDK in a venv against clade serve: the control
+#                            plane with native test-guest VMs, the data plane through the
+#                            host-agent harness, and test_linux.py with Linux sandboxes in
+#                            the nested machine, through a forwarded port: scenario "sdk")
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2 (and the SDK suite).
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -76,20 +79,39 @@ else
     # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then
-        SCENARIOS+=(disk fork jail)
-        cp "$REPO_ROOT/tests/nested/scenarios/disk.sh" "$REPO_ROOT/tests/nested/scenarios/fork.sh" \
-            "$REPO_ROOT/tests/nested/scenarios/jail.sh" "$extra/scenarios/"
-        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk")
+        SCENARIOS+=(disk fork jail sdk)
+        for s in disk fork jail sdk; do
+            cp "$REPO_ROOT/tests/nested/scenarios/$s.sh" "$extra/scenarios/"
+        done
+        # sdk: clade serve with a Linux template in the nested machine; the SDK suite
+        # (tests/e2b/test_linux.py) runs here, through these forwarded ports.
+        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --forward 39481:8080 --forward 39482:8081)
     else
-        echo "nested scenarios disk, fork, jail: FAIL (tests/nested/build-rootfs.sh failed)"
-        failed=$((failed + 3))
+        echo "nested scenarios disk, fork, jail, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
+        failed=$((failed + 4))
     fi
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
     rm -f "$NESTED_OUT/nested.log"
-    NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" \
+    NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 2700 \
         --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
-        "${expects[@]}" --expect '^CLADE-EXIT 0$' || true
+        "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
+    nested_pid=$!
+    if [[ " ${SCENARIOS[*]} " == *" sdk "* ]]; then
+        echo "== the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
+        if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$NESTED_OUT/nested.log" -p no:cacheprovider \
+            2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
+            n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}')
+            passed=$((passed + ${n:-0}))
+            echo "e2b SDK linux suite: PASS (${n:-0} tests)"
+        else
+            n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}')
+            failed=$((failed + ${n:-1}))
+            echo "e2b SDK linux suite: FAIL"
+        fi
+    fi
+    wait "$nested_pid" || true
+    cat "$NESTED_OUT/suite.out"
     for s in "${SCENARIOS[@]}"; do
         line=$(grep -a -m1 -E "^\[ *[0-9.]+\] NESTED-SCENARIO $s (PASS|FAIL)" \
             "$NESTED_OUT/nested.log" 2>/dev/null | sed -E 's/^\[ *[0-9.]+\] //' || true)

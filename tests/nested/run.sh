@@ -14,6 +14,10 @@
 #   --expect REGEX      required log line pattern (ERE); repeatable; replaces the defaults
 #   --disk FILE         attach FILE read-only to the outer VM as a virtio disk (L1's /dev/vda;
 #                       L1 loads virtio_pci and virtio_blk), e.g. build/rootfs/base.cdsk
+#   --forward HOST:L1   forward the host's 127.0.0.1:HOST to L1's TCP port L1 (repeatable).
+#                       Gives L1 a virtio-net NIC on QEMU's user network with restrict=on:
+#                       L1 reaches nothing outside; only the forwarded ports reach L1 (its
+#                       address is 10.0.2.15/24; scenarios bring eth0 up themselves).
 #   -h, --help
 # More environment (see build-outer.sh): NESTED_CLADE_CMD, NESTED_L1_EXTRA,
 # NESTED_L1_TIMEOUT (inner; default: timeout - 60 s), NESTED_SKIP_CLADE; and for QEMU: NESTED_CPU
@@ -31,6 +35,7 @@ SKIP_BUILD=${NESTED_SKIP_BUILD:-0}
 EXPECT=()
 QEMU_EXTRA=()
 OUTER_DISK=""
+FORWARDS=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
@@ -39,6 +44,7 @@ while [ $# -gt 0 ]; do
     --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
     --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
     --disk) OUTER_DISK=${2:?--disk needs a file}; shift 2 ;;
+    --forward) FORWARDS+=("${2:?--forward needs HOST:L1}"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
     --) shift; QEMU_EXTRA=("$@"); break ;;
     *) usage >&2; die "unknown argument: $1" ;;
@@ -57,6 +63,19 @@ fi
 if [ -n "$OUTER_DISK" ]; then
     [ -f "$OUTER_DISK" ] || die "--disk $OUTER_DISK: no such file"
     export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
+fi
+
+NETDEV=""
+if [ ${#FORWARDS[@]} -gt 0 ]; then
+    NETDEV="user,id=n0,restrict=on,net=10.0.2.0/24"
+    for f in "${FORWARDS[@]}"; do
+        case "$f" in
+        [0-9]*:[0-9]*) ;;
+        *) die "--forward wants HOSTPORT:L1PORT, got '$f'" ;;
+        esac
+        NETDEV+=",hostfwd=tcp:127.0.0.1:${f%%:*}-10.0.2.15:${f##*:}"
+    done
+    export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_net"
 fi
 
 require_cmd qemu-system-x86_64 qemu-system-x86
@@ -84,6 +103,9 @@ QEMU=(qemu-system-x86_64 -accel tcg -cpu "${NESTED_CPU:-EPYC}" -m "${NESTED_MEM:
 if [ -n "$OUTER_DISK" ]; then
     # A comma in a -drive file name is written as two.
     QEMU+=(-drive "file=${OUTER_DISK//,/,,},format=raw,if=virtio,readonly=on")
+fi
+if [ -n "$NETDEV" ]; then
+    QEMU+=(-netdev "$NETDEV" -device virtio-net-pci,netdev=n0)
 fi
 QEMU+=("${QEMU_EXTRA[@]}")
 log "booting outer VM (timeout ${TIMEOUT}s): ${QEMU[*]}"

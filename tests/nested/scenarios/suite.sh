@@ -16,7 +16,8 @@
 #   boot   the default scenario: $CLADE_CMD from outer-init.sh (the guest prints
 #          CLADE-GUEST-READY and powers off); passes on that line and exit status 0.
 #   NAME   each /scenarios/NAME.sh (put into the L1 root with NESTED_L1_EXTRA), run with
-#          `timeout`; passes on exit status 0.
+#          `timeout` (SCENARIO_TIMEOUT, or the file's own `# scenario-timeout: N` line);
+#          passes on exit status 0.
 # Prints `NESTED-SCENARIO <name> PASS|FAIL (exit <rc>, <seconds> s)` for each; exits with
 # the number of failed scenarios.
 
@@ -48,7 +49,8 @@ for f in /scenarios/*.sh; do
     name=$(basename "$f" .sh)
     echo "NESTED-SCENARIO-START $name"
     t0=$(uptime_s)
-    timeout "$SCENARIO_TIMEOUT" sh "$f"
+    limit=$(sed -n 's/^# scenario-timeout: \([0-9][0-9]*\)$/\1/p' "$f" | head -n 1)
+    timeout "${limit:-$SCENARIO_TIMEOUT}" sh "$f"
     result "$name" "$?" "$t0"
 done
 exit "$failed"
