@@ -23,6 +23,9 @@ pub enum Error {
     /// The sandbox is in a state that does not allow the operation (pause of a paused one).
     #[error("{0}")]
     Conflict(String),
+    /// No live snapshot with this id or name.
+    #[error("snapshot {0} not found")]
+    SnapshotNotFound(String),
     /// No template with this name.
     #[error("template {0} not found")]
     TemplateNotFound(String),

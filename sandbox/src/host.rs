@@ -8,19 +8,36 @@
 //! calls on tokio's blocking pool. One lock per sandbox orders operations on it; the
 //! registry lock is held only around database calls.
 //!
+//! Persistent snapshots (E2B `createSnapshot`): a snapshot of a sandbox, running (a diff on
+//! its VM's last snapshot where it can, the VM paused only while it is taken) or paused
+//! (its pause snapshot, linked), becomes a template in `sandboxes/snapshots/<snap id>/`
+//! that new sandboxes are created from like from any template. A snapshot builds on files
+//! it does not own: its source's template, and the source sandbox's directory (the diff
+//! chain of its earlier pauses, the disk layer frozen by the snapshot). So a killed
+//! sandbox's directory stays while a snapshot of it exists, and a deleted snapshot's files
+//! stay while a sandbox, another snapshot, or its source (whose next pause is a diff on
+//! it) still needs them; [`Host::collect_garbage`] removes what nothing needs any more.
+//!
 //! Files: `<state dir>/sandboxes/<id>/` holds a sandbox's sockets (`vm.api`, `vm.vsock`),
-//! serial console and VMM log, its pause snapshots (`pause-<k>/`) and disk overlays. Fork
-//! children's sockets are where their parent VM put them (`sandboxes/forks/<batch>/`).
+//! serial console of each run (`serial-r<k>.log`) and VMM log (`vm.log`, appended by each
+//! run), its pause snapshots (`pause-<k>/`) and disk overlays. Fork children's sockets are
+//! where their parent VM put them (`sandboxes/forks/<batch>/`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::ids;
-use crate::registry::{Query, Record, Registry, State};
-use crate::template::{Template, TemplateStore};
+use crate::registry::{Query, Record, Registry, SnapshotQuery, SnapshotRecord, State};
+use crate::template::{self, Template, TemplateStore, SNAPSHOT_DIR};
 use crate::vmproc::{StartSpec, VmDriver};
+
+mod logs;
+mod usage;
+
+pub use logs::{LogLine, MAX_LOG_LINES};
 
 /// Limits and places.
 #[derive(Debug, Clone)]
@@ -62,32 +79,56 @@ pub struct CreateRequest {
     pub env_vars: BTreeMap<String, String>,
 }
 
-/// Resource use of a running sandbox's VM process.
+/// Resource use of a running sandbox's VM process (sources: [`usage`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Metrics {
     /// When sampled (ms).
     pub at_ms: i64,
     /// vCPUs.
     pub cpu_count: u32,
-    /// CPU time of the VM process over its life, in percent of its vCPUs' wall time.
+    /// CPU time the VM process used recently (since the previous metrics call, or over a
+    /// short window), in percent of its vCPUs' wall time.
     pub cpu_used_pct: f64,
-    /// Resident memory of the VM process (bytes).
+    /// Host memory the VM process costs: its proportional set size (bytes).
     pub mem_used: u64,
     /// Guest memory size (bytes).
     pub mem_total: u64,
-    /// Bytes allocated by the sandbox's own disk layers and snapshots.
+    /// Bytes the sandbox's own files take on the host (disk overlays, pause snapshots,
+    /// logs).
     pub disk_used: u64,
-    /// Apparent size of those files (bytes).
+    /// The guest disk's size (bytes; 0 without a disk).
     pub disk_total: u64,
+}
+
+/// The tag every snapshot has (E2B names snapshots `name:tag`; this host keeps one build
+/// per name, the newest, under this tag).
+pub const DEFAULT_TAG: &str = "default";
+
+/// Splits an E2B template or snapshot reference `name[:tag]`; only the default tag exists.
+pub fn strip_tag(reference: &str) -> Result<&str> {
+    match reference.split_once(':') {
+        None => Ok(reference),
+        Some((name, DEFAULT_TAG)) => Ok(name),
+        Some((_, tag)) => Err(Error::BadRequest(format!(
+            "tag '{tag}' of '{reference}' not found (this host keeps only '{DEFAULT_TAG}')"
+        ))),
+    }
 }
 
 /// The sandbox host.
 pub struct Host {
     cfg: HostConfig,
     templates: TemplateStore,
+    /// Persistent snapshots, templates of their own.
+    snapshots: TemplateStore,
     registry: Mutex<Registry>,
     driver: Arc<dyn VmDriver>,
     locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Orders what makes, uses and removes snapshots' files (taken after a sandbox's lock,
+    /// never before).
+    snapshot_lock: Mutex<()>,
+    /// The last CPU sample of each VM process (for a recent CPU figure).
+    cpu_samples: Mutex<HashMap<i32, usage::CpuSample>>,
 }
 
 impl Host {
@@ -98,10 +139,13 @@ impl Host {
         let registry = Registry::open(&cfg.state_dir.join("registry.sqlite"))?;
         Ok(Self {
             templates: TemplateStore::new(&cfg.state_dir),
+            snapshots: TemplateStore::at(sandboxes.join("snapshots")),
             cfg,
             registry: Mutex::new(registry),
             driver,
             locks: Mutex::new(HashMap::new()),
+            snapshot_lock: Mutex::new(()),
+            cpu_samples: Mutex::new(HashMap::new()),
         })
     }
 
@@ -194,22 +238,56 @@ impl Host {
         Ok(rec)
     }
 
-    /// The template of a sandbox.
-    pub fn template(&self, name: &str) -> Result<Template> {
-        self.templates.get(name)
+    fn snapshot_guard(&self) -> MutexGuard<'_, ()> {
+        self.snapshot_lock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Creates a sandbox from a template: a restore of the template's snapshot.
+    /// The template of a sandbox (a built template, or a snapshot, deleted or not).
+    pub fn template(&self, name: &str) -> Result<Template> {
+        Ok(self.template_of(name)?.0)
+    }
+
+    /// A sandbox's template `name` and the snapshot directory it restores.
+    fn template_of(&self, name: &str) -> Result<(Template, PathBuf)> {
+        let store = if self.reg().get_snapshot(name)?.is_some() {
+            &self.snapshots
+        } else {
+            &self.templates
+        };
+        Ok((store.get(name)?, store.snapshot_dir(name)?))
+    }
+
+    /// What a create request's `templateID` means: a live snapshot (by id or name), else a
+    /// built template. With `:default` or no tag.
+    fn resolve_template(&self, reference: &str) -> Result<(Template, PathBuf)> {
+        let name = strip_tag(reference)?;
+        if let Some(s) = self.reg().resolve_snapshot(name)? {
+            return Ok((
+                self.snapshots.get(&s.id)?,
+                self.snapshots.snapshot_dir(&s.id)?,
+            ));
+        }
+        match self.templates.get(name) {
+            Err(Error::TemplateNotFound(t)) => Err(Error::BadRequest(format!(
+                "template or snapshot '{t}' not found"
+            ))),
+            r => Ok((r?, self.templates.snapshot_dir(name)?)),
+        }
+    }
+
+    /// Creates a sandbox from a template or a snapshot: a restore of its snapshot.
     pub fn create(&self, req: CreateRequest) -> Result<Record> {
         self.check_timeout(req.timeout_s)?;
         self.check_map("metadata", &req.metadata)?;
         self.check_map("envVars", &req.env_vars)?;
-        let template = match self.templates.get(&req.template) {
-            Err(Error::TemplateNotFound(t)) => {
-                return Err(Error::BadRequest(format!("template '{t}' not found")))
-            }
-            r => r?,
-        };
+        // From a snapshot: held until the new sandbox is in the registry, so that a
+        // snapshot deleted meanwhile keeps its files for it.
+        let from_snapshot = self
+            .reg()
+            .resolve_snapshot(strip_tag(&req.template)?)?
+            .is_some();
+        let _snapshots = from_snapshot.then(|| self.snapshot_guard());
+        let (template, snapshot) = self.resolve_template(&req.template)?;
         let id = ids::new_sandbox_id();
         let dir = self.sandboxes_dir().join(&id);
         std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
@@ -235,7 +313,6 @@ impl Host {
             crash: None,
             parent: None,
         };
-        let snapshot = self.templates.snapshot_dir(&template.name)?;
         if let Err(e) = self.start_vm(&mut rec, &template, &snapshot) {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
@@ -256,7 +333,7 @@ impl Host {
             snapshot: snapshot.to_path_buf(),
             api_sock: api.clone(),
             vsock: vsock.clone(),
-            serial: rec.dir.join("serial.log"),
+            serial: rec.dir.join(format!("serial-r{}.log", rec.pauses)),
             log: rec.dir.join("vm.log"),
             files_root: self.sandboxes_dir(),
             disk_overlay: disk.clone(),
@@ -292,22 +369,202 @@ impl Host {
         if let (State::Running, Some(pid), Some(api)) = (rec.state, rec.pid, &rec.api_sock) {
             self.driver.stop(pid, api)?;
         }
+        let _snapshots = self.snapshot_guard();
         self.reg().delete(id)?;
-        if let Err(e) = std::fs::remove_dir_all(&rec.dir) {
-            tracing::warn!(sandbox = %id, "removing {}: {e}", rec.dir.display());
+        // A snapshot of it may build on its files: then only its sockets go now.
+        let held = self
+            .reg()
+            .all_snapshots()?
+            .iter()
+            .any(|s| s.source_dir == rec.dir);
+        if !held {
+            if let Err(e) = std::fs::remove_dir_all(&rec.dir) {
+                tracing::warn!(sandbox = %id, "removing {}: {e}", rec.dir.display());
+            }
         }
         // A fork child's sockets live in its fork batch's directory.
         for f in [&rec.api_sock, &rec.vsock].into_iter().flatten() {
-            if !f.starts_with(&rec.dir) {
-                let _ = std::fs::remove_file(f);
-            }
+            let _ = std::fs::remove_file(f);
         }
         self.locks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-        tracing::info!(sandbox = %id, "killed");
-        Ok(())
+        tracing::info!(sandbox = %id, kept_for_snapshots = held, "killed");
+        self.collect_garbage_locked()
+    }
+
+    /// Takes a persistent snapshot of a sandbox, which runs on (or stays paused): a new
+    /// template that sandboxes can be created from. `name` names it (a later snapshot of
+    /// the same name replaces it for new sandboxes).
+    pub fn snapshot(&self, id: &str, name: Option<&str>) -> Result<SnapshotRecord> {
+        if let Some(n) = name {
+            if !template::valid_name(n) {
+                return Err(Error::BadRequest(format!(
+                    "'{n}' is not a snapshot name (letters, digits, '-', '_', '.')"
+                )));
+            }
+            if self.templates.get(n).is_ok() {
+                return Err(Error::Conflict(format!(
+                    "'{n}' is the name of a template: choose another snapshot name"
+                )));
+            }
+        }
+        let lock = self.lock_of(id);
+        let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let rec = self.load_usable(id)?;
+        let _snapshots = self.snapshot_guard();
+        let (template, _) = self.template_of(&rec.template)?;
+        let sid = format!("snap-{}", ids::random_string(16));
+        let dir = self.snapshots.prepare(&sid, false)?;
+        let t = Instant::now();
+        let made = (|| -> Result<&'static str> {
+            let target = dir.join(SNAPSHOT_DIR);
+            let kind = match (rec.state, &rec.api_sock, &rec.snapshot) {
+                (State::Running, Some(api), _) => match self.driver.snapshot(api, &target, true) {
+                    Ok(()) => "diff",
+                    Err(e) => {
+                        tracing::debug!(sandbox = %rec.id, "diff snapshot refused ({e}); taking a full one");
+                        let _ = std::fs::remove_dir_all(&target);
+                        self.driver.snapshot(api, &target, false)?;
+                        "full"
+                    }
+                },
+                (State::Paused, _, Some(pause)) => {
+                    link_dir(pause, &target)?;
+                    "pause"
+                }
+                _ => {
+                    return Err(Error::Corrupt(format!(
+                        "sandbox {} has neither a process nor a snapshot",
+                        rec.id
+                    )))
+                }
+            };
+            self.snapshots.finish(&Template {
+                name: sid.clone(),
+                created_ms: ids::now_ms(),
+                ..template.clone()
+            })?;
+            Ok(kind)
+        })();
+        let kind = match made {
+            Ok(k) => k,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        // Times strictly increase, so that "newest first" is the order they were taken in.
+        let latest = self.reg().all_snapshots()?.first().map(|s| s.created_ms);
+        let snap = SnapshotRecord {
+            id: sid,
+            name: name.map(String::from),
+            sandbox: rec.id.clone(),
+            source_dir: rec.dir.clone(),
+            template: rec.template.clone(),
+            created_ms: ids::now_ms().max(latest.map_or(i64::MIN, |t| t + 1)),
+            deleted: false,
+        };
+        let superseded: Vec<String> = match name {
+            None => Vec::new(),
+            Some(n) => self
+                .reg()
+                .all_snapshots()?
+                .into_iter()
+                .filter(|s| !s.deleted && s.name.as_deref() == Some(n))
+                .map(|s| s.id)
+                .collect(),
+        };
+        if let Err(e) = self.reg().insert_snapshot(&snap) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        for old in &superseded {
+            self.reg().mark_snapshot_deleted(old)?;
+        }
+        tracing::info!(sandbox = %rec.id, snapshot = %snap.id, kind, elapsed = ?t.elapsed(), "snapshot taken");
+        // A replaced snapshot goes once nothing needs it; a failure here is not the
+        // snapshot's.
+        if let Err(e) = self.collect_garbage_locked() {
+            tracing::warn!("removing unused snapshots: {e}");
+        }
+        Ok(snap)
+    }
+
+    /// Live snapshots matching `q` (newest first), and whether there are more.
+    pub fn list_snapshots(&self, q: &SnapshotQuery) -> Result<(Vec<SnapshotRecord>, bool)> {
+        self.reg().list_snapshots(q)
+    }
+
+    /// Deletes the live snapshot `reference` (id or name, `:default` or no tag): it is no
+    /// longer listed or usable; its files go once nothing needs them. A built template is
+    /// not deleted here.
+    pub fn delete_snapshot(&self, reference: &str) -> Result<SnapshotRecord> {
+        let name =
+            strip_tag(reference).map_err(|_| Error::SnapshotNotFound(reference.to_string()))?;
+        let _snapshots = self.snapshot_guard();
+        let Some(snap) = self.reg().resolve_snapshot(name)? else {
+            if template::valid_name(name) && self.templates.get(name).is_ok() {
+                return Err(Error::BadRequest(format!(
+                    "'{name}' is a template, not a snapshot: templates are removed with \
+                     `clade template rm`"
+                )));
+            }
+            return Err(Error::SnapshotNotFound(reference.to_string()));
+        };
+        self.reg().mark_snapshot_deleted(&snap.id)?;
+        tracing::info!(snapshot = %snap.id, "snapshot deleted");
+        self.collect_garbage_locked()?;
+        Ok(snap)
+    }
+
+    /// Removes deleted snapshots nothing needs any more, and the directories of killed
+    /// sandboxes that only such snapshots held.
+    pub fn collect_garbage(&self) -> Result<()> {
+        let _snapshots = self.snapshot_guard();
+        self.collect_garbage_locked()
+    }
+
+    fn collect_garbage_locked(&self) -> Result<()> {
+        // One removal at a time, then look again: a removal can free others.
+        'again: loop {
+            let snaps = self.reg().all_snapshots()?;
+            let sandboxes = self.reg().all()?;
+            for s in snaps.iter().filter(|s| s.deleted) {
+                let needed = sandboxes
+                    .iter()
+                    .any(|r| r.template == s.id || r.id == s.sandbox)
+                    || snaps.iter().any(|o| o.template == s.id);
+                if needed {
+                    continue;
+                }
+                let dir = self.snapshots.dir(&s.id)?;
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(Error::io("removing", &dir)(e)),
+                }
+                self.reg().delete_snapshot(&s.id)?;
+                let source_held = sandboxes.iter().any(|r| r.dir == s.source_dir)
+                    || snaps
+                        .iter()
+                        .any(|o| o.id != s.id && o.source_dir == s.source_dir);
+                if !source_held && s.source_dir.starts_with(self.sandboxes_dir()) {
+                    let _ = std::fs::remove_dir_all(&s.source_dir);
+                }
+                tracing::info!(snapshot = %s.id, "snapshot files removed");
+                continue 'again;
+            }
+            return Ok(());
+        }
+    }
+
+    /// The log lines of a sandbox (any state): its VMM log and serial console, oldest
+    /// first, at most [`MAX_LOG_LINES`] (the newest).
+    pub fn logs(&self, id: &str) -> Result<Vec<LogLine>> {
+        let rec = self.load(id)?;
+        Ok(logs::read(&rec.dir))
     }
 
     /// Sets the time left to `timeout_s` from now.
@@ -405,7 +662,7 @@ impl Host {
     }
 
     fn resume_locked(&self, mut rec: Record, timeout_s: u64) -> Result<Record> {
-        let template = self.templates.get(&rec.template)?;
+        let (template, _) = self.template_of(&rec.template)?;
         let snapshot = rec
             .snapshot
             .clone()
@@ -442,7 +699,7 @@ impl Host {
                 "sandbox {id} is paused: connect to it before forking"
             )));
         };
-        let template = self.templates.get(&parent.template)?;
+        let (template, _) = self.template_of(&parent.template)?;
         let prefix = self
             .sandboxes_dir()
             .join("forks")
@@ -526,19 +783,21 @@ impl Host {
         Ok(out)
     }
 
-    /// Resource use of a running sandbox (empty for a paused one).
+    /// Resource use of a running sandbox (empty for a paused one). The CPU figure covers
+    /// the time since the previous call for this VM (at least [`usage::MIN_INTERVAL`] ago),
+    /// or else a short window measured now.
     pub fn metrics(&self, id: &str) -> Result<Vec<Metrics>> {
         let rec = self.load_usable(id)?;
         let Some(pid) = rec.pid.filter(|_| rec.state == State::Running) else {
             return Ok(Vec::new());
         };
-        let (disk_used, disk_total) = dir_usage(&rec.dir);
-        let (cpu, rss) = proc_usage(pid).unwrap_or_default();
+        let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
+        let (disk_used, disk_total) = usage::disk(&rec.dir);
         Ok(vec![Metrics {
             at_ms: ids::now_ms(),
             cpu_count: rec.vcpus,
-            cpu_used_pct: cpu / rec.vcpus.max(1) as f64,
-            mem_used: rss,
+            cpu_used_pct: (cpu / rec.vcpus.max(1) as f64).min(100.0),
+            mem_used: usage::memory(pid).unwrap_or(0),
             mem_total: rec.mem_mib * 1024 * 1024,
             disk_used,
             disk_total,
@@ -608,6 +867,7 @@ impl Host {
     /// the rest are the registry's. Returns (running, paused, crashed) counts.
     pub fn recover(&self) -> Result<(usize, usize, usize)> {
         self.reap()?;
+        self.collect_garbage()?;
         let all = self.reg().all()?;
         let count = |s: State| all.iter().filter(|r| r.state == s).count();
         Ok((
@@ -623,54 +883,25 @@ impl Host {
     }
 }
 
-/// (CPU percent over the process's life, resident bytes) of a process, from /proc.
-fn proc_usage(pid: i32) -> Option<(f64, u64)> {
-    // /proc reports times in USER_HZ, which is 100 on Linux.
-    const HZ: f64 = 100.0;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
-    // After "(comm)": state is field 3 of stat(5), i.e. index 0 here.
-    let num = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<f64>().ok());
-    let cpu_s = (num(14)? + num(15)?) / HZ;
-    let start_s = num(22)? / HZ;
-    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    let wall = (uptime - start_s).max(0.01);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let rss_kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    Some(((cpu_s / wall * 100.0).min(100.0 * 1024.0), rss_kb * 1024))
-}
-
-/// (allocated bytes, apparent bytes) of the files under `dir`.
-fn dir_usage(dir: &Path) -> (u64, u64) {
-    use std::os::unix::fs::MetadataExt;
-    let mut used = 0;
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
+/// Makes `to` a copy of snapshot directory `from`: hard links of its files (snapshot files
+/// are not written after they are committed), copies where links fail. A page server's
+/// working-set file is left out (it is rewritten by resumes; the copy records its own).
+fn link_dir(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir(to).map_err(Error::io("creating", to))?;
+    let entries = std::fs::read_dir(from).map_err(Error::io("listing", from))?;
+    for e in entries {
+        let e = e.map_err(Error::io("listing", from))?;
+        let ty = e.file_type().map_err(Error::io("reading", e.path()))?;
+        let name = e.file_name();
+        if !ty.is_file() || name.to_string_lossy().ends_with(".ws") {
             continue;
-        };
-        for e in entries.flatten() {
-            let Ok(m) = e.metadata() else { continue };
-            if m.is_dir() {
-                stack.push(e.path());
-            } else if m.is_file() {
-                used += m.blocks() * 512;
-                total += m.len();
-            }
+        }
+        let dst = to.join(&name);
+        if std::fs::hard_link(e.path(), &dst).is_err() {
+            std::fs::copy(e.path(), &dst).map_err(Error::io("copying", e.path()))?;
         }
     }
-    (used, total)
+    Ok(())
 }
 
 #[cfg(test)]

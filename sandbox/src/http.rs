@@ -15,16 +15,16 @@ use axum::extract::{Path, RawQuery, Request, State as AxState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::Error;
-use crate::host::{CreateRequest, Host};
+use crate::host::{CreateRequest, Host, LogLine, DEFAULT_TAG};
 use crate::ids;
-use crate::registry::{Query, Record, State};
+use crate::registry::{Query, Record, SnapshotQuery, SnapshotRecord, State};
 
 /// The envd version reported for every sandbox: what the data plane ([`crate::envd`])
 /// serves. The SDK picks data-plane features by it.
@@ -37,6 +37,8 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 pub const DEFAULT_PAGE: usize = 100;
 /// Largest page.
 pub const MAX_PAGE: usize = 1000;
+/// E2B's default and largest number of log lines per request.
+pub const LOG_PAGE: usize = 1000;
 
 /// Shared state of the handlers.
 #[derive(Clone)]
@@ -67,12 +69,17 @@ impl ApiError {
     fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
+
+    fn with_code(mut self, code: &'static str) -> Self {
+        self.error_code = Some(code);
+        self
+    }
 }
 
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let status = match &e {
-            Error::NotFound(_) => StatusCode::NOT_FOUND,
+            Error::NotFound(_) | Error::SnapshotNotFound(_) => StatusCode::NOT_FOUND,
             Error::Crashed { .. } => StatusCode::NOT_FOUND,
             Error::BadRequest(_) | Error::TemplateNotFound(_) => StatusCode::BAD_REQUEST,
             Error::Conflict(_) => StatusCode::CONFLICT,
@@ -174,6 +181,12 @@ struct RefreshBody {
 }
 
 #[derive(Deserialize, Default)]
+struct SnapshotBody {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
 struct ForkBody {
     timeout: Option<i64>,
     count: Option<i64>,
@@ -252,6 +265,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/snapshots", post(snapshot))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", delete(delete_snapshot))
+        .route("/sandboxes/{id}/logs", get(logs_v1))
+        .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .layer(axum::middleware::from_fn_with_state(
@@ -353,15 +371,31 @@ fn parse_query(q: &Option<String>, v2: bool) -> ApiResult<Query> {
                     .filter(|n| (1..=MAX_PAGE).contains(n))
                     .ok_or_else(|| ApiError::bad(format!("limit must be 1 to {MAX_PAGE}")))?
             }
-            "nextToken" if v2 => {
-                out.offset = v.parse::<usize>().map_err(|_| {
-                    ApiError::bad(format!("nextToken: not a token this host issued: {v}"))
-                })?
-            }
+            "nextToken" if v2 => out.after = Some(parse_token(&v)?),
             _ => {}
         }
     }
     Ok(out)
+}
+
+/// A page token: the last row shown, as `<ms>_<id>` (its time and id). Tokens name a
+/// position, not an offset, so rows created or removed between pages do not shift them.
+fn page_token(ms: i64, id: &str) -> HeaderValue {
+    // Ids are [a-z0-9-]: always a valid header value.
+    HeaderValue::from_str(&format!("{ms}_{id}")).unwrap_or(HeaderValue::from_static("0_"))
+}
+
+fn parse_token(v: &str) -> ApiResult<(i64, String)> {
+    v.split_once('_')
+        .and_then(|(ms, id)| Some((ms.parse::<i64>().ok()?, id.to_string())))
+        .filter(|(_, id)| {
+            !id.is_empty()
+                && id.len() <= 64
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+        .ok_or_else(|| ApiError::bad(format!("nextToken: not a token this host issued: {v}")))
 }
 
 async fn list_v1(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
@@ -373,12 +407,11 @@ async fn list_v1(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiRe
 
 async fn list_v2(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
     let query = parse_query(&q, true)?;
-    let next = query.offset + query.limit;
     let (recs, more) = blocking(&st, move |h| h.list(&query)).await?;
     let out: Vec<Value> = recs.iter().map(|r| listed(r, false)).collect();
     let mut headers = HeaderMap::new();
-    if more {
-        headers.insert("x-next-token", HeaderValue::from(next));
+    if let (true, Some(last)) = (more, recs.last()) {
+        headers.insert("x-next-token", page_token(last.started_ms, &last.id));
     }
     Ok((headers, Json(out)).into_response())
 }
@@ -500,6 +533,207 @@ async fn metrics(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiR
         })
         .collect();
     Ok(Json(out).into_response())
+}
+
+/// `SnapshotInfo` of the spec: the id with its tag, and its names (this host has no team
+/// namespace: a name is `name:default`).
+fn snapshot_info(s: &SnapshotRecord) -> Value {
+    let shown = s.name.as_deref().unwrap_or(&s.id);
+    json!({
+        "snapshotID": format!("{shown}:{DEFAULT_TAG}"),
+        "names": [format!("{shown}:{DEFAULT_TAG}")],
+    })
+}
+
+async fn snapshot(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let b: SnapshotBody = body(&bytes)?;
+    if b.memory == Some(false) {
+        // A filesystem-only snapshot would cold-boot its sandboxes: Clade sandboxes only
+        // restore. E2B's answer where the feature is off.
+        return Err(ApiError::bad(
+            "filesystem-only snapshots are not supported on this host (memory: false)",
+        )
+        .with_code("snapshot_filesystem_only_disabled"));
+    }
+    let snap = blocking(&st, move |h| h.snapshot(&id, b.name.as_deref())).await?;
+    Ok((StatusCode::CREATED, Json(snapshot_info(&snap))).into_response())
+}
+
+async fn list_snapshots(
+    AxState(st): AxState<AppState>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let mut query = SnapshotQuery {
+        limit: DEFAULT_PAGE,
+        ..SnapshotQuery::default()
+    };
+    for (k, v) in query_pairs(&q) {
+        match k.as_str() {
+            "sandboxID" => query.sandbox = Some(v),
+            "name" => {
+                query.name = Some(
+                    crate::host::strip_tag(&v)
+                        .map_err(|e| ApiError::bad(e.to_string()))?
+                        .to_string(),
+                )
+            }
+            "limit" => {
+                query.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| ApiError::bad(format!("limit must be 1 to {MAX_PAGE}")))?
+            }
+            "nextToken" => query.after = Some(parse_token(&v)?),
+            _ => {}
+        }
+    }
+    let (snaps, more) = blocking(&st, move |h| h.list_snapshots(&query)).await?;
+    let out: Vec<Value> = snaps.iter().map(snapshot_info).collect();
+    let mut headers = HeaderMap::new();
+    if let (true, Some(last)) = (more, snaps.last()) {
+        headers.insert("x-next-token", page_token(last.created_ms, &last.id));
+    }
+    Ok((headers, Json(out)).into_response())
+}
+
+/// `DELETE /templates/{id}`: what the SDK's `delete_snapshot` calls. Only snapshots are
+/// deleted here (templates with `clade template rm`).
+async fn delete_snapshot(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    blocking(&st, move |h| h.delete_snapshot(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn ms_param(k: &str, v: &str) -> ApiResult<i64> {
+    v.parse::<i64>()
+        .map_err(|_| ApiError::bad(format!("{k}: not a time in milliseconds: {v}")))
+}
+
+fn limit_param(v: &str) -> ApiResult<usize> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| *n <= LOG_PAGE)
+        .ok_or_else(|| ApiError::bad(format!("limit must be 0 to {LOG_PAGE}")))
+}
+
+fn log_entry(l: &LogLine) -> Value {
+    json!({
+        "timestamp": ids::rfc3339(l.at_ms),
+        "message": l.text,
+        "level": l.level,
+        "fields": {"source": l.source},
+    })
+}
+
+/// `GET /sandboxes/{id}/logs?start=MS&limit=N`: the first `limit` lines at or after
+/// `start`, oldest first.
+async fn logs_v1(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let mut start = i64::MIN;
+    let mut limit = LOG_PAGE;
+    for (k, v) in query_pairs(&q) {
+        match k.as_str() {
+            "start" => start = ms_param(&k, &v)?,
+            "limit" => limit = limit_param(&v)?,
+            _ => {}
+        }
+    }
+    let lines = blocking(&st, move |h| h.logs(&id)).await?;
+    let picked: Vec<&LogLine> = lines
+        .iter()
+        .filter(|l| l.at_ms >= start)
+        .take(limit)
+        .collect();
+    Ok(Json(json!({
+        "logs": picked
+            .iter()
+            .map(|l| json!({"timestamp": ids::rfc3339(l.at_ms), "line": l.text}))
+            .collect::<Vec<_>>(),
+        "logEntries": picked.iter().map(|l| log_entry(l)).collect::<Vec<_>>(),
+    }))
+    .into_response())
+}
+
+fn level_rank(level: &str) -> Option<u8> {
+    ["debug", "info", "warn", "error"]
+        .iter()
+        .position(|l| *l == level)
+        .map(|i| i as u8)
+}
+
+/// `GET /v2/sandboxes/{id}/logs?cursor=MS&limit=N&direction=forward|backward&level=L&search=S`:
+/// `forward` (the default) gives the lines at or after `cursor`, oldest first; `backward`
+/// the lines at or before it, newest first. `level` is the lowest level shown, `search` a
+/// substring.
+async fn logs_v2(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let mut cursor = None;
+    let mut limit = LOG_PAGE;
+    let mut backward = false;
+    let mut min_level = 0;
+    let mut search = None;
+    for (k, v) in query_pairs(&q) {
+        match k.as_str() {
+            "cursor" => cursor = Some(ms_param(&k, &v)?),
+            "limit" => limit = limit_param(&v)?,
+            "direction" => {
+                backward = match v.as_str() {
+                    "forward" => false,
+                    "backward" => true,
+                    other => {
+                        return Err(ApiError::bad(format!(
+                            "direction: '{other}' (forward or backward)"
+                        )))
+                    }
+                }
+            }
+            "level" => {
+                min_level = level_rank(&v)
+                    .ok_or_else(|| ApiError::bad(format!("level: unknown level '{v}'")))?
+            }
+            "search" => search = Some(v),
+            _ => {}
+        }
+    }
+    let lines = blocking(&st, move |h| h.logs(&id)).await?;
+    let keep = |l: &&LogLine| {
+        level_rank(l.level).unwrap_or(0) >= min_level
+            && search.as_ref().is_none_or(|s| l.text.contains(s.as_str()))
+    };
+    let out: Vec<Value> = if backward {
+        let c = cursor.unwrap_or(i64::MAX);
+        lines
+            .iter()
+            .rev()
+            .filter(|l| l.at_ms <= c)
+            .filter(keep)
+            .take(limit)
+            .map(log_entry)
+            .collect()
+    } else {
+        let c = cursor.unwrap_or(i64::MIN);
+        lines
+            .iter()
+            .filter(|l| l.at_ms >= c)
+            .filter(keep)
+            .take(limit)
+            .map(log_entry)
+            .collect()
+    };
+    Ok(Json(json!({ "logs": out })).into_response())
 }
 
 /// Serves the API on `listener` until `shutdown` resolves; applies timeouts and notices

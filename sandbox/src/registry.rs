@@ -5,6 +5,14 @@
 //! it is still the same one), for a paused one the snapshot it resumes from. One row per
 //! sandbox; the lifecycle (`host`) is the only writer. Lists are filtered here, in Rust,
 //! after one ordered read: a host holds hundreds of sandboxes, not millions.
+//!
+//! It also records persistent snapshots ([`SnapshotRecord`], table `snapshots`): each is a
+//! template on disk, and the row says where it came from, which files of other sandboxes
+//! and templates it needs, and whether it was deleted (a deleted snapshot's files stay
+//! until nothing needs them; see `host`).
+//!
+//! Paging is by position, not by offset: a page token names the last row shown (its time
+//! and id), so sandboxes created or killed between two pages neither repeat nor vanish.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -100,8 +108,9 @@ pub struct Query {
     pub started_after: Option<i64>,
     /// Newest first.
     pub descending: bool,
-    /// Skip this many matches.
-    pub offset: usize,
+    /// Only sandboxes after this one in the list's order (its start time and id: the
+    /// previous page's last row).
+    pub after: Option<(i64, String)>,
     /// At most this many (0: no limit).
     pub limit: usize,
 }
@@ -134,6 +143,68 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     parent TEXT
 );
 ";
+
+const SNAPSHOT_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    name TEXT,
+    sandbox TEXT NOT NULL,
+    source_dir TEXT NOT NULL,
+    template TEXT NOT NULL,
+    created_ms INTEGER NOT NULL,
+    deleted INTEGER NOT NULL
+);
+";
+
+/// A persistent snapshot of a sandbox: a template of its own (its id is the template's
+/// name), plus where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotRecord {
+    /// Its id: the name of its template directory.
+    pub id: String,
+    /// The name it was given (E2B's snapshot name); the newest live snapshot of a name is
+    /// the one the name means.
+    pub name: Option<String>,
+    /// The sandbox it is a snapshot of.
+    pub sandbox: String,
+    /// That sandbox's directory: its memory diff chain and frozen disk layer may lie there,
+    /// so the directory stays (after a kill too) until this row is gone.
+    pub source_dir: PathBuf,
+    /// The template its source was created from (it builds on that template's files).
+    pub template: String,
+    /// When it was taken (ms since the epoch).
+    pub created_ms: i64,
+    /// Deleted through the API: no longer listed or usable; its files go once nothing
+    /// needs them.
+    pub deleted: bool,
+}
+
+/// Filters and paging for [`Registry::list_snapshots`] (newest first).
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotQuery {
+    /// Only snapshots of this sandbox.
+    pub sandbox: Option<String>,
+    /// Only snapshots with this id or name.
+    pub name: Option<String>,
+    /// Only snapshots after this one (its time and id: the previous page's last row).
+    pub after: Option<(i64, String)>,
+    /// At most this many (0: no limit).
+    pub limit: usize,
+}
+
+const SNAPSHOT_COLUMNS: &str = "id, name, sandbox, source_dir, template, created_ms, deleted";
+
+fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
+    Ok(SnapshotRecord {
+        id: row.get(0)?,
+        name: row.get(1)?,
+        sandbox: row.get(2)?,
+        source_dir: PathBuf::from(row.get::<_, String>(3)?),
+        template: row.get(4)?,
+        created_ms: row.get(5)?,
+        deleted: row.get::<_, i64>(6)? != 0,
+    })
+}
 
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
@@ -192,6 +263,7 @@ impl Registry {
         db.pragma_update(None, "journal_mode", "WAL")?;
         db.pragma_update(None, "synchronous", "NORMAL")?;
         db.execute_batch(SCHEMA)?;
+        db.execute_batch(SNAPSHOT_SCHEMA)?;
         Ok(Self { db })
     }
 
@@ -199,6 +271,7 @@ impl Registry {
     pub fn in_memory() -> Result<Self> {
         let db = Connection::open_in_memory()?;
         db.execute_batch(SCHEMA)?;
+        db.execute_batch(SNAPSHOT_SCHEMA)?;
         Ok(Self { db })
     }
 
@@ -281,6 +354,18 @@ impl Registry {
         if q.descending {
             all.reverse();
         }
+        let after = |r: &Record| match &q.after {
+            None => true,
+            Some((ms, id)) => {
+                let here = (r.started_ms, r.id.as_str());
+                let there = (*ms, id.as_str());
+                if q.descending {
+                    here < there
+                } else {
+                    here > there
+                }
+            }
+        };
         let mut matching = all.into_iter().filter(|r| {
             (if q.states.is_empty() {
                 r.state != State::Crashed
@@ -289,8 +374,9 @@ impl Registry {
             }) && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
                 && q.template.as_ref().is_none_or(|t| &r.template == t)
                 && q.started_after.is_none_or(|t| r.started_ms >= t)
+                && after(r)
         });
-        let mut page: Vec<Record> = matching.by_ref().skip(q.offset).collect();
+        let mut page: Vec<Record> = matching.by_ref().collect();
         let more = q.limit > 0 && page.len() > q.limit;
         if q.limit > 0 {
             page.truncate(q.limit);
@@ -298,14 +384,107 @@ impl Registry {
         Ok((page, more))
     }
 
-    /// How many sandboxes use template `name`.
+    /// How many sandboxes and snapshots use template `name` (a snapshot builds on its
+    /// source's template; a deleted one counts until its files are gone).
     pub fn count_template(&self, name: &str) -> Result<usize> {
         let n: i64 = self.db.query_row(
-            "SELECT COUNT(*) FROM sandboxes WHERE template = ?1",
+            "SELECT (SELECT COUNT(*) FROM sandboxes WHERE template = ?1) + \
+             (SELECT COUNT(*) FROM snapshots WHERE template = ?1)",
             [name],
             |r| r.get(0),
         )?;
         Ok(n as usize)
+    }
+
+    /// Adds a new snapshot (its id must be new).
+    pub fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<()> {
+        self.db.execute(
+            &format!(
+                "INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+            ),
+            params![
+                s.id,
+                s.name,
+                s.sandbox,
+                s.source_dir.to_string_lossy(),
+                s.template,
+                s.created_ms,
+                s.deleted as i64,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// The snapshot `id` (deleted ones too).
+    pub fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>> {
+        let sql = format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?1");
+        Ok(self
+            .db
+            .prepare_cached(&sql)?
+            .query_row([id], snapshot_row)
+            .optional()?)
+    }
+
+    /// Every snapshot (deleted ones too), newest first.
+    pub fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>> {
+        let sql =
+            format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots ORDER BY created_ms DESC, id DESC");
+        let mut stmt = self.db.prepare(&sql)?;
+        let rows = stmt.query_map([], snapshot_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The live snapshot `reference` means: the one with that id, else the newest with
+    /// that name.
+    pub fn resolve_snapshot(&self, reference: &str) -> Result<Option<SnapshotRecord>> {
+        let live: Vec<SnapshotRecord> = self
+            .all_snapshots()?
+            .into_iter()
+            .filter(|s| !s.deleted)
+            .collect();
+        let by_id = live.iter().position(|s| s.id == reference);
+        let by_name = || {
+            live.iter()
+                .position(|s| s.name.as_deref() == Some(reference))
+        };
+        Ok(by_id.or_else(by_name).map(|i| live[i].clone()))
+    }
+
+    /// Live snapshots matching `q`, newest first, and whether more match after them.
+    pub fn list_snapshots(&self, q: &SnapshotQuery) -> Result<(Vec<SnapshotRecord>, bool)> {
+        let mut page: Vec<SnapshotRecord> = self
+            .all_snapshots()?
+            .into_iter()
+            .filter(|s| {
+                !s.deleted
+                    && q.sandbox.as_ref().is_none_or(|x| &s.sandbox == x)
+                    && q.name
+                        .as_ref()
+                        .is_none_or(|n| &s.id == n || s.name.as_ref() == Some(n))
+                    && q.after
+                        .as_ref()
+                        .is_none_or(|(ms, id)| (s.created_ms, s.id.as_str()) < (*ms, id.as_str()))
+            })
+            .collect();
+        let more = q.limit > 0 && page.len() > q.limit;
+        if q.limit > 0 {
+            page.truncate(q.limit);
+        }
+        Ok((page, more))
+    }
+
+    /// Marks snapshot `id` deleted.
+    pub fn mark_snapshot_deleted(&self, id: &str) -> Result<()> {
+        self.db
+            .execute("UPDATE snapshots SET deleted = 1 WHERE id = ?1", [id])?;
+        Ok(())
+    }
+
+    /// Removes snapshot `id`'s row (its files are gone).
+    pub fn delete_snapshot(&self, id: &str) -> Result<()> {
+        self.db
+            .execute("DELETE FROM snapshots WHERE id = ?1", [id])?;
+        Ok(())
     }
 }
 
@@ -401,24 +580,121 @@ pub(crate) mod tests {
         assert_eq!(page.len(), 2);
         assert_eq!(page[0].id, "s3");
         assert!(more);
+        // The next page starts after the last row shown, even when a row before it goes.
+        let last = page.last().unwrap();
         let q = Query {
             descending: true,
             limit: 2,
-            offset: 2,
+            after: Some((last.started_ms, last.id.clone())),
             ..Query::default()
         };
+        reg.delete("s3").unwrap();
         let (page, more) = reg.list(&q).unwrap();
         assert_eq!(
             page.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
             ["s1", "s0"]
         );
         assert!(!more);
+        // Ascending: a sandbox created meanwhile comes at the end, none repeats.
+        let q = Query {
+            limit: 2,
+            ..Query::default()
+        };
+        let (page, _) = reg.list(&q).unwrap();
+        assert_eq!(page[1].id, "s1");
+        reg.insert(&record("s9", State::Running, 9)).unwrap();
+        let q = Query {
+            after: Some((page[1].started_ms, page[1].id.clone())),
+            ..q
+        };
+        assert_eq!(ids(&q), ["s2", "s9"]);
         let q = Query {
             started_after: Some(2),
             ..Query::default()
         };
-        assert_eq!(ids(&q), ["s2", "s3"]);
+        assert_eq!(ids(&q), ["s2", "s9"]);
         assert_eq!(reg.count_template("t").unwrap(), 5);
         assert_eq!(reg.count_template("u").unwrap(), 0);
+    }
+
+    fn snap(id: &str, name: Option<&str>, sandbox: &str, ms: i64) -> SnapshotRecord {
+        SnapshotRecord {
+            id: id.into(),
+            name: name.map(String::from),
+            sandbox: sandbox.into(),
+            source_dir: PathBuf::from(format!("/s/{sandbox}")),
+            template: "t".into(),
+            created_ms: ms,
+            deleted: false,
+        }
+    }
+
+    #[test]
+    fn snapshots_resolve_list_page_and_survive_reopening() {
+        let path =
+            std::env::temp_dir().join(format!("sandbox-reg-snap-{}.sqlite", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        {
+            let reg = Registry::open(&path).unwrap();
+            reg.insert_snapshot(&snap("snap-a", Some("mine"), "x1", 1))
+                .unwrap();
+            reg.insert_snapshot(&snap("snap-b", None, "x2", 2)).unwrap();
+            reg.insert_snapshot(&snap("snap-c", Some("mine"), "x1", 3))
+                .unwrap();
+            assert!(reg.insert_snapshot(&snap("snap-a", None, "x1", 4)).is_err());
+        }
+        let reg = Registry::open(&path).unwrap();
+        assert_eq!(
+            reg.get_snapshot("snap-a").unwrap().unwrap(),
+            snap("snap-a", Some("mine"), "x1", 1)
+        );
+        // A name means its newest snapshot; an id means itself.
+        assert_eq!(reg.resolve_snapshot("mine").unwrap().unwrap().id, "snap-c");
+        assert_eq!(
+            reg.resolve_snapshot("snap-a").unwrap().unwrap().id,
+            "snap-a"
+        );
+        assert_eq!(reg.resolve_snapshot("nope").unwrap(), None);
+        let ids = |q: &SnapshotQuery| -> Vec<String> {
+            reg.list_snapshots(q)
+                .unwrap()
+                .0
+                .into_iter()
+                .map(|s| s.id)
+                .collect()
+        };
+        assert_eq!(
+            ids(&SnapshotQuery::default()),
+            ["snap-c", "snap-b", "snap-a"]
+        );
+        let q = SnapshotQuery {
+            sandbox: Some("x1".into()),
+            ..SnapshotQuery::default()
+        };
+        assert_eq!(ids(&q), ["snap-c", "snap-a"]);
+        let q = SnapshotQuery {
+            limit: 1,
+            ..SnapshotQuery::default()
+        };
+        let (page, more) = reg.list_snapshots(&q).unwrap();
+        assert!(more);
+        let q = SnapshotQuery {
+            after: Some((page[0].created_ms, page[0].id.clone())),
+            limit: 1,
+            ..q
+        };
+        assert_eq!(ids(&q), ["snap-b"]);
+        // Deleted: not listed, not resolved; the name falls back to the older one.
+        reg.mark_snapshot_deleted("snap-c").unwrap();
+        assert_eq!(reg.resolve_snapshot("mine").unwrap().unwrap().id, "snap-a");
+        assert_eq!(reg.resolve_snapshot("snap-c").unwrap(), None);
+        assert!(reg.get_snapshot("snap-c").unwrap().unwrap().deleted);
+        assert_eq!(ids(&SnapshotQuery::default()), ["snap-b", "snap-a"]);
+        // Snapshots hold their source's template.
+        assert_eq!(reg.count_template("t").unwrap(), 3);
+        reg.delete_snapshot("snap-c").unwrap();
+        assert_eq!(reg.get_snapshot("snap-c").unwrap(), None);
+        drop(reg);
+        let _ = std::fs::remove_file(&path);
     }
 }

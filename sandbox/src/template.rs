@@ -8,6 +8,11 @@
 //! the template's memory file and disk layer copy-on-write. A template is complete only once
 //! `template.json` exists (written last, atomically), so a build that failed half-way is
 //! never offered.
+//!
+//! A persistent snapshot of a sandbox (E2B `createSnapshot`) is a template too, in a second
+//! store under `<state dir>/sandboxes/snapshots/` ([`TemplateStore::at`]): a running VM may
+//! write snapshots only under the sandboxes directory (its `--files-root`), and the registry
+//! records where each snapshot came from.
 
 use std::path::{Path, PathBuf};
 
@@ -64,6 +69,11 @@ impl TemplateStore {
         Self {
             root: state_dir.join("templates"),
         }
+    }
+
+    /// A store rooted at `root` itself (the snapshot templates' store).
+    pub fn at(root: PathBuf) -> Self {
+        Self { root }
     }
 
     /// The directory template `name` lives (or would live) in.

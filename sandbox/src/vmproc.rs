@@ -31,7 +31,7 @@ pub struct StartSpec {
     pub vsock: PathBuf,
     /// Its serial console file.
     pub serial: PathBuf,
-    /// Its stderr (the VMM's log).
+    /// Its stderr (the VMM's log; appended to).
     pub log: PathBuf,
     /// Snapshot and fork paths it accepts through its API must be under this directory.
     pub files_root: PathBuf,
@@ -145,7 +145,12 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
 
 impl VmDriver for ProcessDriver {
     fn start(&self, spec: &StartSpec) -> Result<i32> {
-        let log = File::create(&spec.log).map_err(Error::io("creating", &spec.log))?;
+        // Appended: the log of a sandbox's earlier runs (before a pause) stays readable.
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&spec.log)
+            .map_err(Error::io("creating", &spec.log))?;
         let mut cmd = Command::new(&self.clade);
         cmd.arg("restore")
             .arg(&spec.snapshot)

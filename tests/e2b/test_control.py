@@ -118,3 +118,111 @@ def test_errors_map_to_sdk_exceptions():
         Sandbox.create("no-such-template", timeout=10)
     with pytest.raises(AuthenticationException):
         Sandbox.list(api_key="wrong-key").next_items()
+
+
+def all_snapshots(**kw):
+    out = []
+    paginator = Sandbox.list_snapshots(limit=1, **kw)
+    while paginator.has_next:
+        out.extend(paginator.next_items())
+    return out
+
+
+def test_snapshot_then_new_sandboxes_from_it():
+    s = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "snapshot"})
+    made = [s]
+    try:
+        assert s.is_running()
+        snap = s.create_snapshot()
+        assert snap.snapshot_id.endswith(":default")
+        assert snap.names == [snap.snapshot_id]
+        # The source runs on, and its agent still answers.
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
+        assert s.is_running()
+        named = s.create_snapshot(name="cp-snap")
+        assert named.snapshot_id == "cp-snap:default"
+        # Listed (paged, one a page), newest first, filtered by source sandbox.
+        mine = [x.snapshot_id for x in all_snapshots(sandbox_id=s.sandbox_id)]
+        assert mine == [named.snapshot_id, snap.snapshot_id]
+        assert all_snapshots(sandbox_id="doesnotexist0000000000") == []
+
+        kid = Sandbox.create(snap.snapshot_id, timeout=120)
+        made.append(kid)
+        assert kid.sandbox_id != s.sandbox_id
+        assert kid.is_running(), "a sandbox restored from the snapshot answers"
+        kid2 = Sandbox.create("cp-snap", timeout=120)
+        made.append(kid2)
+        assert kid2.is_running()
+
+        # A snapshot outlives its source; a paused sandbox can be snapshotted too.
+        s.kill()
+        kid3 = Sandbox.create(snap.snapshot_id, timeout=120)
+        made.append(kid3)
+        assert kid3.is_running()
+        kid3.pause()
+        from_paused = Sandbox.create_snapshot(kid3.sandbox_id)
+        assert Sandbox.get_info(kid3.sandbox_id).state == SandboxState.PAUSED
+        kid4 = Sandbox.create(from_paused.snapshot_id, timeout=120)
+        made.append(kid4)
+        assert kid4.is_running()
+
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+        with pytest.raises(SandboxException):
+            Sandbox.create(snap.snapshot_id, timeout=10)
+        # Its sandboxes keep running.
+        assert kid.is_running()
+        assert Sandbox.delete_snapshot(named.snapshot_id) is True
+        assert Sandbox.delete_snapshot(from_paused.snapshot_id) is True
+    finally:
+        for x in made:
+            try:
+                Sandbox.kill(x.sandbox_id)
+            except Exception:
+                pass
+
+
+def test_snapshot_errors():
+    with pytest.raises(NotFoundException):
+        Sandbox.create_snapshot("doesnotexist0000000000000")
+    assert Sandbox.delete_snapshot("snap-doesnotexist") is False
+
+
+def test_logs_and_metrics():
+    from e2b.api.client.api.sandboxes import (
+        get_sandboxes_sandbox_id_logs,
+        get_v_2_sandboxes_sandbox_id_logs,
+    )
+    from e2b.api.client.models import SandboxLogs, SandboxLogsV2Response
+    from e2b.connection_config import ConnectionConfig
+    from e2b.sandbox_sync.paginator import get_api_client
+
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        client = get_api_client(ConnectionConfig())
+        r = get_sandboxes_sandbox_id_logs.sync(s.sandbox_id, client=client)
+        assert isinstance(r, SandboxLogs), r
+        assert r.logs, "the VM's console and log have lines"
+        assert len(r.logs) == len(r.log_entries)
+        assert all(x.line for x in r.logs)
+        r = get_sandboxes_sandbox_id_logs.sync(s.sandbox_id, client=client, limit=1)
+        assert len(r.logs) == 1
+        r2 = get_v_2_sandboxes_sandbox_id_logs.sync(s.sandbox_id, client=client)
+        assert isinstance(r2, SandboxLogsV2Response), r2
+        assert r2.logs
+        r = get_sandboxes_sandbox_id_logs.sync_detailed("doesnotexist0000000000", client=client)
+        assert r.status_code == 404
+
+        first = s.get_metrics()
+        assert len(first) == 1
+        m = first[0]
+        assert m.cpu_count == 1
+        assert 0 <= m.cpu_used_pct <= 100
+        assert m.mem_total == 64 * 1024 * 1024
+        assert m.mem_used > 0
+        time.sleep(0.3)
+        # Recent, not a lifetime average: an idle guest's figure stays low.
+        again = s.get_metrics()[0]
+        assert 0 <= again.cpu_used_pct <= 100
+    finally:
+        s.kill()

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use super::*;
+use crate::registry::SnapshotQuery;
 use crate::template::Template;
 use crate::vmproc::ForkedChild;
 
@@ -321,5 +322,209 @@ fn templates_in_use_stay() {
     ));
     h.kill(&s.id).unwrap();
     store.remove("t", h.template_users("t").unwrap()).unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+fn from(template: &str) -> CreateRequest {
+    CreateRequest {
+        template: template.into(),
+        ..req(60)
+    }
+}
+
+#[test]
+fn snapshots_become_templates_and_survive_a_restart() {
+    let (h, drv, d) = host("snap");
+    let src = h.create(req(60)).unwrap();
+    let snap = h.snapshot(&src.id, None).unwrap();
+    assert_eq!(snap.sandbox, src.id);
+    assert_eq!(snap.template, "t");
+    let snap_dir = d.join("sandboxes/snapshots").join(&snap.id);
+    assert!(snap_dir.join("snapshot").is_dir());
+    // A diff of the running VM, which runs on.
+    assert!(drv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.starts_with("snapshot diff") && l.ends_with(&format!("{}/snapshot", snap.id))));
+    assert_eq!(h.get(&src.id).unwrap().state, State::Running);
+
+    // A new sandbox from it, by id, with the default tag, and by name.
+    let a = h.create(from(&snap.id)).unwrap();
+    assert_eq!(a.template, snap.id);
+    assert!(drv
+        .log
+        .lock()
+        .unwrap()
+        .last()
+        .unwrap()
+        .ends_with(&format!("{}/snapshot", snap.id)));
+    let b = h.create(from(&format!("{}:default", snap.id))).unwrap();
+    assert!(matches!(
+        h.create(from(&format!("{}:v2", snap.id))),
+        Err(Error::BadRequest(_))
+    ));
+    let named = h.snapshot(&a.id, Some("mine")).unwrap();
+    let c = h.create(from("mine")).unwrap();
+    assert_eq!(c.template, named.id);
+    // The snapshot of a snapshot's sandbox holds that snapshot.
+    assert_eq!(named.template, snap.id);
+    assert_eq!(
+        h.template("mine").ok(),
+        None,
+        "names resolve only on create"
+    );
+
+    // A restart keeps them, and they still make sandboxes.
+    drop(h);
+    let h = Host::open(HostConfig::new(d.clone()), drv.clone()).unwrap();
+    h.recover().unwrap();
+    let (all, more) = h.list_snapshots(&SnapshotQuery::default()).unwrap();
+    assert!(!more);
+    assert_eq!(
+        all.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        [named.id.as_str(), snap.id.as_str()],
+        "newest first"
+    );
+    let q = SnapshotQuery {
+        sandbox: Some(src.id.clone()),
+        ..SnapshotQuery::default()
+    };
+    assert_eq!(h.list_snapshots(&q).unwrap().0.len(), 1);
+    h.create(from(&snap.id)).unwrap();
+    // A paused sandbox resumes from its pause even when its template is a snapshot.
+    h.pause(&b.id).unwrap();
+    h.connect(&b.id, 10).unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn snapshot_errors() {
+    let (h, drv, d) = host("snaperr");
+    assert!(matches!(
+        h.snapshot("nosuchsandbox", None),
+        Err(Error::NotFound(_))
+    ));
+    assert!(matches!(
+        h.snapshot("../etc", None),
+        Err(Error::NotFound(_))
+    ));
+    let s = h.create(req(60)).unwrap();
+    assert!(matches!(
+        h.snapshot(&s.id, Some("../x")),
+        Err(Error::BadRequest(_))
+    ));
+    // A template's name is not a snapshot's.
+    assert!(matches!(
+        h.snapshot(&s.id, Some("t")),
+        Err(Error::Conflict(_))
+    ));
+    assert!(matches!(
+        h.delete_snapshot("snap-nosuchsnapshot"),
+        Err(Error::SnapshotNotFound(_))
+    ));
+    assert!(matches!(h.delete_snapshot("t"), Err(Error::BadRequest(_))));
+    assert!(matches!(
+        h.create(from("snap-nosuchsnapshot")),
+        Err(Error::BadRequest(_))
+    ));
+    // A crashed sandbox has nothing to snapshot.
+    drv.crash(s.pid.unwrap());
+    assert!(matches!(
+        h.snapshot(&s.id, None),
+        Err(Error::Crashed { .. })
+    ));
+    // Nothing was left behind by the refusals.
+    let left = std::fs::read_dir(d.join("sandboxes/snapshots"))
+        .map(|r| r.count())
+        .unwrap_or(0);
+    assert_eq!(left, 0);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_paused_sandbox_snapshots_its_pause() {
+    let (h, _drv, d) = host("snappaused");
+    let s = h.create(req(60)).unwrap();
+    let p = h.pause(&s.id).unwrap();
+    std::fs::write(p.snapshot.as_ref().unwrap().join("memory.mem"), b"pages").unwrap();
+    let snap = h.snapshot(&s.id, None).unwrap();
+    let copy = d
+        .join("sandboxes/snapshots")
+        .join(&snap.id)
+        .join("snapshot/memory.mem");
+    assert_eq!(std::fs::read(copy).unwrap(), b"pages");
+    assert_eq!(h.get(&s.id).unwrap().state, State::Paused, "stays paused");
+    let kid = h.create(from(&snap.id)).unwrap();
+    assert_eq!(kid.state, State::Running);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn deleted_snapshots_go_when_nothing_needs_them() {
+    let (h, _drv, d) = host("snapgc");
+    let src = h.create(req(60)).unwrap();
+    let snap = h.snapshot(&src.id, Some("keep")).unwrap();
+    let snap_dir = d.join("sandboxes/snapshots").join(&snap.id);
+    let kid = h.create(from("keep:default")).unwrap();
+
+    // The source is killed: its directory stays for the snapshot, its sockets go.
+    h.kill(&src.id).unwrap();
+    assert!(src.dir.exists());
+    assert!(matches!(h.get(&src.id), Err(Error::NotFound(_))));
+    // The template is held by the snapshot.
+    assert!(h.template_users("t").unwrap() >= 1);
+
+    // Deleted: gone from lists and creates at once, by name or id.
+    h.delete_snapshot("keep:default").unwrap();
+    assert!(h
+        .list_snapshots(&SnapshotQuery::default())
+        .unwrap()
+        .0
+        .is_empty());
+    assert!(matches!(h.create(from("keep")), Err(Error::BadRequest(_))));
+    assert!(matches!(
+        h.delete_snapshot(&snap.id),
+        Err(Error::SnapshotNotFound(_))
+    ));
+    // Its files stay while its sandbox runs (and resumes).
+    assert!(snap_dir.exists());
+    h.pause(&kid.id).unwrap();
+    h.connect(&kid.id, 10).unwrap();
+    h.kill(&kid.id).unwrap();
+    // Nothing needs it now: its files and its source's directory are gone.
+    assert!(!snap_dir.exists());
+    assert!(!src.dir.exists());
+    assert_eq!(h.template_users("t").unwrap(), 0);
+
+    // A name taken again: the new snapshot replaces the old one for new sandboxes.
+    let s2 = h.create(req(60)).unwrap();
+    let old = h.snapshot(&s2.id, Some("again")).unwrap();
+    let new = h.snapshot(&s2.id, Some("again")).unwrap();
+    assert_eq!(h.create(from("again")).unwrap().template, new.id);
+    let (all, _) = h.list_snapshots(&SnapshotQuery::default()).unwrap();
+    assert_eq!(all.len(), 1);
+    // The old one is still needed by its source (whose next diff builds on it)...
+    assert!(d.join("sandboxes/snapshots").join(&old.id).exists());
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn logs_of_a_sandbox_and_of_an_unknown_one() {
+    let (h, _drv, d) = host("logs");
+    let s = h.create(req(60)).unwrap();
+    std::fs::write(
+        s.dir.join("vm.log"),
+        "2024-05-01T10:00:00.000000Z  WARN vmm: hello\n",
+    )
+    .unwrap();
+    std::fs::write(s.dir.join("serial-r0.log"), "guest says hi\n").unwrap();
+    let lines = h.logs(&s.id).unwrap();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0].text, "vmm: hello");
+    assert_eq!(lines[1].text, "guest says hi");
+    assert!(matches!(h.logs("nosuchsandbox"), Err(Error::NotFound(_))));
+    assert!(matches!(h.logs("../../x"), Err(Error::NotFound(_))));
     std::fs::remove_dir_all(&d).unwrap();
 }

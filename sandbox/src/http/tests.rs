@@ -270,3 +270,251 @@ async fn lists_filter_by_metadata_and_page() {
     assert_eq!(seen.len(), 5);
     std::fs::remove_dir_all(d).unwrap();
 }
+
+#[tokio::test]
+async fn pages_stay_stable_when_sandboxes_come_and_go() {
+    let (app, d) = app("stablepages");
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+        made.push(v["sandboxID"].as_str().unwrap().to_string());
+    }
+    let (_, h, first) = call(&app, "GET", "/v2/sandboxes?limit=2", None).await;
+    let token = h["x-next-token"].to_str().unwrap().to_string();
+    // A sandbox of the first page is killed, a new one is created: the second page still
+    // starts after the first page's last row.
+    let gone = first[0]["sandboxID"].as_str().unwrap().to_string();
+    let (s, _, _) = call(&app, "DELETE", &format!("/sandboxes/{gone}"), None).await;
+    assert_eq!(s, 204);
+    let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    let newest = v["sandboxID"].as_str().unwrap().to_string();
+    let (_, _, second) = call(
+        &app,
+        "GET",
+        &format!("/v2/sandboxes?limit=10&nextToken={token}"),
+        None,
+    )
+    .await;
+    let mut seen: Vec<String> = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(second.as_array().unwrap())
+        .map(|x| x["sandboxID"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(seen.len(), 5, "no row twice, none skipped");
+    seen.sort();
+    let mut want = made.clone();
+    want.push(newest);
+    want.sort();
+    assert_eq!(seen, want);
+    for bad in ["abc", "12_", "x_abc", "12_../x"] {
+        let (s, _, _) = call(&app, "GET", &format!("/v2/sandboxes?nextToken={bad}"), None).await;
+        assert_eq!(s, 400, "{bad}");
+    }
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn snapshots_over_http() {
+    let (app, d) = app("snaps");
+    let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some("{}"),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let snap = v["snapshotID"].as_str().unwrap().to_string();
+    assert!(
+        snap.starts_with("snap-") && snap.ends_with(":default"),
+        "{snap}"
+    );
+    assert_eq!(v["names"], json!([snap]));
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"named"}"#),
+    )
+    .await;
+    assert_eq!(s, 201);
+    assert_eq!(v["snapshotID"], "named:default");
+
+    // Listed newest first, filtered, paged.
+    let (s, h, v) = call(&app, "GET", "/snapshots?limit=1", None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v[0]["snapshotID"], "named:default");
+    let t = h["x-next-token"].to_str().unwrap().to_string();
+    let (_, h, v) = call(
+        &app,
+        "GET",
+        &format!("/snapshots?limit=1&nextToken={t}"),
+        None,
+    )
+    .await;
+    assert_eq!(v[0]["snapshotID"], json!(snap));
+    assert!(h.get("x-next-token").is_none());
+    let (_, _, v) = call(&app, "GET", &format!("/snapshots?sandboxID={id}"), None).await;
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    let (_, _, v) = call(&app, "GET", "/snapshots?sandboxID=other", None).await;
+    assert_eq!(v, json!([]));
+    let (_, _, v) = call(&app, "GET", "/snapshots?name=named", None).await;
+    assert_eq!(v.as_array().unwrap().len(), 1);
+
+    // A sandbox from each (the id as the SDK passes it, with its tag).
+    for t in [snap.as_str(), "named"] {
+        let (s, _, v) = call(
+            &app,
+            "POST",
+            "/sandboxes",
+            Some(&format!(r#"{{"templateID":"{t}"}}"#)),
+        )
+        .await;
+        assert_eq!(s, 201, "{t}: {v}");
+    }
+
+    // Refusals: unknown sandbox 404, filesystem-only 400, bad name 400, template 409.
+    let (s, _, _) = call(&app, "POST", "/sandboxes/nosuch/snapshots", Some("{}")).await;
+    assert_eq!(s, 404);
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some(r#"{"memory":false}"#),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(v["error_code"], "snapshot_filesystem_only_disabled");
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"a/b"}"#),
+    )
+    .await;
+    assert_eq!(s, 400);
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"t"}"#),
+    )
+    .await;
+    assert_eq!(s, 409);
+    for q in ["limit=0", "nextToken=zz"] {
+        let (s, _, _) = call(&app, "GET", &format!("/snapshots?{q}"), None).await;
+        assert_eq!(s, 400, "{q}");
+    }
+
+    // Delete (as the SDK does: DELETE /templates/<id, path-encoded>): 204, then 404.
+    let enc = snap.replace(':', "%3A");
+    let (s, _, _) = call(&app, "DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(s, 204);
+    let (s, _, v) = call(&app, "DELETE", &format!("/templates/{enc}"), None).await;
+    assert_eq!(s, 404, "{v}");
+    let (s, _, _) = call(&app, "DELETE", "/templates/t", None).await;
+    assert_eq!(s, 400, "a template is not deleted through the API");
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        "/sandboxes",
+        Some(&format!(r#"{{"templateID":"{snap}"}}"#)),
+    )
+    .await;
+    assert_eq!(s, 400, "a deleted snapshot makes no sandboxes");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn logs_and_metrics_over_http() {
+    let (app, d) = app("logs");
+    let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let dir = d.join("sandboxes").join(&id);
+    std::fs::write(
+        dir.join("vm.log"),
+        "2024-05-01T10:00:00.000Z  INFO vmm: one\n\
+         2024-05-01T10:00:01.000Z ERROR vmm: two\n\
+         2024-05-01T10:00:02.000Z DEBUG vmm: three\n",
+    )
+    .unwrap();
+    let t1 = 1_714_557_601_000i64;
+    let (s, _, v) = call(&app, "GET", &format!("/sandboxes/{id}/logs"), None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v["logs"].as_array().unwrap().len(), 3);
+    assert_eq!(v["logs"][0]["line"], "vmm: one");
+    assert_eq!(v["logs"][0]["timestamp"], "2024-05-01T10:00:00.000Z");
+    assert_eq!(v["logEntries"][1]["level"], "error");
+    assert_eq!(v["logEntries"][1]["fields"]["source"], "vmm");
+    let (_, _, v) = call(
+        &app,
+        "GET",
+        &format!("/sandboxes/{id}/logs?start={t1}&limit=1"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        v["logs"],
+        json!([{"timestamp": "2024-05-01T10:00:01.000Z", "line": "vmm: two"}])
+    );
+    let (s, _, v) = call(
+        &app,
+        "GET",
+        &format!("/v2/sandboxes/{id}/logs?cursor={t1}&direction=backward"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    let msgs: Vec<_> = v["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["message"].clone())
+        .collect();
+    assert_eq!(msgs, [json!("vmm: two"), json!("vmm: one")]);
+    let (_, _, v) = call(
+        &app,
+        "GET",
+        &format!("/v2/sandboxes/{id}/logs?level=warn"),
+        None,
+    )
+    .await;
+    assert_eq!(v["logs"].as_array().unwrap().len(), 1);
+    let (_, _, v) = call(
+        &app,
+        "GET",
+        &format!("/v2/sandboxes/{id}/logs?search=thr"),
+        None,
+    )
+    .await;
+    assert_eq!(v["logs"][0]["message"], "vmm: three");
+    for q in [
+        "start=x",
+        "limit=5000",
+        "direction=up",
+        "level=loud",
+        "cursor=now",
+    ] {
+        let v1 = call(&app, "GET", &format!("/sandboxes/{id}/logs?{q}"), None)
+            .await
+            .0;
+        let v2 = call(&app, "GET", &format!("/v2/sandboxes/{id}/logs?{q}"), None)
+            .await
+            .0;
+        assert!(v1 == 400 || v2 == 400, "{q}");
+    }
+    let (s, _, _) = call(&app, "GET", "/sandboxes/nosuch/logs", None).await;
+    assert_eq!(s, 404);
+    let (s, _, _) = call(&app, "GET", "/v2/sandboxes/nosuch/logs", None).await;
+    assert_eq!(s, 404);
+    // Metrics of a fake VM (no such process): shape only.
+    let (s, _, v) = call(&app, "GET", &format!("/sandboxes/{id}/metrics"), None).await;
+    assert_eq!(s, 200);
+    assert_eq!(v[0]["cpuCount"], 2);
+    assert_eq!(v[0]["memTotal"], 128 * 1024 * 1024);
+    std::fs::remove_dir_all(d).unwrap();
+}
