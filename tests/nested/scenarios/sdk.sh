@@ -42,8 +42,9 @@ cleanup() {
 fail() {
     echo "SDK-SCENARIO-FAIL $*"
     [ -f "$LOG" ] && { echo "---- $LOG (tail) ----"; tail -n 40 "$LOG"; }
-    for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial; do
-        [ -f "$f" ] && { echo "---- $f (tail) ----"; tail -n 20 "$f"; }
+    for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
+        "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log; do
+        [ -f "$f" ] && { echo "---- $f (tail) ----"; tail -n 12 "$f"; }
     done
     cleanup
     exit 1

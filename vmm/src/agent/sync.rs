@@ -16,7 +16,45 @@ pub(crate) fn sync_after_restore(
     hostname_suffix: Option<&str>,
 ) -> std::result::Result<Duration, String> {
     let t = Instant::now();
-    let result = (|| -> Result<()> {
+    // A just-restored guest resets the connections it has when it handles the vsock
+    // device's transport-reset event, which may come after this connection was made: a
+    // sync cut off that way is done again on a new connection (each step is idempotent).
+    let mut result = sync_once(path, timeout, hostname_suffix);
+    for _ in 0..SYNC_ATTEMPTS - 1 {
+        if !matches!(result, Err(Error::AgentDisconnected)) || t.elapsed() >= timeout {
+            break;
+        }
+        tracing::debug!("agent sync: connection reset by the restored guest, again");
+        std::thread::sleep(Duration::from_millis(5));
+        result = sync_once(path, timeout.saturating_sub(t.elapsed()), hostname_suffix);
+    }
+    match result {
+        Ok(()) => {
+            tracing::info!(
+                "agent sync: clock set, entropy added{} in {:?}",
+                if hostname_suffix.is_some() {
+                    ", hostname suffixed"
+                } else {
+                    ""
+                },
+                t.elapsed()
+            );
+            Ok(t.elapsed())
+        }
+        Err(e) => {
+            tracing::warn!("agent sync failed (best effort): {e}");
+            Err(e.to_string())
+        }
+    }
+}
+
+/// How many connections a sync may take (see [`sync_after_restore`]).
+const SYNC_ATTEMPTS: usize = 4;
+
+/// One sync on one connection. A hostname suffix is appended only if the guest's name
+/// does not end with it yet, so a repeated sync does not append it twice.
+fn sync_once(path: &Path, timeout: Duration, hostname_suffix: Option<&str>) -> Result<()> {
+    {
         let client = Client::connect_timeout(
             path,
             Transport::Vsock {
@@ -39,28 +77,10 @@ pub(crate) fn sync_after_restore(
             // Through /proc: hostname(1) may refuse names it finds invalid, e.g. "(none)-f1".
             let script = format!(
                 "h=$(cat /proc/sys/kernel/hostname); case \"$h\" in ''|'(none)') h=clade;; esac; \
-                 echo \"$h{suffix}\" > /proc/sys/kernel/hostname"
+                 case \"$h\" in *'{suffix}') ;; *) echo \"$h{suffix}\" > /proc/sys/kernel/hostname;; esac"
             );
             client.output(&Command::new("/bin/sh").args(["-c", &script]), None)?;
         }
         Ok(())
-    })();
-    match result {
-        Ok(()) => {
-            tracing::info!(
-                "agent sync: clock set, entropy added{} in {:?}",
-                if hostname_suffix.is_some() {
-                    ", hostname suffixed"
-                } else {
-                    ""
-                },
-                t.elapsed()
-            );
-            Ok(t.elapsed())
-        }
-        Err(e) => {
-            tracing::warn!("agent sync failed (best effort): {e}");
-            Err(e.to_string())
-        }
     }
 }

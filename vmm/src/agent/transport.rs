@@ -180,8 +180,10 @@ fn vsock_connect(path: &Path, s: &mut UnixStream, port: u32) -> Result<Answer> {
 }
 
 /// Retries `f` until it succeeds or `timeout` has passed, for sockets whose VM (or agent)
-/// is still starting: connection refused, socket missing, nothing listening yet, or no
-/// answer to `CONNECT` yet (the guest's vsock driver is not up).
+/// is still starting: connection refused, socket missing, nothing listening yet, no
+/// answer to `CONNECT` yet (the guest's vsock driver is not up), or a connection closed
+/// before the agent's `HelloOk` (a just-restored guest resets every connection it had
+/// when it handles the device's transport-reset event, which can race a new one).
 pub(crate) fn retry<T>(timeout: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
     let deadline = Instant::now() + timeout;
     loop {
@@ -205,6 +207,7 @@ fn retryable(e: &Error) -> bool {
         Error::AgentHandshake { reason, .. } => {
             reason.starts_with("connection closed") || reason.starts_with(NO_ANSWER)
         }
+        Error::AgentDisconnected => true,
         _ => false,
     }
 }
