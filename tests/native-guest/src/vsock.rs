@@ -278,6 +278,30 @@ impl Conn {
         }
     }
 
+    /// Makes the slot free and new, without rewriting the buffers' contents (only their
+    /// lengths): a forked child copies each guest page it writes first.
+    fn reset(&mut self) {
+        self.input.clear();
+        self.output.clear();
+        self.state = State::Free;
+        self.peer_port = 0;
+        self.rx_cnt = 0;
+        self.fwd_cnt = 0;
+        self.fwd_cnt_sent = 0;
+        self.skip = 0;
+        self.tx_cnt = 0;
+        self.peer_buf_alloc = 0;
+        self.peer_fwd_cnt = 0;
+        self.credit_requested = false;
+        self.peer_shutdown = 0;
+        self.close_when_flushed = false;
+        self.session = Session::new(IN_CAP as u32 - 4);
+        self.why_closed = "";
+        self.hellos = 0;
+        self.pings = 0;
+        self.refused = 0;
+    }
+
     fn in_use(&self) -> bool {
         matches!(self.state, State::Established | State::Closing)
     }
@@ -610,7 +634,7 @@ impl Driver {
                 Some(i) if h.dst_port == agent::AGENT_PORT => {
                     report.accepted += 1;
                     let c = &mut conns[i];
-                    *c = Conn::new();
+                    c.reset();
                     c.state = State::Established;
                     c.peer_port = h.src_port;
                     c.peer_buf_alloc = h.buf_alloc;
@@ -769,7 +793,7 @@ impl Driver {
                     u64::from(self.t.config_read32(0)) | u64::from(self.t.config_read32(4)) << 32;
                 let mut n = 0;
                 for c in conns.iter_mut().filter(|c| c.state != State::Free) {
-                    *c = Conn::new();
+                    c.reset();
                     n += 1;
                 }
                 report.dropped += n;
@@ -871,7 +895,7 @@ pub fn run(limits: Limits) -> Result<Report, Reason> {
     );
     // SAFETY: the only reference to the table while the step runs (see `Table`).
     let conns = unsafe { &mut *CONNS.0.get() };
-    conns.iter_mut().for_each(|c| *c = Conn::new());
+    conns.iter_mut().for_each(Conn::reset);
     let mut report = Report::default();
     WAKEUPS.store(0, Ordering::Relaxed);
     // With a limit, every accepted connection has ended when this returns Ok.
