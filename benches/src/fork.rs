@@ -72,7 +72,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
     let mut parent = boot_until(
         guest,
         machine,
-        &format!("memfill:1:{fill_mib},vsock,vsock"),
+        &format!("memfill:1:{fill_mib},vsock"),
         Some(&psock),
         "serving agent port",
     )?;

@@ -25,7 +25,8 @@ pub fn ping(guest: &Guest, machine: &Machine, n: usize, warmup: usize) -> Result
     }
     // Removed by the VM when it is dropped.
     let sock = std::env::temp_dir().join(format!("clade-bench-ping-{}.sock", std::process::id()));
-    let mut vm = vmm::boot(config(guest, machine, "vsock", Some(&sock)))?;
+    // One connection: closing it ends the step and the guest, which then reports its count.
+    let mut vm = vmm::boot(config(guest, machine, "vsock:1", Some(&sock)))?;
     vm.start()?;
     // The client blocks without a timeout; it runs on a thread of its own so that a stuck
     // device or guest ends the benchmark with an error instead of hanging it.

@@ -111,7 +111,7 @@ fn start_parent_with(d: &Dir, steps: &str, env: Option<(&str, &str)>, extra: &[&
 #[test]
 fn fork_children_are_processes_that_outlive_a_killed_parent() {
     let d = Dir::new("three");
-    let mut parent = start_parent(&d, "vsock,vsock,vsock", None);
+    let mut parent = start_parent(&d, "vsock", None);
     let o = clade()
         .arg("fork")
         .arg(d.p("p.api"))
@@ -185,11 +185,7 @@ fn fork_children_are_processes_that_outlive_a_killed_parent() {
 #[test]
 fn a_failed_fork_leaves_no_child_and_a_fork_of_a_child_works() {
     let d = Dir::new("fail");
-    let mut parent = start_parent(
-        &d,
-        "vsock,vsock,vsock",
-        Some(("CLADE_FORK_FAIL_AFTER", "2")),
-    );
+    let mut parent = start_parent(&d, "vsock", Some(("CLADE_FORK_FAIL_AFTER", "2")));
     let o = clade()
         .arg("fork")
         .arg(d.p("p.api"))
@@ -290,7 +286,7 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
     cmd.arg("run")
         .arg("--kernel")
         .arg(native_guest())
-        .args(["--test-device", "--cmdline", "steps=vsock,vsock"])
+        .args(["--test-device", "--cmdline", "steps=vsock"])
         .arg("--vsock")
         .arg(d.p("p.vsock"))
         .arg("--api-sock")
@@ -387,7 +383,7 @@ fn bad_fork_and_snapshot_requests_get_errors_and_touch_nothing() {
     let root = d.p("root");
     std::fs::create_dir_all(&root).unwrap();
     let root_arg = root.to_string_lossy().into_owned();
-    let _parent = start_parent_with(&d, "vsock,vsock,vsock", None, &["--files-root", &root_arg]);
+    let _parent = start_parent_with(&d, "vsock", None, &["--files-root", &root_arg]);
     let call = |r: &Request| ApiClient::connect(&d.p("p.api")).unwrap().call(r).unwrap();
     // A count no host could serve: an error answer, not a dead VM.
     let r = call(&Request::Fork {

@@ -164,7 +164,7 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
             .arg("run")
             .arg("--kernel")
             .arg(native_guest())
-            .args(["--test-device", "--cmdline", "steps=vsock,vsock,vsock"])
+            .args(["--test-device", "--cmdline", "steps=vsock"])
             .arg("--vsock")
             .arg(&vsock)
             .arg("--api-sock")

@@ -80,7 +80,8 @@ fn run_serves_the_api_and_snapshots_resume_side_by_side() {
             .arg("run")
             .arg("--kernel")
             .arg(native_guest())
-            .args(["--test-device", "--cmdline", "steps=vsock"])
+            // One connection: the ping below ends the guest's step, and the guest.
+            .args(["--test-device", "--cmdline", "steps=vsock:1"])
             .arg("--vsock")
             .arg(&vsock)
             .arg("--api-sock")
@@ -273,7 +274,7 @@ fn vm_process(d: &Dir, name: &str, crash_at: Option<&str>) -> Proc {
     cmd.arg("run")
         .arg("--kernel")
         .arg(native_guest())
-        .args(["--test-device", "--cmdline", "steps=vsock,vsock,vsock"])
+        .args(["--test-device", "--cmdline", "steps=vsock"])
         .arg("--vsock")
         .arg(d.p(&format!("{name}.vsock")))
         .arg("--api-sock")

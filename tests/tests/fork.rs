@@ -199,7 +199,7 @@ fn ping(sock: &Path) {
 fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
     let dir = TmpDir::new("fail");
     let psock = dir.0.join("p.sock");
-    let mut c = guest_config("vsock,vsock,vsock");
+    let mut c = guest_config("vsock");
     c.vsock = Some(VsockConfig {
         uds_path: psock.clone(),
         guest_cid: 3,

@@ -95,7 +95,7 @@ fn finish(mut vm: Vm) -> String {
 #[test]
 fn agent_client_pings_the_native_guest_over_virtio_vsock() {
     let created = Instant::now();
-    let (vm, sock) = start("vsock", "ping");
+    let (vm, sock) = start("vsock:1", "ping");
     let client = connect(&vm, &sock);
     assert_eq!(client.agent_version(), GUEST_AGENT_VERSION);
     assert_eq!(client.protocol(), 1);
@@ -125,7 +125,7 @@ fn agent_client_pings_the_native_guest_over_virtio_vsock() {
     }
     ping(&vm, &client).expect("ping after an error reply");
 
-    // Closing the connection ends the step, and the guest with it.
+    // Closing the connection ends the step (limited to one connection), and the guest.
     drop(client);
     let out = finish(vm);
     assert!(
@@ -136,13 +136,13 @@ fn agent_client_pings_the_native_guest_over_virtio_vsock() {
         out.contains("(host closed it): 1 hello, 6 pings, 1 error replies"),
         "{out}"
     );
-    assert!(out.contains("step vsock ok"), "{out}");
+    assert!(out.contains("step vsock:1 ok"), "{out}");
     assert!(!sock.exists(), "the VM removes its socket when dropped");
 }
 
 #[test]
 fn guest_refuses_other_ports_and_closes_after_its_ping_limit() {
-    let (vm, sock) = start("vsock:3", "limit");
+    let (vm, sock) = start("vsock:1:3", "limit");
     // Nothing listens on port 53: the guest answers the request with a reset.
     let s = sock.clone();
     match within(&vm, "connect to port 53", move || {
@@ -182,7 +182,7 @@ fn guest_refuses_other_ports_and_closes_after_its_ping_limit() {
 #[test]
 fn device_reset_and_reinitialisation_serve_a_second_connection() {
     // Step one closes after one ping and resets the device; step two sets it up again.
-    let (vm, sock) = start("vsock:1,vsock", "reset");
+    let (vm, sock) = start("vsock:1:1,vsock:1", "reset");
     let first = connect(&vm, &sock);
     ping(&vm, &first).expect("ping on the first connection");
     drop(first);
@@ -196,8 +196,83 @@ fn device_reset_and_reinitialisation_serve_a_second_connection() {
     assert_eq!(out.matches("vsock: device in slot 0").count(), 2, "{out}");
     assert!(out.contains("1 hello, 1 pings"), "{out}");
     assert!(out.contains("(host closed it): 1 hello, 3 pings"), "{out}");
+    assert!(out.contains("step vsock:1:1 ok"), "{out}");
     assert!(out.contains("step vsock:1 ok"), "{out}");
-    assert!(out.contains("step vsock ok"), "{out}");
+}
+
+/// Waits until the guest reported `n` ended connections.
+fn wait_for_ends(vm: &Vm, n: usize) -> String {
+    let t = Instant::now();
+    loop {
+        let out = serial(vm);
+        if out.matches(" done (").count() >= n {
+            return out;
+        }
+        assert!(
+            t.elapsed() < STUCK,
+            "{n} connections never ended; serial:\n{out}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn one_vm_serves_connection_after_connection_and_several_at_once() {
+    let (mut vm, sock) = start("vsock", "many");
+    // Three in turn, each a session of its own (a Hello on each).
+    for i in 0..3 {
+        let c = connect(&vm, &sock);
+        for _ in 0..2 {
+            ping(&vm, &c).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        }
+        drop(c);
+        wait_for_ends(&vm, i + 1);
+    }
+    // Two at once, requests interleaved.
+    let a = connect(&vm, &sock);
+    let b = connect(&vm, &sock);
+    for _ in 0..3 {
+        ping(&vm, &a).expect("ping on a");
+        ping(&vm, &b).expect("ping on b");
+    }
+    drop(a);
+    ping(&vm, &b).expect("b answers after a closed");
+    drop(b);
+    wait_for_ends(&vm, 5);
+
+    // Eight at once fill the guest's table; a ninth request is refused with a reset, and
+    // a slot freed by a closed connection serves a new one.
+    let mut all: Vec<Client> = (0..8).map(|_| connect(&vm, &sock)).collect();
+    for c in &all {
+        ping(&vm, c).expect("ping on one of eight");
+    }
+    let s = sock.clone();
+    match within(&vm, "a ninth connection", move || {
+        Client::connect_with(s, AGENT)
+    }) {
+        Err(Error::AgentHandshake { reason, .. }) => {
+            assert!(reason.starts_with("connection closed"), "{reason}")
+        }
+        other => panic!("ninth connection: {other:?}; serial:\n{}", serial(&vm)),
+    }
+    drop(all.pop());
+    wait_for_ends(&vm, 6);
+    let ninth = connect(&vm, &sock);
+    ping(&vm, &ninth).expect("ping on the connection that took the freed slot");
+    drop(ninth);
+    drop(all);
+    let out = wait_for_ends(&vm, 6 + 1 + 7);
+
+    // Still serving: the step never ended (no "step vsock" line) until the host stops it.
+    let last = connect(&vm, &sock);
+    ping(&vm, &last).expect("ping after fourteen connections");
+    assert!(!out.contains("step vsock"), "{out}");
+    assert_eq!(
+        out.matches("(host closed it): 1 hello, 2 pings").count(),
+        3,
+        "{out}"
+    );
+    assert_eq!(vm.shutdown(), VmExit::Stopped);
 }
 
 /// A raw connection through the VM's socket, speaking frames by hand.
@@ -270,7 +345,7 @@ impl Raw {
 
 #[test]
 fn hand_made_frames_get_the_agents_answers_and_credit_flows() {
-    let (vm, sock) = start("vsock", "raw");
+    let (vm, sock) = start("vsock:1", "raw");
     let s = sock.clone();
     within(&vm, "raw protocol exchange", move || {
         let mut r = Raw::connect(&s);

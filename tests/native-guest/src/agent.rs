@@ -166,7 +166,7 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(max_frame_len: u32) -> Session {
+    pub const fn new(max_frame_len: u32) -> Session {
         Session {
             negotiated: false,
             max_frame_len,

@@ -71,6 +71,15 @@ pub fn deadline_ms(ms: u64) -> u64 {
     rdtsc().saturating_add(ms.saturating_mul(per_ms))
 }
 
+/// TSC ticks in `us` microseconds (1 GHz assumed if not calibrated).
+pub fn us_to_ticks(us: u64) -> u64 {
+    let per_ms = match TSC_PER_MS.load(Ordering::Relaxed) {
+        0 => 1_000_000,
+        v => v,
+    };
+    us.saturating_mul(per_ms) / 1000
+}
+
 /// True once the TSC has passed `deadline`.
 pub fn passed(deadline: u64) -> bool {
     rdtsc() >= deadline

@@ -33,6 +33,8 @@ pub struct Args<'a> {
     /// Guest-physical address of the PVM virtual-interrupt-flag cell
     /// (`clade.vif=0x...`); None on hardware KVM.
     pub vif: Option<u64>,
+    /// The `vsock` step's poll window before it halts, in microseconds (`poll_us=`).
+    pub poll_us: u64,
 }
 
 impl<'a> Args<'a> {
@@ -43,10 +45,13 @@ impl<'a> Args<'a> {
         let mut args = Args {
             steps: "hello",
             vif: None,
+            poll_us: crate::vsock::POLL_WINDOW_US,
         };
         for tok in line.split_ascii_whitespace() {
             if let Some(v) = tok.strip_prefix("steps=") {
                 args.steps = v;
+            } else if let Some(v) = tok.strip_prefix("poll_us=") {
+                args.poll_us = v.parse().map_err(|_| "bad poll_us= value")?;
             } else if let Some(v) = tok.strip_prefix("clade.vif=") {
                 let hex = v
                     .strip_prefix("0x")

@@ -4,6 +4,14 @@
 //! Every vector gets a stub, so an exception (vector < 32) is reported on
 //! serial and ends the VM with 0x100 + vector instead of turning into a silent
 //! triple fault; an external interrupt without a handler is logged and EOI'd.
+//!
+//! [`wait_for_interrupt`] is the idle primitive: enable interrupts and halt, without losing
+//! a wake-up that arrives between the two. With `sti` the CPU's one-instruction interrupt
+//! shadow makes `sti; hlt` atomic. The PVM hypervisor's virtual interrupt flag is a plain
+//! memory write with no such shadow, so an interrupt may be taken after it and before the
+//! `hlt`; the dispatcher then moves the saved RIP past the `hlt` (a restartable sequence,
+//! as some kernels do for their idle loops), and the guest returns from the interrupt to
+//! the instruction after it instead of halting until the next one.
 
 use crate::apic;
 use crate::testdev;
@@ -101,8 +109,34 @@ isr_common:
 
 const STUB_SIZE: u64 = 16;
 
+// The idle sequence: enable interrupts (VIF cell in rdi, or sti if rdi is 0), halt, return
+// with interrupts still enabled (the caller disables them). Between `idle_window_start` and
+// `idle_window_end` an interrupt means "do not halt": see `skip_halt`.
+global_asm!(
+    r#"
+    .section .text.idle, "ax"
+    .global idle_halt
+idle_halt:
+    test rdi, rdi
+    jz 2f
+    .global idle_window_start
+idle_window_start:
+    mov byte ptr [rdi], 1
+    hlt
+    .global idle_window_end
+idle_window_end:
+    ret
+2:  sti
+    hlt
+    ret
+"#
+);
+
 extern "C" {
     static isr_stubs: u8;
+    static idle_window_start: u8;
+    static idle_window_end: u8;
+    fn idle_halt(vif_cell: u64);
 }
 
 #[repr(C, align(16))]
@@ -155,9 +189,22 @@ pub fn clear_handler(vector: u8) {
     HANDLERS[vector as usize].store(0, Ordering::Release);
 }
 
+/// An interrupt taken inside the idle window, before its `hlt` ran, resumes after the
+/// `hlt`: the wake-up it brings is not lost.
+fn skip_halt(frame: &mut Frame) {
+    let start = core::ptr::addr_of!(idle_window_start) as u64;
+    let end = core::ptr::addr_of!(idle_window_end) as u64;
+    if (start..end).contains(&frame.rip) {
+        frame.rip = end;
+    }
+}
+
 #[no_mangle]
-extern "C" fn interrupt_dispatch(frame: &Frame) {
+extern "C" fn interrupt_dispatch(frame: &mut Frame) {
     let vector = frame.vector as u8;
+    if vector >= 32 {
+        skip_halt(frame);
+    }
     let handler = HANDLERS[vector as usize].load(Ordering::Acquire);
     if vector >= 32 && handler != 0 {
         // SAFETY: only `fn()` values are stored by set_handler.
@@ -197,6 +244,17 @@ pub fn enable() {
         // SAFETY: the VMM gave us this cell's address on the command line.
         cell => unsafe { core::ptr::write_volatile(cell as *mut u8, 1) },
     }
+}
+
+/// Enables interrupts, halts until one has been handled (or returns at once if one was
+/// handled since enabling), and disables them again. The caller checks, with interrupts
+/// disabled, that it has nothing to do before calling: an interrupt that arrives after that
+/// check is then taken here and ends the halt, whenever it arrives.
+pub fn wait_for_interrupt() {
+    // SAFETY: enabling interrupts runs registered handlers, which save and restore all the
+    // state the interrupted code uses; the VIF cell (if any) is the VMM's, as in enable().
+    unsafe { idle_halt(VIF_CELL.load(Ordering::Relaxed)) };
+    disable();
 }
 
 pub fn disable() {

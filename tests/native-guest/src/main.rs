@@ -17,8 +17,8 @@ mod clock;
 mod cmdline;
 mod interrupts;
 mod io;
-mod memtest;
 mod mem;
+mod memtest;
 mod steps;
 mod testdev;
 mod virtio;
@@ -75,7 +75,7 @@ extern "C" fn rust_main(boot_params: u64) -> ! {
     // SAFETY: as above.
     unsafe { memtest::init(boot_params) };
 
-    finish(steps::run(args.steps))
+    finish(steps::run(args.steps, args.poll_us))
 }
 
 fn finish(code: u32) -> ! {

@@ -21,9 +21,13 @@ enum Step {
     ResetKbd,
     /// Reset through the FADT's reset register (ends the VM).
     ResetAcpi,
-    /// Serve one agent-protocol connection on virtio-vsock port 52 until the host closes
-    /// it, or (with a limit) until that many pings were answered.
-    Vsock(Option<u32>),
+    /// Serve agent-protocol connections on virtio-vsock port 52 (several at once) until the
+    /// host stops the VM, or until `conns` connections ended; each connection is closed by
+    /// the guest after `pings` pongs if that is given.
+    Vsock {
+        conns: Option<u32>,
+        pings: Option<u32>,
+    },
     /// Fill MiB of memory from 64 MiB with a pattern from SEED.
     MemFill(u64, u64),
     /// Checksum the memory filled so far: printed and put in the test device's scratch
@@ -55,7 +59,10 @@ impl Step {
             "poweroff" => Step::PowerOff,
             "reset:kbd" => Step::ResetKbd,
             "reset:acpi" => Step::ResetAcpi,
-            "vsock" => Step::Vsock(None),
+            "vsock" => Step::Vsock {
+                conns: None,
+                pings: None,
+            },
             "memsum" => Step::MemSum,
             _ if name.starts_with("mbox:") => Step::Mbox(parse_num(&name["mbox:".len()..])?),
             _ if name.starts_with("memfill:mbox:") => {
@@ -65,11 +72,27 @@ impl Step {
                 let (seed, mib) = name["memfill:".len()..].split_once(':')?;
                 Step::MemFill(parse_num(seed)?, parse_num(mib)?)
             }
-            _ if name.starts_with("memchurn:") => Step::MemChurn(parse_num(&name["memchurn:".len()..])?),
-            _ if name.starts_with("vsock:") => match name["vsock:".len()..].parse() {
-                Ok(n) if n > 0 => Step::Vsock(Some(n)),
-                _ => return None,
-            },
+            _ if name.starts_with("memchurn:") => {
+                Step::MemChurn(parse_num(&name["memchurn:".len()..])?)
+            }
+            _ if name.starts_with("vsock:") => {
+                let rest = &name["vsock:".len()..];
+                let (conns, pings) = match rest.split_once(':') {
+                    Some((c, p)) => (c, Some(p)),
+                    None => (rest, None),
+                };
+                let positive = |s: &str| match parse_num(s) {
+                    Some(n @ 1..=0xffff_ffff) => Some(n as u32),
+                    _ => None,
+                };
+                Step::Vsock {
+                    conns: Some(positive(conns)?),
+                    pings: match pings {
+                        Some(p) => Some(positive(p)?),
+                        None => None,
+                    },
+                }
+            }
             _ => match name.strip_prefix("loop:")?.parse() {
                 Ok(n) if n < 64 => Step::Loop(n),
                 _ => return None,
@@ -77,7 +100,7 @@ impl Step {
         })
     }
 
-    fn run(&self) -> Result<(), Reason> {
+    fn run(&self, poll_us: u64) -> Result<(), Reason> {
         match *self {
             Step::Hello => Ok(()),
             Step::Pio => pio(),
@@ -87,7 +110,11 @@ impl Step {
             Step::PowerOff => machine_exit(ACPI_PM_PORT, ACPI_SLP_EN | (ACPI_S5 << 2)),
             Step::ResetKbd => machine_exit(I8042_COMMAND_PORT, I8042_PULSE_RESET),
             Step::ResetAcpi => machine_exit(ACPI_PM_PORT, ACPI_RESET_VALUE),
-            Step::Vsock(limit) => serve_vsock(limit),
+            Step::Vsock { conns, pings } => serve_vsock(vsock::Limits {
+                conns,
+                pings,
+                poll_us,
+            }),
             Step::MemFill(seed, mib) => {
                 memtest::fill(seed, mib).map_err(|e| Reason::new(format_args!("{}", e)))
             }
@@ -131,8 +158,9 @@ fn machine_exit(port: u16, value: u8) -> Result<(), Reason> {
 
 /// Runs the comma-separated `steps`; returns the exit code (0 all ok, 1 a
 /// step failed, 2 unknown step name). All names are checked before anything
-/// runs, so a typo never produces a partial run.
-pub fn run(steps: &str) -> u32 {
+/// runs, so a typo never produces a partial run. `poll_us`: the `vsock` step's
+/// poll window before it halts.
+pub fn run(steps: &str, poll_us: u64) -> u32 {
     let names = || steps.split(',').filter(|s| !s.is_empty());
     if let Some(bad) = names().find(|n| Step::parse(n).is_none()) {
         println!("clade-native-guest: unknown step '{}'", bad);
@@ -140,7 +168,7 @@ pub fn run(steps: &str) -> u32 {
     }
     let mut code = 0;
     for name in names() {
-        match Step::parse(name).unwrap().run() {
+        match Step::parse(name).unwrap().run(poll_us) {
             Ok(()) => println!("step {} ok", name),
             Err(reason) => {
                 println!("step {} FAIL {}", name, reason.as_str());
@@ -292,14 +320,12 @@ fn spin(n: u32) -> Result<(), Reason> {
     Ok(())
 }
 
-fn serve_vsock(limit: Option<u32>) -> Result<(), Reason> {
-    let r = vsock::run(limit)?;
-    if r.transport_resets > 0 {
-        println!("vsock: a transport reset dropped the connection open before");
-    }
+fn serve_vsock(limits: vsock::Limits) -> Result<(), Reason> {
+    let r = vsock::run(limits)?;
     println!(
-        "vsock: host port {} done ({}): {} hello, {} pings, {} error replies",
-        r.peer_port, r.why_closed, r.hellos, r.pings, r.refused
+        "vsock: served {} connections ({} refused, {} dropped by transport resets, \
+         {} stale packets); halted {} times, {} device interrupts",
+        r.conns, r.refused_conns, r.dropped, r.stale, r.halts, r.wakeups
     );
     Ok(())
 }

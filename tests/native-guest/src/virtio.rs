@@ -2,9 +2,11 @@
 //! split virtqueues.
 //!
 //! The VMM's layout (devices/src/virtio/mod.rs): slot `n` at `0xd000_1000 + n * 0x1000`, up
-//! to 18 slots, GSI `6 + n`. This driver never takes interrupts: it polls the used rings in
-//! guest memory (no VM exit) and tells the device about new buffers through QueueNotify (a KVM
-//! ioeventfd in the VMM: an exit to the kernel only, never to the VMM's userspace).
+//! to 18 slots, GSI `6 + n`. This driver polls the used rings in guest memory (no VM exit)
+//! while it has work, with interrupts suppressed (`VIRTQ_AVAIL_F_NO_INTERRUPT`), and asks for
+//! them only before it halts ([`Virtqueue::set_interrupts`]). It tells the device about new
+//! buffers through QueueNotify (a KVM ioeventfd in the VMM: an exit to the kernel only, never
+//! to the VMM's userspace).
 //!
 //! Guest-physical addresses equal virtual ones here (identity map), so ring and buffer
 //! addresses are plain pointers.
@@ -60,7 +62,8 @@ pub const F_VERSION_1: u64 = 1 << 32;
 pub const QSIZE: usize = 16;
 
 const DESC_F_WRITE: u16 = 2;
-/// avail.flags: "don't interrupt me" (we poll). A hint the device may ignore.
+/// avail.flags: "don't interrupt me" (we poll). A hint the device may ignore (so a
+/// stray interrupt is harmless); without it the device must interrupt after using buffers.
 const AVAIL_F_NO_INTERRUPT: u16 = 1;
 /// used.flags: the device does not need QueueNotify for now.
 const USED_F_NO_NOTIFY: u16 = 1;
@@ -231,6 +234,25 @@ impl Virtqueue {
             self.last_used = self.last_used.wrapping_add(1);
             Some((e.id as u16, e.len))
         }
+    }
+
+    /// True if the device has used buffers not yet taken with `pop_used`.
+    pub fn has_used(&self) -> bool {
+        // SAFETY: the ring is ours.
+        let idx = unsafe { read_volatile(addr_of!((*self.ring).used.idx)) };
+        idx != self.last_used
+    }
+
+    /// Asks the device to interrupt (or not) after it uses buffers of this queue. After
+    /// enabling, check `has_used` again before waiting: buffers used before the device saw
+    /// the flag raised no interrupt.
+    pub fn set_interrupts(&mut self, on: bool) {
+        let flags = if on { 0 } else { AVAIL_F_NO_INTERRUPT };
+        // SAFETY: the ring is ours.
+        unsafe { write_volatile(addr_of_mut!((*self.ring).avail_flags), flags) };
+        // The flag must be visible to the device before we read used.idx again (a store
+        // followed by a load: only a full fence orders them).
+        fence(Ordering::SeqCst);
     }
 
     /// False when the device said it does not need notifications right now.

@@ -1,11 +1,21 @@
-//! A polling virtio-vsock driver and a responder for the Clade agent protocol on port 52:
-//! the `vsock` step.
+//! A virtio-vsock driver and a responder for the Clade agent protocol on port 52: the
+//! `vsock` step.
 //!
-//! One connection per step. The host connects through the VMM's Unix socket
-//! (`CONNECT 52\n`); the device sends us an OP_REQUEST, we answer OP_RESPONSE and then
-//! serve `Hello` and `Ping` frames (see [`crate::agent`]) until the host closes the
-//! connection, or until we have answered the number of pings the step asked for, in which
-//! case we close it. The device is reset when the step ends, so the step can run again.
+//! The step serves connection after connection, up to [`MAX_CONNS`] at once, each an
+//! independent agent session, until the host stops the VM (or, if the command line asks
+//! for it, until a number of connections have ended). The host connects through the VMM's
+//! Unix socket (`CONNECT 52\n`); the device sends us an OP_REQUEST, we answer OP_RESPONSE
+//! (or RST when every slot is taken) and then serve `Hello` and `Ping` frames (see
+//! [`crate::agent`]) until the host closes the connection, or until we have answered the
+//! number of pings the step asked for, in which case we close it.
+//!
+//! Idle like a kernel: while there is work the driver polls the used rings (memory reads,
+//! no exits) with device interrupts suppressed; after [`POLL_WINDOW_US`] without work it
+//! asks the device for interrupts on the rx and event queues, checks the rings once more
+//! (a packet that arrived before the request would raise no interrupt) and halts until the
+//! interrupt comes (see [`crate::interrupts::wait_for_interrupt`] for the race between
+//! enabling interrupts and `hlt`). The poll window is Linux's halt-polling idea: a reply
+//! that follows soon after a request is caught without the cost of a halt and a wake-up.
 //!
 //! Packet header and flow control follow the virtio spec (5.10): every packet we send
 //! carries our receive buffer size (`buf_alloc`) and how many bytes we have consumed of it
@@ -14,10 +24,11 @@
 //! runs out.
 
 use crate::agent::{self, Handled, Session};
-use crate::clock;
 use crate::steps::Reason;
 use crate::virtio::{Dma, Ring, Transport, Virtqueue, F_VERSION_1, QSIZE};
+use crate::{apic, clock, interrupts};
 use core::ptr::{addr_of_mut, copy_nonoverlapping, read_volatile};
+use core::sync::atomic::{AtomicU32, Ordering};
 
 pub const DEVICE_ID: u32 = 19;
 const HOST_CID: u64 = 2;
@@ -59,6 +70,30 @@ const OUT_CAP: usize = 4096;
 
 /// How long the device may take to hand back a transmit buffer before we give up.
 const TX_STALL_MS: u64 = 5000;
+
+/// Connections served at once; a connection request beyond them is answered with RST.
+pub const MAX_CONNS: usize = 8;
+
+/// Default time without work before the driver halts (command line: `poll_us=`). Measured
+/// here: a host client's next request usually follows a reply within ~40-60 us; waking
+/// from a halt costs a few hundred microseconds under the PVM hypervisor.
+pub const POLL_WINDOW_US: u64 = 100;
+
+/// Interrupt vector of the device's IOAPIC pin (GSI 6 + slot).
+const VEC_VSOCK: u8 = 0x32;
+/// IOAPIC pin of virtio-mmio slot n is 6 + n (devices/src/virtio/mod.rs).
+const FIRST_VIRTIO_GSI: u64 = 6;
+
+/// Device interrupts taken (each ends a halt).
+static WAKEUPS: AtomicU32 = AtomicU32::new(0);
+
+/// The device's interrupt handler. It only counts: the work is found by polling the rings
+/// after the halt ends. InterruptStatus is deliberately neither read nor acknowledged: the
+/// pin is edge-triggered (an irqfd pulse per signal), so an unacknowledged status bit does
+/// not hold the line, and each register access would be an exit to the VMM (~30 us here).
+fn on_vsock_interrupt() {
+    WAKEUPS.fetch_add(1, Ordering::Relaxed);
+}
 
 /// Rings and buffers the device uses, page-aligned in .bss (inside the guest image, which
 /// the VMM keeps its own structures out of).
@@ -178,15 +213,15 @@ impl<const N: usize> ByteBuf<N> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Waiting for a connection request to port 52.
-    Listening,
+    /// A free slot of the connection table.
+    Free,
     Established,
     /// We sent SHUTDOWN(RCV|SEND); the device answers with RST once the host has it all.
     Closing,
     Closed,
 }
 
-/// The one connection of a step.
+/// One connection (a slot of the connection table).
 struct Conn {
     state: State,
     /// The host-side port (the device allocates one per host connection).
@@ -216,14 +251,12 @@ struct Conn {
     hellos: u32,
     pings: u32,
     refused: u32,
-    /// A transport reset dropped an earlier connection of this step.
-    transport_resets: u32,
 }
 
 impl Conn {
-    fn new() -> Conn {
+    const fn new() -> Conn {
         Conn {
-            state: State::Listening,
+            state: State::Free,
             peer_port: 0,
             input: ByteBuf::new(),
             rx_cnt: 0,
@@ -242,8 +275,35 @@ impl Conn {
             hellos: 0,
             pings: 0,
             refused: 0,
-            transport_resets: 0,
         }
+    }
+
+    /// Makes the slot free and new, without rewriting the buffers' contents (only their
+    /// lengths): a forked child copies each guest page it writes first.
+    fn reset(&mut self) {
+        self.input.clear();
+        self.output.clear();
+        self.state = State::Free;
+        self.peer_port = 0;
+        self.rx_cnt = 0;
+        self.fwd_cnt = 0;
+        self.fwd_cnt_sent = 0;
+        self.skip = 0;
+        self.tx_cnt = 0;
+        self.peer_buf_alloc = 0;
+        self.peer_fwd_cnt = 0;
+        self.credit_requested = false;
+        self.peer_shutdown = 0;
+        self.close_when_flushed = false;
+        self.session = Session::new(IN_CAP as u32 - 4);
+        self.why_closed = "";
+        self.hellos = 0;
+        self.pings = 0;
+        self.refused = 0;
+    }
+
+    fn in_use(&self) -> bool {
+        matches!(self.state, State::Established | State::Closing)
     }
 
     /// What the host may still send us, as it knows it.
@@ -327,16 +387,47 @@ impl Conn {
     }
 }
 
-/// Outcome of a served connection, for the step's report.
-pub struct Report {
-    pub peer_port: u32,
-    pub hellos: u32,
-    pub pings: u32,
-    pub refused: u32,
-    pub why_closed: &'static str,
-    /// Connections dropped by a transport reset before this one.
-    pub transport_resets: u32,
+/// What the step should serve (command line: `vsock[:CONNS[:PINGS]]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// End the step once this many connections have ended (None: serve until the VM is
+    /// stopped).
+    pub conns: Option<u32>,
+    /// Close each connection after this many pongs.
+    pub pings: Option<u32>,
+    /// Time without work before halting, in microseconds (0: halt as soon as idle).
+    pub poll_us: u64,
 }
+
+/// The step's totals, for its report.
+#[derive(Default)]
+pub struct Report {
+    /// Connections accepted.
+    pub accepted: u32,
+    /// Connections that ended (closed or reset, not dropped by a transport reset).
+    pub conns: u32,
+    /// Connection requests refused because every slot was taken (or the limit reached).
+    pub refused_conns: u32,
+    /// Connections dropped by transport resets.
+    pub dropped: u32,
+    /// Packets for our CID before a transport reset changed it, dropped.
+    pub stale: u32,
+    /// Times the guest halted, and device interrupts taken.
+    pub halts: u64,
+    pub wakeups: u32,
+}
+
+/// The connection table, in .bss: 8 connections with their buffers are ~100 KiB, more
+/// than the boot stack.
+struct Table(core::cell::UnsafeCell<[Conn; MAX_CONNS]>);
+
+// SAFETY: one CPU; only `run` (not interrupt handlers) touches the table, through the one
+// `&mut` it takes per step.
+unsafe impl Sync for Table {}
+
+static CONNS: Table = Table(core::cell::UnsafeCell::new(
+    [const { Conn::new() }; MAX_CONNS],
+));
 
 struct Driver {
     t: Transport,
@@ -503,7 +594,14 @@ impl Driver {
     }
 
     /// Handles one received packet.
-    fn on_rx(&mut self, id: u16, used_len: u32, c: &mut Conn) -> Res<()> {
+    fn on_rx(
+        &mut self,
+        id: u16,
+        used_len: u32,
+        conns: &mut [Conn],
+        limits: &Limits,
+        report: &mut Report,
+    ) -> Res<()> {
         let buf = rx_buf(id);
         if (used_len as usize) < HDR_LEN || used_len as usize > RX_BUF {
             return Err("device returned an rx buffer with a bad length");
@@ -513,30 +611,53 @@ impl Driver {
         if h.len as usize > used_len as usize - HDR_LEN {
             return Err("rx packet longer than what the device wrote");
         }
-        if h.src_cid != HOST_CID || h.dst_cid != self.cid || h.type_ != TYPE_STREAM {
-            return Err("rx packet with wrong addresses or type");
+        if h.src_cid != HOST_CID || h.type_ != TYPE_STREAM {
+            return Err("rx packet with a wrong source or type");
         }
-        if h.op == OP_REQUEST {
-            if c.state == State::Listening && h.dst_port == agent::AGENT_PORT {
-                c.state = State::Established;
-                c.peer_port = h.src_port;
-                c.peer_buf_alloc = h.buf_alloc;
-                c.peer_fwd_cnt = h.fwd_cnt;
-                return self.send_conn(c, OP_RESPONSE, 0, &[]);
-            }
-            // Nothing listens there, or we are busy with our one connection.
-            return self.send_rst(&h);
+        if h.dst_cid != self.cid {
+            // Sent to the CID we had before a transport reset gave us a new one (a fork):
+            // its connection is gone. Linux drops these too.
+            report.stale += 1;
+            return Ok(());
         }
-        let ours = matches!(c.state, State::Established | State::Closing)
-            && h.dst_port == agent::AGENT_PORT
-            && h.src_port == c.peer_port;
-        if !ours {
+        let found = conns.iter().position(|c| {
+            c.in_use() && h.dst_port == agent::AGENT_PORT && h.src_port == c.peer_port
+        });
+        if h.op == OP_REQUEST && found.is_none() {
+            // With a limit, only that many connections are accepted in all: a connection
+            // accepted only to be reset when the step ends could not be retried.
+            let free = conns
+                .iter()
+                .position(|c| c.state == State::Free)
+                .filter(|_| limits.conns.is_none_or(|n| report.accepted < n));
+            return match free {
+                Some(i) if h.dst_port == agent::AGENT_PORT => {
+                    report.accepted += 1;
+                    let c = &mut conns[i];
+                    c.reset();
+                    c.state = State::Established;
+                    c.peer_port = h.src_port;
+                    c.peer_buf_alloc = h.buf_alloc;
+                    c.peer_fwd_cnt = h.fwd_cnt;
+                    self.send_conn(c, OP_RESPONSE, 0, &[])
+                }
+                // Nothing listens there, or every slot is busy.
+                _ => {
+                    if h.dst_port == agent::AGENT_PORT {
+                        report.refused_conns += 1;
+                    }
+                    self.send_rst(&h)
+                }
+            };
+        }
+        let Some(i) = found else {
             return if h.op == OP_RST {
                 Ok(())
             } else {
                 self.send_rst(&h)
             };
-        }
+        };
+        let c = &mut conns[i];
         c.peer_buf_alloc = h.buf_alloc;
         c.peer_fwd_cnt = h.fwd_cnt;
         c.credit_requested = false;
@@ -654,40 +775,90 @@ impl Driver {
         Ok(())
     }
 
-    /// Serves one connection until it is closed.
-    fn serve(&mut self, c: &mut Conn, limit: Option<u32>) -> Res<()> {
-        while c.state != State::Closed {
-            let mut progress = self.reclaim_tx();
-            if let Some((id, len)) = self.evq.pop_used() {
-                // SAFETY: the device is done with the buffer.
-                let ev = unsafe { read_volatile(event_buf(id) as *const [u8; 4]) };
-                self.evq.push(id);
-                self.t.notify(EVENT_QUEUE);
-                if len >= 4 && u32::from_le_bytes(ev) == EVENT_TRANSPORT_RESET {
-                    // Every connection is gone (the VM was resumed from a snapshot taken
-                    // with one open, or forked with a new CID); like Linux, read the CID
-                    // again and keep listening for a new connection.
-                    self.cid = u64::from(self.t.config_read32(0))
-                        | u64::from(self.t.config_read32(4)) << 32;
-                    *c = Conn::new();
-                    c.transport_resets = 1;
-                    continue;
+    /// Takes what the device returned and answers it: one round of the polling loop.
+    /// Returns whether anything happened.
+    fn poll(&mut self, conns: &mut [Conn], limits: &Limits, report: &mut Report) -> Res<bool> {
+        let mut progress = self.reclaim_tx();
+        while let Some((id, len)) = self.evq.pop_used() {
+            // SAFETY: the device is done with the buffer.
+            let ev = unsafe { read_volatile(event_buf(id) as *const [u8; 4]) };
+            self.evq.push(id);
+            self.t.notify(EVENT_QUEUE);
+            progress = true;
+            if len >= 4 && u32::from_le_bytes(ev) == EVENT_TRANSPORT_RESET {
+                // Every connection is gone (the VM was resumed from a snapshot taken with
+                // some open, or forked with a new CID); like Linux, read the CID again and
+                // keep listening.
+                self.cid =
+                    u64::from(self.t.config_read32(0)) | u64::from(self.t.config_read32(4)) << 32;
+                let mut n = 0;
+                for c in conns.iter_mut().filter(|c| c.state != State::Free) {
+                    c.reset();
+                    n += 1;
                 }
+                report.dropped += n;
+                // They never ended: they do not count against a limit.
+                report.accepted = report.accepted.saturating_sub(n);
+                println!("vsock: a transport reset dropped {} open connection(s)", n);
             }
-            while let Some((id, len)) = self.rxq.pop_used() {
-                self.rx_posted -= 1;
-                let r = self.on_rx(id, len, c);
-                self.rx_done[self.rx_done_len] = id;
-                self.rx_done_len += 1;
-                r?;
-                progress = true;
-            }
-            self.refill_rx();
-            let worked = c.process(limit);
+        }
+        while let Some((id, len)) = self.rxq.pop_used() {
+            self.rx_posted -= 1;
+            let r = self.on_rx(id, len, conns, limits, report);
+            self.rx_done[self.rx_done_len] = id;
+            self.rx_done_len += 1;
+            r?;
+            progress = true;
+        }
+        self.refill_rx();
+        for c in conns.iter_mut().filter(|c| c.state != State::Free) {
+            let worked = c.process(limits.pings);
             progress |= worked;
             progress |= self.flush(c)?;
             self.close_if_done(c, worked)?;
-            if !progress {
+            if c.state == State::Closed {
+                report.conns += 1;
+                println!(
+                    "vsock: host port {} done ({}): {} hello, {} pings, {} error replies",
+                    c.peer_port, c.why_closed, c.hellos, c.pings, c.refused
+                );
+                c.state = State::Free;
+                progress = true;
+            }
+        }
+        Ok(progress)
+    }
+
+    /// True if the device has returned buffers we have not taken yet.
+    fn pending(&self) -> bool {
+        self.rxq.has_used() || self.evq.has_used()
+    }
+
+    /// Halts until the device signals new rx or event buffers, unless some arrived already.
+    fn idle(&mut self, report: &mut Report) {
+        // Ask for interrupts, then look again: a buffer used before the device saw the
+        // request raised none.
+        self.rxq.set_interrupts(true);
+        self.evq.set_interrupts(true);
+        if !self.pending() {
+            interrupts::wait_for_interrupt();
+            report.halts += 1;
+        }
+        self.rxq.set_interrupts(false);
+        self.evq.set_interrupts(false);
+    }
+
+    /// Serves connections until the limit (if any) is reached.
+    fn serve(&mut self, conns: &mut [Conn], limits: &Limits, report: &mut Report) -> Res<()> {
+        let window = clock::us_to_ticks(limits.poll_us);
+        let mut last_work = clock::rdtsc();
+        while limits.conns.is_none_or(|n| report.conns < n) {
+            if self.poll(conns, limits, report)? {
+                last_work = clock::rdtsc();
+            } else if clock::rdtsc().wrapping_sub(last_work) >= window {
+                self.idle(report);
+                last_work = clock::rdtsc();
+            } else {
                 core::hint::spin_loop();
             }
         }
@@ -695,13 +866,25 @@ impl Driver {
     }
 }
 
-/// The `vsock` step: bring the device up, serve one connection, reset the device.
-pub fn run(limit: Option<u32>) -> Result<Report, Reason> {
+/// Routes the device's interrupt to [`on_vsock_interrupt`]; it only arrives while the
+/// driver asks for it (see `Driver::idle`).
+fn setup_interrupt(slot: u64) -> u8 {
+    let pin = (FIRST_VIRTIO_GSI + slot) as u8;
+    interrupts::set_handler(VEC_VSOCK, on_vsock_interrupt);
+    apic::mask_pics();
+    apic::lapic_enable(interrupts::VEC_SPURIOUS);
+    apic::ioapic_route(pin, VEC_VSOCK, apic::lapic_id());
+    pin
+}
+
+/// The `vsock` step: bring the device up, serve connections, reset the device.
+pub fn run(limits: Limits) -> Result<Report, Reason> {
     match clock::calibrate() {
         Some(per_ms) => println!("vsock: TSC {} kHz", per_ms),
         None => println!("vsock: TSC not calibrated (no PIT?): uptime reads 0"),
     }
     let mut d = Driver::init().map_err(|e| Reason::new(format_args!("device setup: {}", e)))?;
+    let pin = setup_interrupt(d.t.slot());
     println!(
         "vsock: device in slot {} at {:#x}, guest CID {}, rings at {:#x}, serving agent port {}",
         d.t.slot(),
@@ -710,22 +893,27 @@ pub fn run(limit: Option<u32>) -> Result<Report, Reason> {
         MEM.get() as u64,
         agent::AGENT_PORT
     );
-    let mut c = Conn::new();
-    let served = d.serve(&mut c, limit);
+    // SAFETY: the only reference to the table while the step runs (see `Table`).
+    let conns = unsafe { &mut *CONNS.0.get() };
+    conns.iter_mut().for_each(Conn::reset);
+    let mut report = Report::default();
+    WAKEUPS.store(0, Ordering::Relaxed);
+    // With a limit, every accepted connection has ended when this returns Ok.
+    let served = d.serve(conns, &limits, &mut report);
     let device_broke = d.t.needs_reset();
     d.t.reset();
+    apic::ioapic_mask(pin);
+    interrupts::clear_handler(VEC_VSOCK);
+    report.wakeups = WAKEUPS.load(Ordering::Relaxed);
     if let Err(e) = served {
-        return Err(Reason::new(format_args!("{} (after {} pings)", e, c.pings)));
+        let pings: u32 = conns.iter().map(|c| c.pings).sum();
+        return Err(Reason::new(format_args!(
+            "{} (open connections had {} pings)",
+            e, pings
+        )));
     }
     if device_broke {
         return Err(Reason::new(format_args!("the device asked for a reset")));
     }
-    Ok(Report {
-        peer_port: c.peer_port,
-        hellos: c.hellos,
-        pings: c.pings,
-        refused: c.refused,
-        why_closed: c.why_closed,
-        transport_resets: c.transport_resets,
-    })
+    Ok(report)
 }
