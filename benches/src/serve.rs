@@ -6,6 +6,13 @@
 //! - **wake**: a paused sandbox, `POST /v2/sandboxes/{id}/connect`, until its agent
 //!   answered a ping (the restore happens on the request's path).
 //!
+//! - **data plane**: what `clade serve`'s data plane adds to an agent round trip: envd's
+//!   `GET /health` for a running sandbox (routed by its `E2b-Sandbox-Id` header, answered
+//!   once the sandbox's agent answered a ping over vsock: HTTP + routing + the agent
+//!   connection), against the same ping sent straight to the sandbox's vsock socket on a
+//!   kept connection; the two interleaved, so drift hits both alike. Added = the
+//!   difference of the p50s.
+//!
 //! Each is measured with `background` other sandboxes already on the host. Those are
 //! *paused* (a paused sandbox holds no guest memory and no process): a running native test
 //! guest busy-polls a CPU, so running ones would measure this 2-CPU host's contention, not
@@ -46,11 +53,29 @@ pub struct ServeRun {
     pub wake: Samples,
 }
 
+/// The data-plane case (see the module documentation).
+#[derive(Debug)]
+pub struct DataPlaneRun {
+    /// Agent ping straight over the sandbox's vsock socket (a kept connection).
+    pub direct: Samples,
+    /// `GET /health` through `clade serve` (a kept HTTP/1.1 connection).
+    pub through: Samples,
+}
+
+impl DataPlaneRun {
+    /// p50 through the data plane minus p50 direct, in µs.
+    pub fn added_p50_us(&self) -> Option<f64> {
+        Some(self.through.percentile(50.0)? - self.direct.percentile(50.0)?)
+    }
+}
+
 /// Every run.
 #[derive(Debug)]
 pub struct ServeReport {
     /// In the order of [`ServeParams::background`].
     pub runs: Vec<ServeRun>,
+    /// Measured once, with one running sandbox and the last run's paused ones.
+    pub dataplane: DataPlaneRun,
 }
 
 /// The `clade serve` process and its scratch state directory, both removed when dropped
@@ -188,6 +213,24 @@ impl Service {
             .ok_or_else(|| Error::Guest(format!("create answered without sandboxID: {v}")))
     }
 
+    /// envd's `GET /health` for sandbox `id`, through the data plane: 204 expected.
+    fn health(&self, id: &str) -> Result<()> {
+        let r = self
+            .agent
+            .get(&format!("{}/health", self.url))
+            .set("E2b-Sandbox-Id", id)
+            .set("E2b-Sandbox-Port", "49983")
+            .call()
+            .map_err(|e| Error::Guest(format!("GET /health of {id}: {e}")))?;
+        if r.status() != 204 {
+            return Err(Error::Guest(format!(
+                "GET /health of {id}: HTTP {}",
+                r.status()
+            )));
+        }
+        Ok(())
+    }
+
     fn vsock(&self, id: &str) -> PathBuf {
         self.state.join("sandboxes").join(id).join("vm.vsock")
     }
@@ -278,7 +321,35 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
             wake,
         });
     }
-    Ok(ServeReport { runs })
+    let dataplane = dataplane(&service, params.n.max(200))?;
+    Ok(ServeReport { runs, dataplane })
+}
+
+/// The data-plane case: `n` interleaved pairs on one running sandbox, after a warm-up.
+fn dataplane(service: &Service, n: usize) -> Result<DataPlaneRun> {
+    let id = service.create()?;
+    let sock = service.vsock(&id);
+    let client = crate::guest::connect(&sock, Duration::from_secs(20))
+        .context_with(|| format!("connecting to {}", sock.display()))?;
+    let mut run = DataPlaneRun {
+        direct: Samples::new(),
+        through: Samples::new(),
+    };
+    for i in 0..n + 20 {
+        let t = Instant::now();
+        client.ping()?;
+        let direct = t.elapsed();
+        let t = Instant::now();
+        service.health(&id)?;
+        let through = t.elapsed();
+        if i >= 20 {
+            run.direct.push(direct);
+            run.through.push(through);
+        }
+    }
+    drop(client);
+    service.kill(&id)?;
+    Ok(run)
 }
 
 impl ServeReport {
@@ -298,6 +369,13 @@ impl ServeReport {
             })
         };
         let mut top = self.runs.first().map(run).unwrap_or_else(|| json!({}));
+        let d = &self.dataplane;
+        let r1 = |v: Option<f64>| v.map(|v| (v * 10.0).round() / 10.0);
+        top["dataplane_n"] = json!(d.through.len());
+        top["dataplane_direct_p50_us"] = json!(r1(d.direct.percentile(50.0)));
+        top["dataplane_p50_us"] = json!(r1(d.through.percentile(50.0)));
+        top["dataplane_p99_us"] = json!(r1(d.through.percentile(99.0)));
+        top["dataplane_added_p50_us"] = json!(r1(d.added_p50_us()));
         top["bench"] = json!("serve");
         top["runs"] = Value::Array(self.runs.iter().map(run).collect());
         top.to_string()
@@ -323,6 +401,17 @@ impl std::fmt::Display for ServeReport {
                 r.create.len()
             )?;
         }
+        let d = &self.dataplane;
+        let p = |s: &Samples, q| s.percentile(q).unwrap_or(f64::NAN);
+        writeln!(
+            f,
+            "  data plane (GET /health -> agent ping, 1 running sandbox): p50 {:.1} us  p99 {:.1} us | direct agent ping p50 {:.1} us | added p50 {:.1} us  (n={})",
+            p(&d.through, 50.0),
+            p(&d.through, 99.0),
+            p(&d.direct, 50.0),
+            d.added_p50_us().unwrap_or(f64::NAN),
+            d.through.len()
+        )?;
         Ok(())
     }
 }
