@@ -1346,6 +1346,9 @@ fn spawn_and_attach_bad_input() {
         AgentMsg::Error(e) => assert_eq!(e.kind, ErrorKind::IdInUse),
         m => panic!("{m:?}"),
     }
+    // Stdin for a process without one is dropped but acknowledged (the window drains).
+    c.send(id, &HostMsg::Stdin(b"xyz".to_vec()));
+    assert_eq!(c.recv(id), AgentMsg::StdinAck(3));
     // A truncated Attach frame is a bad frame; the connection goes on.
     let mut f = encode_host(99, &HostMsg::Attach { pid, output: true }).unwrap();
     f.pop();

@@ -62,17 +62,26 @@ enum StdinCmd {
 
 impl ExecEntry {
     /// Queues stdin bytes; `StdinAck` goes to `conn`'s operation `id` once written.
+    /// Without a stdin (none, or closed) the bytes are dropped and acknowledged at once, so
+    /// the sender's window never waits for them.
     pub(crate) fn stdin_data(&self, data: Vec<u8>, conn: &Arc<Conn>, id: u32) {
-        if let Some(tx) = self
+        let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        let queued = match self
             .stdin
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
         {
-            let _ = tx.send(StdinCmd::Data {
-                data,
-                ack: (Arc::downgrade(conn), id),
-            });
+            Some(tx) => tx
+                .send(StdinCmd::Data {
+                    data,
+                    ack: (Arc::downgrade(conn), id),
+                })
+                .is_ok(),
+            None => false,
+        };
+        if !queued {
+            conn.send(id, &AgentMsg::StdinAck(n));
         }
     }
 
