@@ -413,64 +413,91 @@ fn stream(
     tokio::spawn(async move {
         // Dropped at the end of this task, whichever way it ends: detaches.
         let mut attached = attached;
-        if tx
-            .send(Ok(enc(Event::Start(pb::StartEvent { pid }))))
-            .await
-            .is_err()
-        {
-            return;
-        }
         let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86400);
         let sleep = tokio::time::sleep_until(deadline.unwrap_or(far));
         tokio::pin!(sleep);
-        let mut ka = tokio::time::interval(keepalive.unwrap_or(Duration::from_secs(3600)));
-        ka.tick().await;
-        let err = loop {
-            tokio::select! {
-                ev = rx.recv() => match ev {
-                    Some(ev) => {
-                        let last = matches!(ev, Event::End(_));
-                        if tx.send(Ok(enc(ev))).await.is_err() {
-                            return;
+        // `None`: the client went away.
+        let end: Option<Option<RpcError>> = 'stream: {
+            if tx
+                .send(Ok(enc(Event::Start(pb::StartEvent { pid }))))
+                .await
+                .is_err()
+            {
+                break 'stream None;
+            }
+            let mut ka = tokio::time::interval(keepalive.unwrap_or(Duration::from_secs(3600)));
+            ka.tick().await;
+            loop {
+                tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(ev) => {
+                            let last = matches!(ev, Event::End(_));
+                            if last {
+                                // Ended by itself: nothing left to kill.
+                                attached.kill = None;
+                            }
+                            if tx.send(Ok(enc(ev))).await.is_err() {
+                                break 'stream None;
+                            }
+                            if last {
+                                break 'stream Some(None);
+                            }
                         }
-                        if last {
-                            break None;
+                        None => {
+                            // The agent connection is gone (a pause): it cannot kill any more.
+                            attached.kill = None;
+                            break 'stream Some(Some(RpcError::new(
+                                Code::Unavailable,
+                                "the connection to the process was lost (the sandbox was paused?); it may still run: connect to it again",
+                            )));
+                        }
+                    },
+                    _ = ka.tick(), if keepalive.is_some() => {
+                        if tx.send(Ok(enc(Event::Keepalive(pb::Empty {})))).await.is_err() {
+                            break 'stream None;
                         }
                     }
-                    None => break Some(RpcError::new(
-                        Code::Unavailable,
-                        "the connection to the process was lost (the sandbox was paused?); it may still run: connect to it again",
-                    )),
-                },
-                _ = ka.tick(), if keepalive.is_some() => {
-                    if tx.send(Ok(enc(Event::Keepalive(pb::Empty {})))).await.is_err() {
-                        return;
+                    _ = tx.closed() => break 'stream None,
+                    _ = &mut sleep => {
+                        let msg = if kill_timed_out(pid, &mut attached).await {
+                            "the command's timeout passed: it was killed"
+                        } else {
+                            "the stream's deadline passed (the process keeps running)"
+                        };
+                        break 'stream Some(Some(RpcError::new(Code::DeadlineExceeded, msg)));
                     }
-                }
-                _ = tx.closed() => return,
-                _ = &mut sleep => {
-                    if let Some(h) = attached.kill.take() {
-                        // The command's time is up: its whole group goes, like envd's.
-                        let r = tokio::task::spawn_blocking(move || h.signal_group(libc::SIGKILL)).await;
-                        if let Ok(Err(e)) = r {
-                            tracing::debug!(pid, "killing a timed-out process: {e}");
-                        }
-                        break Some(RpcError::new(
-                            Code::DeadlineExceeded,
-                            "the command's timeout passed: it was killed",
-                        ));
-                    }
-                    break Some(RpcError::new(
-                        Code::DeadlineExceeded,
-                        "the stream's deadline passed (the process keeps running)",
-                    ));
                 }
             }
         };
-        let _ = tx.send(Ok(connect::end_envelope(err.as_ref()))).await;
+        match end {
+            Some(err) => {
+                let _ = tx.send(Ok(connect::end_envelope(err.as_ref()))).await;
+            }
+            // The client left before the command's timeout: the timeout still applies.
+            None if attached.kill.is_some() && deadline.is_some() => {
+                drop(rx);
+                sleep.await;
+                kill_timed_out(pid, &mut attached).await;
+            }
+            None => {}
+        }
     });
     let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| out.poll_recv(cx)));
     connect::stream_response(codec, body)
+}
+
+/// A Start's timeout: SIGKILL to the process group (envd's behaviour). False if this
+/// stream does not own a timeout (a Connect).
+async fn kill_timed_out(pid: u32, attached: &mut Attached) -> bool {
+    let Some(h) = attached.kill.take() else {
+        return false;
+    };
+    let r = tokio::task::spawn_blocking(move || h.signal_group(libc::SIGKILL)).await;
+    if let Ok(Err(e)) = r {
+        // It ended meanwhile (UnknownId), or the sandbox went away.
+        tracing::debug!(pid, "killing a timed-out process: {e}");
+    }
+    true
 }
 
 /// What `List` shows of a kept process: the config its client gave (from `meta`), or,
