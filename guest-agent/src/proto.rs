@@ -38,6 +38,10 @@ pub const CHUNK_LEN: usize = 64 * 1024;
 pub const STDIN_WINDOW: u32 = 256 * 1024;
 /// Largest AddEntropy payload the agent accepts.
 pub const MAX_ENTROPY_LEN: usize = 64 * 1024;
+/// Longest `tag` of a Spawn.
+pub const MAX_TAG_LEN: usize = 256;
+/// Longest `meta` of a Spawn (opaque to the agent, returned by ListProcs).
+pub const MAX_META_LEN: usize = 64 * 1024;
 
 /// Terminal size for PTY execs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +68,25 @@ pub struct ExecSpec {
     pub tty: Option<WinSize>,
     /// The host will send stdin (Stdin / StdinClose); otherwise stdin is `/dev/null`.
     pub stdin: bool,
+}
+
+/// One kept process (started by Spawn) as ListProcs reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ProcInfo {
+    pub pid: u32,
+    /// The Spawn's tag.
+    pub tag: Option<String>,
+    /// The Spawn's opaque metadata.
+    pub meta: Vec<u8>,
+    pub argv: Vec<OsString>,
+    pub env: Vec<(OsString, OsString)>,
+    pub cwd: Option<PathBuf>,
+    /// It runs on a PTY.
+    pub tty: bool,
+    /// It was started with a stdin pipe (or PTY input).
+    pub stdin: bool,
+    /// `None` while it runs; how it ended for a recently ended process.
+    pub exit: Option<ExitStatus>,
 }
 
 /// How a process ended.
@@ -393,6 +416,23 @@ pub enum HostMsg {
         from: PathBuf,
         to: PathBuf,
     },
+    /// Like Exec, but the process belongs to the agent, not to this connection: it keeps
+    /// running when the connection closes, and any connection can Attach to it by pid.
+    Spawn {
+        spec: ExecSpec,
+        /// A name to find it by (at most [`MAX_TAG_LEN`] bytes).
+        tag: Option<String>,
+        /// Opaque to the agent (at most [`MAX_META_LEN`] bytes); returned by ListProcs.
+        meta: Vec<u8>,
+    },
+    /// Follow a kept process: this id then names it (Stdin, StdinClose, Signal, Resize) and,
+    /// with `output`, receives its Stdout/Stderr; it ends with Exited.
+    Attach {
+        pid: u32,
+        output: bool,
+    },
+    /// The kept processes (running, and recently ended).
+    ListProcs,
 }
 
 /// Messages agent -> host (tags 0x80..0xff).
@@ -431,6 +471,8 @@ pub enum AgentMsg {
     Stat(FileStat),
     /// Part of a List reply (more may follow; Ok ends the listing).
     DirEntries(Vec<DirEntry>),
+    /// Part of a ListProcs reply (more may follow; Ok ends the listing).
+    ProcList(Vec<ProcInfo>),
 }
 
 /// Either direction.
@@ -470,6 +512,9 @@ mod tag {
     pub const POWER_OFF: u8 = 0x12;
     pub const MAKE_DIR: u8 = 0x13;
     pub const RENAME: u8 = 0x14;
+    pub const SPAWN: u8 = 0x15;
+    pub const ATTACH: u8 = 0x16;
+    pub const LIST_PROCS: u8 = 0x17;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -484,6 +529,7 @@ mod tag {
     pub const FILE_DONE: u8 = 0x8a;
     pub const STAT_REPLY: u8 = 0x8b;
     pub const DIR_ENTRIES: u8 = 0x8c;
+    pub const PROC_LIST: u8 = 0x8d;
 }
 
 // ----------------------------------------------------------------------------- encoding
@@ -532,6 +578,84 @@ impl Enc {
     }
     fn str(&mut self, s: &str) {
         self.bytes(s.as_bytes());
+    }
+    fn spec(&mut self, spec: &ExecSpec) {
+        self.argv_env_cwd(&spec.argv, &spec.env, spec.cwd.as_deref());
+        self.opt_u32(spec.uid);
+        self.opt_u32(spec.gid);
+        match spec.tty {
+            None => self.u8(0),
+            Some(ws) => {
+                self.u8(1);
+                self.u16(ws.rows);
+                self.u16(ws.cols);
+            }
+        }
+        self.bool(spec.stdin);
+    }
+    fn argv_env_cwd(
+        &mut self,
+        argv: &[OsString],
+        env: &[(OsString, OsString)],
+        cwd: Option<&std::path::Path>,
+    ) {
+        self.count(argv.len());
+        for a in argv {
+            self.os(a);
+        }
+        self.count(env.len());
+        for (k, v) in env {
+            self.os(k);
+            self.os(v);
+        }
+        match cwd {
+            None => self.u8(0),
+            Some(p) => {
+                self.u8(1);
+                self.os(p.as_os_str());
+            }
+        }
+    }
+    fn opt_str(&mut self, v: Option<&str>) {
+        match v {
+            None => self.u8(0),
+            Some(s) => {
+                self.u8(1);
+                self.str(s);
+            }
+        }
+    }
+    fn exit(&mut self, st: &ExitStatus) {
+        match *st {
+            ExitStatus::Exited(c) => {
+                self.u8(0);
+                self.i32(c);
+                self.bool(false);
+            }
+            ExitStatus::Signaled {
+                signal,
+                core_dumped,
+            } => {
+                self.u8(1);
+                self.i32(signal);
+                self.bool(core_dumped);
+            }
+        }
+    }
+    fn proc_info(&mut self, p: &ProcInfo) {
+        self.u32(p.pid);
+        self.opt_str(p.tag.as_deref());
+        self.bytes(&p.meta);
+        self.argv_env_cwd(&p.argv, &p.env, p.cwd.as_deref());
+        self.bool(p.tty);
+        self.bool(p.stdin);
+        match &p.exit {
+            None => self.u8(0),
+            Some(st) => {
+                self.u8(1);
+                self.exit(st);
+            }
+        }
     }
     fn opt_u32(&mut self, v: Option<u32>) {
         match v {
@@ -584,35 +708,27 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
         HostMsg::Ping => Enc::new(tag::PING, id),
         HostMsg::Exec(spec) => {
             let mut e = Enc::new(tag::EXEC, id);
-            e.count(spec.argv.len());
-            for a in &spec.argv {
-                e.os(a);
-            }
-            e.count(spec.env.len());
-            for (k, v) in &spec.env {
-                e.os(k);
-                e.os(v);
-            }
-            match &spec.cwd {
-                None => e.u8(0),
-                Some(p) => {
-                    e.u8(1);
-                    e.os(p.as_os_str());
-                }
-            }
-            e.opt_u32(spec.uid);
-            e.opt_u32(spec.gid);
-            match spec.tty {
-                None => e.u8(0),
-                Some(ws) => {
-                    e.u8(1);
-                    e.u16(ws.rows);
-                    e.u16(ws.cols);
-                }
-            }
-            e.bool(spec.stdin);
+            e.spec(spec);
             e
         }
+        HostMsg::Spawn {
+            spec,
+            tag: name,
+            meta,
+        } => {
+            let mut e = Enc::new(tag::SPAWN, id);
+            e.spec(spec);
+            e.opt_str(name.as_deref());
+            e.bytes(meta);
+            e
+        }
+        HostMsg::Attach { pid, output } => {
+            let mut e = Enc::new(tag::ATTACH, id);
+            e.u32(*pid);
+            e.bool(*output);
+            e
+        }
+        HostMsg::ListProcs => Enc::new(tag::LIST_PROCS, id),
         HostMsg::Stdin(data) => {
             let mut e = Enc::new(tag::STDIN, id);
             e.bytes(data);
@@ -767,20 +883,14 @@ pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
         }
         AgentMsg::Exited(st) => {
             let mut e = Enc::new(tag::EXITED, id);
-            match *st {
-                ExitStatus::Exited(c) => {
-                    e.u8(0);
-                    e.i32(c);
-                    e.bool(false);
-                }
-                ExitStatus::Signaled {
-                    signal,
-                    core_dumped,
-                } => {
-                    e.u8(1);
-                    e.i32(signal);
-                    e.bool(core_dumped);
-                }
+            e.exit(st);
+            e
+        }
+        AgentMsg::ProcList(procs) => {
+            let mut e = Enc::new(tag::PROC_LIST, id);
+            e.count(procs.len());
+            for p in procs {
+                e.proc_info(p);
             }
             e
         }
@@ -812,6 +922,24 @@ pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
     e.finish()
 }
 
+/// Encoded size of a [`ProcInfo`] inside a ProcList frame (to batch listings).
+pub fn proc_info_wire_len(p: &ProcInfo) -> usize {
+    let os = |s: &std::ffi::OsStr| 4 + s.len();
+    4 + 1
+        + p.tag.as_ref().map_or(0, |t| 4 + t.len())
+        + 4
+        + p.meta.len()
+        + 4
+        + p.argv.iter().map(|a| os(a)).sum::<usize>()
+        + 4
+        + p.env.iter().map(|(k, v)| os(k) + os(v)).sum::<usize>()
+        + 1
+        + p.cwd.as_ref().map_or(0, |c| os(c.as_os_str()))
+        + 2
+        + 1
+        + if p.exit.is_some() { 6 } else { 0 }
+}
+
 /// Encoded size of a [`DirEntry`] inside a DirEntries frame (to batch listings).
 pub fn dir_entry_wire_len(d: &DirEntry) -> usize {
     4 + d.name.len() + 1 + 4 + 8 + 4 + 4 + 8
@@ -829,6 +957,8 @@ fn truncate_utf8(s: &str, max: usize) -> &str {
 }
 
 // ----------------------------------------------------------------------------- decoding
+
+type ArgvEnvCwd = (Vec<OsString>, Vec<(OsString, OsString)>, Option<PathBuf>);
 
 /// Reads fields from a frame body; every read is bounds-checked.
 struct Dec<'a> {
@@ -902,6 +1032,91 @@ impl<'a> Dec<'a> {
             Some(self.u32(what)?)
         } else {
             None
+        })
+    }
+    fn opt_string(&mut self, what: &'static str) -> Result<Option<String>, Error> {
+        Ok(if self.option(what)? {
+            Some(self.string(what)?)
+        } else {
+            None
+        })
+    }
+    fn argv_env_cwd(&mut self) -> Result<ArgvEnvCwd, Error> {
+        let n = self.count(4, "argv")?;
+        let mut argv = Vec::with_capacity(n);
+        for _ in 0..n {
+            argv.push(self.os("argv")?);
+        }
+        let n = self.count(8, "env")?;
+        let mut env = Vec::with_capacity(n);
+        for _ in 0..n {
+            env.push((self.os("env key")?, self.os("env value")?));
+        }
+        let cwd = if self.option("cwd")? {
+            Some(self.path("cwd")?)
+        } else {
+            None
+        };
+        Ok((argv, env, cwd))
+    }
+    fn spec(&mut self) -> Result<ExecSpec, Error> {
+        let (argv, env, cwd) = self.argv_env_cwd()?;
+        let uid = self.opt_u32("uid")?;
+        let gid = self.opt_u32("gid")?;
+        let tty = if self.option("tty")? {
+            Some(WinSize {
+                rows: self.u16("rows")?,
+                cols: self.u16("cols")?,
+            })
+        } else {
+            None
+        };
+        let stdin = self.bool("stdin")?;
+        Ok(ExecSpec {
+            argv,
+            env,
+            cwd,
+            uid,
+            gid,
+            tty,
+            stdin,
+        })
+    }
+    fn exit(&mut self) -> Result<ExitStatus, Error> {
+        let kind = self.u8("exit kind")?;
+        let value = self.i32("exit value")?;
+        let core_dumped = self.bool("core_dumped")?;
+        Ok(match kind {
+            0 if !core_dumped => ExitStatus::Exited(value),
+            1 => ExitStatus::Signaled {
+                signal: value,
+                core_dumped,
+            },
+            _ => return Err(Error::Invalid("exit kind")),
+        })
+    }
+    fn proc_info(&mut self) -> Result<ProcInfo, Error> {
+        let pid = self.u32("pid")?;
+        let tag = self.opt_string("tag")?;
+        let meta = self.bytes("meta")?;
+        let (argv, env, cwd) = self.argv_env_cwd()?;
+        let tty = self.bool("tty")?;
+        let stdin = self.bool("stdin")?;
+        let exit = if self.option("exit")? {
+            Some(self.exit()?)
+        } else {
+            None
+        };
+        Ok(ProcInfo {
+            pid,
+            tag,
+            meta,
+            argv,
+            env,
+            cwd,
+            tty,
+            stdin,
+            exit,
         })
     }
     /// A list count, checked against the bytes left (each item takes at least `min_item`
@@ -980,43 +1195,17 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
             client: d.string("client")?,
         },
         tag::PING => HostMsg::Ping,
-        tag::EXEC => {
-            let n = d.count(4, "argv")?;
-            let mut argv = Vec::with_capacity(n);
-            for _ in 0..n {
-                argv.push(d.os("argv")?);
-            }
-            let n = d.count(8, "env")?;
-            let mut env = Vec::with_capacity(n);
-            for _ in 0..n {
-                env.push((d.os("env key")?, d.os("env value")?));
-            }
-            let cwd = if d.option("cwd")? {
-                Some(d.path("cwd")?)
-            } else {
-                None
-            };
-            let uid = d.opt_u32("uid")?;
-            let gid = d.opt_u32("gid")?;
-            let tty = if d.option("tty")? {
-                Some(WinSize {
-                    rows: d.u16("rows")?,
-                    cols: d.u16("cols")?,
-                })
-            } else {
-                None
-            };
-            let stdin = d.bool("stdin")?;
-            HostMsg::Exec(ExecSpec {
-                argv,
-                env,
-                cwd,
-                uid,
-                gid,
-                tty,
-                stdin,
-            })
-        }
+        tag::EXEC => HostMsg::Exec(d.spec()?),
+        tag::SPAWN => HostMsg::Spawn {
+            spec: d.spec()?,
+            tag: d.opt_string("tag")?,
+            meta: d.bytes("meta")?,
+        },
+        tag::ATTACH => HostMsg::Attach {
+            pid: d.u32("pid")?,
+            output: d.bool("output")?,
+        },
+        tag::LIST_PROCS => HostMsg::ListProcs,
         tag::STDIN => HostMsg::Stdin(d.bytes("data")?),
         tag::STDIN_CLOSE => HostMsg::StdinClose,
         tag::SIGNAL => HostMsg::Signal {
@@ -1093,18 +1282,15 @@ fn decode_agent(t: u8, d: &mut Dec<'_>) -> Result<AgentMsg, Error> {
         tag::STDOUT => AgentMsg::Stdout(d.bytes("data")?),
         tag::STDERR => AgentMsg::Stderr(d.bytes("data")?),
         tag::STDIN_ACK => AgentMsg::StdinAck(d.u32("bytes")?),
-        tag::EXITED => {
-            let kind = d.u8("exit kind")?;
-            let value = d.i32("exit value")?;
-            let core_dumped = d.bool("core_dumped")?;
-            AgentMsg::Exited(match kind {
-                0 if !core_dumped => ExitStatus::Exited(value),
-                1 => ExitStatus::Signaled {
-                    signal: value,
-                    core_dumped,
-                },
-                _ => return Err(Error::Invalid("exit kind")),
-            })
+        tag::EXITED => AgentMsg::Exited(d.exit()?),
+        tag::PROC_LIST => {
+            // pid, tag, meta, argv, env, cwd, tty, stdin, exit: at least 24 bytes each.
+            let n = d.count(24, "procs")?;
+            let mut procs = Vec::with_capacity(n);
+            for _ in 0..n {
+                procs.push(d.proc_info()?);
+            }
+            AgentMsg::ProcList(procs)
         }
         tag::FILE_DATA_DOWN => AgentMsg::FileData(d.bytes("data")?),
         tag::FILE_DONE => AgentMsg::FileDone {
@@ -1252,6 +1438,33 @@ mod tests {
                 from: "/tmp/a".into(),
                 to: "/tmp/b".into(),
             },
+            HostMsg::Spawn {
+                spec: ExecSpec {
+                    argv: vec!["sleep".into(), "9".into()],
+                    env: vec![("A".into(), "b".into())],
+                    cwd: Some("/".into()),
+                    uid: None,
+                    gid: Some(5),
+                    tty: Some(WinSize { rows: 1, cols: 2 }),
+                    stdin: true,
+                },
+                tag: Some("server".into()),
+                meta: vec![0, 1, 2],
+            },
+            HostMsg::Spawn {
+                spec: ExecSpec::default(),
+                tag: None,
+                meta: vec![],
+            },
+            HostMsg::Attach {
+                pid: 4242,
+                output: true,
+            },
+            HostMsg::Attach {
+                pid: 1,
+                output: false,
+            },
+            HostMsg::ListProcs,
         ]
     }
 
@@ -1301,6 +1514,28 @@ mod tests {
                     },
                 },
             ]),
+            AgentMsg::ProcList(vec![]),
+            AgentMsg::ProcList(vec![
+                ProcInfo {
+                    pid: 77,
+                    tag: Some("t".into()),
+                    meta: b"{}".to_vec(),
+                    argv: vec!["sh".into(), "-c".into(), "x".into()],
+                    env: vec![("K".into(), OsString::from_vec(vec![0xfe]))],
+                    cwd: Some("/tmp".into()),
+                    tty: true,
+                    stdin: false,
+                    exit: None,
+                },
+                ProcInfo {
+                    pid: 78,
+                    exit: Some(ExitStatus::Signaled {
+                        signal: 9,
+                        core_dumped: false,
+                    }),
+                    ..Default::default()
+                },
+            ]),
         ]
     }
 
@@ -1342,6 +1577,17 @@ mod tests {
                     msg: Msg::Agent(m)
                 }
             );
+        }
+    }
+
+    #[test]
+    fn proc_info_wire_len_matches_the_encoding() {
+        for m in agent_samples() {
+            if let AgentMsg::ProcList(procs) = &m {
+                let f = encode_agent(1, &m).unwrap();
+                let want: usize = procs.iter().map(proc_info_wire_len).sum();
+                assert_eq!(f.len(), 4 + FRAME_HEADER_LEN + 4 + want);
+            }
         }
     }
 

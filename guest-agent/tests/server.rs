@@ -1119,3 +1119,286 @@ fn stdin_for_a_finished_exec_is_dropped_and_ids_are_checked() {
     let e = c.call_err(&HostMsg::FileData(b"x".to_vec()));
     assert_eq!(e.kind, ErrorKind::UnknownId);
 }
+
+// ----------------------------------------------------------------------------- kept processes
+
+fn spawn_kept(c: &mut Conn, spec: ExecSpec, tag: Option<&str>, meta: &[u8]) -> (u32, u32) {
+    let id = c.id();
+    c.send(
+        id,
+        &HostMsg::Spawn {
+            spec,
+            tag: tag.map(String::from),
+            meta: meta.to_vec(),
+        },
+    );
+    match c.recv(id) {
+        AgentMsg::Started { pid } => (id, pid),
+        m => panic!("spawn: {m:?}"),
+    }
+}
+
+fn attach(c: &mut Conn, pid: u32, output: bool) -> Result<u32, RemoteError> {
+    let id = c.id();
+    c.send(id, &HostMsg::Attach { pid, output });
+    match c.recv(id) {
+        AgentMsg::Started { pid: p } => {
+            assert_eq!(p, pid);
+            Ok(id)
+        }
+        AgentMsg::Error(e) => Err(e),
+        m => panic!("attach: {m:?}"),
+    }
+}
+
+fn list_procs(c: &mut Conn) -> Vec<guest_agent::proto::ProcInfo> {
+    let id = c.id();
+    c.send(id, &HostMsg::ListProcs);
+    let mut all = Vec::new();
+    loop {
+        match c.recv(id) {
+            AgentMsg::ProcList(mut v) => all.append(&mut v),
+            AgentMsg::Ok => return all,
+            m => panic!("list_procs: {m:?}"),
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence.
+    unsafe { libc::kill(pid as i32, 0) == 0 }
+}
+
+/// Reads `id`'s stdout until `want` appears in what arrived (other frames are skipped).
+fn read_until(c: &mut Conn, id: u32, want: &str) -> String {
+    let mut got = String::new();
+    while !got.contains(want) {
+        match c.recv(id) {
+            AgentMsg::Stdout(d) => got.push_str(&String::from_utf8_lossy(&d)),
+            AgentMsg::StdinAck(_) => {}
+            m => panic!("waiting for {want:?} after {got:?}: {m:?}"),
+        }
+    }
+    got
+}
+
+#[test]
+fn a_kept_process_survives_its_connection_and_is_attached_from_another() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut spec = sh("while read l; do echo got-$l; done; echo eof; exit 7");
+    spec.stdin = true;
+    spec.env = vec![("K".into(), "v".into())];
+    spec.cwd = Some("/tmp".into());
+    let (id, pid) = spawn_kept(&mut c, spec, Some("srv"), b"meta!");
+    c.send(id, &HostMsg::Stdin(b"one\n".to_vec()));
+    read_until(&mut c, id, "got-one\n");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(alive(pid), "a kept process died with its connection");
+
+    let mut c2 = agent.connect();
+    let procs = list_procs(&mut c2);
+    let p = procs.iter().find(|p| p.pid == pid).expect("listed");
+    assert_eq!(p.tag.as_deref(), Some("srv"));
+    assert_eq!(p.meta, b"meta!");
+    assert_eq!(p.argv[0], "sh");
+    assert_eq!(p.env, vec![("K".into(), "v".into())]);
+    assert_eq!(p.cwd.as_deref(), Some(Path::new("/tmp")));
+    assert!(p.stdin && !p.tty && p.exit.is_none());
+
+    // Two attachments: one with output, one control-only; stdin from the control one is
+    // acknowledged to it, the output goes to the other.
+    let a = attach(&mut c2, pid, true).unwrap();
+    let ctl = attach(&mut c2, pid, false).unwrap();
+    c2.send(ctl, &HostMsg::Stdin(b"two\n".to_vec()));
+    assert_eq!(c2.recv(ctl), AgentMsg::StdinAck(4));
+    assert_eq!(read_until(&mut c2, a, "got-two\n"), "got-two\n");
+    c2.send(ctl, &HostMsg::StdinClose);
+    let rest = c2.finish(a);
+    assert_eq!(rest.text(), "eof\n");
+    assert_eq!(rest.status, Some(ExitStatus::Exited(7)));
+    assert_eq!(c2.recv(ctl), AgentMsg::Exited(ExitStatus::Exited(7)));
+
+    // Recently ended: listed with its status, and a late Attach gets the exit at once.
+    let procs = list_procs(&mut c2);
+    let p = procs.iter().find(|p| p.pid == pid).unwrap();
+    assert_eq!(p.exit, Some(ExitStatus::Exited(7)));
+    let late = attach(&mut c2, pid, true).unwrap();
+    assert_eq!(c2.recv(late), AgentMsg::Exited(ExitStatus::Exited(7)));
+    // Its ids name nothing any more.
+    let e = c2.call_err(&HostMsg::Signal {
+        target: a,
+        signal: 15,
+        group: true,
+    });
+    assert_eq!(e.kind, ErrorKind::UnknownId);
+}
+
+#[test]
+fn kept_processes_are_signalled_and_resized_through_attachments() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut spec = sh("trap 'echo term; exit 3' TERM; echo ready; while :; do sleep 0.05; done");
+    spec.tty = Some(WinSize { rows: 10, cols: 40 });
+    let (_, pid) = spawn_kept(&mut c, spec, None, b"");
+    drop(c);
+    let mut c = agent.connect();
+    let a = attach(&mut c, pid, true).unwrap();
+    c.call(&HostMsg::Resize {
+        target: a,
+        size: WinSize {
+            rows: 30,
+            cols: 100,
+        },
+    });
+    // Attachments to unknown pids, and plain execs, are not found.
+    assert_eq!(
+        attach(&mut c, 1, true).unwrap_err().kind,
+        ErrorKind::NotFound
+    );
+    let (_, exec_pid) = c.spawn(cmd(&["sleep", "5"]));
+    assert_eq!(
+        attach(&mut c, exec_pid, true).unwrap_err().kind,
+        ErrorKind::NotFound
+    );
+    assert!(!list_procs(&mut c).iter().any(|p| p.pid == exec_pid));
+    match c.call(&HostMsg::Signal {
+        target: a,
+        signal: libc::SIGTERM,
+        group: false,
+    }) {
+        AgentMsg::Ok => {}
+        m => panic!("{m:?}"),
+    }
+    let out = c.finish(a);
+    assert_eq!(out.status, Some(ExitStatus::Exited(3)), "{}", out.text());
+}
+
+#[test]
+fn unattached_output_is_drained_so_the_process_never_blocks() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    // 8 MiB of output, far beyond a pipe's buffer, with nobody attached.
+    let (_, pid) = spawn_kept(
+        &mut c,
+        sh("head -c 8388608 /dev/zero; echo; echo done-writing; sleep 30"),
+        None,
+        b"",
+    );
+    drop(c);
+    let t0 = Instant::now();
+    let mut c = agent.connect();
+    loop {
+        // Each wait for the output to drain gets a fresh attachment: only output from the
+        // moment of attaching arrives, so the marker may already be gone; the process's
+        // state tells: it reaches the sleep only if its writes did not block.
+        let out = c.run(sh(&format!("cat /proc/{pid}/task/*/children 2>/dev/null")));
+        let kids = out.text();
+        if let Some(child) = kids.split_whitespace().next() {
+            let comm = std::fs::read_to_string(format!("/proc/{child}/comm")).unwrap_or_default();
+            if comm.trim() == "sleep" {
+                break;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "output was not drained"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let a = attach(&mut c, pid, true).unwrap();
+    c.call(&HostMsg::Signal {
+        target: a,
+        signal: 9,
+        group: true,
+    });
+    assert_eq!(c.finish(a).status.unwrap().code(), 137);
+}
+
+#[test]
+fn spawn_and_attach_bad_input() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let long_tag = "t".repeat(guest_agent::proto::MAX_TAG_LEN + 1);
+    let e = c.call_err(&HostMsg::Spawn {
+        spec: cmd(&["true"]),
+        tag: Some(long_tag),
+        meta: vec![],
+    });
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    let e = c.call_err(&HostMsg::Spawn {
+        spec: cmd(&["true"]),
+        tag: None,
+        meta: vec![0; guest_agent::proto::MAX_META_LEN + 1],
+    });
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    let e = c.call_err(&HostMsg::Spawn {
+        spec: cmd(&["no-such-command-xyz"]),
+        tag: None,
+        meta: vec![],
+    });
+    assert_eq!(e.kind, ErrorKind::NotFound);
+    // Attach under an id in flight.
+    let (id, pid) = spawn_kept(&mut c, cmd(&["sleep", "30"]), None, b"");
+    c.send(id, &HostMsg::Attach { pid, output: true });
+    match c.recv(id) {
+        AgentMsg::Error(e) => assert_eq!(e.kind, ErrorKind::IdInUse),
+        m => panic!("{m:?}"),
+    }
+    // Stdin for a process without one is dropped but acknowledged (the window drains).
+    c.send(id, &HostMsg::Stdin(b"xyz".to_vec()));
+    assert_eq!(c.recv(id), AgentMsg::StdinAck(3));
+    // A truncated Attach frame is a bad frame; the connection goes on.
+    let mut f = encode_host(99, &HostMsg::Attach { pid, output: true }).unwrap();
+    f.pop();
+    let len = (f.len() - 4) as u32;
+    f[..4].copy_from_slice(&len.to_le_bytes());
+    c.s.write_all(&f).unwrap();
+    match c.recv(99) {
+        AgentMsg::Error(e) => assert_eq!(e.kind, ErrorKind::BadFrame),
+        m => panic!("{m:?}"),
+    }
+    c.ping();
+    c.call(&HostMsg::Signal {
+        target: id,
+        signal: 9,
+        group: true,
+    });
+    assert_eq!(c.finish(id).status.unwrap().code(), 137);
+}
+
+#[test]
+fn kept_processes_are_bounded() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut ids = Vec::new();
+    for _ in 0..256 {
+        ids.push(spawn_kept(&mut c, cmd(&["sleep", "60"]), None, b"").0);
+    }
+    let e = c.call_err(&HostMsg::Spawn {
+        spec: cmd(&["sleep", "60"]),
+        tag: None,
+        meta: vec![],
+    });
+    assert_eq!(e.errno, libc::EAGAIN, "{e}");
+    assert_eq!(list_procs(&mut c).len(), 256);
+    // Plain execs are not counted against kept processes.
+    assert_eq!(c.run(cmd(&["true"])).status, Some(ExitStatus::Exited(0)));
+    // One ends: there is room again.
+    c.call(&HostMsg::Signal {
+        target: ids[0],
+        signal: 9,
+        group: true,
+    });
+    c.finish(ids[0]);
+    let (id, _) = spawn_kept(&mut c, cmd(&["true"]), None, b"");
+    assert_eq!(c.finish(id).status, Some(ExitStatus::Exited(0)));
+    for id in &ids[1..] {
+        c.call(&HostMsg::Signal {
+            target: *id,
+            signal: 9,
+            group: true,
+        });
+    }
+}

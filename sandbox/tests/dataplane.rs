@@ -45,6 +45,7 @@ fn agent_bin() -> &'static Path {
 
 struct Env {
     app: Router,
+    host: Arc<Host>,
     id: String,
     dir: PathBuf,
 }
@@ -67,12 +68,14 @@ fn setup(name: &str) -> Env {
             ..Default::default()
         })
         .unwrap();
+    let host = Arc::new(host);
     let app = router(AppState {
-        host: Arc::new(host),
+        host: host.clone(),
         api_key: Arc::new("k".into()),
     });
     Env {
         app,
+        host,
         id: rec.id,
         dir: dir.join("scratch"),
     }
@@ -869,4 +872,169 @@ async fn streams_end_but_processes_outlive_them() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "done\n");
+}
+
+/// The stdout of a stream's data events so far.
+fn stdout_text(events: &[Value]) -> String {
+    String::from_utf8(collect_output(events, "stdout")).unwrap()
+}
+
+/// Reads a Start/Connect stream until its stdout contains `want`; returns the body (still
+/// open) and the pid from the start event.
+async fn read_stream_until(body: &mut Body, want: &str) -> (u64, String) {
+    let mut buf = Vec::new();
+    loop {
+        let f = tokio::time::timeout(std::time::Duration::from_secs(20), body.frame())
+            .await
+            .expect("output in time")
+            .expect("stream open")
+            .unwrap();
+        if let Ok(d) = f.into_data() {
+            buf.extend_from_slice(&d);
+        }
+        let events: Vec<Value> = envelopes(&buf)
+            .into_iter()
+            .filter(|(flags, _)| flags & 2 == 0)
+            .map(|(_, m)| serde_json::from_slice::<Value>(&m).unwrap()["event"].clone())
+            .collect();
+        let text = stdout_text(&events);
+        if text.contains(want) {
+            let pid = events[0]["start"]["pid"].as_u64().unwrap();
+            return (pid, text);
+        }
+    }
+}
+
+fn listed(v: &Value, pid: u64) -> Option<Value> {
+    v["processes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn background_processes_survive_pause_resume_and_a_service_restart() {
+    let env = setup("survive");
+    let script = "i=0; while :; do i=$((i+1)); echo tick-$i; sleep 0.1; done";
+    let body = serde_json::to_vec(&json!({
+        "process": {"cmd": "/bin/sh", "args": ["-c", script], "envs": {"MINE": "1"}, "cwd": "/tmp"},
+        "tag": "counter",
+        "stdin": false,
+    }))
+    .unwrap();
+    let resp = env
+        .app
+        .clone()
+        .oneshot(env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            envelope(&body),
+        ))
+        .await
+        .unwrap();
+    let mut start_body = resp.into_body();
+    let (pid, _) = read_stream_until(&mut start_body, "tick-2\n").await;
+
+    // Pause: the agent's connections drop (the Start stream ends without an end event),
+    // and the process is frozen with its "VM".
+    let host = env.host.clone();
+    let id = env.id.clone();
+    tokio::task::spawn_blocking(move || host.pause(&id).unwrap())
+        .await
+        .unwrap();
+    let rest = tokio::time::timeout(std::time::Duration::from_secs(20), start_body.collect())
+        .await
+        .expect("the Start stream ends at the pause")
+        .unwrap()
+        .to_bytes();
+    let (events, end) = json_stream(&rest);
+    assert!(!events.iter().any(|e| e.get("end").is_some()), "{events:?}");
+    assert_eq!(end["error"]["code"], "unavailable", "{end}");
+    // SAFETY: kill with signal 0 only checks that the pid exists.
+    let frozen_alive = unsafe { libc::kill(pid as i32, 0) } == 0;
+    assert!(frozen_alive, "the process died at the pause");
+
+    // Resume happens on the next data-plane request (auto-resume); a fresh router stands
+    // for a restarted service: it knows nothing of the process but the agent does.
+    let restarted = router(AppState {
+        host: env.host.clone(),
+        api_key: Arc::new("k".into()),
+    });
+    let env2 = Env {
+        app: restarted,
+        host: env.host.clone(),
+        id: env.id.clone(),
+        dir: env.dir.clone(),
+    };
+    let (s, v) = env2.unary("process.Process/List", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let p = listed(&v, pid).expect("listed after resume");
+    assert_eq!(p["tag"], "counter");
+    assert_eq!(p["config"]["cmd"], "/bin/sh");
+    assert_eq!(p["config"]["args"][1], script);
+    assert_eq!(p["config"]["envs"], json!({"MINE": "1"}));
+    assert_eq!(p["config"]["cwd"], "/tmp");
+
+    // Connect by tag: output from now on, counting on from where it was.
+    let resp = env2
+        .app
+        .clone()
+        .oneshot(env2.req(
+            "POST",
+            "/process.Process/Connect",
+            Some("application/connect+json"),
+            envelope(&serde_json::to_vec(&json!({"process": {"tag": "counter"}})).unwrap()),
+        ))
+        .await
+        .unwrap();
+    let mut conn_body = resp.into_body();
+    let (pid2, text) = read_stream_until(&mut conn_body, "\n").await;
+    assert_eq!(pid2, pid);
+    let n: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tick-"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{text:?}"));
+    assert!(n > 2, "{text:?}");
+
+    // Kill by pid: the Connect stream ends with the kill.
+    let (s, v) = env2
+        .unary(
+            "process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let rest = conn_body.collect().await.unwrap().to_bytes();
+    let (events, _) = json_stream(&rest);
+    assert_eq!(events.last().unwrap()["end"]["status"], "signal: killed");
+    let (_, v) = env2.unary("process.Process/List", json!({})).await;
+    assert!(listed(&v, pid).is_none(), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_timeout_kills_the_process() {
+    let env = setup("timeout");
+    let mut r = env.req(
+        "POST",
+        "/process.Process/Start",
+        Some("application/connect+json"),
+        start_json("exec sleep 30", false),
+    );
+    r.headers_mut()
+        .insert("connect-timeout-ms", "300".parse().unwrap());
+    let (_, _, b) = env.send(r).await;
+    let (events, end) = json_stream(&b);
+    let pid = events[0]["start"]["pid"].as_u64().unwrap();
+    assert_eq!(end["error"]["code"], "deadline_exceeded");
+    let mut gone = false;
+    for _ in 0..100 {
+        let (_, v) = env.unary("process.Process/List", json!({})).await;
+        if listed(&v, pid).is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(gone, "the timed-out process still runs");
 }

@@ -69,12 +69,23 @@ def test_stdin_send_and_close(sb):
     assert r.stdout == "hello world"
 
 
-def test_background_list_connect_kill(sb):
-    h = sb.commands.run("echo started; sleep 30", background=True)
+def wait_for_file(sb, path, seconds=30):
+    """Waits until a command has got past its login shell's startup (it wrote `path`):
+    a login shell killed or frozen during startup can leave pyenv's rehash lock behind on
+    this host (the harness runs commands on the host), stalling later login shells."""
+    deadline = time.time() + seconds
+    while not sb.files.exists(path):
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_background_list_connect_kill(sb, d):
+    h = sb.commands.run(f"touch {d}/up; echo started; sleep 30", background=True)
+    wait_for_file(sb, f"{d}/up")
     pids = [p.pid for p in sb.commands.list()]
     assert h.pid in pids
     info = [p for p in sb.commands.list() if p.pid == h.pid][0]
-    assert info.cmd == "/bin/bash" and info.args[-1] == "echo started; sleep 30"
+    assert info.cmd == "/bin/bash" and info.args[-1] == f"touch {d}/up; echo started; sleep 30"
     h.disconnect()
     # The process outlives the stream that started it; reconnect by pid.
     h2 = sb.commands.connect(h.pid)
@@ -184,3 +195,56 @@ def test_pty_bash_with_resize(sb):
     assert e.value.exit_code == 5
     text = out.decode(errors="replace")
     assert "40 132" in text and "pty-42" in text, text
+
+
+def test_background_process_survives_pause_and_resume():
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        script = "i=0; while :; do i=$((i+1)); echo tick-$i; sleep 0.1; done"
+        # timeout=0: a background command's own timeout would kill it (as in E2B).
+        s.commands.run(f"mkdir -p {SCRATCH}")
+        up = f"{SCRATCH}/pause-counter-up"
+        s.files.remove(up) if s.files.exists(up) else None
+        h = s.commands.run(f"touch {up}; {script}", background=True, timeout=0)
+        wait_for_file(s, up)
+        time.sleep(0.3)
+        s.pause()
+        s2 = Sandbox.connect(s.sandbox_id)
+        assert s2.get_info().state.value == "running"
+        procs = {p.pid: p for p in s2.commands.list()}
+        assert h.pid in procs, procs
+        assert procs[h.pid].args[-1] == f"touch {up}; {script}"
+        # Re-attach: output produced from now on, counting on.
+        h2 = s2.commands.connect(h.pid)
+        got = []
+        for stdout, _, _ in h2:
+            if stdout:
+                got.append(stdout)
+                if "\n" in "".join(got):
+                    break
+        first = "".join(got).split("\n")[0]
+        assert first.startswith("tick-") and int(first[5:]) > 1, got
+        assert s2.commands.kill(h.pid) is True
+        with pytest.raises(CommandExitException) as e:
+            h2.wait()
+        assert e.value.exit_code == -1 and "killed" in (e.value.error or "")
+        assert h.pid not in [p.pid for p in s2.commands.list()]
+    finally:
+        s.kill()
+
+
+def test_command_timeout_kills_the_process(sb, d):
+    from e2b.exceptions import TimeoutException
+
+    marker = f"{d}/pid"
+    # Long enough for the login shell's startup (see wait_for_file).
+    with pytest.raises(TimeoutException):
+        sb.commands.run(f"echo $$ > {marker}; exec sleep 60", timeout=5)
+    pid = int(sb.files.read(marker).strip())
+    deadline = time.time() + 5
+    while pid in [p.pid for p in sb.commands.list()] and time.time() < deadline:
+        time.sleep(0.05)
+    assert pid not in [p.pid for p in sb.commands.list()]
+    # Really gone, not just off the list.
+    with pytest.raises(CommandExitException):
+        sb.commands.run(f"kill -0 {pid}")

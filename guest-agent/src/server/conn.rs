@@ -48,6 +48,11 @@ impl Conn {
         true
     }
 
+    /// The peer has gone (or a write failed): frames are no longer sent.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn send_err(&self, id: u32, err: RemoteError) -> bool {
         self.send(id, &AgentMsg::Error(err))
     }
@@ -65,7 +70,7 @@ struct Session {
 }
 
 /// Serves one accepted connection until the peer closes it, then kills the execs it
-/// started (their output has nowhere to go).
+/// started (their output has nowhere to go); kept processes (Spawn) run on.
 pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
     tracing::debug!(conn = n, "connected");
     let out = match fd.try_clone() {
@@ -138,9 +143,9 @@ pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
     // SAFETY: shutdown on the connection socket, which stays open until `input` drops below;
     // it makes blocked writers on other threads fail instead of hanging.
     unsafe { libc::shutdown(raw, libc::SHUT_RDWR) };
-    let execs: Vec<Arc<ExecEntry>> = conn.execs().values().cloned().collect();
-    for e in execs {
-        e.kill_on_disconnect();
+    let execs: Vec<Arc<ExecEntry>> = conn.execs().drain().map(|(_, e)| e).collect();
+    for e in execs.iter().filter(|e| !e.kept) {
+        e.kill_group();
     }
     drop(input);
 }
@@ -183,14 +188,56 @@ impl Session {
             HostMsg::Exec(spec) => {
                 if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {
                     conn.send_err(id, id_in_use(id));
-                } else if let Err(e) = exec::start(conn, id, spec) {
+                } else if let Err(e) = exec::start(conn, id, spec, None) {
                     conn.send_err(id, e);
                 }
+            }
+            HostMsg::Spawn { spec, tag, meta } => {
+                if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {
+                    conn.send_err(id, id_in_use(id));
+                } else if let Err(e) = spawn(conn, id, spec, tag, meta) {
+                    conn.send_err(id, e);
+                }
+            }
+            HostMsg::Attach { pid, output } => {
+                if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {
+                    conn.send_err(id, id_in_use(id));
+                    return;
+                }
+                let r = match conn.shared.procs.get(pid) {
+                    Some(k) => k.attach(conn, id, output),
+                    None => Err(RemoteError::new(
+                        ErrorKind::NotFound,
+                        format!("no kept process with pid {pid}"),
+                    )),
+                };
+                if let Err(e) = r {
+                    conn.send_err(id, e);
+                }
+            }
+            HostMsg::ListProcs => {
+                // Batches well under the frame limit; an entry always fits a frame alone
+                // (Spawn refuses bigger ones).
+                let mut batch = Vec::new();
+                let mut size = 0;
+                for p in conn.shared.procs.list() {
+                    let n = proto::proc_info_wire_len(&p);
+                    if !batch.is_empty() && size + n > PROC_LIST_BATCH {
+                        conn.send(id, &AgentMsg::ProcList(std::mem::take(&mut batch)));
+                        size = 0;
+                    }
+                    size += n;
+                    batch.push(p);
+                }
+                if !batch.is_empty() {
+                    conn.send(id, &AgentMsg::ProcList(batch));
+                }
+                conn.send(id, &AgentMsg::Ok);
             }
             HostMsg::Stdin(data) => {
                 // Stdin may race with the exec's end: data for a finished exec is dropped.
                 if let Some(e) = conn.execs().get(&id).cloned() {
-                    e.stdin_data(data);
+                    e.stdin_data(data, conn, id);
                 }
             }
             HostMsg::StdinClose => {
@@ -364,6 +411,50 @@ impl Session {
     }
 }
 
+/// Bytes of process entries per ProcList frame (more entries go to further frames).
+const PROC_LIST_BATCH: usize = 256 * 1024;
+
+/// Validates a Spawn's additions and starts the kept process.
+fn spawn(
+    conn: &Arc<Conn>,
+    id: u32,
+    spec: proto::ExecSpec,
+    tag: Option<String>,
+    meta: Vec<u8>,
+) -> Result<(), RemoteError> {
+    if tag.as_ref().is_some_and(|t| t.len() > proto::MAX_TAG_LEN) {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidArgument,
+            format!("tag longer than {} bytes", proto::MAX_TAG_LEN),
+        ));
+    }
+    if meta.len() > proto::MAX_META_LEN {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidArgument,
+            format!("meta longer than {} bytes", proto::MAX_META_LEN),
+        ));
+    }
+    // Its ListProcs entry (with an exit status) must fit one frame.
+    let entry = proto::ProcInfo {
+        pid: 0,
+        tag: tag.clone(),
+        meta: meta.clone(),
+        argv: spec.argv.clone(),
+        env: spec.env.clone(),
+        cwd: spec.cwd.clone(),
+        tty: false,
+        stdin: false,
+        exit: Some(proto::ExitStatus::Exited(0)),
+    };
+    if proto::proc_info_wire_len(&entry) + proto::FRAME_HEADER_LEN + 4 > MAX_FRAME_LEN as usize {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidArgument,
+            "the command, environment, tag and meta together are too large",
+        ));
+    }
+    exec::start(conn, id, spec, Some(exec::Keep { tag, meta }))
+}
+
 fn reply_unit(conn: &Conn, id: u32, r: Result<(), RemoteError>) {
     match r {
         Ok(()) => conn.send(id, &AgentMsg::Ok),
@@ -381,6 +472,6 @@ fn id_in_use(id: u32) -> RemoteError {
 fn no_exec(target: u32) -> RemoteError {
     RemoteError::new(
         ErrorKind::UnknownId,
-        format!("no running exec with id {target} on this connection"),
+        format!("no running exec or attachment with id {target} on this connection"),
     )
 }

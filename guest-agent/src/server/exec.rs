@@ -1,6 +1,10 @@
 //! Exec: fork/exec a command with pipes or a PTY, stream its output, feed its stdin, report
 //! its exit.
 //!
+//! A plain `Exec` belongs to its connection (output and exit go there; it is killed when
+//! the connection closes). A `Spawn` belongs to the agent ([`super::procs`]): its output
+//! and exit go to whichever connections are attached at the time.
+//!
 //! The fork is done by hand (not `std::process::Command`) because the agent's reaper
 //! collects every child: std's `Command` waits for a child whose exec failed itself and
 //! would find it already reaped. The child runs only async-signal-safe calls between fork
@@ -16,13 +20,16 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
 use super::pipe;
-use crate::proto::{AgentMsg, ErrorKind, ExecSpec, ExitStatus, RemoteError, WinSize, CHUNK_LEN};
+use super::procs::Kept;
+use crate::proto::{
+    AgentMsg, ErrorKind, ExecSpec, ExitStatus, ProcInfo, RemoteError, WinSize, CHUNK_LEN,
+};
 use crate::reaper::Reaper;
 
 /// `PATH` given to a child whose environment has none.
@@ -34,28 +41,53 @@ const EXIT_OUTPUT_GRACE: Duration = Duration::from_millis(250);
 
 const THREAD_STACK: usize = 256 * 1024;
 
-/// A running exec, as seen by the connection.
+/// A running process: what a connection's operation id names (an Exec, or a Spawn/Attach
+/// of a kept process).
 pub(crate) struct ExecEntry {
     pid: libc::pid_t,
     stdin: Mutex<Option<mpsc::Sender<StdinCmd>>>,
     tty_master: Option<Arc<OwnedFd>>,
+    /// Started by Spawn: owned by the agent, so a closing connection leaves it running.
+    pub(crate) kept: bool,
 }
 
 enum StdinCmd {
-    Data(Vec<u8>),
+    /// Bytes to write, and the operation to acknowledge them to.
+    Data {
+        data: Vec<u8>,
+        ack: (Weak<Conn>, u32),
+    },
     Close,
 }
 
 impl ExecEntry {
-    pub(crate) fn stdin_data(&self, data: Vec<u8>) {
-        if let Some(tx) = self
+    /// Queues stdin bytes; `StdinAck` goes to `conn`'s operation `id` once written.
+    /// Without a stdin (none, or closed) the bytes are dropped and acknowledged at once, so
+    /// the sender's window never waits for them.
+    pub(crate) fn stdin_data(&self, data: Vec<u8>, conn: &Arc<Conn>, id: u32) {
+        let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        let queued = match self
             .stdin
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
         {
-            let _ = tx.send(StdinCmd::Data(data));
+            Some(tx) => tx
+                .send(StdinCmd::Data {
+                    data,
+                    ack: (Arc::downgrade(conn), id),
+                })
+                .is_ok(),
+            None => false,
+        };
+        if !queued {
+            conn.send(id, &AgentMsg::StdinAck(n));
         }
+    }
+
+    /// The process has ended: its stdin writer thread may stop.
+    fn drop_stdin(&self) {
+        self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 
     pub(crate) fn stdin_close(&self) {
@@ -96,7 +128,8 @@ impl ExecEntry {
         set_winsize(master.as_raw_fd(), size).map_err(|e| RemoteError::from_io(&e, "TIOCSWINSZ"))
     }
 
-    pub(crate) fn kill_on_disconnect(&self) {
+    /// SIGKILL to the process group.
+    pub(crate) fn kill_group(&self) {
         // SAFETY: kill(2) on our own, not yet reaped, process group.
         Reaper::global().with_live(self.pid, || unsafe { libc::kill(-self.pid, libc::SIGKILL) });
     }
@@ -424,10 +457,48 @@ fn spawn_thread(name: String, f: impl FnOnce() + Send + 'static) -> io::Result<J
         .spawn(f)
 }
 
-/// Starts `spec` for request `id`: on success `Started` has been sent and helper threads
-/// stream output and finally send `Exited`; on error nothing has been sent.
-pub(crate) fn start(conn: &Arc<Conn>, id: u32, spec: ExecSpec) -> Result<(), RemoteError> {
+/// What a Spawn adds to an Exec.
+pub(crate) struct Keep {
+    pub(crate) tag: Option<String>,
+    pub(crate) meta: Vec<u8>,
+}
+
+/// Where a process's output and exit go.
+enum Sink {
+    /// A plain Exec: its connection's operation.
+    Conn(Arc<Conn>, u32),
+    /// A kept process: whoever is attached.
+    Kept(Arc<Kept>),
+}
+
+impl Sink {
+    /// Forwards output; false once nobody can receive it any more (keep draining anyway).
+    fn output(&self, msg: &AgentMsg) -> bool {
+        match self {
+            Sink::Conn(c, id) => c.send(*id, msg),
+            Sink::Kept(k) => {
+                k.broadcast(msg);
+                true
+            }
+        }
+    }
+}
+
+/// Starts `spec` for request `id` (a Spawn when `keep` is given): on success `Started`
+/// has been sent and helper threads stream output and finally send `Exited`; on error
+/// nothing has been sent.
+pub(crate) fn start(
+    conn: &Arc<Conn>,
+    id: u32,
+    spec: ExecSpec,
+    keep: Option<Keep>,
+) -> Result<(), RemoteError> {
     let plan = Plan::new(&spec)?;
+    let shared = conn.shared.clone();
+    let slot = match &keep {
+        Some(_) => Some(shared.procs.reserve()?),
+        None => None,
+    };
     let name = spec.argv[0].to_string_lossy().into_owned();
     let stdio = Stdio::new(&spec).map_err(|e| RemoteError::from_io(&e, "exec stdio"))?;
     let (err_r, err_w) = pipe().map_err(|e| RemoteError::from_io(&e, "exec pipe"))?;
@@ -490,11 +561,38 @@ pub(crate) fn start(conn: &Arc<Conn>, id: u32, spec: ExecSpec) -> Result<(), Rem
         pid,
         stdin: Mutex::new(stdin.as_ref().map(|_| stdin_tx)),
         tty_master: master.clone(),
+        kept: keep.is_some(),
     });
-    conn.execs().insert(id, entry.clone());
     conn.shared.exec_started();
-    conn.send(id, &AgentMsg::Started { pid: pid as u32 });
-    tracing::debug!(conn = conn.n, id, pid, "started {name}");
+    let sink = match (keep, slot) {
+        (Some(k), Some(slot)) => {
+            let info = ProcInfo {
+                pid: pid as u32,
+                tag: k.tag,
+                meta: k.meta,
+                argv: spec.argv,
+                env: spec.env,
+                cwd: spec.cwd,
+                tty,
+                stdin: spec.stdin,
+                exit: None,
+            };
+            let kept = Arc::new(Kept::new(info, entry.clone()));
+            shared.procs.insert(slot, kept.clone());
+            // Nothing can be output before the readers start: Started comes first.
+            if let Err(e) = kept.attach(conn, id, true) {
+                conn.send_err(id, e);
+            }
+            Sink::Kept(kept)
+        }
+        _ => {
+            conn.execs().insert(id, entry.clone());
+            conn.send(id, &AgentMsg::Started { pid: pid as u32 });
+            Sink::Conn(conn.clone(), id)
+        }
+    };
+    let sink = Arc::new(sink);
+    tracing::debug!(conn = conn.n, id, pid, kept = entry.kept, "started {name}");
 
     let exited = Arc::new(AtomicBool::new(false));
     let mut readers = Vec::new();
@@ -511,64 +609,82 @@ pub(crate) fn start(conn: &Arc<Conn>, id: u32, spec: ExecSpec) -> Result<(), Rem
         _ => vec![],
     };
     for (fd, is_stdout) in outputs {
-        let (c, x) = (conn.clone(), exited.clone());
-        match spawn_thread(format!("out-{id}"), move || {
-            pump_output(&c, id, fd, is_stdout, &x)
+        let (s, x) = (sink.clone(), exited.clone());
+        match spawn_thread(format!("out-{pid}"), move || {
+            pump_output(&s, fd, is_stdout, &x)
         }) {
             Ok(h) => readers.push(h),
             Err(e) => failure = Some(e),
         }
     }
     if let Some(fd) = stdin {
-        let c = conn.clone();
-        if let Err(e) = spawn_thread(format!("in-{id}"), move || {
-            pump_stdin(&c, id, fd, stdin_rx, tty)
-        }) {
+        if let Err(e) = spawn_thread(format!("in-{pid}"), move || pump_stdin(fd, stdin_rx, tty)) {
             failure = Some(e);
         }
     }
     if let Some(e) = &failure {
         // Cannot stream: kill it; the waiter still reports how it ended.
         tracing::error!(conn = conn.n, id, "exec helper thread: {e}");
-        entry.kill_on_disconnect();
+        entry.kill_group();
     }
-    let c = conn.clone();
-    let waiter = spawn_thread(format!("wait-{id}"), move || {
+    let (s, e2) = (sink.clone(), entry.clone());
+    let waiter = spawn_thread(format!("wait-{pid}"), move || {
         let status = Reaper::global().wait(pid);
         exited.store(true, Ordering::Relaxed);
         for r in readers {
             let _ = r.join();
         }
-        c.execs().remove(&id);
-        c.shared.exec_ended();
-        match status.and_then(ExitStatus::from_wait_status) {
-            Some(st) => {
-                tracing::debug!(conn = c.n, id, pid, "{st}");
-                c.send(id, &AgentMsg::Exited(st));
-            }
-            None => {
-                c.send_err(
-                    id,
-                    RemoteError::new(ErrorKind::Internal, "lost the exit status"),
-                );
-            }
-        }
+        e2.drop_stdin();
+        shared.exec_ended();
+        finish(
+            &shared,
+            &s,
+            pid,
+            status.and_then(ExitStatus::from_wait_status),
+        );
     });
     if let Err(e) = waiter {
-        // Nobody will report the end: stop it and forget it.
-        entry.kill_on_disconnect();
+        // Nobody would report the end: stop it and report a lost status now.
+        entry.kill_group();
         Reaper::global().unwatch(pid);
-        conn.execs().remove(&id);
+        entry.drop_stdin();
         conn.shared.exec_ended();
-        conn.send_err(id, RemoteError::from_io(&e, "exec waiter thread"));
+        tracing::error!(conn = conn.n, id, "exec waiter thread: {e}");
+        finish(&conn.shared, &sink, pid, None);
     }
     Ok(())
+}
+
+/// The final frame of a process to wherever its output went.
+fn finish(shared: &super::Shared, sink: &Sink, pid: libc::pid_t, status: Option<ExitStatus>) {
+    match sink {
+        Sink::Conn(c, id) => {
+            c.execs().remove(id);
+            match status {
+                Some(st) => {
+                    tracing::debug!(conn = c.n, id, pid, "{st}");
+                    c.send(*id, &AgentMsg::Exited(st));
+                }
+                None => {
+                    c.send_err(
+                        *id,
+                        RemoteError::new(ErrorKind::Internal, "lost the exit status"),
+                    );
+                }
+            }
+        }
+        Sink::Kept(k) => {
+            tracing::debug!(pid, ?status, "kept process ended");
+            shared.procs.ended(pid as u32);
+            k.finish(status);
+        }
+    }
 }
 
 /// Forwards one output descriptor as Stdout/Stderr frames until EOF (or EIO: the PTY's
 /// last slave closed), or until it has been idle for [`EXIT_OUTPUT_GRACE`] after the process
 /// exited.
-fn pump_output(conn: &Conn, id: u32, fd: OwnedFd, is_stdout: bool, exited: &AtomicBool) {
+fn pump_output(sink: &Sink, fd: OwnedFd, is_stdout: bool, exited: &AtomicBool) {
     let mut file = File::from(fd);
     let raw = file.as_raw_fd();
     let mut buf = vec![0u8; CHUNK_LEN];
@@ -609,7 +725,7 @@ fn pump_output(conn: &Conn, id: u32, fd: OwnedFd, is_stdout: bool, exited: &Atom
                         AgentMsg::Stderr(data)
                     };
                     // Keep draining after the host went away so the process is not blocked.
-                    forward = conn.send(id, &msg);
+                    forward = sink.output(&msg);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -620,25 +736,26 @@ fn pump_output(conn: &Conn, id: u32, fd: OwnedFd, is_stdout: bool, exited: &Atom
     }
 }
 
-/// Writes host stdin to the process and acknowledges every chunk (the host's window).
-/// Data for a process that closed its stdin is dropped but still acknowledged.
-fn pump_stdin(conn: &Conn, id: u32, fd: OwnedFd, rx: mpsc::Receiver<StdinCmd>, tty: bool) {
+/// Writes host stdin to the process and acknowledges every chunk to the operation that
+/// sent it (the host's window). Data for a process that closed its stdin is dropped but
+/// still acknowledged. Ends when stdin is closed or the process has ended.
+fn pump_stdin(fd: OwnedFd, rx: mpsc::Receiver<StdinCmd>, tty: bool) {
     let mut file = File::from(fd);
     let mut broken = false;
     let mut at_line_start = true;
     for cmd in rx {
         match cmd {
-            StdinCmd::Data(d) => {
+            StdinCmd::Data { data: d, ack } => {
                 if !broken && !d.is_empty() {
                     if let Err(e) = file.write_all(&d) {
-                        tracing::debug!(id, "stdin: {e}");
+                        tracing::debug!("stdin: {e}");
                         broken = true;
                     }
                     at_line_start = d.last() == Some(&b'\n');
                 }
                 let n = u32::try_from(d.len()).unwrap_or(u32::MAX);
-                if !conn.send(id, &AgentMsg::StdinAck(n)) {
-                    break;
+                if let Some(c) = ack.0.upgrade() {
+                    c.send(ack.1, &AgentMsg::StdinAck(n));
                 }
             }
             StdinCmd::Close => {

@@ -8,6 +8,7 @@
 mod conn;
 mod exec;
 mod files;
+mod procs;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -125,6 +126,8 @@ impl Listener {
 pub(crate) struct Shared {
     pub(crate) opts: ServerOptions,
     pub(crate) running_execs: AtomicU32,
+    /// Processes started by Spawn (they outlive connections).
+    pub(crate) procs: procs::ProcTable,
     /// Write end of the stop pipe: a byte here ends the accept loop.
     stop: OwnedFd,
 }
@@ -155,6 +158,7 @@ pub fn serve(listener: Listener, opts: ServerOptions) -> Result<ServeEnd, Error>
     let shared = Arc::new(Shared {
         opts,
         running_execs: AtomicU32::new(0),
+        procs: procs::ProcTable::default(),
         stop: stop_w,
     });
     let mut next_conn: u64 = 0;

@@ -12,12 +12,11 @@
 //! control API shares the listener (its requests carry neither).
 //!
 //! State kept here, per sandbox ([`SandboxConn`]): one shared agent connection for short
-//! operations (stat, list, mkdir…), and the table of processes started through `Start`
-//! (`process`): each holds its own agent connection, because the agent kills an exec's
-//! process group when the connection that started it closes, and a process must outlive
-//! the HTTP stream that started it (background commands, `Connect` by pid or tag). A
-//! process that ends leaves the table. Nothing here survives a service restart or a pause
-//! (vsock connections do not survive a snapshot): see docs/e2b-compat.md.
+//! operations (stat, list, mkdir…) and the user table; nothing else. Processes started
+//! through `Start` are the agent's kept processes (`process`), so they outlive the HTTP
+//! stream that started them, a pause and resume (vsock connections do not survive a
+//! snapshot, but the guest's processes do) and a restart of this service: see
+//! docs/e2b-compat.md.
 //!
 //! A request for a paused sandbox resumes it first (auto-resume); an unknown, killed or
 //! crashed sandbox gets E2B's proxy answer, 502 "... was not found", which the SDK turns
@@ -143,7 +142,6 @@ pub(crate) struct SandboxConn {
     pub env: BTreeMap<String, String>,
     client: Mutex<Option<Client>>,
     users: Mutex<Option<Accounts>>,
-    pub procs: Mutex<HashMap<u32, Arc<process::Proc>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -345,7 +343,6 @@ impl DataPlane {
             env: rec.env_vars.clone(),
             client: Mutex::new(None),
             users: Mutex::new(None),
-            procs: Mutex::new(HashMap::new()),
         });
         map.insert(rec.id.clone(), c.clone());
         Ok(c)

@@ -1,77 +1,39 @@
 //! `process.Process`: Start, Connect, List, SendInput, CloseStdin, SendSignal, Update.
 //!
-//! Each started process is a [`Proc`] in its sandbox's table, with an agent connection of
-//! its own (the agent ties an exec's life to its connection) and a pump thread that reads
-//! the exec's events and hands them to the streams subscribed to it (the `Start` stream,
-//! `Connect` streams). A stream that goes away unsubscribes; the process runs on (E2B's
-//! `disconnect()` semantics). Subscribers' channels are bounded, so a slow client slows
-//! that process's output, nothing else.
+//! Nothing about a process lives here: processes are the agent's *kept* processes
+//! (protocol `Spawn`/`Attach`/`ListProcs`), so they survive the HTTP stream that started
+//! them, a pause and resume of the sandbox (the VM keeps them in its snapshot), and a
+//! restart of this service. What the client asked for (E2B's `ProcessConfig`: cmd, args,
+//! envs, cwd, before the service adds the sandbox's variables) is stored with the process
+//! in the agent as its `meta` (protobuf), and its E2B tag as its tag, so `List` reports
+//! exactly that.
+//!
+//! Every `Start`/`Connect` stream is one agent connection attached to the process, read
+//! by a blocking pump thread; when the stream ends (client gone, deadline, end of the
+//! process) the connection is closed, which detaches it. The unary calls
+//! (SendInput, CloseStdin, SendSignal, Update) each attach a control-only handle on a
+//! connection of their own for the call (connection setup is a local socket round trip),
+//! so nothing is left behind. A `Start` whose `Connect-Timeout-Ms` deadline passes kills
+//! the process's group (SIGKILL), as envd does; a `Connect` deadline ends only its stream.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
+use prost::Message;
+use std::sync::Arc;
 use tokio::sync::mpsc;
-use vmm::agent::{Command, ExecEvent, ExecHandle, ExitStatus, StdinWriter, WinSize};
+use vmm::agent::{Client, Command, Exec, ExecEvent, ExecHandle, ExitStatus, ProcInfo, WinSize};
 
 use super::connect::{self, Code, Codec, RpcError};
 use super::pb::{self, Event};
-use super::{lock, read_body, target_sandbox, DataPlane, SandboxConn, Target};
+use super::{read_body, target_sandbox, DataPlane, SandboxConn, Target};
 
-/// Events buffered per subscriber before the process's pump waits.
+/// Events buffered per stream before the process's pump waits.
 const SUB_DEPTH: usize = 64;
-/// Longest stdin chunk accepted in one SendInput (the message limit bounds it anyway).
 const KEEPALIVE_HEADER: &str = "keepalive-ping-interval";
-
-struct Subs {
-    list: Vec<mpsc::Sender<Event>>,
-    end: Option<pb::EndEvent>,
-}
-
-/// A process started through the data plane.
-pub(crate) struct Proc {
-    pid: u32,
-    tag: Option<String>,
-    config: pb::ProcessConfig,
-    pty: bool,
-    handle: ExecHandle,
-    stdin: Mutex<Option<StdinWriter>>,
-    subs: Mutex<Subs>,
-}
-
-impl Proc {
-    /// A receiver of this process's events from now on (just its end if it has ended).
-    fn subscribe(&self) -> mpsc::Receiver<Event> {
-        let (tx, rx) = mpsc::channel(SUB_DEPTH);
-        let mut s = lock(&self.subs);
-        match &s.end {
-            Some(end) => {
-                let _ = tx.try_send(Event::End(end.clone()));
-            }
-            None => s.list.push(tx),
-        }
-        rx
-    }
-
-    /// Hands `ev` to every subscriber (blocking: runs on the pump thread).
-    fn broadcast(&self, ev: &Event) {
-        let subs: Vec<_> = lock(&self.subs).list.clone();
-        let mut gone = Vec::new();
-        for s in &subs {
-            if s.blocking_send(ev.clone()).is_err() {
-                gone.push(s.clone());
-            }
-        }
-        if !gone.is_empty() {
-            lock(&self.subs)
-                .list
-                .retain(|s| !gone.iter().any(|g| g.same_channel(s)));
-        }
-    }
-}
 
 /// Go's `ProcessState.String()` wording, which envd reports as `status`.
 fn status_text(st: &ExitStatus) -> String {
@@ -108,50 +70,61 @@ fn end_event(st: &ExitStatus) -> pb::EndEvent {
     }
 }
 
-/// The pump: the exec's events to the subscribers, then the end, then out of the table.
-fn pump(sb: Arc<SandboxConn>, proc_: Arc<Proc>, mut exec: vmm::agent::Exec) {
-    let end = loop {
-        match exec.next_event() {
-            Ok(Some(ExecEvent::Stdout(d))) => {
-                let out = if proc_.pty {
+/// The pump (a blocking thread): an attached process's events to its stream, until its
+/// end, the stream's end, or the connection's.
+fn pump(sandbox: String, mut exec: Exec, pty: bool, tx: mpsc::Sender<Event>) {
+    loop {
+        let ev = match exec.next_event() {
+            Ok(Some(ExecEvent::Stdout(d))) => Event::Data(pb::DataEvent {
+                output: Some(if pty {
                     pb::Output::Pty(d)
                 } else {
                     pb::Output::Stdout(d)
-                };
-                proc_.broadcast(&Event::Data(pb::DataEvent { output: Some(out) }));
-            }
-            Ok(Some(ExecEvent::Stderr(d))) => proc_.broadcast(&Event::Data(pb::DataEvent {
+                }),
+            }),
+            Ok(Some(ExecEvent::Stderr(d))) => Event::Data(pb::DataEvent {
                 output: Some(pb::Output::Stderr(d)),
-            })),
-            Ok(Some(ExecEvent::Exited(st))) => break end_event(&st),
-            Ok(None) => {
-                break pb::EndEvent {
-                    exit_code: -1,
-                    status: "ended without an exit status".into(),
-                    error: Some("ended without an exit status".into()),
-                    ..Default::default()
-                }
+            }),
+            Ok(Some(ExecEvent::Exited(st))) => {
+                let _ = tx.blocking_send(Event::End(end_event(&st)));
+                return;
             }
+            // The connection closed (stream over, or the sandbox paused): the process
+            // runs on; the stream ends without an end event.
+            Ok(None) | Err(vmm::Error::AgentDisconnected) => return,
             Err(e) => {
-                tracing::warn!(sandbox = %sb.id, pid = proc_.pid, "process stream: {e}");
-                break pb::EndEvent {
-                    exit_code: -1,
-                    status: "error".into(),
-                    error: Some(format!("lost the process: {e}")),
-                    ..Default::default()
-                };
+                tracing::warn!(sandbox = %sandbox, pid = exec.pid(), "process stream: {e}");
+                return;
             }
+        };
+        if tx.blocking_send(ev).is_err() {
+            return;
         }
-    };
-    let subs = {
-        let mut s = lock(&proc_.subs);
-        s.end = Some(end.clone());
-        std::mem::take(&mut s.list)
-    };
-    lock(&sb.procs).remove(&proc_.pid);
-    drop(lock(&proc_.stdin).take());
-    for s in subs {
-        let _ = s.blocking_send(Event::End(end.clone()));
+    }
+}
+
+/// Starts the pump of an attached process; the receiver feeds its stream.
+fn start_pump(sb: &SandboxConn, exec: Exec, pty: bool) -> Result<mpsc::Receiver<Event>, RpcError> {
+    let (tx, rx) = mpsc::channel(SUB_DEPTH);
+    let name = format!("envd-proc-{}", exec.pid());
+    let id = sb.id.clone();
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || pump(id, exec, pty, tx))
+        .map_err(|e| RpcError::new(Code::Internal, format!("starting a thread: {e}")))?;
+    Ok(rx)
+}
+
+/// Held by a stream: closes its agent connection when the stream ends (which detaches
+/// it from the process and ends the pump); `kill` is the `Start` deadline's action.
+struct Attached {
+    client: Client,
+    kill: Option<ExecHandle>,
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.client.close();
     }
 }
 
@@ -214,12 +187,13 @@ pub(crate) async fn dispatch(
             Err(e) => Err(e),
         },
         "Connect" => match codec.decode(msg) {
-            Ok(m) => connect_(sb, codec, &headers, m),
+            Ok(m) => connect_(sb, codec, &headers, m).await,
             Err(e) => Err(e),
         },
-        "List" => codec
-            .decode::<pb::ListRequest>(msg)
-            .map(|_| connect::unary_ok(codec, &list(&sb))),
+        "List" => match codec.decode::<pb::ListRequest>(msg) {
+            Ok(_) => list(sb).await.map(|l| connect::unary_ok(codec, &l)),
+            Err(e) => Err(e),
+        },
         "SendInput" => match codec.decode(msg) {
             Ok(m) => send_input(sb, m)
                 .await
@@ -248,29 +222,59 @@ pub(crate) async fn dispatch(
     r.unwrap_or_else(fail)
 }
 
-fn find(sb: &SandboxConn, sel: Option<&pb::ProcessSelector>) -> Result<Arc<Proc>, RpcError> {
-    let procs = lock(&sb.procs);
-    let found = match sel.and_then(|s| s.selector.as_ref()) {
-        Some(pb::Selector::Pid(pid)) => procs.get(pid).cloned(),
-        Some(pb::Selector::Tag(tag)) => procs
-            .values()
-            .find(|p| p.tag.as_deref() == Some(tag.as_str()))
-            .cloned(),
-        None => {
-            return Err(RpcError::new(
-                Code::InvalidArgument,
-                "a process selector (pid or tag) is required",
-            ))
-        }
+/// Runs blocking agent work off the async runtime.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, RpcError> + Send + 'static,
+) -> Result<T, RpcError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RpcError::new(Code::Internal, format!("worker: {e}")))?
+}
+
+fn not_found(sel: &pb::Selector) -> RpcError {
+    let what = match sel {
+        pb::Selector::Pid(pid) => format!("pid {pid}"),
+        pb::Selector::Tag(t) => format!("tag '{t}'"),
     };
-    found.ok_or_else(|| {
-        let what = match sel.and_then(|s| s.selector.as_ref()) {
-            Some(pb::Selector::Pid(pid)) => format!("pid {pid}"),
-            Some(pb::Selector::Tag(t)) => format!("tag '{t}'"),
-            None => String::new(),
-        };
-        RpcError::new(Code::NotFound, format!("process with {what} not found"))
+    RpcError::new(Code::NotFound, format!("process with {what} not found"))
+}
+
+fn selector(sel: Option<&pb::ProcessSelector>) -> Result<pb::Selector, RpcError> {
+    sel.and_then(|s| s.selector.clone()).ok_or_else(|| {
+        RpcError::new(
+            Code::InvalidArgument,
+            "a process selector (pid or tag) is required",
+        )
     })
+}
+
+/// The agent's kept processes (running and recently ended).
+fn agent_procs(sb: &SandboxConn) -> Result<Vec<ProcInfo>, RpcError> {
+    sb.with_client(|c| c.list_procs())
+}
+
+/// The running process a selector names (blocking).
+fn resolve(sb: &SandboxConn, sel: &pb::Selector) -> Result<ProcInfo, RpcError> {
+    agent_procs(sb)?
+        .into_iter()
+        .filter(|p| p.exit.is_none())
+        .find(|p| match sel {
+            pb::Selector::Pid(pid) => p.pid == *pid,
+            pb::Selector::Tag(t) => p.tag.as_deref() == Some(t.as_str()),
+        })
+        .ok_or_else(|| not_found(sel))
+}
+
+/// Attaches to `pid` on a new connection (blocking); an agent NotFound becomes ours.
+fn attach(sb: &SandboxConn, pid: u32, output: bool) -> Result<(Client, Exec), RpcError> {
+    let client = sb.connect_new()?;
+    match client.attach(pid, output) {
+        Ok(exec) => Ok((client, exec)),
+        Err(vmm::Error::Agent(e)) if e.kind == vmm::agent::ErrorKind::NotFound => {
+            Err(not_found(&pb::Selector::Pid(pid)))
+        }
+        Err(e) => Err(RpcError::from(e)),
+    }
 }
 
 async fn start(
@@ -297,7 +301,7 @@ async fn start(
     let want_stdin = pty.is_some() || req.stdin.unwrap_or(true);
     let tag = req.tag;
     let sb2 = sb.clone();
-    let (proc_, rx) = tokio::task::spawn_blocking(move || {
+    let (pid, attached, rx) = blocking(move || {
         let user = sb2.user(user_name.as_deref())?;
         let mut cmd = Command::new(&config.cmd).args(&config.args);
         for (k, v) in &sb2.env {
@@ -334,58 +338,69 @@ async fn start(
         }
         cmd = cmd.stdin(want_stdin);
         let client = sb2.connect_new()?;
-        let mut exec = client.spawn(&cmd).map_err(|e| {
-            let mut r = RpcError::from(e);
-            r.message = format!("starting {}: {}", config.cmd, r.message);
-            r
-        })?;
-        let proc_ = Arc::new(Proc {
-            pid: exec.pid(),
-            tag,
-            config,
-            pty: pty.is_some(),
-            handle: exec.handle(),
-            stdin: Mutex::new(exec.take_stdin()),
-            subs: Mutex::new(Subs {
-                list: Vec::new(),
-                end: None,
-            }),
-        });
-        let rx = proc_.subscribe();
-        lock(&sb2.procs).insert(proc_.pid, proc_.clone());
-        let (p2, sb3) = (proc_.clone(), sb2.clone());
-        std::thread::Builder::new()
-            .name(format!("envd-proc-{}", proc_.pid))
-            .spawn(move || {
-                // The exec's connection lives as long as the pump.
-                let _client = client;
-                pump(sb3, p2, exec)
-            })
-            .map_err(|e| RpcError::new(Code::Internal, format!("starting a thread: {e}")))?;
-        Ok::<_, RpcError>((proc_, rx))
+        let meta = config.encode_to_vec();
+        let exec = client
+            .spawn_kept(&cmd, tag.as_deref(), &meta)
+            .map_err(|e| {
+                let mut r = RpcError::from(e);
+                r.message = format!("starting {}: {}", config.cmd, r.message);
+                r
+            })?;
+        let pid = exec.pid();
+        let attached = Attached {
+            client,
+            kill: Some(exec.handle()),
+        };
+        let rx = start_pump(&sb2, exec, pty.is_some())?;
+        Ok((pid, attached, rx))
     })
-    .await
-    .map_err(|e| RpcError::new(Code::Internal, format!("worker: {e}")))??;
-    tracing::debug!(sandbox = %sb.id, pid = proc_.pid, "process started");
-    Ok(stream(codec, headers, proc_.pid, rx))
+    .await?;
+    tracing::debug!(sandbox = %sb.id, pid, "process started");
+    Ok(stream(codec, headers, pid, rx, attached))
 }
 
-fn connect_(
+async fn connect_(
     sb: Arc<SandboxConn>,
     codec: Codec,
     headers: &HeaderMap,
     req: pb::SelectorRequest,
 ) -> Result<Response, RpcError> {
-    let p = find(&sb, req.process.as_ref())?;
-    let rx = p.subscribe();
-    Ok(stream(codec, headers, p.pid, rx))
+    let sel = selector(req.process.as_ref())?;
+    let (pid, attached, rx) = blocking(move || {
+        let (pid, pty) = match &sel {
+            // By pid: a process that ended a moment ago still yields its end.
+            pb::Selector::Pid(pid) => (*pid, None),
+            pb::Selector::Tag(_) => {
+                let p = resolve(&sb, &sel)?;
+                (p.pid, Some(p.tty))
+            }
+        };
+        let pty = match pty {
+            Some(t) => t,
+            None => agent_procs(&sb)?
+                .iter()
+                .find(|p| p.pid == pid)
+                .is_some_and(|p| p.tty),
+        };
+        let (client, exec) = attach(&sb, pid, true)?;
+        let rx = start_pump(&sb, exec, pty)?;
+        Ok((pid, Attached { client, kill: None }, rx))
+    })
+    .await?;
+    Ok(stream(codec, headers, pid, rx, attached))
 }
 
 /// The response stream of Start/Connect: the start event, the process's events as they
 /// come (keepalives in between if the client asked for them), the end, end-of-stream. A
-/// `Connect-Timeout-Ms` deadline ends the stream (not the process) with
-/// `deadline_exceeded`.
-fn stream(codec: Codec, headers: &HeaderMap, pid: u32, mut rx: mpsc::Receiver<Event>) -> Response {
+/// `Connect-Timeout-Ms` deadline ends the stream with `deadline_exceeded`, after killing
+/// the process if `attached` says so (a Start).
+fn stream(
+    codec: Codec,
+    headers: &HeaderMap,
+    pid: u32,
+    mut rx: mpsc::Receiver<Event>,
+    attached: Attached,
+) -> Response {
     let keepalive = headers
         .get(KEEPALIVE_HEADER)
         .and_then(|v| v.to_str().ok())
@@ -396,99 +411,173 @@ fn stream(codec: Codec, headers: &HeaderMap, pid: u32, mut rx: mpsc::Receiver<Ev
     let (tx, mut out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let enc = move |e: Event| connect::envelope(&codec.encode(&pb::EventResponse::new(e)));
     tokio::spawn(async move {
-        if tx
-            .send(Ok(enc(Event::Start(pb::StartEvent { pid }))))
-            .await
-            .is_err()
-        {
-            return;
-        }
+        // Dropped at the end of this task, whichever way it ends: detaches.
+        let mut attached = attached;
         let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86400);
         let sleep = tokio::time::sleep_until(deadline.unwrap_or(far));
         tokio::pin!(sleep);
-        let mut ka = tokio::time::interval(keepalive.unwrap_or(Duration::from_secs(3600)));
-        ka.tick().await;
-        let err = loop {
-            tokio::select! {
-                ev = rx.recv() => match ev {
-                    Some(ev) => {
-                        let last = matches!(ev, Event::End(_));
-                        if tx.send(Ok(enc(ev))).await.is_err() {
-                            return;
+        // `None`: the client went away.
+        let end: Option<Option<RpcError>> = 'stream: {
+            if tx
+                .send(Ok(enc(Event::Start(pb::StartEvent { pid }))))
+                .await
+                .is_err()
+            {
+                break 'stream None;
+            }
+            let mut ka = tokio::time::interval(keepalive.unwrap_or(Duration::from_secs(3600)));
+            ka.tick().await;
+            loop {
+                tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(ev) => {
+                            let last = matches!(ev, Event::End(_));
+                            if last {
+                                // Ended by itself: nothing left to kill.
+                                attached.kill = None;
+                            }
+                            if tx.send(Ok(enc(ev))).await.is_err() {
+                                break 'stream None;
+                            }
+                            if last {
+                                break 'stream Some(None);
+                            }
                         }
-                        if last {
-                            break None;
+                        None => {
+                            // The agent connection is gone (a pause): it cannot kill any more.
+                            attached.kill = None;
+                            break 'stream Some(Some(RpcError::new(
+                                Code::Unavailable,
+                                "the connection to the process was lost (the sandbox was paused?); it may still run: connect to it again",
+                            )));
+                        }
+                    },
+                    _ = ka.tick(), if keepalive.is_some() => {
+                        if tx.send(Ok(enc(Event::Keepalive(pb::Empty {})))).await.is_err() {
+                            break 'stream None;
                         }
                     }
-                    None => break Some(RpcError::new(Code::Unavailable, "the process stream ended")),
-                },
-                _ = ka.tick(), if keepalive.is_some() => {
-                    if tx.send(Ok(enc(Event::Keepalive(pb::Empty {})))).await.is_err() {
-                        return;
+                    _ = tx.closed() => break 'stream None,
+                    _ = &mut sleep => {
+                        let msg = if kill_timed_out(pid, &mut attached).await {
+                            "the command's timeout passed: it was killed"
+                        } else {
+                            "the stream's deadline passed (the process keeps running)"
+                        };
+                        break 'stream Some(Some(RpcError::new(Code::DeadlineExceeded, msg)));
                     }
                 }
-                _ = &mut sleep => break Some(RpcError::new(
-                    Code::DeadlineExceeded,
-                    "the stream's deadline passed (the process keeps running)",
-                )),
             }
         };
-        let _ = tx.send(Ok(connect::end_envelope(err.as_ref()))).await;
+        match end {
+            Some(err) => {
+                let _ = tx.send(Ok(connect::end_envelope(err.as_ref()))).await;
+            }
+            // The client left before the command's timeout: the timeout still applies.
+            None if attached.kill.is_some() && deadline.is_some() => {
+                drop(rx);
+                sleep.await;
+                kill_timed_out(pid, &mut attached).await;
+            }
+            None => {}
+        }
     });
     let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| out.poll_recv(cx)));
     connect::stream_response(codec, body)
 }
 
-fn list(sb: &SandboxConn) -> pb::ListResponse {
-    let mut processes: Vec<pb::ProcessInfo> = lock(&sb.procs)
-        .values()
-        .map(|p| pb::ProcessInfo {
-            config: Some(p.config.clone()),
-            pid: p.pid,
-            tag: p.tag.clone(),
-        })
+/// A Start's timeout: SIGKILL to the process group (envd's behaviour). False if this
+/// stream does not own a timeout (a Connect).
+async fn kill_timed_out(pid: u32, attached: &mut Attached) -> bool {
+    let Some(h) = attached.kill.take() else {
+        return false;
+    };
+    let r = tokio::task::spawn_blocking(move || h.signal_group(libc::SIGKILL)).await;
+    if let Ok(Err(e)) = r {
+        // It ended meanwhile (UnknownId), or the sandbox went away.
+        tracing::debug!(pid, "killing a timed-out process: {e}");
+    }
+    true
+}
+
+/// What `List` shows of a kept process: the config its client gave (from `meta`), or,
+/// for a process started otherwise, what the agent knows.
+fn process_info(p: ProcInfo) -> pb::ProcessInfo {
+    let config = pb::ProcessConfig::decode(p.meta.as_slice())
+        .ok()
+        .filter(|c| !c.cmd.is_empty())
+        .unwrap_or_else(|| {
+            let s = |o: &std::ffi::OsStr| o.to_string_lossy().into_owned();
+            pb::ProcessConfig {
+                cmd: p.argv.first().map(|a| s(a)).unwrap_or_default(),
+                args: p.argv.iter().skip(1).map(|a| s(a)).collect(),
+                envs: p.env.iter().map(|(k, v)| (s(k), s(v))).collect(),
+                cwd: p.cwd.as_ref().map(|c| c.to_string_lossy().into_owned()),
+            }
+        });
+    pb::ProcessInfo {
+        config: Some(config),
+        pid: p.pid,
+        tag: p.tag,
+    }
+}
+
+async fn list(sb: Arc<SandboxConn>) -> Result<pb::ListResponse, RpcError> {
+    let procs = blocking(move || agent_procs(&sb)).await?;
+    let mut processes: Vec<pb::ProcessInfo> = procs
+        .into_iter()
+        .filter(|p| p.exit.is_none())
+        .map(process_info)
         .collect();
     processes.sort_by_key(|p| p.pid);
-    pb::ListResponse { processes }
+    Ok(pb::ListResponse { processes })
 }
 
 async fn send_input(sb: Arc<SandboxConn>, req: pb::SendInputRequest) -> Result<(), RpcError> {
-    let p = find(&sb, req.process.as_ref())?;
+    let sel = selector(req.process.as_ref())?;
     let data = match req.input.and_then(|i| i.input) {
         Some(pb::Input::Stdin(d)) | Some(pb::Input::Pty(d)) => d,
         None => return Err(RpcError::new(Code::InvalidArgument, "input is required")),
     };
-    tokio::task::spawn_blocking(move || {
+    blocking(move || {
         use std::io::Write;
-        let mut g = lock(&p.stdin);
-        let w = g.as_mut().ok_or_else(|| {
-            RpcError::new(
+        let p = resolve(&sb, &sel)?;
+        if !p.stdin {
+            return Err(RpcError::new(
                 Code::FailedPrecondition,
-                format!(
-                    "process {} has no stdin (not started with stdin, or closed)",
-                    p.pid
-                ),
-            )
-        })?;
+                format!("process {} was not started with stdin", p.pid),
+            ));
+        }
+        let (_client, mut exec) = attach(&sb, p.pid, false)?;
+        let mut w = exec
+            .take_stdin()
+            .ok_or_else(|| RpcError::new(Code::Internal, "attachment without stdin"))?;
+        // Written and acknowledged by the agent before the call returns.
         w.write_all(&data)
+            .and_then(|_| w.flush())
             .map_err(|e| RpcError::new(Code::FailedPrecondition, format!("stdin: {e}")))
     })
     .await
-    .map_err(|e| RpcError::new(Code::Internal, format!("worker: {e}")))?
 }
 
 async fn close_stdin(sb: Arc<SandboxConn>, req: pb::SelectorRequest) -> Result<(), RpcError> {
-    let p = find(&sb, req.process.as_ref())?;
-    let w = lock(&p.stdin).take();
-    match w {
-        Some(w) => w.close().map_err(RpcError::from),
-        // Closing twice, or a process without stdin: nothing to do.
-        None => Ok(()),
-    }
+    let sel = selector(req.process.as_ref())?;
+    blocking(move || {
+        let pid = match &sel {
+            pb::Selector::Pid(pid) => *pid,
+            pb::Selector::Tag(_) => resolve(&sb, &sel)?.pid,
+        };
+        let (_client, mut exec) = attach(&sb, pid, false)?;
+        match exec.take_stdin() {
+            Some(w) => w.close().map_err(RpcError::from),
+            None => Ok(()),
+        }
+    })
+    .await
 }
 
 async fn send_signal(sb: Arc<SandboxConn>, req: pb::SendSignalRequest) -> Result<(), RpcError> {
-    let p = find(&sb, req.process.as_ref())?;
+    let sel = selector(req.process.as_ref())?;
     let sig = match pb::Signal::try_from(req.signal) {
         Ok(pb::Signal::Sigkill) => libc::SIGKILL,
         Ok(pb::Signal::Sigterm) => libc::SIGTERM,
@@ -499,33 +588,43 @@ async fn send_signal(sb: Arc<SandboxConn>, req: pb::SendSignalRequest) -> Result
             ))
         }
     };
-    tokio::task::spawn_blocking(move || match p.handle.signal_group(sig) {
-        // It ended meanwhile.
-        Err(vmm::Error::Agent(e)) if e.kind == guest_agent::proto::ErrorKind::UnknownId => Err(
-            RpcError::new(Code::NotFound, format!("process {} has ended", p.pid)),
-        ),
-        r => r.map_err(RpcError::from),
+    blocking(move || {
+        let pid = match &sel {
+            pb::Selector::Pid(pid) => *pid,
+            pb::Selector::Tag(_) => resolve(&sb, &sel)?.pid,
+        };
+        let (_client, exec) = attach(&sb, pid, false)?;
+        match exec.handle().signal_group(sig) {
+            // It has ended (an attachment to an ended process names nothing).
+            Err(vmm::Error::Agent(e)) if e.kind == vmm::agent::ErrorKind::UnknownId => Err(
+                RpcError::new(Code::NotFound, format!("process {pid} has ended")),
+            ),
+            r => r.map_err(RpcError::from),
+        }
     })
     .await
-    .map_err(|e| RpcError::new(Code::Internal, format!("worker: {e}")))?
 }
 
 async fn update(sb: Arc<SandboxConn>, req: pb::UpdateRequest) -> Result<(), RpcError> {
-    let p = find(&sb, req.process.as_ref())?;
+    let sel = selector(req.process.as_ref())?;
     let Some(size) = req.pty.and_then(|p| p.size) else {
-        return Ok(());
+        // Nothing to change; the process must still exist.
+        return blocking(move || resolve(&sb, &sel).map(|_| ())).await;
     };
-    if !p.pty {
-        return Err(RpcError::new(
-            Code::FailedPrecondition,
-            format!("process {} has no terminal", p.pid),
-        ));
-    }
     let ws = WinSize {
         rows: size.rows.clamp(1, u16::MAX as u32) as u16,
         cols: size.cols.clamp(1, u16::MAX as u32) as u16,
     };
-    tokio::task::spawn_blocking(move || p.handle.resize(ws).map_err(RpcError::from))
-        .await
-        .map_err(|e| RpcError::new(Code::Internal, format!("worker: {e}")))?
+    blocking(move || {
+        let p = resolve(&sb, &sel)?;
+        if !p.tty {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                format!("process {} has no terminal", p.pid),
+            ));
+        }
+        let (_client, exec) = attach(&sb, p.pid, false)?;
+        exec.resize(ws).map_err(RpcError::from)
+    })
+    .await
 }

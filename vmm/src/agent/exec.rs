@@ -166,7 +166,46 @@ impl ExecHandle {
 
 pub(crate) fn spawn(inner: &Arc<Inner>, cmd: &Command) -> Result<Exec> {
     let window = cmd.spec.stdin.then(|| Arc::new(Window::new()));
-    let (reg, rx) = inner.start(&HostMsg::Exec(cmd.spec.clone()), window.clone())?;
+    start(inner, &HostMsg::Exec(cmd.spec.clone()), window, true)
+}
+
+pub(crate) fn spawn_kept(
+    inner: &Arc<Inner>,
+    cmd: &Command,
+    tag: Option<&str>,
+    meta: &[u8],
+) -> Result<Exec> {
+    let window = cmd.spec.stdin.then(|| Arc::new(Window::new()));
+    let msg = HostMsg::Spawn {
+        spec: cmd.spec.clone(),
+        tag: tag.map(String::from),
+        meta: meta.to_vec(),
+    };
+    start(inner, &msg, window, false)
+}
+
+pub(crate) fn attach(inner: &Arc<Inner>, pid: u32, output: bool) -> Result<Exec> {
+    // Whether the process takes stdin is not known here; bytes for one that does not are
+    // acknowledged and dropped by the agent.
+    let window = Some(Arc::new(Window::new()));
+    let exec = start(inner, &HostMsg::Attach { pid, output }, window, false)?;
+    if exec.pid != pid {
+        return Err(Error::AgentProtocol(format!(
+            "attach to {pid} answered for pid {}",
+            exec.pid
+        )));
+    }
+    Ok(exec)
+}
+
+/// Sends an Exec/Spawn/Attach and waits for `Started`.
+fn start(
+    inner: &Arc<Inner>,
+    msg: &HostMsg,
+    window: Option<Arc<Window>>,
+    close_stdin_on_drop: bool,
+) -> Result<Exec> {
+    let (reg, rx) = inner.start(msg, window.clone())?;
     let pid = match check(recv(&rx)?)? {
         AgentMsg::Started { pid } => pid,
         m => return Err(unexpected("exec", &m)),
@@ -175,7 +214,7 @@ pub(crate) fn spawn(inner: &Arc<Inner>, cmd: &Command) -> Result<Exec> {
         inner: inner.clone(),
         id: reg.id,
         window,
-        closed: false,
+        closed: !close_stdin_on_drop,
     });
     Ok(Exec {
         inner: inner.clone(),
@@ -330,12 +369,16 @@ impl Exec {
     }
 }
 
-/// The command's stdin. Writes block while the agent has 256 KiB unacknowledged; dropping
-/// it closes stdin (EOF for the command; `^D` on a terminal).
+/// The command's stdin. Writes block while the agent has 256 KiB unacknowledged; `flush`
+/// waits until the agent has written everything to the process. Dropping it closes stdin
+/// (EOF for the command; `^D` on a terminal), except for kept processes (spawned with
+/// [`super::Client::spawn_kept`] or attached): their stdin is closed only by
+/// [`StdinWriter::close`].
 pub struct StdinWriter {
     inner: Arc<Inner>,
     id: u32,
     window: Arc<Window>,
+    /// Nothing to send on drop.
     closed: bool,
 }
 
@@ -363,7 +406,14 @@ impl Write for StdinWriter {
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        Ok(())
+        if self.window.drained() {
+            Ok(())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the command ended before its stdin was written",
+            ))
+        }
     }
 }
 

@@ -40,7 +40,8 @@ use guest_agent::proto::{
     self, AgentMsg, HostMsg, Msg, CHUNK_LEN, MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 pub use guest_agent::proto::{
-    DirEntry, ErrorKind, ExitStatus, FileKind, FileStat, RemoteError, WinSize, AGENT_VSOCK_PORT,
+    DirEntry, ErrorKind, ExitStatus, FileKind, FileStat, ProcInfo, RemoteError, WinSize,
+    AGENT_VSOCK_PORT,
 };
 
 pub use exec::{Command, Exec, ExecEvent, ExecHandle, Output, StdinWriter};
@@ -112,6 +113,20 @@ impl Window {
     fn close(&self) {
         self.lock().closed = true;
         self.cond.notify_all();
+    }
+
+    /// Waits until every byte sent was acknowledged; false if the exec ended first.
+    fn drained(&self) -> bool {
+        let mut st = self.lock();
+        loop {
+            if st.in_flight == 0 {
+                return true;
+            }
+            if st.closed {
+                return false;
+            }
+            st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Waits for room and reserves up to `want` bytes; `None` once the exec has ended.
@@ -460,6 +475,46 @@ impl Client {
     /// Starts a command. Its output arrives as [`ExecEvent`]s on the returned [`Exec`].
     pub fn spawn(&self, cmd: &Command) -> Result<Exec> {
         exec::spawn(&self.inner, cmd)
+    }
+
+    /// Starts a command that the agent keeps when this connection closes (protocol
+    /// `Spawn`): it survives the connection, a VM pause, a restart of this process, and
+    /// any connection can [`Client::attach`] to it by pid. `tag` and `meta` are stored
+    /// with it and reported by [`Client::list_procs`]. Its stdin (if requested) stays open
+    /// when the returned [`StdinWriter`] is dropped; close it with [`StdinWriter::close`].
+    pub fn spawn_kept(&self, cmd: &Command, tag: Option<&str>, meta: &[u8]) -> Result<Exec> {
+        exec::spawn_kept(&self.inner, cmd, tag, meta)
+    }
+
+    /// Follows a kept process (see [`Client::spawn_kept`]): with `output`, its output from
+    /// now on; always its end, and a [`StdinWriter`] and an [`ExecHandle`] that act on it.
+    /// An ended process (kept for a minute) yields its exit status at once.
+    pub fn attach(&self, pid: u32, output: bool) -> Result<Exec> {
+        exec::attach(&self.inner, pid, output)
+    }
+
+    /// The kept processes: running ones, then those that ended recently (`exit` set).
+    pub fn list_procs(&self) -> Result<Vec<ProcInfo>> {
+        let (_reg, rx) = self.inner.start(&HostMsg::ListProcs, None)?;
+        let mut all = Vec::new();
+        loop {
+            match check(recv(&rx)?)? {
+                AgentMsg::ProcList(mut p) => {
+                    if all.len() + p.len() > MAX_LIST_ENTRIES {
+                        return Err(Error::AgentProtocol("too many processes listed".into()));
+                    }
+                    all.append(&mut p);
+                }
+                AgentMsg::Ok => return Ok(all),
+                m => return Err(unexpected("list_procs", &m)),
+            }
+        }
+    }
+
+    /// Closes the connection now (operations in flight fail; the agent kills the execs
+    /// started on it, not kept processes). Dropping the last clone does the same.
+    pub fn close(&self) {
+        let _ = self.inner.sock.shutdown(Shutdown::Both);
     }
 
     /// Runs a command to completion, feeding it `stdin` (if `Some`), and collects its output.
