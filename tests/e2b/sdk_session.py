@@ -41,7 +41,7 @@ def main():
             "commands.run(counter, background=True)",
             lambda: sb.commands.run(
                 "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",
-                background=True, request_timeout=300),
+                background=True, timeout=0, request_timeout=300),  # timeout=0: runs until killed
         )
         time.sleep(1)
         step("pause (snapshot; the VM process ends)", lambda: sb.pause(**SLOW))

@@ -119,6 +119,7 @@ def test_pause_connect_keeps_files_and_a_running_process():
         h = s.commands.run(
             "i=0; while :; do i=$((i+1)); echo $i > /root/count; echo tick$i; sleep 0.2; done",
             background=True,
+            timeout=0,  # no command timeout: it runs until killed
             request_timeout=300,
         )
         time.sleep(2)
