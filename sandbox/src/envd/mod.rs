@@ -16,7 +16,8 @@
 //! (`process`): each holds its own agent connection, because the agent kills an exec's
 //! process group when the connection that started it closes, and a process must outlive
 //! the HTTP stream that started it (background commands, `Connect` by pid or tag). A
-//! process that ends leaves the table. Nothing here survives a service restart or a pause
+//! process that ends leaves the table. Directory watchers (`files`) likewise hold an agent
+//! connection each, with their events in a bounded queue. Nothing here survives a service restart or a pause
 //! (vsock connections do not survive a snapshot): see docs/e2b-compat.md.
 //!
 //! A request for a paused sandbox resumes it first (auto-resume); an unknown, killed or
@@ -50,8 +51,8 @@ use connect::{Code, RpcError};
 /// The envd version reported for every sandbox (control plane `envdVersion`). The SDK
 /// enables features by it: 0.5.7 means default user chosen by the server (>= 0.4.0),
 /// stdin control and `CloseStdin` (>= 0.3.0, 0.5.2), octet-stream and gzip uploads
-/// (>= 0.5.7). File metadata (0.6.2) and watch entries (0.6.3) are not served, so the SDK
-/// refuses them client-side.
+/// (>= 0.5.7), recursive watches (>= 0.1.4). File metadata (0.6.2) and entries in watch
+/// events (0.6.3) are not served, so the SDK refuses them client-side.
 pub const ENVD_VERSION: &str = "0.5.7";
 /// envd's port: the only sandbox port served.
 pub const ENVD_PORT: u16 = 49983;
@@ -144,6 +145,8 @@ pub(crate) struct SandboxConn {
     client: Mutex<Option<Client>>,
     users: Mutex<Option<Accounts>>,
     pub procs: Mutex<HashMap<u32, Arc<process::Proc>>>,
+    /// Polling watchers (`CreateWatcher`), by id.
+    pub watchers: files::Watchers,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -346,6 +349,7 @@ impl DataPlane {
             client: Mutex::new(None),
             users: Mutex::new(None),
             procs: Mutex::new(HashMap::new()),
+            watchers: Default::default(),
         });
         map.insert(rec.id.clone(), c.clone());
         Ok(c)
