@@ -1121,4 +1121,29 @@ async fn watch_dir_streams_and_polling_watchers() {
         ))
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    // GET /files answers gzip when asked (and only then).
+    let text = "compressible ".repeat(10_000);
+    std::fs::write(env.dir.join("gz.txt"), &text).unwrap();
+    let uri = format!("/files?path={}", env.dir.join("gz.txt").display());
+    let mut r = env.req("GET", &uri, None, vec![]);
+    r.headers_mut()
+        .insert("accept-encoding", "gzip, deflate".parse().unwrap());
+    let resp = env.app.clone().oneshot(r).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-encoding"], "gzip");
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(b.len() < text.len() / 10, "{} bytes", b.len());
+    let mut plain = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&b[..]), &mut plain).unwrap();
+    assert_eq!(plain, text);
+    let resp = env
+        .app
+        .clone()
+        .oneshot(env.req("GET", &uri, None, vec![]))
+        .await
+        .unwrap();
+    assert!(resp.headers().get("content-encoding").is_none());
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(b, text.as_bytes());
 }

@@ -262,3 +262,10 @@ def test_async_watch_dir_streams_events(sb, d):
 
     events = asyncio.run(main())
     assert ("s", FilesystemEventType.CREATE) in events
+
+
+def test_read_gzip_response(sb, d):
+    text = "compressible " * 10000
+    sb.files.write(f"{d}/t.txt", text)
+    assert sb.files.read(f"{d}/t.txt", gzip=True) == text
+    assert sb.files.read(f"{d}/t.txt", format="bytes", gzip=True) == text.encode()

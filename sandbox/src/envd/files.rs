@@ -695,7 +695,36 @@ fn file_query(req: &Request) -> (Option<String>, Option<String>) {
     (path, user)
 }
 
-/// `GET /files?path=…&username=…`: the file's bytes, streamed.
+/// Whether a response may be gzipped, by `Accept-Encoding` as envd decides: gzip when
+/// listed with a non-zero quality not below identity's, or when identity is refused
+/// (`identity;q=0`) and `*` is accepted.
+fn accepts_gzip(h: &HeaderMap) -> bool {
+    let (mut gzip, mut identity, mut star) = (None, None, None);
+    for v in h.get_all(header::ACCEPT_ENCODING) {
+        let Ok(v) = v.to_str() else { continue };
+        for item in v.split(',') {
+            let mut parts = item.split(';');
+            let name = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.trim().strip_prefix("q=").or(p.trim().strip_prefix("Q=")))
+                .find_map(|q| q.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            match name.as_str() {
+                "gzip" | "x-gzip" => gzip = Some(q),
+                "identity" => identity = Some(q),
+                "*" => star = Some(q),
+                _ => {}
+            }
+        }
+    }
+    match gzip {
+        Some(q) => q > 0.0 && identity.is_none_or(|i| q >= i),
+        None => identity == Some(0.0) && star.is_some_and(|q| q > 0.0),
+    }
+}
+
+/// `GET /files?path=…&username=…`: the file's bytes, streamed (gzipped on the fly when
+/// the client accepts it, at the fastest level: the transfer is local, CPU is the cost).
 pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
     let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
         Ok(s) => s,
@@ -703,6 +732,7 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
     };
     let (path, qs_user) = file_query(&req);
     let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let gzip = accepts_gzip(req.headers());
     let Some(path) = path.filter(|p| !p.is_empty()) else {
         return http_error(StatusCode::BAD_REQUEST, "the path parameter is required");
     };
@@ -733,8 +763,20 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
     };
     let (tx, mut rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     tokio::task::spawn_blocking(move || {
-        let mut w = ChanWriter { tx: tx.clone() };
-        if let Err(e) = client.read_file_to(&p, &mut w) {
+        let w = ChanWriter { tx: tx.clone() };
+        let r = if gzip {
+            let mut gz = flate2::write::GzEncoder::new(w, flate2::Compression::fast());
+            client.read_file_to(&p, &mut gz).and_then(|_| {
+                gz.finish().map(drop).map_err(|e| vmm::Error::Io {
+                    context: "gzip the download",
+                    source: e,
+                })
+            })
+        } else {
+            let mut w = w;
+            client.read_file_to(&p, &mut w).map(drop)
+        };
+        if let Err(e) = r {
             // The status line is gone: fail the body so the client sees a broken transfer.
             let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
         }
@@ -745,6 +787,12 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    r.headers_mut()
+        .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if gzip {
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    }
     // Only a hint: the agent streams what the file holds when it reads it.
     let _ = size;
     r
@@ -968,6 +1016,26 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gzip_by_accept_encoding() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT_ENCODING, v.parse().unwrap());
+            accepts_gzip(&h)
+        };
+        assert!(!accepts_gzip(&HeaderMap::new()));
+        assert!(with("gzip"));
+        assert!(with("gzip, deflate, br"));
+        assert!(with("GZIP;q=0.5"));
+        assert!(!with("gzip;q=0"));
+        assert!(!with("deflate, br"));
+        assert!(!with("gzip;q=0.5, identity"));
+        assert!(!with("*"));
+        assert!(with("identity;q=0, *"));
+        // An unparsable quality counts as 1, as envd reads it.
+        assert!(with("gzip;q=nonsense;;,,"));
+    }
 
     #[test]
     fn permissions_like_go() {
