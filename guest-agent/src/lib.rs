@@ -17,7 +17,8 @@ pub mod system;
 
 pub use proto::{
     decode_frame, AgentMsg, DirEntry, ErrorKind, ExecSpec, ExitStatus, FileKind, FileStat, Frame,
-    HostMsg, Msg, RemoteError, WinSize, AGENT_VSOCK_PORT, MAX_FRAME_LEN, PROTOCOL_VERSION,
+    HostMsg, Msg, RemoteError, WatchKind, WinSize, AGENT_VSOCK_PORT, MAX_FRAME_LEN,
+    PROTOCOL_VERSION,
 };
 
 /// Errors of this crate: framing and decoding, and I/O on the connection.

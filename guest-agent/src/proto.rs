@@ -193,6 +193,55 @@ pub struct DirEntry {
     pub stat: FileStat,
 }
 
+/// What happened to an entry of a watched directory ([`AgentMsg::WatchEvent`]). The wire
+/// codes of the five kinds are envd's `EventType` numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchKind {
+    /// Events were lost: the kernel's queue overflowed (empty name), or a subdirectory
+    /// (the name) could not be watched (the per-watch directory limit was reached).
+    Overflow,
+    /// Created, or moved into the watched tree.
+    Create,
+    /// Its content was written.
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away from this name (the new name, if inside the tree, gets a Create).
+    Rename,
+    /// Its metadata (mode, owner, times) changed.
+    Chmod,
+    /// A code this version does not know (newer agent).
+    Other(u8),
+}
+
+impl WatchKind {
+    /// Wire code.
+    pub fn code(self) -> u8 {
+        match self {
+            WatchKind::Overflow => 0,
+            WatchKind::Create => 1,
+            WatchKind::Write => 2,
+            WatchKind::Remove => 3,
+            WatchKind::Rename => 4,
+            WatchKind::Chmod => 5,
+            WatchKind::Other(c) => c,
+        }
+    }
+
+    /// From a wire code (unknown codes become [`WatchKind::Other`]).
+    pub fn from_code(c: u8) -> Self {
+        match c {
+            0 => WatchKind::Overflow,
+            1 => WatchKind::Create,
+            2 => WatchKind::Write,
+            3 => WatchKind::Remove,
+            4 => WatchKind::Rename,
+            5 => WatchKind::Chmod,
+            c => WatchKind::Other(c),
+        }
+    }
+}
+
 /// Error categories carried by an [`AgentMsg::Error`] frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -433,6 +482,17 @@ pub enum HostMsg {
     },
     /// The kept processes (running, and recently ended).
     ListProcs,
+    /// Watch the directory `path` (and with `recursive` its subdirectories, also those
+    /// made later): `Ok` once watching, then WatchEvent frames on this id until Unwatch
+    /// (final `Ok`) or an `Error` (final).
+    Watch {
+        path: PathBuf,
+        recursive: bool,
+    },
+    /// Stop the watch `target`.
+    Unwatch {
+        target: u32,
+    },
 }
 
 /// Messages agent -> host (tags 0x80..0xff).
@@ -473,6 +533,11 @@ pub enum AgentMsg {
     DirEntries(Vec<DirEntry>),
     /// Part of a ListProcs reply (more may follow; Ok ends the listing).
     ProcList(Vec<ProcInfo>),
+    /// Something happened in a watched directory: `name` is relative to it.
+    WatchEvent {
+        name: PathBuf,
+        kind: WatchKind,
+    },
 }
 
 /// Either direction.
@@ -515,6 +580,8 @@ mod tag {
     pub const SPAWN: u8 = 0x15;
     pub const ATTACH: u8 = 0x16;
     pub const LIST_PROCS: u8 = 0x17;
+    pub const WATCH: u8 = 0x18;
+    pub const UNWATCH: u8 = 0x19;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -530,6 +597,7 @@ mod tag {
     pub const STAT_REPLY: u8 = 0x8b;
     pub const DIR_ENTRIES: u8 = 0x8c;
     pub const PROC_LIST: u8 = 0x8d;
+    pub const WATCH_EVENT: u8 = 0x90;
 }
 
 // ----------------------------------------------------------------------------- encoding
@@ -819,6 +887,17 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
             e.os(to.as_os_str());
             e
         }
+        HostMsg::Watch { path, recursive } => {
+            let mut e = Enc::new(tag::WATCH, id);
+            e.os(path.as_os_str());
+            e.bool(*recursive);
+            e
+        }
+        HostMsg::Unwatch { target } => {
+            let mut e = Enc::new(tag::UNWATCH, id);
+            e.u32(*target);
+            e
+        }
     };
     e.finish()
 }
@@ -916,6 +995,12 @@ pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
                 e.os(&d.name);
                 e.stat(&d.stat);
             }
+            e
+        }
+        AgentMsg::WatchEvent { name, kind } => {
+            let mut e = Enc::new(tag::WATCH_EVENT, id);
+            e.os(name.as_os_str());
+            e.u8(kind.code());
             e
         }
     };
@@ -1255,6 +1340,13 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
             from: d.path("from")?,
             to: d.path("to")?,
         },
+        tag::WATCH => HostMsg::Watch {
+            path: d.path("path")?,
+            recursive: d.bool("recursive")?,
+        },
+        tag::UNWATCH => HostMsg::Unwatch {
+            target: d.u32("target")?,
+        },
         other => return Err(Error::UnknownTag(other)),
     })
 }
@@ -1308,6 +1400,10 @@ fn decode_agent(t: u8, d: &mut Dec<'_>) -> Result<AgentMsg, Error> {
             }
             AgentMsg::DirEntries(entries)
         }
+        tag::WATCH_EVENT => AgentMsg::WatchEvent {
+            name: d.path("name")?,
+            kind: WatchKind::from_code(d.u8("watch kind")?),
+        },
         other => return Err(Error::UnknownTag(other)),
     })
 }
@@ -1465,6 +1561,11 @@ mod tests {
                 output: false,
             },
             HostMsg::ListProcs,
+            HostMsg::Watch {
+                path: "/tmp/w".into(),
+                recursive: true,
+            },
+            HostMsg::Unwatch { target: 77 },
         ]
     }
 
@@ -1536,6 +1637,18 @@ mod tests {
                     ..Default::default()
                 },
             ]),
+            AgentMsg::WatchEvent {
+                name: "sub/f.txt".into(),
+                kind: WatchKind::Create,
+            },
+            AgentMsg::WatchEvent {
+                name: "".into(),
+                kind: WatchKind::Overflow,
+            },
+            AgentMsg::WatchEvent {
+                name: PathBuf::from(OsString::from_vec(vec![0xfe])),
+                kind: WatchKind::Other(200),
+            },
         ]
     }
 

@@ -1038,3 +1038,280 @@ async fn a_start_timeout_kills_the_process() {
     }
     assert!(gone, "the timed-out process still runs");
 }
+
+/// The envelopes of the next body frame of a stream (10 s at most).
+async fn next_frames(body: &mut Body) -> Vec<(u8, Vec<u8>)> {
+    let d = tokio::time::timeout(std::time::Duration::from_secs(10), body.frame())
+        .await
+        .expect("a watch event in time")
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
+    envelopes(&d)
+}
+
+/// The messages of a WatchDir JSON stream (its oneof members by name) and its end.
+fn watch_stream(frames: &[(u8, Vec<u8>)]) -> (Vec<Value>, Option<Value>) {
+    let mut msgs = Vec::new();
+    let mut end = None;
+    for (flags, p) in frames {
+        let v: Value = serde_json::from_slice(p).unwrap();
+        if *flags == 2 {
+            end = Some(v);
+        } else {
+            msgs.push(v);
+        }
+    }
+    (msgs, end)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn watch_dir_streams_and_polling_watchers() {
+    let env = setup("watch");
+    let w = env.dir.join("w");
+    std::fs::create_dir_all(w.join("sub")).unwrap();
+    let watch_req = |path: &Path, recursive: bool, timeout_ms: Option<&str>| {
+        let mut r = env.req(
+            "POST",
+            "/filesystem.Filesystem/WatchDir",
+            Some("application/connect+json"),
+            envelope(
+                serde_json::to_vec(&json!({"path": path, "recursive": recursive}))
+                    .unwrap()
+                    .as_slice(),
+            ),
+        );
+        if let Some(t) = timeout_ms {
+            r.headers_mut()
+                .insert("connect-timeout-ms", t.parse().unwrap());
+        }
+        r
+    };
+
+    // A live stream: the start event, then what happens in the tree.
+    let resp = env
+        .app
+        .clone()
+        .oneshot(watch_req(&w, true, None))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut frames = Vec::new();
+    frames.extend(next_frames(&mut body).await);
+    assert_eq!(watch_stream(&frames).0, vec![json!({"start": {}})]);
+    std::fs::write(w.join("sub/f.txt"), b"hello").unwrap();
+    let want = json!({"filesystem": {"name": "sub/f.txt", "type": "EVENT_TYPE_WRITE"}});
+    while !watch_stream(&frames).0.contains(&want) {
+        frames.extend(next_frames(&mut body).await);
+    }
+    assert!(watch_stream(&frames)
+        .0
+        .contains(&json!({"filesystem": {"name": "sub/f.txt", "type": "EVENT_TYPE_CREATE"}})));
+    drop(body);
+
+    // A deadline ends the stream; missing paths, files and bad envelopes are errors.
+    let (s, _, b) = env.send(watch_req(&w, false, Some("100"))).await;
+    assert_eq!(s, StatusCode::OK);
+    let (msgs, end) = watch_stream(&envelopes(&b));
+    assert_eq!(msgs[0], json!({"start": {}}));
+    assert_eq!(end.unwrap()["error"]["code"], "deadline_exceeded");
+    let (_, _, b) = env.send(watch_req(&w.join("nope"), false, None)).await;
+    let (msgs, end) = watch_stream(&envelopes(&b));
+    assert!(msgs.is_empty());
+    assert_eq!(end.unwrap()["error"]["code"], "not_found");
+    std::fs::write(w.join("file"), b"x").unwrap();
+    let (_, _, b) = env.send(watch_req(&w.join("file"), false, None)).await;
+    assert_eq!(
+        watch_stream(&envelopes(&b)).1.unwrap()["error"]["code"],
+        "invalid_argument"
+    );
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            "/filesystem.Filesystem/WatchDir",
+            Some("application/connect+json"),
+            vec![0, 0, 0, 1, 0, b'{'],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        watch_stream(&envelopes(&b)).1.unwrap()["error"]["code"],
+        "invalid_argument"
+    );
+
+    // Polling watchers: create, collect, remove.
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/CreateWatcher",
+            json!({"path": w, "recursive": false}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let id = v["watcherId"].as_str().unwrap().to_string();
+    assert!(id.starts_with('w') && id.len() > 8, "{id}");
+    std::fs::rename(w.join("file"), w.join("moved")).unwrap();
+    std::fs::remove_file(w.join("moved")).unwrap();
+    let mut events = Vec::new();
+    let gone = json!({"name": "moved", "type": "EVENT_TYPE_REMOVE"});
+    for _ in 0..200 {
+        let (s, v) = env
+            .unary(
+                "filesystem.Filesystem/GetWatcherEvents",
+                json!({"watcherId": id}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        events.extend(v["events"].as_array().cloned().unwrap_or_default());
+        if events.contains(&gone) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        events,
+        vec![
+            json!({"name": "file", "type": "EVENT_TYPE_RENAME"}),
+            json!({"name": "moved", "type": "EVENT_TYPE_CREATE"}),
+            gone
+        ]
+    );
+    // Collected events are gone; nothing new is an empty list.
+    let (_, v) = env
+        .unary(
+            "filesystem.Filesystem/GetWatcherEvents",
+            json!({"watcherId": id}),
+        )
+        .await;
+    assert_eq!(v, json!({"events": []}));
+    let (s, _) = env
+        .unary(
+            "filesystem.Filesystem/RemoveWatcher",
+            json!({"watcherId": id}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    for method in ["GetWatcherEvents", "RemoveWatcher"] {
+        let (s, v) = env
+            .unary(
+                &format!("filesystem.Filesystem/{method}"),
+                json!({"watcherId": id}),
+            )
+            .await;
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (StatusCode::NOT_FOUND, Some("not_found"))
+        );
+    }
+
+    // Binary protobuf: a watcher on a directory that is then removed reports its events,
+    // then the error that ended it.
+    let gone_dir = env.dir.join("gone");
+    std::fs::create_dir(&gone_dir).unwrap();
+    let create = pb::WatchRequest {
+        path: gone_dir.to_string_lossy().into_owned(),
+        ..Default::default()
+    };
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            "/filesystem.Filesystem/CreateWatcher",
+            Some("application/proto"),
+            create.encode_to_vec(),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let id = pb::CreateWatcherResponse::decode(&b[..])
+        .unwrap()
+        .watcher_id;
+    std::fs::write(gone_dir.join("x"), b"1").unwrap();
+    std::fs::remove_dir_all(&gone_dir).unwrap();
+    let get = pb::WatcherRequest { watcher_id: id }.encode_to_vec();
+    let mut names = Vec::new();
+    let mut end = None;
+    for _ in 0..200 {
+        let (s, ct, b) = env
+            .send(env.req(
+                "POST",
+                "/filesystem.Filesystem/GetWatcherEvents",
+                Some("application/proto"),
+                get.clone(),
+            ))
+            .await;
+        if s != StatusCode::OK {
+            end = Some((s, serde_json::from_slice::<Value>(&b).unwrap()));
+            break;
+        }
+        assert_eq!(ct, "application/proto");
+        let r = pb::GetWatcherEventsResponse::decode(&b[..]).unwrap();
+        names.extend(r.events.into_iter().map(|e| (e.name, e.r#type)));
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    let (s, v) = end.expect("the watch ends when its directory goes");
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+    assert!(
+        names.contains(&("x".into(), pb::EventType::Create as i32)),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&("x".into(), pb::EventType::Remove as i32)),
+        "{names:?}"
+    );
+
+    // Malformed requests.
+    let (s, v) = env
+        .unary("filesystem.Filesystem/CreateWatcher", json!({"path": 5}))
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_argument"))
+    );
+    let (s, v) = env
+        .unary(
+            "filesystem.Filesystem/CreateWatcher",
+            json!({"path": env.dir.join("nope")}),
+        )
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+    let (s, _, _) = env
+        .send(env.req(
+            "POST",
+            "/filesystem.Filesystem/GetWatcherEvents",
+            Some("application/proto"),
+            vec![0x0a, 0x10, b'w'],
+        ))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    // GET /files answers gzip when asked (and only then).
+    let text = "compressible ".repeat(10_000);
+    std::fs::write(env.dir.join("gz.txt"), &text).unwrap();
+    let uri = format!("/files?path={}", env.dir.join("gz.txt").display());
+    let mut r = env.req("GET", &uri, None, vec![]);
+    r.headers_mut()
+        .insert("accept-encoding", "gzip, deflate".parse().unwrap());
+    let resp = env.app.clone().oneshot(r).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-encoding"], "gzip");
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(b.len() < text.len() / 10, "{} bytes", b.len());
+    let mut plain = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&b[..]), &mut plain).unwrap();
+    assert_eq!(plain, text);
+    let resp = env
+        .app
+        .clone()
+        .oneshot(env.req("GET", &uri, None, vec![]))
+        .await
+        .unwrap();
+    assert!(resp.headers().get("content-encoding").is_none());
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(b, text.as_bytes());
+}

@@ -248,3 +248,88 @@ def test_command_timeout_kills_the_process(sb, d):
     # Really gone, not just off the list.
     with pytest.raises(CommandExitException):
         sb.commands.run(f"kill -0 {pid}")
+
+
+def _wait_events(h, want, timeout=10):
+    """Polls a watch handle until every (name, type) in `want` was seen."""
+    got = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got += [(e.name, e.type.value) for e in h.get_new_events()]
+        if all(w in got for w in want):
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"wanted {want}, got {got}")
+
+
+def test_watch_dir_create_write_rename_remove(sb, d):
+    h = sb.files.watch_dir(d)
+    sb.commands.run(f"echo hello > {d}/a.txt")
+    got = _wait_events(h, [("a.txt", "create"), ("a.txt", "write")])
+    assert got.index(("a.txt", "create")) < got.index(("a.txt", "write"))
+    sb.commands.run(f"mv {d}/a.txt {d}/b.txt && rm {d}/b.txt")
+    _wait_events(h, [("a.txt", "rename"), ("b.txt", "create"), ("b.txt", "remove")])
+    sb.commands.run(f"touch {d}/c && chmod 600 {d}/c")
+    _wait_events(h, [("c", "chmod")])
+    h.stop()
+    with pytest.raises(SandboxException):
+        h.get_new_events()
+
+
+def test_watch_dir_recursive_sees_subdirectories(sb, d):
+    sb.commands.run(f"mkdir -p {d}/sub")
+    flat = sb.files.watch_dir(d)
+    h = sb.files.watch_dir(d, recursive=True)
+    sb.commands.run(
+        f"echo x > {d}/sub/f.txt && mkdir -p {d}/new/deep && echo y > {d}/new/deep/g.txt"
+    )
+    _wait_events(h, [("sub/f.txt", "create"), ("new", "create"), ("new/deep/g.txt", "create")])
+    names = [e.name for e in flat.get_new_events()]
+    assert "new" in names and not any("/" in n for n in names), names
+    h.stop()
+    flat.stop()
+
+
+def test_watch_dir_missing_path_and_file(sb, d):
+    with pytest.raises(NotFoundException):
+        sb.files.watch_dir(f"{d}/nope")
+    sb.files.write(f"{d}/file", "x")
+    with pytest.raises(SandboxException):
+        sb.files.watch_dir(f"{d}/file")
+
+
+def test_async_watch_dir_streams_events(sb, d):
+    import asyncio
+
+    from e2b import AsyncSandbox
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+    async def main():
+        s = await AsyncSandbox.connect(sb.sandbox_id)
+        events = []
+        seen = asyncio.Event()
+
+        def on_event(e):
+            events.append((e.name, e.type))
+            # Its write may come before the new directory is watched: the create is
+            # reported either way.
+            if (e.name, e.type) == ("s/deep.txt", FilesystemEventType.CREATE):
+                seen.set()
+
+        h = await s.files.watch_dir(d, on_event=on_event, recursive=True)
+        await s.commands.run(f"mkdir {d}/s && echo hi > {d}/s/deep.txt")
+        await asyncio.wait_for(seen.wait(), 10)
+        await h.stop()
+        with pytest.raises(SandboxException):
+            await s.files.watch_dir(f"{d}/nope", on_event=on_event)
+        return events
+
+    events = asyncio.run(main())
+    assert ("s", FilesystemEventType.CREATE) in events
+
+
+def test_read_gzip_response(sb, d):
+    text = "compressible " * 10000
+    sb.files.write(f"{d}/t.txt", text)
+    assert sb.files.read(f"{d}/t.txt", gzip=True) == text
+    assert sb.files.read(f"{d}/t.txt", format="bytes", gzip=True) == text.encode()

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::exec::{self, ExecEntry};
 use super::files::{self, Upload};
+use super::watch::Watches;
 use super::{Shared, SystemMode};
 use crate::proto::{
     self, decode_frame, AgentMsg, ErrorKind, HostMsg, Msg, RemoteError, MAX_ENTROPY_LEN,
@@ -67,6 +68,8 @@ struct Session {
     conn: Arc<Conn>,
     negotiated: bool,
     uploads: HashMap<u32, Upload>,
+    /// Directory watches; dropped (stopped) when the connection ends.
+    watches: Watches,
 }
 
 /// Serves one accepted connection until the peer closes it, then kills the execs it
@@ -92,6 +95,7 @@ pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
         conn: conn.clone(),
         negotiated: false,
         uploads: HashMap::new(),
+        watches: Watches::default(),
     };
     let mut input = BufReader::with_capacity(128 * 1024, File::from(fd));
     loop {
@@ -331,6 +335,20 @@ impl Session {
             }
             HostMsg::Rename { from, to } => {
                 reply_unit(conn, id, files::rename(&from, &to));
+            }
+            HostMsg::Watch { path, recursive } => {
+                if self.uploads.contains_key(&id)
+                    || conn.execs().contains_key(&id)
+                    || self.watches.contains(id)
+                {
+                    conn.send_err(id, id_in_use(id));
+                } else if let Err(e) = self.watches.start(conn, id, &path, recursive) {
+                    conn.send_err(id, e);
+                }
+            }
+            HostMsg::Unwatch { target } => {
+                let r = self.watches.stop(target);
+                reply_unit(conn, id, r);
             }
             HostMsg::SetClock { unix_ns } => {
                 let r = match conn.shared.opts.mode {

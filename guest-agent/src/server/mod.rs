@@ -1,5 +1,6 @@
 //! The agent server: accepts connections on a listener and serves the protocol on each,
-//! one thread per connection (plus helper threads per exec and per file download).
+//! one thread per connection (plus helper threads per exec, per file download and per
+//! directory watch).
 //!
 //! The same code runs in the guest (AF_VSOCK, port 52) and on the host for tests (a Unix
 //! socket, `clade-agent --listen-unix PATH`); [`SystemMode`] keeps the host-test mode from
@@ -9,6 +10,7 @@ mod conn;
 mod exec;
 mod files;
 mod procs;
+mod watch;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

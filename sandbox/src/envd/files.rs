@@ -1,35 +1,54 @@
-//! `filesystem.Filesystem` (Stat, ListDir, MakeDir, Move, Remove) and envd's plain HTTP
-//! `/files` (download; upload as multipart or octet-stream, optionally gzip), over the
-//! agent's file operations.
+//! `filesystem.Filesystem` (Stat, ListDir, MakeDir, Move, Remove, the WatchDir stream and
+//! the polling watchers CreateWatcher / GetWatcherEvents / RemoveWatcher) and envd's plain
+//! HTTP `/files` (download; upload as multipart or octet-stream, optionally gzip), over
+//! the agent's file operations and directory watches.
 //!
 //! Transfers stream: each `/files` request gets an agent connection of its own (the
 //! agent client stalls a whole connection while one operation's reader lags, so a slow
 //! HTTP client must not hold up the sandbox's shared connection), and bytes move through
 //! bounded channels between the async side and the blocking agent calls.
 //!
-//! Not served yet: WatchDir and the watcher RPCs, symlink targets (`symlink_target`),
-//! extended-attribute metadata.
+//! Watches: each `WatchDir` stream and each polling watcher holds an agent connection of
+//! its own with one agent watch on it (a watch's events must be read promptly, and the
+//! agent ends a connection's watches when it closes, so a watcher's end cannot leak one).
+//! A pump thread per watch reads its events: into the stream (bounded channel; a slow
+//! client slows the watch, whose events then wait in the guest kernel's bounded queue)
+//! or into the watcher's queue (bounded: [`MAX_WATCHER_EVENTS`]). Lost events (a queue
+//! overflow) end the watch with an error, as envd's fsnotify watcher does.
+//!
+//! Not served yet: extended-attribute metadata, `include_entry` (envd 0.6.3; the SDK does
+//! not ask an envd 0.5.7 for it).
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path as FsPath;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, Multipart, Path, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
-use vmm::agent::{FileKind, FileStat};
+use vmm::agent::{Client, FileKind, FileStat, Watch, WatchEvent, WatchKind, WatchStopper};
 
 use super::connect::{self, Code, Codec, RpcError};
 use super::pb;
-use super::{read_body, target_sandbox, DataPlane, SandboxConn, Target, User};
+use super::{lock, read_body, target_sandbox, DataPlane, SandboxConn, Target, User};
 
 /// Depth of a ListDir without one (envd's default).
 const DEFAULT_DEPTH: u32 = 1;
 /// Most entries one ListDir returns.
 const MAX_ENTRIES: usize = 100_000;
+/// Polling watchers one sandbox may have (removed or not).
+const MAX_WATCHERS: usize = 64;
+/// Events a polling watcher keeps until they are collected; more ends it with an error.
+pub(crate) const MAX_WATCHER_EVENTS: usize = 16_384;
+/// Events buffered between a WatchDir stream's pump and its HTTP response.
+const WATCH_STREAM_DEPTH: usize = 64;
+/// envd's keepalive request header (seconds between keepalive messages).
+const KEEPALIVE_HEADER: &str = "keepalive-ping-interval";
 
 /// Go's `FileMode.String()` (`-rw-r--r--`, `drwxr-xr-x`, `Lrwxrwxrwx`), as envd reports
 /// `permissions`.
@@ -121,9 +140,19 @@ pub(crate) async fn dispatch(
     Path(method): Path<String>,
     req: Request,
 ) -> Response {
+    if method == "WatchDir" {
+        return watch_dir(dp, req).await;
+    }
     if !matches!(
         method.as_str(),
-        "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove"
+        "Stat"
+            | "ListDir"
+            | "MakeDir"
+            | "Move"
+            | "Remove"
+            | "CreateWatcher"
+            | "GetWatcherEvents"
+            | "RemoveWatcher"
     ) {
         return RpcError::new(
             Code::Unimplemented,
@@ -248,6 +277,27 @@ fn fs_call(
                 &pb::EntryResponse { entry: Some(e) },
             ))
         }
+        "CreateWatcher" => {
+            let r: pb::WatchRequest = codec.decode(body)?;
+            let id = create_watcher(sb, user, &r)?;
+            Ok(connect::unary_ok(
+                codec,
+                &pb::CreateWatcherResponse { watcher_id: id },
+            ))
+        }
+        "GetWatcherEvents" => {
+            let r: pb::WatcherRequest = codec.decode(body)?;
+            let events = sb.watchers.take_events(&r.watcher_id)?;
+            Ok(connect::unary_ok(
+                codec,
+                &pb::GetWatcherEventsResponse { events },
+            ))
+        }
+        "RemoveWatcher" => {
+            let r: pb::WatcherRequest = codec.decode(body)?;
+            sb.watchers.remove(&r.watcher_id)?;
+            Ok(connect::unary_ok(codec, &pb::Empty {}))
+        }
         _ => {
             let r: pb::PathRequest = codec.decode(body)?;
             check_path(&r.path)?;
@@ -257,6 +307,347 @@ fn fs_call(
             Ok(connect::unary_ok(codec, &pb::Empty {}))
         }
     }
+}
+
+// ------------------------------------------------------------------------- watches
+
+/// A sandbox's polling watchers, by id.
+#[derive(Default)]
+pub(crate) struct Watchers {
+    map: Mutex<HashMap<String, Arc<Watcher>>>,
+}
+
+/// One polling watcher: its events until collected, and how it ended.
+pub(crate) struct Watcher {
+    state: Mutex<WatcherState>,
+    stopper: WatchStopper,
+}
+
+#[derive(Default)]
+struct WatcherState {
+    events: Vec<pb::FilesystemEvent>,
+    /// Why the watch ended on its own (reported once its events are collected).
+    error: Option<RpcError>,
+}
+
+impl Watchers {
+    fn get(&self, id: &str) -> Result<Arc<Watcher>, RpcError> {
+        lock(&self.map)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| no_watcher(id))
+    }
+
+    /// The events since the last call; once there are none left, the error that ended
+    /// the watch, if one did.
+    pub(crate) fn take_events(&self, id: &str) -> Result<Vec<pb::FilesystemEvent>, RpcError> {
+        let w = self.get(id)?;
+        let mut st = lock(&w.state);
+        if st.events.is_empty() {
+            if let Some(e) = &st.error {
+                return Err(e.clone());
+            }
+        }
+        Ok(std::mem::take(&mut st.events))
+    }
+
+    /// Stops the watch and forgets the watcher.
+    pub(crate) fn remove(&self, id: &str) -> Result<(), RpcError> {
+        let w = lock(&self.map).remove(id).ok_or_else(|| no_watcher(id))?;
+        // Its connection may be gone already (the watch ended): nothing left to stop.
+        if let Err(e) = w.stopper.stop() {
+            tracing::debug!(watcher = id, "stop: {e}");
+        }
+        Ok(())
+    }
+}
+
+fn no_watcher(id: &str) -> RpcError {
+    RpcError::new(Code::NotFound, format!("watcher with id {id} not found"))
+}
+
+/// An agent watch on a connection of its own, for a WatchDir / CreateWatcher request.
+fn open_watch(
+    sb: &SandboxConn,
+    user: &User,
+    r: &pb::WatchRequest,
+) -> Result<(Client, Watch), RpcError> {
+    check_path(&r.path)?;
+    let p = user.resolve(&r.path);
+    let client = sb.connect_new()?;
+    let watch = client
+        .watch(&p, r.recursive)
+        .map_err(|e| watch_error(e, &p))?;
+    Ok((client, watch))
+}
+
+fn watch_error(e: vmm::Error, p: &FsPath) -> RpcError {
+    if let vmm::Error::Agent(r) = &e {
+        if r.errno == libc::EMFILE || r.errno == libc::ENOSPC {
+            return RpcError::new(Code::ResourceExhausted, r.message.clone());
+        }
+        if r.errno == libc::ENOTDIR {
+            return RpcError::new(
+                Code::InvalidArgument,
+                format!("path {} not a directory", p.display()),
+            );
+        }
+    }
+    let mut e = RpcError::from(e);
+    if e.code == Code::NotFound {
+        e.message = format!("path {} not found", p.display());
+    }
+    e
+}
+
+/// An agent event as envd reports it: `None` for kinds envd has no name for; lost
+/// events end the watch (envd's watcher fails on an fsnotify overflow).
+fn fs_event(ev: WatchEvent) -> Result<Option<pb::FilesystemEvent>, RpcError> {
+    let ty = match ev.kind {
+        WatchKind::Create => pb::EventType::Create,
+        WatchKind::Write => pb::EventType::Write,
+        WatchKind::Remove => pb::EventType::Remove,
+        WatchKind::Rename => pb::EventType::Rename,
+        WatchKind::Chmod => pb::EventType::Chmod,
+        WatchKind::Overflow if ev.name.as_os_str().is_empty() => {
+            return Err(RpcError::new(
+                Code::Internal,
+                "watcher error: event queue overflow, events were lost",
+            ))
+        }
+        WatchKind::Overflow => {
+            return Err(RpcError::new(
+                Code::ResourceExhausted,
+                format!(
+                    "watcher error: too many directories to watch ({} was not watched)",
+                    ev.name.display()
+                ),
+            ))
+        }
+        WatchKind::Other(_) => return Ok(None),
+    };
+    Ok(Some(pb::FilesystemEvent {
+        name: ev.name.to_string_lossy().into_owned(),
+        r#type: ty as i32,
+        entry: None,
+    }))
+}
+
+/// How a watch's event stream ended, as an error to report (`None`: stopped).
+fn ended(r: vmm::Result<Option<WatchEvent>>) -> Option<RpcError> {
+    match r {
+        Ok(_) => None,
+        Err(vmm::Error::Agent(e)) if e.kind == vmm::agent::ErrorKind::NotFound => Some(
+            RpcError::new(Code::NotFound, format!("watch ended: {}", e.message)),
+        ),
+        Err(e) => Some(RpcError::from(e)),
+    }
+}
+
+fn create_watcher(sb: &SandboxConn, user: &User, r: &pb::WatchRequest) -> Result<String, RpcError> {
+    let full = || {
+        RpcError::new(
+            Code::ResourceExhausted,
+            format!("at most {MAX_WATCHERS} watchers per sandbox; remove one first"),
+        )
+    };
+    if lock(&sb.watchers.map).len() >= MAX_WATCHERS {
+        return Err(full());
+    }
+    let (client, mut watch) = open_watch(sb, user, r)?;
+    let w = Arc::new(Watcher {
+        state: Mutex::new(WatcherState::default()),
+        stopper: watch.stopper(),
+    });
+    let id = {
+        let mut map = lock(&sb.watchers.map);
+        if map.len() >= MAX_WATCHERS {
+            return Err(full());
+        }
+        let id = format!("w{}", crate::ids::random_string(20));
+        map.insert(id.clone(), w.clone());
+        id
+    };
+    let pump_id = id.clone();
+    let spawned = std::thread::Builder::new()
+        .name("watcher".into())
+        .spawn(move || {
+            // The connection lives as long as the watch; both go when the pump ends.
+            let _client = client;
+            let error = loop {
+                let r = watch.next_event();
+                match r {
+                    Ok(Some(ev)) => match fs_event(ev) {
+                        Ok(Some(e)) => {
+                            let mut st = lock(&w.state);
+                            if st.events.len() >= MAX_WATCHER_EVENTS {
+                                break Some(RpcError::new(
+                                    Code::ResourceExhausted,
+                                    format!(
+                                        "watcher error: more than {MAX_WATCHER_EVENTS} events \
+                                         were not collected; later ones were lost"
+                                    ),
+                                ));
+                            }
+                            st.events.push(e);
+                        }
+                        Ok(None) => {}
+                        Err(e) => break Some(e),
+                    },
+                    r => break ended(r),
+                }
+            };
+            tracing::debug!(watcher = pump_id, ?error, "watch ended");
+            lock(&w.state).error = error;
+        });
+    if let Err(e) = spawned {
+        lock(&sb.watchers.map).remove(&id);
+        return Err(RpcError::new(
+            Code::Internal,
+            format!("watcher thread: {e}"),
+        ));
+    }
+    Ok(id)
+}
+
+/// Stops a watch when the stream that owns it ends, however it ends (on a thread: the
+/// stop waits for the agent's answer).
+struct StopOnDrop(Option<WatchStopper>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            let _ = std::thread::Builder::new()
+                .name("unwatch".into())
+                .spawn(move || {
+                    let _ = s.stop();
+                });
+        }
+    }
+}
+
+fn keepalive_interval(h: &HeaderMap) -> Option<Duration> {
+    h.get(KEEPALIVE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map(Duration::from_secs)
+}
+
+/// `WatchDir` (server streaming): the start event once the agent watches, then the
+/// directory's events as they come (keepalives in between if the client asked for them),
+/// until the client goes, its `Connect-Timeout-Ms` passes (`deadline_exceeded`), or the
+/// watch fails (the directory was removed, events were lost).
+async fn watch_dir(dp: Arc<DataPlane>, req: Request) -> Response {
+    let codec = match Codec::from_headers(req.headers(), true) {
+        Ok(c) => c,
+        Err(e) => return e.unary_response(),
+    };
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let headers = req.headers().clone();
+    let user_name = super::basic_user(&headers);
+    let body = match read_body(req, connect::MAX_MESSAGE + 5).await {
+        Ok(b) => b,
+        Err(e) => return connect::stream_error(codec, &e),
+    };
+    let msg: pb::WatchRequest = match connect::unwrap_envelope(&body).and_then(|m| codec.decode(m))
+    {
+        Ok(m) => m,
+        Err(e) => return connect::stream_error(codec, &e),
+    };
+    let opened = tokio::task::spawn_blocking(move || {
+        let user = sb.user(user_name.as_deref())?;
+        open_watch(&sb, &user, &msg)
+    })
+    .await
+    .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
+    let (client, mut watch) = match opened {
+        Ok(x) => x,
+        Err(e) => return connect::stream_error(codec, &e),
+    };
+    let guard = StopOnDrop(Some(watch.stopper()));
+    let (ev_tx, mut ev_rx) =
+        mpsc::channel::<Result<pb::FilesystemEvent, RpcError>>(WATCH_STREAM_DEPTH);
+    let spawned = std::thread::Builder::new()
+        .name("watch-dir".into())
+        .spawn(move || {
+            let _client = client;
+            loop {
+                let r = watch.next_event();
+                let item = match r {
+                    Ok(Some(ev)) => match fs_event(ev) {
+                        Ok(Some(e)) => Ok(e),
+                        Ok(None) => continue,
+                        Err(e) => Err(e),
+                    },
+                    r => match ended(r) {
+                        Some(e) => Err(e),
+                        None => return,
+                    },
+                };
+                let last = item.is_err();
+                // The stream is gone: dropping the watch stops it.
+                if ev_tx.blocking_send(item).is_err() || last {
+                    return;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        return connect::stream_error(
+            codec,
+            &RpcError::new(Code::Internal, format!("watch thread: {e}")),
+        );
+    }
+    let keepalive = keepalive_interval(&headers);
+    let deadline = connect::timeout(&headers).map(|d| tokio::time::Instant::now() + d);
+    let (tx, mut out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    let enc =
+        move |e: pb::WatchDirEvent| connect::envelope(&codec.encode(&pb::WatchDirResponse::new(e)));
+    tokio::spawn(async move {
+        let _guard = guard;
+        if tx
+            .send(Ok(enc(pb::WatchDirEvent::Start(pb::Empty {}))))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86400);
+        let sleep = tokio::time::sleep_until(deadline.unwrap_or(far));
+        tokio::pin!(sleep);
+        let period = keepalive.unwrap_or(Duration::from_secs(3600));
+        let mut ka = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let err = loop {
+            tokio::select! {
+                ev = ev_rx.recv() => match ev {
+                    Some(Ok(e)) => {
+                        if tx.send(Ok(enc(pb::WatchDirEvent::Filesystem(e)))).await.is_err() {
+                            return;
+                        }
+                        ka.reset();
+                    }
+                    Some(Err(e)) => break Some(e),
+                    None => break None,
+                },
+                _ = ka.tick(), if keepalive.is_some() => {
+                    if tx.send(Ok(enc(pb::WatchDirEvent::Keepalive(pb::Empty {})))).await.is_err() {
+                        return;
+                    }
+                }
+                _ = &mut sleep => break Some(RpcError::new(
+                    Code::DeadlineExceeded,
+                    "the watch's deadline passed",
+                )),
+                _ = tx.closed() => return,
+            }
+        };
+        let _ = tx.send(Ok(connect::end_envelope(err.as_ref()))).await;
+    });
+    let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| out.poll_recv(cx)));
+    connect::stream_response(codec, body)
 }
 
 /// Files made for a non-root user should be theirs; the agent has no chown yet, so they
@@ -304,7 +695,36 @@ fn file_query(req: &Request) -> (Option<String>, Option<String>) {
     (path, user)
 }
 
-/// `GET /files?path=…&username=…`: the file's bytes, streamed.
+/// Whether a response may be gzipped, by `Accept-Encoding` as envd decides: gzip when
+/// listed with a non-zero quality not below identity's, or when identity is refused
+/// (`identity;q=0`) and `*` is accepted.
+fn accepts_gzip(h: &HeaderMap) -> bool {
+    let (mut gzip, mut identity, mut star) = (None, None, None);
+    for v in h.get_all(header::ACCEPT_ENCODING) {
+        let Ok(v) = v.to_str() else { continue };
+        for item in v.split(',') {
+            let mut parts = item.split(';');
+            let name = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.trim().strip_prefix("q=").or(p.trim().strip_prefix("Q=")))
+                .find_map(|q| q.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            match name.as_str() {
+                "gzip" | "x-gzip" => gzip = Some(q),
+                "identity" => identity = Some(q),
+                "*" => star = Some(q),
+                _ => {}
+            }
+        }
+    }
+    match gzip {
+        Some(q) => q > 0.0 && identity.is_none_or(|i| q >= i),
+        None => identity == Some(0.0) && star.is_some_and(|q| q > 0.0),
+    }
+}
+
+/// `GET /files?path=…&username=…`: the file's bytes, streamed (gzipped on the fly when
+/// the client accepts it, at the fastest level: the transfer is local, CPU is the cost).
 pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
     let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
         Ok(s) => s,
@@ -312,6 +732,7 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
     };
     let (path, qs_user) = file_query(&req);
     let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let gzip = accepts_gzip(req.headers());
     let Some(path) = path.filter(|p| !p.is_empty()) else {
         return http_error(StatusCode::BAD_REQUEST, "the path parameter is required");
     };
@@ -342,8 +763,20 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
     };
     let (tx, mut rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     tokio::task::spawn_blocking(move || {
-        let mut w = ChanWriter { tx: tx.clone() };
-        if let Err(e) = client.read_file_to(&p, &mut w) {
+        let w = ChanWriter { tx: tx.clone() };
+        let r = if gzip {
+            let mut gz = flate2::write::GzEncoder::new(w, flate2::Compression::fast());
+            client.read_file_to(&p, &mut gz).and_then(|_| {
+                gz.finish().map(drop).map_err(|e| vmm::Error::Io {
+                    context: "gzip the download",
+                    source: e,
+                })
+            })
+        } else {
+            let mut w = w;
+            client.read_file_to(&p, &mut w).map(drop)
+        };
+        if let Err(e) = r {
             // The status line is gone: fail the body so the client sees a broken transfer.
             let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
         }
@@ -354,6 +787,12 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    r.headers_mut()
+        .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if gzip {
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    }
     // Only a hint: the agent streams what the file holds when it reads it.
     let _ = size;
     r
@@ -577,6 +1016,26 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gzip_by_accept_encoding() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT_ENCODING, v.parse().unwrap());
+            accepts_gzip(&h)
+        };
+        assert!(!accepts_gzip(&HeaderMap::new()));
+        assert!(with("gzip"));
+        assert!(with("gzip, deflate, br"));
+        assert!(with("GZIP;q=0.5"));
+        assert!(!with("gzip;q=0"));
+        assert!(!with("deflate, br"));
+        assert!(!with("gzip;q=0.5, identity"));
+        assert!(!with("*"));
+        assert!(with("identity;q=0, *"));
+        // An unparsable quality counts as 1, as envd reads it.
+        assert!(with("gzip;q=nonsense;;,,"));
+    }
 
     #[test]
     fn permissions_like_go() {

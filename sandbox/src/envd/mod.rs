@@ -15,8 +15,9 @@
 //! operations (stat, list, mkdir…) and the user table; nothing else. Processes started
 //! through `Start` are the agent's kept processes (`process`), so they outlive the HTTP
 //! stream that started them, a pause and resume (vsock connections do not survive a
-//! snapshot, but the guest's processes do) and a restart of this service: see
-//! docs/e2b-compat.md.
+//! snapshot, but the guest's processes do) and a restart of this service. Directory
+//! watchers (`files`) hold an agent connection each, with their events in a bounded
+//! queue; they do not survive a pause or a restart. See docs/e2b-compat.md.
 //!
 //! A request for a paused sandbox resumes it first (auto-resume); an unknown, killed or
 //! crashed sandbox gets E2B's proxy answer, 502 "... was not found", which the SDK turns
@@ -49,8 +50,8 @@ use connect::{Code, RpcError};
 /// The envd version reported for every sandbox (control plane `envdVersion`). The SDK
 /// enables features by it: 0.5.7 means default user chosen by the server (>= 0.4.0),
 /// stdin control and `CloseStdin` (>= 0.3.0, 0.5.2), octet-stream and gzip uploads
-/// (>= 0.5.7). File metadata (0.6.2) and watch entries (0.6.3) are not served, so the SDK
-/// refuses them client-side.
+/// (>= 0.5.7), recursive watches (>= 0.1.4). File metadata (0.6.2) and entries in watch
+/// events (0.6.3) are not served, so the SDK refuses them client-side.
 pub const ENVD_VERSION: &str = "0.5.7";
 /// envd's port: the only sandbox port served.
 pub const ENVD_PORT: u16 = 49983;
@@ -142,6 +143,8 @@ pub(crate) struct SandboxConn {
     pub env: BTreeMap<String, String>,
     client: Mutex<Option<Client>>,
     users: Mutex<Option<Accounts>>,
+    /// Polling watchers (`CreateWatcher`), by id.
+    pub watchers: files::Watchers,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -343,6 +346,7 @@ impl DataPlane {
             env: rec.env_vars.clone(),
             client: Mutex::new(None),
             users: Mutex::new(None),
+            watchers: Default::default(),
         });
         map.insert(rec.id.clone(), c.clone());
         Ok(c)

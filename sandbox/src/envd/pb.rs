@@ -98,6 +98,7 @@ macro_rules! enum_json {
 
 enum_json!(signal_json, super::Signal);
 enum_json!(file_type_json, super::FileType);
+enum_json!(event_type_json, super::EventType);
 
 /// `google.protobuf.Timestamp`; JSON: RFC 3339 in UTC.
 #[derive(Clone, Copy, PartialEq, Eq, prost::Message)]
@@ -483,6 +484,118 @@ pub struct ListDirResponse {
     pub entries: Vec<EntryInfo>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum EventType {
+    Unspecified = 0,
+    Create = 1,
+    Write = 2,
+    Remove = 3,
+    Rename = 4,
+    Chmod = 5,
+}
+
+impl EventType {
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            EventType::Unspecified => "EVENT_TYPE_UNSPECIFIED",
+            EventType::Create => "EVENT_TYPE_CREATE",
+            EventType::Write => "EVENT_TYPE_WRITE",
+            EventType::Remove => "EVENT_TYPE_REMOVE",
+            EventType::Rename => "EVENT_TYPE_RENAME",
+            EventType::Chmod => "EVENT_TYPE_CHMOD",
+        }
+    }
+
+    pub fn from_str_name(s: &str) -> Option<Self> {
+        match s {
+            "EVENT_TYPE_UNSPECIFIED" => Some(EventType::Unspecified),
+            "EVENT_TYPE_CREATE" => Some(EventType::Create),
+            "EVENT_TYPE_WRITE" => Some(EventType::Write),
+            "EVENT_TYPE_REMOVE" => Some(EventType::Remove),
+            "EVENT_TYPE_RENAME" => Some(EventType::Rename),
+            "EVENT_TYPE_CHMOD" => Some(EventType::Chmod),
+            _ => None,
+        }
+    }
+}
+
+/// `WatchDirRequest` and `CreateWatcherRequest` (same shape).
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WatchRequest {
+    #[prost(string, tag = "1")]
+    pub path: String,
+    #[prost(bool, tag = "2")]
+    pub recursive: bool,
+    #[prost(bool, tag = "3")]
+    pub include_entry: bool,
+    #[prost(bool, tag = "4")]
+    pub allow_network_mounts: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FilesystemEvent {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(enumeration = "EventType", tag = "2")]
+    #[serde(rename = "type", with = "event_type_json")]
+    pub r#type: i32,
+    #[prost(message, optional, tag = "3")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry: Option<EntryInfo>,
+}
+
+/// `WatchDirResponse`: its `event` oneof.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+pub struct WatchDirResponse {
+    #[prost(oneof = "WatchDirEvent", tags = "1, 2, 3")]
+    #[serde(flatten)]
+    pub event: Option<WatchDirEvent>,
+}
+
+// Built and encoded one at a time, never stored in bulk: boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, PartialEq, prost::Oneof, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WatchDirEvent {
+    #[prost(message, tag = "1")]
+    Start(Empty),
+    #[prost(message, tag = "2")]
+    Filesystem(FilesystemEvent),
+    #[prost(message, tag = "3")]
+    Keepalive(Empty),
+}
+
+impl WatchDirResponse {
+    pub fn new(e: WatchDirEvent) -> Self {
+        Self { event: Some(e) }
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct CreateWatcherResponse {
+    #[prost(string, tag = "1")]
+    pub watcher_id: String,
+}
+
+/// `GetWatcherEventsRequest` and `RemoveWatcherRequest` (same shape).
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WatcherRequest {
+    #[prost(string, tag = "1")]
+    pub watcher_id: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GetWatcherEventsResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub events: Vec<FilesystemEvent>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,6 +671,26 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(end.encode_to_vec(), vec![0x08, 0x01]);
+        // WatchDirResponse{filesystem{name="a", type=WRITE}}: field 2 -> fields 1, 2.
+        let w = WatchDirResponse::new(WatchDirEvent::Filesystem(FilesystemEvent {
+            name: "a".into(),
+            r#type: EventType::Write as i32,
+            entry: None,
+        }));
+        assert_eq!(
+            w.encode_to_vec(),
+            vec![0x12, 0x05, 0x0a, 0x01, b'a', 0x10, 0x02]
+        );
+        // The start event is an empty message in field 1.
+        let start = WatchDirResponse::new(WatchDirEvent::Start(Empty {}));
+        assert_eq!(start.encode_to_vec(), vec![0x0a, 0x00]);
+        assert_eq!(
+            serde_json::to_string(&w).unwrap(),
+            r#"{"filesystem":{"name":"a","type":"EVENT_TYPE_WRITE"}}"#
+        );
+        let r: WatchRequest =
+            serde_json::from_str(r#"{"path":"/x","recursive":true,"includeEntry":false}"#).unwrap();
+        assert!(r.recursive && r.path == "/x");
         // A truncated message is an error, never a panic.
         assert!(StartRequest::decode(&[0x0a, 0x10, 0x0a][..]).is_err());
     }

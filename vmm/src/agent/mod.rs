@@ -25,6 +25,7 @@
 mod exec;
 mod sync;
 mod transport;
+mod watch;
 
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
@@ -47,6 +48,7 @@ pub use guest_agent::proto::{
 pub use exec::{Command, Exec, ExecEvent, ExecHandle, Output, StdinWriter};
 pub(crate) use sync::sync_after_restore;
 pub use transport::Transport;
+pub use watch::{Watch, WatchEvent, WatchKind, WatchStopper};
 
 use crate::error::{Error, Result};
 
@@ -721,6 +723,12 @@ impl Client {
                 to: to.as_ref().to_path_buf(),
             },
         )
+    }
+
+    /// Watches the directory `path` (with `recursive`, its subdirectories too). Each
+    /// watch should have a connection of its own when its events may be read slowly.
+    pub fn watch(&self, path: impl AsRef<Path>, recursive: bool) -> Result<Watch> {
+        watch::start(&self.inner, path.as_ref(), recursive)
     }
 
     /// Sets the guest's wall clock.
