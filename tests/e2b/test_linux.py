@@ -244,3 +244,28 @@ def test_service_restart_keeps_running_and_paused_sandboxes():
                 Sandbox.kill(s.sandbox_id)
             except Exception:
                 pass
+
+
+def test_watch_dir_sees_what_a_command_writes(sb):
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+    run(sb, "rm -rf /root/watched && mkdir -p /root/watched/sub")
+    w = sb.files.watch_dir("/root/watched", recursive=True, request_timeout=300)
+    try:
+        run(sb, "echo one > /root/watched/a.txt && echo two > /root/watched/sub/b.txt"
+                " && mv /root/watched/a.txt /root/watched/c.txt && rm /root/watched/c.txt")
+        seen = []
+        deadline = time.monotonic() + 60
+        want = {
+            ("a.txt", FilesystemEventType.CREATE),
+            ("a.txt", FilesystemEventType.WRITE),
+            ("sub/b.txt", FilesystemEventType.CREATE),
+            ("a.txt", FilesystemEventType.RENAME),
+            ("c.txt", FilesystemEventType.REMOVE),
+        }
+        while not want <= {(e.name, e.type) for e in seen}:
+            assert time.monotonic() < deadline, f"events so far: {seen}"
+            time.sleep(0.5)
+            seen.extend(w.get_new_events())
+    finally:
+        w.stop()

@@ -64,6 +64,78 @@ start_serve() {
 }
 trap 'fail "interrupted"' INT TERM
 
+# octal NUMBER: the byte NUMBER (0-255) as a printf escape.
+octal() { printf '\\%03o' "$1"; }
+# http_raw REQUEST OUT: sends the file REQUEST (a whole HTTP/1.1 request with
+# `Connection: close`) to the service with nc, the answer into OUT. (busybox wget posts
+# text only: it stops at the first NUL.) nc ends when the service closes; its input is
+# kept open meanwhile.
+http_raw() {
+    rm -f /tmp/http.done
+    ( { cat "$1"; sleep 3600; } | { nc 127.0.0.1 "$PORT" >"$2"; touch /tmp/http.done; } ) &
+    until [ -f /tmp/http.done ]; do usleep 10000; done
+    killall sleep 2>/dev/null
+    return 0
+}
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
+
+# throughput: a 32 MiB upload and a 32 MiB stdout stream, each through the data plane
+# (HTTP, envd's protocol) and straight through the agent (`clade cp`, `clade exec`), on one
+# sandbox of the template. Both run in this machine, so both are emulated alike: the
+# ratio is the figure (times under TCG are not latencies).
+throughput() {
+    n=33554432
+    out=$(wget -q -O - --header "X-API-KEY: $KEY" --header 'Content-Type: application/json' \
+        --post-data '{"templateID":"debian","timeout":900}' "http://127.0.0.1:$PORT/sandboxes") ||
+        return 1
+    id=$(echo "$out" | sed -n 's/.*"sandboxID":"\([^"]*\)".*/\1/p')
+    vs="$STATE/sandboxes/$id/vm.vsock"
+    head -c "$n" /dev/urandom >/tmp/blob
+    want=$(sha256sum /tmp/blob | cut -d' ' -f1)
+
+    t0=$(uptime_s)
+    $CLADE cp /tmp/blob "$vs:/root/blob-cp" || return 1
+    t1=$(uptime_s)
+    printf 'POST /files?path=/root/blob-dp&username=root HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/octet-stream\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
+        "$id" "$n" >/tmp/up.req
+    cat /tmp/blob >>/tmp/up.req
+    t2=$(uptime_s)
+    http_raw /tmp/up.req /tmp/up.resp
+    t3=$(uptime_s)
+    head -n 1 /tmp/up.resp | grep -q ' 200 ' || { head -c 400 /tmp/up.resp; return 1; }
+    for f in blob-cp blob-dp; do
+        got=$($CLADE exec "$vs" -- sha256sum "/root/$f" | cut -d' ' -f1)
+        [ "$got" = "$want" ] || { echo "upload $f: checksum $got, want $want"; return 1; }
+    done
+    echo "SDK-THROUGHPUT upload 32 MiB: clade cp $(secs "$t0" "$t1") s, data plane $(secs "$t2" "$t3") s, ratio $(awk -v a="$(secs "$t0" "$t1")" -v b="$(secs "$t2" "$t3")" 'BEGIN { printf "%.2f", b / a }')"
+
+    # StartRequest{process: {cmd: "/bin/sh", args: ["-c", CMD]}} in protobuf, in a
+    # Connect envelope (flags 0, length big-endian): envd's binary codec, as the SDK sends.
+    cmd="head -c $n /dev/zero"
+    inner_len=$((2 + 7 + 2 + 2 + 2 + ${#cmd}))
+    msg_len=$((2 + inner_len))
+    {
+        printf 'POST /process.Process/Start HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/connect+proto\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
+            "$id" $((5 + msg_len))
+        printf "$(octal 0)$(octal 0)$(octal 0)$(octal 0)$(octal "$msg_len")"
+        printf "$(octal 10)$(octal "$inner_len")$(octal 10)$(octal 7)/bin/sh$(octal 18)$(octal 2)-c$(octal 18)$(octal ${#cmd})"
+        printf '%s' "$cmd"
+    } >/tmp/start.req
+    t0=$(uptime_s)
+    $CLADE exec "$vs" -- head -c "$n" /dev/zero >/tmp/exec.out || return 1
+    t1=$(uptime_s)
+    http_raw /tmp/start.req /tmp/start.resp
+    t2=$(uptime_s)
+    got=$(wc -c </tmp/exec.out)
+    [ "$got" = "$n" ] || { echo "clade exec gave $got bytes"; return 1; }
+    got=$(wc -c </tmp/start.resp)
+    [ "$got" -gt "$n" ] || { echo "the data plane's stream has $got bytes"; head -c 400 /tmp/start.resp; return 1; }
+    echo "SDK-THROUGHPUT stdout 32 MiB: clade exec $(secs "$t0" "$t1") s, data plane $(secs "$t1" "$t2") s, ratio $(awk -v a="$(secs "$t0" "$t1")" -v b="$(secs "$t1" "$t2")" 'BEGIN { printf "%.2f", b / a }')"
+    printf 'DELETE /sandboxes/%s HTTP/1.1\r\nHost: sdk\r\nX-API-KEY: %s\r\nConnection: close\r\n\r\n' "$id" "$KEY" >/tmp/del.req
+    http_raw /tmp/del.req /tmp/del.resp
+    rm -f /tmp/blob /tmp/up.req /tmp/up.resp /tmp/exec.out /tmp/start.resp
+}
+
 [ -e "$BASE" ] || fail "no base layer at $BASE (run.sh --disk build/rootfs/base.cdsk)"
 ip link set lo up || fail "lo up"
 ip link set eth0 up || fail "eth0 up (run.sh --forward gives L1 a NIC)"
@@ -80,6 +152,7 @@ echo "SDK-TEMPLATE debian built in $(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { 
 
 : >"$LOG"
 start_serve
+throughput || fail "throughput"
 echo "NESTED-E2B-READY port=$PORT control=$CTL"
 verdict=""
 while [ -z "$verdict" ]; do
