@@ -129,6 +129,8 @@ pub struct Host {
     snapshot_lock: Mutex<()>,
     /// The last CPU sample of each VM process (for a recent CPU figure).
     cpu_samples: Mutex<HashMap<i32, usage::CpuSample>>,
+    /// The registry's write counter ([`Registry::changes`]), read without its lock.
+    changes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Host {
@@ -141,12 +143,19 @@ impl Host {
             templates: TemplateStore::new(&cfg.state_dir),
             snapshots: TemplateStore::at(sandboxes.join("snapshots")),
             cfg,
+            changes: registry.changes(),
             registry: Mutex::new(registry),
             driver,
             locks: Mutex::new(HashMap::new()),
             snapshot_lock: Mutex::new(()),
             cpu_samples: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// How many times a sandbox's registry row was written: unchanged means no sandbox was
+    /// created, paused, resumed, killed or found crashed since (lock-free; for caches).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The configuration.

@@ -16,6 +16,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
@@ -118,6 +120,9 @@ pub struct Query {
 /// The registry database.
 pub struct Registry {
     db: Connection,
+    /// Bumped by every write to the sandboxes table: readers that cache what they read
+    /// (the data plane's routes) know from it, without a query, that nothing changed.
+    changes: Arc<AtomicU64>,
 }
 
 const SCHEMA: &str = "
@@ -264,7 +269,10 @@ impl Registry {
         db.pragma_update(None, "synchronous", "NORMAL")?;
         db.execute_batch(SCHEMA)?;
         db.execute_batch(SNAPSHOT_SCHEMA)?;
-        Ok(Self { db })
+        Ok(Self {
+            db,
+            changes: Arc::default(),
+        })
     }
 
     /// A registry in memory (tests).
@@ -272,7 +280,15 @@ impl Registry {
         let db = Connection::open_in_memory()?;
         db.execute_batch(SCHEMA)?;
         db.execute_batch(SNAPSHOT_SCHEMA)?;
-        Ok(Self { db })
+        Ok(Self {
+            db,
+            changes: Arc::default(),
+        })
+    }
+
+    /// The counter of writes to the sandboxes table (see the field).
+    pub fn changes(&self) -> Arc<AtomicU64> {
+        self.changes.clone()
     }
 
     /// Adds a new sandbox (its id must be new).
@@ -290,7 +306,7 @@ impl Registry {
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
              ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"
         );
-        self.db.execute(
+        let result = self.db.execute(
             &sql,
             params![
                 r.id,
@@ -313,7 +329,10 @@ impl Registry {
                 r.crash,
                 r.parent,
             ],
-        )?;
+        );
+        // After the write: whoever read the counter before reading a row sees it change.
+        self.changes.fetch_add(1, Ordering::SeqCst);
+        result?;
         Ok(())
     }
 
@@ -331,8 +350,9 @@ impl Registry {
 
     /// Removes the sandbox `id` (no error if it is not there).
     pub fn delete(&self, id: &str) -> Result<()> {
-        self.db
-            .execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
+        let result = self.db.execute("DELETE FROM sandboxes WHERE id = ?1", [id]);
+        self.changes.fetch_add(1, Ordering::SeqCst);
+        result?;
         Ok(())
     }
 
@@ -491,6 +511,27 @@ impl Registry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn every_write_to_a_sandbox_row_is_counted_and_reads_are_not() {
+        let reg = Registry::in_memory().unwrap();
+        let changes = reg.changes();
+        let n = || changes.load(Ordering::SeqCst);
+        let mut r = record("aaaaaaaaaaaaaaaaaaaa", State::Running, 1);
+        reg.insert(&r).unwrap();
+        assert_eq!(n(), 1);
+        reg.get(&r.id).unwrap();
+        reg.all().unwrap();
+        assert_eq!(n(), 1, "reads change nothing");
+        r.state = State::Paused;
+        reg.update(&r).unwrap();
+        assert_eq!(n(), 2);
+        // A failed write still counts (whatever a reader cached may be stale).
+        assert!(reg.insert(&r).is_err());
+        assert_eq!(n(), 3);
+        reg.delete(&r.id).unwrap();
+        assert_eq!(n(), 4);
+    }
 
     pub(crate) fn record(id: &str, state: State, started_ms: i64) -> Record {
         Record {

@@ -31,7 +31,7 @@ mod process;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -59,6 +59,9 @@ pub const ENVD_PORT: u16 = 49983;
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of a sandbox resumed by a data-plane request (seconds; never shortens).
 const AUTO_RESUME_TIMEOUT_S: u64 = 300;
+/// How long a checked route to a sandbox is used without checking it again (when no
+/// sandbox changed meanwhile).
+const ROUTE_TTL: Duration = Duration::from_secs(1);
 
 /// Which sandbox a data-plane request is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,6 +148,9 @@ pub(crate) struct SandboxConn {
     users: Mutex<Option<Accounts>>,
     /// Polling watchers (`CreateWatcher`), by id.
     pub watchers: files::Watchers,
+    /// When the route to it was last checked against the host: the host's
+    /// [`Host::changes`] then, and the time.
+    checked: Mutex<(u64, Instant)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -301,6 +307,17 @@ impl DataPlane {
                 t.sandbox, t.port
             )));
         }
+        // A route checked a moment ago, with no sandbox changed since, is still good: that
+        // skips the registry read and the VM process's liveness check (/proc reads) on
+        // most requests. A VM that died since shows as an agent error, and is seen
+        // by the full check at most ROUTE_TTL later.
+        let changes = self.host.changes();
+        if let Some(c) = lock(&self.sandboxes).get(&t.sandbox) {
+            let (seen, at) = *lock(&c.checked);
+            if seen == changes && at.elapsed() < ROUTE_TTL {
+                return Ok(c.clone());
+            }
+        }
         let host = self.host.clone();
         let id = t.sandbox.clone();
         // The lookup is one indexed registry read and a liveness check (no process
@@ -336,6 +353,7 @@ impl DataPlane {
         let mut map = lock(&self.sandboxes);
         if let Some(c) = map.get(&rec.id) {
             if c.vsock == vsock {
+                *lock(&c.checked) = (changes, Instant::now());
                 return Ok(c.clone());
             }
         }
@@ -347,6 +365,7 @@ impl DataPlane {
             client: Mutex::new(None),
             users: Mutex::new(None),
             watchers: Default::default(),
+            checked: Mutex::new((changes, Instant::now())),
         });
         map.insert(rec.id.clone(), c.clone());
         Ok(c)
