@@ -1315,3 +1315,113 @@ async fn watch_dir_streams_and_polling_watchers() {
     let b = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(b, text.as_bytes());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_input_writes_in_order_and_refuses_bad_streams() {
+    let env = setup("streaminput");
+    let input = |req: Vec<u8>| {
+        env.req(
+            "POST",
+            "/process.Process/StreamInput",
+            Some("application/connect+json"),
+            req,
+        )
+    };
+    let msg = |v: Value| envelope(&serde_json::to_vec(&v).unwrap());
+    // A cat with stdin, fed by one StreamInput of two data messages and a keepalive.
+    let resp = env
+        .app
+        .clone()
+        .oneshot(
+            env.req(
+                "POST",
+                "/process.Process/Start",
+                Some("application/connect+json"),
+                envelope(
+                    &serde_json::to_vec(&json!({
+                        "process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-in"
+                    }))
+                    .unwrap(),
+                ),
+            ),
+        )
+        .await
+        .unwrap();
+    let start_body = resp.into_body();
+    let mut body = Vec::new();
+    body.extend(msg(json!({"start": {"process": {"tag": "cat-in"}}})));
+    body.extend(msg(json!({"data": {"input": {"stdin": "b25l"}}}))); // "one"
+    body.extend(msg(json!({"keepalive": {}})));
+    body.extend(msg(json!({"data": {"input": {"stdin": "dHdv"}}}))); // "two"
+    let (s, _, b) = env.send(input(body)).await;
+    assert_eq!(s, StatusCode::OK);
+    let (msgs, end) = json_stream(&b);
+    assert_eq!(msgs.len(), 1, "{msgs:?}");
+    assert!(end.get("error").is_none(), "{end}");
+    let (s, v) = env
+        .unary(
+            "process.Process/CloseStdin",
+            json!({"process": {"tag": "cat-in"}}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let rest = tokio::time::timeout(std::time::Duration::from_secs(20), start_body.collect())
+        .await
+        .expect("cat ends at the end of its stdin")
+        .unwrap()
+        .to_bytes();
+    let (events, end) = json_stream(&rest);
+    assert!(end.get("error").is_none(), "{end}");
+    assert_eq!(collect_output(&events, "stdout"), b"onetwo");
+
+    // Data before start, a second start, an unknown process, a torn envelope (another
+    // cat that stays, so that the starts find it).
+    let resp = env
+        .app
+        .clone()
+        .oneshot(
+            env.req(
+                "POST",
+                "/process.Process/Start",
+                Some("application/connect+json"),
+                envelope(
+                    &serde_json::to_vec(&json!({
+                        "process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-in"
+                    }))
+                    .unwrap(),
+                ),
+            ),
+        )
+        .await
+        .unwrap();
+    let mut second = resp.into_body();
+    second.frame().await.unwrap().unwrap();
+    for (body, code) in [
+        (
+            msg(json!({"data": {"input": {"stdin": "eA=="}}})),
+            "invalid_argument",
+        ),
+        (
+            [
+                msg(json!({"start": {"process": {"tag": "cat-in"}}})),
+                msg(json!({"start": {"process": {"tag": "cat-in"}}})),
+            ]
+            .concat(),
+            "invalid_argument",
+        ),
+        (
+            msg(json!({"start": {"process": {"pid": 999999}}})),
+            "not_found",
+        ),
+        (
+            msg(json!({"start": {"process": {"tag": "cat-in"}}}))[..7].to_vec(),
+            "invalid_argument",
+        ),
+        (Vec::new(), "invalid_argument"),
+    ] {
+        let (s, _, b) = env.send(input(body)).await;
+        assert_eq!(s, StatusCode::OK);
+        let (_, end) = json_stream(&b);
+        assert_eq!(end["error"]["code"], code, "{end}");
+    }
+}

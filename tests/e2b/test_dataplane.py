@@ -333,3 +333,14 @@ def test_read_gzip_response(sb, d):
     sb.files.write(f"{d}/t.txt", text)
     assert sb.files.read(f"{d}/t.txt", gzip=True) == text
     assert sb.files.read(f"{d}/t.txt", format="bytes", gzip=True) == text.encode()
+
+
+def test_stream_input_in_order_then_close(sb):
+    h = sb.commands.run("cat", background=True, stdin=True, timeout=0)
+    sb.commands.stream_input(h.pid, ["hello ", b"streamed ", "world " * 1000])
+    sb.commands.stream_input(h.pid, (f"{i}," for i in range(100)))
+    sb.commands.close_stdin(h.pid)
+    r = h.wait()
+    assert r.stdout == "hello streamed " + "world " * 1000 + "".join(f"{i}," for i in range(100))
+    with pytest.raises(NotFoundException):
+        sb.commands.stream_input(999999, ["x"])

@@ -98,6 +98,15 @@ def test_files_10mib_round_trip_with_checksums(sb):
         sb.files.read("/root/nope")
 
 
+def test_stdin_send_stream_and_close(sb):
+    h = sb.commands.run("sha256sum", background=True, stdin=True, timeout=0, request_timeout=300)
+    h.send_stdin("first ")
+    sb.commands.stream_input(h.pid, ["second ", b"third"], timeout=120)
+    h.close_stdin()
+    r = h.wait()
+    assert r.stdout.split()[0] == hashlib.sha256(b"first second third").hexdigest()
+
+
 def test_pty_bash_with_resize(sb):
     from e2b.sandbox.commands.command_handle import PtySize
 

@@ -236,6 +236,39 @@ pub fn unwrap_envelope(body: &[u8]) -> Result<&[u8], RpcError> {
     Ok(rest)
 }
 
+/// The first whole envelope at the start of `buf` of a client stream: its message and
+/// how many bytes it took; `None` while more bytes are needed. Compressed, end-of-stream
+/// or oversized envelopes are errors.
+pub fn next_envelope(buf: &[u8]) -> Result<Option<(&[u8], usize)>, RpcError> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let flags = buf[0];
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if flags & FLAG_COMPRESSED != 0 {
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "compressed messages are not supported",
+        ));
+    }
+    if flags != 0 {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("bad envelope: unexpected flags {flags:#04x}"),
+        ));
+    }
+    if len > MAX_MESSAGE {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!("message of {len} bytes is over the {MAX_MESSAGE}-byte limit"),
+        ));
+    }
+    if buf.len() < 5 + len {
+        return Ok(None);
+    }
+    Ok(Some((&buf[5..5 + len], 5 + len)))
+}
+
 /// One message envelope.
 pub fn envelope(payload: &[u8]) -> Bytes {
     let mut v = Vec::with_capacity(5 + payload.len());

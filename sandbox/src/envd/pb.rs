@@ -334,6 +334,40 @@ pub enum Input {
     Pty(#[serde(with = "b64")] Vec<u8>),
 }
 
+/// `StreamInput`'s messages: a `start` naming the process, then `data` and `keepalive`.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StreamInputRequest {
+    #[prost(oneof = "StreamInputEvent", tags = "1, 2, 3")]
+    #[serde(flatten)]
+    pub event: Option<StreamInputEvent>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum StreamInputEvent {
+    #[prost(message, tag = "1")]
+    Start(StreamInputStart),
+    #[prost(message, tag = "2")]
+    Data(StreamInputData),
+    #[prost(message, tag = "3")]
+    Keepalive(Empty),
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StreamInputStart {
+    #[prost(message, optional, tag = "1")]
+    pub process: Option<ProcessSelector>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StreamInputData {
+    #[prost(message, optional, tag = "2")]
+    pub input: Option<ProcessInput>,
+}
+
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SendInputRequest {

@@ -134,24 +134,20 @@ pub(crate) async fn dispatch(
     Path(method): Path<String>,
     req: Request,
 ) -> Response {
+    if method == "StreamInput" {
+        return stream_input(dp, req).await;
+    }
     let streaming = matches!(method.as_str(), "Start" | "Connect");
     let known = matches!(
         method.as_str(),
         "Start" | "Connect" | "List" | "SendInput" | "CloseStdin" | "SendSignal" | "Update"
     );
     if !known {
-        let e = if method == "StreamInput" {
-            RpcError::new(
-                Code::Unimplemented,
-                "process.Process/StreamInput is not served (use SendInput)",
-            )
-        } else {
-            RpcError::new(
-                Code::Unimplemented,
-                format!("unknown method process.Process/{method}"),
-            )
-        };
-        return e.unary_response();
+        return RpcError::new(
+            Code::Unimplemented,
+            format!("unknown method process.Process/{method}"),
+        )
+        .unary_response();
     }
     let codec = match Codec::from_headers(req.headers(), streaming) {
         Ok(c) => c,
@@ -558,6 +554,164 @@ async fn send_input(sb: Arc<SandboxConn>, req: pb::SendInputRequest) -> Result<(
             .map_err(|e| RpcError::new(Code::FailedPrecondition, format!("stdin: {e}")))
     })
     .await
+}
+
+/// `StreamInput`, a client stream: a `start` naming the process, then `data` (stdin or
+/// PTY bytes, written in order, each acknowledged by the agent before the next) and
+/// `keepalive` messages; the answer (one empty message, then the end of the stream) comes
+/// once the client's stream ended and everything was written. Each message is bounded
+/// ([`connect::MAX_MESSAGE`]); at most [`STREAM_INPUT_QUEUE`] wait for the agent, so a
+/// slow process slows the client instead of filling memory.
+async fn stream_input(dp: Arc<DataPlane>, req: Request) -> Response {
+    use futures_util::StreamExt;
+    let codec = match Codec::from_headers(req.headers(), true) {
+        Ok(c) => c,
+        Err(e) => return e.unary_response(),
+    };
+    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let mut body = req.into_body().into_data_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut writer: Option<(
+        tokio::sync::mpsc::Sender<Vec<u8>>,
+        tokio::task::JoinHandle<Result<(), RpcError>>,
+    )> = None;
+    let mut ended = false;
+    let result: Result<(), RpcError> = loop {
+        // Every whole envelope in the buffer, in order.
+        match connect::next_envelope(&buf) {
+            Err(e) => break Err(e),
+            Ok(Some((msg, used))) => {
+                let m: pb::StreamInputRequest = match codec.decode(msg) {
+                    Ok(m) => m,
+                    Err(e) => break Err(e),
+                };
+                buf.drain(..used);
+                match (m.event, &writer) {
+                    (Some(pb::StreamInputEvent::Start(st)), None) => {
+                        match start_input(sb.clone(), st).await {
+                            Ok(w) => writer = Some(w),
+                            Err(e) => break Err(e),
+                        }
+                    }
+                    (Some(pb::StreamInputEvent::Start(_)), Some(_)) => {
+                        break Err(RpcError::new(Code::InvalidArgument, "a second start event"))
+                    }
+                    (_, None) => {
+                        break Err(RpcError::new(
+                            Code::InvalidArgument,
+                            "the stream must begin with a start event",
+                        ))
+                    }
+                    (Some(pb::StreamInputEvent::Data(d)), Some((tx, _))) => {
+                        let data = match d.input.and_then(|i| i.input) {
+                            Some(pb::Input::Stdin(b)) | Some(pb::Input::Pty(b)) => b,
+                            None => {
+                                break Err(RpcError::new(
+                                    Code::InvalidArgument,
+                                    "input is required",
+                                ))
+                            }
+                        };
+                        if tx.send(data).await.is_err() {
+                            // The writer stopped: its error is the answer.
+                            break Ok(());
+                        }
+                    }
+                    (Some(pb::StreamInputEvent::Keepalive(_)) | None, Some(_)) => {}
+                }
+                continue;
+            }
+            Ok(None) if ended => {
+                if !buf.is_empty() {
+                    break Err(RpcError::new(
+                        Code::InvalidArgument,
+                        "bad envelope: the stream ended inside a message",
+                    ));
+                }
+                break Ok(());
+            }
+            Ok(None) => {}
+        }
+        match body.next().await {
+            Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+            Some(Err(e)) => {
+                break Err(RpcError::new(
+                    Code::Canceled,
+                    format!("reading the request: {e}"),
+                ))
+            }
+            None => ended = true,
+        }
+    };
+    let written = match writer {
+        Some((tx, worker)) => {
+            drop(tx);
+            match worker.await {
+                Ok(r) => r,
+                Err(e) => Err(RpcError::new(Code::Internal, format!("worker: {e}"))),
+            }
+        }
+        None if result.is_ok() => Err(RpcError::new(
+            Code::InvalidArgument,
+            "the stream must begin with a start event",
+        )),
+        None => Ok(()),
+    };
+    match result.and(written) {
+        Ok(()) => {
+            let mut out = connect::envelope(&codec.encode(&pb::Empty {})).to_vec();
+            out.extend_from_slice(&connect::end_envelope(None));
+            connect::stream_response(codec, axum::body::Body::from(out))
+        }
+        Err(e) => connect::stream_error(codec, &e),
+    }
+}
+
+/// Messages of a `StreamInput` waiting for the agent.
+const STREAM_INPUT_QUEUE: usize = 8;
+
+/// `StreamInput`'s start: the process's stdin, written by a blocking worker fed by the
+/// returned channel; the worker ends with the channel, answering how the writes went.
+async fn start_input(
+    sb: Arc<SandboxConn>,
+    st: pb::StreamInputStart,
+) -> Result<
+    (
+        tokio::sync::mpsc::Sender<Vec<u8>>,
+        tokio::task::JoinHandle<Result<(), RpcError>>,
+    ),
+    RpcError,
+> {
+    let sel = selector(st.process.as_ref())?;
+    let (client, mut exec) = blocking(move || {
+        let p = resolve(&sb, &sel)?;
+        if !p.stdin {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                format!("process {} was not started with stdin", p.pid),
+            ));
+        }
+        attach(&sb, p.pid, false)
+    })
+    .await?;
+    let mut w = exec
+        .take_stdin()
+        .ok_or_else(|| RpcError::new(Code::Internal, "attachment without stdin"))?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(STREAM_INPUT_QUEUE);
+    let worker = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let _keep = (client, exec);
+        while let Some(data) = rx.blocking_recv() {
+            w.write_all(&data)
+                .and_then(|_| w.flush())
+                .map_err(|e| RpcError::new(Code::FailedPrecondition, format!("stdin: {e}")))?;
+        }
+        Ok(())
+    });
+    Ok((tx, worker))
 }
 
 async fn close_stdin(sb: Arc<SandboxConn>, req: pb::SelectorRequest) -> Result<(), RpcError> {
