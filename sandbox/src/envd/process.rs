@@ -574,10 +574,7 @@ async fn stream_input(dp: Arc<DataPlane>, req: Request) -> Response {
     };
     let mut body = req.into_body().into_data_stream();
     let mut buf: Vec<u8> = Vec::new();
-    let mut writer: Option<(
-        tokio::sync::mpsc::Sender<Vec<u8>>,
-        tokio::task::JoinHandle<Result<(), RpcError>>,
-    )> = None;
+    let mut writer: Option<InputWriter> = None;
     let mut ended = false;
     let result: Result<(), RpcError> = loop {
         // Every whole envelope in the buffer, in order.
@@ -673,18 +670,18 @@ async fn stream_input(dp: Arc<DataPlane>, req: Request) -> Response {
 /// Messages of a `StreamInput` waiting for the agent.
 const STREAM_INPUT_QUEUE: usize = 8;
 
+/// A `StreamInput`'s feed to its process (see [`start_input`]).
+type InputWriter = (
+    tokio::sync::mpsc::Sender<Vec<u8>>,
+    tokio::task::JoinHandle<Result<(), RpcError>>,
+);
+
 /// `StreamInput`'s start: the process's stdin, written by a blocking worker fed by the
 /// returned channel; the worker ends with the channel, answering how the writes went.
 async fn start_input(
     sb: Arc<SandboxConn>,
     st: pb::StreamInputStart,
-) -> Result<
-    (
-        tokio::sync::mpsc::Sender<Vec<u8>>,
-        tokio::task::JoinHandle<Result<(), RpcError>>,
-    ),
-    RpcError,
-> {
+) -> Result<InputWriter, RpcError> {
     let sel = selector(st.process.as_ref())?;
     let (client, mut exec) = blocking(move || {
         let p = resolve(&sb, &sel)?;
