@@ -465,6 +465,10 @@ pub enum HostMsg {
         from: PathBuf,
         to: PathBuf,
     },
+    /// readlink(2): what the symbolic link `path` points to, as written in it.
+    ReadLink {
+        path: PathBuf,
+    },
     /// Like Exec, but the process belongs to the agent, not to this connection: it keeps
     /// running when the connection closes, and any connection can Attach to it by pid.
     Spawn {
@@ -538,6 +542,10 @@ pub enum AgentMsg {
         name: PathBuf,
         kind: WatchKind,
     },
+    /// Reply to ReadLink.
+    LinkTarget {
+        target: PathBuf,
+    },
 }
 
 /// Either direction.
@@ -582,6 +590,7 @@ mod tag {
     pub const LIST_PROCS: u8 = 0x17;
     pub const WATCH: u8 = 0x18;
     pub const UNWATCH: u8 = 0x19;
+    pub const READ_LINK: u8 = 0x1a;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -598,6 +607,7 @@ mod tag {
     pub const DIR_ENTRIES: u8 = 0x8c;
     pub const PROC_LIST: u8 = 0x8d;
     pub const WATCH_EVENT: u8 = 0x90;
+    pub const LINK_TARGET: u8 = 0x91;
 }
 
 // ----------------------------------------------------------------------------- encoding
@@ -887,6 +897,11 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
             e.os(to.as_os_str());
             e
         }
+        HostMsg::ReadLink { path } => {
+            let mut e = Enc::new(tag::READ_LINK, id);
+            e.os(path.as_os_str());
+            e
+        }
         HostMsg::Watch { path, recursive } => {
             let mut e = Enc::new(tag::WATCH, id);
             e.os(path.as_os_str());
@@ -1001,6 +1016,11 @@ pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
             let mut e = Enc::new(tag::WATCH_EVENT, id);
             e.os(name.as_os_str());
             e.u8(kind.code());
+            e
+        }
+        AgentMsg::LinkTarget { target } => {
+            let mut e = Enc::new(tag::LINK_TARGET, id);
+            e.os(target.as_os_str());
             e
         }
     };
@@ -1340,6 +1360,9 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
             from: d.path("from")?,
             to: d.path("to")?,
         },
+        tag::READ_LINK => HostMsg::ReadLink {
+            path: d.path("path")?,
+        },
         tag::WATCH => HostMsg::Watch {
             path: d.path("path")?,
             recursive: d.bool("recursive")?,
@@ -1403,6 +1426,9 @@ fn decode_agent(t: u8, d: &mut Dec<'_>) -> Result<AgentMsg, Error> {
         tag::WATCH_EVENT => AgentMsg::WatchEvent {
             name: d.path("name")?,
             kind: WatchKind::from_code(d.u8("watch kind")?),
+        },
+        tag::LINK_TARGET => AgentMsg::LinkTarget {
+            target: d.path("target")?,
         },
         other => return Err(Error::UnknownTag(other)),
     })
@@ -1566,6 +1592,9 @@ mod tests {
                 recursive: true,
             },
             HostMsg::Unwatch { target: 77 },
+            HostMsg::ReadLink {
+                path: "/tmp/link".into(),
+            },
         ]
     }
 
@@ -1648,6 +1677,9 @@ mod tests {
             AgentMsg::WatchEvent {
                 name: PathBuf::from(OsString::from_vec(vec![0xfe])),
                 kind: WatchKind::Other(200),
+            },
+            AgentMsg::LinkTarget {
+                target: PathBuf::from(OsString::from_vec(vec![b'.', b'/', 0xfe])),
             },
         ]
     }

@@ -344,3 +344,13 @@ def test_stream_input_in_order_then_close(sb):
     assert r.stdout == "hello streamed " + "world " * 1000 + "".join(f"{i}," for i in range(100))
     with pytest.raises(NotFoundException):
         sb.commands.stream_input(999999, ["x"])
+
+
+def test_symlink_info_has_its_target(sb, d):
+    sb.commands.run(f"echo hi > {d}/real.txt && ln -s real.txt {d}/rel && ln -s {d}/real.txt {d}/abs")
+    for name in ("rel", "abs"):
+        info = sb.files.get_info(f"{d}/{name}")
+        assert info.symlink_target == f"{d}/real.txt", info
+        assert info.type.value == "symlink"
+    listed = {e.name: e.symlink_target for e in sb.files.list(d)}
+    assert listed == {"real.txt": None, "rel": f"{d}/real.txt", "abs": f"{d}/real.txt"}

@@ -336,6 +336,14 @@ impl Session {
             HostMsg::Rename { from, to } => {
                 reply_unit(conn, id, files::rename(&from, &to));
             }
+            HostMsg::ReadLink { path } => match files::read_link(&path) {
+                Ok(target) => {
+                    conn.send(id, &AgentMsg::LinkTarget { target });
+                }
+                Err(e) => {
+                    conn.send_err(id, e);
+                }
+            },
             HostMsg::Watch { path, recursive } => {
                 if self.uploads.contains_key(&id)
                     || conn.execs().contains_key(&id)

@@ -259,6 +259,10 @@ pub(crate) fn make_dir(path: &Path, mode: u32, parents: bool) -> Result<(), Remo
         .map_err(|e| io_err(&e, "chmod", path))
 }
 
+pub(crate) fn read_link(path: &Path) -> Result<std::path::PathBuf, RemoteError> {
+    fs::read_link(path).map_err(|e| io_err(&e, "readlink", path))
+}
+
 pub(crate) fn rename(from: &Path, to: &Path) -> Result<(), RemoteError> {
     fs::rename(from, to).map_err(|e| io_err(&e, &format!("rename to {}:", to.display()), from))
 }

@@ -101,10 +101,26 @@ fn entry(
             seconds: st.mtime_ns.div_euclid(1_000_000_000),
             nanos: st.mtime_ns.rem_euclid(1_000_000_000) as i32,
         }),
-        symlink_target: None,
+        symlink_target: link_target(sb, path, st),
         metadata: Default::default(),
         is_symlink: st.kind == FileKind::Symlink,
     }
+}
+
+/// A symlink's target for `EntryInfo` (as envd gives it: absolute; a relative target is
+/// taken relative to the link's directory, lexically), `None` for anything else or a
+/// link that cannot be read.
+fn link_target(sb: &SandboxConn, path: &FsPath, st: &FileStat) -> Option<String> {
+    if st.kind != FileKind::Symlink {
+        return None;
+    }
+    let t = sb.with_client(|c| c.read_link(path)).ok()?;
+    let t = if t.is_absolute() {
+        t
+    } else {
+        path.parent().unwrap_or(FsPath::new("/")).join(t)
+    };
+    Some(t.to_string_lossy().into_owned())
 }
 
 /// lstat, and for a symlink also the target's stat (if it resolves).

@@ -714,6 +714,16 @@ impl Client {
         )
     }
 
+    /// What the symbolic link `path` points to (readlink(2): as written in the link).
+    pub fn read_link(&self, path: impl AsRef<Path>) -> Result<std::path::PathBuf> {
+        match self.call(&HostMsg::ReadLink {
+            path: path.as_ref().to_path_buf(),
+        })? {
+            AgentMsg::LinkTarget { target } => Ok(target),
+            m => Err(unexpected("read_link", &m)),
+        }
+    }
+
     /// Renames `from` to `to` (rename(2): same filesystem, replaces a file at `to`).
     pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> Result<()> {
         self.call_ok(
