@@ -103,6 +103,7 @@ pub(crate) fn config(
             guest_cid: 3,
         }),
         disk: None,
+        net: None,
     }
 }
 

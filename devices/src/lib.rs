@@ -52,6 +52,12 @@ pub enum Error {
     /// Saved device state cannot be restored (it does not fit this device, or it is invalid).
     #[error("device state: {0}")]
     Restore(String),
+    /// A TAP device cannot be opened or set up for virtio-net.
+    #[error("TAP {what}: {source}")]
+    Tap {
+        what: String,
+        source: std::io::Error,
+    },
     /// The VM generation ID cannot be made, placed or announced.
     #[error("VM generation ID: {0}")]
     VmGenId(String),

@@ -19,7 +19,7 @@ use snapshot::page_server::{PageServer, PreparedUffd};
 use crate::arch::boot::{self, BootSpec};
 use crate::arch::layout::{PVM_VIF_BASE, PVM_VIF_MAX};
 use crate::arch::{acpi, regs};
-use crate::config::{BlockConfig, SerialOutput, VmConfig, VsockConfig};
+use crate::config::{BlockConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
 use crate::device_manager::DeviceManager;
 use crate::error::{Error, Result};
 use crate::exit::exit_notifier;
@@ -66,6 +66,13 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
             });
         }
     }
+
+    // The TAP too: a missing or unusable one fails before any KVM object exists.
+    let tap = config
+        .net
+        .as_ref()
+        .map(crate::device_manager::open_tap)
+        .transpose()?;
 
     let mem_bytes = config.mem_mib << 20;
     // The same pre-built VM a restore uses: slots over reserved address space, irqchip,
@@ -131,6 +138,10 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
     )?;
     if let Some(d) = &config.disk {
         devices.add_block_device(&vm_fd, &ram.mem, d)?;
+    }
+    if let Some(tap) = tap {
+        let mac = config.net.as_ref().and_then(|n| n.mac);
+        devices.add_net_device(&vm_fd, &ram.mem, tap, mac)?;
     }
     for slot in devices.virtio_slots() {
         if !cmdline.is_empty() {
@@ -217,6 +228,8 @@ pub(crate) struct Identity {
     /// Its disk: the top layer it writes (an overlay on the saved disk layer), or the
     /// saved read-only layer itself (needed exactly when the saved machine has a disk).
     pub(crate) disk: Option<BlockConfig>,
+    /// Its TAP (needed exactly when the saved machine has a virtio-net device).
+    pub(crate) net: Option<NetConfig>,
     /// KVM device node.
     pub(crate) kvm_device: PathBuf,
     /// Log dirty pages.
@@ -309,6 +322,7 @@ pub(crate) fn from_saved(
         &identity.serial,
         identity.vsock.as_ref(),
         identity.disk.as_ref(),
+        identity.net.as_ref(),
         &saved.devices,
         exit_notifier(&events_tx),
         spare::runner_for(&mut spares, ThreadKind::DeviceLoop),
@@ -357,6 +371,7 @@ pub(crate) fn from_saved(
         kvm_device: identity.kvm_device,
         vsock: identity.vsock,
         disk: identity.disk,
+        net: identity.net,
     };
     let vm = Vm::from_parts(VmParts {
         vcpu_fds,
@@ -398,11 +413,29 @@ fn check_identity(saved: &SavedMachine, identity: &Identity) -> Result<()> {
         _ => {}
     }
     match (&saved.disk, &identity.disk) {
-        (Some(_), None) => Err(Error::Config(
-            "the saved VM has a disk: the new VM needs an overlay on its layer".into(),
+        (Some(_), None) => {
+            return Err(Error::Config(
+                "the saved VM has a disk: the new VM needs an overlay on its layer".into(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::Config(
+                "a disk was given, but the saved VM has no disk".into(),
+            ))
+        }
+        _ => {}
+    }
+    let saved_net = saved
+        .devices
+        .virtio
+        .iter()
+        .any(|t| matches!(t.device, devices::virtio::VirtioDeviceState::Net(_)));
+    match (saved_net, &identity.net) {
+        (true, None) => Err(Error::Config(
+            "the saved VM has a network device: the new VM needs a TAP (--net)".into(),
         )),
-        (None, Some(_)) => Err(Error::Config(
-            "a disk was given, but the saved VM has no disk".into(),
+        (false, Some(_)) => Err(Error::Config(
+            "a TAP was given, but the saved VM has no network device".into(),
         )),
         _ => Ok(()),
     }

@@ -41,6 +41,89 @@ pub struct BlockConfig {
     pub serial: Option<String>,
 }
 
+/// Where a virtio-net device's TAP comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TapSource {
+    /// The TAP interface of this name, opened (or created, with CAP_NET_ADMIN) through
+    /// `/dev/net/tun` when the VM is built.
+    Name(String),
+    /// A TAP descriptor this process inherited, opened with `IFF_TAP | IFF_NO_PI |
+    /// IFF_VNET_HDR` (a jailed VMM gets its TAP this way); the VM uses a duplicate.
+    Fd(i32),
+}
+
+/// A virtio-net device over a TAP (see `devices::virtio::net`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The TAP.
+    pub tap: TapSource,
+    /// The guest's MAC address; default [`devices::virtio::net::DEFAULT_MAC`] for a new VM,
+    /// the saved one for a restored VM (a different one given then is refused).
+    pub mac: Option<[u8; 6]>,
+}
+
+impl NetConfig {
+    /// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]` (what `--net` takes).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let err = |why: String| Error::Config(format!("--net '{spec}': {why}"));
+        let (mut tap, mut mac) = (None, None);
+        for part in spec.split(',') {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| err(format!("'{part}' is not KEY=VALUE")))?;
+            let dup = match key {
+                "tap" => tap.replace(TapSource::Name(value.to_string())).is_some(),
+                "fd" => {
+                    let fd = value
+                        .parse()
+                        .map_err(|_| err(format!("fd '{value}' is not a number")))?;
+                    tap.replace(TapSource::Fd(fd)).is_some()
+                }
+                "mac" => mac
+                    .replace(
+                        devices::virtio::net::parse_mac(value)
+                            .ok_or_else(|| err(format!("'{value}' is not a MAC address")))?,
+                    )
+                    .is_some(),
+                _ => return Err(err(format!("unknown key '{key}' (tap, fd, mac)"))),
+            };
+            if dup {
+                return Err(err(format!("'{key}' given twice, or both tap and fd")));
+            }
+        }
+        let tap = tap.ok_or_else(|| err("needs tap=NAME or fd=N".into()))?;
+        let c = Self { tap, mac };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks what can be checked without touching the host.
+    pub fn validate(&self) -> Result<()> {
+        match &self.tap {
+            TapSource::Name(n) if !devices::virtio::net::tap::valid_name(n) => {
+                return Err(Error::Config(format!(
+                    "TAP name '{n}' is not a valid interface name (1..={} bytes, no '/', ':' \
+                     or spaces)",
+                    devices::virtio::net::tap::MAX_NAME_LEN
+                )))
+            }
+            TapSource::Fd(fd) if *fd < 0 => {
+                return Err(Error::Config(format!("TAP descriptor {fd} is negative")))
+            }
+            _ => {}
+        }
+        if let Some(mac) = &self.mac {
+            if mac[0] & 1 != 0 {
+                return Err(Error::Config(format!(
+                    "MAC {} is a multicast address",
+                    devices::virtio::net::format_mac(mac)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Longest Unix socket path (`sun_path` holds 108 bytes including the NUL).
 pub const MAX_UDS_PATH: usize = 107;
 
@@ -70,6 +153,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// A virtio-blk disk, if any (the guest's /dev/vda).
     pub disk: Option<BlockConfig>,
+    /// A virtio-net device, if any (the guest's eth0).
+    pub net: Option<NetConfig>,
 }
 
 impl VmConfig {
@@ -86,6 +171,7 @@ impl VmConfig {
             kvm_device: PathBuf::from(crate::vstate::kvm::KVM_PATH),
             vsock: None,
             disk: None,
+            net: None,
         }
     }
 
@@ -138,6 +224,9 @@ impl VmConfig {
                 )));
             }
         }
+        if let Some(n) = &self.net {
+            n.validate()?;
+        }
         Ok(())
     }
 }
@@ -184,5 +273,45 @@ mod tests {
         v.uds_path = "".into();
         c.vsock = Some(v);
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn net_specs_parse_and_bad_ones_are_refused_before_any_host_work() {
+        assert_eq!(
+            NetConfig::parse("tap=tap0").unwrap(),
+            NetConfig {
+                tap: TapSource::Name("tap0".into()),
+                mac: None
+            }
+        );
+        assert_eq!(
+            NetConfig::parse("fd=5,mac=02:00:00:00:00:01").unwrap(),
+            NetConfig {
+                tap: TapSource::Fd(5),
+                mac: Some([2, 0, 0, 0, 0, 1])
+            }
+        );
+        for (bad, why) in [
+            ("", "KEY=VALUE"),
+            ("mac=02:00:00:00:00:01", "needs tap"),
+            ("tap=a,fd=3", "twice"),
+            ("tap=a,tap=b", "twice"),
+            ("tap=a/b", "interface name"),
+            ("tap=0123456789abcdef", "interface name"),
+            ("fd=x", "number"),
+            ("fd=-1", "negative"),
+            ("tap=a,mac=01:00:00:00:00:01", "multicast"),
+            ("tap=a,mac=zz", "MAC"),
+            ("tap=a,mtu=9000", "unknown key"),
+        ] {
+            let err = NetConfig::parse(bad).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+        let mut c = VmConfig::new("/k");
+        c.net = Some(NetConfig {
+            tap: TapSource::Name(String::new()),
+            mac: None,
+        });
+        assert!(c.validate().unwrap_err().to_string().contains("TAP name"));
     }
 }

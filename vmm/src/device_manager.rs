@@ -24,6 +24,8 @@ use devices::test_device::{
 };
 use devices::virtio::block::BlockDevice;
 use devices::virtio::mmio::{MmioTransport, MmioTransportArgs, MmioTransportState};
+use devices::virtio::net::tap::Tap;
+use devices::virtio::net::{NetBackend, NetDevice, DEFAULT_MAC};
 use devices::virtio::vsock::{socket_in_use, ListenerSlot, SocketFile, VsockDevice};
 use devices::virtio::{VirtioDevice, VirtioDeviceState};
 use devices::vmgenid::{VmGenId, VmGenIdState};
@@ -38,7 +40,7 @@ use crate::arch::layout::{
     pio, VirtioSlot, TEST_MMIO_BASE, VIRTIO_MMIO_BASE, VIRTIO_MMIO_GSI_BASE, VIRTIO_MMIO_MAX_SLOTS,
     VIRTIO_MMIO_SLOT_SIZE, VMGENID_ADDR,
 };
-use crate::config::{BlockConfig, SerialOutput, VsockConfig};
+use crate::config::{BlockConfig, NetConfig, SerialOutput, TapSource, VsockConfig};
 use crate::error::{Error, Result};
 use crate::seccomp::ThreadKind;
 use crate::vstate::vcpu::IoBuses;
@@ -113,6 +115,29 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
         }),
         tap,
     ))
+}
+
+/// Opens the TAP `cfg` names (by name, or a duplicate of the descriptor given), set up for
+/// virtio-net. Done before any KVM object exists on boot, so a missing TAP fails early.
+pub(crate) fn open_tap(cfg: &NetConfig) -> Result<Tap> {
+    Ok(match &cfg.tap {
+        TapSource::Name(name) => Tap::open(name)?,
+        TapSource::Fd(fd) => {
+            // SAFETY: F_GETFD only reads the flags of descriptor `fd` (or fails if it is not
+            // open), so `fd` is known to be open before it is borrowed below.
+            if unsafe { libc::fcntl(*fd, libc::F_GETFD) } < 0 {
+                return Err(devices::Error::Tap {
+                    what: format!("descriptor {fd}"),
+                    source: std::io::Error::last_os_error(),
+                }
+                .into());
+            }
+            // SAFETY: `fd` is open (checked above) and stays open for this call: the
+            // process keeps it, and `from_fd` only duplicates it.
+            let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
+            Tap::from_fd(borrowed)?
+        }
+    })
 }
 
 fn irq_eventfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
@@ -232,6 +257,7 @@ impl DeviceManager {
             vsock,
             None,
             None,
+            None,
             exit,
             crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
         )
@@ -241,7 +267,8 @@ impl DeviceManager {
     /// places, with their saved registers and queues. The vsock device keeps its guest CID
     /// and listens on `vsock.uds_path`. The device event loop, if one is needed, runs on
     /// the thread `runner` provides. A saved virtio-blk device is restored over the disk
-    /// chain whose top layer `disk` names.
+    /// chain whose top layer `disk` names; a saved virtio-net device over the TAP `net`
+    /// names.
     #[allow(clippy::too_many_arguments)]
     pub fn restore(
         vm: &VmFd,
@@ -249,6 +276,7 @@ impl DeviceManager {
         serial: &SerialOutput,
         vsock: Option<&VsockConfig>,
         disk: Option<&BlockConfig>,
+        net: Option<&NetConfig>,
         state: &DevicesState,
         exit: ExitNotifier,
         runner: snapshot::ThreadRunner,
@@ -260,6 +288,7 @@ impl DeviceManager {
             state.test_device.is_some(),
             vsock,
             disk,
+            net,
             Some(state),
             exit,
             runner,
@@ -274,6 +303,7 @@ impl DeviceManager {
         test_device: bool,
         vsock: Option<&VsockConfig>,
         disk: Option<&BlockConfig>,
+        net: Option<&NetConfig>,
         state: Option<&DevicesState>,
         exit: ExitNotifier,
         runner: snapshot::ThreadRunner,
@@ -353,6 +383,7 @@ impl DeviceManager {
         let mut unbound = Vec::new();
         let mut restored_disk = None;
         let mut vsock_seen = false;
+        let mut net_seen = false;
         let saved_virtio = state.map(|s| &s.virtio[..]);
         match saved_virtio {
             None => {
@@ -431,6 +462,33 @@ impl DeviceManager {
                             let device = BlockDevice::restore(bs, image, lp.handle())?;
                             restored_disk = Some(device.disk());
                             virtio.push(Box::new(device));
+                            event_loop = Some(lp);
+                        }
+                        VirtioDeviceState::Net(ns) => {
+                            let Some(cfg) = net else {
+                                return Err(Error::Snapshot(
+                                    "the saved VM has a virtio-net device but no TAP was given"
+                                        .into(),
+                                ));
+                            };
+                            if std::mem::replace(&mut net_seen, true) {
+                                return Err(Error::Snapshot(
+                                    "the saved VM has more than one virtio-net device".into(),
+                                ));
+                            }
+                            if let Some(mac) = cfg.mac.filter(|m| *m != ns.mac) {
+                                return Err(Error::Config(format!(
+                                    "MAC {} given, but the saved guest's is {}",
+                                    devices::virtio::net::format_mac(&mac),
+                                    devices::virtio::net::format_mac(&ns.mac)
+                                )));
+                            }
+                            let tap: Arc<dyn NetBackend> = Arc::new(open_tap(cfg)?);
+                            let lp = match event_loop.take() {
+                                Some(lp) => lp,
+                                None => start_loop()?,
+                            };
+                            virtio.push(Box::new(NetDevice::restore(ns, tap, lp.handle())?));
                             event_loop = Some(lp);
                         }
                     }
@@ -612,6 +670,40 @@ impl DeviceManager {
         Ok(shared)
     }
 
+    /// Adds a virtio-net device over `tap` (see [`open_tap`]) with address `mac` (default
+    /// [`DEFAULT_MAC`]) in the next virtio-mmio slot; frames move on the device event loop,
+    /// started here if no other device needed it. Only before the vCPUs run and the boot
+    /// tables are written (those announce every slot).
+    pub fn add_net_device(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemory,
+        tap: Tap,
+        mac: Option<[u8; 6]>,
+    ) -> Result<()> {
+        let lp = match &self._event_loop {
+            Some(lp) => lp,
+            None => self._event_loop.insert(EventLoop::start_on(
+                "clade-devices",
+                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
+            )?),
+        };
+        let name = tap.name().to_string();
+        let device = NetDevice::new(Arc::new(tap), mac.unwrap_or(DEFAULT_MAC), lp.handle())?;
+        let mmio = Arc::get_mut(&mut self.buses.mmio)
+            .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
+        let n = self.virtio_slots.len();
+        let (slot, transport) = add_virtio_mmio(vm, mem, mmio, n, Box::new(device), None)?;
+        tracing::debug!(
+            "virtio-mmio slot {n}: net device on TAP {name} at {:#x}, GSI {}",
+            slot.base,
+            slot.gsi
+        );
+        self.virtio_slots.push(slot);
+        self.transports.push(transport);
+        Ok(())
+    }
+
     /// The virtio-mmio slots in use, in slot order.
     pub fn virtio_slots(&self) -> &[VirtioSlot] {
         &self.virtio_slots
@@ -710,6 +802,79 @@ mod tests {
         );
         drop(mmio);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_tap_descriptor_that_is_not_a_tap_or_not_open_is_refused() {
+        use std::os::fd::AsRawFd;
+        let f = File::open("/dev/null").unwrap();
+        let cfg = NetConfig {
+            tap: TapSource::Fd(f.as_raw_fd()),
+            mac: None,
+        };
+        let err = open_tap(&cfg).unwrap_err().to_string();
+        assert!(err.contains("TUNGETIFF"), "{err}");
+        let closed = NetConfig {
+            tap: TapSource::Fd(100_000),
+            mac: None,
+        };
+        let err = open_tap(&closed).unwrap_err().to_string();
+        assert!(err.contains("descriptor 100000"), "{err}");
+    }
+
+    /// Needs root: a TAP in a private network namespace (gone with the test's thread).
+    #[test]
+    #[ignore = "needs root (CAP_NET_ADMIN) for a network namespace and a TAP"]
+    fn a_net_device_gets_the_next_slot_over_a_tap_by_name_or_descriptor() {
+        std::thread::spawn(|| {
+            // SAFETY: unshare only moves this thread into a new, empty network namespace.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            let Some((_k, vm, ram)) = test_vm() else {
+                eprintln!("skipped: no usable /dev/kvm");
+                return;
+            };
+            let by_name = open_tap(&NetConfig {
+                tap: TapSource::Name("clade-dm0".into()),
+                mac: None,
+            })
+            .unwrap();
+            // The same TAP through its descriptor, as a jailed VMM would get it.
+            let by_fd = open_tap(&NetConfig {
+                tap: TapSource::Fd(by_name.raw_fd()),
+                mac: None,
+            })
+            .unwrap();
+            assert_eq!(by_fd.name(), "clade-dm0");
+            drop(by_name);
+            let exit: ExitNotifier = Arc::new(|_| {});
+            let mut dm =
+                DeviceManager::new(&vm, &ram.mem, &SerialOutput::Discard, false, None, exit)
+                    .unwrap();
+            let mac = [2, 0, 0, 0, 0, 9];
+            dm.add_net_device(&vm, &ram.mem, by_fd, Some(mac)).unwrap();
+            assert_eq!(
+                dm.virtio_slots(),
+                &[VirtioSlot {
+                    base: 0xd000_1000,
+                    len: 0x1000,
+                    gsi: 6,
+                    device_type: 1,
+                }]
+            );
+            let mmio = dm.buses().mmio;
+            let mut b = [0u8; 4];
+            assert!(mmio.read(0xd000_1008, &mut b));
+            assert_eq!(u32::from_le_bytes(b), 1, "virtio-net");
+            let mut m = [0u8; 6];
+            for (i, byte) in m.iter_mut().enumerate() {
+                let mut one = [0u8; 1];
+                assert!(mmio.read(0xd000_1100 + i as u64, &mut one));
+                *byte = one[0];
+            }
+            assert_eq!(m, mac);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

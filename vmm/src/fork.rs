@@ -425,6 +425,9 @@ impl Frozen {
             serial: spec.serial,
             vsock,
             disk,
+            // A child's own TAP comes with per-sandbox network namespaces (issue 12); until
+            // then a VM with a network device cannot fork (check_identity says so).
+            net: None,
             kvm_device: self.kvm_device.clone(),
             dirty_tracking: true,
             vcpu_cpus: spec.vcpu_cpus,

@@ -39,7 +39,9 @@ mod vstate;
 pub use ::snapshot::page_server::{PageServerStats, Prefetch};
 pub use ::snapshot::{CpuCheck, SnapshotId, SnapshotKind};
 pub use builder::{boot, run};
-pub use config::{BlockConfig, SerialOutput, VmConfig, VsockConfig, MIN_MEM_MIB};
+pub use config::{
+    BlockConfig, NetConfig, SerialOutput, TapSource, VmConfig, VsockConfig, MIN_MEM_MIB,
+};
 pub use error::{Error, Result};
 pub use exit::VmExit;
 pub use fork::{

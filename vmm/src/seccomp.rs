@@ -221,7 +221,9 @@ fn program() -> Result<BpfProgram> {
 pub enum ThreadKind {
     /// Runs one vCPU: KVM ioctls and device register accesses.
     Vcpu,
-    /// The device event loop: virtqueues, the disk, vsock's Unix sockets.
+    /// The device event loop: virtqueues, the disk, vsock's Unix sockets, the TAP (reads,
+    /// writes, and `TUNSETOFFLOAD` when a guest's network driver starts: done here rather
+    /// than on the vCPU that activated the device, whose `ioctl`s are KVM's only).
     DeviceLoop,
     /// Serves guest page faults from a snapshot's memory (userfaultfd).
     PageServer,

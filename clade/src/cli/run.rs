@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Args;
 use vmm::api::ApiServer;
 use vmm::host::{own, stop_on_signals, OwnerEnd, OwnerOptions};
-use vmm::{BlockConfig, SerialOutput, Vm, VmConfig, VsockConfig};
+use vmm::{BlockConfig, NetConfig, SerialOutput, Vm, VmConfig, VsockConfig};
 
 use super::jail::JailArgs;
 use super::MachineArgs;
@@ -39,6 +39,12 @@ pub struct RunArgs {
     /// image, written in place (`clade disk create --parent BASE OVERLAY` makes one).
     #[arg(long, value_name = "LAYER")]
     disk: Option<PathBuf>,
+    /// Attach a virtio-net device (the guest's eth0) over a TAP: `tap=NAME` opens (or, with
+    /// CAP_NET_ADMIN, creates) the TAP interface NAME, `fd=N` uses an inherited TAP
+    /// descriptor (IFF_TAP|IFF_NO_PI|IFF_VNET_HDR; what a jailed VMM needs); `,mac=MAC` sets
+    /// the guest's address (default 06:00:ac:10:00:02).
+    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net)]
+    net: Option<NetConfig>,
     /// Serve the VM's control API on this Unix socket (status, pause, unpause, shutdown,
     /// snapshot, fork; see `clade snapshot`, `clade fork`).
     #[arg(long, value_name = "PATH")]
@@ -69,6 +75,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     )?;
     args.jail
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
+    check_jailed_net(args.jail.jailed(), args.net.as_ref())?;
     let jailed = args.jail.enter(&args.machine.kvm_device, |p| {
         p.read(&args.kernel)?;
         if let Some(initrd) = &args.initrd {
@@ -116,6 +123,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
             read_only: false,
             serial: None,
         }),
+        net: args.net,
     };
     let options = owner_options(args.files_root, !args.no_seccomp)?;
     // The API socket first: a socket in use fails before a VM exists.
@@ -126,6 +134,29 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     }
     vm.start()?;
     own_vm(vm, api, &options)
+}
+
+/// `--net`'s value (see [`NetConfig::parse`]).
+pub(super) fn parse_net(spec: &str) -> Result<NetConfig, String> {
+    NetConfig::parse(spec).map_err(|e| e.to_string())
+}
+
+/// A jailed VMM cannot open `/dev/net/tun` by itself: it must be handed a TAP descriptor.
+pub(super) fn check_jailed_net(jailed: bool, net: Option<&NetConfig>) -> anyhow::Result<()> {
+    if jailed
+        && matches!(
+            net,
+            Some(NetConfig {
+                tap: vmm::TapSource::Name(_),
+                ..
+            })
+        )
+    {
+        anyhow::bail!(
+            "a jailed VM cannot open a TAP by name: open it before the jail and pass --net fd=N"
+        );
+    }
+    Ok(())
 }
 
 /// The owner loop's options for a `clade` process: stop on SIGINT/SIGTERM; fork children

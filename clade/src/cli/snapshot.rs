@@ -6,10 +6,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use vmm::api::{ApiClient, ApiServer, Request};
-use vmm::{MemoryBackend, RestoreOptions, SerialOutput};
+use vmm::{MemoryBackend, NetConfig, RestoreOptions, SerialOutput};
 
 use super::jail::JailArgs;
-use super::run::{own_vm, owner_options};
+use super::run::{check_jailed_net, own_vm, owner_options, parse_net};
 
 #[derive(Debug, Args)]
 pub struct SnapshotArgs {
@@ -98,6 +98,10 @@ pub struct RestoreArgs {
     /// layer here (must not exist; default `<snapshot dir>/restore-<random>.cdsk`).
     #[arg(long, value_name = "PATH")]
     disk_overlay: Option<PathBuf>,
+    /// A snapshot with a network device: the restored VM's TAP, as for `clade run --net`
+    /// (`tap=NAME` or `fd=N`; a `mac=` must be the saved guest's).
+    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net)]
+    net: Option<NetConfig>,
     #[command(flatten)]
     jail: JailArgs,
 }
@@ -117,6 +121,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     }
     args.jail
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
+    check_jailed_net(args.jail.jailed(), args.net.as_ref())?;
     let jailed = args.jail.enter(&args.kvm_device, |p| {
         // The snapshot is read and checked here, before the jail, to know what it needs.
         let snap = vmm::PreparedSnapshot::open(&args.dir, vmm::CpuCheck::default())?;
@@ -167,6 +172,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         agent_sync: (!args.no_agent_sync).then(|| Duration::from_secs_f64(args.agent_sync_timeout)),
         working_set: !args.no_working_set,
         disk_overlay: args.disk_overlay,
+        net: args.net,
         ..RestoreOptions::default()
     };
     let vm = vmm::restore(&args.dir, args.backend, options)?;

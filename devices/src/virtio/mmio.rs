@@ -633,6 +633,7 @@ impl<'a> snapshot::Persist<'a> for MmioTransport {
                 self.device.device_type(),
                 match self.device.device_type() {
                     2 => "block",
+                    1 => "net",
                     _ => "unknown",
                 }
             ))

@@ -11,7 +11,8 @@
 //! | n    | `0xd000_1000 + n*0x1000`  | 0x1000 | `6 + n`          | in config order   |
 //!
 //! vsock comes first, so with `--vsock` it is slot 0: **base `0xd000_1000`, GSI 6**; a
-//! `--disk` (virtio-blk, [`block`]) takes the next slot. (The test device keeps
+//! `--disk` (virtio-blk, [`block`]) takes the next slot and a `--net` (virtio-net, [`net`])
+//! the one after. (The test device keeps
 //! `0xd000_0000` / GSI 5.)
 //!
 //! Each slot is announced twice, for kernels with either discovery method:
@@ -26,7 +27,7 @@
 //! |-------|-----------------------------|--------------------------------------------------|
 //! | 0x000 | MagicValue                  | `0x74726976` ("virt")                            |
 //! | 0x004 | Version                     | 2                                                |
-//! | 0x008 | DeviceID                    | 19 = vsock, 2 = block                            |
+//! | 0x008 | DeviceID                    | 19 = vsock, 2 = block, 1 = net                   |
 //! | 0x00c | VendorID                    | [`VENDOR_ID`] ("CLAD")                           |
 //! | 0x010 | DeviceFeatures (+Sel 0x014) | vsock offers only `VIRTIO_F_VERSION_1` (bit 32)  |
 //! | 0x020 | DriverFeatures (+Sel 0x024) | must include bit 32, or FEATURES_OK is refused   |
@@ -74,6 +75,7 @@ pub mod block;
 pub(crate) mod fuzz_util;
 mod gate;
 pub mod mmio;
+pub mod net;
 pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -168,6 +170,8 @@ pub enum VirtioDeviceState {
     Vsock(vsock::VsockState),
     /// virtio-blk (its disk is the VMM's to reopen).
     Block(block::BlockState),
+    /// virtio-net (its TAP is the VMM's to reopen).
+    Net(net::NetState),
 }
 
 /// A virtio device model, independent of the transport that exposes it.

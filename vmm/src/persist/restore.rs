@@ -23,7 +23,7 @@ use snapshot::{CpuCheck, SnapshotId, SnapshotKind};
 use super::{file_err, io_err, StatePayload, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE};
 use crate::arch::layout::ram_ranges;
 use crate::builder::{self, Identity, MemorySlot};
-use crate::config::{SerialOutput, VsockConfig};
+use crate::config::{NetConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{
     Lineage, MachineState, MemoryBackend, RestoreReport, SavedDisk, SavedMachine, Steps,
@@ -67,6 +67,9 @@ pub struct RestoreOptions {
     /// snapshot's frozen disk layer is created (it must not exist; default:
     /// `<snapshot dir>/restore-<random>.cdsk`). The overlay stays after the VM ends.
     pub disk_overlay: Option<PathBuf>,
+    /// A snapshot with a network device: the restored VM's TAP (and, optionally, the MAC,
+    /// which must be the saved one).
+    pub net: Option<NetConfig>,
 }
 
 impl Default for RestoreOptions {
@@ -84,6 +87,7 @@ impl Default for RestoreOptions {
             start: true,
             vcpu_cpus: Vec::new(),
             disk_overlay: None,
+            net: None,
         }
     }
 }
@@ -407,6 +411,7 @@ impl PreparedSnapshot {
             serial: options.serial.clone(),
             vsock,
             disk,
+            net: options.net.clone(),
             kvm_device: options.kvm_device.clone(),
             dirty_tracking: options.dirty_tracking,
             vcpu_cpus: options.vcpu_cpus.clone(),
