@@ -224,3 +224,25 @@ fn the_page_server_cannot_start_programs() {
     );
     assert!(err.contains(&line), "{err}");
 }
+
+#[test]
+fn the_test_devices_interrupt_works_under_the_filters() {
+    // The test device's irq thread once started at the guest's first arm, from the vCPU
+    // thread, whose filter forbids making threads: the VMM died of SIGSYS.
+    let out = Command::new(env!("CARGO_BIN_EXE_clade"))
+        .arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", "steps=hlt"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{:?}: {text}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("step hlt ok"), "{text}");
+}

@@ -76,17 +76,33 @@ pub struct TestMmio {
     scratch: u64,
     irq: Arc<(Mutex<IrqState>, Condvar)>,
     irq_thread: Option<thread::JoinHandle<()>>,
-    irq_evt: EventFd,
 }
 
 impl TestMmio {
-    /// `irq_evt` is an eventfd the VMM registered as an irqfd.
+    /// `irq_evt` is an eventfd the VMM registered as an irqfd. The thread that raises the
+    /// interrupt starts here, idle until the guest arms it: started by the vCPU thread at
+    /// the guest's first arm, it would be a thread creation the vCPU's system-call filter
+    /// forbids.
     pub fn new(irq_evt: EventFd) -> Self {
+        let irq = Arc::new((Mutex::new(IrqState::default()), Condvar::new()));
+        let irq_thread = match irq_evt.try_clone() {
+            Ok(evt) => {
+                let shared = Arc::clone(&irq);
+                thread::Builder::new()
+                    .name("clade-testirq".into())
+                    .spawn(move || raise_while_armed(&shared, &evt))
+                    .map_err(|e| tracing::error!("test device: no irq thread: {e}"))
+                    .ok()
+            }
+            Err(e) => {
+                tracing::error!("test device: cannot clone irq eventfd: {e}");
+                None
+            }
+        };
         Self {
             scratch: 0,
-            irq: Arc::new((Mutex::new(IrqState::default()), Condvar::new())),
-            irq_thread: None,
-            irq_evt,
+            irq,
+            irq_thread,
         }
     }
 
@@ -94,39 +110,30 @@ impl TestMmio {
         let (lock, cv) = &*self.irq;
         lock.lock().unwrap_or_else(|e| e.into_inner()).armed = true;
         cv.notify_all();
-        if self.irq_thread.is_some() {
-            return;
-        }
-        let evt = match self.irq_evt.try_clone() {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::error!("test device: cannot clone irq eventfd: {e}");
-                return;
-            }
-        };
-        let shared = Arc::clone(&self.irq);
-        self.irq_thread = Some(thread::spawn(move || {
-            let (lock, cv) = &*shared;
-            let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
-            while !st.stop {
-                if st.armed {
-                    if let Err(e) = evt.write(1) {
-                        tracing::error!("test device: raising irq failed: {e}");
-                    }
-                    st = cv
-                        .wait_timeout(st, IRQ_PERIOD)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
-                } else {
-                    st = cv.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-            }
-        }));
     }
 
     fn ack(&mut self) {
         let (lock, _) = &*self.irq;
         lock.lock().unwrap_or_else(|e| e.into_inner()).armed = false;
+    }
+}
+
+/// The irq thread: raises the interrupt every [`IRQ_PERIOD`] while armed, until stopped.
+fn raise_while_armed(shared: &(Mutex<IrqState>, Condvar), evt: &EventFd) {
+    let (lock, cv) = shared;
+    let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+    while !st.stop {
+        if st.armed {
+            if let Err(e) = evt.write(1) {
+                tracing::error!("test device: raising irq failed: {e}");
+            }
+            st = cv
+                .wait_timeout(st, IRQ_PERIOD)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        } else {
+            st = cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 
