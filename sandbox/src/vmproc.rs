@@ -143,6 +143,9 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
     cmdline.split(|b| *b == 0).any(|arg| arg == want)
 }
 
+/// What a sandbox's VM process logs (a `CLADE_LOG` filter) when the service has none.
+const VM_LOG_FILTER: &str = "info,virtio_queue=off";
+
 impl VmDriver for ProcessDriver {
     fn start(&self, spec: &StartSpec) -> Result<i32> {
         // Appended: the log of a sandbox's earlier runs (before a pause) stays readable.
@@ -167,6 +170,11 @@ impl VmDriver for ProcessDriver {
         }
         if !spec.agent_sync {
             cmd.arg("--no-agent-sync");
+        }
+        // The VMM's info lines (restore steps and times) are the sandbox's log (the logs
+        // endpoint), unless the service was started with its own CLADE_LOG.
+        if std::env::var_os("CLADE_LOG").is_none() {
+            cmd.env("CLADE_LOG", VM_LOG_FILTER);
         }
         // Its own process group: a Ctrl-C meant for the service does not stop sandboxes.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
