@@ -40,6 +40,9 @@ pub const STDIN_WINDOW: u32 = 256 * 1024;
 pub const MAX_ENTROPY_LEN: usize = 64 * 1024;
 /// Longest `tag` of a Spawn.
 pub const MAX_TAG_LEN: usize = 256;
+/// Most supplementary groups an AsUser may carry (NGROUPS is far larger; no sandbox user
+/// needs more).
+pub const MAX_GROUPS: usize = 64;
 /// Longest `meta` of a Spawn (opaque to the agent, returned by ListProcs).
 pub const MAX_META_LEN: usize = 64 * 1024;
 
@@ -469,6 +472,15 @@ pub enum HostMsg {
     ReadLink {
         path: PathBuf,
     },
+    /// File operations on this connection from now on run with these filesystem
+    /// credentials (fsuid, fsgid, supplementary groups: at most [`MAX_GROUPS`]), so the
+    /// kernel checks the user's permissions and what is created is the user's. The
+    /// connection may then no longer Exec or Spawn.
+    AsUser {
+        uid: u32,
+        gid: u32,
+        groups: Vec<u32>,
+    },
     /// Like Exec, but the process belongs to the agent, not to this connection: it keeps
     /// running when the connection closes, and any connection can Attach to it by pid.
     Spawn {
@@ -591,6 +603,7 @@ mod tag {
     pub const WATCH: u8 = 0x18;
     pub const UNWATCH: u8 = 0x19;
     pub const READ_LINK: u8 = 0x1a;
+    pub const AS_USER: u8 = 0x1b;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -900,6 +913,16 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
         HostMsg::ReadLink { path } => {
             let mut e = Enc::new(tag::READ_LINK, id);
             e.os(path.as_os_str());
+            e
+        }
+        HostMsg::AsUser { uid, gid, groups } => {
+            let mut e = Enc::new(tag::AS_USER, id);
+            e.u32(*uid);
+            e.u32(*gid);
+            e.u32(groups.len() as u32);
+            for g in groups {
+                e.u32(*g);
+            }
             e
         }
         HostMsg::Watch { path, recursive } => {
@@ -1363,6 +1386,19 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
         tag::READ_LINK => HostMsg::ReadLink {
             path: d.path("path")?,
         },
+        tag::AS_USER => {
+            let uid = d.u32("uid")?;
+            let gid = d.u32("gid")?;
+            let n = d.count(4, "groups")?;
+            if n > MAX_GROUPS {
+                return Err(Error::Invalid("groups (more than MAX_GROUPS)"));
+            }
+            let mut groups = Vec::with_capacity(n);
+            for _ in 0..n {
+                groups.push(d.u32("group")?);
+            }
+            HostMsg::AsUser { uid, gid, groups }
+        }
         tag::WATCH => HostMsg::Watch {
             path: d.path("path")?,
             recursive: d.bool("recursive")?,
@@ -1594,6 +1630,16 @@ mod tests {
             HostMsg::Unwatch { target: 77 },
             HostMsg::ReadLink {
                 path: "/tmp/link".into(),
+            },
+            HostMsg::AsUser {
+                uid: 1000,
+                gid: 1000,
+                groups: vec![1000, 27],
+            },
+            HostMsg::AsUser {
+                uid: 0,
+                gid: 0,
+                groups: vec![],
             },
         ]
     }

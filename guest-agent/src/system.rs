@@ -137,6 +137,29 @@ pub fn add_entropy(data: &[u8]) -> io::Result<()> {
 }
 
 /// Flushes all filesystems.
+/// Gives the calling thread (only it: raw system calls, not libc's process-wide setxid
+/// broadcast) the filesystem credentials of a user: supplementary groups, fsgid, fsuid.
+/// Checked afterwards (setfsuid/setfsgid report failure only by not changing anything).
+pub fn thread_fs_credentials(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
+    // SAFETY: setgroups reads `groups.len()` gid_t values from a valid slice; it changes
+    // only this thread's credentials.
+    if unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: setfsgid/setfsuid take plain integers and change only this thread's
+    // filesystem ids; each returns the previous id, so a second call reads the result.
+    let (fsgid, fsuid) = unsafe {
+        libc::syscall(libc::SYS_setfsgid, gid);
+        let fsgid = libc::syscall(libc::SYS_setfsgid, gid) as u32;
+        libc::syscall(libc::SYS_setfsuid, uid);
+        (fsgid, libc::syscall(libc::SYS_setfsuid, uid) as u32)
+    };
+    if fsgid != gid || fsuid != uid {
+        return Err(io::Error::from_raw_os_error(libc::EPERM));
+    }
+    Ok(())
+}
+
 pub fn sync() {
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };

@@ -11,6 +11,7 @@ if [ ! -x "$VENV/bin/pytest" ]; then
   "$VENV/bin/pip" install -q -r tests/e2b/requirements.txt pytest
 fi
 STATE=$(mktemp -d)
+chmod 755 "$STATE"  # the scratch dir below is reachable by another user (test_files_as_another_user)
 PORT=${CLADE_DP_PORT:-39417}
 export CLADE_DP_SCRATCH="$STATE/scratch"
 target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" --api-key dp-test \

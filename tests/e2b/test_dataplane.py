@@ -354,3 +354,20 @@ def test_symlink_info_has_its_target(sb, d):
         assert info.type.value == "symlink"
     listed = {e.name: e.symlink_target for e in sb.files.list(d)}
     assert listed == {"real.txt": None, "rel": f"{d}/real.txt", "abs": f"{d}/real.txt"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the harness's agent must be root to act as another user")
+def test_files_as_another_user_are_theirs_and_checked(sb, d):
+    sb.commands.run(f"chmod 777 {d} && echo secret > {d}/root-only && chmod 600 {d}/root-only")
+    info = sb.files.write(f"{d}/mine.txt", "by nobody", user="nobody")
+    assert info.path == f"{d}/mine.txt"
+    assert sb.files.get_info(f"{d}/mine.txt", user="nobody").owner == "nobody"
+    assert sb.files.make_dir(f"{d}/nobodys", user="nobody") is True
+    assert sb.files.get_info(f"{d}/nobodys").owner == "nobody"
+    assert sb.files.read(f"{d}/mine.txt", user="nobody") == "by nobody"
+    with pytest.raises(SandboxException) as e:
+        sb.files.read(f"{d}/root-only", user="nobody")
+    assert "ermission" in str(e.value), e.value
+    with pytest.raises(SandboxException):
+        sb.files.write(f"{d}/root-only", "overwrite", user="nobody")
+    assert sb.files.read(f"{d}/root-only") == "secret\n"

@@ -278,3 +278,15 @@ def test_watch_dir_sees_what_a_command_writes(sb):
             seen.extend(w.get_new_events())
     finally:
         w.stop()
+
+
+def test_files_as_another_user_are_theirs_and_checked(sb):
+    run(sb, "rm -rf /tmp/u && mkdir -m 777 /tmp/u && echo secret > /tmp/u/root-only"
+            " && chmod 600 /tmp/u/root-only")
+    sb.files.write("/tmp/u/mine.txt", "by nobody", user="nobody")
+    assert run(sb, "stat -c %U /tmp/u/mine.txt").stdout == "nobody\n"
+    assert sb.files.read("/tmp/u/mine.txt", user="nobody") == "by nobody"
+    with pytest.raises(SandboxException) as e:
+        sb.files.read("/tmp/u/root-only", user="nobody")
+    assert "ermission" in str(e.value), e.value
+    assert sb.files.read("/tmp/u/root-only") == "secret\n"

@@ -70,6 +70,9 @@ struct Session {
     uploads: HashMap<u32, Upload>,
     /// Directory watches; dropped (stopped) when the connection ends.
     watches: Watches,
+    /// Whether AsUser gave this connection's thread a user's filesystem credentials (it
+    /// then runs no Exec or Spawn: their processes would start with them).
+    as_user: bool,
 }
 
 /// Serves one accepted connection until the peer closes it, then kills the execs it
@@ -96,6 +99,7 @@ pub(crate) fn serve_connection(n: u64, fd: OwnedFd, shared: Arc<Shared>) {
         negotiated: false,
         uploads: HashMap::new(),
         watches: Watches::default(),
+        as_user: false,
     };
     let mut input = BufReader::with_capacity(128 * 1024, File::from(fd));
     loop {
@@ -188,6 +192,26 @@ impl Session {
                         running_execs: conn.shared.running_execs.load(Ordering::Relaxed),
                     },
                 );
+            }
+            HostMsg::Exec(_) | HostMsg::Spawn { .. } if self.as_user => {
+                conn.send_err(
+                    id,
+                    RemoteError::new(
+                        ErrorKind::InvalidArgument,
+                        "this connection has a user's file credentials (AsUser): no processes",
+                    ),
+                );
+            }
+            HostMsg::AsUser { uid, gid, groups } => {
+                match crate::system::thread_fs_credentials(uid, gid, &groups) {
+                    Ok(()) => {
+                        self.as_user = true;
+                        conn.send(id, &AgentMsg::Ok);
+                    }
+                    Err(e) => {
+                        conn.send_err(id, RemoteError::from_io(&e, "AsUser"));
+                    }
+                }
             }
             HostMsg::Exec(spec) => {
                 if self.uploads.contains_key(&id) || conn.execs().contains_key(&id) {

@@ -67,6 +67,7 @@ fn permissions(kind: FileKind, mode: u32) -> String {
 
 fn entry(
     sb: &SandboxConn,
+    user: &User,
     path: &FsPath,
     st: &FileStat,
     target: Option<&FileStat>,
@@ -101,7 +102,7 @@ fn entry(
             seconds: st.mtime_ns.div_euclid(1_000_000_000),
             nanos: st.mtime_ns.rem_euclid(1_000_000_000) as i32,
         }),
-        symlink_target: link_target(sb, path, st),
+        symlink_target: link_target(sb, user, path, st),
         metadata: Default::default(),
         is_symlink: st.kind == FileKind::Symlink,
     }
@@ -110,11 +111,11 @@ fn entry(
 /// A symlink's target for `EntryInfo` (as envd gives it: absolute; a relative target is
 /// taken relative to the link's directory, lexically), `None` for anything else or a
 /// link that cannot be read.
-fn link_target(sb: &SandboxConn, path: &FsPath, st: &FileStat) -> Option<String> {
+fn link_target(sb: &SandboxConn, user: &User, path: &FsPath, st: &FileStat) -> Option<String> {
     if st.kind != FileKind::Symlink {
         return None;
     }
-    let t = sb.with_client(|c| c.read_link(path)).ok()?;
+    let t = sb.with_user(user, |c| c.read_link(path)).ok()?;
     let t = if t.is_absolute() {
         t
     } else {
@@ -124,16 +125,16 @@ fn link_target(sb: &SandboxConn, path: &FsPath, st: &FileStat) -> Option<String>
 }
 
 /// lstat, and for a symlink also the target's stat (if it resolves).
-fn stat_entry(sb: &SandboxConn, path: &FsPath) -> Result<pb::EntryInfo, RpcError> {
+fn stat_entry(sb: &SandboxConn, user: &User, path: &FsPath) -> Result<pb::EntryInfo, RpcError> {
     let st = sb
-        .with_client(|c| c.lstat(path))
+        .with_user(user, |c| c.lstat(path))
         .map_err(|e| missing(e, path))?;
     let target = if st.kind == FileKind::Symlink {
-        sb.with_client(|c| c.stat(path)).ok()
+        sb.with_user(user, |c| c.stat(path)).ok()
     } else {
         None
     };
-    Ok(entry(sb, path, &st, target.as_ref()))
+    Ok(entry(sb, user, path, &st, target.as_ref()))
 }
 
 fn missing(mut e: RpcError, path: &FsPath) -> RpcError {
@@ -210,7 +211,7 @@ fn fs_call(
             let r: pb::PathRequest = codec.decode(body)?;
             check_path(&r.path)?;
             let p = user.resolve(&r.path);
-            let e = stat_entry(sb, &p)?;
+            let e = stat_entry(sb, user, &p)?;
             Ok(connect::unary_ok(
                 codec,
                 &pb::EntryResponse { entry: Some(e) },
@@ -222,7 +223,7 @@ fn fs_call(
             let root = user.resolve(&r.path);
             let depth = if r.depth == 0 { DEFAULT_DEPTH } else { r.depth };
             let st = sb
-                .with_client(|c| c.stat(&root))
+                .with_user(user, |c| c.stat(&root))
                 .map_err(|e| missing(e, &root))?;
             if st.kind != FileKind::Dir {
                 return Err(RpcError::new(
@@ -235,7 +236,7 @@ fn fs_call(
             for _ in 0..depth {
                 let mut next = Vec::new();
                 for dir in &level {
-                    let list = match sb.with_client(|c| c.list(dir)) {
+                    let list = match sb.with_user(user, |c| c.list(dir)) {
                         Ok(l) => l,
                         // A subdirectory that vanished or cannot be read is skipped.
                         Err(_) if !entries.is_empty() => continue,
@@ -246,7 +247,7 @@ fn fs_call(
                         if d.stat.kind == FileKind::Dir {
                             next.push(p.clone());
                         }
-                        entries.push(entry(sb, &p, &d.stat, None));
+                        entries.push(entry(sb, user, &p, &d.stat, None));
                         if entries.len() > MAX_ENTRIES {
                             return Err(RpcError::new(
                                 Code::ResourceExhausted,
@@ -266,15 +267,14 @@ fn fs_call(
             let r: pb::PathRequest = codec.decode(body)?;
             check_path(&r.path)?;
             let p = user.resolve(&r.path);
-            if sb.with_client(|c| c.lstat(&p)).is_ok() {
+            if sb.with_user(user, |c| c.lstat(&p)).is_ok() {
                 return Err(RpcError::new(
                     Code::AlreadyExists,
                     format!("path '{}' already exists", p.display()),
                 ));
             }
-            sb.with_client(|c| c.make_dir(&p, 0o755, true))?;
-            chown_for(sb, user, &p);
-            let e = stat_entry(sb, &p)?;
+            sb.with_user(user, |c| c.make_dir(&p, 0o755, true))?;
+            let e = stat_entry(sb, user, &p)?;
             Ok(connect::unary_ok(
                 codec,
                 &pb::EntryResponse { entry: Some(e) },
@@ -285,9 +285,9 @@ fn fs_call(
             check_path(&r.source)?;
             check_path(&r.destination)?;
             let (from, to) = (user.resolve(&r.source), user.resolve(&r.destination));
-            sb.with_client(|c| c.rename(&from, &to))
+            sb.with_user(user, |c| c.rename(&from, &to))
                 .map_err(|e| missing(e, &from))?;
-            let e = stat_entry(sb, &to)?;
+            let e = stat_entry(sb, user, &to)?;
             Ok(connect::unary_ok(
                 codec,
                 &pb::EntryResponse { entry: Some(e) },
@@ -318,7 +318,7 @@ fn fs_call(
             let r: pb::PathRequest = codec.decode(body)?;
             check_path(&r.path)?;
             let p = user.resolve(&r.path);
-            sb.with_client(|c| c.remove(&p, true))
+            sb.with_user(user, |c| c.remove(&p, true))
                 .map_err(|e| missing(e, &p))?;
             Ok(connect::unary_ok(codec, &pb::Empty {}))
         }
@@ -390,7 +390,7 @@ fn open_watch(
 ) -> Result<(Client, Watch), RpcError> {
     check_path(&r.path)?;
     let p = user.resolve(&r.path);
-    let client = sb.connect_new()?;
+    let client = sb.connect_as(user)?;
     let watch = client
         .watch(&p, r.recursive)
         .map_err(|e| watch_error(e, &p))?;
@@ -666,14 +666,6 @@ async fn watch_dir(dp: Arc<DataPlane>, req: Request) -> Response {
     connect::stream_response(codec, body)
 }
 
-/// Files made for a non-root user should be theirs; the agent has no chown yet, so they
-/// stay root's (see docs/e2b-compat.md).
-fn chown_for(_sb: &SandboxConn, user: &User, path: &FsPath) {
-    if user.uid != 0 {
-        tracing::debug!(path = %path.display(), user = %user.name, "created as root (no chown in the agent)");
-    }
-}
-
 /// envd's `/files` error body.
 fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
     (
@@ -760,7 +752,7 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
         let user = sb2.user(user_name.as_deref())?;
         let p = user.resolve(&path);
         let st = sb2
-            .with_client(|c| c.stat(&p))
+            .with_user(&user, |c| c.stat(&p))
             .map_err(|e| missing(e, &p))?;
         if st.kind == FileKind::Dir {
             return Err(RpcError::new(
@@ -768,7 +760,7 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
                 format!("path '{}' is a directory", p.display()),
             ));
         }
-        let client = sb2.connect_new()?;
+        let client = sb2.connect_as(&user)?;
         Ok((p, st.size, client))
     })
     .await
@@ -778,25 +770,46 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
         Err(e) => return rpc_to_http(e),
     };
     let (tx, mut rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    // How the read began: the status line waits for it, so that a file the agent cannot
+    // open (permissions, gone since the stat) is an HTTP error, not a broken body.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<Result<(), RpcError>>();
     tokio::task::spawn_blocking(move || {
-        let w = ChanWriter { tx: tx.clone() };
-        let r = if gzip {
+        let w = ChanWriter {
+            tx: tx.clone(),
+            first: Some(first_tx),
+        };
+        let (r, first) = if gzip {
             let mut gz = flate2::write::GzEncoder::new(w, flate2::Compression::fast());
-            client.read_file_to(&p, &mut gz).and_then(|_| {
-                gz.finish().map(drop).map_err(|e| vmm::Error::Io {
+            let r = client.read_file_to(&p, &mut gz).and_then(|_| {
+                gz.try_finish().map_err(|e| vmm::Error::Io {
                     context: "gzip the download",
                     source: e,
                 })
-            })
+            });
+            let first = gz.get_mut().first.take();
+            (r.map(drop), first)
         } else {
             let mut w = w;
-            client.read_file_to(&p, &mut w).map(drop)
+            let r = client.read_file_to(&p, &mut w).map(drop);
+            (r, w.first.take())
         };
-        if let Err(e) = r {
+        match (r, first) {
+            // Nothing was sent yet: the answer is this outcome.
+            (r, Some(first)) => {
+                let _ = first.send(r.map_err(|e| missing(RpcError::from(e), &p)));
+            }
             // The status line is gone: fail the body so the client sees a broken transfer.
-            let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+            (Err(e), None) => {
+                let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+            }
+            (Ok(()), None) => {}
         }
     });
+    match first_rx.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return rpc_to_http(e),
+        Err(_) => return rpc_to_http(RpcError::new(Code::Internal, "the download worker ended")),
+    }
     let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
     let mut r = Response::new(body);
     r.headers_mut().insert(
@@ -816,10 +829,15 @@ pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> 
 
 struct ChanWriter {
     tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    /// Told `Ok` at the first bytes (the read began well).
+    first: Option<tokio::sync::oneshot::Sender<Result<(), RpcError>>>,
 }
 
 impl std::io::Write for ChanWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(first) = self.first.take() {
+            let _ = first.send(Ok(()));
+        }
         self.tx
             .blocking_send(Ok(Bytes::copy_from_slice(buf)))
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client went away"))?;
@@ -884,8 +902,7 @@ fn write_one(
             }
             e => RpcError::from(e),
         })?;
-    chown_for(sb, user, path);
-    let _ = sb;
+    let _ = (sb, user);
     Ok(pb::EntryInfo {
         name: path
             .file_name()
@@ -932,7 +949,7 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
     let sb2 = sb.clone();
     let setup = tokio::task::spawn_blocking(move || {
         let user = sb2.user(user_name.as_deref())?;
-        let client = sb2.connect_new()?;
+        let client = sb2.connect_as(&user)?;
         Ok::<_, RpcError>((user, client))
     })
     .await

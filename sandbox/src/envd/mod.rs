@@ -108,6 +108,8 @@ pub(crate) struct User {
     pub uid: u32,
     pub gid: u32,
     pub home: PathBuf,
+    /// Supplementary groups (`/etc/group` memberships; the primary group first).
+    pub groups: Vec<u32>,
 }
 
 impl User {
@@ -117,6 +119,7 @@ impl User {
             uid: 0,
             gid: 0,
             home: "/root".into(),
+            groups: vec![0],
         }
     }
 
@@ -145,6 +148,8 @@ pub(crate) struct SandboxConn {
     /// Environment variables given at create time (every process gets them).
     pub env: BTreeMap<String, String>,
     client: Mutex<Option<Client>>,
+    /// File-operation connections of non-root users (AsUser), by uid.
+    user_clients: Mutex<HashMap<u32, Client>>,
     users: Mutex<Option<Accounts>>,
     /// Polling watchers (`CreateWatcher`), by id.
     pub watchers: files::Watchers,
@@ -166,6 +171,47 @@ impl SandboxConn {
                 format!("sandbox {}: its agent cannot be reached: {e}", self.id),
             )
         })
+    }
+
+    /// A new connection of its own whose file operations run as `user` (the guest's
+    /// kernel checks their permissions; what is created is theirs).
+    pub fn connect_as(&self, user: &User) -> Result<Client, RpcError> {
+        let c = self.connect_new()?;
+        if user.uid != 0 {
+            c.as_user(user.uid, user.gid, &user.groups)
+                .map_err(RpcError::from)?;
+        }
+        Ok(c)
+    }
+
+    /// Runs the file operation `f` as `user`: with the shared connection for root, else
+    /// with that user's own connection (made on first use), reconnecting once if it broke.
+    pub fn with_user<T>(
+        &self,
+        user: &User,
+        f: impl Fn(&Client) -> vmm::Result<T>,
+    ) -> Result<T, RpcError> {
+        if user.uid == 0 {
+            return self.with_client(f);
+        }
+        for attempt in 0..2 {
+            let cached = lock(&self.user_clients).get(&user.uid).cloned();
+            let c = match cached {
+                Some(c) => c,
+                None => {
+                    let c = self.connect_as(user)?;
+                    lock(&self.user_clients).insert(user.uid, c.clone());
+                    c
+                }
+            };
+            match f(&c) {
+                Err(vmm::Error::AgentDisconnected) if attempt == 0 => {
+                    lock(&self.user_clients).remove(&user.uid);
+                }
+                r => return r.map_err(RpcError::from),
+            }
+        }
+        Err(RpcError::new(Code::Unavailable, "agent connection lost"))
     }
 
     /// Runs `f` with the shared agent connection, reconnecting once if it broke.
@@ -215,9 +261,27 @@ impl SandboxConn {
                     uid: f[2].parse().ok()?,
                     gid: f[3].parse().ok()?,
                     home: PathBuf::from(f[5]),
+                    groups: Vec::new(),
                 })
             })
             .collect();
+        let mut users = users;
+        for u in &mut users {
+            u.groups.push(u.gid);
+        }
+        for l in group.lines() {
+            let f: Vec<&str> = l.split(':').collect();
+            let Some(gid) = f.get(2).and_then(|g| g.parse::<u32>().ok()) else {
+                continue;
+            };
+            for member in f.get(3).map(|m| m.split(',')).into_iter().flatten() {
+                for u in users.iter_mut().filter(|u| u.name == member) {
+                    if !u.groups.contains(&gid) && u.groups.len() < guest_agent::proto::MAX_GROUPS {
+                        u.groups.push(gid);
+                    }
+                }
+            }
+        }
         let groups: HashMap<u32, String> = group
             .lines()
             .filter_map(|l| {
@@ -363,6 +427,7 @@ impl DataPlane {
             vsock,
             env: rec.env_vars.clone(),
             client: Mutex::new(None),
+            user_clients: Mutex::new(HashMap::new()),
             users: Mutex::new(None),
             watchers: Default::default(),
             checked: Mutex::new((changes, Instant::now())),

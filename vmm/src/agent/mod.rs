@@ -714,6 +714,20 @@ impl Client {
         )
     }
 
+    /// From now on, file operations on this connection run with `uid`'s filesystem
+    /// credentials (`gid`, `groups`): the guest's kernel checks that user's permissions and
+    /// what is created is theirs. The connection can then run no processes.
+    pub fn as_user(&self, uid: u32, gid: u32, groups: &[u32]) -> Result<()> {
+        self.call_ok(
+            "as_user",
+            &HostMsg::AsUser {
+                uid,
+                gid,
+                groups: groups.to_vec(),
+            },
+        )
+    }
+
     /// What the symbolic link `path` points to (readlink(2): as written in the link).
     pub fn read_link(&self, path: impl AsRef<Path>) -> Result<std::path::PathBuf> {
         match self.call(&HostMsg::ReadLink {
