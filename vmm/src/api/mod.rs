@@ -22,8 +22,8 @@
 //! | `{"op":"unpause"}` | `state`: paused vCPUs run again (`"resume"` is accepted as an alias) |
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
-//!
 //! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
+//! | `{"op":"restore","snapshot":"/abs/snap","vsock":"/abs/vm.vsock",...}` | standby processes only (`clade restore --standby`): the fields of [`RestoreRequest`]; the answer is the `status` of the restored VM. A second restore, or one in a process that already runs a VM, is refused |
 //!
 //! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
 //! child becomes its own `clade` process (its own API socket and vsock socket, named
@@ -107,6 +107,60 @@ pub enum Request {
         #[serde(default = "default_true")]
         agent_sync: bool,
     },
+    /// Restore a snapshot into this process's pre-built VM shell (a standby process only,
+    /// once; see [`crate::host::standby`]).
+    Restore(RestoreRequest),
+}
+
+/// What a VM is restored from and where its files go: the options of `clade restore`, as
+/// one value, so that the command line and a standby process's `restore` request restore
+/// through the same code ([`crate::host::restore_request`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    /// The snapshot directory.
+    pub snapshot: PathBuf,
+    /// How guest memory is restored: "uffd" (default), "file" or "copy".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The vsock device's Unix socket (default: the snapshot's, which must be free).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<PathBuf>,
+    /// Where the serial console goes (default: standard output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_file: Option<PathBuf>,
+    /// A snapshot with a disk: the VM's own overlay on the snapshot's frozen layer (must
+    /// not exist).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_overlay: Option<PathBuf>,
+    /// The VMM's log (its standard error) from the restore on, appended (standby only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<PathBuf>,
+    /// Give the guest agent the time and fresh entropy after the restore.
+    #[serde(default = "default_true")]
+    pub agent_sync: bool,
+    /// How long the agent sync may take, in milliseconds (default 5000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_sync_timeout_ms: Option<u64>,
+    /// `uffd`: record and prefetch a working set.
+    #[serde(default = "default_true")]
+    pub working_set: bool,
+}
+
+impl RestoreRequest {
+    /// A request for `snapshot` with every other option at its default.
+    pub fn new(snapshot: PathBuf) -> Self {
+        RestoreRequest {
+            snapshot,
+            backend: None,
+            vsock: None,
+            serial_file: None,
+            disk_overlay: None,
+            log: None,
+            agent_sync: true,
+            agent_sync_timeout_ms: None,
+            working_set: true,
+        }
+    }
 }
 
 fn default_true() -> bool {
@@ -603,6 +657,29 @@ mod tests {
         assert!(crate::fork::check_child_count(usize::MAX).is_err());
         assert!(crate::fork::check_child_count(0).is_err());
         assert!(crate::fork::check_child_count(crate::fork::MAX_FORK_CHILDREN).is_ok());
+    }
+
+    #[test]
+    fn a_restore_request_has_the_restore_commands_defaults() {
+        let r: Request = serde_json::from_str(r#"{"op":"restore","snapshot":"/s"}"#).unwrap();
+        assert_eq!(r, Request::Restore(RestoreRequest::new("/s".into())));
+        let Request::Restore(full) = serde_json::from_str::<Request>(
+            r#"{"op":"restore","snapshot":"/s","vsock":"/r/v","serial_file":"/r/s",
+                "disk_overlay":"/r/d","log":"/r/l","agent_sync":false,
+                "agent_sync_timeout_ms":250,"backend":"file","working_set":false}"#,
+        )
+        .unwrap() else {
+            panic!("not a restore")
+        };
+        assert_eq!(full.vsock.as_deref(), Some(Path::new("/r/v")));
+        assert_eq!(full.agent_sync_timeout_ms, Some(250));
+        assert!(!full.agent_sync && !full.working_set);
+        // Round trip, and a request without its snapshot is a bad request.
+        let again: Request =
+            serde_json::from_str(&serde_json::to_string(&Request::Restore(full.clone())).unwrap())
+                .unwrap();
+        assert_eq!(again, Request::Restore(full));
+        assert!(serde_json::from_str::<Request>(r#"{"op":"restore"}"#).is_err());
     }
 
     /// Mutated and random request lines through a live server: each gets one answer line
