@@ -338,11 +338,14 @@ impl Host {
             files_root: self.sandboxes_dir(),
             disk_overlay: disk.clone(),
             agent_sync: !template.test_guest,
+            vcpus: template.vcpus,
+            mem_mib: template.mem_mib,
         };
-        let pid = self.driver.start(&spec)?;
+        let started = self.driver.start(&spec)?;
         rec.state = State::Running;
-        rec.pid = Some(pid);
-        rec.api_sock = Some(api);
+        rec.pid = Some(started.pid);
+        // A standby process keeps its own socket (see `vmproc::standby`).
+        rec.api_sock = Some(started.api_sock);
         rec.vsock = Some(vsock);
         rec.disk = disk;
         rec.crash = None;
