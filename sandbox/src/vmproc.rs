@@ -176,9 +176,16 @@ impl ProcessDriver {
             agent_sync: spec.agent_sync,
             ..RestoreRequest::new(spec.snapshot.clone())
         });
+        let t = Instant::now();
         let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call(&req));
         match answer {
             Ok(r) if r.ok => {
+                tracing::info!(
+                    pid = sb.child.id(),
+                    restore_us = ?r.fields.get("restored").and_then(|x| x.get("us")),
+                    call_us = t.elapsed().as_micros() as u64,
+                    "restored in a standby VM process"
+                );
                 let mut sb = sb;
                 let pid = sb.child.id() as i32;
                 // Its start-up log: from the restore on it writes the sandbox's.

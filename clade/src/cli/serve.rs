@@ -50,7 +50,7 @@ pub struct ServeArgs {
     /// VM processes kept ready per VM shape (vCPUs, memory) of the templates: started
     /// ahead of time with their VM shell built, a create or resume only restores into one
     /// (refilled in the background). 0: each sandbox's process is started on its request.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=16))]
+    #[arg(long, value_name = "N", env = "CLADE_SERVE_STANDBY", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=16))]
     standby: u8,
     /// TEST HARNESS ONLY: sandboxes are host-run `clade-agent --listen-unix` processes
     /// (this executable), not VMs; commands run on the host as this user. Installs the

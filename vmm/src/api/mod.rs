@@ -343,6 +343,10 @@ impl ApiServer {
 impl Drop for ApiServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept loop from its wait at once (only through our own socket).
+        if file_identity(&self.path).is_ok_and(|id| id == self.identity) {
+            let _ = UnixStream::connect(&self.path);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -399,6 +403,9 @@ fn accept_loop(
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((mut stream, _)) => {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
                 if !peer_allowed(&stream, peers) {
                     tracing::warn!("API connection refused: peer uid not allowed");
                     let _ = write_response(&mut stream, &Response::err("permission denied"));
@@ -426,14 +433,34 @@ fn accept_loop(
                     live.fetch_sub(1, Ordering::SeqCst);
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_readable(&listener),
             Err(e) => {
                 tracing::warn!("API accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+    }
+}
+
+/// How often the accept loop looks at its stop flag while no connection comes.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// Waits until a connection is pending on `listener` or [`STOP_CHECK`] passed: a new
+/// connection is accepted at once (sleeping between accept attempts would add up to the
+/// sleep to every request on a new connection, such as each request of `clade serve`).
+fn wait_readable(listener: &UnixListener) {
+    use std::os::fd::AsRawFd;
+    let mut fds = [libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    // SAFETY: `fds` is one valid pollfd for the duration of the call, with the listener's
+    // own descriptor; poll writes only its `revents`.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 1, STOP_CHECK.as_millis() as libc::c_int) };
+    if rc < 0 {
+        // EINTR or a transient failure: a short pause keeps this from spinning.
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
