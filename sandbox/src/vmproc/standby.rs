@@ -423,11 +423,20 @@ fn sweep(dir: &Path) -> Result<()> {
                 }
                 // A sandbox's VM: its socket stays.
                 Ok(_) => live.push(path.with_extension("log")),
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                // Not answering in time (a stopped process?): left alone.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    live.push(path.with_extension("log"))
+                }
+                // Nobody listens, or the process is ending (it closed the connection
+                // unanswered): a dead process's socket.
+                Err(_) => {
                     let _ = std::fs::remove_file(&path);
                 }
-                // Not answering in time (stopped?): left alone.
-                Err(_) => live.push(path.with_extension("log")),
             },
             Some("log") => logs.push(path),
             _ => {}
