@@ -19,6 +19,7 @@
 //! the service. HTTP is ureq (no TLS); the service is the real binary with its real
 //! registry, processes and sockets.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -144,7 +145,16 @@ impl Service {
             .arg(&state)
             .args(["--api-key", KEY, "--max-timeout", "86400"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            // CLADE_BENCH_SERVE_LOG=FILE keeps the service's log (with CLADE_LOG=info: the
+            // timings of each create and resume).
+            .stderr(
+                match std::env::var_os("CLADE_BENCH_SERVE_LOG")
+                    .and_then(|f| File::options().create(true).append(true).open(f).ok())
+                {
+                    Some(f) => Stdio::from(f),
+                    None => Stdio::null(),
+                },
+            )
             .spawn()
             .map_err(|source| Error::Io {
                 what: "starting clade serve".into(),

@@ -10,7 +10,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -61,6 +61,10 @@ fn free_port() -> u16 {
 }
 
 fn start_serve(state: &Path, port: u16) -> Proc {
+    start_serve_with(state, port, &[])
+}
+
+fn start_serve_with(state: &Path, port: u16, extra: &[&str]) -> Proc {
     let p = Proc(
         clade()
             .args([
@@ -72,6 +76,7 @@ fn start_serve(state: &Path, port: u16) -> Proc {
             ])
             .arg("--state-dir")
             .arg(state)
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
@@ -301,4 +306,171 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// The standby processes' sockets in `state` and what their processes say they are.
+fn standby_sockets(state: &Path) -> Vec<(PathBuf, String)> {
+    let Ok(entries) = std::fs::read_dir(state.join("standby")) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "api") {
+            let st = vmm::api::ApiClient::connect(&p)
+                .and_then(|mut c| c.call(&vmm::api::Request::Status))
+                .map(|r| r.fields["state"].as_str().unwrap_or("").to_string())
+                .unwrap_or_else(|_| "gone".into());
+            out.push((p, st));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The process whose command line names `sock`, if one lives.
+fn pid_naming(sock: &Path) -> Option<i32> {
+    let want = sock.as_os_str().as_encoded_bytes();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let zombie = stat.rsplit(')').next()?.trim_start().starts_with('Z');
+        (!zombie && cmd.split(|b| *b == 0).any(|a| a == want)).then_some(pid)
+    })
+}
+
+fn ready_standbys(state: &Path) -> Vec<PathBuf> {
+    standby_sockets(state)
+        .into_iter()
+        .filter(|(_, s)| s == "standby")
+        .map(|(p, _)| p)
+        .collect()
+}
+
+fn wait_standbys(state: &Path, n: usize) -> Vec<PathBuf> {
+    let t = Instant::now();
+    loop {
+        let ready = ready_standbys(state);
+        if ready.len() == n {
+            return ready;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{} standbys ready, not {n}: {:?}",
+            ready.len(),
+            standby_sockets(state)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `serve --standby 2`: a create takes a VM process that existed before the request, the
+/// pool refills, a service crash ends the unused standbys but not the sandbox, and a
+/// stopped service leaves no standby behind.
+#[test]
+fn creates_use_standby_processes_and_the_pool_refills() {
+    let d = Dir::new("standby");
+    let state = d.p("state");
+    let o = clade()
+        .args(["template", "build", "t", "--test-device", "--mem", "64"])
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--cmdline", "steps=vsock"])
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
+    let before = wait_standbys(&state, 2);
+    let pids: Vec<i32> = before.iter().map(|s| pid_naming(s).unwrap()).collect();
+
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t","timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    let a = id_of(&v);
+    ping(&state.join("sandboxes").join(&a).join("vm.vsock"));
+    // One of the standbys is the sandbox's VM now: same process, same socket.
+    let taken: Vec<(usize, &PathBuf)> = before
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !ready_standbys(&state).contains(p))
+        .collect();
+    assert_eq!(taken.len(), 1, "{:?}", standby_sockets(&state));
+    let (i, sock) = taken[0];
+    assert_eq!(
+        pid_naming(sock),
+        Some(pids[i]),
+        "the VM is the standby process"
+    );
+    let st = vmm::api::ApiClient::connect(sock)
+        .unwrap()
+        .call(&vmm::api::Request::Status)
+        .unwrap();
+    assert_eq!(st.fields["state"], "running", "{st:?}");
+    // Its VMM log is the sandbox's.
+    let log = state.join("sandboxes").join(&a).join("vm.log");
+    assert!(log.exists());
+
+    // The pool refills in the background: two ready standbys again, one of them new.
+    let after = wait_standbys(&state, 2);
+    assert_eq!(after.iter().filter(|p| before.contains(p)).count(), 1);
+
+    // A service crash: the unused standbys end (parent-death signal), the sandbox lives.
+    serve.0.kill().unwrap();
+    serve.0.wait().unwrap();
+    let t = Instant::now();
+    // (A process that is ending has no command line any more, but may still hold its
+    // socket for a moment.)
+    while after
+        .iter()
+        .any(|s| pid_naming(s).is_some() || std::os::unix::net::UnixStream::connect(s).is_ok())
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "standbys outlived the service"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(pid_naming(sock), Some(pids[i]));
+    ping(&state.join("sandboxes").join(&a).join("vm.vsock"));
+
+    // The next service sweeps the dead standbys' files, finds the sandbox running, and
+    // kill ends that VM process.
+    let mut serve = start_serve_with(&state, port, &["--standby", "1"]);
+    let (s, v) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!((s, v["state"].as_str()), (200, Some("running")), "{v}");
+    let ready = wait_standbys(&state, 1);
+    for p in &after {
+        assert!(
+            !p.exists(),
+            "{} was not swept: {:?} {:?}",
+            p.display(),
+            std::os::unix::net::UnixStream::connect(p).map(|_| ()),
+            standby_sockets(&state)
+        );
+        assert!(!p.with_extension("log").exists());
+    }
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(s, 204);
+    assert_eq!(pid_naming(sock), None);
+    assert!(!sock.exists());
+
+    // A stopped service ends its standbys and removes their files.
+    let pid = serve.0.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    serve.0.wait().unwrap();
+    assert!(pid_naming(&ready[0]).is_none());
+    assert_eq!(standby_sockets(&state), Vec::new());
 }

@@ -286,6 +286,7 @@ impl Host {
 
     /// Creates a sandbox from a template or a snapshot: a restore of its snapshot.
     pub fn create(&self, req: CreateRequest) -> Result<Record> {
+        let t0 = std::time::Instant::now();
         self.check_timeout(req.timeout_s)?;
         self.check_map("metadata", &req.metadata)?;
         self.check_map("envVars", &req.env_vars)?;
@@ -322,12 +323,22 @@ impl Host {
             crash: None,
             parent: None,
         };
+        let t_start = std::time::Instant::now();
         if let Err(e) = self.start_vm(&mut rec, &template, &snapshot) {
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
+        let t_insert = std::time::Instant::now();
         self.reg().insert(&rec)?;
-        tracing::info!(sandbox = %id, template = %template.name, pid = ?rec.pid, "created");
+        tracing::info!(
+            sandbox = %id,
+            template = %template.name,
+            pid = ?rec.pid,
+            prepare_us = (t_start - t0).as_micros() as u64,
+            start_us = (t_insert - t_start).as_micros() as u64,
+            insert_us = t_insert.elapsed().as_micros() as u64,
+            "created"
+        );
         Ok(rec)
     }
 
@@ -347,11 +358,14 @@ impl Host {
             files_root: self.sandboxes_dir(),
             disk_overlay: disk.clone(),
             agent_sync: !template.test_guest,
+            vcpus: template.vcpus,
+            mem_mib: template.mem_mib,
         };
-        let pid = self.driver.start(&spec)?;
+        let started = self.driver.start(&spec)?;
         rec.state = State::Running;
-        rec.pid = Some(pid);
-        rec.api_sock = Some(api);
+        rec.pid = Some(started.pid);
+        // A standby process keeps its own socket (see `vmproc::standby`).
+        rec.api_sock = Some(started.api_sock);
         rec.vsock = Some(vsock);
         rec.disk = disk;
         rec.crash = None;

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::vmproc::{ForkedChild, StartSpec, VmDriver};
+use crate::vmproc::{ForkedChild, StartSpec, Started, VmDriver};
 
 /// The name of the template [`HostAgentDriver::install_template`] writes.
 pub const TEMPLATE: &str = "host-agent";
@@ -315,7 +315,7 @@ impl Drop for HostAgentDriver {
 }
 
 impl VmDriver for HostAgentDriver {
-    fn start(&self, spec: &StartSpec) -> Result<i32> {
+    fn start(&self, spec: &StartSpec) -> Result<Started> {
         let thawed = lock(&self.frozen).remove(&spec.snapshot);
         let agent = match thawed {
             Some(mut a) => {
@@ -330,7 +330,10 @@ impl VmDriver for HostAgentDriver {
         };
         let pid = agent.pid();
         lock(&self.running).insert(pid, agent);
-        Ok(pid)
+        Ok(Started {
+            pid,
+            api_sock: spec.api_sock.clone(),
+        })
     }
 
     fn snapshot(&self, api_sock: &Path, dir: &Path, _diff: bool) -> Result<()> {

@@ -8,6 +8,10 @@
 //!
 //! A VM process is identified by its pid *and* its API socket path (which is on its command
 //! line): after a service restart the pid alone could name an unrelated process.
+//!
+//! With standby processes ([`standby`]), a start takes a process that was started ahead of
+//! time and has its VM shell built, and sends it one `restore` request; only when none is
+//! ready does it start `clade restore` itself.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -16,9 +20,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use vmm::api::{ApiClient, Request};
+use vmm::api::{ApiClient, Request, RestoreRequest};
 
 use crate::error::{Error, Result};
+
+pub mod standby;
+
+pub use standby::{Shape, StandbyConfig, StandbyPool};
 
 /// What a new VM process starts from and where its files go.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +47,20 @@ pub struct StartSpec {
     pub disk_overlay: Option<PathBuf>,
     /// Give the guest agent the time and fresh entropy after the restore.
     pub agent_sync: bool,
+    /// The snapshot's vCPUs (which standby processes fit it).
+    pub vcpus: u32,
+    /// The snapshot's memory in MiB.
+    pub mem_mib: u64,
+}
+
+/// A started VM process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Started {
+    /// Its pid.
+    pub pid: i32,
+    /// Its control API socket: the spec's, or a standby process's own (which its command
+    /// line names, see [`standby`]).
+    pub api_sock: PathBuf,
 }
 
 /// A child of a fork, as the parent VM reports it.
@@ -56,8 +78,8 @@ pub struct ForkedChild {
 
 /// Starting, asking and stopping VM processes.
 pub trait VmDriver: Send + Sync {
-    /// Starts a VM process from a snapshot; returns once its API answers. Returns its pid.
-    fn start(&self, spec: &StartSpec) -> Result<i32>;
+    /// Starts a VM process from a snapshot; returns once its API answers.
+    fn start(&self, spec: &StartSpec) -> Result<Started>;
     /// Snapshots the VM into `dir`: a diff on the VM's last snapshot when `diff` (an error
     /// if it has none), else full. The VM keeps running.
     fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()>;
@@ -81,19 +103,111 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a VM process may take to end after an API shutdown before it is killed.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The real driver: VM processes are `clade restore` children of this process.
+/// The real driver: VM processes are `clade restore` children of this process, started
+/// on demand or ahead of time (standby processes).
 pub struct ProcessDriver {
     clade: PathBuf,
     /// VM processes this process started (reaped here; others are watched through /proc).
     children: Mutex<HashMap<i32, Child>>,
+    /// Standby processes, when enabled.
+    standby: Mutex<Option<StandbyPool>>,
 }
 
 impl ProcessDriver {
-    /// A driver that starts VMs with the `clade` executable at `clade`.
+    /// A driver that starts VMs with the `clade` executable at `clade`, each when asked.
     pub fn new(clade: PathBuf) -> Self {
         Self {
             clade,
             children: Mutex::new(HashMap::new()),
+            standby: Mutex::new(None),
+        }
+    }
+
+    /// A driver that keeps standby processes ready as `cfg` says (see [`standby`]).
+    pub fn with_standby(clade: PathBuf, cfg: StandbyConfig) -> Result<Self> {
+        let pool = StandbyPool::new(clade.clone(), cfg)?;
+        Ok(Self {
+            clade,
+            children: Mutex::new(HashMap::new()),
+            standby: Mutex::new(Some(pool)),
+        })
+    }
+
+    /// Ends the ready standby processes and stops making new ones (sandboxes' VM processes
+    /// are not touched). Called when the service stops; dropping the driver does it too.
+    pub fn stop_standby(&self) {
+        let pool = self
+            .standby
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(pool);
+    }
+
+    /// The standby pool, if there is one.
+    pub fn with_pool<T>(&self, f: impl FnOnce(&StandbyPool) -> T) -> Option<T> {
+        self.standby
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
+    /// Restores `spec` in a ready standby process of its shape. `Ok(None)`: there is none,
+    /// or it did not answer (it is discarded): start one the usual way.
+    fn start_standby(&self, spec: &StartSpec) -> Result<Option<Started>> {
+        let shape = Shape {
+            vcpus: spec.vcpus,
+            mem_mib: spec.mem_mib,
+        };
+        let taken = self.with_pool(|pool| {
+            (pool.files_root() == spec.files_root)
+                .then(|| pool.take(shape))
+                .flatten()
+        });
+        let Some(sb) = taken.flatten() else {
+            return Ok(None);
+        };
+        let req = Request::Restore(RestoreRequest {
+            vsock: Some(spec.vsock.clone()),
+            serial_file: Some(spec.serial.clone()),
+            disk_overlay: spec.disk_overlay.clone(),
+            log: Some(spec.log.clone()),
+            agent_sync: spec.agent_sync,
+            ..RestoreRequest::new(spec.snapshot.clone())
+        });
+        let t = Instant::now();
+        let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call(&req));
+        match answer {
+            Ok(r) if r.ok => {
+                tracing::info!(
+                    pid = sb.child.id(),
+                    restore_us = ?r.fields.get("restored").and_then(|x| x.get("us")),
+                    call_us = t.elapsed().as_micros() as u64,
+                    "restored in a standby VM process"
+                );
+                let mut sb = sb;
+                let pid = sb.child.id() as i32;
+                // Its start-up log: from the restore on it writes the sandbox's.
+                let _ = std::fs::remove_file(&sb.log);
+                let api_sock = std::mem::take(&mut sb.api_sock);
+                self.children().insert(pid, sb.child);
+                Ok(Some(Started { pid, api_sock }))
+            }
+            // The restore itself failed: `clade restore` would fail the same way.
+            Ok(r) => {
+                sb.discard();
+                Err(Error::Vm(format!(
+                    "restore {}: {}",
+                    spec.snapshot.display(),
+                    r.error.unwrap_or_else(|| "no reason given".into())
+                )))
+            }
+            Err(e) => {
+                tracing::warn!("standby process {} did not answer: {e}", sb.child.id());
+                sb.discard();
+                Ok(None)
+            }
         }
     }
 
@@ -121,7 +235,7 @@ fn api_call(api_sock: &Path, op: &'static str, req: &Request) -> Result<vmm::api
 }
 
 /// The last lines of a VM's log, for an error message.
-fn log_tail(log: &Path) -> String {
+pub(crate) fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(3).collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
@@ -144,10 +258,13 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
 }
 
 /// What a sandbox's VM process logs (a `CLADE_LOG` filter) when the service has none.
-const VM_LOG_FILTER: &str = "info,virtio_queue=off";
+pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 
 impl VmDriver for ProcessDriver {
-    fn start(&self, spec: &StartSpec) -> Result<i32> {
+    fn start(&self, spec: &StartSpec) -> Result<Started> {
+        if let Some(started) = self.start_standby(spec)? {
+            return Ok(started);
+        }
         // Appended: the log of a sandbox's earlier runs (before a pause) stays readable.
         let log = File::options()
             .create(true)
@@ -214,7 +331,10 @@ impl VmDriver for ProcessDriver {
             std::thread::sleep(Duration::from_micros(100));
         }
         self.children().insert(pid, child);
-        Ok(pid)
+        Ok(Started {
+            pid,
+            api_sock: spec.api_sock.clone(),
+        })
     }
 
     fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()> {
@@ -364,6 +484,8 @@ mod tests {
             files_root: d.clone(),
             disk_overlay: None,
             agent_sync: false,
+            vcpus: 1,
+            mem_mib: 64,
         };
         let e = driver.start(&spec).unwrap_err();
         assert!(matches!(e, Error::Vm(_)), "{e}");

@@ -15,6 +15,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use disk::ops::CreateOptions;
 use sandbox::http::{serve, AppState};
+use sandbox::vmproc::{Shape, StandbyConfig};
 use sandbox::{Host, HostConfig, ProcessDriver, Template, TemplateStore};
 use vmm::agent::{Client, Transport};
 use vmm::api::{ApiClient, Request};
@@ -46,6 +47,11 @@ pub struct ServeArgs {
     /// Longest sandbox timeout a client may ask for (seconds).
     #[arg(long, default_value_t = 86400)]
     max_timeout: u64,
+    /// VM processes kept ready per VM shape (vCPUs, memory) of the templates: started
+    /// ahead of time with their VM shell built, a create or resume only restores into one
+    /// (refilled in the background). 0: each sandbox's process is started on its request.
+    #[arg(long, value_name = "N", env = "CLADE_SERVE_STANDBY", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=16))]
+    standby: u8,
     /// TEST HARNESS ONLY: sandboxes are host-run `clade-agent --listen-unix` processes
     /// (this executable), not VMs; commands run on the host as this user. Installs the
     /// template `host-agent`. For SDK tests on machines that cannot boot Linux guests.
@@ -75,6 +81,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     cfg.max_fork = args.max_fork.clamp(1, 64);
     cfg.max_timeout_s = args.max_timeout.max(1);
     let exe = std::env::current_exe().context("finding the clade executable")?;
+    let mut processes: Option<Arc<ProcessDriver>> = None;
     let driver: Arc<dyn sandbox::VmDriver> = match &args.test_host_agent {
         Some(agent) => {
             eprintln!(
@@ -86,7 +93,28 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 std::path::absolute(agent)?,
             ))
         }
-        None => Arc::new(ProcessDriver::new(exe)),
+        None if args.standby == 0 => Arc::new(ProcessDriver::new(exe)),
+        None => {
+            let shapes = TemplateStore::new(&state_dir)
+                .list()?
+                .iter()
+                .map(|t| Shape {
+                    vcpus: t.vcpus,
+                    mem_mib: t.mem_mib,
+                })
+                .collect();
+            let d = Arc::new(ProcessDriver::with_standby(
+                exe,
+                StandbyConfig {
+                    dir: state_dir.join("standby"),
+                    per_shape: args.standby.into(),
+                    files_root: state_dir.join("sandboxes"),
+                    shapes,
+                },
+            )?);
+            processes = Some(Arc::clone(&d));
+            d
+        }
     };
     let host = Host::open(cfg, driver)?;
     let (running, paused, crashed) = host.recover()?;
@@ -95,7 +123,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
@@ -124,7 +152,12 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         };
         serve(listener, state, Duration::from_millis(250), shutdown).await?;
         anyhow::Ok(())
-    })?;
+    });
+    // Unused standby processes end with the service (sandboxes' VMs do not).
+    if let Some(d) = processes {
+        d.stop_standby();
+    }
+    served?;
     Ok(0)
 }
 

@@ -1,15 +1,20 @@
 //! `clade snapshot` (through a running VM's API socket) and `clade restore`.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use vmm::api::{ApiClient, ApiServer, Request};
-use vmm::{MemoryBackend, NetConfig, RestoreOptions, SerialOutput};
+use vmm::api::{ApiClient, ApiServer, Request, RestoreRequest};
+use vmm::host::StandbyEnd;
+use vmm::{MemoryBackend, NetConfig, ShellSpec};
 
 use super::jail::JailArgs;
 use super::run::{check_jailed_net, own_vm, owner_options, parse_net};
+
+/// `--net` checked when parsed, kept as written: the restore request carries it as text.
+fn parse_net_spec(spec: &str) -> Result<String, String> {
+    parse_net(spec).map(|_| spec.to_string())
+}
 
 #[derive(Debug, Args)]
 pub struct SnapshotArgs {
@@ -61,7 +66,19 @@ pub fn snapshot(args: SnapshotArgs) -> anyhow::Result<u8> {
 #[derive(Debug, Args)]
 pub struct RestoreArgs {
     /// The snapshot directory (`clade snapshot`).
-    dir: PathBuf,
+    #[arg(required_unless_present = "standby")]
+    dir: Option<PathBuf>,
+    /// Start as a standby process: confine the process, build a VM shell of --vcpus and
+    /// --mem, serve --api-sock and wait for one `restore` request (the options below, as
+    /// JSON: vmm::api::RestoreRequest), then run that VM as `clade restore DIR` would.
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "jail", "vsock", "serial_file", "disk_overlay", "no_agent_sync"])]
+    standby: bool,
+    /// Standby: the vCPUs of the VM shell (the snapshots it will take).
+    #[arg(long, requires = "standby", default_value_t = 1)]
+    vcpus: u32,
+    /// Standby: the memory of the VM shell (MiB, or 512M, 4G).
+    #[arg(long = "mem", requires = "standby", default_value = "256", value_parser = super::parse_mem_mib)]
+    mem_mib: u64,
     /// How guest memory is restored: uffd (on demand, with working-set prefetch), file
     /// (copy-on-write mapping of the memory file) or copy (read it all first).
     #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(MemoryBackend))]
@@ -69,7 +86,8 @@ pub struct RestoreArgs {
     /// Serve the VM's control API on this Unix socket.
     #[arg(long, value_name = "PATH")]
     api_sock: Option<PathBuf>,
-    /// Snapshot and fork requests through the API may only name directories under DIR.
+    /// Snapshot and fork requests through the API may only name directories under DIR
+    /// (and a standby's restore request only files under it).
     #[arg(long, value_name = "DIR", requires = "api_sock")]
     files_root: Option<PathBuf>,
     /// Do not filter the VMM's system calls (seccomp is on by default: a call outside the
@@ -100,33 +118,40 @@ pub struct RestoreArgs {
     disk_overlay: Option<PathBuf>,
     /// A snapshot with a network device: the restored VM's TAP, as for `clade run --net`
     /// (`tap=NAME` or `fd=N`; a `mac=` must be the saved guest's).
-    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net)]
-    net: Option<NetConfig>,
+    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net_spec)]
+    net: Option<String>,
     #[command(flatten)]
     jail: JailArgs,
 }
 
 pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
+    if args.standby {
+        return standby(args);
+    }
     args.jail.absolute(
-        [&mut args.dir]
-            .into_iter()
+        args.dir
+            .iter_mut()
             .chain(&mut args.api_sock)
             .chain(&mut args.files_root)
             .chain(&mut args.vsock)
             .chain(&mut args.serial_file)
             .chain(&mut args.disk_overlay),
     )?;
+    let Some(dir) = args.dir.clone() else {
+        bail!("give the snapshot directory (or --standby)");
+    };
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
     args.jail
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
-    check_jailed_net(args.jail.jailed(), args.net.as_ref())?;
+    let net = args.net.as_deref().map(NetConfig::parse).transpose()?;
+    check_jailed_net(args.jail.jailed(), net.as_ref())?;
     let jailed = args.jail.enter(&args.kvm_device, |p| {
         // The snapshot is read and checked here, before the jail, to know what it needs.
-        let snap = vmm::PreparedSnapshot::open(&args.dir, vmm::CpuCheck::default())?;
+        let snap = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())?;
         // Its directory takes the working set and, by default, the VM's disk overlay.
-        p.write_dir(&args.dir)?;
+        p.write_dir(&dir)?;
         for dir in snap.chain_dirs() {
             p.read(dir)?;
         }
@@ -162,28 +187,47 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     }
     let owner = owner_options(args.files_root, !args.no_seccomp)?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
-    let options = RestoreOptions {
-        serial: args
-            .serial_file
-            .map(SerialOutput::File)
-            .unwrap_or(SerialOutput::Stdout),
-        vsock_path: args.vsock,
-        kvm_device: args.kvm_device,
-        agent_sync: (!args.no_agent_sync).then(|| Duration::from_secs_f64(args.agent_sync_timeout)),
-        working_set: !args.no_working_set,
+    // The same request a standby process gets through its API, from this command line.
+    let request = RestoreRequest {
+        snapshot: dir,
+        backend: Some(args.backend.name().into()),
+        vsock: args.vsock,
+        serial_file: args.serial_file,
         disk_overlay: args.disk_overlay,
+        log: None,
+        agent_sync: !args.no_agent_sync,
+        agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
+        working_set: !args.no_working_set,
         net: args.net,
-        ..RestoreOptions::default()
     };
-    let vm = vmm::restore(&args.dir, args.backend, options)?;
-    if let Some(r) = vm.restore_report() {
-        tracing::info!(
-            "restored {} ({} backend) in {:?}: {:?}",
-            args.dir.display(),
-            r.backend,
-            r.total,
-            r.steps
-        );
-    }
+    let vm = vmm::host::restore_request(&request, &args.kvm_device, &mut None, None)?;
     own_vm(vm, api, &owner)
+}
+
+/// `clade restore --standby`: a confined process with a pre-built VM shell that waits for
+/// its `restore` request (see `vmm::host::standby`).
+fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
+    let Some(api_sock) = &args.api_sock else {
+        bail!("--standby needs --api-sock");
+    };
+    // The process filter before the shell's threads exist, so each narrows it to its kind.
+    if !args.no_seccomp {
+        vmm::seccomp::install()?;
+    }
+    let owner = owner_options(args.files_root.clone(), !args.no_seccomp)?;
+    let api = ApiServer::bind(api_sock)?;
+    let spec = ShellSpec {
+        kvm_device: args.kvm_device.clone(),
+        mem_bytes: args
+            .mem_mib
+            .checked_mul(1 << 20)
+            .context("--mem is too large")?,
+        vcpus: args.vcpus,
+        dirty_log: true,
+    };
+    match vmm::host::standby(&api, &spec, &owner)? {
+        StandbyEnd::Restored(vm) => own_vm(*vm, Some(api), &owner),
+        StandbyEnd::Shutdown => Ok(0),
+        StandbyEnd::Signal(signal) => Ok(128u8.saturating_add(signal as u8)),
+    }
 }

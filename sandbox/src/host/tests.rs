@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use super::*;
 use crate::registry::SnapshotQuery;
 use crate::template::Template;
-use crate::vmproc::ForkedChild;
+use crate::vmproc::{ForkedChild, Started};
 
 #[derive(Default)]
 pub(crate) struct FakeDriver {
@@ -30,7 +30,7 @@ impl FakeDriver {
 }
 
 impl VmDriver for FakeDriver {
-    fn start(&self, spec: &StartSpec) -> Result<i32> {
+    fn start(&self, spec: &StartSpec) -> Result<Started> {
         if !spec.snapshot.exists() {
             return Err(Error::Vm(format!(
                 "no snapshot {}",
@@ -40,7 +40,10 @@ impl VmDriver for FakeDriver {
         let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
         self.alive.lock().unwrap().insert(pid);
         self.note(format!("start {pid} {}", spec.snapshot.display()));
-        Ok(pid)
+        Ok(Started {
+            pid,
+            api_sock: spec.api_sock.clone(),
+        })
     }
     fn snapshot(&self, _api: &Path, dir: &Path, diff: bool) -> Result<()> {
         if diff && self.no_diff.load(Ordering::SeqCst) {

@@ -22,8 +22,8 @@
 //! | `{"op":"unpause"}` | `state`: paused vCPUs run again (`"resume"` is accepted as an alias) |
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
-//!
 //! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
+//! | `{"op":"restore","snapshot":"/abs/snap","vsock":"/abs/vm.vsock",...}` | standby processes only (`clade restore --standby`): the fields of [`RestoreRequest`]; the answer is the `status` of the restored VM. A second restore, or one in a process that already runs a VM, is refused |
 //!
 //! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
 //! child becomes its own `clade` process (its own API socket and vsock socket, named
@@ -107,6 +107,65 @@ pub enum Request {
         #[serde(default = "default_true")]
         agent_sync: bool,
     },
+    /// Restore a snapshot into this process's pre-built VM shell (a standby process only,
+    /// once; see [`crate::host::standby`]).
+    Restore(RestoreRequest),
+}
+
+/// What a VM is restored from and where its files go: the options of `clade restore`, as
+/// one value, so that the command line and a standby process's `restore` request restore
+/// through the same code ([`crate::host::restore_request`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    /// The snapshot directory.
+    pub snapshot: PathBuf,
+    /// How guest memory is restored: "uffd" (default), "file" or "copy".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The vsock device's Unix socket (default: the snapshot's, which must be free).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<PathBuf>,
+    /// Where the serial console goes (default: standard output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_file: Option<PathBuf>,
+    /// A snapshot with a disk: the VM's own overlay on the snapshot's frozen layer (must
+    /// not exist).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_overlay: Option<PathBuf>,
+    /// The VMM's log (its standard error) from the restore on, appended (standby only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<PathBuf>,
+    /// Give the guest agent the time and fresh entropy after the restore.
+    #[serde(default = "default_true")]
+    pub agent_sync: bool,
+    /// How long the agent sync may take, in milliseconds (default 5000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_sync_timeout_ms: Option<u64>,
+    /// `uffd`: record and prefetch a working set.
+    #[serde(default = "default_true")]
+    pub working_set: bool,
+    /// The virtio-net device's TAP, as `--net` takes it (`tap=NAME[,mac=MAC]` or
+    /// `fd=N[,mac=MAC]`); required when the snapshot has a network device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<String>,
+}
+
+impl RestoreRequest {
+    /// A request for `snapshot` with every other option at its default.
+    pub fn new(snapshot: PathBuf) -> Self {
+        RestoreRequest {
+            snapshot,
+            backend: None,
+            vsock: None,
+            serial_file: None,
+            disk_overlay: None,
+            log: None,
+            agent_sync: true,
+            agent_sync_timeout_ms: None,
+            working_set: true,
+            net: None,
+        }
+    }
 }
 
 fn default_true() -> bool {
@@ -289,6 +348,10 @@ impl ApiServer {
 impl Drop for ApiServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept loop from its wait at once (only through our own socket).
+        if file_identity(&self.path).is_ok_and(|id| id == self.identity) {
+            let _ = UnixStream::connect(&self.path);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -345,6 +408,9 @@ fn accept_loop(
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((mut stream, _)) => {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
                 if !peer_allowed(&stream, peers) {
                     tracing::warn!("API connection refused: peer uid not allowed");
                     let _ = write_response(&mut stream, &Response::err("permission denied"));
@@ -372,14 +438,34 @@ fn accept_loop(
                     live.fetch_sub(1, Ordering::SeqCst);
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_readable(&listener),
             Err(e) => {
                 tracing::warn!("API accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+    }
+}
+
+/// How often the accept loop looks at its stop flag while no connection comes.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// Waits until a connection is pending on `listener` or [`STOP_CHECK`] passed: a new
+/// connection is accepted at once (sleeping between accept attempts would add up to the
+/// sleep to every request on a new connection, such as each request of `clade serve`).
+fn wait_readable(listener: &UnixListener) {
+    use std::os::fd::AsRawFd;
+    let mut fds = [libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    // SAFETY: `fds` is one valid pollfd for the duration of the call, with the listener's
+    // own descriptor; poll writes only its `revents`.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 1, STOP_CHECK.as_millis() as libc::c_int) };
+    if rc < 0 {
+        // EINTR or a transient failure: a short pause keeps this from spinning.
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -603,6 +689,29 @@ mod tests {
         assert!(crate::fork::check_child_count(usize::MAX).is_err());
         assert!(crate::fork::check_child_count(0).is_err());
         assert!(crate::fork::check_child_count(crate::fork::MAX_FORK_CHILDREN).is_ok());
+    }
+
+    #[test]
+    fn a_restore_request_has_the_restore_commands_defaults() {
+        let r: Request = serde_json::from_str(r#"{"op":"restore","snapshot":"/s"}"#).unwrap();
+        assert_eq!(r, Request::Restore(RestoreRequest::new("/s".into())));
+        let Request::Restore(full) = serde_json::from_str::<Request>(
+            r#"{"op":"restore","snapshot":"/s","vsock":"/r/v","serial_file":"/r/s",
+                "disk_overlay":"/r/d","log":"/r/l","agent_sync":false,
+                "agent_sync_timeout_ms":250,"backend":"file","working_set":false}"#,
+        )
+        .unwrap() else {
+            panic!("not a restore")
+        };
+        assert_eq!(full.vsock.as_deref(), Some(Path::new("/r/v")));
+        assert_eq!(full.agent_sync_timeout_ms, Some(250));
+        assert!(!full.agent_sync && !full.working_set);
+        // Round trip, and a request without its snapshot is a bad request.
+        let again: Request =
+            serde_json::from_str(&serde_json::to_string(&Request::Restore(full.clone())).unwrap())
+                .unwrap();
+        assert_eq!(again, Request::Restore(full));
+        assert!(serde_json::from_str::<Request>(r#"{"op":"restore"}"#).is_err());
     }
 
     /// Mutated and random request lines through a live server: each gets one answer line

@@ -28,29 +28,7 @@ pub(crate) fn handle(
     let root = options.files_root.as_deref();
     let state = |vm: &Vm| json!({ "state": vm.state_name() });
     let response = match &req.request {
-        Request::Status => {
-            let c = vm.config();
-            let mut fields = json!({
-                "state": vm.state_name(),
-                "vcpus": c.vcpus,
-                "mem_mib": c.mem_mib,
-                "pvm_native": vm.pvm_native(),
-            });
-            if let Some(l) = vm.last_snapshot() {
-                fields["last_snapshot"] = json!({
-                    "id": l.id.to_string(),
-                    "dir": l.dir,
-                });
-            }
-            if let Some(r) = vm.restore_report() {
-                fields["restored"] = json!({
-                    "backend": r.backend.name(),
-                    "kind": r.kind.to_string(),
-                    "us": r.total.as_micros() as u64,
-                });
-            }
-            Response::ok(fields)
-        }
+        Request::Status => Response::ok(status_fields(vm)),
         Request::Pause => match vm.pause() {
             Ok(()) => Response::ok(state(vm)),
             Err(e) => Response::err(e),
@@ -109,14 +87,43 @@ pub(crate) fn handle(
             Ok(forked) => Response::ok(forked.to_json()),
             Err(e) => Response::err(e),
         },
+        // Only a standby process restores (once, into its pre-built shell).
+        Request::Restore(_) => Response::err(
+            "this process already runs a VM: a restore is only accepted by a standby process, once",
+        ),
     };
     req.respond(response);
     Handled::Continue
 }
 
+/// The fields of a `status` answer for `vm`.
+pub(crate) fn status_fields(vm: &Vm) -> serde_json::Value {
+    let c = vm.config();
+    let mut fields = json!({
+        "state": vm.state_name(),
+        "vcpus": c.vcpus,
+        "mem_mib": c.mem_mib,
+        "pvm_native": vm.pvm_native(),
+    });
+    if let Some(l) = vm.last_snapshot() {
+        fields["last_snapshot"] = json!({
+            "id": l.id.to_string(),
+            "dir": l.dir,
+        });
+    }
+    if let Some(r) = vm.restore_report() {
+        fields["restored"] = json!({
+            "backend": r.backend.name(),
+            "kind": r.kind.to_string(),
+            "us": r.total.as_micros() as u64,
+        });
+    }
+    fields
+}
+
 /// A directory a request names, checked: absolute, no `..`, and under `root` (when given)
 /// once symlinks in its existing part are resolved.
-fn confine(path: &Path, root: Option<&Path>) -> Result<PathBuf, String> {
+pub(crate) fn confine(path: &Path, root: Option<&Path>) -> Result<PathBuf, String> {
     if !path.is_absolute() {
         return Err(format!("{}: the path must be absolute", path.display()));
     }

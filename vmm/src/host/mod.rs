@@ -11,6 +11,9 @@
 //! - [`fork_processes`]: process-per-child fork. The VM is frozen and each child is its own
 //!   process, started by a [`ChildLauncher`] (by default this very executable with
 //!   `fork-child`), which calls [`serve_fork_child`].
+//! - [`standby`]: a process that built its VM shell ahead of time and waits for one
+//!   `restore` request; [`restore_request`] is the one restore path of `clade restore`
+//!   and of that request.
 //! - [`jail`]: namespaces, a pivoted root with only what the VM needs, cgroup limits and
 //!   dropped privileges, entered before the VM is built.
 
@@ -20,8 +23,12 @@ mod fork;
 pub mod jail;
 mod options;
 mod owner;
+mod standby;
 
 pub use child::serve_fork_child;
 pub use fork::{fork_processes, ForkedChild, ForkedProcesses};
 pub use options::{ChildLauncher, OwnerOptions, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd};
+pub use standby::{
+    restore_request, standby, StandbyEnd, DEFAULT_AGENT_SYNC_TIMEOUT, MAX_AGENT_SYNC_TIMEOUT,
+};

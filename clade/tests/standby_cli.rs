@@ -1,0 +1,245 @@
+//! `clade restore --standby`: a process with a pre-built VM shell restores a snapshot of
+//! the native test guest on request, and from then on is an ordinary restored VM.
+
+#[path = "../../tests/src/native_guest.rs"]
+mod native_guest;
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Dir, Proc};
+use native_guest::native_guest;
+use vmm::api::{ApiClient, Request, Response, RestoreRequest};
+
+fn clade() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_clade"))
+}
+
+fn api(sock: &Path, req: &Request) -> Response {
+    ApiClient::connect(sock).unwrap().call(req).unwrap()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn wait_exit(p: &mut Proc) -> i32 {
+    let mut code = None;
+    wait_until("the process did not end", || {
+        code = p.0.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
+        code.is_some()
+    });
+    code.unwrap()
+}
+
+/// A full snapshot of the native test guest serving agent connections (one after another).
+fn guest_snapshot(d: &Dir) -> PathBuf {
+    let (api_sock, serial) = (d.p("template.api"), d.p("template.serial"));
+    let mut vm = Proc(
+        clade()
+            .arg("run")
+            .arg("--kernel")
+            .arg(native_guest())
+            .args(["--test-device", "--cmdline", "steps=vsock"])
+            .arg("--vsock")
+            .arg(d.p("template.vsock"))
+            .arg("--api-sock")
+            .arg(&api_sock)
+            .arg("--serial-file")
+            .arg(&serial)
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the template VM never served its agent port", || {
+        std::fs::read_to_string(&serial)
+            .unwrap_or_default()
+            .contains("serving agent port")
+    });
+    let snap = d.p("snap");
+    let r = api(
+        &api_sock,
+        &Request::Snapshot {
+            dir: snap.clone(),
+            kind: "full".into(),
+        },
+    );
+    assert!(r.ok, "{r:?}");
+    assert!(api(&api_sock, &Request::Shutdown).ok);
+    assert_eq!(wait_exit(&mut vm), 0);
+    snap
+}
+
+fn start_standby(d: &Dir, name: &str, root: &Path) -> (Proc, PathBuf) {
+    let sock = d.p(&format!("{name}.api"));
+    let p = Proc(
+        clade()
+            .args(["restore", "--standby", "--vcpus", "1", "--mem", "256"])
+            .arg("--api-sock")
+            .arg(&sock)
+            .arg("--files-root")
+            .arg(root)
+            .env("CLADE_LOG", "info")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the standby never answered", || {
+        ApiClient::connect(&sock)
+            .and_then(|mut c| c.call(&Request::Status))
+            .is_ok_and(|r| r.ok && r.fields["state"] == "standby")
+    });
+    (p, sock)
+}
+
+#[test]
+fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
+    let d = Dir::new("standby");
+    let snap = guest_snapshot(&d);
+    let root = d.p("sandboxes");
+    std::fs::create_dir(&root).unwrap();
+    let (mut sb, sock) = start_standby(&d, "sb", &root);
+
+    let r = api(&sock, &Request::Status);
+    assert_eq!(r.fields["vcpus"], 1);
+    assert_eq!(r.fields["mem_mib"], 256);
+    // There is no VM yet.
+    let r = api(&sock, &Request::Pause);
+    assert!(
+        !r.ok && r.error.as_deref().unwrap().contains("standby"),
+        "{r:?}"
+    );
+
+    // Bad requests are refused and leave the standby ready.
+    let good = RestoreRequest {
+        vsock: Some(root.join("vm.vsock")),
+        serial_file: Some(root.join("serial.log")),
+        log: Some(root.join("vm.log")),
+        agent_sync: false,
+        ..RestoreRequest::new(snap.clone())
+    };
+    let bad = [
+        (
+            RestoreRequest {
+                snapshot: "relative/snap".into(),
+                ..good.clone()
+            },
+            "absolute",
+        ),
+        (
+            RestoreRequest {
+                vsock: Some(d.p("outside.vsock")),
+                ..good.clone()
+            },
+            "outside",
+        ),
+        (
+            RestoreRequest {
+                serial_file: Some(root.join("../escape.log")),
+                ..good.clone()
+            },
+            "..",
+        ),
+        (
+            RestoreRequest {
+                snapshot: d.p("no-such-snapshot"),
+                ..good.clone()
+            },
+            "no-such-snapshot",
+        ),
+        (
+            RestoreRequest {
+                backend: Some("tape".into()),
+                ..good.clone()
+            },
+            "tape",
+        ),
+        (
+            RestoreRequest {
+                agent_sync_timeout_ms: Some(0),
+                ..good.clone()
+            },
+            "agent_sync_timeout_ms",
+        ),
+    ];
+    for (req, why) in bad {
+        let r = api(&sock, &Request::Restore(req.clone()));
+        assert!(
+            !r.ok && r.error.as_deref().unwrap().contains(why),
+            "{req:?}: {r:?}"
+        );
+        let r = api(&sock, &Request::Status);
+        assert_eq!(r.fields["state"], "standby", "after {req:?}");
+    }
+    assert!(!root.join("vm.vsock").exists());
+
+    // The restore: the answer is the restored VM's status; its agent answers.
+    let r = api(&sock, &Request::Restore(good.clone()));
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.fields["state"], "running");
+    assert_eq!(r.fields["restored"]["kind"], "full");
+    let o = clade()
+        .arg("ping")
+        .arg(root.join("vm.vsock"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Its log went where the request said, and the restore used the pre-built shell.
+    let log = std::fs::read_to_string(root.join("vm.log")).unwrap();
+    assert!(log.contains("shell pre-built"), "{log}");
+
+    // A second restore is refused; the VM runs on and serves its API as any VM does.
+    let r = api(&sock, &Request::Restore(good));
+    assert!(
+        !r.ok && r.error.as_deref().unwrap().contains("already runs a VM"),
+        "{r:?}"
+    );
+    let r = api(&sock, &Request::Pause);
+    assert_eq!(r.fields["state"], "paused", "{r:?}");
+    let r = api(&sock, &Request::Unpause);
+    assert_eq!(r.fields["state"], "running", "{r:?}");
+    let o = clade()
+        .arg("ping")
+        .arg(root.join("vm.vsock"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "a second connection is served too");
+    assert!(api(&sock, &Request::Shutdown).ok);
+    assert_eq!(wait_exit(&mut sb), 0);
+    assert!(!sock.exists() && !root.join("vm.vsock").exists());
+}
+
+#[test]
+fn a_standby_ends_on_shutdown_and_on_a_signal() {
+    let d = Dir::new("standby-end");
+    let (mut sb, sock) = start_standby(&d, "a", &d.0);
+    assert!(api(&sock, &Request::Shutdown).ok);
+    assert_eq!(wait_exit(&mut sb), 0);
+    assert!(!sock.exists());
+
+    let (mut sb, sock) = start_standby(&d, "b", &d.0);
+    let o = Command::new("kill")
+        .arg("-TERM")
+        .arg(sb.0.id().to_string())
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_eq!(wait_exit(&mut sb), 128 + 15);
+    assert!(!sock.exists());
+
+    // --standby takes no snapshot and needs an API socket.
+    let o = clade()
+        .args(["restore", "--standby"])
+        .arg(d.p("snap"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let o = clade().args(["restore", "--standby"]).output().unwrap();
+    assert!(!o.status.success());
+}

@@ -1,0 +1,541 @@
+//! Standby VM processes: `clade restore --standby` processes started ahead of time, so that
+//! a create or a resume finds a process that has already been exec'd, confined itself and
+//! built its VM shell, and only has to restore into it (one control-API `restore` request).
+//!
+//! A [`StandbyPool`] keeps up to `per_shape` ready processes for each VM shape (vCPUs,
+//! memory) it was told about or asked for. A background thread refills it after each take,
+//! a little later ([`REFILL_DELAY`]) so that the new process does not compete for the CPU
+//! with the request that just took one; a request never waits for a standby to start.
+//!
+//! Identity: a standby's API socket is `<dir>/<token>.api` (a random token), named on its
+//! command line, and stays its socket for the rest of its life, also once it is a sandbox's
+//! VM: the registry records that path as the sandbox's API socket, so the liveness check
+//! (`process_alive`: the pid's command line names the sandbox's API socket) holds as for
+//! any VM process, and a reused pid is never mistaken for it.
+//!
+//! Lifetime: an unused standby ends with the service. Each one is started with a
+//! parent-death signal (SIGKILL when the refill thread, and so the service, is gone), which
+//! it clears once it holds a VM (a sandbox outlives the service). The pool shuts the ready
+//! ones down when it is dropped, and a pool starting on `<dir>` ends whatever standbys an
+//! earlier service left there (their sockets answer `status` with `"standby"`), keeping the
+//! sockets of sandboxes.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vmm::api::{ApiClient, Request, Response};
+
+use crate::error::{Error, Result};
+use crate::ids;
+
+/// Most standby processes per shape.
+pub const MAX_PER_SHAPE: usize = 16;
+/// How long the refill thread waits after a take before starting a process.
+pub const REFILL_DELAY: Duration = Duration::from_millis(20);
+/// How long a standby may take to answer, and a start that failed waits to be retried.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const RETRY_DELAY: Duration = Duration::from_secs(2);
+/// How long the start-up sweep waits for an old socket's answer.
+const SWEEP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A VM shape: what a standby's pre-built shell fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Memory in MiB.
+    pub mem_mib: u64,
+}
+
+/// How a [`StandbyPool`] runs.
+#[derive(Debug, Clone)]
+pub struct StandbyConfig {
+    /// Where the standbys' sockets and start-up logs go (`<state dir>/standby`).
+    pub dir: PathBuf,
+    /// Ready processes kept per shape (1..=[`MAX_PER_SHAPE`]).
+    pub per_shape: usize,
+    /// The `--files-root` of every VM process (the sandboxes' directory).
+    pub files_root: PathBuf,
+    /// Shapes to fill at once (more are added when a start asks for them).
+    pub shapes: Vec<Shape>,
+}
+
+/// A ready standby process.
+pub(crate) struct Standby {
+    pub(crate) child: Child,
+    pub(crate) api_sock: PathBuf,
+    pub(crate) log: PathBuf,
+}
+
+impl Standby {
+    /// Ends it (an API shutdown, then SIGKILL) and removes its files.
+    pub(crate) fn discard(mut self) {
+        let asked = ApiClient::connect(&self.api_sock)
+            .and_then(|mut c| c.call(&Request::Shutdown))
+            .is_ok_and(|r| r.ok);
+        let t = Instant::now();
+        while asked && t.elapsed() < Duration::from_secs(2) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.api_sock);
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+struct PoolState {
+    ready: HashMap<Shape, Vec<Standby>>,
+    /// Shapes kept filled, in the order they became known.
+    shapes: Vec<Shape>,
+    /// Shapes whose last start failed, and when.
+    failed: HashMap<Shape, Instant>,
+    last_take: Option<Instant>,
+    stop: bool,
+}
+
+struct Inner {
+    clade: PathBuf,
+    cfg: StandbyConfig,
+    state: Mutex<PoolState>,
+    cv: Condvar,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Ready standby processes per shape, refilled in the background (see the module docs).
+pub struct StandbyPool {
+    inner: Arc<Inner>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StandbyPool {
+    /// Sweeps `cfg.dir` (standbys of an earlier service are ended) and starts the refill
+    /// thread, which starts standbys of `clade` (the `clade` executable).
+    pub fn new(clade: PathBuf, cfg: StandbyConfig) -> Result<StandbyPool> {
+        if cfg.per_shape == 0 || cfg.per_shape > MAX_PER_SHAPE {
+            return Err(Error::BadRequest(format!(
+                "standby processes per shape: {} is not in 1..={MAX_PER_SHAPE}",
+                cfg.per_shape
+            )));
+        }
+        std::fs::create_dir_all(&cfg.dir).map_err(Error::io("creating", &cfg.dir))?;
+        sweep(&cfg.dir)?;
+        let mut shapes = Vec::new();
+        for s in &cfg.shapes {
+            if !shapes.contains(s) {
+                shapes.push(*s);
+            }
+        }
+        let inner = Arc::new(Inner {
+            clade,
+            cfg,
+            state: Mutex::new(PoolState {
+                ready: HashMap::new(),
+                shapes,
+                failed: HashMap::new(),
+                last_take: None,
+                stop: false,
+            }),
+            cv: Condvar::new(),
+        });
+        let inner2 = Arc::clone(&inner);
+        // The standbys' parent-death signal is this thread's: it lives as long as the pool.
+        let thread = std::thread::Builder::new()
+            .name("standby-refill".into())
+            .spawn(move || refill(&inner2))
+            .map_err(Error::io(
+                "starting",
+                Path::new("the standby refill thread"),
+            ))?;
+        Ok(StandbyPool {
+            inner,
+            thread: Some(thread),
+        })
+    }
+
+    /// The files root its standbys were started with.
+    pub fn files_root(&self) -> &Path {
+        &self.inner.cfg.files_root
+    }
+
+    /// A ready standby of `shape`, if there is one; the shape is kept filled from now on.
+    pub(crate) fn take(&self, shape: Shape) -> Option<Standby> {
+        let mut st = self.inner.lock();
+        if !st.shapes.contains(&shape) {
+            st.shapes.push(shape);
+        }
+        st.last_take = Some(Instant::now());
+        let mut found = None;
+        if let Some(list) = st.ready.get_mut(&shape) {
+            while let Some(mut s) = list.pop() {
+                // One that died meanwhile (killed from outside) is not handed out.
+                match s.child.try_wait() {
+                    Ok(None) => {
+                        found = Some(s);
+                        break;
+                    }
+                    _ => {
+                        let _ = std::fs::remove_file(&s.api_sock);
+                        let _ = std::fs::remove_file(&s.log);
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.inner.cv.notify_all();
+        found
+    }
+
+    /// How many standbys of `shape` are ready.
+    pub fn ready(&self, shape: Shape) -> usize {
+        self.inner.lock().ready.get(&shape).map_or(0, Vec::len)
+    }
+
+    /// The pids of the ready standbys of `shape`.
+    pub fn ready_pids(&self, shape: Shape) -> Vec<i32> {
+        self.inner
+            .lock()
+            .ready
+            .get(&shape)
+            .map(|l| l.iter().map(|s| s.child.id() as i32).collect())
+            .unwrap_or_default()
+    }
+
+    /// Waits until every known shape has its standbys (or `timeout` passes); returns
+    /// whether they all do.
+    pub fn wait_full(&self, timeout: Duration) -> bool {
+        let t = Instant::now();
+        let mut st = self.inner.lock();
+        loop {
+            let full = st
+                .shapes
+                .iter()
+                .all(|s| st.ready.get(s).map_or(0, Vec::len) >= self.inner.cfg.per_shape);
+            if full {
+                return true;
+            }
+            let Some(left) = timeout.checked_sub(t.elapsed()) else {
+                return false;
+            };
+            st = self
+                .inner
+                .cv
+                .wait_timeout(st, left.min(Duration::from_millis(50)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Stops the refill thread and ends every ready standby.
+    pub fn shutdown(&mut self) {
+        self.inner.lock().stop = true;
+        self.inner.cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let ready: Vec<Standby> = self
+            .inner
+            .lock()
+            .ready
+            .drain()
+            .flat_map(|(_, l)| l)
+            .collect();
+        for s in ready {
+            s.discard();
+        }
+    }
+}
+
+impl Drop for StandbyPool {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The refill thread: starts one standby at a time for a shape that has fewer than it
+/// should, never sooner than [`REFILL_DELAY`] after a take.
+fn refill(inner: &Inner) {
+    // Runs at idle priority: starting a standby must not slow the VMs that serve requests
+    // (the processes it starts run at normal priority: a new process's policy is reset by
+    // SCHED_RESET_ON_FORK below).
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets the calling thread's policy; `param` is a valid struct.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE | libc::SCHED_RESET_ON_FORK, &param) };
+    let mut st = inner.lock();
+    loop {
+        if st.stop {
+            return;
+        }
+        let now = Instant::now();
+        let wanted = st.shapes.iter().copied().find(|s| {
+            st.ready.get(s).map_or(0, Vec::len) < inner.cfg.per_shape
+                && st
+                    .failed
+                    .get(s)
+                    .is_none_or(|at| now.duration_since(*at) >= RETRY_DELAY)
+        });
+        let since_take = st.last_take.map(|t| now.duration_since(t));
+        let wait = match (wanted, since_take) {
+            (None, _) => Some(Duration::from_millis(500)),
+            (Some(_), Some(d)) if d < REFILL_DELAY => Some(REFILL_DELAY - d),
+            _ => None,
+        };
+        if let Some(w) = wait {
+            st = inner
+                .cv
+                .wait_timeout(st, w)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            continue;
+        }
+        let Some(shape) = wanted else { continue };
+        drop(st);
+        let started = start_standby(&inner.clade, &inner.cfg, shape);
+        st = inner.lock();
+        match started {
+            Ok(s) if st.stop => {
+                drop(st);
+                s.discard();
+                return;
+            }
+            Ok(s) => {
+                tracing::debug!(pid = s.child.id(), ?shape, "standby ready");
+                st.failed.remove(&shape);
+                st.ready.entry(shape).or_default().push(s);
+                inner.cv.notify_all();
+            }
+            Err(e) => {
+                tracing::warn!(?shape, "starting a standby VM process: {e}");
+                st.failed.insert(shape, Instant::now());
+            }
+        }
+    }
+}
+
+/// Starts one standby of `shape` and waits until its API answers as a standby.
+fn start_standby(clade: &Path, cfg: &StandbyConfig, shape: Shape) -> Result<Standby> {
+    let token = format!("sb-{}", ids::random_string(16));
+    let api_sock = cfg.dir.join(format!("{token}.api"));
+    let log = cfg.dir.join(format!("{token}.log"));
+    let log_file = File::options()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .map_err(Error::io("creating", &log))?;
+    let mut cmd = Command::new(clade);
+    cmd.args(["restore", "--standby"])
+        .arg("--api-sock")
+        .arg(&api_sock)
+        .arg("--files-root")
+        .arg(&cfg.files_root)
+        .arg("--vcpus")
+        .arg(shape.vcpus.to_string())
+        .arg("--mem")
+        .arg(shape.mem_mib.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        // As a spawned VM process: its info lines become the sandbox's log.
+        .envs(
+            std::env::var_os("CLADE_LOG")
+                .is_none()
+                .then_some(("CLADE_LOG", super::VM_LOG_FILTER)),
+        )
+        // Its own process group, as every VM process: a Ctrl-C meant for the service is
+        // not its business (the parent-death signal is).
+        .process_group(0);
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec and only makes
+    // async-signal-safe calls (prctl, getppid), allocating nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The service ended before the signal was set: nobody would send it.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("the service has ended"));
+            }
+            Ok(())
+        })
+    };
+    let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
+    let t = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let _ = std::fs::remove_file(&api_sock);
+            let tail = super::log_tail(&log);
+            let _ = std::fs::remove_file(&log);
+            return Err(Error::Vm(format!(
+                "standby process ended ({status}): {tail}"
+            )));
+        }
+        if let Ok(r) = ApiClient::connect(&api_sock).and_then(|mut c| c.call(&Request::Status)) {
+            if r.ok && r.fields.get("state").and_then(|s| s.as_str()) == Some("standby") {
+                return Ok(Standby {
+                    child,
+                    api_sock,
+                    log,
+                });
+            }
+        }
+        if t.elapsed() > READY_TIMEOUT {
+            Standby {
+                child,
+                api_sock,
+                log,
+            }
+            .discard();
+            return Err(Error::Vm(format!(
+                "standby process not ready after {READY_TIMEOUT:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Ends the standbys an earlier service left in `dir` and removes their files; sockets of
+/// processes that became sandboxes' VMs are kept, and so are files still in use.
+fn sweep(dir: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(Error::io("reading", dir))?;
+    let mut live = Vec::new();
+    let mut logs = Vec::new();
+    for e in entries.flatten() {
+        let path = e.path();
+        match path.extension().and_then(|x| x.to_str()) {
+            Some("api") => match ask(&path, &Request::Status) {
+                Ok(r) if r.fields.get("state").and_then(|s| s.as_str()) == Some("standby") => {
+                    tracing::info!(
+                        "ending a standby left by an earlier service: {}",
+                        path.display()
+                    );
+                    let _ = ask(&path, &Request::Shutdown);
+                }
+                // A sandbox's VM: its socket stays.
+                Ok(_) => live.push(path.with_extension("log")),
+                // Not answering in time (a stopped process?): left alone.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    live.push(path.with_extension("log"))
+                }
+                // Nobody listens, or the process is ending (it closed the connection
+                // unanswered): a dead process's socket.
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                }
+            },
+            Some("log") => logs.push(path),
+            _ => {}
+        }
+    }
+    for log in logs {
+        if !live.contains(&log) {
+            let _ = std::fs::remove_file(&log);
+        }
+    }
+    Ok(())
+}
+
+/// One request with a time limit (an old socket's process may be stopped).
+fn ask(sock: &Path, req: &Request) -> std::io::Result<Response> {
+    let mut s = UnixStream::connect(sock)?;
+    s.set_read_timeout(Some(SWEEP_TIMEOUT))?;
+    s.set_write_timeout(Some(SWEEP_TIMEOUT))?;
+    let mut line = serde_json::to_string(req).map_err(std::io::Error::other)?;
+    line.push('\n');
+    s.write_all(line.as_bytes())?;
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer)?;
+    serde_json::from_str(&answer).map_err(std::io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sandbox-standby-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A socket that answers every request line with `state`, as a VM process would.
+    fn fake_vm(path: &Path, state: &'static str) -> JoinHandle<Vec<String>> {
+        let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            // The sweep makes at most two requests (status, then shutdown).
+            for _ in 0..2 {
+                let Ok((s, _)) = l.accept() else { break };
+                let mut line = String::new();
+                BufReader::new(s.try_clone().unwrap())
+                    .read_line(&mut line)
+                    .unwrap();
+                seen.push(line.trim().to_string());
+                let answer = format!("{{\"ok\":true,\"state\":\"{state}\"}}\n");
+                (&s).write_all(answer.as_bytes()).unwrap();
+                if state != "standby" {
+                    break;
+                }
+            }
+            seen
+        })
+    }
+
+    #[test]
+    fn the_sweep_ends_old_standbys_and_keeps_sandboxes() {
+        let d = scratch("sweep");
+        // A dead standby's files: a socket nobody listens on, its log.
+        drop(std::os::unix::net::UnixListener::bind(d.join("sb-dead.api")).unwrap());
+        std::fs::write(d.join("sb-dead.log"), "x").unwrap();
+        std::fs::write(d.join("sb-orphan.log"), "x").unwrap();
+        let old = fake_vm(&d.join("sb-old.api"), "standby");
+        let vm = fake_vm(&d.join("sb-vm.api"), "running");
+        std::fs::write(d.join("sb-vm.log"), "x").unwrap();
+        sweep(&d).unwrap();
+        assert!(!d.join("sb-dead.api").exists() && !d.join("sb-dead.log").exists());
+        assert!(!d.join("sb-orphan.log").exists());
+        let asked = old.join().unwrap();
+        assert_eq!(asked.len(), 2, "{asked:?}");
+        assert!(asked[1].contains("shutdown"), "{asked:?}");
+        assert_eq!(vm.join().unwrap().len(), 1, "a sandbox's VM is only asked");
+        assert!(d.join("sb-vm.api").exists() && d.join("sb-vm.log").exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn pool_sizes_are_checked() {
+        let d = scratch("size");
+        for n in [0, MAX_PER_SHAPE + 1] {
+            let cfg = StandbyConfig {
+                dir: d.clone(),
+                per_shape: n,
+                files_root: d.clone(),
+                shapes: Vec::new(),
+            };
+            assert!(StandbyPool::new(PathBuf::from("false"), cfg).is_err());
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

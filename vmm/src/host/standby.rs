@@ -1,0 +1,253 @@
+//! Standby processes, and the one restore path of a `clade` process.
+//!
+//! Starting a VM process costs more than the restore in it: exec, dynamic loading, the
+//! process's system-call filter, then a VM shell (KVM VM, slots, irqchip, vCPUs, spare
+//! threads each confined to its kind) built in a process that has none ready. A standby
+//! process pays all of that ahead of time: it confines itself, builds a shell of one shape
+//! (vCPUs, memory), serves its control API and waits ([`standby`]). One `restore` request
+//! ([`RestoreRequest`]) then restores a snapshot into that shell, and from then on the
+//! process is an ordinary restored VM (its owner loop, [`super::own`], serves the rest of
+//! its life). A second `restore` is refused, by the owner loop's dispatcher.
+//!
+//! [`restore_request`] is the restore itself, for `clade restore SNAPSHOT` (options from
+//! its command line) and for a standby's request alike. A request's paths are checked
+//! the way the control API checks snapshot and fork paths: absolute, no `..`, and the
+//! files the VM creates (sockets, serial file, log, disk overlay) under the files root.
+//!
+//! A standby started with a parent-death signal (`PR_SET_PDEATHSIG`, so that an unused
+//! standby does not outlive the service that started it) clears it once it holds a VM:
+//! from then on the VM is a sandbox of its own and outlives its starter, as one started
+//! by `clade restore` does.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::dispatch::{confine, status_fields};
+use super::options::OwnerOptions;
+use crate::api::{ApiServer, Request, Response, RestoreRequest};
+use crate::config::SerialOutput;
+use crate::error::{Error, Result};
+use crate::persist::restore::{PreparedSnapshot, RestoreOptions};
+use crate::saved::MemoryBackend;
+use crate::vm::Vm;
+use crate::vstate::shell::{Shell, ShellSpec};
+use crate::CpuCheck;
+
+/// How long the agent sync after a restore may take unless the request says otherwise.
+pub const DEFAULT_AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Longest agent sync a request may ask for.
+pub const MAX_AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How a standby process's wait ended.
+pub enum StandbyEnd {
+    /// A `restore` request made this VM; the caller owns it from here ([`super::own`]).
+    Restored(Box<Vm>),
+    /// A `shutdown` request: the process ends without having run a VM.
+    Shutdown,
+    /// A stop signal (its number).
+    Signal(i32),
+}
+
+impl std::fmt::Debug for StandbyEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StandbyEnd::Restored(_) => f.write_str("Restored"),
+            StandbyEnd::Shutdown => f.write_str("Shutdown"),
+            StandbyEnd::Signal(s) => write!(f, "Signal({s})"),
+        }
+    }
+}
+
+/// Builds a shell for `spec` and serves `api` until a `restore` request succeeds, a
+/// `shutdown` request or a stop signal ([`OwnerOptions::stop`]) comes. `status` answers
+/// `{"state":"standby","vcpus","mem_mib"}`; other requests are refused (there is no VM
+/// yet). A request that fails its checks leaves the shell ready; a restore that fails
+/// later (the shell is spent) builds a new one.
+pub fn standby(api: &ApiServer, spec: &ShellSpec, options: &OwnerOptions) -> Result<StandbyEnd> {
+    let mut shell = Some(Shell::create(spec)?);
+    tracing::info!(
+        "standby: {} vCPUs, {} MiB, shell built in {:?}",
+        spec.vcpus,
+        spec.mem_bytes >> 20,
+        shell.as_ref().map(Shell::build_time).unwrap_or_default()
+    );
+    loop {
+        if let Some(flag) = options.stop {
+            let signal = flag.load(Ordering::SeqCst);
+            if signal != 0 {
+                tracing::info!("standby: stopped by signal {signal}");
+                return Ok(StandbyEnd::Signal(signal));
+            }
+        }
+        let Some(req) = api.next_request(Duration::from_millis(20)) else {
+            continue;
+        };
+        match &req.request {
+            Request::Status => req.respond(Response::ok(json!({
+                "state": "standby",
+                "vcpus": spec.vcpus,
+                "mem_mib": spec.mem_bytes >> 20,
+            }))),
+            Request::Shutdown => {
+                req.respond(Response::ok(json!({ "state": "ended" })));
+                return Ok(StandbyEnd::Shutdown);
+            }
+            Request::Restore(r) => {
+                let r = r.clone();
+                match restore_request(
+                    &r,
+                    &spec.kvm_device,
+                    &mut shell,
+                    Some(options.files_root.as_deref()),
+                ) {
+                    Ok(vm) => {
+                        clear_parent_death_signal();
+                        req.respond(Response::ok(status_fields(&vm)));
+                        return Ok(StandbyEnd::Restored(Box::new(vm)));
+                    }
+                    Err(e) => {
+                        tracing::warn!("standby: restore of {}: {e}", r.snapshot.display());
+                        req.respond(Response::err(e));
+                        if shell.is_none() {
+                            shell = Some(Shell::create(spec)?);
+                        }
+                    }
+                }
+            }
+            Request::Pause | Request::Unpause | Request::Snapshot { .. } | Request::Fork { .. } => {
+                req.respond(Response::err(
+                    "no VM yet: this is a standby process (send a restore request first)",
+                ))
+            }
+        }
+    }
+}
+
+/// Restores the VM `req` describes: `clade restore` and a standby's `restore` request
+/// both come here. `shell` is taken once the request passed its checks and the snapshot
+/// was read (it stays with the caller when either fails).
+///
+/// `confined`: `None` for a request from the process's own command line (trusted as
+/// given); `Some(root)` for one through the control API: every path must be absolute
+/// and without `..`, the files the VM creates must lie under `root` (when one is set)
+/// and a snapshot with a disk needs an explicit overlay path then (the default one is
+/// in the snapshot's directory).
+pub fn restore_request(
+    req: &RestoreRequest,
+    kvm_device: &Path,
+    shell: &mut Option<Shell>,
+    confined: Option<Option<&Path>>,
+) -> Result<Vm> {
+    let backend = match &req.backend {
+        None => MemoryBackend::Uffd,
+        Some(b) => b.parse::<MemoryBackend>().map_err(Error::Config)?,
+    };
+    let agent_sync = match req.agent_sync_timeout_ms.map(Duration::from_millis) {
+        Some(t) if t.is_zero() || t > MAX_AGENT_SYNC_TIMEOUT => {
+            return Err(Error::Config(format!(
+                "agent_sync_timeout_ms must be 1..={}",
+                MAX_AGENT_SYNC_TIMEOUT.as_millis()
+            )))
+        }
+        t => req
+            .agent_sync
+            .then(|| t.unwrap_or(DEFAULT_AGENT_SYNC_TIMEOUT)),
+    };
+    let mut req = req.clone();
+    if let Some(root) = confined {
+        let check = |p: &Path, root: Option<&Path>| confine(p, root).map_err(Error::Config);
+        req.snapshot = check(&req.snapshot, None)?;
+        for p in [
+            &mut req.vsock,
+            &mut req.serial_file,
+            &mut req.disk_overlay,
+            &mut req.log,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            *p = check(p, root)?;
+        }
+    }
+    let prepared = PreparedSnapshot::open(&req.snapshot, CpuCheck::default())?;
+    if confined.is_some()
+        && prepared.disk().is_some_and(|d| !d.read_only)
+        && req.disk_overlay.is_none()
+    {
+        return Err(Error::Config(
+            "the snapshot has a disk: the request must name the VM's disk overlay".into(),
+        ));
+    }
+    if let Some(log) = &req.log {
+        redirect_stderr(log)?;
+    }
+    let options = RestoreOptions {
+        serial: req
+            .serial_file
+            .clone()
+            .map(SerialOutput::File)
+            .unwrap_or(SerialOutput::Stdout),
+        vsock_path: req.vsock.clone(),
+        kvm_device: kvm_device.to_path_buf(),
+        shell: shell.take(),
+        agent_sync,
+        working_set: req.working_set,
+        disk_overlay: req.disk_overlay.clone(),
+        net: req
+            .net
+            .as_deref()
+            .map(crate::NetConfig::parse)
+            .transpose()?,
+        ..RestoreOptions::default()
+    };
+    let vm = prepared.restore(backend, options)?;
+    if let Some(r) = vm.restore_report() {
+        tracing::info!(
+            "restored {} ({} backend, shell {}) in {:?}: {:?}",
+            req.snapshot.display(),
+            r.backend,
+            if r.shell_reused { "pre-built" } else { "built" },
+            r.total,
+            r.steps
+        );
+    }
+    Ok(vm)
+}
+
+/// Points this process's standard error (the VMM's log) at `path`, appended.
+fn redirect_stderr(path: &PathBuf) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|source| Error::Io {
+            context: "opening the VM's log",
+            source,
+        })?;
+    // SAFETY: dup2 onto descriptor 2 with a descriptor this function owns; both stay valid
+    // for the call, and descriptor 2 is replaced atomically.
+    if unsafe { libc::dup2(f.as_raw_fd(), libc::STDERR_FILENO) } < 0 {
+        return Err(Error::Io {
+            context: "redirecting standard error to the VM's log",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Clears a parent-death signal this process was started with: it holds a VM now, which
+/// must outlive whoever started it.
+fn clear_parent_death_signal() {
+    // SAFETY: PR_SET_PDEATHSIG with 0 only changes this process's own attribute.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) } != 0 {
+        tracing::warn!(
+            "clearing the parent-death signal: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
