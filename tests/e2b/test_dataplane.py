@@ -15,7 +15,9 @@ import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.exceptions import NotFoundException, SandboxException
 
-TEMPLATE = "host-agent"
+# "host-agent" under the harness; tests/e2b/run_nested.sh runs this file against Linux
+# sandboxes too (template "debian", scratch inside the guest).
+TEMPLATE = os.environ.get("CLADE_DP_TEMPLATE", "host-agent")
 SCRATCH = os.environ.get("CLADE_DP_SCRATCH", "/tmp/clade-dp-scratch")
 
 
