@@ -44,17 +44,24 @@ else
     echo "example embed: FAIL"
 fi
 
+# pytest_failed LOG: failed tests plus errors in a pytest run's summary line (1 if none).
+pytest_failed() {
+    local line
+    line=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$1" | tail -1 || true)
+    echo "$line" | grep -oE '[0-9]+ (failed|errors?)' | awk '{s += $1} END {print (s > 0 ? s : 1)}'
+}
+
 echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
 # The control plane with real VMs (templates of the native test guest), and the data plane
 # through clade serve's --test-host-agent harness (each sandbox a host-run clade-agent, so
 # commands, PTYs and files run without a Linux VM).
 for suite in control dataplane; do
     if "$REPO_ROOT/tests/e2b/run_$suite.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b-$suite.log"; then
-        n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}')
+        n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}' || true)
         passed=$((passed + ${n:-0}))
         echo "e2b SDK $suite suite: PASS (${n:-0} tests)"
     else
-        n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}')
+        n=$(pytest_failed "$REPO_ROOT/target/e2b-$suite.log")
         failed=$((failed + ${n:-1}))
         echo "e2b SDK $suite suite: FAIL"
     fi
@@ -101,11 +108,11 @@ else
         echo "== the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
         if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$NESTED_OUT/nested.log" -p no:cacheprovider \
             2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
-            n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}')
+            n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}' || true)
             passed=$((passed + ${n:-0}))
             echo "e2b SDK linux suite: PASS (${n:-0} tests)"
         else
-            n=$(grep -oE '[0-9]+ failed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}')
+            n=$(pytest_failed "$REPO_ROOT/target/e2b-linux.log")
             failed=$((failed + ${n:-1}))
             echo "e2b SDK linux suite: FAIL"
         fi

@@ -269,6 +269,36 @@ pub fn next_envelope(buf: &[u8]) -> Result<Option<(&[u8], usize)>, RpcError> {
     Ok(Some((&buf[5..5 + len], 5 + len)))
 }
 
+/// Most bytes [`coalesced_body`] joins into one write.
+const COALESCE_MAX: usize = 256 * 1024;
+
+/// A streaming response body fed by `rx`: what is already waiting in the channel when the
+/// body is polled goes out as one write (up to [`COALESCE_MAX`]), not one HTTP chunk per
+/// message: a command's fast output is many small envelopes.
+pub fn coalesced_body(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::convert::Infallible>>,
+) -> Body {
+    use std::task::Poll;
+    Body::from_stream(futures_util::stream::poll_fn(move |cx| {
+        let first = match rx.poll_recv(cx) {
+            Poll::Ready(Some(Ok(b))) => b,
+            other => return other,
+        };
+        let mut joined: Option<Vec<u8>> = None;
+        while joined.as_ref().map_or(first.len(), Vec::len) < COALESCE_MAX {
+            // The end (None) is seen again at the next poll: a closed channel keeps
+            // answering it.
+            let Poll::Ready(Some(Ok(b))) = rx.poll_recv(cx) else {
+                break;
+            };
+            joined
+                .get_or_insert_with(|| first.to_vec())
+                .extend_from_slice(&b);
+        }
+        Poll::Ready(Some(Ok(joined.map_or(first, Bytes::from))))
+    }))
+}
+
 /// One message envelope.
 pub fn envelope(payload: &[u8]) -> Bytes {
     let mut v = Vec::with_capacity(5 + payload.len());

@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -404,7 +404,7 @@ fn stream(
         .filter(|s| *s > 0)
         .map(Duration::from_secs);
     let deadline = connect::timeout(headers).map(|d| tokio::time::Instant::now() + d);
-    let (tx, mut out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
+    let (tx, out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let enc = move |e: Event| connect::envelope(&codec.encode(&pb::EventResponse::new(e)));
     tokio::spawn(async move {
         // Dropped at the end of this task, whichever way it ends: detaches.
@@ -478,7 +478,7 @@ fn stream(
             None => {}
         }
     });
-    let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| out.poll_recv(cx)));
+    let body = connect::coalesced_body(out);
     connect::stream_response(codec, body)
 }
 
@@ -643,6 +643,22 @@ async fn stream_input(dp: Arc<DataPlane>, req: Request) -> Response {
             None => ended = true,
         }
     };
+    if !ended {
+        // Refused before the client's stream ended: read (a bounded amount of) what it
+        // still sends, so that the connection stays usable for its next request: a server
+        // that answers without reading the body closes the connection, and a client that
+        // reuses it at that moment sees it closed.
+        let drain = async {
+            let mut left = connect::MAX_MESSAGE;
+            while let Some(Ok(chunk)) = body.next().await {
+                left = left.saturating_sub(chunk.len());
+                if left == 0 {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+    }
     let written = match writer {
         Some((tx, worker)) => {
             drop(tx);
