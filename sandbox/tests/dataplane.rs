@@ -1329,10 +1329,8 @@ async fn stream_input_writes_in_order_and_refuses_bad_streams() {
     };
     let msg = |v: Value| envelope(&serde_json::to_vec(&v).unwrap());
     // A cat with stdin, fed by one StreamInput of two data messages and a keepalive.
-    let resp = env
-        .app
-        .clone()
-        .oneshot(
+    let start_cat = || {
+        env.app.clone().oneshot(
             env.req(
                 "POST",
                 "/process.Process/Start",
@@ -1345,9 +1343,8 @@ async fn stream_input_writes_in_order_and_refuses_bad_streams() {
                 ),
             ),
         )
-        .await
-        .unwrap();
-    let start_body = resp.into_body();
+    };
+    let start_body = start_cat().await.unwrap().into_body();
     let mut body = Vec::new();
     body.extend(msg(json!({"start": {"process": {"tag": "cat-in"}}})));
     body.extend(msg(json!({"data": {"input": {"stdin": "b25l"}}}))); // "one"
@@ -1376,25 +1373,7 @@ async fn stream_input_writes_in_order_and_refuses_bad_streams() {
 
     // Data before start, a second start, an unknown process, a torn envelope (another
     // cat that stays, so that the starts find it).
-    let resp = env
-        .app
-        .clone()
-        .oneshot(
-            env.req(
-                "POST",
-                "/process.Process/Start",
-                Some("application/connect+json"),
-                envelope(
-                    &serde_json::to_vec(&json!({
-                        "process": {"cmd": "/bin/cat"}, "stdin": true, "tag": "cat-in"
-                    }))
-                    .unwrap(),
-                ),
-            ),
-        )
-        .await
-        .unwrap();
-    let mut second = resp.into_body();
+    let mut second = start_cat().await.unwrap().into_body();
     second.frame().await.unwrap().unwrap();
     for (body, code) in [
         (
