@@ -4,7 +4,8 @@
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, clade/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
 #                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
-#                            "agent-vsock", "snapshot-resume", "disk", "fork" and "jail"
+#                            "agent-vsock", "snapshot-resume", "disk", "fork", "jail", "net"
+#                            and "sdk"
 #                            (each counts as one test; the last three need the Debian root
 #                            filesystem of
 #                            tests/nested/build-rootfs.sh, built once with debootstrap and
@@ -86,21 +87,22 @@ else
     # The disk scenario: the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then
-        SCENARIOS+=(disk fork jail sdk)
-        for s in disk fork jail sdk; do
+        SCENARIOS+=(disk fork jail net sdk)
+        for s in disk fork jail net sdk; do
             cp "$REPO_ROOT/tests/nested/scenarios/$s.sh" "$extra/scenarios/"
         done
         # sdk: clade serve with a Linux template in the nested machine; the SDK suite
         # (tests/e2b/test_linux.py) runs here, through these forwarded ports.
         disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --forward 39481:8080 --forward 39482:8081)
     else
-        echo "nested scenarios disk, fork, jail, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
-        failed=$((failed + 4))
+        echo "nested scenarios disk, fork, jail, net, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
+        failed=$((failed + 5))
     fi
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
     rm -f "$NESTED_OUT/nested.log"
-    NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 2700 \
+    # tun: the net scenario's TAP (made by clade's virtio-net device in the nested machine).
+    NESTED_L1_MODULES=tun NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 2700 \
         --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
         "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
     nested_pid=$!

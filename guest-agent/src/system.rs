@@ -332,6 +332,120 @@ pub fn path_cstring(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
+/// What `clade.net=ADDR/PREFIX[,GATEWAY]` on the kernel command line asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NetSpec {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+    pub gateway: Option<std::net::Ipv4Addr>,
+}
+
+impl NetSpec {
+    /// Parses `ADDR/PREFIX[,GATEWAY]` (IPv4; prefix 1..=32).
+    pub fn parse(s: &str) -> Option<NetSpec> {
+        let (cidr, gw) = match s.split_once(',') {
+            Some((c, g)) => (c, Some(g.parse().ok()?)),
+            None => (s, None),
+        };
+        let (addr, prefix) = cidr.split_once('/')?;
+        let prefix: u8 = prefix.parse().ok()?;
+        if !(1..=32).contains(&prefix) {
+            return None;
+        }
+        Some(NetSpec {
+            addr: addr.parse().ok()?,
+            prefix,
+            gateway: gw,
+        })
+    }
+
+    fn netmask(&self) -> std::net::Ipv4Addr {
+        std::net::Ipv4Addr::from(u32::MAX << (32 - u32::from(self.prefix)))
+    }
+}
+
+fn sockaddr_in(a: std::net::Ipv4Addr) -> libc::sockaddr {
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(a).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_in and sockaddr have the same size (16 bytes) and sockaddr is
+    // plain bytes: reinterpreting one as the other is how the socket API is used.
+    unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
+}
+
+fn ifreq(name: &str) -> io::Result<libc::ifreq> {
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
+    let b = name.as_bytes();
+    if b.is_empty() || b.len() >= r.ifr_name.len() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    for (d, s) in r.ifr_name.iter_mut().zip(b) {
+        *d = *s as libc::c_char;
+    }
+    Ok(r)
+}
+
+/// Brings the interface `name` up (and `lo`) with the address of `spec`, and a default
+/// route through its gateway: the ioctls `ip addr`/`ip link`/`ip route` make, so the
+/// agent needs no tool from the root filesystem.
+pub fn configure_interface(name: &str, spec: &NetSpec) -> io::Result<()> {
+    // SAFETY: socket has no memory preconditions; the descriptor is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor nothing else owns.
+    let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let ioctl = |req: libc::Ioctl, r: &mut libc::ifreq| -> io::Result<()> {
+        // SAFETY: r is a valid ifreq for the request, which reads or fills only it.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), req, r as *mut libc::ifreq) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    let up = |ifname: &str| -> io::Result<()> {
+        let mut r = ifreq(ifname)?;
+        ioctl(libc::SIOCGIFFLAGS, &mut r)?;
+        // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+        unsafe { r.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        ioctl(libc::SIOCSIFFLAGS, &mut r)
+    };
+    up("lo")?;
+    let mut r = ifreq(name)?;
+    r.ifr_ifru.ifru_addr = sockaddr_in(spec.addr);
+    ioctl(libc::SIOCSIFADDR, &mut r)?;
+    let mut r = ifreq(name)?;
+    r.ifr_ifru.ifru_netmask = sockaddr_in(spec.netmask());
+    ioctl(libc::SIOCSIFNETMASK, &mut r)?;
+    up(name)?;
+    if let Some(gw) = spec.gateway {
+        // SAFETY: rtentry is plain data; all zeroes is a valid value.
+        let mut rt: libc::rtentry = unsafe { std::mem::zeroed() };
+        rt.rt_dst = sockaddr_in(std::net::Ipv4Addr::UNSPECIFIED);
+        rt.rt_genmask = sockaddr_in(std::net::Ipv4Addr::UNSPECIFIED);
+        rt.rt_gateway = sockaddr_in(gw);
+        rt.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
+        // SAFETY: rt is a valid rtentry, read by SIOCADDRT only.
+        if unsafe {
+            libc::ioctl(
+                sock.as_raw_fd(),
+                libc::SIOCADDRT,
+                &mut rt as *mut libc::rtentry,
+            )
+        } != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,6 +469,29 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         assert!(load_modules(&dir).unwrap().is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn net_specs() {
+        let s = NetSpec::parse("10.10.0.2/24,10.10.0.1").unwrap();
+        assert_eq!(s.addr, std::net::Ipv4Addr::new(10, 10, 0, 2));
+        assert_eq!(s.netmask(), std::net::Ipv4Addr::new(255, 255, 255, 0));
+        assert_eq!(s.gateway, Some(std::net::Ipv4Addr::new(10, 10, 0, 1)));
+        assert_eq!(
+            NetSpec::parse("192.168.1.9/32").unwrap().netmask(),
+            std::net::Ipv4Addr::BROADCAST
+        );
+        for bad in [
+            "",
+            "10.0.0.1",
+            "10.0.0.1/0",
+            "10.0.0.1/33",
+            "10.0.0/24",
+            "10.0.0.1/24,x",
+            "a/b",
+        ] {
+            assert_eq!(NetSpec::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]

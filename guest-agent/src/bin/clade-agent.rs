@@ -18,6 +18,7 @@
 //!      until a client asks for a power off, then power off.
 //!
 //!    `clade.agent.log=<level>` sets the log level (default warn); logs go to the console.
+//!    `clade.net=ADDR/PREFIX[,GATEWAY]` gives `eth0` (virtio-net) that address, before 4.
 //!
 //! Not PID 1, for host-side tests and development:
 //! `clade-agent --listen-unix PATH` (or `--listen-vsock PORT`) serves the same protocol
@@ -153,6 +154,7 @@ fn init_main() -> ! {
     init_logging(system::cmdline_value(&cmdline, "clade.agent.log").unwrap_or("warn"));
     load_modules();
     let disk_root = mount_disk_root(&cmdline);
+    configure_net(&cmdline);
     match system::cmdline_value(&cmdline, "clade.agent").unwrap_or("serve") {
         "ready-poweroff" => {
             if let Err(e) = report_ready() {
@@ -189,6 +191,31 @@ fn mount_disk_root(cmdline: &str) -> bool {
             log_error(&e.into());
             false
         }
+    }
+}
+
+/// `clade.net=ADDR/PREFIX[,GATEWAY]`: the first virtio-net interface (`eth0`) gets that
+/// address (and `lo` comes up); prints `CLADE-AGENT-NET eth0 <spec>` or an error line. A
+/// restored or forked VM keeps it: each has its own TAP with the same inner addressing.
+fn configure_net(cmdline: &str) {
+    let Some(v) = system::cmdline_value(cmdline, "clade.net") else {
+        return;
+    };
+    let Some(spec) = system::NetSpec::parse(v) else {
+        return log_error(&InitError::Usage(format!(
+            "clade.net={v}: want ADDR/PREFIX[,GATEWAY] (IPv4)"
+        )));
+    };
+    // The device may still be probing right after the module loaded.
+    let ok = system::wait_for_path(Path::new("/sys/class/net/eth0"), Duration::from_secs(5));
+    match system::configure_interface("eth0", &spec) {
+        Ok(()) => {
+            let _ = writeln!(io::stdout(), "CLADE-AGENT-NET eth0 {v}");
+        }
+        Err(e) => log_error(&InitError::Usage(format!(
+            "clade.net: configuring eth0{}: {e}",
+            if ok { "" } else { " (no such interface)" }
+        ))),
     }
 }
 
