@@ -181,14 +181,16 @@ pub(crate) async fn dispatch(
         Ok(c) => c,
         Err(e) => return e.unary_response(),
     };
-    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
+    // Body first (bounded): see process::dispatch.
+    let target = req.extensions().get::<Target>().cloned();
     let user_name = super::basic_user(req.headers());
     let body = match read_body(req, connect::MAX_MESSAGE).await {
         Ok(b) => b,
         Err(e) => return e.unary_response(),
+    };
+    let sb = match target_sandbox(&dp, target).await {
+        Ok(s) => s,
+        Err(r) => return r,
     };
     let r = tokio::task::spawn_blocking(move || {
         let user = sb.user(user_name.as_deref())?;

@@ -160,14 +160,18 @@ pub(crate) async fn dispatch(
             e.unary_response()
         }
     };
-    let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
+    // The (bounded) body is read before the sandbox is looked up: a request answered
+    // without reading its body makes the server close the connection, and a client that
+    // reuses it at that moment sees it closed (e.g. a command sent to a killed sandbox).
+    let target = req.extensions().get::<Target>().cloned();
     let headers = req.headers().clone();
     let body = match read_body(req, connect::MAX_MESSAGE + 5).await {
         Ok(b) => b,
         Err(e) => return fail(e),
+    };
+    let sb = match target_sandbox(&dp, target).await {
+        Ok(s) => s,
+        Err(r) => return r,
     };
     let msg: &[u8] = if streaming {
         match connect::unwrap_envelope(&body) {
