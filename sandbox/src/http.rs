@@ -763,12 +763,33 @@ pub async fn serve(
             }
         }
     });
-    let r = axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    // Requests in progress get SHUTDOWN_GRACE after the signal; a stream whose client
+    // never goes away must not keep the service from stopping.
+    let (fired_tx, fired_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = fired_tx.send(());
+    };
+    let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown);
+    let grace = async move {
+        match fired_rx.await {
+            Ok(()) => tokio::time::sleep(SHUTDOWN_GRACE).await,
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    let r = tokio::select! {
+        r = std::future::IntoFuture::into_future(server) => r,
+        _ = grace => {
+            tracing::warn!("requests still open {SHUTDOWN_GRACE:?} after the stop signal: stopping anyway");
+            Ok(())
+        }
+    };
     ticker.abort();
     r
 }
+
+/// How long requests in progress may run on after the service was told to stop.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests;

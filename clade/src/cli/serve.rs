@@ -153,6 +153,9 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         serve(listener, state, Duration::from_millis(250), shutdown).await?;
         anyhow::Ok(())
     });
+    // Blocking work still running (an agent call of a stream whose client stayed) must not
+    // keep the process from ending.
+    rt.shutdown_timeout(Duration::from_secs(1));
     // Unused standby processes end with the service (sandboxes' VMs do not).
     if let Some(d) = processes {
         d.stop_standby();
