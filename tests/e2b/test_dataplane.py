@@ -183,6 +183,8 @@ def test_killed_sandbox_is_not_running():
     assert s.is_running() is False
     with pytest.raises(SandboxException):
         s.commands.run("true")
+    with pytest.raises(SandboxException):
+        s.files.write(f"{SCRATCH}/never.bin", os.urandom(1 << 20))
 
 
 def test_pty_bash_with_resize(sb):

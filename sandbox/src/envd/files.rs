@@ -668,6 +668,27 @@ async fn watch_dir(dp: Arc<DataPlane>, req: Request) -> Response {
     connect::stream_response(codec, body)
 }
 
+/// Most of a refused upload's body read before answering (see [`drained`]).
+const DRAIN_MAX: usize = 8 << 20;
+
+/// `answer`, after reading and dropping what is left of `req`'s body (at most
+/// [`DRAIN_MAX`] bytes, for at most a second): a server that answers without reading the
+/// body closes the connection, and a client that reuses it at that moment sees it closed.
+async fn drained(req: Request, answer: Response) -> Response {
+    let drain = async {
+        let mut left = DRAIN_MAX;
+        let mut body = req.into_body().into_data_stream();
+        while let Some(Ok(chunk)) = futures_util::StreamExt::next(&mut body).await {
+            left = left.saturating_sub(chunk.len());
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), drain).await;
+    answer
+}
+
 /// envd's `/files` error body.
 fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
     (
@@ -927,7 +948,7 @@ fn write_info(e: &pb::EntryInfo) -> serde_json::Value {
 pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
     let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(r) => return drained(req, r).await,
     };
     let (qpath, qs_user) = file_query(&req);
     let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
@@ -945,7 +966,7 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
         .unwrap_or(false);
     for p in qpath.iter() {
         if let Err(e) = check_path(p) {
-            return rpc_to_http(e);
+            return drained(req, rpc_to_http(e)).await;
         }
     }
     let sb2 = sb.clone();
@@ -958,7 +979,7 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
     .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
     let (user, client) = match setup {
         Ok(x) => x,
-        Err(e) => return rpc_to_http(e),
+        Err(e) => return drained(req, rpc_to_http(e)).await,
     };
     let mut written = Vec::new();
     if ct.starts_with("multipart/form-data") {
