@@ -144,6 +144,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         hostname_suffix: String::new(),
         start: true,
         vcpu_cpus: Vec::new(),
+        net: None,
     })?;
     ping_once(&bsock)?;
     let baseline = base_pause + tb.elapsed();

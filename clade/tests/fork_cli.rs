@@ -390,6 +390,7 @@ fn bad_fork_and_snapshot_requests_get_errors_and_touch_nothing() {
         count: usize::MAX,
         prefix: None,
         agent_sync: false,
+        nets: Vec::new(),
     });
     assert!(
         !r.ok && r.error.as_deref().unwrap_or("").contains("children"),
@@ -473,4 +474,119 @@ fn bad_fork_and_snapshot_requests_get_errors_and_touch_nothing() {
     );
     let r = c.call(&Request::Shutdown).unwrap();
     assert!(r.ok, "{r:?}");
+}
+
+/// A network namespace made for one test (`ip netns`: test code only), removed on drop.
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Netns {
+        let name = format!("cladet-{}-{tag}", std::process::id());
+        let o = Command::new("ip")
+            .args(["netns", "add", &name])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "ip netns add {name}: {}", text(&o));
+        Netns(name)
+    }
+
+    fn path(&self) -> String {
+        format!("/run/netns/{}", self.0)
+    }
+
+    /// Whether `tap0` exists in this namespace (a TAP the VMM made by name exists while
+    /// its descriptor is open: it is the VM's).
+    fn has_tap0(&self) -> bool {
+        Command::new("ip")
+            .args(["-n", &self.0, "link", "show", "tap0"])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn a_vm_with_a_nic_forks_only_with_a_tap_per_child_each_in_its_own_namespace() {
+    if !is_root() {
+        eprintln!("skipped: needs root for network namespaces and TAPs");
+        return;
+    }
+    let (p_ns, a_ns, b_ns) = (Netns::new("p"), Netns::new("a"), Netns::new("b"));
+    let d = Dir::new("netns");
+    let net = |ns: &Netns| format!("tap=tap0,netns={}", ns.path());
+    let mut parent = start_parent_with(&d, "vsock", None, &["--net", &net(&p_ns)]);
+    assert!(p_ns.has_tap0(), "the parent's TAP is in its namespace");
+    let fork = |extra: &[&str]| {
+        clade()
+            .arg("fork")
+            .arg(d.p("p.api"))
+            .args(["-n", "2", "--no-agent-sync", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // Refused before the VM pauses: no TAPs, too few, a TAP by descriptor, a namespace
+    // path that is no namespace.
+    for (extra, why) in [
+        (vec![], "needs its own TAP (0 given)"),
+        (vec!["--net".to_string(), net(&a_ns)], "(1 given)"),
+        (
+            vec!["--net".into(), "fd=3".into(), "--net".into(), "fd=4".into()],
+            "needs a TAP by name",
+        ),
+        (
+            vec![
+                "--net".into(),
+                "tap=tap0,netns=/proc/self/status".into(),
+                "--net".into(),
+                net(&b_ns),
+            ],
+            "not a namespace file",
+        ),
+    ] {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let o = fork(&extra);
+        assert!(!o.status.success(), "{extra:?}: {}", text(&o));
+        assert!(text(&o).contains(why), "{extra:?}: {}", text(&o));
+    }
+    assert!(!a_ns.has_tap0() && !b_ns.has_tap0());
+    ping(&d.p("p.vsock"));
+
+    let o = fork(&["--net", &net(&a_ns), "--net", &net(&b_ns)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kids: Vec<serde_json::Value> = j["children"].as_array().unwrap().clone();
+    let pids: Vec<Pid> = kids
+        .iter()
+        .map(|k| Pid(k["pid"].as_i64().unwrap() as i32))
+        .collect();
+    for k in &kids {
+        ping(Path::new(k["vsock"].as_str().unwrap()));
+    }
+    assert!(a_ns.has_tap0() && b_ns.has_tap0(), "each child holds a TAP");
+    assert!(p_ns.has_tap0(), "the parent keeps its own");
+    // A child's TAP goes with its process.
+    // SAFETY: plain kill(2) on a process this test started (through the parent).
+    unsafe { libc::kill(pids[0].0, libc::SIGKILL) };
+    let t = Instant::now();
+    while a_ns.has_tap0() {
+        assert!(t.elapsed() < Duration::from_secs(10), "child a's TAP stays");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(b_ns.has_tap0());
+    ping(&d.p("p.vsock"));
+    parent.0.kill().unwrap();
+    parent.0.wait().unwrap();
 }

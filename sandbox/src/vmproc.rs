@@ -398,6 +398,7 @@ impl VmDriver for ProcessDriver {
                 count,
                 prefix: Some(prefix.to_path_buf()),
                 agent_sync,
+                nets: Vec::new(),
             },
         )?;
         let bad = |what: &str| Error::VmApi {

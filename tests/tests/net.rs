@@ -17,6 +17,7 @@ fn net(name: &str, mac: Option<[u8; 6]>) -> NetConfig {
     NetConfig {
         tap: TapSource::Name(name.into()),
         mac,
+        netns: None,
     }
 }
 

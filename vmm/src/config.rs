@@ -60,13 +60,17 @@ pub struct NetConfig {
     /// The guest's MAC address; default [`devices::virtio::net::DEFAULT_MAC`] for a new VM,
     /// the saved one for a restored VM (a different one given then is refused).
     pub mac: Option<[u8; 6]>,
+    /// The network namespace the TAP lives in (a file such as `/run/netns/NAME`): the TAP
+    /// is opened from a thread that enters it for that moment only, so the VMM itself stays
+    /// where it is (a sandbox's own namespace, issue 12). Default: the VMM's namespace.
+    pub netns: Option<PathBuf>,
 }
 
 impl NetConfig {
-    /// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]` (what `--net` takes).
+    /// Parses `tap=NAME[,mac=MAC][,netns=PATH]` or `fd=N[,mac=MAC]` (what `--net` takes).
     pub fn parse(spec: &str) -> Result<Self> {
         let err = |why: String| Error::Config(format!("--net '{spec}': {why}"));
-        let (mut tap, mut mac) = (None, None);
+        let (mut tap, mut mac, mut netns) = (None, None, None);
         for part in spec.split(',') {
             let (key, value) = part
                 .split_once('=')
@@ -85,14 +89,15 @@ impl NetConfig {
                             .ok_or_else(|| err(format!("'{value}' is not a MAC address")))?,
                     )
                     .is_some(),
-                _ => return Err(err(format!("unknown key '{key}' (tap, fd, mac)"))),
+                "netns" => netns.replace(PathBuf::from(value)).is_some(),
+                _ => return Err(err(format!("unknown key '{key}' (tap, fd, mac, netns)"))),
             };
             if dup {
                 return Err(err(format!("'{key}' given twice, or both tap and fd")));
             }
         }
         let tap = tap.ok_or_else(|| err("needs tap=NAME or fd=N".into()))?;
-        let c = Self { tap, mac };
+        let c = Self { tap, mac, netns };
         c.validate()?;
         Ok(c)
     }
@@ -112,6 +117,25 @@ impl NetConfig {
             }
             _ => {}
         }
+        if let Some(ns) = &self.netns {
+            if matches!(self.tap, TapSource::Fd(_)) {
+                return Err(Error::Config(
+                    "netns= goes with tap=NAME (a TAP descriptor is in its namespace already)"
+                        .into(),
+                ));
+            }
+            if !ns.is_absolute()
+                || ns
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir))
+                || ns.as_os_str().to_string_lossy().contains(',')
+            {
+                return Err(Error::Config(format!(
+                    "netns '{}' must be an absolute path without '..' or ','",
+                    ns.display()
+                )));
+            }
+        }
         if let Some(mac) = &self.mac {
             if mac[0] & 1 != 0 {
                 return Err(Error::Config(format!(
@@ -119,6 +143,23 @@ impl NetConfig {
                     devices::virtio::net::format_mac(mac)
                 )));
             }
+        }
+        Ok(())
+    }
+}
+
+/// The spec [`NetConfig::parse`] reads back (a fork child gets its TAP this way).
+impl std::fmt::Display for NetConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.tap {
+            TapSource::Name(n) => write!(f, "tap={n}")?,
+            TapSource::Fd(fd) => write!(f, "fd={fd}")?,
+        }
+        if let Some(mac) = &self.mac {
+            write!(f, ",mac={}", devices::virtio::net::format_mac(mac))?;
+        }
+        if let Some(ns) = &self.netns {
+            write!(f, ",netns={}", ns.display())?;
         }
         Ok(())
     }
@@ -281,16 +322,25 @@ mod tests {
             NetConfig::parse("tap=tap0").unwrap(),
             NetConfig {
                 tap: TapSource::Name("tap0".into()),
-                mac: None
+                mac: None,
+                netns: None,
             }
         );
         assert_eq!(
             NetConfig::parse("fd=5,mac=02:00:00:00:00:01").unwrap(),
             NetConfig {
                 tap: TapSource::Fd(5),
-                mac: Some([2, 0, 0, 0, 0, 1])
+                mac: Some([2, 0, 0, 0, 0, 1]),
+                netns: None,
             }
         );
+        let in_ns =
+            NetConfig::parse("tap=tap0,mac=02:00:00:00:00:01,netns=/run/netns/c-1").unwrap();
+        assert_eq!(
+            in_ns.netns.as_deref(),
+            Some(std::path::Path::new("/run/netns/c-1"))
+        );
+        assert_eq!(NetConfig::parse(&in_ns.to_string()).unwrap(), in_ns);
         for (bad, why) in [
             ("", "KEY=VALUE"),
             ("mac=02:00:00:00:00:01", "needs tap"),
@@ -303,6 +353,9 @@ mod tests {
             ("tap=a,mac=01:00:00:00:00:01", "multicast"),
             ("tap=a,mac=zz", "MAC"),
             ("tap=a,mtu=9000", "unknown key"),
+            ("fd=3,netns=/run/netns/x", "goes with tap"),
+            ("tap=a,netns=run/netns/x", "absolute"),
+            ("tap=a,netns=/run/../x", "absolute"),
         ] {
             let err = NetConfig::parse(bad).unwrap_err().to_string();
             assert!(err.contains(why), "{bad}: {err}");
@@ -311,6 +364,7 @@ mod tests {
         c.net = Some(NetConfig {
             tap: TapSource::Name(String::new()),
             mac: None,
+            netns: None,
         });
         assert!(c.validate().unwrap_err().to_string().contains("TAP name"));
     }

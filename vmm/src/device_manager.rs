@@ -121,7 +121,10 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
 /// virtio-net. Done before any KVM object exists on boot, so a missing TAP fails early.
 pub(crate) fn open_tap(cfg: &NetConfig) -> Result<Tap> {
     Ok(match &cfg.tap {
-        TapSource::Name(name) => Tap::open(name)?,
+        TapSource::Name(name) => match &cfg.netns {
+            None => Tap::open(name)?,
+            Some(ns) => open_tap_in_netns(name, ns)?,
+        },
         TapSource::Fd(fd) => {
             // SAFETY: F_GETFD only reads the flags of descriptor `fd` (or fails if it is not
             // open), so `fd` is known to be open before it is borrowed below.
@@ -137,6 +140,41 @@ pub(crate) fn open_tap(cfg: &NetConfig) -> Result<Tap> {
             let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
             Tap::from_fd(borrowed)?
         }
+    })
+}
+
+/// Opens the TAP `name` inside the network namespace `netns` (a namespace file such as
+/// `/run/netns/NAME`): `/dev/net/tun` binds a TAP to the namespace of the thread that opens
+/// it, so a short-lived thread enters the namespace, opens it and ends; the descriptor works
+/// from any namespace, and the VMM's own threads never leave theirs.
+fn open_tap_in_netns(name: &str, netns: &std::path::Path) -> Result<Tap> {
+    let tap_err = |what: String, source: std::io::Error| devices::Error::Tap { what, source };
+    let ns = File::open(netns).map_err(|e| {
+        tap_err(
+            format!("'{name}': network namespace {}", netns.display()),
+            e,
+        )
+    })?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
+                tap_err(
+                    format!(
+                        "'{name}': entering network namespace {} (not a namespace file?)",
+                        netns.display()
+                    ),
+                    std::io::Error::from_raw_os_error(e as i32),
+                )
+            })?;
+            Tap::open(name).map_err(Error::from)
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(Error::Config(format!(
+                "opening TAP '{name}' in {}: the thread panicked",
+                netns.display()
+            )))
+        })
     })
 }
 
@@ -811,12 +849,14 @@ mod tests {
         let cfg = NetConfig {
             tap: TapSource::Fd(f.as_raw_fd()),
             mac: None,
+            netns: None,
         };
         let err = open_tap(&cfg).unwrap_err().to_string();
         assert!(err.contains("TUNGETIFF"), "{err}");
         let closed = NetConfig {
             tap: TapSource::Fd(100_000),
             mac: None,
+            netns: None,
         };
         let err = open_tap(&closed).unwrap_err().to_string();
         assert!(err.contains("descriptor 100000"), "{err}");
@@ -836,12 +876,14 @@ mod tests {
             let by_name = open_tap(&NetConfig {
                 tap: TapSource::Name("clade-dm0".into()),
                 mac: None,
+                netns: None,
             })
             .unwrap();
             // The same TAP through its descriptor, as a jailed VMM would get it.
             let by_fd = open_tap(&NetConfig {
                 tap: TapSource::Fd(by_name.raw_fd()),
                 mac: None,
+                netns: None,
             })
             .unwrap();
             assert_eq!(by_fd.name(), "clade-dm0");

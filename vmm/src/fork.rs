@@ -42,6 +42,9 @@
 //!
 //! - VMs restored with the `uffd` or `file` backend cannot fork (their memory is not a
 //!   memfd).
+//! - A VM with a network device forks only with a TAP for each child
+//!   ([`ForkOptions::nets`]): the same TAP name in each child's own network namespace keeps
+//!   the guest's addresses valid in every child.
 //! - Each fork generation with writes in between adds a layer, and one mapping per run of
 //!   written pages to every VM on it (at most 64 layers).
 //! - A fork consumes the dirty log: the parent's next diff snapshot needs a full one first.
@@ -54,7 +57,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::builder::{self, Identity, MemorySlot};
-use crate::config::{SerialOutput, VsockConfig};
+use crate::config::{NetConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{SavedMachine, Steps};
 use crate::vm::Vm;
@@ -83,6 +86,10 @@ pub struct ForkOptions {
     pub start: bool,
     /// Pin the children's vCPUs (see [`Vm::pin_vcpus`]; default: no pinning).
     pub vcpu_cpus: Vec<usize>,
+    /// Child `i`'s TAP (required for each child when the parent has a network device: a
+    /// TAP carries one VM; usually the same TAP name in the child's own network namespace,
+    /// so the guest's addressing stays valid).
+    pub nets: Vec<NetConfig>,
     /// Test hook: fail after this many children were built (checks the cleanup).
     #[cfg(any(test, feature = "test-hooks"))]
     pub fail_after: Option<usize>,
@@ -98,6 +105,7 @@ impl Default for ForkOptions {
             shells: Vec::new(),
             start: false,
             vcpu_cpus: Vec::new(),
+            nets: Vec::new(),
             #[cfg(any(test, feature = "test-hooks"))]
             fail_after: None,
         }
@@ -163,6 +171,8 @@ pub struct ChildSpec {
     pub start: bool,
     /// vCPU pinning.
     pub vcpu_cpus: Vec<usize>,
+    /// Its TAP (needed when the parent has a network device).
+    pub net: Option<NetConfig>,
 }
 
 /// Most children one fork makes.
@@ -277,6 +287,7 @@ pub fn fork_with_report(
             hostname_suffix: format!("-f{seq}"),
             start: options.start,
             vcpu_cpus: options.vcpu_cpus.clone(),
+            net: options.nets.get(i).cloned(),
         };
         let child = frozen.child(spec).map_err(|e| {
             tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
@@ -425,9 +436,8 @@ impl Frozen {
             serial: spec.serial,
             vsock,
             disk,
-            // A child's own TAP comes with per-sandbox network namespaces (issue 12); until
-            // then a VM with a network device cannot fork (check_identity says so).
-            net: None,
+            // Missing for a parent with a network device: refused by the builder.
+            net: spec.net,
             kvm_device: self.kvm_device.clone(),
             dirty_tracking: true,
             vcpu_cpus: spec.vcpu_cpus,

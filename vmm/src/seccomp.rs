@@ -1,7 +1,8 @@
 //! The VMM's system-call filters.
 //!
 //! - **The process filter** ([`install`]): an allow-list of the calls a VMM process makes
-//!   (KVM, memory, files, Unix sockets, threads, starting fork children), installed on every
+//!   (KVM, memory, files, Unix sockets, threads, starting fork children, entering a network
+//!   namespace to open a TAP there), installed on every
 //!   thread at once (TSYNC) and inherited by every thread started later and by the fork
 //!   children the VMM starts. `clade run` and `clade restore` install it before the VM is
 //!   built, so that each thread the VM starts can narrow it further.
@@ -205,6 +206,12 @@ fn program() -> Result<BpfProgram> {
         ALLOWED.iter().map(|&nr| (nr, Vec::new())).collect();
     let unix_only = SeccompRule::new(vec![arg_eq(0, libc::AF_UNIX as u64)?]).map_err(rule_err)?;
     rules.insert(libc::SYS_socket, vec![unix_only]);
+    // Entering a network namespace, only: a TAP in a sandbox's namespace is opened from a
+    // short-lived thread that enters it (`--net tap=NAME,netns=PATH`; a restore in a
+    // standby process or a fork child does that after this filter is on).
+    let netns_only =
+        SeccompRule::new(vec![arg_eq(1, libc::CLONE_NEWNET as u64)?]).map_err(rule_err)?;
+    rules.insert(libc::SYS_setns, vec![netns_only]);
     compile(
         SeccompFilter::new(
             rules,

@@ -635,6 +635,14 @@ impl Vm {
             .is_some_and(PageServer::is_recording)
     }
 
+    /// Whether the VM has a virtio-net device (a fork then needs a TAP per child).
+    pub(crate) fn has_net_device(&self) -> bool {
+        self.devices
+            .virtio_slots()
+            .iter()
+            .any(|s| s.device_type == devices::virtio::net::NET_DEVICE_ID)
+    }
+
     /// Whether guest memory is served on demand by a page server (a `uffd` restore).
     pub(crate) fn has_page_server(&self) -> bool {
         self.page_server.is_some()

@@ -25,6 +25,11 @@ pub struct ForkArgs {
     /// Do not give the children's guest agents the time, entropy and a hostname suffix.
     #[arg(long)]
     no_agent_sync: bool,
+    /// A child's TAP, as `clade run --net` takes it (`tap=NAME[,netns=PATH]`); once per
+    /// child, in order, required when the VM has a network device (each child needs its
+    /// own TAP: the same name in its own network namespace keeps the guest's addresses).
+    #[arg(long = "net", value_name = "SPEC")]
+    nets: Vec<String>,
     /// Print the VM's answer as one JSON object.
     #[arg(long)]
     json: bool,
@@ -46,6 +51,7 @@ pub fn fork(args: ForkArgs) -> anyhow::Result<u8> {
         count: args.count,
         prefix,
         agent_sync: !args.no_agent_sync,
+        nets: args.nets,
     })?;
     if !r.ok {
         bail!(

@@ -22,7 +22,7 @@
 //! | `{"op":"unpause"}` | `state`: paused vCPUs run again (`"resume"` is accepted as an alias) |
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
-//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true}` | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
+//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true,"nets":["tap=tap0,netns=/run/netns/a",...]}` (`nets`: one TAP per child, only for a VM with a network device) | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
 //! | `{"op":"restore","snapshot":"/abs/snap","vsock":"/abs/vm.vsock",...}` | standby processes only (`clade restore --standby`): the fields of [`RestoreRequest`]; the answer is the `status` of the restored VM. A second restore, or one in a process that already runs a VM, is refused |
 //!
 //! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
@@ -106,6 +106,10 @@ pub enum Request {
         /// Give each child's guest agent the time, entropy and a hostname suffix.
         #[serde(default = "default_true")]
         agent_sync: bool,
+        /// Each child's TAP, as `--net` takes it (`tap=NAME[,netns=PATH]`): one per child,
+        /// required when the VM has a network device.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        nets: Vec<String>,
     },
     /// Restore a snapshot into this process's pre-built VM shell (a standby process only,
     /// once; see [`crate::host::standby`]).
@@ -683,7 +687,8 @@ mod tests {
             Request::Fork {
                 count: usize::MAX,
                 prefix: None,
-                agent_sync: true
+                agent_sync: true,
+                nets: Vec::new(),
             }
         );
         assert!(crate::fork::check_child_count(usize::MAX).is_err());

@@ -100,6 +100,11 @@ fn build_child(api_sock: Option<&Path>) -> Result<(Vm, ApiServer, (Option<PathBu
         hostname_suffix: launch.hostname_suffix,
         start: true,
         vcpu_cpus: Vec::new(),
+        net: launch
+            .net
+            .as_deref()
+            .map(crate::config::NetConfig::parse)
+            .transpose()?,
     };
     let vm = frozen.child(spec)?;
     Ok((vm, api, (launch.files_root, launch.seccomp)))

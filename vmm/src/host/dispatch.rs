@@ -69,17 +69,24 @@ pub(crate) fn handle(
             count,
             prefix,
             agent_sync,
+            nets,
         } => match prefix
             .as_deref()
             .map(|p| confine(p, root))
             .transpose()
             .and_then(|prefix| {
+                let nets = nets
+                    .iter()
+                    .map(|n| crate::config::NetConfig::parse(n))
+                    .collect::<crate::error::Result<Vec<_>>>()
+                    .map_err(|e| e.to_string())?;
                 fork_processes(
                     vm,
                     api_sock,
                     *count,
                     prefix.as_deref(),
                     *agent_sync,
+                    &nets,
                     options,
                 )
                 .map_err(|e| e.to_string())

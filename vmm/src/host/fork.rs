@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::options::{ChildLauncher, OwnerOptions};
+use crate::config::NetConfig;
 use crate::error::{Error, Result};
 use crate::fork::{
     check_child_count, child_path, freeze, next_fork_seq, process_unique_cid, Frozen,
@@ -51,6 +52,8 @@ pub(super) struct ChildLaunch {
     /// Whether the parent filters system calls: the child does too (it has inherited the
     /// filter anyway when it does).
     pub(super) seccomp: bool,
+    /// Its TAP, as `--net` takes it (when the parent has a network device).
+    pub(super) net: Option<String>,
 }
 
 /// One child started by [`fork_processes`].
@@ -115,16 +118,19 @@ impl Started {
 /// socket's directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child
 /// is left (the ones started are killed and their files removed; logs stay) and `vm` runs
 /// on. Children are started by `owner.launcher` and keep the owner's files root and
-/// system-call filter setting.
+/// system-call filter setting. A VM with a network device needs one TAP per child in
+/// `nets` (checked before the VM pauses); a TAP by descriptor cannot go to a child.
 pub fn fork_processes(
     vm: &mut Vm,
     api_sock: &Path,
     count: usize,
     prefix: Option<&Path>,
     agent_sync: bool,
+    nets: &[NetConfig],
     owner: &OwnerOptions,
 ) -> Result<ForkedProcesses> {
     check_child_count(count)?;
+    check_child_nets(vm.has_net_device(), count, nets)?;
     let dir = match prefix {
         Some(p) => p.to_path_buf(),
         None => api_sock
@@ -163,6 +169,7 @@ pub fn fork_processes(
             agent_sync,
             files_root: owner.files_root.as_deref(),
             seccomp: owner.seccomp,
+            net: nets.get(i),
         };
         match start_child(&frozen, &bytes, &fds, &child, owner.launcher.as_ref()) {
             Ok((s, c)) => {
@@ -220,6 +227,36 @@ struct ChildPlan<'a> {
     agent_sync: bool,
     files_root: Option<&'a Path>,
     seccomp: bool,
+    net: Option<&'a NetConfig>,
+}
+
+/// A parent with a network device needs exactly one TAP by name per child (a descriptor
+/// cannot be handed to another process here); one without needs none.
+fn check_child_nets(has_net: bool, count: usize, nets: &[NetConfig]) -> Result<()> {
+    if !has_net {
+        if nets.is_empty() {
+            return Ok(());
+        }
+        return Err(Error::Fork(
+            "TAPs were given for the children, but the VM has no network device".into(),
+        ));
+    }
+    if nets.len() != count {
+        return Err(Error::Fork(format!(
+            "the VM has a network device: each of the {count} children needs its own TAP \
+             ({} given)",
+            nets.len()
+        )));
+    }
+    if let Some(n) = nets
+        .iter()
+        .find(|n| matches!(n.tap, crate::config::TapSource::Fd(_)))
+    {
+        return Err(Error::Fork(format!(
+            "child TAP '{n}': a child process needs a TAP by name (tap=NAME[,netns=PATH])"
+        )));
+    }
+    Ok(())
 }
 
 /// Starts one child and waits until it runs.
@@ -276,6 +313,7 @@ fn start_child(
         agent_sync: plan.agent_sync,
         files_root: plan.files_root.map(Path::to_path_buf),
         seccomp: plan.seccomp,
+        net: plan.net.map(ToString::to_string),
     };
     let record = postcard::to_allocvec(&launch)
         .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;
