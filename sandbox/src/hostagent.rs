@@ -391,4 +391,8 @@ impl VmDriver for HostAgentDriver {
             },
         }
     }
+
+    fn guest_is_host(&self) -> bool {
+        true
+    }
 }

@@ -252,7 +252,7 @@ fn listed(r: &Record, detail: bool) -> Value {
 /// ([`crate::envd`]) instead, which needs no API key (like E2B's envd without an access
 /// token: the sandbox id is the capability).
 pub fn router(state: AppState) -> Router {
-    let data = crate::envd::router(crate::envd::DataPlane::new(state.host.clone()));
+    let data = crate::envd::Routes::new(crate::envd::DataPlane::new(state.host.clone()));
     Router::new()
         .route("/sandboxes", post(create).get(list_v1))
         .route("/v2/sandboxes", post(create).get(list_v2))

@@ -96,6 +96,11 @@ pub trait VmDriver: Send + Sync {
     ) -> Result<Vec<ForkedChild>>;
     /// `None` while the VM process runs; why not otherwise (exit status, or "gone").
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String>;
+    /// Whether the "guest" is this host itself (the test harness, `crate::hostagent`): its
+    /// ports are then the host's loopback ports.
+    fn guest_is_host(&self) -> bool {
+        false
+    }
 }
 
 /// How long a new VM process may take until its API answers.

@@ -375,3 +375,53 @@ def test_files_as_another_user_are_theirs_and_checked(sb, d):
     with pytest.raises(SandboxException):
         sb.files.write(f"{d}/root-only", "overwrite", user="nobody")
     assert sb.files.read(f"{d}/root-only") == "secret\n"
+
+
+def test_exposed_port_reached_through_the_service(sb, d):
+    """A server a sandbox process listens on is reached through the service: by the
+    `<port>-<id>.<domain>` host name `get_host` gives, and by the routing headers; a port
+    nobody listens on is E2B's 502; a paused sandbox wakes for such a request."""
+    import httpx
+
+    base = os.environ["E2B_SANDBOX_URL"]
+    # The harness's "guest" is this host: a port of its own, not a fixed one.
+    port = 20000 + os.getpid() % 20000
+    sb.files.write(f"{d}/www/hello.txt", "hello from the sandbox\n")
+    h = sb.commands.run(
+        f"cd {d}/www && exec python3 -m http.server {port}", background=True
+    )
+    try:
+        host = sb.get_host(port)
+        assert host.startswith(f"{port}-{sb.sandbox_id}.")
+        deadline = time.time() + 30
+        while True:
+            r = httpx.get(f"{base}/hello.txt", headers={"Host": host}, timeout=10)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert r.text == "hello from the sandbox\n"
+        by_headers = httpx.get(
+            f"{base}/hello.txt?x=1",
+            headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": str(port)},
+            timeout=10,
+        )
+        assert by_headers.status_code == 200 and by_headers.text == r.text
+        missing = httpx.get(f"{base}/nope", headers={"Host": host}, timeout=10)
+        assert missing.status_code == 404
+        closed = httpx.get(
+            f"{base}/", headers={"Host": sb.get_host(port + 1)}, timeout=10
+        )
+        assert closed.status_code == 502, closed.text
+        assert f"port {port + 1} is not open" in closed.json()["message"]
+        unknown = httpx.get(
+            f"{base}/", headers={"Host": f"{port}-nosuchsandbox.example.org"}, timeout=10
+        )
+        assert unknown.status_code == 502
+        # Wake on request: the server is part of the paused sandbox, and comes back with it.
+        sb.pause()
+        woken = httpx.get(f"{base}/hello.txt", headers={"Host": host}, timeout=60)
+        assert woken.status_code == 200 and woken.text == r.text
+        assert sb.get_info().state.value == "running"
+    finally:
+        h.kill()

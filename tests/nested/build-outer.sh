@@ -25,6 +25,9 @@
 #   NESTED_SKIP_CLADE  1: do not build or stage clade (only useful with a stand-in)
 #   NESTED_L1_MODULES  more modules for L1, loaded by /init after KVM's (space separated;
 #                      run.sh --disk sets "virtio_pci virtio_blk" for the outer disk)
+#   NESTED_L1_BINS     host programs to stage in L1 at their host paths, with their shared
+#                      libraries (space separated names, e.g. "nft ip": the sandbox
+#                      service's firewall tool, and iproute2 for a scenario's own set-up)
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -64,6 +67,26 @@ if [ -n "${NESTED_L1_MODULES:-}" ]; then
     read -r -a l1_modules <<<"$NESTED_L1_MODULES"
     stage_modules "$ROOT/lib/modules/extra" "${l1_modules[@]}"
     log "L1 extra modules (load order): ${LOAD_ORDER[*]}"
+fi
+# stage_program PATH: a dynamically linked program, its libraries and the loader, at their
+# host paths.
+stage_program() {
+    local prog lib
+    prog=$(readlink -f "$1")
+    mkdir -p "$ROOT$(dirname "$1")"
+    cp "$prog" "$ROOT$1"
+    for lib in $(ldd "$prog" | grep -o '/[^ ]*'); do
+        mkdir -p "$ROOT$(dirname "$lib")"
+        cp -L "$lib" "$ROOT$lib"
+    done
+}
+if [ -n "${NESTED_L1_BINS:-}" ]; then
+    read -r -a l1_bins <<<"$NESTED_L1_BINS"
+    for b in "${l1_bins[@]}"; do
+        p=$(command -v "$b") || die "NESTED_L1_BINS: '$b' is not installed on this host"
+        stage_program "$p"
+    done
+    log "L1 programs: ${l1_bins[*]}"
 fi
 cp "$KVMLINUZ" "$ROOT/guest/vmlinuz"
 cp "$GUEST_CPIO" "$ROOT/guest/initrd.cpio"

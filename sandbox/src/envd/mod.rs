@@ -26,6 +26,7 @@
 pub mod connect;
 mod files;
 pub mod pb;
+mod ports;
 mod process;
 
 use std::collections::{BTreeMap, HashMap};
@@ -365,12 +366,6 @@ impl DataPlane {
         self: &Arc<Self>,
         t: &Target,
     ) -> Result<Arc<SandboxConn>, Response> {
-        if t.port != ENVD_PORT {
-            return Err(proxy_error(format!(
-                "The sandbox {} is running but port {} is not open (only envd's port {ENVD_PORT} is served)",
-                t.sandbox, t.port
-            )));
-        }
         // A route checked a moment ago, with no sandbox changed since, is still good: that
         // skips the registry read and the VM process's liveness check (/proc reads) on
         // most requests. A VM that died since shows as an agent error, and is seen
@@ -382,32 +377,7 @@ impl DataPlane {
                 return Ok(c.clone());
             }
         }
-        let host = self.host.clone();
-        let id = t.sandbox.clone();
-        // The lookup is one indexed registry read and a liveness check (no process
-        // start): done inline, it saves a hop to the blocking pool on every request.
-        // Only a resume goes there.
-        let rec = match host.get(&id) {
-            Ok(rec) if rec.state == SbState::Paused => tokio::task::spawn_blocking(move || {
-                tracing::info!(sandbox = %id, "auto-resume for a data-plane request");
-                host.connect(&id, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
-            })
-            .await
-            .map_err(|e| proxy_error(format!("worker: {e}")))?,
-            Ok(rec) if rec.state == SbState::Crashed => Err(Error::NotFound(id)),
-            r => r,
-        };
-        let rec = match rec {
-            Ok(r) => r,
-            Err(Error::NotFound(_)) | Err(Error::Crashed { .. }) => {
-                lock(&self.sandboxes).remove(&t.sandbox);
-                return Err(proxy_error(format!(
-                    "The sandbox {} was not found",
-                    t.sandbox
-                )));
-            }
-            Err(e) => return Err(proxy_error(format!("sandbox {}: {e}", t.sandbox))),
-        };
+        let rec = self.record(&t.sandbox).await?;
         let Some(vsock) = rec.vsock.clone() else {
             return Err(proxy_error(format!(
                 "The sandbox {} was not found (no agent socket)",
@@ -435,6 +405,34 @@ impl DataPlane {
         map.insert(rec.id.clone(), c.clone());
         Ok(c)
     }
+
+    /// The running sandbox `id` (resumed first if it was paused), or E2B's proxy answer
+    /// for one that is not there.
+    async fn record(self: &Arc<Self>, id: &str) -> Result<crate::registry::Record, Response> {
+        let host = self.host.clone();
+        let owned = id.to_string();
+        // The lookup is one indexed registry read and a liveness check (no process
+        // start): done inline, it saves a hop to the blocking pool on every request.
+        // Only a resume goes there.
+        let rec = match host.get(id) {
+            Ok(rec) if rec.state == SbState::Paused => tokio::task::spawn_blocking(move || {
+                tracing::info!(sandbox = %owned, "auto-resume for a data-plane request");
+                host.connect(&owned, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
+            })
+            .await
+            .map_err(|e| proxy_error(format!("worker: {e}")))?,
+            Ok(rec) if rec.state == SbState::Crashed => Err(Error::NotFound(owned)),
+            r => r,
+        };
+        match rec {
+            Ok(r) => Ok(r),
+            Err(Error::NotFound(id)) | Err(Error::Crashed { id, .. }) => {
+                lock(&self.sandboxes).remove(&id);
+                Err(proxy_error(format!("The sandbox {id} was not found")))
+            }
+            Err(e) => Err(proxy_error(format!("sandbox {id}: {e}"))),
+        }
+    }
 }
 
 /// E2B's proxy answer for a sandbox that is not there: 502 with a JSON message.
@@ -457,6 +455,23 @@ pub(crate) fn basic_user(h: &HeaderMap) -> Option<String> {
     let s = String::from_utf8(raw).ok()?;
     let user = s.split(':').next()?.to_string();
     (!user.is_empty()).then_some(user)
+}
+
+/// What [`dispatch`] hands sandbox requests to: envd's routes, and the data plane itself
+/// for other ports ([`ports`]).
+#[derive(Clone)]
+pub struct Routes {
+    envd: Router,
+    dp: Arc<DataPlane>,
+}
+
+impl Routes {
+    pub fn new(dp: Arc<DataPlane>) -> Self {
+        Self {
+            envd: router(dp.clone()),
+            dp,
+        }
+    }
 }
 
 /// The data-plane router (requests already carry their [`Target`] as an extension).
@@ -526,16 +541,12 @@ pub(crate) async fn target_sandbox(
 
 /// Middleware in front of the control API: requests addressed to a sandbox go to the
 /// data plane.
-/// `data` is [`router`]'s result.
-pub async fn dispatch(State(data): State<Router>, mut req: Request, next: Next) -> Response {
+pub async fn dispatch(State(data): State<Routes>, mut req: Request, next: Next) -> Response {
     match route(req.headers()) {
-        Some(t) if t.port != ENVD_PORT => proxy_error(format!(
-            "The sandbox {}: port {} is not open (only envd's port {ENVD_PORT} is served)",
-            t.sandbox, t.port
-        )),
+        Some(t) if t.port != ENVD_PORT => ports::forward(data.dp, t, req).await,
         Some(t) => {
             req.extensions_mut().insert(t);
-            match data.oneshot(req).await {
+            match data.envd.oneshot(req).await {
                 Ok(r) => r,
                 Err(never) => match never {},
             }
