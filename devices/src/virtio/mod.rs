@@ -73,10 +73,10 @@
 pub mod block;
 #[cfg(test)]
 pub(crate) mod fuzz_util;
-mod gate;
 pub mod mmio;
 pub mod net;
 pub mod vsock;
+mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
