@@ -75,6 +75,8 @@ pub mod block;
 pub(crate) mod fuzz_util;
 pub mod mmio;
 pub mod net;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod vsock;
 mod worker;
 
