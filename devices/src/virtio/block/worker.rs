@@ -1,5 +1,5 @@
-//! The virtio-blk data path: an event-loop subscriber that takes requests off the queue,
-//! checks them, and does the disk I/O.
+//! The virtio-blk data path: the worker that takes requests off the queue, checks them,
+//! and does the disk I/O (run on the event loop behind the pause gate, see `virtio::worker`).
 
 use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};

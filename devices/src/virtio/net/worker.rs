@@ -1,5 +1,5 @@
-//! The virtio-net data path: an event-loop subscriber that moves frames between the
-//! backend and the guest's receive and transmit queues.
+//! The virtio-net data path: the worker that moves frames between the backend and the
+//! guest's receive and transmit queues (run on the event loop, see `virtio::worker`).
 
 use std::io::{ErrorKind, Write};
 use std::sync::Arc;

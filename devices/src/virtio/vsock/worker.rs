@@ -1,5 +1,5 @@
-//! The vsock data path: an event-loop subscriber that moves packets between the virtqueues
-//! and the host Unix sockets.
+//! The vsock data path: the worker that moves packets between the virtqueues and the host
+//! Unix sockets (run on the event loop behind the pause gate, see `virtio::worker`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read};
