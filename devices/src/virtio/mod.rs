@@ -73,10 +73,12 @@
 pub mod block;
 #[cfg(test)]
 pub(crate) mod fuzz_util;
-mod gate;
 pub mod mmio;
 pub mod net;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod vsock;
+mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

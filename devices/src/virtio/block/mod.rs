@@ -53,8 +53,9 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
 };
 
+use super::worker::{take_queues, DeviceWorker, QueueWorker};
 use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
-use crate::event_loop::{self, LoopHandle};
+use crate::event_loop::LoopHandle;
 use crate::{Error, Result};
 
 pub use worker::BlockWorker;
@@ -93,21 +94,6 @@ pub struct BlockState {
     pub size: u64,
 }
 
-/// What the block worker publishes after each round: where its queue stands.
-#[derive(Debug, Default)]
-pub(crate) struct BlockProgress {
-    /// Queue position after the worker's last round.
-    pub position: QueuePosition,
-}
-
-pub(crate) type Gate = super::gate::Gate<BlockProgress>;
-pub(crate) type GateState = super::gate::GateState<BlockProgress>;
-
-struct Activation {
-    gate: Arc<Gate>,
-    id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
-}
-
 /// The virtio-blk device model: features, configuration space and activation. The data
 /// path is [`BlockWorker`] on the device event loop.
 pub struct BlockDevice {
@@ -117,8 +103,7 @@ pub struct BlockDevice {
     serial: [u8; ID_BYTES],
     config: [u8; CONFIG_SIZE],
     read_only: bool,
-    event_loop: LoopHandle,
-    active: Option<Activation>,
+    worker: DeviceWorker<BlockWorker>,
 }
 
 impl BlockDevice {
@@ -148,8 +133,7 @@ impl BlockDevice {
             disk: Arc::new(Mutex::new(disk)),
             serial: id,
             config,
-            event_loop,
-            active: None,
+            worker: DeviceWorker::new(event_loop),
         })
     }
 
@@ -227,44 +211,17 @@ impl VirtioDevice for BlockDevice {
         interrupt: Arc<Interrupt>,
         _features: u64,
     ) -> Result<()> {
-        if self.active.is_some() {
-            return Err(Error::Virtio(
-                "virtio-blk activated twice without a reset".into(),
-            ));
-        }
-        let [queue]: [VirtQueue; 1] = queues.try_into().map_err(|q: Vec<_>| {
-            Error::Virtio(format!("virtio-blk needs 1 queue, got {}", q.len()))
-        })?;
-        if !virtio_queue::QueueT::ready(&queue.queue) {
-            return Err(Error::Virtio(
-                "virtio-blk request queue was not set up".into(),
-            ));
-        }
-        let gate = Arc::new(Gate::new_active());
-        let worker = BlockWorker::new(
-            mem,
-            queue,
-            interrupt,
-            Arc::clone(&gate),
-            Arc::clone(&self.disk),
-            self.serial,
-        )
-        .with_log(self.log.clone());
-        let id = Arc::new(Mutex::new(None));
-        event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
-        self.active = Some(Activation { gate, id });
+        let [queue] = take_queues(BlockWorker::NAME, queues, &[(0, "request")])?;
+        let worker = BlockWorker::new(mem, queue, interrupt, Arc::clone(&self.disk), self.serial)
+            .with_log(self.log.clone());
+        self.worker.start(worker)?;
         tracing::debug!("virtio-blk: active");
         Ok(())
     }
 
     fn reset(&mut self) {
-        let Some(act) = self.active.take() else {
+        if !self.worker.stop() {
             return;
-        };
-        // Waits for the worker to finish its current request; afterwards it touches nothing.
-        act.gate.deactivate();
-        if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
-            tracing::error!("virtio-blk reset: {e}");
         }
         // What the guest wrote before the reset is kept like after a flush.
         if let Err(e) = self.disk.lock().unwrap_or_else(|e| e.into_inner()).flush() {
@@ -273,22 +230,15 @@ impl VirtioDevice for BlockDevice {
     }
 
     fn pause(&mut self) {
-        if let Some(act) = &self.active {
-            act.gate.set_paused(true);
-        }
+        self.worker.pause();
     }
 
     fn unpause(&mut self) {
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
+        self.worker.unpause();
     }
 
     fn queue_positions(&self) -> Vec<QueuePosition> {
-        match &self.active {
-            Some(act) => vec![act.gate.lock().position],
-            None => Vec::new(),
-        }
+        self.worker.queue_positions()
     }
 
     fn save_state(&self) -> Option<VirtioDeviceState> {
@@ -297,14 +247,5 @@ impl VirtioDevice for BlockDevice {
             read_only: self.read_only,
             size: u64::from_le_bytes(self.config[0..8].try_into().ok()?) * SECTOR_SIZE,
         }))
-    }
-}
-
-impl Drop for BlockDevice {
-    fn drop(&mut self) {
-        // A paused worker must not block the event loop's shutdown.
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
     }
 }

@@ -3,7 +3,6 @@
 //! image in a temporary directory. The event loop is pumped on the test thread.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
@@ -23,6 +22,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use crate::event_loop::Manager;
 use crate::virtio::mmio::MmioTransport;
+use crate::virtio::test_util::{pattern, pump, MmioDriver, TempDir};
 use crate::BusDevice;
 
 const MEM_SIZE: usize = 16 << 20;
@@ -37,41 +37,6 @@ const DATA: u64 = 0x10_0000;
 const INDIRECT: u64 = 0x8000;
 const MIB: u64 = 1 << 20;
 const BS: u64 = disk::DEFAULT_BLOCK_SIZE as u64;
-
-static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let p = std::env::temp_dir().join(format!(
-            "clade-blk-{}-{}",
-            std::process::id(),
-            NEXT_DIR.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// A 4 MiB frozen base (first MiB pattern(1)) and an overlay on it; returns the overlay.
 fn base_and_overlay(dir: &Path) -> PathBuf {
@@ -105,13 +70,19 @@ struct Harness {
 /// A descriptor as the test builds it: guest address, length, device-writable.
 type D = (u64, u32, bool);
 
+impl MmioDriver for Harness {
+    fn transport(&mut self) -> &mut MmioTransport {
+        &mut self.transport
+    }
+}
+
 impl Harness {
     fn new() -> Self {
         Self::with(disk::OpenOptions::default(), None)
     }
 
     fn with(opts: disk::OpenOptions, limit: Option<u64>) -> Self {
-        let dir = TempDir::new();
+        let dir = TempDir::new("clade-blk");
         let top = base_and_overlay(&dir.0);
         let mut d = disk::Disk::open(&top, opts).unwrap();
         d.set_size_limit(limit);
@@ -135,54 +106,13 @@ impl Harness {
         h
     }
 
-    fn read(&mut self, off: u32) -> u32 {
-        let mut b = [0u8; 4];
-        self.transport.read(u64::from(off), &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    fn write(&mut self, off: u32, v: u32) {
-        self.transport.write(u64::from(off), &v.to_le_bytes());
-    }
-
-    fn features(&mut self) -> u64 {
-        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 0);
-        let lo = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
-        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
-        let hi = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
-        (u64::from(hi) << 32) | u64::from(lo)
-    }
-
     /// What Linux's virtio_mmio + virtio_blk do on probe: accept what is offered.
     fn driver_init(&mut self) {
-        self.write(reg::VIRTIO_MMIO_STATUS, 0);
-        self.write(reg::VIRTIO_MMIO_STATUS, 1);
-        self.write(reg::VIRTIO_MMIO_STATUS, 3);
-        let f = self.features();
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, (f >> 32) as u32);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, f as u32);
-        self.write(reg::VIRTIO_MMIO_STATUS, 0xb);
-        assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xb);
+        self.negotiate(u64::MAX);
         self.mem
             .write_slice(&[0u8; 0x3000], GuestAddress(DESC))
             .unwrap();
-        self.write(reg::VIRTIO_MMIO_QUEUE_SEL, 0);
-        assert_eq!(
-            self.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX),
-            u32::from(QUEUE_SIZE)
-        );
-        self.write(reg::VIRTIO_MMIO_QUEUE_NUM, u32::from(Q));
-        for (lo, a) in [
-            (reg::VIRTIO_MMIO_QUEUE_DESC_LOW, DESC),
-            (reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL),
-            (reg::VIRTIO_MMIO_QUEUE_USED_LOW, USED),
-        ] {
-            self.write(lo, a as u32);
-            self.write(lo + 4, 0);
-        }
-        self.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+        self.setup_queue(0, QUEUE_SIZE, Q, (DESC, AVAIL, USED));
         self.write(reg::VIRTIO_MMIO_STATUS, 0xf);
         assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xf, "activation failed");
         self.avail_idx = 0;
@@ -191,11 +121,7 @@ impl Harness {
     }
 
     fn pump(&mut self) {
-        for _ in 0..100 {
-            if self.em.run_with_timeout(0).unwrap() == 0 {
-                break;
-            }
-        }
+        pump(&mut self.em, 100);
     }
 
     /// Publishes a chain (descriptors 0.., linked in order, unless `link` overrides the
@@ -521,7 +447,7 @@ fn writes_to_a_read_only_disk_fail() {
 #[test]
 fn host_disk_full_is_an_io_error_and_the_image_stays_consistent() {
     // Room for exactly two new blocks in the overlay.
-    let dir = TempDir::new();
+    let dir = TempDir::new("clade-blk");
     let top = base_and_overlay(&dir.0);
     let room = std::fs::metadata(&top).unwrap().len() + 2 * BS;
     drop(dir);

@@ -1,27 +1,22 @@
-//! The virtio-blk data path: an event-loop subscriber that takes requests off the queue,
-//! checks them, and does the disk I/O.
+//! The virtio-blk data path: the worker that takes requests off the queue, checks them,
+//! and does the disk I/O (run on the event loop behind the pause gate, see `virtio::worker`).
 
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
 use crate::GuestMemory;
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::EventOps;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
 use vm_memory::{Address, Bytes, GuestAddress};
-use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{
-    Gate, GateState, HDR_BYTES, ID_BYTES, MAX_REQUEST_BYTES, ROUND_BYTES, SECTOR_SIZE, SEG_MAX,
-    SIZE_MAX,
-};
+use super::{HDR_BYTES, ID_BYTES, MAX_REQUEST_BYTES, ROUND_BYTES, SECTOR_SIZE, SEG_MAX, SIZE_MAX};
 use crate::virtio::mmio::LogLimiter;
-use crate::virtio::QueuePosition;
+use crate::virtio::worker::QueueWorker;
 use crate::virtio::{Interrupt, VirtQueue};
 
 /// Size of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
@@ -49,9 +44,6 @@ pub struct BlockWorker {
     queue: Queue,
     evt: EventFd,
     interrupt: Arc<Interrupt>,
-    /// Inactive once the device was reset: from then on the worker touches nothing; paused
-    /// while the VM is saved.
-    gate: Arc<Gate>,
     disk: Arc<Mutex<disk::Disk>>,
     serial: [u8; ID_BYTES],
     buf: Vec<u8>,
@@ -73,7 +65,6 @@ impl BlockWorker {
         mem: GuestMemory,
         queue: VirtQueue,
         interrupt: Arc<Interrupt>,
-        gate: Arc<Gate>,
         disk: Arc<Mutex<disk::Disk>>,
         serial: [u8; ID_BYTES],
     ) -> Self {
@@ -82,20 +73,11 @@ impl BlockWorker {
             queue: queue.queue,
             evt: queue.notify,
             interrupt,
-            gate,
             disk,
             serial,
             buf: Vec::new(),
             log: LogLimiter::new(),
         }
-    }
-
-    /// Publishes where the queue stands (for a save); called after each round of work.
-    fn publish(&self, g: &mut GateState) {
-        g.position = QueuePosition {
-            next_avail: self.queue.next_avail(),
-            next_used: self.queue.next_used(),
-        };
     }
 
     /// Completes the available requests, at most [`ROUND_BYTES`] of data or
@@ -397,36 +379,19 @@ fn check_shape(chain: &Chain<'_>) -> Result<Shape, String> {
     Ok(shape)
 }
 
-impl MutEventSubscriber for BlockWorker {
-    fn init(&mut self, ops: &mut EventOps) {
-        if let Err(e) = ops.add(Events::new(&self.evt, EventSet::IN)) {
-            tracing::error!("virtio-blk: registering the queue eventfd: {e}");
-        }
-        // Requests that arrived before we were registered (unless reset in the meantime).
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        self.process_queue();
-        self.publish(&mut g);
+impl QueueWorker for BlockWorker {
+    const NAME: &'static str = "virtio-blk";
+    type Progress = ();
+
+    fn queues(&self) -> &[Queue] {
+        std::slice::from_ref(&self.queue)
     }
 
-    fn process(&mut self, events: Events, ops: &mut EventOps) {
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        if events.fd() != self.evt.as_raw_fd() {
-            tracing::warn!(
-                "virtio-blk: event for unknown fd {}, unregistered",
-                events.fd()
-            );
-            let _ = ops.remove(Events::empty_raw(events.fd()));
-            return;
-        }
-        // Clear the notification; the queue itself says what is new.
-        let _ = self.evt.read();
+    fn notifiers(&self) -> &[EventFd] {
+        std::slice::from_ref(&self.evt)
+    }
+
+    fn run(&mut self, _ops: &mut EventOps) {
         self.process_queue();
-        self.publish(&mut g);
     }
 }

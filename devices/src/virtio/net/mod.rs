@@ -67,7 +67,7 @@ mod tests;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_net::{
@@ -78,8 +78,9 @@ use virtio_bindings::virtio_net::{
     VIRTIO_NET_HDR_GSO_TCPV6, VIRTIO_NET_HDR_GSO_UDP, VIRTIO_NET_S_LINK_UP,
 };
 
+use super::worker::{take_queues, DeviceWorker, QueueWorker};
 use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
-use crate::event_loop::{self, LoopHandle};
+use crate::event_loop::LoopHandle;
 use crate::{Error, GuestMemory, Result};
 
 pub use worker::NetWorker;
@@ -342,21 +343,6 @@ impl NetStats {
     }
 }
 
-/// What the net worker publishes after each round.
-#[derive(Debug, Default)]
-pub(crate) struct NetProgress {
-    /// Queue positions, receive then transmit.
-    pub positions: [QueuePosition; 2],
-}
-
-pub(crate) type Gate = super::gate::Gate<NetProgress>;
-pub(crate) type GateState = super::gate::GateState<NetProgress>;
-
-struct Activation {
-    gate: Arc<Gate>,
-    id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
-}
-
 /// The virtio-net device model: features, configuration space and activation. The data
 /// path is [`NetWorker`] on the device event loop.
 pub struct NetDevice {
@@ -366,8 +352,7 @@ pub struct NetDevice {
     mac: [u8; 6],
     features: u64,
     stats: Arc<NetStats>,
-    event_loop: LoopHandle,
-    active: Option<Activation>,
+    worker: DeviceWorker<NetWorker>,
 }
 
 impl NetDevice {
@@ -387,8 +372,7 @@ impl NetDevice {
             mac,
             features,
             stats: Arc::new(NetStats::default()),
-            event_loop,
-            active: None,
+            worker: DeviceWorker::new(event_loop),
         })
     }
 
@@ -497,69 +481,41 @@ impl VirtioDevice for NetDevice {
         interrupt: Arc<Interrupt>,
         features: u64,
     ) -> Result<()> {
-        if self.active.is_some() {
-            return Err(Error::Virtio(
-                "virtio-net activated twice without a reset".into(),
-            ));
-        }
         check_feature_dependencies(features)
             .map_err(|e| Error::Virtio(format!("virtio-net: {e}")))?;
-        let [rx, tx]: [VirtQueue; 2] = queues.try_into().map_err(|q: Vec<_>| {
-            Error::Virtio(format!("virtio-net needs 2 queues, got {}", q.len()))
-        })?;
-        for (q, name) in [(&rx, "receive"), (&tx, "transmit")] {
-            if !virtio_queue::QueueT::ready(&q.queue) {
-                return Err(Error::Virtio(format!(
-                    "virtio-net {name} queue was not set up"
-                )));
-            }
-        }
-        let gate = Arc::new(Gate::new_active());
+        let queues = take_queues(
+            NetWorker::NAME,
+            queues,
+            &[(RX_QUEUE, "receive"), (TX_QUEUE, "transmit")],
+        )?;
         let worker = NetWorker::new(
             mem,
-            [rx, tx],
+            queues,
             interrupt,
-            Arc::clone(&gate),
             Arc::clone(&self.backend),
             features,
             Arc::clone(&self.stats),
         )
         .with_log(self.log.clone());
-        let id = Arc::new(Mutex::new(None));
-        event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
-        self.active = Some(Activation { gate, id });
+        self.worker.start(worker)?;
         tracing::debug!("virtio-net: active (features {features:#x})");
         Ok(())
     }
 
     fn reset(&mut self) {
-        let Some(act) = self.active.take() else {
-            return;
-        };
-        // Waits for the worker to finish its round; afterwards it touches nothing.
-        act.gate.deactivate();
-        if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
-            tracing::error!("virtio-net reset: {e}");
-        }
+        self.worker.stop();
     }
 
     fn pause(&mut self) {
-        if let Some(act) = &self.active {
-            act.gate.set_paused(true);
-        }
+        self.worker.pause();
     }
 
     fn unpause(&mut self) {
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
+        self.worker.unpause();
     }
 
     fn queue_positions(&self) -> Vec<QueuePosition> {
-        match &self.active {
-            Some(act) => act.gate.lock().positions.to_vec(),
-            None => Vec::new(),
-        }
+        self.worker.queue_positions()
     }
 
     fn save_state(&self) -> Option<VirtioDeviceState> {
@@ -567,14 +523,5 @@ impl VirtioDevice for NetDevice {
             mac: self.mac,
             features: self.features,
         }))
-    }
-}
-
-impl Drop for NetDevice {
-    fn drop(&mut self) {
-        // A paused worker must not block the event loop's shutdown.
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
     }
 }

@@ -20,6 +20,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use crate::event_loop::Manager;
 use crate::virtio::mmio::MmioTransport;
+use crate::virtio::test_util::{pattern, pump, MmioDriver};
 use crate::virtio::VIRTIO_F_VERSION_1;
 use crate::BusDevice;
 
@@ -89,18 +90,6 @@ fn socket_backend(caps: u32) -> (Arc<SocketBackend>, UnixDatagram) {
     )
 }
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// A frame as the backend carries it: vnet header, then `data`.
 fn frame(hdr: VnetHeader, data: &[u8]) -> Vec<u8> {
     let mut f = hdr.to_bytes().to_vec();
@@ -122,6 +111,12 @@ struct Harness {
     next_desc: [u16; 2],
     avail_idx: [u16; 2],
     used_seen: [u16; 2],
+}
+
+impl MmioDriver for Harness {
+    fn transport(&mut self) -> &mut MmioTransport {
+        &mut self.transport
+    }
 }
 
 impl Harness {
@@ -158,56 +153,15 @@ impl Harness {
         h
     }
 
-    fn read(&mut self, off: u32) -> u32 {
-        let mut b = [0u8; 4];
-        self.transport.read(u64::from(off), &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    fn write(&mut self, off: u32, v: u32) {
-        self.transport.write(u64::from(off), &v.to_le_bytes());
-    }
-
-    fn features(&mut self) -> u64 {
-        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 0);
-        let lo = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
-        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
-        let hi = self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES);
-        (u64::from(hi) << 32) | u64::from(lo)
-    }
-
     /// What Linux's virtio_mmio + virtio_net do on probe; accepts the offered features in
     /// `accept`. Returns the status read back.
     fn driver_init(&mut self, accept: u64) -> u32 {
-        self.write(reg::VIRTIO_MMIO_STATUS, 0);
-        self.write(reg::VIRTIO_MMIO_STATUS, 1);
-        self.write(reg::VIRTIO_MMIO_STATUS, 3);
-        let f = self.features() & accept;
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, (f >> 32) as u32);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, f as u32);
-        self.write(reg::VIRTIO_MMIO_STATUS, 0xb);
-        assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xb);
+        self.negotiate(accept);
         self.mem
             .write_slice(&[0u8; 0x6000], GuestAddress(0x1000))
             .unwrap();
-        for (q, &(desc, avail, used)) in RINGS.iter().enumerate() {
-            self.write(reg::VIRTIO_MMIO_QUEUE_SEL, q as u32);
-            assert_eq!(
-                self.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX),
-                u32::from(QUEUE_SIZE)
-            );
-            self.write(reg::VIRTIO_MMIO_QUEUE_NUM, u32::from(Q));
-            for (lo, a) in [
-                (reg::VIRTIO_MMIO_QUEUE_DESC_LOW, desc),
-                (reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW, avail),
-                (reg::VIRTIO_MMIO_QUEUE_USED_LOW, used),
-            ] {
-                self.write(lo, a as u32);
-                self.write(lo + 4, 0);
-            }
-            self.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+        for (q, &rings) in RINGS.iter().enumerate() {
+            self.setup_queue(q as u32, QUEUE_SIZE, Q, rings);
         }
         self.write(reg::VIRTIO_MMIO_STATUS, 0xf);
         self.next_desc = [0; 2];
@@ -218,11 +172,7 @@ impl Harness {
     }
 
     fn pump(&mut self) {
-        for _ in 0..100 {
-            if self.em.run_with_timeout(0).unwrap() == 0 {
-                break;
-            }
-        }
+        pump(&mut self.em, 100);
     }
 
     /// Publishes a chain of `descs` on queue `q` (without notifying); returns its head.

@@ -1,22 +1,22 @@
-//! The virtio-net data path: an event-loop subscriber that moves frames between the
-//! backend and the guest's receive and transmit queues.
+//! The virtio-net data path: the worker that moves frames between the backend and the
+//! guest's receive and transmit queues (run on the event loop, see `virtio::worker`).
 
 use std::io::{ErrorKind, Write};
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader, Writer};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{
-    offloads_for, Gate, GateState, NetBackend, NetStats, VnetHeader, MAX_FRAME_LEN, QUEUE_SIZE,
-    ROUND_FRAMES, RX_QUEUE, TX_QUEUE, VNET_HDR_LEN,
+    offloads_for, NetBackend, NetStats, VnetHeader, MAX_FRAME_LEN, QUEUE_SIZE, ROUND_FRAMES,
+    RX_QUEUE, TX_QUEUE, VNET_HDR_LEN,
 };
 use crate::virtio::mmio::LogLimiter;
-use crate::virtio::{Interrupt, QueuePosition, VirtQueue};
+use crate::virtio::worker::{unregister_unknown, QueueWorker};
+use crate::virtio::{Interrupt, VirtQueue};
 use crate::GuestMemory;
 
 macro_rules! guest_warn {
@@ -51,9 +51,6 @@ pub struct NetWorker {
     queues: [Queue; 2],
     evts: [EventFd; 2],
     interrupt: Arc<Interrupt>,
-    /// Inactive once the device was reset: from then on the worker touches nothing; paused
-    /// while the VM is saved.
-    gate: Arc<Gate>,
     backend: Arc<dyn NetBackend>,
     features: u64,
     /// A frame read from the backend, waiting for receive buffers.
@@ -80,7 +77,6 @@ impl NetWorker {
         mem: GuestMemory,
         queues: [VirtQueue; 2],
         interrupt: Arc<Interrupt>,
-        gate: Arc<Gate>,
         backend: Arc<dyn NetBackend>,
         features: u64,
         stats: Arc<NetStats>,
@@ -91,7 +87,6 @@ impl NetWorker {
             queues: [rx.queue, tx.queue],
             evts: [rx.notify, tx.notify],
             interrupt,
-            gate,
             backend,
             features,
             rx_frame: vec![0; MAX_FRAME_LEN],
@@ -106,16 +101,6 @@ impl NetWorker {
 
     fn mergeable(&self) -> bool {
         self.features & (1u64 << VIRTIO_NET_F_MRG_RXBUF) != 0
-    }
-
-    /// Publishes where the queues stand (for a save).
-    fn publish(&self, g: &mut GateState) {
-        for (p, q) in g.positions.iter_mut().zip(&self.queues) {
-            *p = QueuePosition {
-                next_avail: q.next_avail(),
-                next_used: q.next_used(),
-            };
-        }
     }
 
     fn set_backend_polled(&mut self, on: bool, ops: &mut EventOps) {
@@ -331,23 +316,6 @@ impl NetWorker {
         }
         Delivery::Dropped { used: true }
     }
-
-    /// Both directions until neither moves, then one interrupt if buffers were used.
-    fn run(&mut self, ops: &mut EventOps) {
-        let tx = self.process_tx();
-        let rx = self.process_rx(ops);
-        let mem = &self.mem;
-        let mut notify = false;
-        for (q, used) in [(RX_QUEUE, rx), (TX_QUEUE, tx)] {
-            if used {
-                // Without EVENT_IDX this is always true; an unreadable ring: notify anyway.
-                notify |= self.queues[q].needs_notification(mem).unwrap_or(true);
-            }
-        }
-        if notify {
-            self.interrupt.signal_used_queue();
-        }
-    }
 }
 
 /// A transmit chain's shape: device-readable descriptors only, at most
@@ -409,44 +377,54 @@ fn walk(chain: &Chain<'_>, writable: bool) -> Result<(u32, u64, bool), String> {
     Ok((count, bytes, last_has_next))
 }
 
-impl MutEventSubscriber for NetWorker {
-    fn init(&mut self, ops: &mut EventOps) {
-        for (q, what) in [(RX_QUEUE, "receive"), (TX_QUEUE, "transmit")] {
-            if let Err(e) = ops.add(Events::new(&self.evts[q], EventSet::IN)) {
-                tracing::error!("virtio-net: registering the {what} queue eventfd: {e}");
-            }
-        }
+impl QueueWorker for NetWorker {
+    const NAME: &'static str = "virtio-net";
+    type Progress = ();
+
+    fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
+    fn notifiers(&self) -> &[EventFd] {
+        &self.evts
+    }
+
+    fn init(&mut self, _ops: &mut EventOps) {
         // On the event loop thread (not the vCPU that activated the device): the offloads
         // the guest accepted.
         let offloads = offloads_for(self.features) & self.backend.offload_capability();
         if let Err(e) = self.backend.set_offloads(offloads) {
             tracing::error!("virtio-net: setting the backend's offloads {offloads:#x}: {e}");
         }
-        // Work that arrived before we were registered (unless reset in the meantime).
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        self.set_backend_polled(true, ops);
-        self.run(ops);
-        self.publish(&mut g);
     }
 
-    fn process(&mut self, events: Events, ops: &mut EventOps) {
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        let fd = events.fd();
-        if let Some(q) = self.evts.iter().position(|e| e.as_raw_fd() == fd) {
-            // Clear the notification; the queue itself says what is new.
-            let _ = self.evts[q].read();
-        } else if fd != self.backend.raw_fd() {
-            tracing::warn!("virtio-net: event for unknown fd {fd}, unregistered");
-            let _ = ops.remove(Events::empty_raw(fd));
-            return;
-        }
+    fn first_round(&mut self, ops: &mut EventOps) {
+        self.set_backend_polled(true, ops);
         self.run(ops);
-        self.publish(&mut g);
+    }
+
+    fn on_event(&mut self, events: Events, ops: &mut EventOps) -> bool {
+        if events.fd() == self.backend.raw_fd() {
+            return true;
+        }
+        unregister_unknown(Self::NAME, events.fd(), ops);
+        false
+    }
+
+    /// Both directions until neither moves, then one interrupt if buffers were used.
+    fn run(&mut self, ops: &mut EventOps) {
+        let tx = self.process_tx();
+        let rx = self.process_rx(ops);
+        let mem = &self.mem;
+        let mut notify = false;
+        for (q, used) in [(RX_QUEUE, rx), (TX_QUEUE, tx)] {
+            if used {
+                // Without EVENT_IDX this is always true; an unreadable ring: notify anyway.
+                notify |= self.queues[q].needs_notification(mem).unwrap_or(true);
+            }
+        }
+        if notify {
+            self.interrupt.signal_used_queue();
+        }
     }
 }

@@ -35,8 +35,9 @@ use crate::GuestMemory;
 use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 
+use super::worker::{take_queues, DeviceWorker, QueueWorker};
 use super::{Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState};
-use crate::event_loop::{self, LoopHandle};
+use crate::event_loop::LoopHandle;
 use crate::{Error, Result};
 
 pub use worker::VsockWorker;
@@ -286,21 +287,11 @@ pub struct VsockState {
     pub connections: u32,
 }
 
-/// What the vsock worker publishes after each round.
+/// What the vsock worker publishes after each round besides its queue positions.
 #[derive(Debug, Default)]
 pub(crate) struct VsockProgress {
-    /// Queue positions after the worker's last round.
-    pub positions: [QueuePosition; 3],
     /// Open connections after the worker's last round.
     pub connections: usize,
-}
-
-pub(crate) type Gate = super::gate::Gate<VsockProgress>;
-pub(crate) type GateState = super::gate::GateState<VsockProgress>;
-
-struct Activation {
-    gate: Arc<Gate>,
-    id: Arc<Mutex<Option<event_manager::SubscriberId>>>,
 }
 
 /// Where a restored device finds its listening socket once the VMM has bound it (see
@@ -318,8 +309,7 @@ pub struct VsockDevice {
     guest_cid: u64,
     listener: Listener,
     uds_path: PathBuf,
-    event_loop: LoopHandle,
-    active: Option<Activation>,
+    worker: DeviceWorker<VsockWorker>,
     /// Restored from a snapshot that had connections: tell the guest they are gone.
     reset_on_activate: bool,
     /// Guest-triggered warnings, across activations.
@@ -356,8 +346,7 @@ impl VsockDevice {
             guest_cid,
             listener,
             uds_path: uds_path.to_path_buf(),
-            event_loop,
-            active: None,
+            worker: DeviceWorker::new(event_loop),
             reset_on_activate: false,
             log: crate::virtio::mmio::LogLimiter::new(),
         })
@@ -452,35 +441,23 @@ impl VirtioDevice for VsockDevice {
         interrupt: Arc<Interrupt>,
         _features: u64,
     ) -> Result<()> {
-        if self.active.is_some() {
-            return Err(Error::Virtio(
-                "vsock activated twice without a reset".into(),
-            ));
-        }
-        let queues: [VirtQueue; 3] = queues
-            .try_into()
-            .map_err(|q: Vec<_>| Error::Virtio(format!("vsock needs 3 queues, got {}", q.len())))?;
-        for i in [RX_QUEUE, TX_QUEUE] {
-            if !virtio_queue::QueueT::ready(&queues[i].queue) {
-                return Err(Error::Virtio(format!("vsock queue {i} was not set up")));
-            }
-        }
+        let queues = take_queues(
+            VsockWorker::NAME,
+            queues,
+            &[(RX_QUEUE, "rx"), (TX_QUEUE, "tx")],
+        )?;
         let listener = self.listener()?.try_clone()?;
-        let gate = Arc::new(Gate::new_active());
         let worker = VsockWorker::new(
             mem,
             queues,
             interrupt,
-            Arc::clone(&gate),
             self.guest_cid,
             self.uds_path.clone(),
             listener,
         )?
         .with_transport_reset(std::mem::take(&mut self.reset_on_activate))
         .with_log(self.log.clone());
-        let id = Arc::new(Mutex::new(None));
-        event_loop::add_subscriber(&self.event_loop, Box::new(worker), Arc::clone(&id))?;
-        self.active = Some(Activation { gate, id });
+        self.worker.start(worker)?;
         tracing::info!(
             "vsock: guest CID {} active, host socket {}",
             self.guest_cid,
@@ -490,53 +467,26 @@ impl VirtioDevice for VsockDevice {
     }
 
     fn reset(&mut self) {
-        let Some(act) = self.active.take() else {
-            return;
-        };
-        // Waits for the worker to finish what it is doing; afterwards it touches nothing.
-        act.gate.deactivate();
-        if let Err(e) = event_loop::remove_subscriber(&self.event_loop, act.id) {
-            tracing::error!("vsock reset: {e}");
-        }
+        self.worker.stop();
     }
 
     fn pause(&mut self) {
-        if let Some(act) = &self.active {
-            // Taking the lock waits for a round of work in progress to end.
-            act.gate.set_paused(true);
-        }
+        self.worker.pause();
     }
 
     fn unpause(&mut self) {
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
+        self.worker.unpause();
     }
 
     fn queue_positions(&self) -> Vec<QueuePosition> {
-        match &self.active {
-            Some(act) => act.gate.lock().positions.to_vec(),
-            None => Vec::new(),
-        }
+        self.worker.queue_positions()
     }
 
     fn save_state(&self) -> Option<VirtioDeviceState> {
-        let connections = self
-            .active
-            .as_ref()
-            .map_or(0, |a| a.gate.lock().connections);
+        let connections = self.worker.progress(|p| p.connections).unwrap_or(0);
         Some(VirtioDeviceState::Vsock(VsockState {
             guest_cid: self.guest_cid,
             connections: u32::try_from(connections).unwrap_or(u32::MAX),
         }))
-    }
-}
-
-impl Drop for VsockDevice {
-    fn drop(&mut self) {
-        // A paused worker must not block the event loop's shutdown.
-        if let Some(act) = &self.active {
-            act.gate.set_paused(false);
-        }
     }
 }

@@ -7,7 +7,6 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use virtio_bindings::virtio_mmio as reg;
@@ -21,6 +20,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use crate::event_loop::Manager;
 use crate::virtio::mmio::MmioTransport;
+use crate::virtio::test_util::{pump, MmioDriver, TempDir};
 use crate::BusDevice;
 
 const MEM_SIZE: usize = 64 << 20;
@@ -33,31 +33,8 @@ const RX_DATA: u32 = 4096;
 const BUF_STRIDE: u64 = 0x11000;
 const WAIT: Duration = Duration::from_secs(10);
 
-static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
-
 fn test_mem() -> GuestMemory {
     GuestMemory::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap()
-}
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let p = std::env::temp_dir().join(format!(
-            "clade-vsock-{}-{}",
-            std::process::id(),
-            NEXT_DIR.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// One queue as the guest driver sees it. Descriptors are written with virtio-queue's mock
@@ -193,13 +170,19 @@ struct Harness<'a> {
     inbox: Vec<Pkt>,
 }
 
+impl MmioDriver for Harness<'_> {
+    fn transport(&mut self) -> &mut MmioTransport {
+        &mut self.transport
+    }
+}
+
 impl<'a> Harness<'a> {
     fn new(mem: &'a GuestMemory) -> Self {
         Self::with_rx_buffers(mem, 64)
     }
 
     fn with_rx_buffers(mem: &'a GuestMemory, rx_target: usize) -> Self {
-        let dir = TempDir::new();
+        let dir = TempDir::new("clade-vsock");
         let path = dir.0.join("v.sock");
         let em = Manager::new().unwrap();
         let (dev, socket) = device(&path, &em);
@@ -227,46 +210,16 @@ impl<'a> Harness<'a> {
         h
     }
 
-    fn read(&mut self, off: u32) -> u32 {
-        let mut b = [0u8; 4];
-        self.transport.read(u64::from(off), &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    fn write(&mut self, off: u32, v: u32) {
-        self.transport.write(u64::from(off), &v.to_le_bytes());
-    }
-
     /// What Linux's virtio_mmio + virtio_vsock do on probe.
     fn driver_init(&mut self) {
-        self.write(reg::VIRTIO_MMIO_STATUS, 0);
-        self.write(reg::VIRTIO_MMIO_STATUS, 1);
-        self.write(reg::VIRTIO_MMIO_STATUS, 3);
-        self.write(reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
-        assert_eq!(self.read(reg::VIRTIO_MMIO_DEVICE_FEATURES), 1);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 1);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
-        self.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 0);
-        self.write(reg::VIRTIO_MMIO_STATUS, 0xb);
-        assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xb);
-        let addrs: Vec<(u64, u64, u64)> = [&self.rx, &self.tx, &self.ev]
+        // Only VIRTIO_F_VERSION_1 is offered.
+        assert_eq!(self.negotiate(u64::MAX) >> 32, 1);
+        let rings: Vec<(u64, u64, u64)> = [&self.rx, &self.tx, &self.ev]
             .iter()
             .map(|q| (q.desc, q.avail, q.used))
             .collect();
-        for (i, (d, a, u)) in addrs.into_iter().enumerate() {
-            self.write(reg::VIRTIO_MMIO_QUEUE_SEL, i as u32);
-            assert_eq!(self.read(reg::VIRTIO_MMIO_QUEUE_READY), 0);
-            assert_eq!(self.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX), u32::from(QSIZE));
-            self.write(reg::VIRTIO_MMIO_QUEUE_NUM, u32::from(QSIZE));
-            self.write(reg::VIRTIO_MMIO_QUEUE_DESC_LOW, d as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_DESC_HIGH, (d >> 32) as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW, a as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_AVAIL_HIGH, (a >> 32) as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_USED_LOW, u as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_USED_HIGH, (u >> 32) as u32);
-            self.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
-            assert_eq!(self.read(reg::VIRTIO_MMIO_QUEUE_READY), 1);
+        for (i, r) in rings.into_iter().enumerate() {
+            self.setup_queue(i as u32, QSIZE, QSIZE, r);
         }
         self.write(reg::VIRTIO_MMIO_STATUS, 0xf);
         assert_eq!(self.read(reg::VIRTIO_MMIO_STATUS), 0xf, "activation failed");
@@ -279,11 +232,7 @@ impl<'a> Harness<'a> {
 
     /// Runs the event loop until it has nothing more to do right now.
     fn pump(&mut self) {
-        for _ in 0..1000 {
-            if self.em.run_with_timeout(0).unwrap() == 0 {
-                break;
-            }
-        }
+        pump(&mut self.em, 1000);
         self.collect();
     }
 
@@ -1128,7 +1077,7 @@ fn device_reset_closes_connections_and_the_device_can_start_again() {
 #[test]
 fn many_host_connections_before_the_guest_driver_is_up_wait_for_it() {
     let mem = test_mem();
-    let dir = TempDir::new();
+    let dir = TempDir::new("clade-vsock");
     let path = dir.0.join("v.sock");
     let mut em = Manager::new().unwrap();
     let (dev, socket) = device(&path, &em);
@@ -1166,7 +1115,7 @@ fn many_host_connections_before_the_guest_driver_is_up_wait_for_it() {
 
 #[test]
 fn a_socket_in_use_is_refused_and_a_stale_one_replaced() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("clade-vsock");
     let path = dir.0.join("v.sock");
     let live = SocketFile::bind(&path).unwrap();
     let err = SocketFile::bind(&path).expect_err("second bind of a live socket");
@@ -1199,7 +1148,7 @@ fn a_socket_in_use_is_refused_and_a_stale_one_replaced() {
 #[test]
 fn the_socket_is_created_with_mode_0600_whatever_the_umask() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = TempDir::new();
+    let dir = TempDir::new("clade-vsock");
     let path = dir.0.join("v.sock");
     // SAFETY: umask(2) only swaps the process's file-creation mask.
     let old = unsafe { libc::umask(0) };
@@ -1218,7 +1167,7 @@ fn the_socket_is_created_with_mode_0600_whatever_the_umask() {
 
 #[test]
 fn reserved_cids_are_refused() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("clade-vsock");
     let em = Manager::new().unwrap();
     let path = dir.0.join("v.sock");
     for cid in [0, 1, 2, u64::from(u32::MAX), 1 << 40] {

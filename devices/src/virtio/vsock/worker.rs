@@ -1,5 +1,5 @@
-//! The vsock data path: an event-loop subscriber that moves packets between the virtqueues
-//! and the host Unix sockets.
+//! The vsock data path: the worker that moves packets between the virtqueues and the host
+//! Unix sockets (run on the event loop behind the pause gate, see `virtio::worker`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read};
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::GuestMemory;
-use event_manager::{EventOps, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::VsockPacket;
 use vm_memory::Bytes;
@@ -20,13 +20,14 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use super::connection::{ConnKey, Connection};
 use super::{
-    connect_host_port, Gate, GateState, Hdr, CONNECT_TIMEOUT, EVENT_QUEUE, EVENT_TRANSPORT_RESET,
-    HDR_SIZE, HOST_CID, LOCAL_PORT_BASE, MAX_CONNECTIONS, MAX_PENDING_ACCEPTS, MAX_PKT_DATA,
+    connect_host_port, Hdr, CONNECT_TIMEOUT, EVENT_QUEUE, EVENT_TRANSPORT_RESET, HDR_SIZE,
+    HOST_CID, LOCAL_PORT_BASE, MAX_CONNECTIONS, MAX_PENDING_ACCEPTS, MAX_PKT_DATA,
     OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN,
     RX_QUEUE, TX_QUEUE, TYPE_STREAM,
 };
 use crate::virtio::mmio::LogLimiter;
-use crate::virtio::{Interrupt, QueuePosition, VirtQueue};
+use crate::virtio::worker::{unregister_unknown, QueueWorker};
+use crate::virtio::{Interrupt, VirtQueue};
 use crate::{Error, Result};
 
 /// Longest `CONNECT <port>\n` line accepted.
@@ -77,9 +78,6 @@ pub struct VsockWorker {
     queues: [Queue; 3],
     evts: [EventFd; 3],
     interrupt: Arc<Interrupt>,
-    /// Closed once the device was reset (from then on the worker touches nothing), and
-    /// while a snapshot is taken.
-    gate: Arc<Gate>,
     /// Tell the guest all connections were lost, first thing (restored from a snapshot).
     reset_transport: bool,
     guest_cid: u64,
@@ -112,7 +110,6 @@ impl VsockWorker {
         mem: GuestMemory,
         queues: [VirtQueue; 3],
         interrupt: Arc<Interrupt>,
-        gate: Arc<Gate>,
         guest_cid: u64,
         uds_path: PathBuf,
         listener: UnixListener,
@@ -123,7 +120,6 @@ impl VsockWorker {
             queues: [rx.queue, tx.queue, ev.queue],
             evts: [rx.notify, tx.notify, ev.notify],
             interrupt,
-            gate,
             reset_transport: false,
             guest_cid,
             uds_path,
@@ -147,17 +143,6 @@ impl VsockWorker {
     pub(crate) fn with_transport_reset(mut self, reset: bool) -> Self {
         self.reset_transport = reset;
         self
-    }
-
-    /// Publishes what a snapshot needs; called at the end of each round of work.
-    fn publish(&self, g: &mut GateState) {
-        for (p, q) in g.positions.iter_mut().zip(&self.queues) {
-            *p = QueuePosition {
-                next_avail: q.next_avail(),
-                next_used: q.next_used(),
-            };
-        }
-        g.connections = self.conns.len();
     }
 
     /// Puts a `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` in the event queue: the guest drops all
@@ -691,10 +676,66 @@ impl VsockWorker {
             }
         }
     }
+}
+
+impl QueueWorker for VsockWorker {
+    const NAME: &'static str = "vsock";
+    type Progress = super::VsockProgress;
+
+    fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
+    fn notifiers(&self) -> &[EventFd] {
+        &self.evts
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        for (fd, what) in [
+            (self.listener.as_raw_fd(), "listening socket"),
+            (self.timer.as_raw_fd(), "timer"),
+        ] {
+            if let Err(e) = ops.add(Events::new_raw(fd, EventSet::IN)) {
+                tracing::error!("vsock: registering the {what}: {e}");
+            }
+        }
+    }
+
+    fn first_round(&mut self, ops: &mut EventOps) {
+        if std::mem::take(&mut self.reset_transport) {
+            self.send_transport_reset();
+        }
+        self.run(ops);
+    }
+
+    fn notified(&mut self, q: usize) -> bool {
+        // The event queue only returns buffers the device never uses.
+        q != EVENT_QUEUE
+    }
+
+    fn on_event(&mut self, events: Events, ops: &mut EventOps) -> bool {
+        let fd = events.fd();
+        if fd == self.listener.as_raw_fd() {
+            self.accept_host_connections(ops);
+        } else if fd == self.timer.as_raw_fd() {
+            self.on_timer(ops);
+        } else {
+            match self.fds.get(&fd).copied() {
+                Some(Token::Conn(key)) => self.on_conn_event(key, events.event_set(), ops),
+                Some(Token::Pending) => self.on_pending_readable(fd, ops),
+                None => unregister_unknown(Self::NAME, fd, ops),
+            }
+        }
+        true
+    }
+
+    fn publish(&self, progress: &mut super::VsockProgress) {
+        progress.connections = self.conns.len();
+    }
 
     /// Moves packets until neither queue makes progress, then updates epoll registrations
     /// and interrupts the guest if buffers were used.
-    fn run_queues(&mut self, ops: &mut EventOps) {
+    fn run(&mut self, ops: &mut EventOps) {
         let mut rx_used = false;
         let mut tx_used = false;
         for _ in 0..MAX_ROUNDS {
@@ -719,64 +760,5 @@ impl VsockWorker {
         if notify {
             self.interrupt.signal_used_queue();
         }
-    }
-}
-
-impl MutEventSubscriber for VsockWorker {
-    fn init(&mut self, ops: &mut EventOps) {
-        let mut fds: Vec<(RawFd, &'static str)> = self
-            .evts
-            .iter()
-            .map(|e| (e.as_raw_fd(), "queue eventfd"))
-            .collect();
-        fds.push((self.listener.as_raw_fd(), "listening socket"));
-        fds.push((self.timer.as_raw_fd(), "timer"));
-        for (fd, what) in fds {
-            if let Err(e) = ops.add(Events::new_raw(fd, EventSet::IN)) {
-                tracing::error!("vsock: registering the {what}: {e}");
-            }
-        }
-        // Work that arrived before we were registered (unless reset in the meantime).
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        if std::mem::take(&mut self.reset_transport) {
-            self.send_transport_reset();
-        }
-        self.run_queues(ops);
-        self.publish(&mut g);
-    }
-
-    fn process(&mut self, events: Events, ops: &mut EventOps) {
-        let gate = Arc::clone(&self.gate);
-        let Some(mut g) = gate.enter() else {
-            return;
-        };
-        let fd = events.fd();
-        let set = events.event_set();
-        if let Some(q) = self.evts.iter().position(|e| e.as_raw_fd() == fd) {
-            // Clear the notification; the queue itself says what is new.
-            let _ = self.evts[q].read();
-            if q == EVENT_QUEUE {
-                self.publish(&mut g);
-                return;
-            }
-        } else if fd == self.listener.as_raw_fd() {
-            self.accept_host_connections(ops);
-        } else if fd == self.timer.as_raw_fd() {
-            self.on_timer(ops);
-        } else {
-            match self.fds.get(&fd).copied() {
-                Some(Token::Conn(key)) => self.on_conn_event(key, set, ops),
-                Some(Token::Pending) => self.on_pending_readable(fd, ops),
-                None => {
-                    tracing::warn!("vsock: event for unknown fd {fd}, unregistered");
-                    let _ = ops.remove(Events::empty_raw(fd));
-                }
-            }
-        }
-        self.run_queues(ops);
-        self.publish(&mut g);
     }
 }
