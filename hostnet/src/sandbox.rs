@@ -233,3 +233,25 @@ fn build(range: &NetRange, index: u32, opts: &Options) -> Result<()> {
     nft::apply(Some(&sandbox_ns), &doc)?;
     Ok(())
 }
+
+impl SandboxNet {
+    /// Takes over sandbox `index`'s network made earlier (by a previous run of the same
+    /// service, found again after a restart): its namespace must be pinned. Dropping or
+    /// destroying the handle then removes it like one this process made.
+    pub fn adopt(range: &NetRange, index: u32) -> Result<SandboxNet> {
+        range.checked(index)?;
+        let netns_path = range.netns_path(index);
+        if !netns_path.exists() {
+            return Err(crate::Error::Config(format!(
+                "no network {index} to take over: {} does not exist",
+                netns_path.display()
+            )));
+        }
+        Ok(SandboxNet {
+            range: range.clone(),
+            index,
+            netns_path,
+            live: true,
+        })
+    }
+}

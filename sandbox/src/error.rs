@@ -64,6 +64,9 @@ pub enum Error {
     /// Stored data that does not parse (metadata JSON, template file).
     #[error("stored data: {0}")]
     Corrupt(String),
+    /// A sandbox network could not be made, changed or removed (or networking is off).
+    #[error("network: {0}")]
+    Network(String),
 }
 
 impl Error {

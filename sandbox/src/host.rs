@@ -30,9 +30,12 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::ids;
+use crate::net::Networks;
 use crate::registry::{Query, Record, Registry, SnapshotQuery, SnapshotRecord, State};
 use crate::template::{self, Template, TemplateStore, SNAPSHOT_DIR};
 use crate::vmproc::{StartSpec, VmDriver};
+
+pub use hostnet::EgressPolicy;
 
 mod logs;
 mod usage;
@@ -77,6 +80,8 @@ pub struct CreateRequest {
     pub metadata: BTreeMap<String, String>,
     /// Environment variables for its processes.
     pub env_vars: BTreeMap<String, String>,
+    /// Its egress policy (for a template with a network).
+    pub egress: EgressPolicy,
 }
 
 /// Resource use of a running sandbox's VM process (sources: [`usage`]).
@@ -131,6 +136,9 @@ pub struct Host {
     cpu_samples: Mutex<HashMap<i32, usage::CpuSample>>,
     /// The registry's write counter ([`Registry::changes`]), read without its lock.
     changes: Arc<std::sync::atomic::AtomicU64>,
+    /// Sandbox networks, or why there are none (sandboxes of a template with a network
+    /// device then cannot start).
+    networks: std::result::Result<Arc<Networks>, String>,
 }
 
 impl Host {
@@ -149,7 +157,38 @@ impl Host {
             locks: Mutex::new(HashMap::new()),
             snapshot_lock: Mutex::new(()),
             cpu_samples: Mutex::new(HashMap::new()),
+            networks: Err("networking is off (clade serve --no-net, or a library user)".into()),
         })
+    }
+
+    /// Gives the host its sandbox networks (`Ok`), or says why it has none (`Err`: set-up
+    /// failed, or turned off). Before [`Host::recover`].
+    pub fn set_networks(&mut self, n: std::result::Result<Arc<Networks>, String>) {
+        self.networks = n;
+    }
+
+    fn networks(&self) -> Result<&Arc<Networks>> {
+        self.networks.as_ref().map_err(|why| {
+            Error::Network(format!(
+                "this template's VM has a network device, but the host has no sandbox \
+                 networking: {why}"
+            ))
+        })
+    }
+
+    /// A network for a new VM of `template` (none for a template without a network device).
+    fn acquire_net(&self, template: &Template, policy: &EgressPolicy) -> Result<Option<u32>> {
+        if !template.net {
+            return Ok(None);
+        }
+        self.networks()?.acquire(policy).map(Some)
+    }
+
+    /// Gives a sandbox's network back (its sandbox is gone, or never started).
+    fn release_net(&self, net: Option<u32>) {
+        if let (Some(i), Ok(n)) = (net, &self.networks) {
+            n.release(i);
+        }
     }
 
     /// How many times a sandbox's registry row was written: unchanged means no sandbox was
@@ -322,9 +361,17 @@ impl Host {
             disk: None,
             crash: None,
             parent: None,
+            net: None,
+            egress: None,
         };
         let t_start = std::time::Instant::now();
-        if let Err(e) = self.start_vm(&mut rec, &template, &snapshot) {
+        let started = self.acquire_net(&template, &req.egress).and_then(|net| {
+            rec.net = net;
+            rec.egress = policy_json(&req.egress)?;
+            self.start_vm(&mut rec, &template, &snapshot)
+        });
+        if let Err(e) = started {
+            self.release_net(rec.net);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
@@ -360,6 +407,16 @@ impl Host {
             agent_sync: !template.test_guest,
             vcpus: template.vcpus,
             mem_mib: template.mem_mib,
+            net: match (template.net, rec.net) {
+                (false, _) => None,
+                (true, Some(i)) => Some(self.networks()?.tap_spec(i)),
+                (true, None) => {
+                    return Err(Error::Network(format!(
+                        "sandbox {} has no network, but its template's VM has a network device",
+                        rec.id
+                    )))
+                }
+            },
         };
         let started = self.driver.start(&spec)?;
         rec.state = State::Running;
@@ -374,11 +431,30 @@ impl Host {
 
     /// Where the guest of `rec` is reached from this host (its exposed ports): its network
     /// namespace's outer address; `None` for a sandbox without a network.
-    pub fn guest_ip(&self, _rec: &Record) -> Option<std::net::IpAddr> {
+    pub fn guest_ip(&self, rec: &Record) -> Option<std::net::IpAddr> {
         if self.driver.guest_is_host() {
             return Some(std::net::Ipv4Addr::LOCALHOST.into());
         }
-        None
+        let n = self.networks.as_ref().ok()?;
+        rec.net.map(|i| n.outer_ip(i).into())
+    }
+
+    /// Replaces a sandbox's egress policy (E2B `PUT /sandboxes/{id}/network`), running or
+    /// paused; kept for its resumes and forks.
+    pub fn set_egress(&self, id: &str, policy: &EgressPolicy) -> Result<Record> {
+        let lock = self.lock_of(id);
+        let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rec = self.load_usable(id)?;
+        let Some(i) = rec.net else {
+            return Err(Error::BadRequest(format!(
+                "sandbox {id} has no network (its template's VM has no network device)"
+            )));
+        };
+        self.networks()?.set_policy(i, policy)?;
+        rec.egress = policy_json(policy)?;
+        self.reg().update(&rec)?;
+        tracing::info!(sandbox = %id, ?policy, "egress policy replaced");
+        Ok(rec)
     }
 
     /// One sandbox (crashed ones too: the caller decides how to show them).
@@ -403,6 +479,7 @@ impl Host {
         }
         let _snapshots = self.snapshot_guard();
         self.reg().delete(id)?;
+        self.release_net(rec.net);
         // A snapshot of it may build on its files: then only its sockets go now.
         let held = self
             .reg()
@@ -737,13 +814,43 @@ impl Host {
             .join("forks")
             .join(format!("{id}-{}", ids::random_string(6)));
         std::fs::create_dir_all(&prefix).map_err(Error::io("creating", &prefix))?;
-        let live = match self.driver.fork(&api, count, &prefix, !template.test_guest) {
+        // Children get the parent's egress policy, each on a network of its own.
+        let policy = policy_of(&parent)?;
+        let mut nets: Vec<u32> = Vec::new();
+        let release_all = |nets: &mut Vec<u32>| {
+            for i in nets.drain(..) {
+                self.release_net(Some(i));
+            }
+        };
+        if template.net {
+            for _ in 0..count {
+                match self.acquire_net(&template, &policy) {
+                    Ok(n) => nets.extend(n),
+                    Err(e) => {
+                        release_all(&mut nets);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        let specs: Vec<String> = match self.networks.as_ref() {
+            Ok(n) => nets.iter().map(|&i| n.tap_spec(i)).collect(),
+            Err(_) => Vec::new(),
+        };
+        let live = match self
+            .driver
+            .fork(&api, count, &prefix, !template.test_guest, &specs)
+        {
             Ok(children) => Some(children),
             // A VM whose memory is served from a snapshot (the uffd and file backends, how
             // sandboxes start) cannot fork live: the children restore a snapshot instead.
             Err(Error::VmApi { message, .. }) if message.contains("can fork") => None,
-            Err(e) => return Err(e),
+            Err(e) => {
+                release_all(&mut nets);
+                return Err(e);
+            }
         };
+        let mut nets = nets.into_iter();
         let now = ids::now_ms();
         let new_child = |cid: String, dir: PathBuf| Record {
             id: cid,
@@ -765,6 +872,8 @@ impl Host {
             disk: None,
             crash: None,
             parent: Some(parent.id.clone()),
+            net: None,
+            egress: parent.egress.clone(),
         };
         let mut out = Vec::new();
         match live {
@@ -774,6 +883,7 @@ impl Host {
                     let dir = self.sandboxes_dir().join(&cid);
                     std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
                     let mut rec = new_child(cid, dir);
+                    rec.net = nets.next();
                     rec.state = State::Running;
                     rec.pid = Some(c.pid);
                     rec.api_sock = Some(c.api_sock);
@@ -788,19 +898,26 @@ impl Host {
                 // children's memory and their later diffs build on it), so it is not in the
                 // parent's directory.
                 let base = prefix.join("base");
-                if self.driver.snapshot(&api, &base, true).is_err() {
+                let snapshotted = self.driver.snapshot(&api, &base, true).or_else(|_| {
                     let _ = std::fs::remove_dir_all(&base);
-                    self.driver.snapshot(&api, &base, false)?;
+                    self.driver.snapshot(&api, &base, false)
+                });
+                if let Err(e) = snapshotted {
+                    nets.for_each(|i| self.release_net(Some(i)));
+                    return Err(e);
                 }
                 for _ in 0..count {
                     let cid = ids::new_sandbox_id();
                     let dir = self.sandboxes_dir().join(&cid);
                     std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
                     let mut rec = new_child(cid, dir);
+                    rec.net = nets.next();
                     if let Err(e) = self.start_vm(&mut rec, &template, &base) {
+                        self.release_net(rec.net);
                         let _ = std::fs::remove_dir_all(&rec.dir);
                         // The children started so far stay: each is a sandbox of its own.
                         tracing::warn!(sandbox = %id, "fork child {}: {e}", out.len() + 1);
+                        nets.by_ref().for_each(|i| self.release_net(Some(i)));
                         if out.is_empty() {
                             return Err(e);
                         }
@@ -901,6 +1018,11 @@ impl Host {
         self.reap()?;
         self.collect_garbage()?;
         let all = self.reg().all()?;
+        // Networks no sandbox holds (a crash's leftovers) go; the rest are taken over.
+        if let Ok(n) = &self.networks {
+            let keep: Vec<u32> = all.iter().filter_map(|r| r.net).collect();
+            n.recover(&keep)?;
+        }
         let count = |s: State| all.iter().filter(|r| r.state == s).count();
         Ok((
             count(State::Running),
@@ -912,6 +1034,25 @@ impl Host {
     /// How many sandboxes use template `name`.
     pub fn template_users(&self, name: &str) -> Result<usize> {
         self.reg().count_template(name)
+    }
+}
+
+/// The registry's form of an egress policy (`None`: allow all, the default).
+fn policy_json(p: &EgressPolicy) -> Result<Option<String>> {
+    if *p == EgressPolicy::allow_all() {
+        return Ok(None);
+    }
+    serde_json::to_string(p)
+        .map(Some)
+        .map_err(|e| Error::Corrupt(format!("egress policy: {e}")))
+}
+
+/// A sandbox's egress policy, as its record keeps it.
+fn policy_of(rec: &Record) -> Result<EgressPolicy> {
+    match &rec.egress {
+        None => Ok(EgressPolicy::allow_all()),
+        Some(j) => serde_json::from_str(j)
+            .map_err(|e| Error::Corrupt(format!("egress policy of {}: {e}", rec.id))),
     }
 }
 

@@ -256,6 +256,7 @@ impl HostAgentDriver {
             test_guest: true,
             created_ms: crate::ids::now_ms(),
             setup: vec!["(test harness: host-run clade-agent)".into()],
+            net: false,
         };
         let f = dir.join(crate::template::TEMPLATE_FILE);
         let text = serde_json::to_string_pretty(&t).map_err(|e| Error::Corrupt(e.to_string()))?;
@@ -371,6 +372,7 @@ impl VmDriver for HostAgentDriver {
         _count: usize,
         _prefix: &Path,
         _agent_sync: bool,
+        _nets: &[String],
     ) -> Result<Vec<ForkedChild>> {
         Err(Error::Vm("the host-agent test harness cannot fork".into()))
     }

@@ -15,14 +15,14 @@ use axum::extract::{Path, RawQuery, Request, State as AxState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::Error;
-use crate::host::{CreateRequest, Host, LogLine, DEFAULT_TAG};
+use crate::host::{CreateRequest, EgressPolicy, Host, LogLine, DEFAULT_TAG};
 use crate::ids;
 use crate::registry::{Query, Record, SnapshotQuery, SnapshotRecord, State};
 
@@ -166,8 +166,64 @@ struct NewSandbox {
     auto_pause: Option<bool>,
     metadata: Option<Value>,
     env_vars: Option<Value>,
+    /// `false`: deny all egress (E2B's shorthand for `denyOut: ["0.0.0.0/0"]`).
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<NetworkBody>,
     // Accepted, not acted on (see docs/e2b-compat.md): autoPauseMemory, autoResume,
-    // secure, allow_internet_access, network, mcp, iam, volumeMounts.
+    // secure, mcp, iam, volumeMounts.
+}
+
+/// E2B's `network` of a create, and the body of `PUT /sandboxes/{id}/network` (which
+/// carries `allow_internet_access` itself).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NetworkBody {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    dns_servers: Option<Vec<String>>,
+    egress_proxy: Option<Value>,
+    rules: Option<Value>,
+    https_ports: Option<Vec<Value>>,
+    // Accepted, not acted on: allowPublicTraffic (the data plane needs no token), maskRequestHost.
+}
+
+impl NetworkBody {
+    /// The egress policy this asks for (with `allow_internet_access` from wherever the
+    /// request carries it). What this host cannot do is refused, never dropped quietly.
+    fn policy(self, allow_internet_access: Option<bool>) -> ApiResult<EgressPolicy> {
+        let refuse = |what: &str| {
+            Err(ApiError::bad(format!(
+                "network.{what} is not supported by this host (see docs/e2b-compat.md)"
+            )))
+        };
+        if self.dns_servers.as_ref().is_some_and(|d| !d.is_empty()) {
+            return refuse("dnsServers");
+        }
+        if self.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
+            return refuse("egressProxy");
+        }
+        if self
+            .rules
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        {
+            return refuse("rules");
+        }
+        if self.https_ports.as_ref().is_some_and(|p| !p.is_empty()) {
+            return refuse("httpsPorts");
+        }
+        EgressPolicy::from_e2b(
+            allow_internet_access
+                .or(self.allow_internet_access)
+                .unwrap_or(true),
+            self.allow_out.as_deref().unwrap_or_default(),
+            self.deny_out.as_deref().unwrap_or_default(),
+        )
+        .map_err(|e| ApiError::bad(format!("network: {e}")))
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -264,6 +320,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/network", put(update_network))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
@@ -297,6 +354,19 @@ async fn auth(AxState(st): AxState<AppState>, req: Request, next: Next) -> Respo
     }
 }
 
+/// `PUT /sandboxes/{id}/network`: replaces the egress policy (fields left out are cleared,
+/// as E2B documents); 204.
+async fn update_network(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let b: NetworkBody = body(&bytes)?;
+    let policy = b.policy(None)?;
+    blocking(&st, move |h| h.set_egress(&id, &policy)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Response> {
     let b: NewSandbox = body(&bytes)?;
     let req = CreateRequest {
@@ -305,6 +375,10 @@ async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Respo
         auto_pause: b.auto_pause.unwrap_or(false),
         metadata: string_map(b.metadata, "metadata")?,
         env_vars: string_map(b.env_vars, "envVars")?,
+        egress: b
+            .network
+            .unwrap_or_default()
+            .policy(b.allow_internet_access)?,
     };
     let rec = blocking(&st, move |h| h.create(req)).await?;
     Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())

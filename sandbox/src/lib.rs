@@ -12,6 +12,7 @@
 //! | [`template`] | templates on disk (a snapshot plus its metadata) |
 //! | [`registry`] | the SQLite registry of sandboxes |
 //! | [`vmproc`] | starting, asking and stopping VM processes |
+//! | [`net`] | sandbox networks (namespaces, NAT, egress policy: the `hostnet` crate) |
 //! | [`host`] | the lifecycle |
 //! | [`http`] | the E2B control API |
 //! | [`envd`] | the E2B data plane (envd's protocol, translated to the agent's) |
@@ -22,6 +23,7 @@ pub mod host;
 pub mod hostagent;
 pub mod http;
 pub mod ids;
+pub mod net;
 pub mod registry;
 pub mod template;
 pub mod vmproc;

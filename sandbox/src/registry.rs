@@ -95,6 +95,11 @@ pub struct Record {
     pub crash: Option<String>,
     /// The sandbox it was forked from.
     pub parent: Option<String>,
+    /// Its network's index (`crate::net`): its namespace, outer address and TAP, kept
+    /// while it exists (paused too); `None` for a sandbox without a network.
+    pub net: Option<u32>,
+    /// Its egress policy (`hostnet::EgressPolicy`, as JSON; `None`: allow all).
+    pub egress: Option<String>,
 }
 
 /// Filters and paging for [`Registry::list`].
@@ -145,9 +150,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     mem_mib INTEGER NOT NULL,
     disk TEXT,
     crash TEXT,
-    parent TEXT
+    parent TEXT,
+    net INTEGER,
+    egress TEXT
 );
 ";
+
+/// Columns added since the first schema: (name, type), added to an older registry on open.
+const ADDED_COLUMNS: &[(&str, &str)] = &[("net", "INTEGER"), ("egress", "TEXT")];
 
 const SNAPSHOT_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -213,7 +223,7 @@ fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
 
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
-    end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent";
+    end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress";
 
 fn path_text(p: &Option<PathBuf>) -> Option<String> {
     p.as_ref().map(|p| p.to_string_lossy().into_owned())
@@ -247,6 +257,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<(Record, String, String, String)>
         disk: opt_path(16)?,
         crash: row.get(17)?,
         parent: row.get(18)?,
+        net: row.get(19)?,
+        egress: row.get(20)?,
     };
     Ok((r, row.get(2)?, row.get(12)?, row.get(13)?))
 }
@@ -260,6 +272,25 @@ fn finish_row((mut r, state, metadata, env): (Record, String, String, String)) -
     Ok(r)
 }
 
+/// Brings a registry written by an older service up to [`SCHEMA`] (new columns are NULL in
+/// old rows: no network, allow all).
+fn add_missing_columns(db: &Connection) -> Result<()> {
+    let mut have = Vec::new();
+    {
+        let mut stmt = db.prepare("PRAGMA table_info(sandboxes)")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            have.push(row.get::<_, String>(1)?);
+        }
+    }
+    for (name, ty) in ADDED_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            db.execute_batch(&format!("ALTER TABLE sandboxes ADD COLUMN {name} {ty}"))?;
+        }
+    }
+    Ok(())
+}
+
 impl Registry {
     /// Opens (creating if needed) the registry at `path`.
     pub fn open(path: &Path) -> Result<Self> {
@@ -269,6 +300,7 @@ impl Registry {
         db.pragma_update(None, "synchronous", "NORMAL")?;
         db.execute_batch(SCHEMA)?;
         db.execute_batch(SNAPSHOT_SCHEMA)?;
+        add_missing_columns(&db)?;
         Ok(Self {
             db,
             changes: Arc::default(),
@@ -304,7 +336,7 @@ impl Registry {
     fn write(&self, verb: &str, r: &Record) -> Result<()> {
         let sql = format!(
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
-             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"
+             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)"
         );
         let result = self.db.execute(
             &sql,
@@ -328,6 +360,8 @@ impl Registry {
                 path_text(&r.disk),
                 r.crash,
                 r.parent,
+                r.net,
+                r.egress,
             ],
         );
         // After the write: whoever read the counter before reading a row sees it change.
@@ -554,6 +588,8 @@ pub(crate) mod tests {
             disk: None,
             crash: None,
             parent: None,
+            net: None,
+            egress: None,
         }
     }
 
@@ -565,6 +601,8 @@ pub(crate) mod tests {
         r.metadata.insert("user".into(), "ann".into());
         r.env_vars.insert("K".into(), "v w".into());
         r.disk = Some("/s/a1/disk-0.cdsk".into());
+        r.net = Some(7);
+        r.egress = Some(r#"{"default":"deny","allow":[],"deny":[]}"#.into());
         {
             let reg = Registry::open(&path).unwrap();
             reg.insert(&r).unwrap();
@@ -580,6 +618,30 @@ pub(crate) mod tests {
         reg.delete("a1").unwrap();
         assert_eq!(reg.get("a1").unwrap(), None);
         drop(reg);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_registry_of_an_older_service_gets_the_new_columns() {
+        let path = std::env::temp_dir().join(format!("sandbox-old-{}.sqlite", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        {
+            let db = Connection::open(&path).unwrap();
+            // The first schema: without the columns added since.
+            let mut old = SCHEMA.to_string();
+            for (name, ty) in ADDED_COLUMNS {
+                old = old.replace(&format!(",\n    {name} {ty}"), "");
+            }
+            assert!(!old.contains("egress"), "{old}");
+            db.execute_batch(&old).unwrap();
+        }
+        let reg = Registry::open(&path).unwrap();
+        let mut r = record("o1", State::Paused, 5);
+        r.net = Some(3);
+        reg.insert(&r).unwrap();
+        assert_eq!(reg.get("o1").unwrap().unwrap(), r);
+        drop(reg);
+        Registry::open(&path).expect("opening again adds nothing twice");
         let _ = std::fs::remove_file(&path);
     }
 

@@ -44,6 +44,10 @@ pub struct Template {
     /// The setup commands it ran.
     #[serde(default)]
     pub setup: Vec<String>,
+    /// The VM has a network device (virtio-net, the guest at `hostnet::GUEST_IP`): each
+    /// sandbox then gets a network of its own (`crate::net`).
+    #[serde(default)]
+    pub net: bool,
 }
 
 /// Whether `name` is usable as a template name (a directory name; what E2B accepts as an id

@@ -51,6 +51,8 @@ pub struct StartSpec {
     pub vcpus: u32,
     /// The snapshot's memory in MiB.
     pub mem_mib: u64,
+    /// The TAP of a snapshot with a network device, as `--net` takes it.
+    pub net: Option<String>,
 }
 
 /// A started VM process.
@@ -86,13 +88,15 @@ pub trait VmDriver: Send + Sync {
     /// Stops the VM process (API shutdown, then SIGKILL if it does not end in time) and
     /// waits until it is gone.
     fn stop(&self, pid: i32, api_sock: &Path) -> Result<()>;
-    /// Forks the VM into `count` children with their files under `prefix`.
+    /// Forks the VM into `count` children with their files under `prefix`; a VM with a
+    /// network device gets one TAP per child in `nets` (`--net` specs).
     fn fork(
         &self,
         api_sock: &Path,
         count: usize,
         prefix: &Path,
         agent_sync: bool,
+        nets: &[String],
     ) -> Result<Vec<ForkedChild>>;
     /// `None` while the VM process runs; why not otherwise (exit status, or "gone").
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String>;
@@ -179,6 +183,7 @@ impl ProcessDriver {
             disk_overlay: spec.disk_overlay.clone(),
             log: Some(spec.log.clone()),
             agent_sync: spec.agent_sync,
+            net: spec.net.clone(),
             ..RestoreRequest::new(spec.snapshot.clone())
         });
         let t = Instant::now();
@@ -290,6 +295,9 @@ impl VmDriver for ProcessDriver {
         if let Some(d) = &spec.disk_overlay {
             cmd.arg("--disk-overlay").arg(d);
         }
+        if let Some(n) = &spec.net {
+            cmd.arg("--net").arg(n);
+        }
         if !spec.agent_sync {
             cmd.arg("--no-agent-sync");
         }
@@ -395,6 +403,7 @@ impl VmDriver for ProcessDriver {
         count: usize,
         prefix: &Path,
         agent_sync: bool,
+        nets: &[String],
     ) -> Result<Vec<ForkedChild>> {
         let r = api_call(
             api_sock,
@@ -403,7 +412,7 @@ impl VmDriver for ProcessDriver {
                 count,
                 prefix: Some(prefix.to_path_buf()),
                 agent_sync,
-                nets: Vec::new(),
+                nets: nets.to_vec(),
             },
         )?;
         let bad = |what: &str| Error::VmApi {
@@ -492,6 +501,7 @@ mod tests {
             agent_sync: false,
             vcpus: 1,
             mem_mib: 64,
+            net: None,
         };
         let e = driver.start(&spec).unwrap_err();
         assert!(matches!(e, Error::Vm(_)), "{e}");

@@ -57,6 +57,54 @@ pub struct ServeArgs {
     /// template `host-agent`. For SDK tests on machines that cannot boot Linux guests.
     #[arg(long, value_name = "CLADE_AGENT", hide = true)]
     test_host_agent: Option<PathBuf>,
+    /// Sandbox networking: `auto` turns it on when a template has a network device
+    /// (`clade template build --net`), `on` always, `off` never. On: each such sandbox gets
+    /// its own network namespace with a TAP, NAT to the outside through this host, and an
+    /// egress policy; the service installs its nftables table and enables IPv4 forwarding
+    /// (needs root and the `nft` tool). Set up failing is logged, and such sandboxes then
+    /// fail to start with the reason.
+    #[arg(long, value_name = "auto|on|off", default_value = "auto")]
+    net: NetMode,
+    /// Networks kept ready (namespace made, rules in place), off the create path.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    net_pool: usize,
+    #[command(flatten)]
+    range: NetRangeArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum NetMode {
+    Auto,
+    On,
+    Off,
+}
+
+/// The outer addressing of sandbox networks (shared by `clade serve` and `clade template
+/// build --net`, which must agree).
+#[derive(Debug, Args)]
+pub struct NetRangeArgs {
+    /// The IPv4 range sandbox networks' outer addresses come from, /30 each (the host
+    /// reaches a guest's ports at its outer address).
+    #[arg(long, value_name = "CIDR", default_value = "10.200.0.0/16")]
+    net_range: String,
+    /// Prefix of the names of sandbox network namespaces (`/run/netns/NAME-<i>`) and of
+    /// the host's nftables table: a second service on the same host needs its own.
+    #[arg(long, value_name = "NAME", default_value = "clade")]
+    net_name: String,
+}
+
+impl NetRangeArgs {
+    fn range(&self) -> anyhow::Result<hostnet::NetRange> {
+        let cidr = hostnet::parse_cidr(&self.net_range)?;
+        // Host veth ends: `<two letters of the name>h<i>`, one prefix per name.
+        let link: String = self
+            .net_name
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .take(2)
+            .collect();
+        Ok(hostnet::NetRange::new(cidr, &self.net_name, &link)?)
+    }
 }
 
 /// `clade serve`: runs until SIGINT/SIGTERM. Sandboxes' VM processes are not stopped then:
@@ -116,7 +164,26 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             d
         }
     };
-    let host = Host::open(cfg, driver)?;
+    let mut host = Host::open(cfg, driver)?;
+    let wants_net = match args.net {
+        NetMode::Off => false,
+        NetMode::On => true,
+        NetMode::Auto => TemplateStore::new(&state_dir).list()?.iter().any(|t| t.net),
+    };
+    host.set_networks(if !wants_net || args.test_host_agent.is_some() {
+        Err("sandbox networking is off (clade serve --net)".into())
+    } else {
+        match sandbox::net::Networks::init(args.range.range()?, args.net_pool) {
+            Ok(n) => {
+                tracing::info!(range = %args.range.net_range, "sandbox networking on");
+                Ok(n)
+            }
+            Err(e) => {
+                tracing::error!("sandbox networking is unavailable: {e}");
+                Err(e.to_string())
+            }
+        }
+    });
     let (running, paused, crashed) = host.recover()?;
     tracing::info!(running, paused, crashed, "registry loaded");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -220,6 +287,14 @@ pub struct BuildArgs {
     /// How long the agent may take to answer after boot (seconds).
     #[arg(long, default_value_t = 60.0)]
     agent_timeout: f64,
+    /// Give the VM a network device (virtio-net) in a network namespace of its own, with
+    /// the address every sandbox of the template then has (the guest agent configures it
+    /// from the kernel command line, added here); setup commands reach the outside through
+    /// this host's NAT. Needs root and the `nft` tool, like `clade serve`'s networking.
+    #[arg(long)]
+    net: bool,
+    #[command(flatten)]
+    range: NetRangeArgs,
     #[command(flatten)]
     machine: MachineArgs,
 }
@@ -324,13 +399,36 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         )
         .with_context(|| format!("overlay on {}", base.display()))?;
     }
+    // The build VM's own network: the highest free index of the service's range (a running
+    // service takes the lowest), removed when the build ends.
+    let net = if a.net {
+        let range = a.range.range()?;
+        hostnet::HostNet::init(&range).context("host network set-up")?;
+        let mut i = range.capacity();
+        loop {
+            i = i
+                .checked_sub(1)
+                .context("no free network index in --net-range for the build VM")?;
+            match hostnet::SandboxNet::create(&range, i) {
+                Ok(n) => break Some(n),
+                Err(hostnet::Error::Exists(_)) => continue,
+                Err(e) => return Err(e).context("the build VM's network"),
+            }
+        }
+    } else {
+        None
+    };
+    let cmdline = match &net {
+        Some(_) => format!("{} {}", a.cmdline, sandbox::net::guest_cmdline()),
+        None => a.cmdline.clone(),
+    };
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let mut cmd = Command::new(exe);
     cmd.arg("run")
         .arg("--kernel")
         .arg(std::path::absolute(&a.kernel)?)
         .arg("--cmdline")
-        .arg(&a.cmdline)
+        .arg(&cmdline)
         .arg("--vcpus")
         .arg(a.machine.vcpus.to_string())
         .arg("--mem")
@@ -353,6 +451,13 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     }
     if a.test_device {
         cmd.arg("--test-device");
+    }
+    if let Some(n) = &net {
+        cmd.arg("--net").arg(format!(
+            "tap={},netns={}",
+            n.tap_name(),
+            n.netns_path().display()
+        ));
     }
     let log = std::fs::File::create(dir.join("build.log"))?;
     let mut vm = BuildVm(
@@ -431,7 +536,10 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         test_guest: a.test_device,
         created_ms: sandbox::ids::now_ms(),
         setup: a.run.clone(),
+        net: net.is_some(),
     };
+    // The build VM has ended: its network goes (dropping the handle removes it).
+    drop(net);
     store.finish(&t)?;
     Ok(t)
 }

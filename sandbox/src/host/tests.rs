@@ -71,6 +71,7 @@ impl VmDriver for FakeDriver {
         count: usize,
         prefix: &Path,
         _sync: bool,
+        _nets: &[String],
     ) -> Result<Vec<ForkedChild>> {
         if self.no_live_fork.load(Ordering::SeqCst) {
             return Err(Error::VmApi {

@@ -1,0 +1,205 @@
+//! Sandbox networks as the host service keeps them: one `hostnet::SandboxNet` (namespace,
+//! veth pair, persistent TAP, NAT, egress policy) per sandbox whose template has a network
+//! device, held from its creation to its kill (a paused sandbox keeps its namespace: its
+//! outer address and policy stay, and a resume only attaches a new VM process to the TAP).
+//!
+//! Making a namespace costs milliseconds of netlink and `nft` work, so a small pool of
+//! ready networks (allow-all) is kept off the create path and refilled in the background;
+//! a create with another policy takes one and replaces its rules (one `nft` transaction).
+//!
+//! After a service restart, [`Networks::recover`] sweeps every namespace and host veth of
+//! the range that no sandbox in the registry holds (a crashed service's pool, a sandbox
+//! whose kill was cut short) and takes the rest over.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hostnet::{EgressPolicy, HostNet, NetRange, Options, SandboxNet};
+
+use crate::error::{Error, Result};
+
+/// The service's sandbox networks (see the module docs).
+pub struct Networks {
+    range: NetRange,
+    /// Networks held by sandboxes, by index.
+    held: Mutex<BTreeMap<u32, SandboxNet>>,
+    /// Ready networks (allow-all), not yet any sandbox's.
+    pool: Mutex<Vec<SandboxNet>>,
+    /// How many ready networks to keep.
+    pool_size: usize,
+    refilling: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn net_err(what: &str) -> impl FnOnce(hostnet::Error) -> Error + '_ {
+    move |e| Error::Network(format!("{what}: {e}"))
+}
+
+impl Networks {
+    /// Sets up the host side (forwarding, the host's NAT and isolation rules) for `range`.
+    /// Needs root; fails when `nft` or the kernel's nftables are missing.
+    pub fn init(range: NetRange, pool_size: usize) -> Result<Arc<Networks>> {
+        HostNet::init(&range).map_err(net_err("host network set-up"))?;
+        Ok(Arc::new(Networks {
+            range,
+            held: Mutex::new(BTreeMap::new()),
+            pool: Mutex::new(Vec::new()),
+            pool_size,
+            refilling: AtomicBool::new(false),
+        }))
+    }
+
+    /// After a (re)start: keeps the networks of `keep` (the registry's sandboxes), removes
+    /// every other one of the range; then fills the pool.
+    pub fn recover(self: &Arc<Self>, keep: &[u32]) -> Result<()> {
+        let swept = hostnet::sweep(&self.range, keep).map_err(net_err("sweeping networks"))?;
+        if !swept.namespaces.is_empty() || !swept.veths.is_empty() {
+            tracing::info!(?swept, "removed networks no sandbox holds");
+        }
+        for &i in keep {
+            match SandboxNet::adopt(&self.range, i) {
+                Ok(n) => {
+                    lock(&self.held).insert(i, n);
+                }
+                // Its sandbox keeps the index; a resume then fails with a clear error.
+                Err(e) => tracing::warn!(net = i, "a sandbox's network is gone: {e}"),
+            }
+        }
+        self.refill();
+        Ok(())
+    }
+
+    /// A network for a new sandbox (or fork child) with `policy`; returns its index.
+    pub fn acquire(self: &Arc<Self>, policy: &EgressPolicy) -> Result<u32> {
+        let ready = lock(&self.pool).pop();
+        let net = match ready {
+            Some(n) => {
+                if *policy != EgressPolicy::allow_all() {
+                    n.set_policy(policy).map_err(net_err("egress policy"))?;
+                }
+                n
+            }
+            None => self.make(policy)?,
+        };
+        let i = net.index();
+        lock(&self.held).insert(i, net);
+        self.refill();
+        Ok(i)
+    }
+
+    /// Makes a network at the lowest free index (one some other user of the range holds,
+    /// such as a template build, is skipped).
+    fn make(&self, policy: &EgressPolicy) -> Result<SandboxNet> {
+        let opts = Options {
+            policy: policy.clone(),
+            ..Options::default()
+        };
+        let mut i = 0;
+        loop {
+            let taken = {
+                let held = lock(&self.held);
+                let pool = lock(&self.pool);
+                held.contains_key(&i) || pool.iter().any(|n| n.index() == i)
+            };
+            if !taken {
+                match SandboxNet::create_with(&self.range, i, &opts) {
+                    Ok(n) => return Ok(n),
+                    Err(hostnet::Error::Exists(_)) => {}
+                    Err(e) => return Err(net_err("making a sandbox network")(e)),
+                }
+            }
+            i += 1;
+            if i >= self.range.capacity() {
+                return Err(Error::Network(format!(
+                    "all {} networks of {} are in use",
+                    self.range.capacity(),
+                    self.range.cidr
+                )));
+            }
+        }
+    }
+
+    /// Tops the pool up in the background (one refill at a time).
+    fn refill(self: &Arc<Self>) {
+        if lock(&self.pool).len() >= self.pool_size || self.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("net-pool".into())
+            .spawn(move || {
+                while lock(&me.pool).len() < me.pool_size {
+                    match me.make(&EgressPolicy::allow_all()) {
+                        Ok(n) => lock(&me.pool).push(n),
+                        Err(e) => {
+                            tracing::warn!("network pool: {e}");
+                            break;
+                        }
+                    }
+                }
+                me.refilling.store(false, Ordering::Release);
+            });
+        if spawned.is_err() {
+            self.refilling.store(false, Ordering::Release);
+        }
+    }
+
+    /// Replaces the egress policy of network `i` (a running or paused sandbox's).
+    pub fn set_policy(&self, i: u32, policy: &EgressPolicy) -> Result<()> {
+        match lock(&self.held).get(&i) {
+            Some(n) => n.set_policy(policy).map_err(net_err("egress policy")),
+            None => Err(Error::Network(format!(
+                "the sandbox's network ({i}) is gone"
+            ))),
+        }
+    }
+
+    /// Removes network `i` (its sandbox is gone). Errors are logged: what is left is swept
+    /// at the next start.
+    pub fn release(&self, i: u32) {
+        let held = lock(&self.held).remove(&i);
+        if let Some(Err(e)) = held.map(SandboxNet::destroy) {
+            tracing::error!(net = i, "removing a sandbox network: {e}");
+        }
+    }
+
+    /// The VMM's `--net` for network `i`: the TAP inside its namespace.
+    pub fn tap_spec(&self, i: u32) -> String {
+        format!(
+            "tap={},netns={}",
+            hostnet::TAP_NAME,
+            self.range.netns_path(i).display()
+        )
+    }
+
+    /// The address the host reaches network `i`'s guest at (its exposed ports).
+    pub fn outer_ip(&self, i: u32) -> Ipv4Addr {
+        self.range.outer_ip(i)
+    }
+
+    /// Removes the pool's ready networks (the service stops; held ones stay, as their
+    /// sandboxes do).
+    pub fn shutdown(&self) {
+        for n in lock(&self.pool).drain(..) {
+            if let Err(e) = n.destroy() {
+                tracing::warn!("removing a pooled network: {e}");
+            }
+        }
+    }
+}
+
+/// The guest side of every sandbox network, for a template's kernel command line
+/// (`clade.net=ADDR/PREFIX,GATEWAY`, read by the guest agent).
+pub fn guest_cmdline() -> String {
+    format!(
+        "clade.net={}/{},{}",
+        hostnet::GUEST_IP,
+        hostnet::GUEST_PREFIX,
+        hostnet::GUEST_GATEWAY
+    )
+}
