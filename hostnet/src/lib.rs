@@ -47,7 +47,7 @@ mod sandbox;
 mod tap;
 
 pub use host::{sweep, HostNet, Swept};
-pub use netns::in_netns;
+pub use netns::{add_netns, in_netns, remove_netns};
 pub use policy::{parse_cidr, Default as PolicyDefault, EgressPolicy, MAX_ENTRIES};
 pub use range::NetRange;
 pub use sandbox::{

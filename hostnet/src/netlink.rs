@@ -24,6 +24,8 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
 
 /// A netlink connection in the calling thread's current namespace, driven by `rt`.
 pub(crate) fn connect(rt: &tokio::runtime::Runtime) -> Result<Handle> {
+    // The socket registers with the runtime's reactor as it is made.
+    let _ctx = rt.enter();
     let (conn, handle, _) = rtnetlink::new_connection().map_err(io_err("open a netlink socket"))?;
     rt.spawn(conn);
     Ok(handle)

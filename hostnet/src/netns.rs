@@ -21,6 +21,18 @@ use crate::{io_err, nix_err, Error, Result};
 /// then propagate into mount namespaces made later (a jailed VMM still sees the sandbox's
 /// namespace file).
 fn ensure_netns_dir() -> Result<()> {
+    // Once per process (two threads racing here would stack two bind mounts).
+    static DONE: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    let mut done = DONE.lock().unwrap_or_else(|p| p.into_inner());
+    if *done {
+        return Ok(());
+    }
+    make_netns_dir_shared()?;
+    *done = true;
+    Ok(())
+}
+
+fn make_netns_dir_shared() -> Result<()> {
     std::fs::create_dir_all(NETNS_DIR).map_err(io_err(format!("mkdir {NETNS_DIR}")))?;
     let shared = || {
         mount(
@@ -105,6 +117,19 @@ pub(crate) fn remove(path: &Path) -> Result<bool> {
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
         Err(e) => Err(io_err(format!("remove {}", path.display()))(e)),
     }
+}
+
+/// Creates an empty network namespace pinned at `path` (like `ip netns add`), e.g. a
+/// process-based guest for [`crate::InnerLink::Veth`]. Remove it with [`remove_netns`].
+pub fn add_netns(path: &Path) -> Result<()> {
+    let path = path.to_path_buf();
+    on_thread(move || create_here(&path))
+}
+
+/// Unpins a namespace made by [`add_netns`] (it goes once no process or socket is in it).
+/// `Ok(false)` if there was none.
+pub fn remove_netns(path: &Path) -> Result<bool> {
+    remove(path)
 }
 
 /// Opens a namespace file (`/run/netns/<name>`, `/proc/<pid>/ns/net`).

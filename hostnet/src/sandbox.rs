@@ -181,6 +181,14 @@ fn build(range: &NetRange, index: u32, opts: &Options) -> Result<()> {
     let path = range.netns_path(index);
     netns::create_here(&path)?;
     let sandbox_ns = netns::open(&path)?;
+    // IPv4 only (the guest has no IPv6): no link-local chatter to the guest, no path around
+    // the IPv4 rules. Kernels without IPv6 have no such file, which is fine.
+    for f in ["all", "default"] {
+        let p = format!("/proc/sys/net/ipv6/conf/{f}/disable_ipv6");
+        if Path::new(&p).exists() {
+            std::fs::write(&p, "1").map_err(io_err(format!("write {p}")))?;
+        }
+    }
     let inner = netlink::connect(&rt)?;
     let (host_veth, ns_veth) = (range.host_veth(index), range.ns_veth());
     let (host_ip, outer_ip) = (range.host_ip(index), range.outer_ip(index));
