@@ -197,6 +197,7 @@ mod tests {
             test_guest: true,
             created_ms: 1,
             setup: vec![],
+            net: false,
         }
     }
 

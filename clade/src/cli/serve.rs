@@ -234,7 +234,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
 #[derive(Debug, Subcommand)]
 pub enum TemplateCommand {
     /// Boot a VM, wait for its agent, run setup commands, snapshot it as template NAME.
-    Build(BuildArgs),
+    Build(Box<BuildArgs>),
     /// List the templates in a state dir.
     Ls {
         /// The host's state dir.
@@ -301,7 +301,7 @@ pub struct BuildArgs {
 
 pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
     match cmd {
-        TemplateCommand::Build(a) => build(a),
+        TemplateCommand::Build(a) => build(*a),
         TemplateCommand::Ls { state_dir, json } => {
             let ts = TemplateStore::new(&state_dir).list()?;
             if json {

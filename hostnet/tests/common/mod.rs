@@ -132,15 +132,19 @@ impl Echo {
         let thread = std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 match listener.accept() {
+                    // A thread per connection: one whose peer went silent (its packets
+                    // dropped by a policy) must not hold up the next.
                     Ok((mut c, _)) => {
-                        c.set_nonblocking(false).unwrap();
-                        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-                        let mut b = [0u8; 1];
-                        while let Ok(1) = c.read(&mut b) {
-                            if c.write_all(&b).is_err() {
-                                break;
+                        std::thread::spawn(move || {
+                            c.set_nonblocking(false).unwrap();
+                            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                            let mut b = [0u8; 1];
+                            while let Ok(1) = c.read(&mut b) {
+                                if c.write_all(&b).is_err() {
+                                    break;
+                                }
                             }
-                        }
+                        });
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }

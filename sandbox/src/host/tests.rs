@@ -18,6 +18,8 @@ pub(crate) struct FakeDriver {
     pub no_diff: std::sync::atomic::AtomicBool,
     /// Live forks refused (as for a VM restored with the uffd backend).
     pub no_live_fork: std::sync::atomic::AtomicBool,
+    /// The TAP each start and fork child got (`--net` specs), in order.
+    pub nets: Mutex<Vec<String>>,
 }
 
 impl FakeDriver {
@@ -40,6 +42,7 @@ impl VmDriver for FakeDriver {
         let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
         self.alive.lock().unwrap().insert(pid);
         self.note(format!("start {pid} {}", spec.snapshot.display()));
+        self.nets.lock().unwrap().extend(spec.net.clone());
         Ok(Started {
             pid,
             api_sock: spec.api_sock.clone(),
@@ -71,7 +74,7 @@ impl VmDriver for FakeDriver {
         count: usize,
         prefix: &Path,
         _sync: bool,
-        _nets: &[String],
+        nets: &[String],
     ) -> Result<Vec<ForkedChild>> {
         if self.no_live_fork.load(Ordering::SeqCst) {
             return Err(Error::VmApi {
@@ -79,6 +82,7 @@ impl VmDriver for FakeDriver {
                 message: "guest memory: only booted VMs ... can fork".into(),
             });
         }
+        self.nets.lock().unwrap().extend(nets.iter().cloned());
         Ok((1..=count)
             .map(|k| {
                 let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
@@ -112,6 +116,7 @@ pub(crate) fn state_dir(name: &str) -> PathBuf {
             test_guest: true,
             created_ms: 0,
             setup: vec![],
+            net: false,
         })
         .unwrap();
     d
@@ -531,4 +536,86 @@ fn logs_of_a_sandbox_and_of_an_unknown_one() {
     assert!(matches!(h.logs("nosuchsandbox"), Err(Error::NotFound(_))));
     assert!(matches!(h.logs("../../x"), Err(Error::NotFound(_))));
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Root only (it makes real namespaces, with a range of its own): a sandbox of a template
+/// with a network device holds a network from create to kill, paused too; fork children get
+/// their own; a policy follows the sandbox; networks nobody holds are swept by a restart.
+#[test]
+fn sandbox_networks_follow_the_lifecycle() {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root for network namespaces");
+        return;
+    }
+    let d = state_dir("net");
+    let store = TemplateStore::new(&d);
+    let mut t = store.get("t").unwrap();
+    t.net = true;
+    store.finish(&t).unwrap();
+    let range = hostnet::NetRange::new(
+        hostnet::parse_cidr(&format!("10.253.{}.0/24", std::process::id() % 250)).unwrap(),
+        &format!("sbt{}", std::process::id() % 10000),
+        "sq",
+    )
+    .unwrap();
+    let driver = Arc::new(FakeDriver::default());
+    let mut h = Host::open(HostConfig::new(d.clone()), driver.clone()).unwrap();
+    // Without networking, such a template's sandbox is refused with the reason.
+    let err = h.create(req(60)).unwrap_err().to_string();
+    assert!(err.contains("no sandbox networking"), "{err}");
+    let nets = crate::net::Networks::init(range.clone(), 1).unwrap();
+    h.set_networks(Ok(nets.clone()));
+    h.recover().unwrap();
+
+    let ns = |i: u32| range.netns_path(i);
+    let mut r = req(60);
+    r.egress = EgressPolicy::deny_all();
+    let a = h.create(r).unwrap();
+    let ia = a.net.expect("a network");
+    assert!(ns(ia).exists());
+    assert!(
+        a.egress.as_deref().unwrap().contains("deny"),
+        "{:?}",
+        a.egress
+    );
+    assert_eq!(
+        driver.nets.lock().unwrap().last().unwrap(),
+        &format!("tap=tap0,netns={}", ns(ia).display())
+    );
+    assert_eq!(
+        h.guest_ip(&a),
+        Some(std::net::IpAddr::V4(range.outer_ip(ia)))
+    );
+    // Paused: the network stays (a resume reattaches to it).
+    h.pause(&a.id).unwrap();
+    assert!(ns(ia).exists());
+    let a = h.resume(&a.id, 60).unwrap();
+    assert_eq!(a.net, Some(ia));
+    let allow = EgressPolicy::from_e2b(true, &["10.1.2.3"], &["10.0.0.0/8"]).unwrap();
+    let a = h.set_egress(&a.id, &allow).unwrap();
+    assert_eq!(super::policy_of(&a).unwrap(), allow);
+    // Fork children: networks of their own, with the parent's policy.
+    let kids = h.fork(&a.id, 2, 60).unwrap();
+    let ik: Vec<u32> = kids.iter().map(|k| k.net.unwrap()).collect();
+    assert!(ik.iter().all(|i| *i != ia && ns(*i).exists()) && ik[0] != ik[1]);
+    assert_eq!(kids[0].egress, a.egress);
+    // Kill: the network goes.
+    h.kill(&kids[0].id).unwrap();
+    assert!(!ns(ik[0]).exists());
+    // A restart: the held ones are kept, one nobody holds (a crash's leftover) is swept.
+    drop(h);
+    let leaked = hostnet::SandboxNet::create(&range, 40).unwrap().leak();
+    let mut h = Host::open(HostConfig::new(d.clone()), driver.clone()).unwrap();
+    h.set_networks(Ok(crate::net::Networks::init(range.clone(), 0).unwrap()));
+    h.recover().unwrap();
+    assert!(!ns(leaked).exists(), "swept");
+    assert!(ns(ia).exists() && ns(ik[1]).exists(), "held ones kept");
+    for id in [&a.id, &kids[1].id] {
+        h.kill(id).unwrap();
+    }
+    assert!(!ns(ia).exists() && !ns(ik[1]).exists());
+    nets.shutdown();
+    hostnet::sweep(&range, &[]).unwrap();
+    let _ = std::fs::remove_dir_all(&d);
 }
