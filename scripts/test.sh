@@ -101,8 +101,7 @@ else
     expects=()
     for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
     rm -f "$NESTED_OUT/nested.log"
-    # tun: the net scenario's TAP (made by clade's virtio-net device in the nested machine).
-    NESTED_L1_MODULES=tun NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 2700 \
+    NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 2700 \
         --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
         "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
     nested_pid=$!

@@ -474,3 +474,151 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     assert!(pid_naming(&ready[0]).is_none());
     assert_eq!(standby_sockets(&state), Vec::new());
 }
+
+/// Whether `tap0` in namespace file `ns` has a VM attached (a persistent TAP without a
+/// reader has no carrier).
+fn tap_attached(ns: &Path) -> bool {
+    let name = ns.file_name().unwrap().to_str().unwrap();
+    let o = Command::new("ip")
+        .args(["-n", name, "-br", "link", "show", "tap0"])
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&o.stdout);
+    o.status.success() && s.contains("LOWER_UP")
+}
+
+/// Root only: a template built with `--net`; each sandbox of it gets a network namespace
+/// of its own (from the pool) with its VM on the TAP there, the policy asked at create in
+/// its rules; a pause keeps the namespace and a resume reattaches; kill removes it, and
+/// stopping the service removes the pool. The service's range and names are this test's
+/// own (`--net-range`, `--net-name`), so nothing else on the host is touched.
+#[test]
+fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root for network namespaces");
+        return;
+    }
+    let d = Dir::new("serve-net");
+    let state = d.p("state");
+    let name = format!("cst{}", std::process::id() % 100_000);
+    let range = format!("10.254.{}.0/24", std::process::id() % 250);
+    let net_args = ["--net-range", &range, "--net-name", &name];
+    let o = clade()
+        .args([
+            "template",
+            "build",
+            "t",
+            "--test-device",
+            "--mem",
+            "64",
+            "--net",
+        ])
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--cmdline", "steps=vsock"])
+        .arg("--state-dir")
+        .arg(&state)
+        .args(net_args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let netns = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir("/run/netns")
+            .map(|r| r.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        v.retain(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&format!("{name}-"))
+        });
+        v.sort();
+        v
+    };
+    assert!(netns().is_empty(), "the build's network is gone");
+    let port = free_port();
+    let mut serve = start_serve_with(
+        &state,
+        port,
+        &[&net_args[..], &["--net-pool", "1"]].concat(),
+    );
+    let (st, v) = http(
+        port,
+        "POST",
+        "/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t","timeout":120,"network":{"denyOut":["0.0.0.0/0"],"allowOut":["10.9.8.7"]}}"#,
+    );
+    assert_eq!(st, 201, "{v}");
+    let id = id_of(&v);
+    let attached: Vec<PathBuf> = netns().into_iter().filter(|n| tap_attached(n)).collect();
+    assert_eq!(
+        attached.len(),
+        1,
+        "one namespace holds the sandbox's VM: {attached:?}"
+    );
+    let ns = attached[0].clone();
+    let rules = Command::new("ip")
+        .args(["netns", "exec", ns.file_name().unwrap().to_str().unwrap()])
+        .args(["nft", "list", "chain", "ip", "sandbox", "egress"])
+        .output()
+        .unwrap();
+    let rules = String::from_utf8_lossy(&rules.stdout);
+    assert!(
+        rules.contains("10.9.8.7") && rules.contains("drop"),
+        "{rules}"
+    );
+    // A domain name cannot be enforced here: refused, not ignored.
+    let (st, v) = http(
+        port,
+        "PUT",
+        &format!("/sandboxes/{id}/network"),
+        Some("k"),
+        r#"{"allowOut":["example.org"]}"#,
+    );
+    assert_eq!(st, 400, "{v}");
+    let (st, _) = http(
+        port,
+        "PUT",
+        &format!("/sandboxes/{id}/network"),
+        Some("k"),
+        "{}",
+    );
+    assert_eq!(st, 204);
+    // Pause: the VM goes, its namespace stays; a resume attaches the new VM to it.
+    assert_eq!(
+        http(
+            port,
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            Some("k"),
+            ""
+        )
+        .0,
+        204
+    );
+    assert!(ns.exists() && !tap_attached(&ns));
+    let (st, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some("k"),
+        r#"{"timeout":60}"#,
+    );
+    assert!(st == 200 || st == 201, "{st} {v}");
+    assert!(tap_attached(&ns), "resumed onto the same namespace");
+    assert_eq!(
+        http(port, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "").0,
+        204
+    );
+    assert!(!ns.exists(), "kill removes the sandbox's network");
+    // SAFETY: plain kill(2) on the service this test started.
+    unsafe { libc::kill(serve.0.id() as i32, libc::SIGTERM) };
+    serve.0.wait().unwrap();
+    assert!(
+        netns().is_empty(),
+        "the pool goes with the service: {:?}",
+        netns()
+    );
+}

@@ -184,6 +184,13 @@ impl Host {
         self.networks()?.acquire(policy).map(Some)
     }
 
+    /// Removes the ready networks of the pool (the service stops; sandboxes keep theirs).
+    pub fn shutdown_networks(&self) {
+        if let Ok(n) = &self.networks {
+            n.shutdown();
+        }
+    }
+
     /// Gives a sandbox's network back (its sandbox is gone, or never started).
     fn release_net(&self, net: Option<u32>) {
         if let (Some(i), Ok(n)) = (net, &self.networks) {

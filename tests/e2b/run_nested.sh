@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs tests/e2b/test_linux.py and test_dataplane.py: the pinned e2b SDK on this host against `clade serve` with
+# Runs tests/e2b/test_linux.py, test_dataplane.py and test_network.py: the pinned e2b SDK on this host against `clade serve` with
 # Linux sandboxes inside the nested tier (tests/nested/scenarios/sdk.sh), through ports
 # that tests/nested/run.sh --forward maps to 127.0.0.1.
 #
@@ -77,7 +77,8 @@ else
     # test_linux.py, and the data plane's whole suite (test_dataplane.py) on Linux
     # sandboxes too: template "debian", its scratch directory inside the guest.
     CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \
-        "$VENV/bin/pytest" -q tests/e2b/test_linux.py tests/e2b/test_dataplane.py "$@" || rc=$?
+        "$VENV/bin/pytest" -q tests/e2b/test_linux.py tests/e2b/test_dataplane.py \
+        tests/e2b/test_network.py "$@" || rc=$?
 fi
 verdict=pass
 [ "$rc" = 0 ] || verdict=fail

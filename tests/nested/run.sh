@@ -65,6 +65,12 @@ if [ -n "$OUTER_DISK" ]; then
     export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
 fi
 
+# Sandbox networking in L1 (a VM's TAP; clade serve's namespaces, NAT and egress policy;
+# scenarios' own set-up): TUN/TAP, veth, nftables with NAT and conntrack, and the `nft`
+# and iproute2 `ip` programs (busybox's ip has no netns).
+export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }tun veth nf_tables nft_chain_nat nft_nat nft_masq nft_ct"
+export NESTED_L1_BINS="${NESTED_L1_BINS:-nft ip}"
+
 NETDEV=""
 if [ ${#FORWARDS[@]} -gt 0 ]; then
     NETDEV="user,id=n0,restrict=on,net=10.0.2.0/24"

@@ -186,6 +186,8 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     });
     let (running, paused, crashed) = host.recover()?;
     tracing::info!(running, paused, crashed, "registry loaded");
+    let host = Arc::new(host);
+    let kept = Arc::clone(&host);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -200,7 +202,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             state_dir.display()
         );
         let state = AppState {
-            host: Arc::new(host),
+            host,
             api_key: Arc::new(key),
         };
         let shutdown = async {
@@ -223,10 +225,12 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     // Blocking work still running (an agent call of a stream whose client stayed) must not
     // keep the process from ending.
     rt.shutdown_timeout(Duration::from_secs(1));
-    // Unused standby processes end with the service (sandboxes' VMs do not).
+    // Unused standby processes and ready networks end with the service (sandboxes' VMs
+    // and networks do not).
     if let Some(d) = processes {
         d.stop_standby();
     }
+    kept.shutdown_networks();
     served?;
     Ok(0)
 }

@@ -5,7 +5,7 @@
 # this scenario's own (10.10.0.0/24 on the TAP, nothing routed anywhere else).
 #
 #   tests/nested/build-rootfs.sh
-#   NESTED_L1_MODULES=tun tests/nested/run.sh --disk build/rootfs/base.cdsk \
+#   tests/nested/run.sh --disk build/rootfs/base.cdsk \
 #       --l1-test tests/nested/scenarios/net.sh --expect NET-SCENARIO-PASS
 #
 # Checks (one `NET-CHECK-PASS <check>: <detail>` line each):
@@ -64,7 +64,7 @@ fetch() {
 }
 
 [ -e "$BASE" ] || fail "no base layer at $BASE"
-[ -c /dev/net/tun ] || fail "no /dev/net/tun (NESTED_L1_MODULES=tun)"
+[ -c /dev/net/tun ] || fail "no /dev/net/tun (run.sh loads tun in the nested machine)"
 rm -rf "$D"
 mkdir -p "$D/www"
 head -c 4194304 /dev/urandom >"$D/www/blob"

@@ -9,12 +9,20 @@
 #   # meanwhile, on the host: tests/e2b/run_nested.sh --wait-log build/nested/nested.log
 #
 # Steps: bring up L1's NIC (QEMU user network, restrict=on: only the forwarded ports reach
-# L1, L1 reaches nothing), build template "debian" (Debian's kernel, clade-agent as /init,
-# root on an overlay of the Debian base layer /dev/vda, one setup command), start
+# L1, L1 reaches nothing), make the "world" (a network namespace of this scenario's own
+# behind a veth, 10.99.0.0/24 with HTTP servers at 10.99.0.2 and 10.99.0.3: what sandboxes
+# reach through the service's NAT, or are kept from by their egress policy; nothing routed
+# beyond it), build template "debian" with a network device (Debian's kernel, clade-agent
+# as /init, root on an overlay of the Debian base layer /dev/vda, one setup command), start
 # `clade serve` on 0.0.0.0:8080, print `NESTED-E2B-READY`, then obey one-line commands on
 # the control port 8081 (each a new TCP connection):
 #   restart       stop the service (SIGTERM) and start it again on the same state dir
+#   netns TAG     print `SDK-NETNS TAG <namespaces> <host veths>` (the service's)
+#   kill-vmm ID   SIGKILL sandbox ID's VM process (the one with its files open), print
+#                 `SDK-VMM-KILLED ID <count>`
 #   done pass|fail  the host's verdict: end with it
+# After the verdict the service stops; then no sandbox network may be left but those of
+# sandboxes still in the registry (the suite kills its sandboxes: none).
 # Prints SDK-SCENARIO-PASS or SDK-SCENARIO-FAIL; every VM is killed before it ends.
 # scenario-timeout: 1500
 
@@ -34,10 +42,24 @@ vm_pids() {
         grep -q "$STATE" "$d/cmdline" 2>/dev/null && echo "${d#/proc/}"
     done
 }
+# sandbox_vm_pids ID: the VM process of sandbox ID (it holds files of its directory open;
+# a process from the standby pool has no other mark of its sandbox).
+sandbox_vm_pids() {
+    for p in $(vm_pids); do
+        [ "$p" = "$SERVE" ] && continue
+        ls -l "/proc/$p/fd" 2>/dev/null | grep -q "/sandboxes/$1/" && echo "$p"
+    done
+}
+# The service's sandbox networks: namespaces (/run/netns/clade-<i>) and host veth ends.
+netns_count() { ls /run/netns 2>/dev/null | grep -c '^clade-'; }
+veth_count() { ls /sys/class/net | grep -c '^clh[0-9]'; }
+IP=/usr/sbin/ip   # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
+WORLD=""
 cleanup() {
     [ -n "$SERVE" ] && kill "$SERVE" 2>/dev/null
     sleep 1
     for p in $(vm_pids); do kill -9 "$p" 2>/dev/null; done
+    [ -n "$WORLD" ] && kill "$WORLD" 2>/dev/null
 }
 fail() {
     echo "SDK-SCENARIO-FAIL $*"
@@ -143,8 +165,24 @@ ip addr add 10.0.2.15/24 dev eth0 || fail "eth0 address"
 rm -rf "$STATE" "$LOG"
 mkdir -p "$STATE"
 
+# The world: its own namespace, a veth to this machine, two addresses, one HTTP server.
+[ -x "$IP" ] && [ -x /usr/sbin/nft ] || fail "no $IP or /usr/sbin/nft (NESTED_L1_BINS)"
+mkdir -p /tmp/world
+echo "hello from the world" >/tmp/world/hello.txt
+head -c 1048576 /dev/urandom >/tmp/world/blob
+sha256sum /tmp/world/blob | cut -d' ' -f1 >/tmp/world/blob.sha256
+$IP netns add world || fail "world namespace"
+$IP link add wv0 type veth peer name wv1 netns world || fail "world veth"
+$IP addr add 10.99.0.1/24 dev wv0 && $IP link set wv0 up || fail "world veth, this side"
+$IP -n world addr add 10.99.0.2/24 dev wv1 && $IP -n world addr add 10.99.0.3/24 dev wv1 &&
+    $IP -n world link set wv1 up && $IP -n world link set lo up &&
+    $IP -n world route add default via 10.99.0.1 || fail "world addresses"
+$IP netns exec world httpd -f -p 8000 -h /tmp/world &
+WORLD=$!
+echo "SDK-WORLD 10.99.0.2 10.99.0.3 port 8000"
+
 t0=$(uptime_s)
-$CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz \
+$CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
     --initrd /guest/initrd.cpio --disk "$BASE" --mem-mib 256 --vcpus 1 --agent-timeout 240 \
     --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
     --run 'echo made-by-the-template > /root/template.txt' || fail "template build"
@@ -165,6 +203,12 @@ while [ -z "$verdict" ]; do
         start_serve
         echo "SDK-SERVE-RESTARTED"
         ;;
+    "netns "*) echo "SDK-NETNS ${cmd#netns } $(netns_count) $(veth_count)" ;;
+    "kill-vmm "*)
+        n=0
+        for p in $(sandbox_vm_pids "${cmd#kill-vmm }"); do kill -9 "$p" 2>/dev/null && n=$((n + 1)); done
+        echo "SDK-VMM-KILLED ${cmd#kill-vmm } $n"
+        ;;
     "done pass") verdict=pass ;;
     "done fail") verdict=fail ;;
     *) echo "SDK-CONTROL ignored: '$cmd'" ;;
@@ -178,5 +222,10 @@ echo "---- $LOG (tail) ----"
 tail -n 15 "$LOG"
 [ "$verdict" = pass ] || fail "the host's SDK suite failed"
 [ "$rc" = 0 ] || fail "clade serve exited $rc on SIGTERM"
+# Every sandbox was killed by the suite, and the pool goes with the service.
+left=$(netns_count)
+[ "$left" = 0 ] || { ls /run/netns; fail "$left sandbox network namespaces left"; }
+[ "$(veth_count)" = 0 ] || { ls /sys/class/net; fail "sandbox veths left"; }
+echo "SDK-NETNS-CLEAN"
 cleanup
 echo "SDK-SCENARIO-PASS"
