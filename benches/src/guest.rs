@@ -126,8 +126,22 @@ pub(crate) fn boot_until(
     vsock: Option<&Path>,
     ready: &str,
 ) -> Result<Vm> {
+    boot_until_with(guest, machine, steps, vsock, ready, None)
+}
+
+/// [`boot_until`], with a network device over `net` when given.
+pub(crate) fn boot_until_with(
+    guest: &Guest,
+    machine: &Machine,
+    steps: &str,
+    vsock: Option<&Path>,
+    ready: &str,
+    net: Option<vmm::NetConfig>,
+) -> Result<Vm> {
     tracing::debug!(steps, ready, "booting the native guest");
-    let mut vm = vmm::boot(config(guest, machine, steps, vsock))?;
+    let mut cfg = config(guest, machine, steps, vsock);
+    cfg.net = net;
+    let mut vm = vmm::boot(cfg)?;
     vm.start()?;
     let t = Instant::now();
     while !serial(&vm).contains(ready) {

@@ -29,6 +29,22 @@ pub struct RestoreParams {
     pub baseline_n: Option<usize>,
     /// Pin the VMM's threads to CPU 0 and the vCPUs to the other CPUs.
     pub pin: bool,
+    /// Restore a VM with a network device, its TAP in a network namespace of its own
+    /// (made beforehand, as `clade serve`'s pool does), and measure the same restores of
+    /// the same guest without one in the same run: what networking adds (root only).
+    pub net: bool,
+}
+
+/// The `--net` part of a restore report.
+#[derive(Debug, Clone)]
+pub struct NetRun {
+    /// The same backend's restores of the guest without a network device.
+    pub without: BackendRun,
+    /// Making a sandbox network (namespace, veth pair, TAP, rules): a pool's refill, off
+    /// the restore's path.
+    pub create: Samples,
+    /// Removing one.
+    pub destroy: Samples,
 }
 
 /// One backend's restore measurements.
@@ -69,6 +85,8 @@ pub struct RestoreReport {
     pub main: BackendRun,
     /// The copy baseline, when measured apart.
     pub baseline: Option<BackendRun>,
+    /// With `--net`: `main` had a network device; this is the run without.
+    pub net: Option<NetRun>,
 }
 
 const STEP_ORDER: &[&str] = &[
@@ -106,6 +124,7 @@ fn measure_resumes(
     n: usize,
     pool: Option<&ShellPool>,
     vcpu_cpus: &[usize],
+    net: Option<&vmm::NetConfig>,
 ) -> Result<BackendRun> {
     let mut run = BackendRun {
         backend,
@@ -138,6 +157,7 @@ fn measure_resumes(
                     vsock_path: Some(sock.to_path_buf()),
                     shell: pool.and_then(ShellPool::take),
                     vcpu_cpus: vcpu_cpus.to_vec(),
+                    net: net.cloned(),
                     ..RestoreOptions::default()
                 },
             )
@@ -206,10 +226,32 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
     } else {
         "vsock".to_string()
     };
-    let mut vm = boot_until(guest, machine, &steps, Some(&sock), "serving agent port")?;
+    // --net: the sandbox network the restored VMs attach to (one, made before: a
+    // service's pool makes them off the path), in a range and with names of this run's own.
+    let sandbox_net = if params.net {
+        Some(BenchNet::new()?)
+    } else {
+        None
+    };
+    let net_cfg = sandbox_net.as_ref().map(BenchNet::config);
+    let mut vm = crate::guest::boot_until_with(
+        guest,
+        machine,
+        &steps,
+        Some(&sock),
+        "serving agent port",
+        net_cfg.clone(),
+    )?;
     let snap = vmm::snapshot(&mut vm, &dir, SnapshotKind::Full)?;
     vm.shutdown();
     drop(vm);
+    // The same guest without a network device, for the comparison.
+    let plain_dir = scratch.0.join("snap-plain");
+    if params.net {
+        let mut vm = boot_until(guest, machine, &steps, Some(&sock), "serving agent port")?;
+        vmm::snapshot(&mut vm, &plain_dir, SnapshotKind::Full)?;
+        vm.shutdown();
+    }
 
     let pool = if params.pool > 0 {
         Some(ShellPool::new(machine.shell_spec(), params.pool)?)
@@ -232,7 +274,29 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         params.n,
         pool.as_ref(),
         &vcpu_cpus,
+        net_cfg.as_ref(),
     )?;
+    let net = match &sandbox_net {
+        Some(bn) => {
+            let plain = PreparedSnapshot::open(&plain_dir, Default::default())?;
+            let without = measure_resumes(
+                &plain,
+                &sock,
+                params.backend,
+                params.n,
+                pool.as_ref(),
+                &vcpu_cpus,
+                None,
+            )?;
+            let (create, destroy) = bn.setup_cost(20)?;
+            Some(NetRun {
+                without,
+                create,
+                destroy,
+            })
+        }
+        None => None,
+    };
     let baseline = match params.baseline_n {
         Some(0) => None,
         _ if params.backend == MemoryBackend::Copy => None,
@@ -243,6 +307,7 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
             bn.unwrap_or(params.n),
             pool.as_ref(),
             &vcpu_cpus,
+            net_cfg.as_ref(),
         )?),
     };
     Ok(RestoreReport {
@@ -254,7 +319,56 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         open,
         main,
         baseline,
+        net,
     })
+}
+
+/// A sandbox network for `--net` (hostnet, as `clade serve` makes them), in a range and
+/// with names of this process's own; removed when dropped.
+struct BenchNet {
+    range: hostnet::NetRange,
+    net: hostnet::SandboxNet,
+}
+
+impl BenchNet {
+    fn new() -> Result<BenchNet> {
+        let pid = std::process::id();
+        let cidr = hostnet::parse_cidr(&format!("10.255.{}.0/24", pid % 250))
+            .map_err(|e| Error::Guest(format!("--net: {e}")))?;
+        let range = hostnet::NetRange::new(cidr, &format!("cbn{}", pid % 100_000), "cb")
+            .map_err(|e| Error::Guest(format!("--net: {e}")))?;
+        // Whatever an earlier, killed run of this pid left.
+        let _ = hostnet::sweep(&range, &[]);
+        let net = hostnet::SandboxNet::create(&range, 0).map_err(|e| {
+            Error::Guest(format!("--net: making a sandbox network (needs root): {e}"))
+        })?;
+        Ok(BenchNet { range, net })
+    }
+
+    fn config(&self) -> vmm::NetConfig {
+        vmm::NetConfig {
+            tap: vmm::TapSource::Name(self.net.tap_name().into()),
+            mac: None,
+            netns: Some(self.net.netns_path().to_path_buf()),
+        }
+    }
+
+    /// Makes and removes `n` more networks, timing each.
+    fn setup_cost(&self, n: usize) -> Result<(Samples, Samples)> {
+        let (mut create, mut destroy) = (Samples::new(), Samples::new());
+        for _ in 0..n {
+            let t = Instant::now();
+            let extra = hostnet::SandboxNet::create(&self.range, 1)
+                .map_err(|e| Error::Guest(format!("--net: {e}")))?;
+            create.push(t.elapsed());
+            let t = Instant::now();
+            extra
+                .destroy()
+                .map_err(|e| Error::Guest(format!("--net: {e}")))?;
+            destroy.push(t.elapsed());
+        }
+        Ok((create, destroy))
+    }
 }
 
 impl RestoreReport {
@@ -308,6 +422,16 @@ impl RestoreReport {
             "measured": "PreparedSnapshot::restore call until vmm::agent::Client::ping answered over vsock (native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
             "steps_p50_us": main.steps.p50_json(STEP_ORDER),
             "baseline_steps_p50_us": self.baseline.as_ref().map(|b| b.steps.p50_json(STEP_ORDER)),
+            "net": self.net.is_some(),
+            "without_net_p50_us": self.net.as_ref().map(|n| r1(n.without.samples.summary("x").p50_us)),
+            "without_net_p99_us": self.net.as_ref().map(|n| r1(n.without.samples.summary("x").p99_us)),
+            "net_added_p50_pct": self.net.as_ref().map(|n| {
+                let w = n.without.samples.summary("x").p50_us;
+                r1((s.p50_us - w) / w * 100.0)
+            }),
+            "without_net_steps_p50_us": self.net.as_ref().map(|n| n.without.steps.p50_json(STEP_ORDER)),
+            "netns_create_p50_us": self.net.as_ref().map(|n| r1(n.create.percentile(50.0).unwrap_or(f64::NAN))),
+            "netns_destroy_p50_us": self.net.as_ref().map(|n| r1(n.destroy.percentile(50.0).unwrap_or(f64::NAN))),
         })
         .to_string()
     }
@@ -340,6 +464,21 @@ impl fmt::Display for RestoreReport {
             )?;
         }
         write!(f, "\n  steps p50 (us): {}", main.steps.p50_json(STEP_ORDER))?;
+        if let Some(n) = &self.net {
+            let w = n.without.samples.summary("resume_to_first_ping");
+            write!(
+                f,
+                "\n  with a NIC (TAP in its own namespace) above; without: n={} p50={:.1} us \
+                 p99={:.1} us -> networking adds {:+.1}% at p50\n  making a sandbox \
+                 network (off the path, a pool's refill): p50 {:.0} us, removing one p50 {:.0} us",
+                w.n,
+                w.p50_us,
+                w.p99_us,
+                (s.p50_us - w.p50_us) / w.p50_us * 100.0,
+                n.create.percentile(50.0).unwrap_or(f64::NAN),
+                n.destroy.percentile(50.0).unwrap_or(f64::NAN),
+            )?;
+        }
         if let Some(b) = &self.baseline {
             let b = b.samples.summary("resume_to_first_ping");
             write!(

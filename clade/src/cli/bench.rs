@@ -74,6 +74,11 @@ pub enum BenchCommand {
         /// native guest busy-polls: unpinned, a VMM thread may wait behind it).
         #[arg(long)]
         no_pin: bool,
+        /// The VM has a network device, its TAP in a network namespace made beforehand
+        /// (as `clade serve`'s pool does); the same restores without one are measured in
+        /// the same run, and making a namespace is timed apart. Root only.
+        #[arg(long)]
+        net: bool,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -172,6 +177,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             fill,
             baseline_n,
             no_pin,
+            net,
             json,
             machine,
         } => {
@@ -182,6 +188,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 fill_pct: fill,
                 baseline_n,
                 pin: !no_pin,
+                net,
             };
             let r = clade_bench::restore(&load(guest)?, &machine.into(), &params)?;
             print(json, r.to_json(), r);
