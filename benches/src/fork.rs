@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use vmm::{ChildSpec, ForkOptions, SerialOutput, Shell};
 
 use crate::error::{Error, Result};
-use crate::guest::{boot_until, ping_once, Guest, Machine, Scratch};
+use crate::guest::{ping_once, Guest, Machine, Scratch};
+use crate::net::BenchNets;
 use crate::stats::{Samples, Summary};
 use crate::FILL_BASE_MIB;
 
@@ -21,6 +22,10 @@ pub struct ForkParams {
     pub n: usize,
     /// Percentage of the memory above 64 MiB the guest fills before the fork.
     pub fill_pct: u32,
+    /// The parent has a network device and each child gets its own TAP, each in a
+    /// network namespace made beforehand; the same fork without networking is measured in
+    /// the same run first. Root only.
+    pub net: bool,
 }
 
 /// What `fork` reports.
@@ -50,6 +55,8 @@ pub struct ForkReport {
     pub baseline: Duration,
     /// The baseline's memory copy.
     pub copy_time: Duration,
+    /// With `--net`: this fork had network devices; the same fork without them.
+    pub without_net: Option<Box<ForkReport>>,
 }
 
 fn shells(machine: &Machine, n: usize) -> Result<Vec<Shell>> {
@@ -62,6 +69,24 @@ fn shells(machine: &Machine, n: usize) -> Result<Vec<Shell>> {
 /// Boots the guest (filling `fill_pct` of its memory above 64 MiB, then answering pings),
 /// forks it into `n` children and pings each; then forks it once more by full memory copy.
 pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<ForkReport> {
+    let without_net = if params.net {
+        Some(Box::new(fork(
+            guest,
+            machine,
+            &ForkParams {
+                net: false,
+                ..params.clone()
+            },
+        )?))
+    } else {
+        None
+    };
+    // --net: the parent's network (0), each child's (1..=n), and the baseline child's.
+    let nets = if params.net {
+        Some(BenchNets::new(params.n + 2)?)
+    } else {
+        None
+    };
     let n = params.n;
     let mem_mib = machine.mem_mib;
     let scratch = Scratch::new("fork")?;
@@ -69,12 +94,13 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
     let psock = dir.join("p.sock");
     let fill_mib =
         (mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100).max(1);
-    let mut parent = boot_until(
+    let mut parent = crate::guest::boot_until_with(
         guest,
         machine,
         &format!("memfill:1:{fill_mib},vsock"),
         Some(&psock),
         "serving agent port",
+        nets.as_ref().map(|b| b.config(0)),
     )?;
     // Shells are built ahead (a pool's job, not measured).
     let pre = shells(machine, n)?;
@@ -88,6 +114,10 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
             vsock_paths: paths.clone(),
             shells: pre,
             start: true,
+            nets: nets
+                .as_ref()
+                .map(|b| (1..=n).map(|i| b.config(i)).collect())
+                .unwrap_or_default(),
             ..ForkOptions::default()
         },
     )?;
@@ -144,7 +174,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         hostname_suffix: String::new(),
         start: true,
         vcpu_cpus: Vec::new(),
-        net: None,
+        net: nets.as_ref().map(|b| b.config(n + 1)),
     })?;
     ping_once(&bsock)?;
     let baseline = base_pause + tb.elapsed();
@@ -164,6 +194,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         parent_pss_kib,
         baseline,
         copy_time,
+        without_net,
     })
 }
 
@@ -189,6 +220,13 @@ impl ForkReport {
             "parent_pss_kib": self.parent_pss_kib,
             "baseline_child_p50_us": self.baseline.as_micros() as u64,
             "baseline_copy_us": self.copy_time.as_micros() as u64,
+            "net": self.without_net.is_some(),
+            "without_net_child_p50_us": self.without_net.as_ref().map(|w| w.child.p50_us as u64),
+            "without_net_child_p99_us": self.without_net.as_ref().map(|w| w.child.p99_us as u64),
+            "without_net_pause_us": self.without_net.as_ref().map(|w| w.pause_time.as_micros() as u64),
+            "net_added_child_p50_pct": self.without_net.as_ref().map(|w| {
+                ((self.child.p50_us - w.child.p50_us) / w.child.p50_us * 1000.0).round() / 10.0
+            }),
         })
         .to_string()
     }
@@ -228,6 +266,19 @@ impl fmt::Display for ForkReport {
             "  baseline (full copy) child first ping {} us (copy {:?})",
             self.baseline.as_micros(),
             self.copy_time
-        )
+        )?;
+        if let Some(w) = &self.without_net {
+            write!(
+                f,
+                "\n  the above with a NIC per VM (each TAP in its own namespace); without: \
+                 pause {:?}, child first ping p50 {} us, p99 {} us -> networking adds \
+                 {:+.1}% at p50",
+                w.pause_time,
+                w.child.p50_us as u128,
+                w.child.p99_us as u128,
+                (self.child.p50_us - w.child.p50_us) / w.child.p50_us * 100.0
+            )?;
+        }
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ mod boot;
 mod error;
 mod fork;
 mod guest;
+mod net;
 mod ping;
 mod restore;
 mod serve;

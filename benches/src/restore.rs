@@ -11,6 +11,7 @@ use vmm::{MemoryBackend, PreparedSnapshot, RestoreOptions, SerialOutput, ShellPo
 
 use crate::error::{Context, Error, Result};
 use crate::guest::{boot_until, connect, serial, Guest, Machine, Scratch};
+use crate::net::BenchNets;
 use crate::stats::{pct_u64, r1, us, Samples, StepTimes};
 use crate::FILL_BASE_MIB;
 
@@ -229,11 +230,11 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
     // --net: the sandbox network the restored VMs attach to (one, made before: a
     // service's pool makes them off the path), in a range and with names of this run's own.
     let sandbox_net = if params.net {
-        Some(BenchNet::new()?)
+        Some(BenchNets::new(1)?)
     } else {
         None
     };
-    let net_cfg = sandbox_net.as_ref().map(BenchNet::config);
+    let net_cfg = sandbox_net.as_ref().map(|n| n.config(0));
     let mut vm = crate::guest::boot_until_with(
         guest,
         machine,
@@ -321,54 +322,6 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         baseline,
         net,
     })
-}
-
-/// A sandbox network for `--net` (hostnet, as `clade serve` makes them), in a range and
-/// with names of this process's own; removed when dropped.
-struct BenchNet {
-    range: hostnet::NetRange,
-    net: hostnet::SandboxNet,
-}
-
-impl BenchNet {
-    fn new() -> Result<BenchNet> {
-        let pid = std::process::id();
-        let cidr = hostnet::parse_cidr(&format!("10.255.{}.0/24", pid % 250))
-            .map_err(|e| Error::Guest(format!("--net: {e}")))?;
-        let range = hostnet::NetRange::new(cidr, &format!("cbn{}", pid % 100_000), "cb")
-            .map_err(|e| Error::Guest(format!("--net: {e}")))?;
-        // Whatever an earlier, killed run of this pid left.
-        let _ = hostnet::sweep(&range, &[]);
-        let net = hostnet::SandboxNet::create(&range, 0).map_err(|e| {
-            Error::Guest(format!("--net: making a sandbox network (needs root): {e}"))
-        })?;
-        Ok(BenchNet { range, net })
-    }
-
-    fn config(&self) -> vmm::NetConfig {
-        vmm::NetConfig {
-            tap: vmm::TapSource::Name(self.net.tap_name().into()),
-            mac: None,
-            netns: Some(self.net.netns_path().to_path_buf()),
-        }
-    }
-
-    /// Makes and removes `n` more networks, timing each.
-    fn setup_cost(&self, n: usize) -> Result<(Samples, Samples)> {
-        let (mut create, mut destroy) = (Samples::new(), Samples::new());
-        for _ in 0..n {
-            let t = Instant::now();
-            let extra = hostnet::SandboxNet::create(&self.range, 1)
-                .map_err(|e| Error::Guest(format!("--net: {e}")))?;
-            create.push(t.elapsed());
-            let t = Instant::now();
-            extra
-                .destroy()
-                .map_err(|e| Error::Guest(format!("--net: {e}")))?;
-            destroy.push(t.elapsed());
-        }
-        Ok((create, destroy))
-    }
 }
 
 impl RestoreReport {

@@ -122,6 +122,11 @@ pub enum BenchCommand {
         /// Percentage of the memory above 64 MiB the guest fills before the fork.
         #[arg(long, default_value_t = 50)]
         fill: u32,
+        /// The parent has a network device and each child its own TAP, each in a network
+        /// namespace made beforehand; the same fork without networking is measured in the
+        /// same run first. Root only.
+        #[arg(long)]
+        net: bool,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -233,10 +238,15 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             guest,
             n,
             fill,
+            net,
             json,
             machine,
         } => {
-            let params = ForkParams { n, fill_pct: fill };
+            let params = ForkParams {
+                n,
+                fill_pct: fill,
+                net,
+            };
             let r = clade_bench::fork(&load(guest)?, &machine.into(), &params)?;
             print(json, r.to_json(), r);
         }
