@@ -167,6 +167,7 @@ mkdir -p "$STATE"
 
 # The world: its own namespace, a veth to this machine, two addresses, one HTTP server.
 [ -x "$IP" ] && [ -x /usr/sbin/nft ] || fail "no $IP or /usr/sbin/nft (NESTED_L1_BINS)"
+mkdir -p /run/netns   # the initramfs has no /run
 mkdir -p /tmp/world
 echo "hello from the world" >/tmp/world/hello.txt
 head -c 1048576 /dev/urandom >/tmp/world/blob
