@@ -49,6 +49,11 @@ mounts() {
     mount -t sysfs sysfs /sys
     mount -t devtmpfs devtmpfs /dev
     mount -t tmpfs tmpfs /tmp
+    # What udev would make: programs such as `nft -f -` open /dev/stdin.
+    ln -sf /proc/self/fd /dev/fd
+    ln -sf /proc/self/fd/0 /dev/stdin
+    ln -sf /proc/self/fd/1 /dev/stdout
+    ln -sf /proc/self/fd/2 /dev/stderr
 }
 
 load_kvm() {

@@ -67,8 +67,10 @@ fi
 
 # Sandbox networking in L1 (a VM's TAP; clade serve's namespaces, NAT and egress policy;
 # scenarios' own set-up): TUN/TAP, veth, nftables with NAT and conntrack, and the `nft`
-# and iproute2 `ip` programs (busybox's ip has no netns).
-export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }tun veth nf_tables nft_chain_nat nft_nat nft_masq nft_ct"
+# and iproute2 `ip` programs (busybox's ip has no netns). crc32c_generic first: libcrc32c
+# (under nf_conntrack and nf_tables) needs a crc32c algorithm when it loads, and L1 has no
+# modprobe to fetch one on demand.
+export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }crc32c_generic tun veth nf_tables nft_chain_nat nft_nat nft_masq nft_ct"
 export NESTED_L1_BINS="${NESTED_L1_BINS:-nft ip}"
 
 NETDEV=""
