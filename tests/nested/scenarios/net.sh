@@ -13,6 +13,7 @@
 #   download  the guest fetches a 4 MiB file from an HTTP server on the TAP's host side
 #             (python3 urllib), same SHA-256
 #   upload    the host side fetches a file from `python3 -m http.server` in the guest
+#   throughput  32 MiB guest -> host over the TAP and over vsock: NET-THROUGHPUT line
 #   restore   snapshot, SIGKILL, restore onto a new TAP of the same name: the guest's
 #             network works again without any change inside it (download again)
 #   stop      power off: the TAP is gone with the VM process
@@ -96,6 +97,22 @@ until wget -q -O "$D/g.bin" http://10.10.0.2:8001/g.bin 2>/dev/null; do
 done
 [ "$(sha256sum "$D/g.bin" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$D/g.sum")" ] || fail "upload: checksum"
 pass upload "1 MiB from the guest's http.server"
+
+# Throughput guest -> host, the same 32 MiB file through the TAP (HTTP from the guest's
+# server) and through vsock (the agent's file read, `clade cp`), in this machine alike:
+# the ratio is the figure (times under TCG are not throughputs).
+gx sh -c 'head -c 33554432 /dev/urandom > /root/t.bin' || fail "throughput: guest file"
+t0=$(uptime_s)
+wget -q -O "$D/t-tap.bin" http://10.10.0.2:8001/t.bin || fail "throughput: HTTP over the TAP"
+t1=$(uptime_s)
+$CLADE cp "$D/vm.sock:/root/t.bin" "$D/t-vsock.bin" || fail "throughput: clade cp over vsock"
+t2=$(uptime_s)
+cmp -s "$D/t-tap.bin" "$D/t-vsock.bin" || fail "throughput: the two copies differ"
+rm -f "$D/t-tap.bin" "$D/t-vsock.bin"
+tap_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+vsock_s=$(awk -v a="$t1" -v b="$t2" 'BEGIN { printf "%.2f", b - a }')
+echo "NET-THROUGHPUT guest->host 32 MiB: TAP (HTTP) $tap_s s, vsock (clade cp) $vsock_s s, TAP/vsock time ratio $(awk -v a="$tap_s" -v b="$vsock_s" 'BEGIN { printf "%.2f", a / b }')"
+pass throughput "32 MiB both ways identical"
 
 $CLADE snapshot "$D/vm.api" "$D/snap" >/dev/null || fail "snapshot"
 kill -9 "$VM"
