@@ -3,6 +3,8 @@
 //! device, held from its creation to its kill (a paused sandbox keeps its namespace: its
 //! outer address and policy stay, and a resume only attaches a new VM process to the TAP).
 //!
+//! Each network answers DNS on its gateway ([`dns`]: a forwarder to the host's resolver).
+//!
 //! Making a namespace costs milliseconds of netlink and `nft` work, so a small pool of
 //! ready networks (allow-all) is kept off the create path and refilled in the background;
 //! a create with another policy takes one and replaces its rules (one `nft` transaction).
@@ -12,7 +14,7 @@
 //! whose kill was cut short) and takes the rest over.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -20,13 +22,31 @@ use hostnet::{EgressPolicy, HostNet, NetRange, Options, SandboxNet};
 
 use crate::error::{Error, Result};
 
+pub mod dns;
+
+/// A network as this service keeps it: the namespace and rules, and the DNS forwarder on
+/// its gateway (stopped first when it goes).
+struct Net {
+    dns: Option<dns::Forwarder>,
+    net: SandboxNet,
+}
+
+impl Net {
+    fn destroy(self) -> hostnet::Result<()> {
+        drop(self.dns);
+        self.net.destroy()
+    }
+}
+
 /// The service's sandbox networks (see the module docs).
 pub struct Networks {
     range: NetRange,
     /// Networks held by sandboxes, by index.
-    held: Mutex<BTreeMap<u32, SandboxNet>>,
+    held: Mutex<BTreeMap<u32, Net>>,
     /// Ready networks (allow-all), not yet any sandbox's.
-    pool: Mutex<Vec<SandboxNet>>,
+    pool: Mutex<Vec<Net>>,
+    /// The resolver the guests' DNS queries go to (none: no DNS in sandboxes).
+    dns_upstream: Option<SocketAddr>,
     /// How many ready networks to keep.
     pool_size: usize,
     refilling: AtomicBool,
@@ -42,16 +62,38 @@ fn net_err(what: &str) -> impl FnOnce(hostnet::Error) -> Error + '_ {
 
 impl Networks {
     /// Sets up the host side (forwarding, the host's NAT and isolation rules) for `range`.
-    /// Needs root; fails when `nft` or the kernel's nftables are missing.
-    pub fn init(range: NetRange, pool_size: usize) -> Result<Arc<Networks>> {
+    /// Guests' DNS queries go to `dns_upstream` (see [`dns`]). Needs root; fails when `nft`
+    /// or the kernel's nftables are missing.
+    pub fn init(
+        range: NetRange,
+        pool_size: usize,
+        dns_upstream: Option<SocketAddr>,
+    ) -> Result<Arc<Networks>> {
         HostNet::init(&range).map_err(net_err("host network set-up"))?;
+        if dns_upstream.is_none() {
+            tracing::warn!("no DNS resolver for sandboxes (no nameserver in /etc/resolv.conf)");
+        }
         Ok(Arc::new(Networks {
             range,
             held: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(Vec::new()),
             pool_size,
             refilling: AtomicBool::new(false),
+            dns_upstream,
         }))
+    }
+
+    /// `net` as this service keeps it: with its DNS forwarder started.
+    fn keep(&self, net: SandboxNet) -> Result<Net> {
+        let dns = match self.dns_upstream {
+            Some(up) => Some(dns::Forwarder::start(
+                net.netns_path(),
+                SocketAddr::new(hostnet::GUEST_GATEWAY.into(), 53),
+                up,
+            )?),
+            None => None,
+        };
+        Ok(Net { dns, net })
     }
 
     /// After a (re)start: keeps the networks of `keep` (the registry's sandboxes), removes
@@ -62,7 +104,10 @@ impl Networks {
             tracing::info!(?swept, "removed networks no sandbox holds");
         }
         for &i in keep {
-            match SandboxNet::adopt(&self.range, i) {
+            match SandboxNet::adopt(&self.range, i)
+                .map_err(net_err("taking a network over"))
+                .and_then(|n| self.keep(n))
+            {
                 Ok(n) => {
                     lock(&self.held).insert(i, n);
                 }
@@ -80,13 +125,13 @@ impl Networks {
         let net = match ready {
             Some(n) => {
                 if *policy != EgressPolicy::allow_all() {
-                    n.set_policy(policy).map_err(net_err("egress policy"))?;
+                    n.net.set_policy(policy).map_err(net_err("egress policy"))?;
                 }
                 n
             }
             None => self.make(policy)?,
         };
-        let i = net.index();
+        let i = net.net.index();
         lock(&self.held).insert(i, net);
         self.refill();
         Ok(i)
@@ -94,7 +139,7 @@ impl Networks {
 
     /// Makes a network at the lowest free index (one some other user of the range holds,
     /// such as a template build, is skipped).
-    fn make(&self, policy: &EgressPolicy) -> Result<SandboxNet> {
+    fn make(&self, policy: &EgressPolicy) -> Result<Net> {
         let opts = Options {
             policy: policy.clone(),
             ..Options::default()
@@ -104,11 +149,11 @@ impl Networks {
             let taken = {
                 let held = lock(&self.held);
                 let pool = lock(&self.pool);
-                held.contains_key(&i) || pool.iter().any(|n| n.index() == i)
+                held.contains_key(&i) || pool.iter().any(|n| n.net.index() == i)
             };
             if !taken {
                 match SandboxNet::create_with(&self.range, i, &opts) {
-                    Ok(n) => return Ok(n),
+                    Ok(n) => return self.keep(n),
                     Err(hostnet::Error::Exists(_)) => {}
                     Err(e) => return Err(net_err("making a sandbox network")(e)),
                 }
@@ -152,7 +197,7 @@ impl Networks {
     /// Replaces the egress policy of network `i` (a running or paused sandbox's).
     pub fn set_policy(&self, i: u32, policy: &EgressPolicy) -> Result<()> {
         match lock(&self.held).get(&i) {
-            Some(n) => n.set_policy(policy).map_err(net_err("egress policy")),
+            Some(n) => n.net.set_policy(policy).map_err(net_err("egress policy")),
             None => Err(Error::Network(format!(
                 "the sandbox's network ({i}) is gone"
             ))),
@@ -163,7 +208,7 @@ impl Networks {
     /// at the next start.
     pub fn release(&self, i: u32) {
         let held = lock(&self.held).remove(&i);
-        if let Some(Err(e)) = held.map(SandboxNet::destroy) {
+        if let Some(Err(e)) = held.map(Net::destroy) {
             tracing::error!(net = i, "removing a sandbox network: {e}");
         }
     }
@@ -194,12 +239,13 @@ impl Networks {
 }
 
 /// The guest side of every sandbox network, for a template's kernel command line
-/// (`clade.net=ADDR/PREFIX,GATEWAY`, read by the guest agent).
+/// (`clade.net=ADDR/PREFIX,GATEWAY clade.dns=GATEWAY`, read by the guest agent: the
+/// resolver is the service's forwarder on the gateway, [`dns`]).
 pub fn guest_cmdline() -> String {
     format!(
-        "clade.net={}/{},{}",
+        "clade.net={}/{},{gw} clade.dns={gw}",
         hostnet::GUEST_IP,
         hostnet::GUEST_PREFIX,
-        hostnet::GUEST_GATEWAY
+        gw = hostnet::GUEST_GATEWAY
     )
 }

@@ -186,3 +186,9 @@ def test_networks_go_with_their_sandboxes_and_a_killed_vmm():
     t.kill()
     n2, v2 = netns_counts("after")
     assert (n2, v2) == (n0, v0), f"before {(n0, v0)}, after kills {(n2, v2)}"
+
+
+def test_the_guests_resolver_is_its_gateway(sb):
+    # The agent wrote it from the template's kernel command line (clade.dns=): the
+    # service's DNS forwarder on the gateway, the same in every sandbox.
+    assert run(sb, "cat /etc/resolv.conf").stdout == "nameserver 172.16.0.1\n"

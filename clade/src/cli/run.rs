@@ -42,8 +42,10 @@ pub struct RunArgs {
     /// Attach a virtio-net device (the guest's eth0) over a TAP: `tap=NAME` opens (or, with
     /// CAP_NET_ADMIN, creates) the TAP interface NAME, `fd=N` uses an inherited TAP
     /// descriptor (IFF_TAP|IFF_NO_PI|IFF_VNET_HDR; what a jailed VMM needs); `,mac=MAC` sets
-    /// the guest's address (default 06:00:ac:10:00:02).
-    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net)]
+    /// the guest's address (default 06:00:ac:10:00:02); `,netns=PATH` (with tap=NAME) opens
+    /// the TAP inside that network namespace (e.g. /run/netns/NAME: a sandbox's own, as
+    /// `clade serve` makes them), while the VMM itself stays in its own.
+    #[arg(long, value_name = "tap=NAME[,netns=PATH]|fd=N[,mac=MAC]", value_parser = parse_net)]
     net: Option<NetConfig>,
     /// Serve the VM's control API on this Unix socket (status, pause, unpause, shutdown,
     /// snapshot, fork; see `clade snapshot`, `clade fork`).

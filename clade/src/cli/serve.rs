@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// Networks kept ready (namespace made, rules in place), off the create path.
     #[arg(long, value_name = "N", default_value_t = 2)]
     net_pool: usize,
+    /// The resolver sandboxes' DNS queries are forwarded to (each sandbox's resolver is a
+    /// forwarder on its gateway); default: the first nameserver of /etc/resolv.conf.
+    #[arg(long, value_name = "IP")]
+    net_dns: Option<std::net::IpAddr>,
     #[command(flatten)]
     range: NetRangeArgs,
 }
@@ -173,7 +177,13 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     host.set_networks(if !wants_net || args.test_host_agent.is_some() {
         Err("sandbox networking is off (clade serve --net)".into())
     } else {
-        match sandbox::net::Networks::init(args.range.range()?, args.net_pool) {
+        let dns = match args.net_dns {
+            Some(ip) => Some(std::net::SocketAddr::new(ip, 53)),
+            None => sandbox::net::dns::upstream_from(
+                &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+            ),
+        };
+        match sandbox::net::Networks::init(args.range.range()?, args.net_pool, dns) {
             Ok(n) => {
                 tracing::info!(range = %args.range.net_range, "sandbox networking on");
                 Ok(n)
@@ -425,6 +435,20 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     let cmdline = match &net {
         Some(_) => format!("{} {}", a.cmdline, sandbox::net::guest_cmdline()),
         None => a.cmdline.clone(),
+    };
+    // Setup commands resolve names through the host's resolver, as sandboxes do.
+    let _dns = match (
+        &net,
+        sandbox::net::dns::upstream_from(
+            &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+        ),
+    ) {
+        (Some(n), Some(up)) => Some(sandbox::net::dns::Forwarder::start(
+            n.netns_path(),
+            std::net::SocketAddr::new(hostnet::GUEST_GATEWAY.into(), 53),
+            up,
+        )?),
+        _ => None,
     };
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let mut cmd = Command::new(exe);

@@ -118,7 +118,7 @@ pub struct RestoreArgs {
     disk_overlay: Option<PathBuf>,
     /// A snapshot with a network device: the restored VM's TAP, as for `clade run --net`
     /// (`tap=NAME` or `fd=N`; a `mac=` must be the saved guest's).
-    #[arg(long, value_name = "tap=NAME|fd=N[,mac=MAC]", value_parser = parse_net_spec)]
+    #[arg(long, value_name = "tap=NAME[,netns=PATH]|fd=N[,mac=MAC]", value_parser = parse_net_spec)]
     net: Option<String>,
     #[command(flatten)]
     jail: JailArgs,

@@ -18,7 +18,8 @@
 //!      until a client asks for a power off, then power off.
 //!
 //!    `clade.agent.log=<level>` sets the log level (default warn); logs go to the console.
-//!    `clade.net=ADDR/PREFIX[,GATEWAY]` gives `eth0` (virtio-net) that address, before 4.
+//!    `clade.net=ADDR/PREFIX[,GATEWAY]` gives `eth0` (virtio-net) that address, before 4;
+//!    `clade.dns=IP` makes IP the guest's resolver (`/etc/resolv.conf`).
 //!
 //! Not PID 1, for host-side tests and development:
 //! `clade-agent --listen-unix PATH` (or `--listen-vsock PORT`) serves the same protocol
@@ -155,6 +156,7 @@ fn init_main() -> ! {
     load_modules();
     let disk_root = mount_disk_root(&cmdline);
     configure_net(&cmdline);
+    configure_dns(&cmdline);
     match system::cmdline_value(&cmdline, "clade.agent").unwrap_or("serve") {
         "ready-poweroff" => {
             if let Err(e) = report_ready() {
@@ -215,6 +217,31 @@ fn configure_net(cmdline: &str) {
         Err(e) => log_error(&InitError::Usage(format!(
             "clade.net: configuring eth0{}: {e}",
             if ok { "" } else { " (no such interface)" }
+        ))),
+    }
+}
+
+/// `clade.dns=IP`: `/etc/resolv.conf` names IP as the only resolver (the host's forwarder on
+/// the sandbox's gateway); prints `CLADE-AGENT-DNS <ip>` or an error line. A symlink there
+/// (e.g. to a resolver daemon's file) is replaced by the file.
+fn configure_dns(cmdline: &str) {
+    let Some(v) = system::cmdline_value(cmdline, "clade.dns") else {
+        return;
+    };
+    let Ok(ip) = v.parse::<std::net::IpAddr>() else {
+        return log_error(&InitError::Usage(format!(
+            "clade.dns={v}: want an IP address"
+        )));
+    };
+    let path = Path::new("/etc/resolv.conf");
+    let _ = fs::remove_file(path);
+    match fs::write(path, format!("nameserver {ip}\n")) {
+        Ok(()) => {
+            let _ = writeln!(io::stdout(), "CLADE-AGENT-DNS {ip}");
+        }
+        Err(e) => log_error(&InitError::Usage(format!(
+            "clade.dns: writing {}: {e}",
+            path.display()
         ))),
     }
 }

@@ -564,7 +564,18 @@ fn sandbox_networks_follow_the_lifecycle() {
     // Without networking, such a template's sandbox is refused with the reason.
     let err = h.create(req(60)).unwrap_err().to_string();
     assert!(err.contains("no sandbox networking"), "{err}");
-    let nets = crate::net::Networks::init(range.clone(), 1).unwrap();
+    // The host's "resolver": answers every query with its bytes and a marker.
+    let upstream = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 512];
+        while let Ok((n, from)) = upstream.recv_from(&mut b) {
+            let mut answer = b[..n].to_vec();
+            answer.extend_from_slice(b"resolved");
+            let _ = upstream.send_to(&answer, from);
+        }
+    });
+    let nets = crate::net::Networks::init(range.clone(), 1, Some(upstream_addr)).unwrap();
     h.set_networks(Ok(nets.clone()));
     h.recover().unwrap();
 
@@ -587,6 +598,23 @@ fn sandbox_networks_follow_the_lifecycle() {
         h.guest_ip(&a),
         Some(std::net::IpAddr::V4(range.outer_ip(ia)))
     );
+    // DNS: a query to the gateway inside the sandbox's namespace reaches the host's
+    // resolver, and its answer comes back.
+    let answer = hostnet::in_netns(&ns(ia), || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let q = [
+            0xab, 0xcd, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3, b'f', b'o', b'o', 0,
+        ];
+        s.send_to(&q, (hostnet::GUEST_GATEWAY, 53)).unwrap();
+        let mut b = [0u8; 512];
+        let n = s.recv(&mut b).unwrap();
+        b[..n].to_vec()
+    })
+    .unwrap();
+    assert_eq!(&answer[..2], &[0xab, 0xcd]);
+    assert!(answer.ends_with(b"resolved"), "{answer:?}");
     // Paused: the network stays (a resume reattaches to it).
     h.pause(&a.id).unwrap();
     assert!(ns(ia).exists());
@@ -607,7 +635,9 @@ fn sandbox_networks_follow_the_lifecycle() {
     drop(h);
     let leaked = hostnet::SandboxNet::create(&range, 40).unwrap().leak();
     let mut h = Host::open(HostConfig::new(d.clone()), driver.clone()).unwrap();
-    h.set_networks(Ok(crate::net::Networks::init(range.clone(), 0).unwrap()));
+    h.set_networks(Ok(
+        crate::net::Networks::init(range.clone(), 0, None).unwrap()
+    ));
     h.recover().unwrap();
     assert!(!ns(leaked).exists(), "swept");
     assert!(ns(ia).exists() && ns(ik[1]).exists(), "held ones kept");
