@@ -116,31 +116,42 @@ fn pin_vmm_threads() -> Result<Vec<usize>> {
     Ok((1..cpus).collect())
 }
 
-/// Resumes `snap` `n` times with `backend`; each sample is from the call to
-/// `PreparedSnapshot::restore` until the guest answered a ping through vsock.
-fn measure_resumes(
-    snap: &PreparedSnapshot,
-    sock: &Path,
+impl BackendRun {
+    fn new(backend: MemoryBackend) -> Self {
+        BackendRun {
+            backend,
+            samples: Samples::new(),
+            faults: Vec::new(),
+            bytes_read: Vec::new(),
+            steps: StepTimes::default(),
+            cold: None,
+            working_set_pages: None,
+        }
+    }
+}
+
+/// What one resume needs besides its round number.
+struct Resume<'a> {
+    snap: &'a PreparedSnapshot,
+    sock: &'a Path,
     backend: MemoryBackend,
-    n: usize,
-    pool: Option<&ShellPool>,
-    vcpu_cpus: &[usize],
-    net: Option<&vmm::NetConfig>,
-) -> Result<BackendRun> {
-    let mut run = BackendRun {
-        backend,
-        samples: Samples::new(),
-        faults: Vec::new(),
-        bytes_read: Vec::new(),
-        steps: StepTimes::default(),
-        cold: None,
-        working_set_pages: None,
-    };
-    // uffd: the first resume records the working set (saved once the guest answered);
-    // it is reported apart, as the cold resume.
-    let rounds = n + usize::from(backend == MemoryBackend::Uffd);
-    for i in 0..rounds {
-        if let Some(p) = pool {
+    pool: Option<&'a ShellPool>,
+    vcpu_cpus: &'a [usize],
+    net: Option<&'a vmm::NetConfig>,
+}
+
+impl Resume<'_> {
+    /// Rounds for `n` measured resumes: uffd's first one records the working set and is
+    /// reported apart, as the cold resume.
+    fn rounds(&self, n: usize) -> usize {
+        n + usize::from(self.backend == MemoryBackend::Uffd)
+    }
+
+    /// Resume round `i`: from the call to `PreparedSnapshot::restore` until the guest
+    /// answered a ping through vsock, into `run`.
+    fn once(&self, i: usize, run: &mut BackendRun) -> Result<()> {
+        let backend = self.backend;
+        if let Some(p) = self.pool {
             // Resumes spaced so the pool is full again (its refill is not measured).
             if !p.wait_full(Duration::from_secs(10)) {
                 return Err(Error::Guest(format!(
@@ -150,21 +161,22 @@ fn measure_resumes(
             }
         }
         let t0 = Instant::now();
-        let mut vm = snap
+        let mut vm = self
+            .snap
             .restore(
                 backend,
                 RestoreOptions {
                     serial: SerialOutput::Memory,
-                    vsock_path: Some(sock.to_path_buf()),
-                    shell: pool.and_then(ShellPool::take),
-                    vcpu_cpus: vcpu_cpus.to_vec(),
-                    net: net.cloned(),
+                    vsock_path: Some(self.sock.to_path_buf()),
+                    shell: self.pool.and_then(ShellPool::take),
+                    vcpu_cpus: self.vcpu_cpus.to_vec(),
+                    net: self.net.cloned(),
                     ..RestoreOptions::default()
                 },
             )
             .context_with(|| format!("{backend} resume {i}"))?;
         let t_resumed = t0.elapsed();
-        let client = connect(sock, Duration::from_secs(10)).context_with(|| {
+        let client = connect(self.sock, Duration::from_secs(10)).context_with(|| {
             format!("{backend} resume {i}: connecting; serial:\n{}", serial(&vm))
         })?;
         let t_connected = t0.elapsed();
@@ -197,8 +209,17 @@ fn measure_resumes(
         }
         drop(vm);
         drop(client);
+        Ok(())
     }
-    Ok(run)
+
+    /// `n` measured resumes.
+    fn measure(&self, n: usize) -> Result<BackendRun> {
+        let mut run = BackendRun::new(self.backend);
+        for i in 0..self.rounds(n) {
+            self.once(i, &mut run)?;
+        }
+        Ok(run)
+    }
 }
 
 /// Boots the guest (filling `fill_pct` of its memory, then waiting in its `vsock` step),
@@ -268,48 +289,53 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         open.push(t.elapsed());
     }
     let prepared = PreparedSnapshot::open(&dir, Default::default())?;
-    let main = measure_resumes(
-        &prepared,
-        &sock,
-        params.backend,
-        params.n,
-        pool.as_ref(),
-        &vcpu_cpus,
-        net_cfg.as_ref(),
-    )?;
-    let net = match &sandbox_net {
+    let resume = Resume {
+        snap: &prepared,
+        sock: &sock,
+        backend: params.backend,
+        pool: pool.as_ref(),
+        vcpu_cpus: &vcpu_cpus,
+        net: net_cfg.as_ref(),
+    };
+    let (main, net) = match &sandbox_net {
+        None => (resume.measure(params.n)?, None),
         Some(bn) => {
+            // With and without a NIC, round by round (a drift of the host hits both).
             let plain = PreparedSnapshot::open(&plain_dir, Default::default())?;
-            let without = measure_resumes(
-                &plain,
-                &sock,
-                params.backend,
-                params.n,
-                pool.as_ref(),
-                &vcpu_cpus,
-                None,
-            )?;
+            let without_nic = Resume {
+                snap: &plain,
+                net: None,
+                ..resume
+            };
+            let (mut main, mut without) = (
+                BackendRun::new(params.backend),
+                BackendRun::new(params.backend),
+            );
+            for i in 0..resume.rounds(params.n) {
+                resume.once(i, &mut main)?;
+                without_nic.once(i, &mut without)?;
+            }
             let (create, destroy) = bn.setup_cost(20)?;
-            Some(NetRun {
-                without,
-                create,
-                destroy,
-            })
+            (
+                main,
+                Some(NetRun {
+                    without,
+                    create,
+                    destroy,
+                }),
+            )
         }
-        None => None,
     };
     let baseline = match params.baseline_n {
         Some(0) => None,
         _ if params.backend == MemoryBackend::Copy => None,
-        bn => Some(measure_resumes(
-            &prepared,
-            &sock,
-            MemoryBackend::Copy,
-            bn.unwrap_or(params.n),
-            pool.as_ref(),
-            &vcpu_cpus,
-            net_cfg.as_ref(),
-        )?),
+        bn => Some(
+            Resume {
+                backend: MemoryBackend::Copy,
+                ..resume
+            }
+            .measure(bn.unwrap_or(params.n))?,
+        ),
     };
     Ok(RestoreReport {
         machine: machine.clone(),
