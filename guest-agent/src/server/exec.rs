@@ -20,11 +20,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::conn::Conn;
+use super::conn::{Conn, ExecEntry, StdinCmd};
 use super::pipe;
 use super::procs::Kept;
 use crate::proto::{
@@ -40,100 +40,6 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 const EXIT_OUTPUT_GRACE: Duration = Duration::from_millis(250);
 
 const THREAD_STACK: usize = 256 * 1024;
-
-/// A running process: what a connection's operation id names (an Exec, or a Spawn/Attach
-/// of a kept process).
-pub(crate) struct ExecEntry {
-    pid: libc::pid_t,
-    stdin: Mutex<Option<mpsc::Sender<StdinCmd>>>,
-    tty_master: Option<Arc<OwnedFd>>,
-    /// Started by Spawn: owned by the agent, so a closing connection leaves it running.
-    pub(crate) kept: bool,
-}
-
-enum StdinCmd {
-    /// Bytes to write, and the operation to acknowledge them to.
-    Data {
-        data: Vec<u8>,
-        ack: (Weak<Conn>, u32),
-    },
-    Close,
-}
-
-impl ExecEntry {
-    /// Queues stdin bytes; `StdinAck` goes to `conn`'s operation `id` once written.
-    /// Without a stdin (none, or closed) the bytes are dropped and acknowledged at once, so
-    /// the sender's window never waits for them.
-    pub(crate) fn stdin_data(&self, data: Vec<u8>, conn: &Arc<Conn>, id: u32) {
-        let n = u32::try_from(data.len()).unwrap_or(u32::MAX);
-        let queued = match self
-            .stdin
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
-            Some(tx) => tx
-                .send(StdinCmd::Data {
-                    data,
-                    ack: (Arc::downgrade(conn), id),
-                })
-                .is_ok(),
-            None => false,
-        };
-        if !queued {
-            conn.send(id, &AgentMsg::StdinAck(n));
-        }
-    }
-
-    /// The process has ended: its stdin writer thread may stop.
-    fn drop_stdin(&self) {
-        self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
-    }
-
-    pub(crate) fn stdin_close(&self) {
-        if let Some(tx) = self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = tx.send(StdinCmd::Close);
-        }
-    }
-
-    /// Sends `signal` to the process (or its process group: every exec is a session and
-    /// group leader).
-    pub(crate) fn signal(&self, signal: i32, group: bool) -> Result<(), RemoteError> {
-        if !(0..=64).contains(&signal) {
-            return Err(RemoteError::new(
-                ErrorKind::InvalidArgument,
-                format!("signal {signal} out of range"),
-            ));
-        }
-        let target = if group { -self.pid } else { self.pid };
-        // SAFETY: kill(2) with a pid the reaper guarantees is still ours (not reaped).
-        let rc = Reaper::global().with_live(self.pid, || unsafe { libc::kill(target, signal) });
-        match rc {
-            None => Err(RemoteError::new(
-                ErrorKind::UnknownId,
-                "the process has already exited",
-            )),
-            Some(0) => Ok(()),
-            Some(_) => Err(RemoteError::from_io(
-                &io::Error::last_os_error(),
-                format!("kill {target}"),
-            )),
-        }
-    }
-
-    pub(crate) fn resize(&self, size: WinSize) -> Result<(), RemoteError> {
-        let master = self.tty_master.as_ref().ok_or_else(|| {
-            RemoteError::new(ErrorKind::InvalidArgument, "the exec has no terminal")
-        })?;
-        set_winsize(master.as_raw_fd(), size).map_err(|e| RemoteError::from_io(&e, "TIOCSWINSZ"))
-    }
-
-    /// SIGKILL to the process group.
-    pub(crate) fn kill_group(&self) {
-        // SAFETY: kill(2) on our own, not yet reaped, process group.
-        Reaper::global().with_live(self.pid, || unsafe { libc::kill(-self.pid, libc::SIGKILL) });
-    }
-}
 
 /// Everything the child needs, prepared before the fork.
 struct Plan {
@@ -432,22 +338,8 @@ fn open_pty(size: WinSize) -> io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: s is a new descriptor we own.
     let slave = unsafe { OwnedFd::from_raw_fd(s) };
-    set_winsize(m, size)?;
+    super::set_winsize(m, size)?;
     Ok((master, slave))
-}
-
-fn set_winsize(fd: libc::c_int, size: WinSize) -> io::Result<()> {
-    let ws = libc::winsize {
-        ws_row: size.rows,
-        ws_col: size.cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: TIOCSWINSZ reads the valid winsize.
-    if unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn spawn_thread(name: String, f: impl FnOnce() + Send + 'static) -> io::Result<JoinHandle<()>> {
@@ -557,12 +449,12 @@ pub(crate) fn start(
 
     let master = master.map(Arc::new);
     let (stdin_tx, stdin_rx) = mpsc::channel();
-    let entry = Arc::new(ExecEntry {
+    let entry = Arc::new(ExecEntry::new(
         pid,
-        stdin: Mutex::new(stdin.as_ref().map(|_| stdin_tx)),
-        tty_master: master.clone(),
-        kept: keep.is_some(),
-    });
+        stdin.as_ref().map(|_| stdin_tx),
+        master.clone(),
+        keep.is_some(),
+    ));
     conn.shared.exec_started();
     let sink = match (keep, slot) {
         (Some(k), Some(slot)) => {

@@ -10,6 +10,7 @@ mod conn;
 mod exec;
 mod files;
 mod procs;
+mod session;
 mod watch;
 
 use std::io;
@@ -200,7 +201,7 @@ pub fn serve(listener: Listener, opts: ServerOptions) -> Result<ServeEnd, Error>
                 let n = next_conn;
                 let spawned = std::thread::Builder::new()
                     .name(format!("conn-{n}"))
-                    .spawn(move || conn::serve_connection(n, fd, shared));
+                    .spawn(move || session::serve_connection(n, fd, shared));
                 if let Err(e) = spawned {
                     tracing::error!("connection {n}: cannot start a thread: {e}");
                 }
@@ -227,4 +228,19 @@ pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: both descriptors are new and owned by us from here on.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Sets the terminal size of the PTY master `fd`.
+pub(crate) fn set_winsize(fd: libc::c_int, size: crate::proto::WinSize) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads the valid winsize.
+    if unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -20,8 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use super::conn::Conn;
-use super::exec::ExecEntry;
+use super::conn::{Conn, ExecEntry};
 use crate::proto::{AgentMsg, ErrorKind, ExitStatus, ProcInfo, RemoteError};
 
 /// Kept processes running at once.
