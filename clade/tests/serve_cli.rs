@@ -621,4 +621,9 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
         "the pool goes with the service: {:?}",
         netns()
     );
+    // The host table the service installed for this test's range (a service leaves its
+    // own in place when it stops; `--net-name` NAME gives host veths `<2 letters>h<i>`).
+    let range =
+        hostnet::NetRange::new(hostnet::parse_cidr(&range).unwrap(), &name, &name[..2]).unwrap();
+    hostnet::HostNet::init(&range).unwrap().remove().unwrap();
 }
