@@ -161,7 +161,7 @@ mod tests {
     use super::*;
     use event_manager::{EventOps, Events};
     use std::sync::Mutex;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     use vmm_sys_util::epoll::EventSet;
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -181,16 +181,7 @@ mod tests {
         }
     }
 
-    fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if cond() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        false
-    }
+    use crate::virtio::test_util::wait_for;
 
     #[test]
     fn subscribers_run_on_the_loop_thread_and_are_removed_in_order() {

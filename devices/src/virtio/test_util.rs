@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use virtio_bindings::virtio_mmio as reg;
 
 use crate::event_loop::Manager;
-use crate::virtio::mmio::MmioTransport;
-use crate::BusDevice;
+use crate::virtio::mmio::{MmioTransport, MmioTransportArgs, MmioTransportState};
+use crate::virtio::VirtioDevice;
+use crate::{BusDevice, GuestMemory};
+use snapshot::Persist;
 
 static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
 
@@ -128,4 +130,36 @@ pub(crate) trait MmioDriver {
         self.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
         assert_eq!(self.read(reg::VIRTIO_MMIO_QUEUE_READY), 1);
     }
+}
+
+/// A transport over `device` at the saved `state`, its restore finished: what the VMM does
+/// for a restored (or forked) VM.
+pub(crate) fn restored_transport(
+    mem: &GuestMemory,
+    device: Box<dyn VirtioDevice>,
+    state: &MmioTransportState,
+) -> MmioTransport {
+    let mut t = MmioTransport::restore(
+        MmioTransportArgs {
+            mem: mem.clone(),
+            device,
+            irq: vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+        },
+        state,
+    )
+    .unwrap();
+    t.finish_restore().unwrap();
+    t
+}
+
+/// Polls `cond` every millisecond for up to 5 s; whether it became true.
+pub(crate) fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(5) {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    false
 }

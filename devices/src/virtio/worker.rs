@@ -315,7 +315,7 @@ mod tests {
     use super::*;
     use crate::event_loop::EventLoop;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     use vmm_sys_util::eventfd::EFD_NONBLOCK;
 
     /// Counts its rounds (and publishes the count); no queues, one notifier.
@@ -341,16 +341,7 @@ mod tests {
         }
     }
 
-    fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if cond() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        false
-    }
+    use crate::virtio::test_util::wait_for;
 
     #[test]
     fn a_worker_runs_pauses_resumes_and_stops() {

@@ -22,7 +22,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use crate::event_loop::Manager;
 use crate::virtio::mmio::MmioTransport;
-use crate::virtio::test_util::{pattern, pump, MmioDriver, TempDir};
+use crate::virtio::test_util::{pattern, pump, restored_transport, MmioDriver, TempDir};
 use crate::BusDevice;
 
 const MEM_SIZE: usize = 16 << 20;
@@ -545,7 +545,6 @@ fn a_running_disk_can_be_frozen_for_a_fork() {
 
 #[test]
 fn a_saved_device_restores_onto_a_fork_childs_overlay_at_its_queue_position() {
-    use crate::virtio::mmio::MmioTransportArgs;
     use snapshot::Persist;
 
     let mut h = Harness::new();
@@ -590,17 +589,7 @@ fn a_saved_device_restores_onto_a_fork_childs_overlay_at_its_queue_position() {
     let c = disk::Disk::open(&child, disk::OpenOptions::default()).unwrap();
     let dev = BlockDevice::restore(bs, c, em.remote_endpoint()).unwrap();
     h.disk = dev.disk();
-    let mut t = MmioTransport::restore(
-        MmioTransportArgs {
-            mem: h.mem.clone(),
-            device: Box::new(dev),
-            irq: EventFd::new(EFD_NONBLOCK).unwrap(),
-        },
-        &st,
-    )
-    .unwrap();
-    t.finish_restore().unwrap();
-    h.transport = t;
+    h.transport = restored_transport(&h.mem, Box::new(dev), &st);
     h.em = em;
     // The next request continues at the saved ring positions (submit_raw checks the used
     // index moves from 2 to 3) and sees the disk as it was at the fork.

@@ -20,7 +20,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use crate::event_loop::Manager;
 use crate::virtio::mmio::MmioTransport;
-use crate::virtio::test_util::{pattern, pump, MmioDriver};
+use crate::virtio::test_util::{pattern, pump, restored_transport, MmioDriver};
 use crate::virtio::VIRTIO_F_VERSION_1;
 use crate::BusDevice;
 
@@ -688,7 +688,6 @@ fn vnet_header_bytes_and_transmit_rules() {
 
 #[test]
 fn a_saved_device_restores_onto_a_new_backend_at_its_queue_positions() {
-    use crate::virtio::mmio::MmioTransportArgs;
     use snapshot::Persist;
 
     let mut h = Harness::new();
@@ -723,17 +722,7 @@ fn a_saved_device_restores_onto_a_new_backend_at_its_queue_positions() {
     let (backend, peer) = socket_backend(ALL_OFFLOADS);
     let dev = NetDevice::restore(ns, backend.clone(), em.remote_endpoint()).unwrap();
     h.stats = dev.stats();
-    let mut t = MmioTransport::restore(
-        MmioTransportArgs {
-            mem: h.mem.clone(),
-            device: Box::new(dev),
-            irq: EventFd::new(EFD_NONBLOCK).unwrap(),
-        },
-        &st,
-    )
-    .unwrap();
-    t.finish_restore().unwrap();
-    h.transport = t;
+    h.transport = restored_transport(&h.mem, Box::new(dev), &st);
     h.em = em;
     h.backend = backend;
     h.peer = peer;
