@@ -1241,7 +1241,10 @@ fn kept_processes_are_signalled_and_resized_through_attachments() {
     let mut c = agent.connect();
     let mut spec = sh("trap 'echo term; exit 3' TERM; echo ready; while :; do sleep 0.05; done");
     spec.tty = Some(WinSize { rows: 10, cols: 40 });
-    let (_, pid) = spawn_kept(&mut c, spec, None, b"");
+    let (id, pid) = spawn_kept(&mut c, spec, None, b"");
+    // The trap is installed before "ready" is printed: a SIGTERM sent earlier
+    // would kill the shell outright instead of running the trap.
+    read_until(&mut c, id, "ready");
     drop(c);
     let mut c = agent.connect();
     let a = attach(&mut c, pid, true).unwrap();
