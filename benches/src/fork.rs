@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use vmm::{ChildSpec, ForkOptions, SerialOutput, Shell};
 
-use crate::error::{Error, Result};
-use crate::guest::{ping_once, Guest, Machine, Scratch};
+use crate::error::{Context, Error, Result};
+use crate::guest::{connect, ping_once, Guest, Machine, Scratch};
 use crate::net::BenchNets;
 use crate::stats::{Samples, Summary};
 use crate::FILL_BASE_MIB;
@@ -55,6 +55,12 @@ pub struct ForkReport {
     pub baseline: Duration,
     /// The baseline's memory copy.
     pub copy_time: Duration,
+    /// The parent's agent round trip before the fork (p50 of a few, one connection).
+    pub parent_ping_before_us: f64,
+    /// The parent's first round trip after the fork on that same connection: the guest
+    /// touches its responder's code, stack and queues again, each page a fault now (a
+    /// read maps the frozen page, a write copies it).
+    pub parent_first_ping: Duration,
     /// With `--net`: this fork had network devices; the same fork without them.
     pub without_net: Option<Box<ForkReport>>,
 }
@@ -102,6 +108,17 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         "serving agent port",
         nets.as_ref().map(|b| b.config(0)),
     )?;
+    // One agent connection to the parent stays open across the fork: its round trip
+    // before, then its first one after (the parent's first touches of its memory).
+    let parent_conn = connect(&psock, Duration::from_secs(20))
+        .context_with(|| format!("connecting to {}", psock.display()))?;
+    let mut before = Samples::new();
+    for _ in 0..PARENT_PINGS_BEFORE {
+        let t = Instant::now();
+        parent_conn.ping()?;
+        before.push(t.elapsed());
+    }
+    let before = before.summary("parent_ping_before");
     // Shells are built ahead (a pool's job, not measured).
     let pre = shells(machine, n)?;
     let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
@@ -122,6 +139,9 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         },
     )?;
     let built = t0.elapsed();
+    let t = Instant::now();
+    parent_conn.ping()?;
+    let parent_first_ping = t.elapsed();
     tracing::debug!(n, ?built, pause = ?report.pause_time, "forked");
     // Every child answered: pinged in parallel.
     let handles: Vec<_> = paths
@@ -194,11 +214,24 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         parent_pss_kib,
         baseline,
         copy_time,
+        parent_ping_before_us: before.p50_us,
+        parent_first_ping,
         without_net,
     })
 }
 
+/// Pings of the parent before the fork (their median is what its first ping after the
+/// fork is compared with).
+const PARENT_PINGS_BEFORE: usize = 20;
+
 impl ForkReport {
+    /// What the parent pays after the fork, as measured here: its first agent round trip
+    /// after the fork minus its usual one before (the faults of the pages that round trip
+    /// touches; a guest that rewrites more memory pays ~a copy of each page it writes).
+    pub fn parent_after_us(&self) -> i64 {
+        self.parent_first_ping.as_micros() as i64 - self.parent_ping_before_us as i64
+    }
+
     /// The report as one JSON object.
     pub fn to_json(&self) -> String {
         serde_json::json!({
@@ -216,6 +249,9 @@ impl ForkReport {
             "child_p99_us": self.child.p99_us as u64,
             "children_built_ms": self.built.as_secs_f64() * 1e3,
             "all_ms": self.all.as_secs_f64() * 1e3,
+            "parent_after_us": self.parent_after_us(),
+            "parent_ping_before_us": self.parent_ping_before_us as u64,
+            "parent_first_ping_us": self.parent_first_ping.as_micros() as u64,
             "pss_per_child_kib": self.pss_per_child_kib,
             "parent_pss_kib": self.parent_pss_kib,
             "baseline_child_p50_us": self.baseline.as_micros() as u64,
@@ -244,6 +280,13 @@ impl fmt::Display for ForkReport {
             f,
             "  parent paused       {:?} ({:?})",
             self.pause_time, self.pause_steps
+        )?;
+        writeln!(
+            f,
+            "  parent after        +{} us (first ping after the fork {} us, p50 before {} us)",
+            self.parent_after_us(),
+            self.parent_first_ping.as_micros(),
+            self.parent_ping_before_us as u64
         )?;
         writeln!(
             f,

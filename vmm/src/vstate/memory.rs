@@ -94,6 +94,136 @@ fn munmap(addr: usize, len: usize) {
     }
 }
 
+/// Alignment of reserved guest address space: a page-table page (PMD) covers 2 MiB, so
+/// the kernel can move a whole one at a time ([`GuestRam::freeze`]) instead of page by
+/// page.
+const RESERVE_ALIGN: usize = 2 << 20;
+
+/// `len` bytes of inaccessible address space starting on a [`RESERVE_ALIGN`] boundary.
+fn reserve_aligned(len: usize, what: &str) -> Result<usize> {
+    let padded = len
+        .checked_add(RESERVE_ALIGN)
+        .ok_or_else(|| Error::Memory(format!("{what}: {len} bytes do not fit this host")))?;
+    // SAFETY: not MAP_FIXED: a fresh range.
+    let start = unsafe {
+        mmap(
+            0,
+            padded,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+            what,
+        )
+    }?;
+    let base = start.next_multiple_of(RESERVE_ALIGN);
+    // The padding before and after the aligned range is ours (just mapped) and unused.
+    if base > start {
+        munmap(start, base - start);
+    }
+    let tail = start + padded - (base + len);
+    if tail > 0 {
+        munmap(base + len, tail);
+    }
+    Ok(base)
+}
+
+/// A populated guest memory mapping taken out of the guest's address range by
+/// [`GuestRam::freeze`] (its page tables moved here, not torn down): unmapping it costs
+/// in proportion to the pages it held, so it happens off the paused VM's critical path,
+/// in a thread of its own ([`Retired::unmap_in_background`]) or when dropped.
+#[derive(Debug)]
+pub struct Retired {
+    addr: usize,
+    len: usize,
+}
+
+impl Retired {
+    /// Unmaps it in a short-lived thread (or here, if no thread can be started).
+    pub fn unmap_in_background(self) {
+        let (addr, len) = (self.addr, self.len);
+        std::mem::forget(self);
+        let spawned = std::thread::Builder::new()
+            .name("clade-unmap".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                zap_gradually(addr, len);
+                munmap(addr, len);
+                tracing::debug!(
+                    "retired guest mapping of {len} bytes unmapped in {:?}",
+                    t.elapsed()
+                );
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("no thread to unmap a retired guest mapping ({e}): unmapping here");
+            munmap(addr, len);
+        }
+    }
+}
+
+/// Pages dropped per step by [`zap_gradually`].
+const ZAP_STEP: usize = 4 << 20;
+
+/// Drops the pages of `addr..addr + len` a few MiB at a time with `MADV_DONTNEED`, which
+/// needs the address space lock only shared and only for one step: a single `munmap` of a
+/// large populated mapping holds it for the whole teardown, and the running VM's page
+/// faults (and every `mmap` of the process) queue behind it.
+fn zap_gradually(addr: usize, len: usize) {
+    let mut off = 0;
+    while off < len {
+        let n = ZAP_STEP.min(len - off);
+        // SAFETY: a range of a retired mapping this module owns and nothing refers into;
+        // MADV_DONTNEED only drops its pages (they are refaulted from the memfd if touched).
+        if unsafe { libc::madvise((addr + off) as *mut libc::c_void, n, libc::MADV_DONTNEED) } != 0
+        {
+            return;
+        }
+        off += n;
+        std::thread::yield_now();
+    }
+}
+
+impl Drop for Retired {
+    fn drop(&mut self) {
+        munmap(self.addr, self.len);
+    }
+}
+
+/// Moves the mapping at `addr..addr + len` (2 MiB aligned) to fresh address space with
+/// `mremap(MREMAP_DONTUNMAP)`: its page tables move (a 2 MiB table at a time), the range
+/// keeps its (now empty) mapping of the same file, so nothing else can land there, and
+/// whatever touched it next would fault the same pages in again. `None` when the kernel
+/// cannot (before Linux 5.13, or a mapping it refuses): the caller then replaces the
+/// mapping in place and pays the teardown itself.
+///
+/// # Safety
+/// `addr..addr + len` must be one mapping this process owns; nothing may access it until
+/// the caller maps over it.
+unsafe fn retire(addr: usize, len: usize) -> Option<Retired> {
+    let to = reserve_aligned(len, "reserving address space for a retired mapping").ok()?;
+    let flags = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP;
+    // SAFETY: `addr..addr + len` is the caller's mapping; `to..to + len` was just reserved
+    // by us and is replaced (MREMAP_FIXED). The source range stays mapped (DONTUNMAP).
+    let p = unsafe {
+        libc::mremap(
+            addr as *mut libc::c_void,
+            len,
+            len,
+            flags,
+            to as *mut libc::c_void,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        tracing::debug!(
+            "mremap(MREMAP_DONTUNMAP) of guest memory: {}; replacing it in place",
+            std::io::Error::last_os_error()
+        );
+        munmap(to, len);
+        return None;
+    }
+    Some(Retired { addr: to, len })
+}
+
 /// Inaccessible address space for guest RAM: one contiguous area holding the memory
 /// image, carved into the guest RAM ranges (range `i` at `base + image_offset`). Memory
 /// slots can be registered on it before the memory itself exists; [`GuestRam`] later maps
@@ -110,18 +240,7 @@ impl Reservation {
     pub fn new(mem_bytes: u64) -> Result<Reservation> {
         let len = usize::try_from(mem_bytes)
             .map_err(|_| Error::Memory(format!("{mem_bytes} bytes do not fit this host")))?;
-        // SAFETY: not MAP_FIXED: a fresh range.
-        let base = unsafe {
-            mmap(
-                0,
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-                "reserving guest address space",
-            )
-        }?;
+        let base = reserve_aligned(len, "reserving guest address space")?;
         let mut ranges = Vec::new();
         let mut image_offset = 0u64;
         for (guest_addr, size) in ram_ranges(mem_bytes) {
@@ -336,6 +455,8 @@ pub struct GuestRam {
     base: usize,
     len: usize,
     ranges: Vec<HostRange>,
+    /// See [`GuestRam::take_retired`].
+    retired: Option<Retired>,
 }
 
 impl std::fmt::Debug for GuestRam {
@@ -399,6 +520,7 @@ impl GuestRam {
             base,
             len,
             ranges,
+            retired: None,
         })
     }
 
@@ -490,7 +612,9 @@ impl GuestRam {
     ///
     /// - memfd memory (booted VM): the memfd becomes the frozen base and is mapped again,
     ///   private, at the same address (KVM's memory slots keep pointing at it; its MMU
-    ///   notifiers drop the old mappings). No page is copied.
+    ///   notifiers drop the old mappings). No page is copied, and the old mapping is not
+    ///   torn down here: its page tables are moved aside ([`Retired`], unmapped later off
+    ///   the pause), so this costs about the same whatever the guest touched.
     /// - memory forked before: the pages written since (`dirty`, KVM's log and the VMM's
     ///   writes, one bitmap per range) are copied into a new memfd, a new layer on top of
     ///   the previous frozen image, and mapped back private (the private copies are freed
@@ -512,10 +636,15 @@ impl GuestRam {
                     }],
                     mem_bytes: self.len as u64,
                 });
+                // SAFETY: our own live mapping, which nothing accesses while paused; it is
+                // mapped over right below.
+                let retired = unsafe { retire(self.base, self.len) };
                 // SAFETY: our own live mapping, replaced by a mapping of the same contents
                 // (nothing writes guest memory while paused); references into it stay valid.
+                // On an error the range still maps the memfd shared, as before.
                 unsafe { image.map_at(self.base) }?;
                 self.backing = Backing::Forked(Arc::clone(&image));
+                self.retired = retired;
                 Ok(image)
             }
             Backing::Forked(prev) => {
@@ -575,6 +704,12 @@ impl GuestRam {
                     .into(),
             )),
         }
+    }
+
+    /// The old mapping the last [`GuestRam::freeze`] moved out of the guest's range, still
+    /// to be unmapped (see [`Retired`]).
+    pub fn take_retired(&mut self) -> Option<Retired> {
+        self.retired.take()
     }
 
     /// What the memory is made of.
@@ -822,6 +957,39 @@ mod tests {
         let g = c.freeze(Some(&none)).unwrap();
         assert!(Arc::ptr_eq(&g, &g1));
         assert!(c.freeze(None).is_err(), "a forked VM needs its dirty pages");
+    }
+
+    #[test]
+    fn freezing_moves_the_populated_mapping_aside_instead_of_tearing_it_down() {
+        let mut ram = create(64 << 20).unwrap();
+        assert_eq!(ram.image_addr() % RESERVE_ALIGN, 0);
+        let filled = 16usize << 20;
+        for off in (0..filled as u64).step_by(PAGE as usize) {
+            ram.mem.write_obj(off ^ 0x5a, GuestAddress(off)).unwrap();
+        }
+        let (base, len) = (ram.image_addr(), ram.len);
+        assert!(pss_kib(base, base + len).unwrap() >= (filled as u64 >> 10));
+        ram.freeze(None).unwrap();
+        let retired = ram
+            .take_retired()
+            .expect("mremap(MREMAP_DONTUNMAP) moved the mapping");
+        assert_eq!(retired.addr % RESERVE_ALIGN, 0);
+        // The filled pages' page tables moved with the old mapping; the guest's range
+        // starts empty (each page faults in again from the frozen memfd).
+        assert!(
+            pss_kib(retired.addr, retired.addr + retired.len).unwrap() >= (filled as u64 >> 10)
+        );
+        assert_eq!(pss_kib(base, base + len).unwrap(), 0);
+        assert!(ram.take_retired().is_none());
+        zap_gradually(retired.addr, retired.len);
+        assert_eq!(
+            pss_kib(retired.addr, retired.addr + retired.len).unwrap(),
+            0
+        );
+        drop(retired);
+        for off in (0..filled as u64).step_by(PAGE as usize) {
+            assert_eq!(read_u64(&ram, off), off ^ 0x5a);
+        }
     }
 
     #[test]
