@@ -268,6 +268,36 @@ impl PendingMemoryFile {
         self.stats
     }
 
+    /// Overwrites the contents of a full memory file at image offset `offset` with `data`
+    /// (page-aligned, inside guest memory), as given, zero pages included: a later layer
+    /// of a memory image written over its base.
+    pub fn overwrite(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        if self.header.kind != SnapshotKind::Full {
+            return Err(Error::InvalidInput(
+                "only a full memory file's contents can be overwritten".into(),
+            ));
+        }
+        if !offset.is_multiple_of(PAGE_SIZE_U64)
+            || !len.is_multiple_of(PAGE_SIZE_U64)
+            || offset
+                .checked_add(len)
+                .is_none_or(|e| e > self.header.mem_size)
+        {
+            return Err(Error::InvalidInput(format!(
+                "overwriting {len:#x} bytes at {offset:#x} of a {}-byte memory image",
+                self.header.mem_size
+            )));
+        }
+        let tmp = self.out.tmp_path().to_path_buf();
+        self.out
+            .file()
+            .write_all_at(data, self.header.data_offset + offset)
+            .map_err(|e| Error::io("write guest memory", &tmp, e))?;
+        self.stats.pages_written += len / PAGE_SIZE_U64;
+        Ok(())
+    }
+
     /// fsync, rename into place, fsync the directory.
     pub fn commit(self) -> Result<(MemoryHeader, WriteStats)> {
         self.out.commit()?;

@@ -434,3 +434,48 @@ fn a_pending_file_is_invisible_until_committed_and_removed_if_dropped() {
     assert_eq!(MemoryFile::open(&path).unwrap().header().id, id);
     assert_eq!(std::fs::read_dir(dir.as_path()).unwrap().count(), 1);
 }
+
+#[test]
+fn a_pending_full_file_takes_a_later_layer_over_its_base() {
+    let dir = tmp();
+    let path = dir.as_path().join("vm.mem");
+    let base = make_image(1024, 3);
+    // The later image: pages 5..9 rewritten (one of them with zeros), page 1000 too.
+    let mut later = base.clone();
+    let mut layer_runs = Vec::new();
+    for (first, n, byte) in [(5usize, 4usize, 0xabu8), (1000, 1, 0)] {
+        later[first * PAGE..(first + n) * PAGE].fill(byte);
+        layer_runs.push((first, n));
+    }
+    let id = SnapshotId::random();
+    let mut pending = memory_file::write_full_pending(&path, id, &two_regions(&base)).unwrap();
+    let before = pending.stats().pages_written;
+    for &(first, n) in &layer_runs {
+        pending
+            .overwrite(
+                (first * PAGE) as u64,
+                &later[first * PAGE..(first + n) * PAGE],
+            )
+            .unwrap();
+    }
+    assert_eq!(pending.stats().pages_written, before + 5);
+    // Out of the image, or unaligned: refused, nothing written.
+    let img_len = base.len() as u64;
+    for (off, len) in [
+        (img_len, PAGE),
+        (img_len - PAGE as u64, 2 * PAGE),
+        (1, PAGE),
+        (0, 100),
+    ] {
+        assert!(matches!(
+            pending.overwrite(off, &vec![1u8; len]),
+            Err(Error::InvalidInput(_))
+        ));
+    }
+    pending.commit().unwrap();
+    let f = MemoryFile::open(&path).unwrap();
+    let mut dst = Mapping::anon(base.len());
+    f.read_into(dst.as_mut_slice(), HoleFill::AssumeZeroed)
+        .unwrap();
+    assert!(dst.as_slice() == &later[..]);
+}

@@ -842,3 +842,62 @@ fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
     );
     assert!(!dir.0.join("s2").join(STATE_FILE).exists());
 }
+
+/// A full snapshot of memory that can be frozen is copy-on-write: the pause only freezes
+/// the memory and the file is written while the guest runs on. Taken of a running guest,
+/// or of one whose memory is in layers already (written since an earlier freeze), it
+/// restores exactly the memory of its instant, and nothing written after it.
+#[test]
+fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
+    let dir = TmpDir::new("cow");
+    let mut c = guest_config("memfill:7:32,memsum,loop:30,memsum,mmio,hlt");
+    c.mem_mib = 128;
+    let mut vm = vmm::boot(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    // Running: memory written after the vCPUs run again.
+    let a = dir.0.join("a");
+    let info = vmm::snapshot(&mut vm, &a, SnapshotKind::Full).unwrap();
+    let names: Vec<&str> = info.steps.iter().map(|(n, _)| *n).collect();
+    let at = |n: &str| names.iter().position(|x| *x == n).unwrap();
+    assert!(at("write_memory") > at("unpause"), "{names:?}");
+    assert!(at("freeze_memory") < at("unpause"), "{names:?}");
+
+    // Written since that freeze (the VMM's writes count as the guest's do): the next
+    // full snapshot's memory is a layer over the first one's.
+    vm.pause().unwrap();
+    let above_fill = (64 + 32 + 4) << 20;
+    vm.write_guest(above_fill, &[0xa5; 3 * 4096 + 17]).unwrap();
+    let b = dir.0.join("b");
+    vmm::snapshot(&mut vm, &b, SnapshotKind::Full).unwrap();
+    let sum_b = checksum(&vm);
+    vm.write_guest(above_fill, &[0x3c; 4096]).unwrap();
+    assert_ne!(checksum(&vm), sum_b);
+    vm.unpause().unwrap();
+    let out = finish(&mut vm, "original");
+    let sums = memsums(&out);
+    assert_eq!(sums.len(), 2, "{out}");
+
+    for (snap, sum) in [(&b, Some(sum_b)), (&a, None)] {
+        let mut vm = vmm::restore(
+            snap,
+            MemoryBackend::Copy,
+            RestoreOptions {
+                start: false,
+                ..options()
+            },
+        )
+        .unwrap();
+        if let Some(sum) = sum {
+            assert_eq!(checksum(&vm), sum, "{}", snap.display());
+        }
+        let mut page = [0u8; 4];
+        vm.read_guest(above_fill, &mut page).unwrap();
+        let expect = if sum.is_some() { 0xa5 } else { 0 };
+        assert_eq!(page, [expect; 4], "{}", snap.display());
+        vm.start().unwrap();
+        let out = finish(&mut vm, &snap.display().to_string());
+        assert!(out.contains("loop 2^30 done"), "{out}");
+        assert_eq!(memsums(&out), vec![sums[1].clone()], "{out}");
+    }
+}

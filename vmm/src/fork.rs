@@ -67,7 +67,7 @@ use crate::config::{NetConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{SavedMachine, Steps};
 use crate::vm::Vm;
-use crate::vstate::memory::{Backing, FrozenImage, GuestRam};
+use crate::vstate::memory::{FrozenImage, GuestRam};
 use crate::vstate::shell::Shell;
 
 /// Options of [`fork`].
@@ -354,9 +354,7 @@ pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
     let pause_time = paused.release();
     steps.done("unpause");
     // The old mapping's teardown, now that the parent runs again.
-    if let Some(retired) = vm.ram_mut().take_retired() {
-        retired.unmap_in_background();
-    }
+    vm.unmap_retired_memory();
     let (image, saved) = captured?;
     // The dirty log was consumed: a diff snapshot would miss pages.
     vm.set_lineage(None);
@@ -377,32 +375,7 @@ pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
 /// Everything that needs the parent paused: its machine, its memory frozen.
 fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMachine)> {
     let mut saved = vm.save_machine(steps)?;
-    let image = if matches!(vm.ram().backing(), Backing::Forked(_)) {
-        // The pages written since this memory was last frozen: the new layer.
-        vm.take_dirty()?;
-        let dirty = vm.take_fork_carry();
-        steps.done("dirty_log");
-        let image = match vm.ram_mut().freeze(Some(&dirty[..])) {
-            Ok(i) => i,
-            Err(e) => {
-                vm.return_fork_carry(dirty);
-                return Err(e);
-            }
-        };
-        steps.done("freeze_memory");
-        image
-    } else {
-        // A booted VM's memory is frozen as it is; then the dirty log restarts, cheaper
-        // after the freeze (KVM has no mapping of the memory left to write-protect). Its
-        // bits so far are in the frozen base already: dropped. Should reading the log fail,
-        // the parent still runs on the frozen image (same contents), only the fork fails.
-        let image = vm.ram_mut().freeze(None)?;
-        steps.done("freeze_memory");
-        vm.take_dirty()?;
-        drop(vm.take_fork_carry());
-        steps.done("dirty_log");
-        image
-    };
+    let image = vm.freeze_memory(steps)?;
     saved.disk = vm.freeze_disk("p", steps)?;
     Ok((image, saved))
 }

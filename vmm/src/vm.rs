@@ -9,6 +9,7 @@
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -23,7 +24,7 @@ use crate::saved::{
 };
 use crate::seccomp::ThreadKind;
 use crate::vstate::kvm;
-use crate::vstate::memory::{Backing, GuestMemory, GuestRam};
+use crate::vstate::memory::{Backing, FrozenImage, GuestMemory, GuestRam};
 use crate::vstate::spare::SpareThread;
 use crate::vstate::state::{self as kvm_state, Capabilities};
 use crate::vstate::vcpu::VcpuHandle;
@@ -578,6 +579,49 @@ impl Vm {
         }))
     }
 
+    /// Freezes guest memory (call paused; [`GuestRam::freeze`]) and restarts the dirty log
+    /// there: the instant a fork's children and a copy-on-write snapshot are made from.
+    /// The VM runs on the returned image, copy-on-write; call
+    /// [`Vm::unmap_retired_memory`] once it runs again.
+    pub(crate) fn freeze_memory(&mut self, steps: &mut Steps) -> Result<Arc<FrozenImage>> {
+        if matches!(self.ram.backing(), Backing::Forked(_)) {
+            // The pages written since this memory was last frozen: the new layer.
+            self.take_dirty()?;
+            let dirty = self.take_fork_carry();
+            steps.done("dirty_log");
+            let image = match self.ram.freeze(Some(&dirty[..])) {
+                Ok(i) => i,
+                Err(e) => {
+                    self.return_fork_carry(dirty);
+                    return Err(e);
+                }
+            };
+            steps.done("freeze_memory");
+            Ok(image)
+        } else {
+            // A booted VM's memory is frozen as it is; then the dirty log restarts, cheaper
+            // after the freeze (KVM has no mapping of the memory left to write-protect).
+            // Its bits so far are in the frozen base already: dropped. Should reading the
+            // log fail, the VM still runs on the frozen image (same contents); only the
+            // caller's operation fails.
+            let image = self.ram.freeze(None)?;
+            steps.done("freeze_memory");
+            self.take_dirty()?;
+            drop(self.take_fork_carry());
+            steps.done("dirty_log");
+            Ok(image)
+        }
+    }
+
+    /// Unmaps, in the background, the mapping the last [`Vm::freeze_memory`] moved out of
+    /// the guest's range (call once the VM runs again: see
+    /// [`crate::vstate::memory::Retired`]).
+    pub(crate) fn unmap_retired_memory(&mut self) {
+        if let Some(retired) = self.ram.take_retired() {
+            retired.unmap_in_background();
+        }
+    }
+
     /// The pages written since the last call (KVM's dirty log and the VMM's own writes),
     /// one bitmap per range. A forked VM also keeps them for its next fork (the pages it
     /// wrote since its memory was frozen).
@@ -604,23 +648,18 @@ impl Vm {
 
     /// The pages a forked VM wrote since its memory was last frozen (taken: the next fork
     /// starts a new count; give them back with [`Vm::return_fork_carry`] on failure).
-    pub(crate) fn take_fork_carry(&mut self) -> Vec<Vec<u64>> {
+    fn take_fork_carry(&mut self) -> Vec<Vec<u64>> {
         std::mem::take(&mut self.fork_carry)
     }
 
     /// Gives back what [`Vm::take_fork_carry`] took when a fork failed.
-    pub(crate) fn return_fork_carry(&mut self, carry: Vec<Vec<u64>>) {
+    fn return_fork_carry(&mut self, carry: Vec<Vec<u64>>) {
         self.fork_carry = carry;
     }
 
     /// Guest RAM (snapshot and fork read and freeze it).
     pub(crate) fn ram(&self) -> &GuestRam {
         &self.ram
-    }
-
-    /// Guest RAM, to freeze it for a fork.
-    pub(crate) fn ram_mut(&mut self) -> &mut GuestRam {
-        &mut self.ram
     }
 
     /// Whether the memory slots log dirty pages.

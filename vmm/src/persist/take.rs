@@ -4,11 +4,20 @@
 //! background work, the machine is saved ([`Vm::save_machine`]), then the memory: every
 //! page (full), or for a diff the pages KVM's dirty log and the VMM's own writes
 //! (virtqueues, rx buffers: tracked by `vm-memory`'s bitmap) marked since the last
-//! snapshot. The memory file is written while paused but made durable (fsync, rename)
-//! after the vCPUs run again; the state file is written last and commits the snapshot.
+//! snapshot. The state file is written last and commits the snapshot.
+//!
+//! A full snapshot of memory that can be frozen (a booted or `copy`-restored VM, a forked
+//! one: [`Vm::freeze_memory`], as a fork does) is *copy-on-write*: the pause only freezes
+//! the memory, and the memory file is written from the frozen image after the vCPUs run
+//! again (the VM runs on the image copy-on-write from then on, as a fork's parent does).
+//! Otherwise, and for a diff, the memory file is written while paused. Either way it is
+//! made durable (fsync, rename) after the vCPUs run again, and the snapshot is complete
+//! when the call returns.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use snapshot::memory_file::{self, GuestRegion, PendingMemoryFile, RegionData};
@@ -20,7 +29,7 @@ use super::{file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_F
 use crate::error::{Error, Result};
 use crate::saved::{Lineage, Steps};
 use crate::vm::Vm;
-use crate::vstate::memory::Backing;
+use crate::vstate::memory::{Backing, FrozenImage, HostRange};
 
 /// What [`snapshot`] did.
 #[derive(Debug, Clone)]
@@ -107,7 +116,8 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
     );
     let pause_time = paused.release();
     steps.done("unpause");
-    let (pending, payload, pages_considered) = match captured {
+    vm.unmap_retired_memory();
+    let (memory, payload, pages_considered) = match captured {
         Ok(c) => c,
         Err(e) => {
             // The dirty log may have been consumed: only a full snapshot is safe now.
@@ -116,6 +126,20 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         }
     };
     let committed = (|| -> Result<u64> {
+        let pending = match memory {
+            Memory::Written(p) => p,
+            Memory::Frozen(image) => {
+                let p = write_frozen(
+                    &staging.path().join(MEMORY_FILE),
+                    id,
+                    vm.ram().ranges(),
+                    &image,
+                )
+                .map_err(file_err(&dir))?;
+                steps.done("write_memory");
+                p
+            }
+        };
         let (header, stats) = pending.commit().map_err(file_err(&dir))?;
         steps.done("commit_memory");
         let meta = match &base {
@@ -162,8 +186,73 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
     Ok(info)
 }
 
+/// The memory of a snapshot as [`capture`] leaves it.
+enum Memory {
+    /// The memory file, written (not yet committed).
+    Written(PendingMemoryFile),
+    /// The frozen memory, for [`write_frozen`] once the VM runs again.
+    Frozen(Arc<FrozenImage>),
+}
+
+/// Guest RAM ranges as regions of a memory file read from `fd`, which holds the memory
+/// image (holes skipped).
+fn image_fd_regions<'a>(ranges: &[HostRange], fd: BorrowedFd<'a>) -> Vec<GuestRegion<'a>> {
+    ranges
+        .iter()
+        .map(|r| GuestRegion {
+            guest_addr: r.guest_addr,
+            data: RegionData::Fd {
+                fd,
+                offset: r.image_offset,
+                len: r.len as u64,
+            },
+        })
+        .collect()
+}
+
+/// Bytes read at a time from a frozen layer.
+const LAYER_CHUNK: u64 = 1 << 20;
+
+/// A full memory file (not yet committed) of a frozen image: its base layer, then each
+/// later layer's runs over it. Nothing writes the image's files, so this runs while the VM
+/// does.
+fn write_frozen(
+    path: &Path,
+    id: SnapshotId,
+    ranges: &[HostRange],
+    image: &FrozenImage,
+) -> snapshot::Result<PendingMemoryFile> {
+    let mut layers = image.parts();
+    let Some((base, _)) = layers.next() else {
+        return Err(snapshot::Error::InvalidInput(
+            "a frozen image without layers".into(),
+        ));
+    };
+    let mut pending =
+        memory_file::write_full_pending(path, id, &image_fd_regions(ranges, base.as_fd()))?;
+    let mut buf = Vec::new();
+    for (file, runs) in layers {
+        for &(off, len) in runs {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(LAYER_CHUNK);
+                buf.resize(n as usize, 0);
+                file.read_exact_at(&mut buf, off + done)
+                    .map_err(|source| snapshot::Error::Io {
+                        op: "read a frozen memory layer",
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+                pending.overwrite(off + done, &buf)?;
+                done += n;
+            }
+        }
+    }
+    Ok(pending)
+}
+
 /// Everything that needs the vCPUs and devices paused: the machine, and the memory file
-/// written (not yet committed).
+/// written or the memory frozen.
 fn capture(
     vm: &mut Vm,
     dir: &Path,
@@ -171,10 +260,15 @@ fn capture(
     id: SnapshotId,
     base: Option<&Lineage>,
     steps: &mut Steps,
-) -> Result<(PendingMemoryFile, StatePayload, u64)> {
+) -> Result<(Memory, StatePayload, u64)> {
     let mut saved = vm.save_machine(steps)?;
     let mem_path = dir.join(MEMORY_FILE);
-    let (pending, considered) = match (kind, base) {
+    let pages = vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64;
+    let (memory, considered) = match (kind, base) {
+        (SnapshotKind::Full, _) if vm.dirty_tracking() && vm.ram().can_freeze() => {
+            // Also restarts the dirty log: the next diff covers what changes after this.
+            (Memory::Frozen(vm.freeze_memory(steps)?), pages)
+        }
         (SnapshotKind::Full, _) => {
             if vm.dirty_tracking() {
                 // Start a new interval: the next diff covers what changes after this.
@@ -184,17 +278,7 @@ fn capture(
             let ram = vm.ram();
             let ranges = ram.ranges();
             let regions: Vec<GuestRegion<'_>> = match ram.backing() {
-                Backing::Memfd(f) => ranges
-                    .iter()
-                    .map(|r| GuestRegion {
-                        guest_addr: r.guest_addr,
-                        data: RegionData::Fd {
-                            fd: f.as_fd(),
-                            offset: r.image_offset,
-                            len: r.len as u64,
-                        },
-                    })
-                    .collect(),
+                Backing::Memfd(f) => image_fd_regions(ranges, f.as_fd()),
                 _ => (0..ranges.len())
                     .map(|i| GuestRegion {
                         guest_addr: ranges[i].guest_addr,
@@ -206,7 +290,8 @@ fn capture(
             };
             let p =
                 memory_file::write_full_pending(&mem_path, id, &regions).map_err(file_err(dir))?;
-            (p, ram.mem_bytes() / snapshot::PAGE_SIZE_U64)
+            steps.done("write_memory");
+            (Memory::Written(p), pages)
         }
         (SnapshotKind::Diff, Some(base)) => {
             let dirty = vm.take_dirty()?;
@@ -228,14 +313,14 @@ fn capture(
             let dirty_refs: Vec<&[u64]> = dirty.iter().map(|d| &d[..]).collect();
             let p = memory_file::write_diff_pending(&mem_path, id, base.id, &regions, &dirty_refs)
                 .map_err(file_err(dir))?;
-            (p, considered)
+            steps.done("write_memory");
+            (Memory::Written(p), considered)
         }
         (SnapshotKind::Diff, None) => {
             return Err(Error::Snapshot("a diff snapshot needs a base".into()))
         }
     };
-    steps.done("write_memory");
-    // Only now, with the memory written, the disk's current top layer becomes the
+    // Only now, with the memory written or frozen, the disk's current top layer becomes the
     // snapshot's (frozen, flushed); the VM runs on from a new overlay on it.
     saved.disk = vm.freeze_disk("s", steps)?;
     let chain = match base {
@@ -246,7 +331,7 @@ fn capture(
             c
         }
     };
-    Ok((pending, StatePayload { saved, chain }, considered))
+    Ok((memory, StatePayload { saved, chain }, considered))
 }
 
 /// The snapshot directory `dir` as an absolute path with its symlinks resolved (its parent

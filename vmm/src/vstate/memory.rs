@@ -706,6 +706,16 @@ impl GuestRam {
         }
     }
 
+    /// Whether [`GuestRam::freeze`] can freeze this memory (given the pages written since
+    /// the last freeze when it was frozen before).
+    pub fn can_freeze(&self) -> bool {
+        match &self.backing {
+            Backing::Memfd(_) => true,
+            Backing::Forked(image) => image.layers() < MAX_FROZEN_LAYERS,
+            Backing::Anonymous | Backing::FilePrivate => false,
+        }
+    }
+
     /// The old mapping the last [`GuestRam::freeze`] moved out of the guest's range, still
     /// to be unmapped (see [`Retired`]).
     pub fn take_retired(&mut self) -> Option<Retired> {
