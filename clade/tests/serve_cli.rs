@@ -245,8 +245,18 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         .map(|k| id_of(&k["sandbox"]))
         .collect();
     assert_eq!(kids.len(), 2);
-    for k in &kids {
-        ping(&vsock(k));
+    // Live forks (the parent's memory is frozen on its snapshot, no restore): the
+    // children's sockets are where the parent's VM process put them.
+    let forks = state.join("sandboxes/forks");
+    let kid_socks: Vec<PathBuf> = std::fs::read_dir(&forks)
+        .unwrap()
+        .flat_map(|batch| std::fs::read_dir(batch.unwrap().path()).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "vsock"))
+        .collect();
+    assert_eq!(kid_socks.len(), 2, "{kid_socks:?}");
+    for k in &kid_socks {
+        ping(k);
     }
     ping(&vsock(&a));
     let (s, v) = http(

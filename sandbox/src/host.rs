@@ -816,10 +816,11 @@ impl Host {
             )));
         };
         let (template, _) = self.template_of(&parent.template)?;
+        // Short: the children's Unix sockets are named inside it (at most 107 bytes).
         let prefix = self
             .sandboxes_dir()
             .join("forks")
-            .join(format!("{id}-{}", ids::random_string(6)));
+            .join(ids::random_string(8));
         std::fs::create_dir_all(&prefix).map_err(Error::io("creating", &prefix))?;
         // Children get the parent's egress policy, each on a network of its own.
         let policy = policy_of(&parent)?;
@@ -849,9 +850,10 @@ impl Host {
             .fork(&api, count, &prefix, !template.test_guest, &specs)
         {
             Ok(children) => Some(children),
-            // A VM whose memory is served from a snapshot (the uffd and file backends, how
-            // sandboxes start) cannot fork live: the children restore a snapshot instead.
-            Err(Error::VmApi { message, .. }) if message.contains("can fork") => None,
+            // A VM whose memory cannot be frozen now (e.g. it forked since its restore and
+            // then wrote memory the record of which is gone) cannot fork live: the
+            // children restore a snapshot instead.
+            Err(Error::VmApi { message, .. }) if message.contains(vmm::CANNOT_FORK_LIVE) => None,
             Err(e) => {
                 release_all(&mut nets);
                 return Err(e);

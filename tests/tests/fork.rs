@@ -1,7 +1,8 @@
 //! Native KVM tier: fork a running native test guest. Memory is copy-on-write between the
 //! parent and every child both ways (the guest's own `memsum` checksums after each VM
 //! writes its own pattern), forks of forks and repeated forks of one parent see the right
-//! memory, and a fork failing part-way leaves the parent running and no child behind.
+//! memory, VMs restored on demand (`uffd`) or from the memory file fork from their
+//! snapshot, and a fork failing part-way leaves the parent running and no child behind.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -254,5 +255,73 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
     }
     for k in &mut kids {
         k.shutdown();
+    }
+}
+
+/// A VM restored with the `uffd` or `file` backend forks live from the snapshot it came
+/// from (or last took, a diff on it): the children see the memory at the fork — the
+/// snapshot's pages, the ones written since — and from then on only their own writes.
+#[test]
+fn vms_restored_on_demand_or_from_the_file_fork_from_their_snapshot() {
+    let dir = TmpDir::new("restored");
+    let full = dir.0.join("full");
+    let steps = format!(
+        "memfill:1:{MIB},memsum,mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum,\
+         memfill:mbox:{MIB},mbox:2,memsum"
+    );
+    let mut original = memory_parent(&steps);
+    wait_for_output(&original, "step memsum ok", 1);
+    original.pause().unwrap();
+    vmm::snapshot(&mut original, &full, vmm::SnapshotKind::Full).unwrap();
+    drop(original);
+
+    for backend in [vmm::MemoryBackend::Uffd, vmm::MemoryBackend::File] {
+        let mut parent = vmm::restore(
+            &full,
+            backend,
+            vmm::RestoreOptions {
+                serial: SerialOutput::Memory,
+                ..vmm::RestoreOptions::default()
+            },
+        )
+        .unwrap();
+        // Written since the restore: the layer over the snapshot.
+        mbox(&parent, 0, 7);
+        wait_for_output(&parent, "step memsum ok", 1);
+        let mut layers = 2;
+        if backend == vmm::MemoryBackend::Uffd {
+            // A diff since: the fork builds on the chain (full, diff).
+            parent.pause().unwrap();
+            let diff = dir.0.join("diff");
+            vmm::snapshot(&mut parent, &diff, vmm::SnapshotKind::Diff).unwrap();
+            parent.write_guest(MBOX + 8 * 3, &[1; 8]).unwrap();
+            parent.unpause().unwrap();
+            layers = 3;
+        }
+        let (mut children, report) = vmm::fork_with_report(&mut parent, 2, fork_opts())
+            .unwrap_or_else(|e| {
+                panic!("{backend}: {e}");
+            });
+        assert_eq!(report.layers, layers, "{backend}: {:?}", report.pause_steps);
+        println!(
+            "{backend}: fork paused {:?} ({:?})",
+            report.pause_time, report.pause_steps
+        );
+        let mut all: Vec<(Vm, u64)> = vec![(parent, 8)];
+        all.extend(children.drain(..).zip([9, 10]));
+        // Each its own seed; slot 2 lets each sum up after its own fill.
+        for (vm, seed) in &all {
+            mbox(vm, 1, *seed);
+            mbox(vm, 2, 1);
+        }
+        for (i, (vm, seed)) in all.iter_mut().enumerate() {
+            let out = finish(vm, &format!("{backend} VM {i}"));
+            let sums = memsums(&out);
+            assert_eq!(
+                &sums[sums.len() - 2..],
+                &[expected_sum(7), expected_sum(*seed)],
+                "{backend} VM {i}: the memory at the fork, then its own writes:\n{out}"
+            );
+        }
     }
 }

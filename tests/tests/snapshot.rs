@@ -805,33 +805,49 @@ fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     assert!(!overlay.exists());
 }
 
-/// A full snapshot of a `uffd`-restored VM first installs every page not served yet. If
-/// that fails, those pages would read as zeros: the VM must end, not run on (and not be
-/// snapshotted with its memory gone).
+/// A full snapshot of a `uffd`-restored VM whose memory cannot be frozen (no dirty page
+/// tracking) first installs every page not served yet. If that fails, those pages would
+/// read as zeros: the VM must end, not run on (and not be snapshotted with its memory
+/// gone). One that can be frozen reopens its snapshot's memory file instead: broken, the
+/// snapshot is refused and the VM is left as it was.
 #[test]
 fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
     let dir = TmpDir::new("fill-fails");
     let snap = dir.0.join("s");
     snapshot_mid_loop(&snap);
-    let mut vm = vmm::restore(
-        &snap,
-        MemoryBackend::Uffd,
-        RestoreOptions {
-            working_set: false,
-            start: false,
-            ..options()
-        },
-    )
-    .unwrap();
-    vm.start().unwrap();
-    vm.pause().unwrap();
-    // The memory file loses its pages under the page server.
+    let restore = |dirty_tracking| {
+        let mut vm = vmm::restore(
+            &snap,
+            MemoryBackend::Uffd,
+            RestoreOptions {
+                working_set: false,
+                start: false,
+                dirty_tracking,
+                ..options()
+            },
+        )
+        .unwrap();
+        vm.start().unwrap();
+        vm.pause().unwrap();
+        vm
+    };
+    let mut frozen = restore(true);
+    let mut vm = restore(false);
+    // The memory file loses its pages under the page servers.
     std::fs::OpenOptions::new()
         .write(true)
         .open(snap.join(MEMORY_FILE))
         .unwrap()
         .set_len(4096)
         .unwrap();
+    let e = vmm::snapshot(&mut frozen, &dir.0.join("s1"), SnapshotKind::Full).unwrap_err();
+    assert!(
+        e.to_string().contains("opening the memory of snapshot"),
+        "{e}"
+    );
+    assert_eq!(frozen.state_name(), "paused");
+    assert!(!dir.0.join("s1").exists());
+    drop(frozen);
     let e = vmm::snapshot(&mut vm, &dir.0.join("s2"), SnapshotKind::Full).unwrap_err();
     assert!(e.to_string().contains("could not be filled"), "{e}");
     assert_eq!(vm.state_name(), "ended");

@@ -46,8 +46,12 @@
 //!
 //! # Limits
 //!
-//! - VMs restored with the `uffd` or `file` backend cannot fork (their memory is not a
-//!   memfd).
+//! - A VM restored with the `uffd` or `file` backend forks from the snapshot it came from
+//!   (or last took): its frozen image is that snapshot's memory files with the pages
+//!   written since in a layer over them (the page server stops; pages it never installed
+//!   come from the files). The snapshot's directory must stay in place meanwhile (a
+//!   snapshot written over it since is refused), and the VM must not have forked or
+//!   failed a snapshot since (the record of the pages written is gone then).
 //! - A VM with a network device forks only with a TAP for each child
 //!   ([`ForkOptions::nets`]): the same TAP name in each child's own network namespace keeps
 //!   the guest's addresses valid in every child.
@@ -180,6 +184,10 @@ pub struct ChildSpec {
     /// Its TAP (needed when the parent has a network device).
     pub net: Option<NetConfig>,
 }
+
+/// In the error of a fork refused because the VM's memory cannot be frozen now (a caller
+/// can fall back to a snapshot and restores).
+pub const CANNOT_FORK_LIVE: &str = "cannot fork live";
 
 /// Most children one fork makes.
 pub const MAX_FORK_CHILDREN: usize = 64;
@@ -340,13 +348,8 @@ fn unused(name: impl Fn(u32) -> PathBuf, seq: u32) -> PathBuf {
 /// children are made from. The parent is left unchanged (still running) on an error.
 pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
     vm.check_live("fork")?;
-    if vm.has_page_server() || !vm.dirty_tracking() {
-        return Err(Error::Snapshot(
-            "only VMs with their whole memory in place and dirty page tracking can fork \
-             (a uffd restore cannot)"
-                .into(),
-        ));
-    }
+    vm.freezable()
+        .map_err(|e| Error::Fork(format!("this VM {CANNOT_FORK_LIVE}: {e}")))?;
     let mut steps = Steps::new();
     let mut paused = vm.pause_guard("fork")?;
     steps.done("pause");
@@ -383,8 +386,9 @@ fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMac
 /// The first bytes of a hand-over: what travels besides the saved machine.
 #[derive(Serialize, Deserialize)]
 struct HandoffHeader {
-    /// Each memory layer's runs, base first, in the order of the files.
-    layers: Vec<Vec<(u64, u64)>>,
+    /// Each memory layer, base first, in the order of the files: where the image starts
+    /// in its file, and its runs.
+    layers: Vec<(u64, Vec<(u64, u64)>)>,
     kvm_device: PathBuf,
 }
 
@@ -462,9 +466,13 @@ impl Frozen {
     /// memory layers' files (base first) the child must receive, in this order, to call
     /// [`Frozen::from_handoff`].
     pub fn handoff(&self) -> Result<(Vec<u8>, Vec<&std::fs::File>)> {
-        let files: Vec<&std::fs::File> = self.image.parts().map(|(f, _)| f).collect();
+        let files: Vec<&std::fs::File> = self.image.parts().map(|(f, _, _)| f).collect();
         let header = HandoffHeader {
-            layers: self.image.parts().map(|(_, runs)| runs.to_vec()).collect(),
+            layers: self
+                .image
+                .parts()
+                .map(|(_, at, runs)| (at, runs.to_vec()))
+                .collect(),
             kvm_device: self.kvm_device.clone(),
         };
         let encode =
@@ -503,7 +511,11 @@ impl Frozen {
             )));
         }
         let image = FrozenImage::from_parts(
-            files.into_iter().zip(header.layers).collect(),
+            files
+                .into_iter()
+                .zip(header.layers)
+                .map(|(f, (at, runs))| (f, at, runs))
+                .collect(),
             saved.machine.mem_bytes,
         )?;
         Ok(Frozen {

@@ -46,7 +46,7 @@ pub use error::{Error, Result};
 pub use exit::VmExit;
 pub use fork::{
     child_path, fork, fork_with_report, freeze, next_fork_seq, process_unique_cid, ChildSpec,
-    ForkOptions, ForkReport, FreezeReport, Frozen, MAX_FORK_CHILDREN,
+    ForkOptions, ForkReport, FreezeReport, Frozen, CANNOT_FORK_LIVE, MAX_FORK_CHILDREN,
 };
 #[cfg(feature = "test-hooks")]
 pub use persist::downgrade_state_file_to_v1;

@@ -12,6 +12,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use snapshot::memory_file::MemoryChain;
 use snapshot::page_server::PageServerStats;
 use snapshot::{SnapshotId, SnapshotKind};
 
@@ -19,6 +20,9 @@ use crate::config::BlockConfig;
 use crate::device_manager::DevicesState;
 use crate::error::{Error, Result};
 use crate::vstate::state::{VcpuState, VmKvmState};
+
+/// The memory file in a snapshot directory.
+pub const MEMORY_FILE: &str = "memory.mem";
 
 /// The vsock device of a saved machine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +127,35 @@ pub struct Lineage {
     pub dir: PathBuf,
     /// The directories below it, base first (empty for a full snapshot).
     pub chain: Vec<PathBuf>,
+}
+
+impl Lineage {
+    /// The snapshot's memory files, base first, checked to be this snapshot's (a snapshot
+    /// written over its directory since is refused).
+    pub(crate) fn memory_chain(&self) -> Result<MemoryChain> {
+        let paths: Vec<PathBuf> = self
+            .chain
+            .iter()
+            .chain(std::iter::once(&self.dir))
+            .map(|d| d.join(MEMORY_FILE))
+            .collect();
+        let refs: Vec<&Path> = paths.iter().map(PathBuf::as_path).collect();
+        let chain = MemoryChain::open(&refs).map_err(|e| {
+            Error::Snapshot(format!(
+                "opening the memory of snapshot {}: {e}",
+                self.dir.display()
+            ))
+        })?;
+        let top = chain.top().header().id;
+        if top != self.id {
+            return Err(Error::Snapshot(format!(
+                "{} holds snapshot {top} now, not {} that this VM's memory came from",
+                self.dir.display(),
+                self.id
+            )));
+        }
+        Ok(chain)
+    }
 }
 
 /// How a restored VM gets its memory.

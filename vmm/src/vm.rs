@@ -24,7 +24,7 @@ use crate::saved::{
 };
 use crate::seccomp::ThreadKind;
 use crate::vstate::kvm;
-use crate::vstate::memory::{Backing, FrozenImage, GuestMemory, GuestRam};
+use crate::vstate::memory::{Backing, FrozenImage, GuestMemory, GuestRam, MAX_FROZEN_LAYERS};
 use crate::vstate::spare::SpareThread;
 use crate::vstate::state::{self as kvm_state, Capabilities};
 use crate::vstate::vcpu::VcpuHandle;
@@ -584,6 +584,12 @@ impl Vm {
     /// The VM runs on the returned image, copy-on-write; call
     /// [`Vm::unmap_retired_memory`] once it runs again.
     pub(crate) fn freeze_memory(&mut self, steps: &mut Steps) -> Result<Arc<FrozenImage>> {
+        if matches!(
+            self.ram.backing(),
+            Backing::Anonymous | Backing::FilePrivate
+        ) {
+            return self.freeze_restored_memory(steps);
+        }
         if matches!(self.ram.backing(), Backing::Forked(_)) {
             // The pages written since this memory was last frozen: the new layer.
             self.take_dirty()?;
@@ -610,6 +616,84 @@ impl Vm {
             drop(self.take_fork_carry());
             steps.done("dirty_log");
             Ok(image)
+        }
+    }
+
+    /// Whether [`Vm::freeze_memory`] can freeze this VM's memory now, and why not.
+    pub(crate) fn freezable(&self) -> Result<()> {
+        if !self.dirty_tracking {
+            return Err(Error::Snapshot(
+                "this VM runs without dirty page tracking: its memory cannot be frozen (fork, \
+                 copy-on-write snapshot)"
+                    .into(),
+            ));
+        }
+        match self.ram.backing() {
+            Backing::Memfd(_) | Backing::Forked(_) if self.ram.can_freeze() => Ok(()),
+            Backing::Memfd(_) | Backing::Forked(_) => Err(Error::Snapshot(format!(
+                "this VM's memory has {MAX_FROZEN_LAYERS} layers from earlier forks and \
+                 snapshots: take a full snapshot and restore it with the copy backend to \
+                 start a new line"
+            ))),
+            Backing::Anonymous | Backing::FilePrivate if self.lineage.is_none() => {
+                Err(Error::Snapshot(
+                    "this VM's memory comes from a snapshot, but which pages were written \
+                     since is no longer known (a fork or a failed snapshot consumed the dirty \
+                     log): take a full snapshot and restore it to fork"
+                        .into(),
+                ))
+            }
+            Backing::Anonymous | Backing::FilePrivate => match &self.page_server {
+                Some(ps) if ps.stats().pages_removed > 0 => Err(Error::Snapshot(format!(
+                    "{} pages of this VM's memory were discarded since its restore: its \
+                     snapshot no longer describes them; take a full snapshot and restore it \
+                     to fork",
+                    ps.stats().pages_removed
+                ))),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// [`Vm::freeze_memory`] of memory restored from a snapshot (`uffd`, `file`): the
+    /// snapshot it matched ([`Vm::last_snapshot`]) and the pages written since.
+    fn freeze_restored_memory(&mut self, steps: &mut Steps) -> Result<Arc<FrozenImage>> {
+        self.freezable()?;
+        let Some(lineage) = self.lineage.clone() else {
+            return Err(Error::Snapshot("no snapshot this memory matches".into()));
+        };
+        let chain = lineage.memory_chain()?;
+        steps.done("open_snapshot");
+        let dirty = self.take_dirty()?;
+        steps.done("dirty_log");
+        let layers = match self.ram.restored_layers(&chain, &dirty) {
+            Ok(l) => l,
+            Err(e) => {
+                // The dirty log was consumed: no diff on the old snapshot any more.
+                self.lineage = None;
+                return Err(e);
+            }
+        };
+        steps.done("copy_written");
+        // From here on the page server's pages come from the layers.
+        if let Some(ps) = self.page_server.take() {
+            match ps.stop(snapshot::page_server::StopMode::Detach) {
+                Ok(_) => self.working_set_saved = true,
+                Err(e) => tracing::warn!("page server stopped with an error ({e}) before a freeze"),
+            }
+            steps.done("stop_page_server");
+        }
+        match self.ram.freeze_onto(layers) {
+            Ok(image) => {
+                steps.done("freeze_memory");
+                Ok(image)
+            }
+            Err(e) => {
+                let why = format!("guest memory could not be mapped from its snapshot: {e}");
+                tracing::error!("{why}: ending the VM");
+                self.finish(VmExit::Crashed(why.clone()));
+                Err(Error::Snapshot(why))
+            }
         }
     }
 

@@ -79,7 +79,7 @@ impl VmDriver for FakeDriver {
         if self.no_live_fork.load(Ordering::SeqCst) {
             return Err(Error::VmApi {
                 op: "fork",
-                message: "guest memory: only booted VMs ... can fork".into(),
+                message: format!("fork: this VM {}: ...", vmm::CANNOT_FORK_LIVE),
             });
         }
         self.nets.lock().unwrap().extend(nets.iter().cloned());

@@ -67,6 +67,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// Size of `sun_path`: a Unix socket path is at most this many bytes minus one.
+const MAX_SOCKET_PATH: usize = 108;
 /// Longest request line accepted; longer lines are answered with an error and the
 /// connection is closed.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -300,6 +302,15 @@ impl ApiServer {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(format!(".{}.tmp", std::process::id()));
         let tmp = PathBuf::from(tmp);
+        if tmp.as_os_str().len() >= MAX_SOCKET_PATH {
+            return Err(Error::Config(format!(
+                "API socket {}: the path (with the {} bytes of its temporary name) is longer \
+                 than a Unix socket path may be ({} bytes): choose a shorter one",
+                path.display(),
+                tmp.as_os_str().len() - path.as_os_str().len(),
+                MAX_SOCKET_PATH - 1
+            )));
+        }
         let _ = std::fs::remove_file(&tmp);
         let listener = UnixListener::bind(&tmp).map_err(io_err("binding the API socket"))?;
         let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))

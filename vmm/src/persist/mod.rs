@@ -38,8 +38,7 @@ use crate::vstate::state::{VcpuState, VmKvmState};
 
 /// The state file in a snapshot directory.
 pub const STATE_FILE: &str = "state.snap";
-/// The memory file in a snapshot directory.
-pub const MEMORY_FILE: &str = "memory.mem";
+pub use crate::saved::MEMORY_FILE;
 /// The working-set file a `uffd` restore records in a snapshot directory.
 pub const WORKING_SET_FILE: &str = "working_set.ws";
 

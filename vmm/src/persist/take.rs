@@ -92,7 +92,7 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             )));
         }
     }
-    if kind == SnapshotKind::Full && vm.has_page_server() {
+    if kind == SnapshotKind::Full && vm.has_page_server() && vm.freezable().is_err() {
         // A full snapshot reads all of memory: install what the page server has not
         // served yet, while the guest still runs, then run on plain memory.
         if let Some(filled) = vm.fill_memory()? {
@@ -195,15 +195,15 @@ enum Memory {
 }
 
 /// Guest RAM ranges as regions of a memory file read from `fd`, which holds the memory
-/// image (holes skipped).
-fn image_fd_regions<'a>(ranges: &[HostRange], fd: BorrowedFd<'a>) -> Vec<GuestRegion<'a>> {
+/// image from byte `at` (holes skipped).
+fn image_fd_regions<'a>(ranges: &[HostRange], fd: BorrowedFd<'a>, at: u64) -> Vec<GuestRegion<'a>> {
     ranges
         .iter()
         .map(|r| GuestRegion {
             guest_addr: r.guest_addr,
             data: RegionData::Fd {
                 fd,
-                offset: r.image_offset,
+                offset: at + r.image_offset,
                 len: r.len as u64,
             },
         })
@@ -223,21 +223,24 @@ fn write_frozen(
     image: &FrozenImage,
 ) -> snapshot::Result<PendingMemoryFile> {
     let mut layers = image.parts();
-    let Some((base, _)) = layers.next() else {
+    let Some((base, base_at, _)) = layers.next() else {
         return Err(snapshot::Error::InvalidInput(
             "a frozen image without layers".into(),
         ));
     };
-    let mut pending =
-        memory_file::write_full_pending(path, id, &image_fd_regions(ranges, base.as_fd()))?;
+    let mut pending = memory_file::write_full_pending(
+        path,
+        id,
+        &image_fd_regions(ranges, base.as_fd(), base_at),
+    )?;
     let mut buf = Vec::new();
-    for (file, runs) in layers {
+    for (file, at, runs) in layers {
         for &(off, len) in runs {
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(LAYER_CHUNK);
                 buf.resize(n as usize, 0);
-                file.read_exact_at(&mut buf, off + done)
+                file.read_exact_at(&mut buf, at + off + done)
                     .map_err(|source| snapshot::Error::Io {
                         op: "read a frozen memory layer",
                         path: path.to_path_buf(),
@@ -265,7 +268,7 @@ fn capture(
     let mem_path = dir.join(MEMORY_FILE);
     let pages = vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64;
     let (memory, considered) = match (kind, base) {
-        (SnapshotKind::Full, _) if vm.dirty_tracking() && vm.ram().can_freeze() => {
+        (SnapshotKind::Full, _) if vm.freezable().is_ok() => {
             // Also restarts the dirty log: the next diff covers what changes after this.
             (Memory::Frozen(vm.freeze_memory(steps)?), pages)
         }
@@ -278,7 +281,7 @@ fn capture(
             let ram = vm.ram();
             let ranges = ram.ranges();
             let regions: Vec<GuestRegion<'_>> = match ram.backing() {
-                Backing::Memfd(f) => image_fd_regions(ranges, f.as_fd()),
+                Backing::Memfd(f) => image_fd_regions(ranges, f.as_fd(), 0),
                 _ => (0..ranges.len())
                     .map(|i| GuestRegion {
                         guest_addr: ranges[i].guest_addr,

@@ -20,6 +20,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
+use snapshot::memory_file::MemoryChain;
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestRegionMmap};
@@ -183,6 +184,36 @@ fn zap_gradually(addr: usize, len: usize) {
     }
 }
 
+impl Retired {
+    /// Moves the retired mapping back over `addr..addr + len` (undoing a freeze that failed
+    /// after moving it aside).
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be the range it was moved from, owned by the caller with no
+    /// references into it.
+    unsafe fn restore_to(self, addr: usize) {
+        let (from, len) = (self.addr, self.len);
+        std::mem::forget(self);
+        // SAFETY: both ranges are ours; MREMAP_FIXED replaces the destination.
+        let p = unsafe {
+            libc::mremap(
+                from as *mut libc::c_void,
+                len,
+                len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                addr as *mut libc::c_void,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            tracing::error!(
+                "putting guest memory back after a failed freeze: {}",
+                std::io::Error::last_os_error()
+            );
+            munmap(from, len);
+        }
+    }
+}
+
 impl Drop for Retired {
     fn drop(&mut self) {
         munmap(self.addr, self.len);
@@ -297,13 +328,44 @@ pub enum Backing {
 /// Page size of guest memory mappings.
 pub const PAGE: u64 = 4096;
 
-/// One layer of a [`FrozenImage`]: a memfd nobody writes any more, and the runs of the
-/// memory image it provides (image offset = file offset).
+/// One layer of a [`FrozenImage`]: a file nobody writes any more (a memfd, or a snapshot's
+/// memory file), and the runs of the memory image it provides (image offset `o` is at file
+/// offset `file_offset + o`).
 #[derive(Debug)]
 pub struct FrozenLayer {
     file: Arc<File>,
+    /// Where the memory image starts in the file (page-aligned).
+    file_offset: u64,
     /// `(image offset, length)`, page-aligned, sorted, not overlapping.
     runs: Vec<(u64, u64)>,
+}
+
+impl FrozenLayer {
+    /// The layers of a snapshot's memory: the full file's whole image, then each diff's
+    /// pages.
+    fn of_snapshot(chain: &MemoryChain) -> Result<Vec<FrozenLayer>> {
+        let mem = chain.mem_size();
+        let mut layers = Vec::with_capacity(chain.layers().len());
+        for f in chain.layers() {
+            let runs = match f.present_pages() {
+                None => vec![(0, mem)],
+                Some(bm) => bm.runs().map(|(p, n)| (p * PAGE, n * PAGE)).collect(),
+            };
+            if runs.is_empty() {
+                continue;
+            }
+            let file = f
+                .file()
+                .try_clone()
+                .map_err(|e| Error::Memory(format!("duplicating a snapshot memory fd: {e}")))?;
+            layers.push(FrozenLayer {
+                file: Arc::new(file),
+                file_offset: f.header().data_offset,
+                runs,
+            });
+        }
+        Ok(layers)
+    }
 }
 
 /// A read-only view of a VM's memory image at the moment it forked: layer 0 covers the
@@ -315,6 +377,14 @@ pub struct FrozenImage {
     layers: Vec<FrozenLayer>,
     mem_bytes: u64,
 }
+
+/// One layer of a [`FrozenImage`] as handed between processes: its file, where the image
+/// starts in it, and its runs `(image offset, length)`.
+pub type LayerParts = (File, u64, Vec<(u64, u64)>);
+
+/// The layers [`GuestRam::restored_layers`] prepared, for [`GuestRam::freeze_onto`].
+#[derive(Debug)]
+pub struct RestoredLayers(Vec<FrozenLayer>);
 
 /// Most layers (fork generations with writes in between) a frozen image may have; each
 /// adds mappings (one per run of written pages) to every VM that maps it.
@@ -331,21 +401,37 @@ impl FrozenImage {
         self.layers.iter().map(|l| l.runs.len()).sum()
     }
 
-    /// The memfds and their runs, base first (handing the image to another process).
-    pub fn parts(&self) -> impl Iterator<Item = (&File, &[(u64, u64)])> {
-        self.layers.iter().map(|l| (&*l.file, &l.runs[..]))
+    /// The layers' files, where the image starts in each, and their runs, base first
+    /// (handing the image to another process, writing it to a snapshot).
+    pub fn parts(&self) -> impl Iterator<Item = (&File, u64, &[(u64, u64)])> {
+        self.layers
+            .iter()
+            .map(|l| (&*l.file, l.file_offset, &l.runs[..]))
     }
 
     /// An image from its parts (received from another process).
-    pub fn from_parts(parts: Vec<(File, Vec<(u64, u64)>)>, mem_bytes: u64) -> Result<Self> {
+    pub fn from_parts(parts: Vec<LayerParts>, mem_bytes: u64) -> Result<Self> {
         let layers = parts
             .into_iter()
-            .map(|(f, runs)| FrozenLayer {
+            .map(|(f, file_offset, runs)| FrozenLayer {
                 file: Arc::new(f),
+                file_offset,
                 runs,
             })
             .collect::<Vec<_>>();
+        if layers.len() > MAX_FROZEN_LAYERS {
+            return Err(Error::Memory(format!(
+                "a frozen image of {} layers (at most {MAX_FROZEN_LAYERS})",
+                layers.len()
+            )));
+        }
         for l in &layers {
+            if l.file_offset % PAGE != 0 {
+                return Err(Error::Memory(format!(
+                    "frozen image layer at file offset {:#x}: not page-aligned",
+                    l.file_offset
+                )));
+            }
             for &(o, n) in &l.runs {
                 if o % PAGE != 0 || n % PAGE != 0 || o.checked_add(n).is_none_or(|e| e > mem_bytes)
                 {
@@ -375,14 +461,14 @@ impl FrozenImage {
                 while done < len {
                     let n = (len - done).min(buf.len() as u64) as usize;
                     l.file
-                        .read_exact_at(&mut buf[..n], off + done)
+                        .read_exact_at(&mut buf[..n], l.file_offset + off + done)
                         .and_then(|()| copy.write_all_at(&buf[..n], off + done))
                         .map_err(|e| Error::Memory(format!("copying a frozen image: {e}")))?;
                     done += n as u64;
                 }
             }
         }
-        FrozenImage::from_parts(vec![(copy, vec![(0, self.mem_bytes)])], self.mem_bytes)
+        FrozenImage::from_parts(vec![(copy, 0, vec![(0, self.mem_bytes)])], self.mem_bytes)
     }
 
     /// Maps every layer, private, over `base..base + mem_bytes`.
@@ -393,7 +479,7 @@ impl FrozenImage {
         for l in &self.layers {
             // SAFETY: the caller's promise; the runs lie inside the range (checked when
             // the image was built).
-            unsafe { map_runs(base, &l.file, &l.runs) }?;
+            unsafe { map_runs(base, l) }?;
         }
         Ok(())
     }
@@ -403,9 +489,9 @@ impl FrozenImage {
 ///
 /// # Safety
 /// As for [`FrozenImage::map_at`].
-unsafe fn map_runs(base: usize, file: &File, runs: &[(u64, u64)]) -> Result<()> {
+unsafe fn map_runs(base: usize, layer: &FrozenLayer) -> Result<()> {
     let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_FIXED;
-    for &(off, len) in runs {
+    for &(off, len) in &layer.runs {
         // SAFETY: the caller's promise.
         unsafe {
             mmap(
@@ -413,8 +499,8 @@ unsafe fn map_runs(base: usize, file: &File, runs: &[(u64, u64)]) -> Result<()> 
                 len as usize,
                 PROT_RW,
                 flags,
-                file.as_raw_fd(),
-                off,
+                layer.file.as_raw_fd(),
+                layer.file_offset + off,
                 "mapping a frozen fork image",
             )
         }?;
@@ -620,8 +706,9 @@ impl GuestRam {
     ///   the previous frozen image, and mapped back private (the private copies are freed
     ///   and shared from then on). Costs in proportion to the pages written, not to memory.
     ///
-    /// Other backings fail (a `uffd` or `file` restore: take a snapshot and restore it with
-    /// `copy` to fork it). On an error the memory is unchanged.
+    /// Memory restored from a snapshot (the `uffd` and `file` backends) freezes with
+    /// [`GuestRam::restored_layers`] and [`GuestRam::freeze_onto`]. On an error the memory
+    /// is unchanged.
     pub fn freeze(&mut self, dirty: Option<&[Vec<u64>]>) -> Result<Arc<FrozenImage>> {
         match &self.backing {
             Backing::Memfd(file) => {
@@ -629,23 +716,12 @@ impl GuestRam {
                     Arc::new(file.try_clone().map_err(|e| {
                         Error::Memory(format!("duplicating the guest memory fd: {e}"))
                     })?);
-                let image = Arc::new(FrozenImage {
-                    layers: vec![FrozenLayer {
-                        file,
-                        runs: vec![(0, self.len as u64)],
-                    }],
-                    mem_bytes: self.len as u64,
-                });
-                // SAFETY: our own live mapping, which nothing accesses while paused; it is
-                // mapped over right below.
-                let retired = unsafe { retire(self.base, self.len) };
-                // SAFETY: our own live mapping, replaced by a mapping of the same contents
-                // (nothing writes guest memory while paused); references into it stay valid.
-                // On an error the range still maps the memfd shared, as before.
-                unsafe { image.map_at(self.base) }?;
-                self.backing = Backing::Forked(Arc::clone(&image));
-                self.retired = retired;
-                Ok(image)
+                let layers = vec![FrozenLayer {
+                    file,
+                    file_offset: 0,
+                    runs: vec![(0, self.len as u64)],
+                }];
+                self.remap_frozen(layers)
             }
             Backing::Forked(prev) => {
                 let dirty = dirty.ok_or_else(|| {
@@ -666,31 +742,20 @@ impl GuestRam {
                         prev.layers.len()
                     )));
                 }
-                let layer = memfd("clade-fork-layer", self.len as u64)?;
-                for &(off, len) in &runs {
-                    // SAFETY: inside our live mapping; nothing writes it while paused.
-                    let data = unsafe {
-                        std::slice::from_raw_parts(
-                            (self.base + off as usize) as *const u8,
-                            len as usize,
-                        )
-                    };
-                    layer.write_all_at(data, off).map_err(|e| {
-                        Error::Memory(format!("copying written pages to a fork layer: {e}"))
-                    })?;
-                }
                 let mut layers: Vec<FrozenLayer> = prev
                     .layers
                     .iter()
                     .map(|l| FrozenLayer {
                         file: Arc::clone(&l.file),
+                        file_offset: l.file_offset,
                         runs: l.runs.clone(),
                     })
                     .collect();
-                let file = Arc::new(layer);
-                // SAFETY: as above: same contents at the same place.
-                unsafe { map_runs(self.base, &file, &runs) }?;
-                layers.push(FrozenLayer { file, runs });
+                let layer = self.copy_to_layer(runs)?;
+                // SAFETY: our own live mapping, which nothing writes while paused: the
+                // written runs are replaced by mappings of their copies (same contents).
+                unsafe { map_runs(self.base, &layer) }?;
+                layers.push(layer);
                 let image = Arc::new(FrozenImage {
                     layers,
                     mem_bytes: self.len as u64,
@@ -699,11 +764,102 @@ impl GuestRam {
                 Ok(image)
             }
             Backing::Anonymous | Backing::FilePrivate => Err(Error::Memory(
-                "only booted VMs, VMs restored with the copy backend and forked VMs can fork \
-                 (this one's memory comes from a snapshot file or a page server)"
-                    .into(),
+                "memory restored from a snapshot freezes with the snapshot it came from".into(),
             )),
         }
+    }
+
+    /// The first half of freezing memory restored from a snapshot (the `uffd` and `file`
+    /// backends), written only where `dirty` says since it matched the snapshot whose
+    /// memory files are `chain`: the layers of its frozen image — those files (the full
+    /// one, each diff's pages over it) and the written pages copied into a layer on top.
+    /// Changes nothing: [`GuestRam::freeze_onto`] then maps them. Call with the vCPUs and
+    /// devices paused (a page server may still run: the written pages are present).
+    pub fn restored_layers(
+        &self,
+        chain: &MemoryChain,
+        dirty: &[Vec<u64>],
+    ) -> Result<RestoredLayers> {
+        if !matches!(self.backing, Backing::Anonymous | Backing::FilePrivate) {
+            return Err(Error::Memory(
+                "only memory restored from a snapshot freezes with the snapshot".into(),
+            ));
+        }
+        if chain.mem_size() != self.len as u64 {
+            return Err(Error::Memory(format!(
+                "a snapshot of {} bytes for {} bytes of guest memory",
+                chain.mem_size(),
+                self.len
+            )));
+        }
+        let mut layers = FrozenLayer::of_snapshot(chain)?;
+        let runs = dirty_runs(&self.ranges, dirty);
+        if !runs.is_empty() {
+            layers.push(self.copy_to_layer(runs)?);
+        }
+        if layers.len() > MAX_FROZEN_LAYERS {
+            return Err(Error::Memory(format!(
+                "a snapshot chain of {} memory files with the pages written since makes \
+                 {} layers (at most {MAX_FROZEN_LAYERS})",
+                chain.layers().len(),
+                layers.len()
+            )));
+        }
+        Ok(RestoredLayers(layers))
+    }
+
+    /// The second half: maps `layers` over this memory, private, in place, as
+    /// [`GuestRam::freeze`] does; the VM runs on the frozen image from now on. Call with
+    /// the page server stopped (the pages it never installed were never written: they
+    /// come from the files). On an error the memory is as before (without the pages the
+    /// stopped page server never installed).
+    pub fn freeze_onto(&mut self, layers: RestoredLayers) -> Result<Arc<FrozenImage>> {
+        self.remap_frozen(layers.0)
+    }
+
+    /// A new memfd layer holding `runs` of this memory as they are now.
+    fn copy_to_layer(&self, runs: Vec<(u64, u64)>) -> Result<FrozenLayer> {
+        let layer = memfd("clade-fork-layer", self.len as u64)?;
+        for &(off, len) in &runs {
+            // SAFETY: inside our live mapping; nothing writes it while paused.
+            let data = unsafe {
+                std::slice::from_raw_parts((self.base + off as usize) as *const u8, len as usize)
+            };
+            layer.write_all_at(data, off).map_err(|e| {
+                Error::Memory(format!("copying written pages to a fork layer: {e}"))
+            })?;
+        }
+        Ok(FrozenLayer {
+            file: Arc::new(layer),
+            file_offset: 0,
+            runs,
+        })
+    }
+
+    /// Makes `layers` the whole of this memory: the current mapping is moved aside (see
+    /// [`Retired`]) and the layers are mapped private over the same addresses.
+    fn remap_frozen(&mut self, layers: Vec<FrozenLayer>) -> Result<Arc<FrozenImage>> {
+        let image = Arc::new(FrozenImage {
+            layers,
+            mem_bytes: self.len as u64,
+        });
+        // SAFETY: our own live mapping, which nothing accesses while paused; it is
+        // mapped over right below.
+        let retired = unsafe { retire(self.base, self.len) };
+        // SAFETY: our own live mapping, replaced by a mapping of the same contents
+        // (nothing writes guest memory while paused); references into it stay valid.
+        // On an error (a partial mapping) the old contents are gone from the range: the
+        // retired mapping is put back whole when there is one.
+        if let Err(e) = unsafe { image.map_at(self.base) } {
+            if let Some(r) = retired {
+                // SAFETY: the retired mapping is ours and moves back over our own range.
+                unsafe { r.restore_to(self.base) };
+            }
+            return Err(e);
+        }
+        self.backing = Backing::Forked(Arc::clone(&image));
+        self.retired = retired;
+        Ok(image)
     }
 
     /// Whether [`GuestRam::freeze`] can freeze this memory (given the pages written since
@@ -712,7 +868,8 @@ impl GuestRam {
         match &self.backing {
             Backing::Memfd(_) => true,
             Backing::Forked(image) => image.layers() < MAX_FROZEN_LAYERS,
-            Backing::Anonymous | Backing::FilePrivate => false,
+            // With the snapshot it came from: [`GuestRam::restored_layers`].
+            Backing::Anonymous | Backing::FilePrivate => true,
         }
     }
 

@@ -310,7 +310,7 @@ pub struct VsockDevice {
     listener: Listener,
     uds_path: PathBuf,
     worker: DeviceWorker<VsockWorker>,
-    /// Restored from a snapshot that had connections: tell the guest they are gone.
+    /// Restored from a snapshot: tell the guest its connections are gone.
     reset_on_activate: bool,
     /// Guest-triggered warnings, across activations.
     log: crate::virtio::mmio::LogLimiter,
@@ -355,11 +355,14 @@ impl VsockDevice {
     /// A device restored from `state` (the guest CID comes from the snapshot; the other
     /// arguments as for [`VsockDevice::new`]). Its listening socket arrives later, in
     /// `listener` (the VMM binds it while the vCPUs already run), and must be there when
-    /// the device is activated. If connections were open when the snapshot was taken, the
-    /// guest gets a transport-reset event as soon as the device runs.
+    /// the device is activated. The guest gets a transport-reset event as soon as the
+    /// device runs: no connection survives a restore, and the guest may still hold one
+    /// the host had already closed at the snapshot's instant (its end not yet processed)
+    /// — a new host connection could then arrive from the same host port, be taken for
+    /// that old one and be refused.
     ///
-    /// `guest_cid` replaces the saved CID (a forked VM gets its own); when it differs, the
-    /// guest gets a transport-reset event too, which makes a driver read the CID again.
+    /// `guest_cid` replaces the saved CID (a forked VM gets its own); the reset makes a
+    /// driver read the CID again.
     pub fn restore(
         state: &VsockState,
         guest_cid: u64,
@@ -370,7 +373,13 @@ impl VsockDevice {
         let mut dev =
             Self::with_listener(guest_cid, Listener::Later(listener), uds_path, event_loop)
                 .map_err(|e| Error::Restore(format!("vsock: {e}")))?;
-        dev.reset_on_activate = state.connections > 0 || guest_cid != state.guest_cid;
+        dev.reset_on_activate = true;
+        tracing::debug!(
+            "vsock: restored (CID {} -> {guest_cid}, {} connections open at the snapshot): \
+             the guest gets a transport reset",
+            state.guest_cid,
+            state.connections
+        );
         Ok(dev)
     }
 

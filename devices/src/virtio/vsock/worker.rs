@@ -138,8 +138,7 @@ impl VsockWorker {
         })
     }
 
-    /// Sends the guest a transport reset first thing (a device restored from a snapshot
-    /// that had connections).
+    /// Sends the guest a transport reset first thing (a device restored from a snapshot).
     pub(crate) fn with_transport_reset(mut self, reset: bool) -> Self {
         self.reset_transport = reset;
         self
