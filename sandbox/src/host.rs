@@ -729,13 +729,25 @@ impl Host {
         };
         let dir = rec.dir.join(format!("pause-{}", rec.pauses + 1));
         let t = std::time::Instant::now();
-        let kind = match self.driver.snapshot(&api, &dir, true) {
-            Ok(()) => "diff",
+        // The guest stops at the snapshot's instant and does nothing more (no packet sent,
+        // no disk write) that a resume would not remember.
+        self.driver.set_vcpus_running(&api, false)?;
+        let snapshotted = match self.driver.snapshot(&api, &dir, true) {
+            Ok(()) => Ok("diff"),
             Err(e) => {
                 tracing::debug!(sandbox = %rec.id, "diff snapshot refused ({e}); taking a full one");
                 let _ = std::fs::remove_dir_all(&dir);
-                self.driver.snapshot(&api, &dir, false)?;
-                "full"
+                self.driver.snapshot(&api, &dir, false).map(|()| "full")
+            }
+        };
+        let kind = match snapshotted {
+            Ok(k) => k,
+            Err(e) => {
+                // Not paused after all: it runs on as before.
+                if let Err(u) = self.driver.set_vcpus_running(&api, true) {
+                    tracing::warn!(sandbox = %rec.id, "unpausing after a failed pause: {u}");
+                }
+                return Err(e);
             }
         };
         self.driver.stop(pid, &api)?;

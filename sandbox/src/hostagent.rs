@@ -349,6 +349,12 @@ impl VmDriver for HostAgentDriver {
         Ok(())
     }
 
+    fn set_vcpus_running(&self, _api_sock: &Path, _running: bool) -> Result<()> {
+        // The harness's "VM" has no vCPUs: a pause freezes its agent when the process is
+        // stopped after the (memoryless) snapshot, which is all the harness can remember.
+        Ok(())
+    }
+
     fn stop(&self, pid: i32, api_sock: &Path) -> Result<()> {
         let snapshot = lock(&self.snapshots).remove(api_sock);
         let Some(mut agent) = lock(&self.running).remove(&pid) else {

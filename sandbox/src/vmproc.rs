@@ -85,6 +85,8 @@ pub trait VmDriver: Send + Sync {
     /// Snapshots the VM into `dir`: a diff on the VM's last snapshot when `diff` (an error
     /// if it has none), else full. The VM keeps running.
     fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()>;
+    /// Pauses (`running` false) or unpauses the VM's vCPUs.
+    fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()>;
     /// Stops the VM process (API shutdown, then SIGKILL if it does not end in time) and
     /// waits until it is gone.
     fn stop(&self, pid: i32, api_sock: &Path) -> Result<()>;
@@ -359,6 +361,15 @@ impl VmDriver for ProcessDriver {
                 kind: if diff { "diff" } else { "full" }.into(),
             },
         )
+        .map(|_| ())
+    }
+
+    fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()> {
+        if running {
+            api_call(api_sock, "unpause", &Request::Unpause)
+        } else {
+            api_call(api_sock, "pause", &Request::Pause)
+        }
         .map(|_| ())
     }
 

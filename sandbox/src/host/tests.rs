@@ -16,7 +16,9 @@ pub(crate) struct FakeDriver {
     pub log: Mutex<Vec<String>>,
     /// Diffs refused (as for a VM without a base snapshot).
     pub no_diff: std::sync::atomic::AtomicBool,
-    /// Live forks refused (as for a VM restored with the uffd backend).
+    /// Refuse full snapshots too.
+    pub no_snapshot: std::sync::atomic::AtomicBool,
+    /// Live forks refused (as for a VM whose memory cannot be frozen).
     pub no_live_fork: std::sync::atomic::AtomicBool,
     /// The TAP each start and fork child got (`--net` specs), in order.
     pub nets: Mutex<Vec<String>>,
@@ -49,6 +51,12 @@ impl VmDriver for FakeDriver {
         })
     }
     fn snapshot(&self, _api: &Path, dir: &Path, diff: bool) -> Result<()> {
+        if self.no_snapshot.load(Ordering::SeqCst) {
+            return Err(Error::VmApi {
+                op: "snapshot",
+                message: "disk full".into(),
+            });
+        }
         if diff && self.no_diff.load(Ordering::SeqCst) {
             return Err(Error::VmApi {
                 op: "snapshot",
@@ -61,6 +69,11 @@ impl VmDriver for FakeDriver {
             if diff { "diff" } else { "full" },
             dir.display()
         ));
+        Ok(())
+    }
+    fn set_vcpus_running(&self, api: &Path, running: bool) -> Result<()> {
+        let op = if running { "unpause" } else { "pause" };
+        self.note(format!("{op} {}", api.display()));
         Ok(())
     }
     fn stop(&self, pid: i32, _api: &Path) -> Result<()> {
@@ -155,13 +168,13 @@ fn create_pause_resume_kill() {
         "a paused sandbox has no process"
     );
     assert!(matches!(h.pause(&r.id), Err(Error::Conflict(_))));
-    // Only a diff was taken (the VM was restored from the template: it has a base).
-    assert!(drv
-        .log
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|l| l.starts_with("snapshot diff")));
+    // Only a diff was taken (the VM was restored from the template: it has a base), of
+    // the VM paused first, and then it was stopped.
+    let log = drv.log.lock().unwrap().clone();
+    let at = |p: &str| log.iter().position(|l| l.starts_with(p)).unwrap();
+    assert!(at("pause ") < at("snapshot diff"), "{log:?}");
+    assert!(at("snapshot diff") < at("stop "), "{log:?}");
+    assert!(!log.iter().any(|l| l.starts_with("unpause")), "{log:?}");
 
     let (c, resumed) = h.connect(&r.id, 30).unwrap();
     assert!(resumed);
@@ -189,6 +202,19 @@ fn create_pause_resume_kill() {
         .any(|l| l.starts_with("snapshot full")));
     let r2 = h.resume(&r.id, 30).unwrap();
     assert_eq!(r2.state, State::Running);
+
+    // No snapshot at all: the pause fails, the VM is unpaused and runs on.
+    drv.no_snapshot.store(true, Ordering::SeqCst);
+    assert!(h.pause(&r.id).is_err());
+    assert!(drv
+        .log
+        .lock()
+        .unwrap()
+        .last()
+        .unwrap()
+        .starts_with("unpause "));
+    assert_eq!(h.get(&r.id).unwrap().state, State::Running);
+    drv.no_snapshot.store(false, Ordering::SeqCst);
 
     h.kill(&r.id).unwrap();
     assert!(matches!(h.get(&r.id), Err(Error::NotFound(_))));
