@@ -26,6 +26,8 @@ pub struct ForkParams {
     /// network namespace made beforehand; the same fork without networking is measured in
     /// the same run first. Root only.
     pub net: bool,
+    /// The parent is a restore, with this backend, of a snapshot of the booted guest.
+    pub restored: Option<vmm::MemoryBackend>,
 }
 
 /// What `fork` reports.
@@ -61,6 +63,8 @@ pub struct ForkReport {
     /// touches its responder's code, stack and queues again, each page a fault now (a
     /// read maps the frozen page, a write copies it).
     pub parent_first_ping: Duration,
+    /// With `--restored`: the parent's memory backend.
+    pub restored: Option<vmm::MemoryBackend>,
     /// With `--net`: this fork had network devices; the same fork without them.
     pub without_net: Option<Box<ForkReport>>,
 }
@@ -108,6 +112,21 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         "serving agent port",
         nets.as_ref().map(|b| b.config(0)),
     )?;
+    if let Some(backend) = params.restored {
+        // Snapshotted once booted and filled; the parent is a restore of it.
+        let snap = dir.join("parent-snapshot");
+        parent.pause()?;
+        vmm::snapshot(&mut parent, &snap, vmm::SnapshotKind::Full)?;
+        drop(parent);
+        parent = vmm::restore(
+            &snap,
+            backend,
+            vmm::RestoreOptions {
+                net: nets.as_ref().map(|b| b.config(0)),
+                ..vmm::RestoreOptions::default()
+            },
+        )?;
+    }
     // One agent connection to the parent stays open across the fork: its round trip
     // before, then its first one after (the parent's first touches of its memory).
     let parent_conn = connect(&psock, Duration::from_secs(20))
@@ -216,6 +235,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         copy_time,
         parent_ping_before_us: before.p50_us,
         parent_first_ping,
+        restored: params.restored,
         without_net,
     })
 }
@@ -239,6 +259,7 @@ impl ForkReport {
             "mem_mib": self.mem_mib,
             "fill_mib": self.fill_mib,
             "n": self.n,
+            "restored": self.restored.map(|b| b.to_string()),
             "pause_us": self.pause_time.as_micros() as u64,
             "pause_steps_us": self
                 .pause_steps
@@ -274,7 +295,10 @@ impl fmt::Display for ForkReport {
         let (mem_mib, fill_mib, n) = (self.mem_mib, self.fill_mib, self.n);
         writeln!(
             f,
-            "fork of a {mem_mib} MiB guest ({fill_mib} MiB filled) into {n} children"
+            "fork of a {mem_mib} MiB guest ({fill_mib} MiB filled{}) into {n} children",
+            self.restored
+                .map(|b| format!(", restored with {b}"))
+                .unwrap_or_default()
         )?;
         writeln!(
             f,

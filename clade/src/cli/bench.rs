@@ -127,6 +127,10 @@ pub enum BenchCommand {
         /// same run first. Root only.
         #[arg(long)]
         net: bool,
+        /// The parent is a restore of a snapshot of the booted guest, with this memory
+        /// backend (uffd, file or copy), instead of the booted guest itself.
+        #[arg(long, value_name = "BACKEND", value_parser = clap::value_parser!(vmm::MemoryBackend))]
+        restored: Option<vmm::MemoryBackend>,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -239,6 +243,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             n,
             fill,
             net,
+            restored,
             json,
             machine,
         } => {
@@ -246,6 +251,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 n,
                 fill_pct: fill,
                 net,
+                restored,
             };
             let r = clade_bench::fork(&load(guest)?, &machine.into(), &params)?;
             print(json, r.to_json(), r);
