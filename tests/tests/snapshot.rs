@@ -805,11 +805,11 @@ fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     assert!(!overlay.exists());
 }
 
-/// A full snapshot of a `uffd`-restored VM whose memory cannot be frozen (no dirty page
-/// tracking) first installs every page not served yet. If that fails, those pages would
+/// A full snapshot of a `uffd`-restored VM that is paused, or whose memory cannot be
+/// frozen (no dirty page tracking), first installs every page not served yet. If that fails, those pages would
 /// read as zeros: the VM must end, not run on (and not be snapshotted with its memory
-/// gone). One that can be frozen reopens its snapshot's memory file instead: broken, the
-/// snapshot is refused and the VM is left as it was.
+/// gone). A running one that can be frozen reopens its snapshot's memory file instead:
+/// broken, the snapshot is refused and the VM is left as it was.
 #[test]
 fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
     let dir = TmpDir::new("fill-fails");
@@ -840,12 +840,14 @@ fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
         .unwrap()
         .set_len(4096)
         .unwrap();
+    // Running: its snapshot would be copy-on-write, from the files it came from.
+    frozen.unpause().unwrap();
     let e = vmm::snapshot(&mut frozen, &dir.0.join("s1"), SnapshotKind::Full).unwrap_err();
     assert!(
         e.to_string().contains("opening the memory of snapshot"),
         "{e}"
     );
-    assert_eq!(frozen.state_name(), "paused");
+    assert_eq!(frozen.state_name(), "running");
     assert!(!dir.0.join("s1").exists());
     drop(frozen);
     let e = vmm::snapshot(&mut vm, &dir.0.join("s2"), SnapshotKind::Full).unwrap_err();
@@ -884,17 +886,24 @@ fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
     vm.pause().unwrap();
     let above_fill = (64 + 32 + 4) << 20;
     vm.write_guest(above_fill, &[0xa5; 3 * 4096 + 17]).unwrap();
+    vm.unpause().unwrap();
     let b = dir.0.join("b");
-    vmm::snapshot(&mut vm, &b, SnapshotKind::Full).unwrap();
-    let sum_b = checksum(&vm);
+    let info = vmm::snapshot(&mut vm, &b, SnapshotKind::Full).unwrap();
+    assert!(info.steps.iter().any(|(n, _)| *n == "freeze_memory"));
+    // Written after it: not in it.
+    vm.pause().unwrap();
     vm.write_guest(above_fill, &[0x3c; 4096]).unwrap();
-    assert_ne!(checksum(&vm), sum_b);
+    // A paused VM's full snapshot is written while paused (no freeze): exact at once.
+    let c_dir = dir.0.join("c");
+    let info = vmm::snapshot(&mut vm, &c_dir, SnapshotKind::Full).unwrap();
+    assert!(!info.steps.iter().any(|(n, _)| *n == "freeze_memory"));
+    let sum_c = checksum(&vm);
     vm.unpause().unwrap();
     let out = finish(&mut vm, "original");
     let sums = memsums(&out);
     assert_eq!(sums.len(), 2, "{out}");
 
-    for (snap, sum) in [(&b, Some(sum_b)), (&a, None)] {
+    for (snap, sum, page_byte) in [(&c_dir, Some(sum_c), 0x3c), (&b, None, 0xa5), (&a, None, 0)] {
         let mut vm = vmm::restore(
             snap,
             MemoryBackend::Copy,
@@ -909,8 +918,7 @@ fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
         }
         let mut page = [0u8; 4];
         vm.read_guest(above_fill, &mut page).unwrap();
-        let expect = if sum.is_some() { 0xa5 } else { 0 };
-        assert_eq!(page, [expect; 4], "{}", snap.display());
+        assert_eq!(page, [page_byte; 4], "{}", snap.display());
         vm.start().unwrap();
         let out = finish(&mut vm, &snap.display().to_string());
         assert!(out.contains("loop 2^30 done"), "{out}");

@@ -367,6 +367,11 @@ impl Vm {
         self.state.name()
     }
 
+    /// Whether its vCPUs run (started, not paused, not ended).
+    pub(crate) fn is_running(&self) -> bool {
+        self.state == RunState::Running
+    }
+
     /// The page server's counters, when the VM was restored with the `uffd` backend and the
     /// server still runs.
     pub fn page_server_stats(&self) -> Option<PageServerStats> {

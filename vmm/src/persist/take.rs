@@ -6,13 +6,14 @@
 //! (virtqueues, rx buffers: tracked by `vm-memory`'s bitmap) marked since the last
 //! snapshot. The state file is written last and commits the snapshot.
 //!
-//! A full snapshot of memory that can be frozen (a booted or `copy`-restored VM, a forked
-//! one: [`Vm::freeze_memory`], as a fork does) is *copy-on-write*: the pause only freezes
-//! the memory, and the memory file is written from the frozen image after the vCPUs run
-//! again (the VM runs on the image copy-on-write from then on, as a fork's parent does).
-//! Otherwise, and for a diff, the memory file is written while paused. Either way it is
-//! made durable (fsync, rename) after the vCPUs run again, and the snapshot is complete
-//! when the call returns.
+//! A full snapshot of a running VM whose memory can be frozen ([`Vm::freeze_memory`], as a
+//! fork does) is *copy-on-write*: the pause only freezes the memory, and the memory file
+//! is written from the frozen image after the vCPUs run again. The VM runs on the image
+//! copy-on-write from then on, as a fork's parent does: a page it writes afterwards costs
+//! a private copy while the image keeps the old one. A VM that is paused already gains
+//! nothing from that and keeps its memory as it is. Otherwise, and for a diff, the memory
+//! file is written while paused. Either way it is made durable (fsync, rename) after the
+//! vCPUs run again, and the snapshot is complete when the call returns.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
@@ -92,7 +93,8 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             )));
         }
     }
-    if kind == SnapshotKind::Full && vm.has_page_server() && vm.freezable().is_err() {
+    let copy_on_write = kind == SnapshotKind::Full && vm.is_running() && vm.freezable().is_ok();
+    if kind == SnapshotKind::Full && vm.has_page_server() && !copy_on_write {
         // A full snapshot reads all of memory: install what the page server has not
         // served yet, while the guest still runs, then run on plain memory.
         if let Some(filled) = vm.fill_memory()? {
@@ -110,6 +112,7 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         paused.vm(),
         staging.path(),
         kind,
+        copy_on_write,
         id,
         base.as_ref(),
         &mut steps,
@@ -256,10 +259,12 @@ fn write_frozen(
 
 /// Everything that needs the vCPUs and devices paused: the machine, and the memory file
 /// written or the memory frozen.
+#[allow(clippy::too_many_arguments)]
 fn capture(
     vm: &mut Vm,
     dir: &Path,
     kind: SnapshotKind,
+    copy_on_write: bool,
     id: SnapshotId,
     base: Option<&Lineage>,
     steps: &mut Steps,
@@ -268,7 +273,7 @@ fn capture(
     let mem_path = dir.join(MEMORY_FILE);
     let pages = vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64;
     let (memory, considered) = match (kind, base) {
-        (SnapshotKind::Full, _) if vm.freezable().is_ok() => {
+        (SnapshotKind::Full, _) if copy_on_write => {
             // Also restarts the dirty log: the next diff covers what changes after this.
             (Memory::Frozen(vm.freeze_memory(steps)?), pages)
         }
