@@ -805,51 +805,33 @@ fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     assert!(!overlay.exists());
 }
 
-/// A full snapshot of a `uffd`-restored VM that is paused, or whose memory cannot be
-/// frozen (no dirty page tracking), first installs every page not served yet. If that fails, those pages would
-/// read as zeros: the VM must end, not run on (and not be snapshotted with its memory
-/// gone). A running one that can be frozen reopens its snapshot's memory file instead:
-/// broken, the snapshot is refused and the VM is left as it was.
+/// A full snapshot of a `uffd`-restored VM first installs every page not served yet. If
+/// that fails, those pages would read as zeros: the VM must end, not run on (and not be
+/// snapshotted with its memory gone).
 #[test]
 fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
     let dir = TmpDir::new("fill-fails");
     let snap = dir.0.join("s");
     snapshot_mid_loop(&snap);
-    let restore = |dirty_tracking| {
-        let mut vm = vmm::restore(
-            &snap,
-            MemoryBackend::Uffd,
-            RestoreOptions {
-                working_set: false,
-                start: false,
-                dirty_tracking,
-                ..options()
-            },
-        )
-        .unwrap();
-        vm.start().unwrap();
-        vm.pause().unwrap();
-        vm
-    };
-    let mut frozen = restore(true);
-    let mut vm = restore(false);
-    // The memory file loses its pages under the page servers.
+    let mut vm = vmm::restore(
+        &snap,
+        MemoryBackend::Uffd,
+        RestoreOptions {
+            working_set: false,
+            start: false,
+            ..options()
+        },
+    )
+    .unwrap();
+    vm.start().unwrap();
+    vm.pause().unwrap();
+    // The memory file loses its pages under the page server.
     std::fs::OpenOptions::new()
         .write(true)
         .open(snap.join(MEMORY_FILE))
         .unwrap()
         .set_len(4096)
         .unwrap();
-    // Running: its snapshot would be copy-on-write, from the files it came from.
-    frozen.unpause().unwrap();
-    let e = vmm::snapshot(&mut frozen, &dir.0.join("s1"), SnapshotKind::Full).unwrap_err();
-    assert!(
-        e.to_string().contains("opening the memory of snapshot"),
-        "{e}"
-    );
-    assert_eq!(frozen.state_name(), "running");
-    assert!(!dir.0.join("s1").exists());
-    drop(frozen);
     let e = vmm::snapshot(&mut vm, &dir.0.join("s2"), SnapshotKind::Full).unwrap_err();
     assert!(e.to_string().contains("could not be filled"), "{e}");
     assert_eq!(vm.state_name(), "ended");
@@ -859,6 +841,40 @@ fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
         "{status:?}"
     );
     assert!(!dir.0.join("s2").join(STATE_FILE).exists());
+}
+
+/// A running `uffd`-restored VM whose memory file breaks under its page server ends as
+/// crashed, without hanging on its vCPU blocked on a page that is never served.
+#[test]
+fn a_broken_memory_file_under_a_running_vm_ends_it_without_hanging() {
+    let dir = TmpDir::new("broken-running");
+    let snap = dir.0.join("s");
+    snapshot_mid_loop(&snap);
+    let mut vm = vmm::restore(
+        &snap,
+        MemoryBackend::Uffd,
+        RestoreOptions {
+            working_set: false,
+            ..options()
+        },
+    )
+    .unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(snap.join(MEMORY_FILE))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    // The guest's `memsum` after its loop reads pages that cannot be served now: its
+    // vCPU blocks on the first one.
+    let t = Instant::now();
+    let status = vm.wait_timeout(T).unwrap();
+    assert!(
+        matches!(&status, Some(VmExit::Crashed(why)) if why.contains("could not be served")),
+        "{status:?}"
+    );
+    drop(vm);
+    assert!(t.elapsed() < T, "ending took {:?}", t.elapsed());
 }
 
 /// A full snapshot of memory that can be frozen is copy-on-write: the pause only freezes

@@ -70,7 +70,7 @@ use crate::builder::{self, Identity, MemorySlot};
 use crate::config::{NetConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{SavedMachine, Steps};
-use crate::vm::Vm;
+use crate::vm::{FreezePlan, Vm};
 use crate::vstate::memory::{FrozenImage, GuestRam};
 use crate::vstate::shell::Shell;
 
@@ -348,12 +348,13 @@ fn unused(name: impl Fn(u32) -> PathBuf, seq: u32) -> PathBuf {
 /// children are made from. The parent is left unchanged (still running) on an error.
 pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
     vm.check_live("fork")?;
-    vm.freezable()
+    let plan = vm
+        .freeze_plan()
         .map_err(|e| Error::Fork(format!("this VM {CANNOT_FORK_LIVE}: {e}")))?;
     let mut steps = Steps::new();
     let mut paused = vm.pause_guard("fork")?;
     steps.done("pause");
-    let captured = capture(paused.vm(), &mut steps);
+    let captured = capture(paused.vm(), plan, &mut steps);
     let pause_time = paused.release();
     steps.done("unpause");
     // The old mapping's teardown, now that the parent runs again.
@@ -376,9 +377,13 @@ pub fn freeze(vm: &mut Vm) -> Result<(Frozen, FreezeReport)> {
 }
 
 /// Everything that needs the parent paused: its machine, its memory frozen.
-fn capture(vm: &mut Vm, steps: &mut Steps) -> Result<(Arc<FrozenImage>, SavedMachine)> {
+fn capture(
+    vm: &mut Vm,
+    plan: FreezePlan,
+    steps: &mut Steps,
+) -> Result<(Arc<FrozenImage>, SavedMachine)> {
     let mut saved = vm.save_machine(steps)?;
-    let image = vm.freeze_memory(steps)?;
+    let image = vm.freeze_memory(plan, steps)?;
     saved.disk = vm.freeze_disk("p", steps)?;
     Ok((image, saved))
 }

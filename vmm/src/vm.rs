@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use snapshot::memory_file::MemoryChain;
 use snapshot::page_server::{PageServer, PageServerStats};
 
 use crate::config::VmConfig;
@@ -157,6 +158,14 @@ impl Drop for PauseGuard<'_> {
     }
 }
 
+/// How [`Vm::freeze_memory`] freezes this VM's memory ([`Vm::freeze_plan`]).
+pub(crate) enum FreezePlan {
+    /// Its own memory (a memfd, or a frozen image plus the pages written since).
+    InPlace,
+    /// On the snapshot it was restored from (or last took): its memory files.
+    OnSnapshot(MemoryChain),
+}
+
 impl Vm {
     /// The one place a `Vm` is put together (boot, restore and fork all come here).
     pub(crate) fn from_parts(p: VmParts) -> Vm {
@@ -258,13 +267,29 @@ impl Vm {
     }
 
     fn finish(&mut self, status: VmExit) -> VmExit {
-        for v in &mut self.vcpus {
-            v.stop();
-        }
+        self.stop_vcpus();
         self.state = RunState::Ended;
         tracing::info!("VM ended: {status}");
         self.finish_working_set();
         self.exit.get_or_insert(status).clone()
+    }
+
+    /// Stops the vCPU threads. One blocked on a page a failed page server never served
+    /// would never stop: the server is detached first then (the kernel fills what was
+    /// never served with zeros; the VM is ending, its memory is kept nowhere).
+    fn stop_vcpus(&mut self) {
+        if self.page_server_failure().is_some() {
+            if let Some(ps) = self.page_server.take() {
+                if let Err(e) = ps.stop(snapshot::page_server::StopMode::Detach) {
+                    tracing::debug!("failed page server detached: {e}");
+                }
+                // Its working set is that of a failed run: not kept.
+                self.working_set_saved = true;
+            }
+        }
+        for v in &mut self.vcpus {
+            v.stop();
+        }
     }
 
     /// A page-server failure leaves a vCPU blocked on a page forever: end the VM.
@@ -584,16 +609,17 @@ impl Vm {
         }))
     }
 
-    /// Freezes guest memory (call paused; [`GuestRam::freeze`]) and restarts the dirty log
-    /// there: the instant a fork's children and a copy-on-write snapshot are made from.
-    /// The VM runs on the returned image, copy-on-write; call
-    /// [`Vm::unmap_retired_memory`] once it runs again.
-    pub(crate) fn freeze_memory(&mut self, steps: &mut Steps) -> Result<Arc<FrozenImage>> {
-        if matches!(
-            self.ram.backing(),
-            Backing::Anonymous | Backing::FilePrivate
-        ) {
-            return self.freeze_restored_memory(steps);
+    /// Freezes guest memory (call paused, with the plan [`Vm::freeze_plan`] made;
+    /// [`GuestRam::freeze`]) and restarts the dirty log there: the instant a fork's
+    /// children and a copy-on-write snapshot are made from. The VM runs on the returned
+    /// image, copy-on-write; call [`Vm::unmap_retired_memory`] once it runs again.
+    pub(crate) fn freeze_memory(
+        &mut self,
+        plan: FreezePlan,
+        steps: &mut Steps,
+    ) -> Result<Arc<FrozenImage>> {
+        if let FreezePlan::OnSnapshot(chain) = plan {
+            return self.freeze_restored_memory(&chain, steps);
         }
         if matches!(self.ram.backing(), Backing::Forked(_)) {
             // The pages written since this memory was last frozen: the new layer.
@@ -624,8 +650,10 @@ impl Vm {
         }
     }
 
-    /// Whether [`Vm::freeze_memory`] can freeze this VM's memory now, and why not.
-    pub(crate) fn freezable(&self) -> Result<()> {
+    /// Whether [`Vm::freeze_memory`] can freeze this VM's memory, and how (why not, as the
+    /// error). Memory restored from a snapshot needs that snapshot's files: they are
+    /// opened here, before any pause.
+    pub(crate) fn freeze_plan(&self) -> Result<FreezePlan> {
         if !self.dirty_tracking {
             return Err(Error::Snapshot(
                 "this VM runs without dirty page tracking: its memory cannot be frozen (fork, \
@@ -634,44 +662,51 @@ impl Vm {
             ));
         }
         match self.ram.backing() {
-            Backing::Memfd(_) | Backing::Forked(_) if self.ram.can_freeze() => Ok(()),
+            Backing::Memfd(_) | Backing::Forked(_) if self.ram.can_freeze() => {
+                Ok(FreezePlan::InPlace)
+            }
             Backing::Memfd(_) | Backing::Forked(_) => Err(Error::Snapshot(format!(
                 "this VM's memory has {MAX_FROZEN_LAYERS} layers from earlier forks and \
                  snapshots: take a full snapshot and restore it with the copy backend to \
                  start a new line"
             ))),
-            Backing::Anonymous | Backing::FilePrivate if self.lineage.is_none() => {
-                Err(Error::Snapshot(
-                    "this VM's memory comes from a snapshot, but which pages were written \
-                     since is no longer known (a fork or a failed snapshot consumed the dirty \
-                     log): take a full snapshot and restore it to fork"
-                        .into(),
-                ))
+            Backing::Anonymous | Backing::FilePrivate => {
+                let Some(lineage) = &self.lineage else {
+                    return Err(Error::Snapshot(
+                        "this VM's memory comes from a snapshot, but which pages were written \
+                         since is no longer known (a fork or a failed snapshot consumed the \
+                         dirty log): take a full snapshot and restore it to fork"
+                            .into(),
+                    ));
+                };
+                if let Some(removed) = self
+                    .page_server
+                    .as_ref()
+                    .map(|ps| ps.stats().pages_removed)
+                    .filter(|&n| n > 0)
+                {
+                    return Err(Error::Snapshot(format!(
+                        "{removed} pages of this VM's memory were discarded since its restore: \
+                         its snapshot no longer describes them; take a full snapshot and \
+                         restore it to fork"
+                    )));
+                }
+                Ok(FreezePlan::OnSnapshot(lineage.memory_chain()?))
             }
-            Backing::Anonymous | Backing::FilePrivate => match &self.page_server {
-                Some(ps) if ps.stats().pages_removed > 0 => Err(Error::Snapshot(format!(
-                    "{} pages of this VM's memory were discarded since its restore: its \
-                     snapshot no longer describes them; take a full snapshot and restore it \
-                     to fork",
-                    ps.stats().pages_removed
-                ))),
-                _ => Ok(()),
-            },
         }
     }
 
     /// [`Vm::freeze_memory`] of memory restored from a snapshot (`uffd`, `file`): the
-    /// snapshot it matched ([`Vm::last_snapshot`]) and the pages written since.
-    fn freeze_restored_memory(&mut self, steps: &mut Steps) -> Result<Arc<FrozenImage>> {
-        self.freezable()?;
-        let Some(lineage) = self.lineage.clone() else {
-            return Err(Error::Snapshot("no snapshot this memory matches".into()));
-        };
-        let chain = lineage.memory_chain()?;
-        steps.done("open_snapshot");
+    /// snapshot it matched ([`Vm::last_snapshot`], its files `chain`) and the pages
+    /// written since.
+    fn freeze_restored_memory(
+        &mut self,
+        chain: &MemoryChain,
+        steps: &mut Steps,
+    ) -> Result<Arc<FrozenImage>> {
         let dirty = self.take_dirty()?;
         steps.done("dirty_log");
-        let layers = match self.ram.restored_layers(&chain, &dirty) {
+        let layers = match self.ram.restored_layers(chain, &dirty) {
             Ok(l) => l,
             Err(e) => {
                 // The dirty log was consumed: no diff on the old snapshot any more.
@@ -883,9 +918,7 @@ fn sibling_layer(layer: &std::path::Path, tag: &str) -> PathBuf {
 
 impl Drop for Vm {
     fn drop(&mut self) {
-        for v in &mut self.vcpus {
-            v.stop();
-        }
+        self.stop_vcpus();
         self.finish_working_set();
     }
 }

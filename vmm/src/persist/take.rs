@@ -29,7 +29,7 @@ use super::staging::{crash_point, Staging};
 use super::{file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE};
 use crate::error::{Error, Result};
 use crate::saved::{Lineage, Steps};
-use crate::vm::Vm;
+use crate::vm::{FreezePlan, Vm};
 use crate::vstate::memory::{Backing, FrozenImage, HostRange};
 
 /// What [`snapshot`] did.
@@ -93,8 +93,14 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
             )));
         }
     }
-    let copy_on_write = kind == SnapshotKind::Full && vm.is_running() && vm.freezable().is_ok();
-    if kind == SnapshotKind::Full && vm.has_page_server() && !copy_on_write {
+    // Copy-on-write when possible (else written paused, as a diff always is).
+    let copy_on_write = (kind == SnapshotKind::Full && vm.is_running())
+        .then(|| vm.freeze_plan())
+        .and_then(|p| {
+            p.map_err(|e| tracing::debug!("full snapshot written paused: {e}"))
+                .ok()
+        });
+    if kind == SnapshotKind::Full && vm.has_page_server() && copy_on_write.is_none() {
         // A full snapshot reads all of memory: install what the page server has not
         // served yet, while the guest still runs, then run on plain memory.
         if let Some(filled) = vm.fill_memory()? {
@@ -264,7 +270,7 @@ fn capture(
     vm: &mut Vm,
     dir: &Path,
     kind: SnapshotKind,
-    copy_on_write: bool,
+    copy_on_write: Option<FreezePlan>,
     id: SnapshotId,
     base: Option<&Lineage>,
     steps: &mut Steps,
@@ -272,12 +278,12 @@ fn capture(
     let mut saved = vm.save_machine(steps)?;
     let mem_path = dir.join(MEMORY_FILE);
     let pages = vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64;
-    let (memory, considered) = match (kind, base) {
-        (SnapshotKind::Full, _) if copy_on_write => {
+    let (memory, considered) = match (kind, base, copy_on_write) {
+        (SnapshotKind::Full, _, Some(plan)) => {
             // Also restarts the dirty log: the next diff covers what changes after this.
-            (Memory::Frozen(vm.freeze_memory(steps)?), pages)
+            (Memory::Frozen(vm.freeze_memory(plan, steps)?), pages)
         }
-        (SnapshotKind::Full, _) => {
+        (SnapshotKind::Full, _, None) => {
             if vm.dirty_tracking() {
                 // Start a new interval: the next diff covers what changes after this.
                 vm.take_dirty()?;
@@ -301,7 +307,7 @@ fn capture(
             steps.done("write_memory");
             (Memory::Written(p), pages)
         }
-        (SnapshotKind::Diff, Some(base)) => {
+        (SnapshotKind::Diff, Some(base), _) => {
             let dirty = vm.take_dirty()?;
             steps.done("dirty_log");
             let considered = dirty
@@ -324,7 +330,7 @@ fn capture(
             steps.done("write_memory");
             (Memory::Written(p), considered)
         }
-        (SnapshotKind::Diff, None) => {
+        (SnapshotKind::Diff, None, _) => {
             return Err(Error::Snapshot("a diff snapshot needs a base".into()))
         }
     };
