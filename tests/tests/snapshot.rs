@@ -805,12 +805,9 @@ fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
     assert!(!overlay.exists());
 }
 
-/// A full snapshot of a `uffd`-restored VM first installs every page not served yet. If
-/// that fails, those pages would read as zeros: the VM must end, not run on (and not be
-/// snapshotted with its memory gone).
-#[test]
-fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
-    let dir = TmpDir::new("fill-fails");
+/// A `uffd` restore (started, then `then`) of a snapshot taken mid-loop in `dir`, whose
+/// memory file then loses its pages under the page server.
+fn restore_then_break_its_memory_file(dir: &TmpDir, then: impl FnOnce(&mut Vm)) -> Vm {
     let snap = dir.0.join("s");
     snapshot_mid_loop(&snap);
     let mut vm = vmm::restore(
@@ -818,20 +815,27 @@ fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
         MemoryBackend::Uffd,
         RestoreOptions {
             working_set: false,
-            start: false,
             ..options()
         },
     )
     .unwrap();
-    vm.start().unwrap();
-    vm.pause().unwrap();
-    // The memory file loses its pages under the page server.
+    then(&mut vm);
     std::fs::OpenOptions::new()
         .write(true)
         .open(snap.join(MEMORY_FILE))
         .unwrap()
         .set_len(4096)
         .unwrap();
+    vm
+}
+
+/// A full snapshot of a `uffd`-restored VM first installs every page not served yet. If
+/// that fails, those pages would read as zeros: the VM must end, not run on (and not be
+/// snapshotted with its memory gone).
+#[test]
+fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
+    let dir = TmpDir::new("fill-fails");
+    let mut vm = restore_then_break_its_memory_file(&dir, |vm| vm.pause().unwrap());
     let e = vmm::snapshot(&mut vm, &dir.0.join("s2"), SnapshotKind::Full).unwrap_err();
     assert!(e.to_string().contains("could not be filled"), "{e}");
     assert_eq!(vm.state_name(), "ended");
@@ -848,23 +852,7 @@ fn a_failed_fill_ends_the_vm_instead_of_losing_its_memory() {
 #[test]
 fn a_broken_memory_file_under_a_running_vm_ends_it_without_hanging() {
     let dir = TmpDir::new("broken-running");
-    let snap = dir.0.join("s");
-    snapshot_mid_loop(&snap);
-    let mut vm = vmm::restore(
-        &snap,
-        MemoryBackend::Uffd,
-        RestoreOptions {
-            working_set: false,
-            ..options()
-        },
-    )
-    .unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(snap.join(MEMORY_FILE))
-        .unwrap()
-        .set_len(4096)
-        .unwrap();
+    let mut vm = restore_then_break_its_memory_file(&dir, |_| {});
     // The guest's `memsum` after its loop reads pages that cannot be served now: its
     // vCPU blocks on the first one.
     let t = Instant::now();
