@@ -1,5 +1,5 @@
 //! Guest memory: address space reserved first (so KVM memory slots can point at it before
-//! there is any memory), then filled with one of three kinds of mapping.
+//! there is any memory), then filled with one of four kinds of mapping.
 //!
 //! The guest RAM ranges (around the MMIO gap) are laid out back to back in one *memory
 //! image*: range `i` starts at image offset `sum(len of ranges < i)`. The image is what a
@@ -10,7 +10,11 @@
 //! | [`Backing::Memfd`] | `MAP_SHARED` of a memfd holding the image | boot, `copy` restore | the memfd (holes skipped) |
 //! | [`Backing::Anonymous`] | private anonymous | `uffd` restore (page server fills it) | the mapping |
 //! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` restore | the mapping |
+//! | [`Backing::Forked`] | `MAP_PRIVATE` of a frozen image's layers | after a fork or a copy-on-write snapshot; fork children | a copy-on-write snapshot: the image's layers; paused: the mapping |
 //!
+//! Freezing ([`GuestRam::freeze`], [`GuestRam::freeze_onto`]) turns any of the first three
+//! into the fourth in place, at the same addresses; the old mapping's teardown is moved off
+//! the caller's pause ([`Retired`]).
 //! Writes the VMM makes through [`GuestMemory`] (devices) are recorded in per-region dirty
 //! bitmaps ([`GuestRam::take_vmm_dirty`]), the complement of KVM's dirty log.
 
@@ -368,10 +372,13 @@ impl FrozenLayer {
     }
 }
 
-/// A read-only view of a VM's memory image at the moment it forked: layer 0 covers the
-/// whole image, each later layer the pages the VM wrote between two forks. Every VM that
-/// runs on it maps the layers `MAP_PRIVATE` in order, so pages stay shared (page cache of
-/// the memfds) until one of them writes a page. Nothing ever writes the memfds.
+/// A read-only view of a VM's memory image at the moment it was frozen (a fork, a
+/// copy-on-write snapshot): layer 0 covers the whole image (a memfd, or the full memory
+/// file of the snapshot the VM was restored from), each later layer the pages written
+/// between two freezes (or a diff's pages). Every VM that runs on it maps the layers
+/// `MAP_PRIVATE` in order, so pages stay shared (page cache of the files) until one of
+/// them writes a page. Nothing writes the files: a snapshot's must stay as they are while
+/// a VM maps them (as for the `file` backend).
 #[derive(Debug)]
 pub struct FrozenImage {
     layers: Vec<FrozenLayer>,
@@ -700,7 +707,8 @@ impl GuestRam {
     ///   private, at the same address (KVM's memory slots keep pointing at it; its MMU
     ///   notifiers drop the old mappings). No page is copied, and the old mapping is not
     ///   torn down here: its page tables are moved aside ([`Retired`], unmapped later off
-    ///   the pause), so this costs about the same whatever the guest touched.
+    ///   the pause), so the cost hardly grows with what the guest touched (what remains is
+    ///   KVM dropping its own mappings of the range).
     /// - memory forked before: the pages written since (`dirty`, KVM's log and the VMM's
     ///   writes, one bitmap per range) are copied into a new memfd, a new layer on top of
     ///   the previous frozen image, and mapped back private (the private copies are freed
