@@ -5,7 +5,8 @@
 //! [`ChildLauncher`] with those descriptors inherited (close-on-exec cleared in the child
 //! between fork and exec), writes the child's launch record and the encoded frozen
 //! instant ([`crate::Frozen::handoff`]) to its stdin, and reads one line from its stdout:
-//! `ready` once the child's VM runs and its API socket listens, or `error <message>`. The
+//! `ready` once the child's VM runs and its API socket listens, or `error <message>`. All
+//! children are started before the first line is awaited: they build their VMs at once. The
 //! child is in its own process group and maps the memfds `MAP_PRIVATE`, so it outlives the
 //! parent and never sees its later writes.
 //!
@@ -146,6 +147,7 @@ pub fn fork_processes(
     let (frozen, report) = freeze(vm)?;
     let (bytes, files) = frozen.handoff()?;
     let fds: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+    let mut launched: Vec<Launched> = Vec::with_capacity(count);
     let mut started: Vec<Started> = Vec::with_capacity(count);
     let mut children = Vec::with_capacity(count);
     #[cfg(feature = "test-hooks")]
@@ -156,8 +158,8 @@ pub fn fork_processes(
         #[cfg(feature = "test-hooks")]
         if fail_after == Some(i) {
             tracing::warn!("fork: injected failure after {i} children");
-            for s in started {
-                s.kill();
+            for l in launched {
+                l.started.kill();
             }
             return Err(Error::Fork(format!(
                 "fork child {i}: injected failure after {i} children (CLADE_FORK_FAIL_AFTER)"
@@ -171,19 +173,38 @@ pub fn fork_processes(
             seccomp: owner.seccomp,
             net: nets.get(i),
         };
-        match start_child(&frozen, &bytes, &fds, &child, owner.launcher.as_ref()) {
-            Ok((s, c)) => {
-                started.push(s);
-                children.push(c);
-            }
+        // All children start at once: each builds its VM while the next is launched.
+        match launch_child(&frozen, &bytes, &fds, &child, owner.launcher.as_ref()) {
+            Ok(l) => launched.push(l),
             Err(e) => {
                 tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
-                for s in started {
-                    s.kill();
+                for l in launched {
+                    l.started.kill();
                 }
                 return Err(Error::Fork(format!("fork child {i}: {e}")));
             }
         }
+    }
+    let mut failed = None;
+    for (i, l) in launched.into_iter().enumerate() {
+        if failed.is_some() {
+            l.started.kill();
+            continue;
+        }
+        match l.ready() {
+            Ok((s, c)) => {
+                started.push(s);
+                children.push(c);
+            }
+            Err(e) => failed = Some(Error::Fork(format!("fork child {i}: {e}"))),
+        }
+    }
+    if let Some(e) = failed {
+        tracing::warn!("fork: {e}; removing the children started");
+        for s in started {
+            s.kill();
+        }
+        return Err(e);
     }
     drop(frozen);
     // Reap each child when it ends (they outlive this process if it ends first).
@@ -259,14 +280,47 @@ fn check_child_nets(has_net: bool, count: usize, nets: &[NetConfig]) -> Result<(
     Ok(())
 }
 
-/// Starts one child and waits until it runs.
-fn start_child(
+/// A child process started and handed its state, not yet known to run.
+struct Launched {
+    started: Started,
+    /// Its first line (`ready` or `error …`), read by a thread.
+    line: mpsc::Receiver<String>,
+    child: ForkedChild,
+}
+
+impl Launched {
+    /// Waits until the child runs (or says why not: it is then killed and its files go).
+    fn ready(self) -> Result<(Started, ForkedChild)> {
+        let Ok(line) = self.line.recv_timeout(CHILD_READY_TIMEOUT) else {
+            self.started.kill();
+            return Err(Error::Fork(format!(
+                "the child did not start in {CHILD_READY_TIMEOUT:?}"
+            )));
+        };
+        let line = line.trim_end();
+        if line == "ready" {
+            return Ok((self.started, self.child));
+        }
+        let e = Error::Fork(match line.strip_prefix("error ") {
+            Some(msg) => msg.to_string(),
+            None => format!(
+                "the child ended before it ran (see {})",
+                self.child.log.display()
+            ),
+        });
+        self.started.kill();
+        Err(e)
+    }
+}
+
+/// Starts one child and hands it its state; [`Launched::ready`] waits until it runs.
+fn launch_child(
     frozen: &Frozen,
     bytes: &[u8],
     fds: &[RawFd],
     plan: &ChildPlan<'_>,
     launcher: &dyn ChildLauncher,
-) -> Result<(Started, ForkedChild)> {
+) -> Result<Launched> {
     let (dir, api_sock) = (plan.dir, plan.api_sock);
     let seq = next_fork_seq();
     let file = |ext: &str| child_path(api_sock, Some(dir), seq, ext);
@@ -367,7 +421,7 @@ fn start_child(
         .flatten()
         .collect(),
     };
-    let ready = (|| -> Result<()> {
+    let handed = (|| -> Result<mpsc::Receiver<String>> {
         let mut stdin = stdin.ok_or_else(|| Error::Fork("no stdin pipe".into()))?;
         stdin
             .write_all(&(record.len() as u32).to_le_bytes())
@@ -384,24 +438,13 @@ fn start_child(
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        let line = rx.recv_timeout(CHILD_READY_TIMEOUT).map_err(|_| {
-            Error::Fork(format!(
-                "the child did not start in {CHILD_READY_TIMEOUT:?}"
-            ))
-        })?;
-        let line = line.trim_end();
-        if line == "ready" {
-            return Ok(());
-        }
-        Err(Error::Fork(match line.strip_prefix("error ") {
-            Some(msg) => msg.to_string(),
-            None => format!("the child ended before it ran (see {})", log.display()),
-        }))
+        Ok(rx)
     })();
-    match ready {
-        Ok(()) => Ok((
-            st,
-            ForkedChild {
+    match handed {
+        Ok(line) => Ok(Launched {
+            started: st,
+            line,
+            child: ForkedChild {
                 pid,
                 api_sock: api,
                 cid: vsock.as_ref().map(|_| cid),
@@ -410,7 +453,7 @@ fn start_child(
                 log,
                 disk,
             },
-        )),
+        }),
         Err(e) => {
             st.kill();
             Err(e)
