@@ -21,7 +21,37 @@ impl Dir {
 
 impl Drop for Dir {
     fn drop(&mut self) {
+        kill_processes_naming(&self.0);
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// SIGKILLs every process whose command line names a path under `dir`: the VM processes
+/// a test started (directly, through `clade serve`, or as fork children) are their own
+/// process groups and outlive a test that failed half-way; left running, they would
+/// spin on this host's CPUs for the rest of the run.
+fn kill_processes_naming(dir: &std::path::Path) {
+    // With the separator: another test's directory may start with this one's name.
+    let needle = format!("{}/", dir.to_string_lossy());
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in procs.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid as u32 == me {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmdline).contains(&needle) {
+            // SAFETY: kill(2) of a process this test started (it names the test's own
+            // scratch directory).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
     }
 }
 
