@@ -158,6 +158,9 @@ impl Drop for PauseGuard<'_> {
     }
 }
 
+/// How often a wait looks at the page server (a failed one sends no event).
+const PAGE_SERVER_CHECK: Duration = Duration::from_millis(200);
+
 /// How [`Vm::freeze_memory`] freezes this VM's memory ([`Vm::freeze_plan`]).
 pub(crate) enum FreezePlan {
     /// Its own memory (a memfd, or a frozen image plus the pages written since).
@@ -314,7 +317,7 @@ impl Vm {
     /// Blocks until the VM ends and returns how it ended.
     pub fn wait(&mut self) -> Result<VmExit> {
         loop {
-            if let Some(status) = self.wait_timeout(Duration::from_millis(200))? {
+            if let Some(status) = self.wait_timeout(Duration::from_secs(3600))? {
                 return Ok(status);
             }
         }
@@ -328,14 +331,22 @@ impl Vm {
         if self.state == RunState::Built {
             return Err(self.invalid("wait"));
         }
-        if let Some(status) = self.page_server_failure() {
-            return Ok(Some(self.finish(status)));
-        }
-        match self.events.recv_timeout(timeout) {
-            Ok(VmEvent::Exit(status)) => Ok(Some(self.finish(status))),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            // We hold a sender ourselves, so this cannot happen; treat it as a stop.
-            Err(RecvTimeoutError::Disconnected) => Ok(Some(self.finish(VmExit::Stopped))),
+        let deadline = Instant::now() + timeout;
+        loop {
+            // A page server that fails sends no event: looked at between slices.
+            if let Some(status) = self.page_server_failure() {
+                return Ok(Some(self.finish(status)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left.min(PAGE_SERVER_CHECK)) {
+                Ok(VmEvent::Exit(status)) => return Ok(Some(self.finish(status))),
+                Err(RecvTimeoutError::Timeout) if left <= PAGE_SERVER_CHECK => return Ok(None),
+                Err(RecvTimeoutError::Timeout) => {}
+                // We hold a sender ourselves, so this cannot happen; treat it as a stop.
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Ok(Some(self.finish(VmExit::Stopped)))
+                }
+            }
         }
     }
 
@@ -662,10 +673,9 @@ impl Vm {
             ));
         }
         match self.ram.backing() {
-            Backing::Memfd(_) | Backing::Forked(_) if self.ram.can_freeze() => {
-                Ok(FreezePlan::InPlace)
-            }
-            Backing::Memfd(_) | Backing::Forked(_) => Err(Error::Snapshot(format!(
+            Backing::Memfd(_) => Ok(FreezePlan::InPlace),
+            Backing::Forked(image) if image.layers() < MAX_FROZEN_LAYERS => Ok(FreezePlan::InPlace),
+            Backing::Forked(_) => Err(Error::Snapshot(format!(
                 "this VM's memory has {MAX_FROZEN_LAYERS} layers from earlier forks and \
                  snapshots: take a full snapshot and restore it with the copy backend to \
                  start a new line"
