@@ -28,6 +28,10 @@ impl FakeDriver {
     fn note(&self, s: String) {
         self.log.lock().unwrap().push(s);
     }
+    /// What the driver did last.
+    fn last_note(&self) -> String {
+        self.log.lock().unwrap().last().cloned().unwrap_or_default()
+    }
     pub(crate) fn crash(&self, pid: i32) {
         self.alive.lock().unwrap().remove(&pid);
     }
@@ -206,13 +210,7 @@ fn create_pause_resume_kill() {
     // No snapshot at all: the pause fails, the VM is unpaused and runs on.
     drv.no_snapshot.store(true, Ordering::SeqCst);
     assert!(h.pause(&r.id).is_err());
-    assert!(drv
-        .log
-        .lock()
-        .unwrap()
-        .last()
-        .unwrap()
-        .starts_with("unpause "));
+    assert!(drv.last_note().starts_with("unpause "));
     assert_eq!(h.get(&r.id).unwrap().state, State::Running);
     drv.no_snapshot.store(false, Ordering::SeqCst);
 
@@ -388,13 +386,7 @@ fn snapshots_become_templates_and_survive_a_restart() {
     // A new sandbox from it, by id, with the default tag, and by name.
     let a = h.create(from(&snap.id)).unwrap();
     assert_eq!(a.template, snap.id);
-    assert!(drv
-        .log
-        .lock()
-        .unwrap()
-        .last()
-        .unwrap()
-        .ends_with(&format!("{}/snapshot", snap.id)));
+    assert!(drv.last_note().ends_with(&format!("{}/snapshot", snap.id)));
     let b = h.create(from(&format!("{}:default", snap.id))).unwrap();
     assert!(matches!(
         h.create(from(&format!("{}:v2", snap.id))),

@@ -198,21 +198,9 @@ impl Retired {
     unsafe fn restore_to(self, addr: usize) {
         let (from, len) = (self.addr, self.len);
         std::mem::forget(self);
-        // SAFETY: both ranges are ours; MREMAP_FIXED replaces the destination.
-        let p = unsafe {
-            libc::mremap(
-                from as *mut libc::c_void,
-                len,
-                len,
-                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-                addr as *mut libc::c_void,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            tracing::error!(
-                "putting guest memory back after a failed freeze: {}",
-                std::io::Error::last_os_error()
-            );
+        // SAFETY: both ranges are ours (the caller's promise for `addr`).
+        if let Err(e) = unsafe { move_mapping(from, len, addr, 0) } {
+            tracing::error!("putting guest memory back after a failed freeze: {e}");
             munmap(from, len);
         }
     }
@@ -236,27 +224,36 @@ impl Drop for Retired {
 /// the caller maps over it.
 unsafe fn retire(addr: usize, len: usize) -> Option<Retired> {
     let to = reserve_aligned(len, "reserving address space for a retired mapping").ok()?;
-    let flags = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP;
     // SAFETY: `addr..addr + len` is the caller's mapping; `to..to + len` was just reserved
-    // by us and is replaced (MREMAP_FIXED). The source range stays mapped (DONTUNMAP).
-    let p = unsafe {
-        libc::mremap(
-            addr as *mut libc::c_void,
-            len,
-            len,
-            flags,
-            to as *mut libc::c_void,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        tracing::debug!(
-            "mremap(MREMAP_DONTUNMAP) of guest memory: {}; replacing it in place",
-            std::io::Error::last_os_error()
-        );
+    // by us. The source range stays mapped (DONTUNMAP).
+    if let Err(e) = unsafe { move_mapping(addr, len, to, libc::MREMAP_DONTUNMAP) } {
+        tracing::debug!("mremap(MREMAP_DONTUNMAP) of guest memory: {e}; replacing it in place");
         munmap(to, len);
         return None;
     }
     Some(Retired { addr: to, len })
+}
+
+/// `mremap` of `from..from + len` onto `to..to + len` (replaced), with `extra` flags.
+///
+/// # Safety
+/// Both ranges must be address space this process owns and holds no references into
+/// (but what the caller remaps on purpose).
+unsafe fn move_mapping(from: usize, len: usize, to: usize, extra: i32) -> std::io::Result<()> {
+    // SAFETY: the caller's promise; MREMAP_FIXED replaces only `to..to + len`.
+    let p = unsafe {
+        libc::mremap(
+            from as *mut libc::c_void,
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | extra,
+            to as *mut libc::c_void,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Inaccessible address space for guest RAM: one contiguous area holding the memory
@@ -868,17 +865,6 @@ impl GuestRam {
         self.backing = Backing::Forked(Arc::clone(&image));
         self.retired = retired;
         Ok(image)
-    }
-
-    /// Whether [`GuestRam::freeze`] can freeze this memory (given the pages written since
-    /// the last freeze when it was frozen before).
-    pub fn can_freeze(&self) -> bool {
-        match &self.backing {
-            Backing::Memfd(_) => true,
-            Backing::Forked(image) => image.layers() < MAX_FROZEN_LAYERS,
-            // With the snapshot it came from: [`GuestRam::restored_layers`].
-            Backing::Anonymous | Backing::FilePrivate => true,
-        }
     }
 
     /// The old mapping the last [`GuestRam::freeze`] moved out of the guest's range, still
