@@ -20,6 +20,18 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 "$REPO_ROOT/scripts/setup.sh"
 
+# Disk: the builds (debug tests, release, the nested tier's static release), the Debian
+# kernel and root filesystem and the nested machine's images take about NEED_GIB together.
+# Say so up front rather than fail half-way with ENOSPC.
+NEED_GIB=12
+free_gib=$(df -P -BG "$REPO_ROOT" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+if [ "${free_gib:-0}" -lt "$NEED_GIB" ]; then
+    echo "== WARNING: ${free_gib}G free under $REPO_ROOT; a full run from a clean clone needs about ${NEED_GIB}G"
+fi
+# footprint: what this run left on disk (printed at the end, and when the run fails).
+footprint() { echo "== disk: $(du -sh "$REPO_ROOT/target" "$REPO_ROOT/build" 2>/dev/null | awk '{printf "%s %s  ", $2, $1}')free $(df -P -h "$REPO_ROOT" | awk 'NR == 2 {print $4}')"; }
+trap footprint EXIT
+
 echo "== lint: cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
