@@ -79,6 +79,17 @@ impl Guest {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The guest ELF as a path another process can open (the built-in one is this
+    /// process's memory file: `/proc/self/…` would be that process's own).
+    pub(crate) fn path_for_other_processes(&self) -> PathBuf {
+        match self.path.strip_prefix("/proc/self") {
+            Ok(rest) => Path::new("/proc")
+                .join(std::process::id().to_string())
+                .join(rest),
+            Err(_) => self.path.clone(),
+        }
+    }
 }
 
 /// The configuration booting `guest` on `machine` with the guest's `steps` (serial output

@@ -2,7 +2,7 @@
 //! statistics and reports.
 //!
 //! Benchmarks measure; they do not assert. Each scenario ([`boot()`], [`ping()`],
-//! [`restore()`], [`snapshot()`], [`fork()`], [`serve()`]) boots the guest described by a [`Guest`] on a
+//! [`restore()`], [`snapshot()`], [`fork()`], [`fork_processes()`], [`serve()`]) boots the guest described by a [`Guest`] on a
 //! [`Machine`] and returns a report: a [`Summary`] or a scenario's own report type, each
 //! with `to_json()` (one JSON object) and a text rendering (`Display`). Printing is the
 //! caller's job.
@@ -10,6 +10,7 @@
 mod boot;
 mod error;
 mod fork;
+mod fork_processes;
 mod guest;
 mod net;
 mod ping;
@@ -21,6 +22,9 @@ mod stats;
 pub use boot::boot;
 pub use error::{Error, Result};
 pub use fork::{fork, ForkParams, ForkReport};
+pub use fork_processes::{
+    fork_processes, ForkProcessesParams, ForkProcessesReport, ForkProcessesRun,
+};
 pub use guest::{Guest, Machine};
 pub use ping::ping;
 pub use restore::{restore, BackendRun, RestoreParams, RestoreReport};

@@ -96,14 +96,7 @@ impl Service {
             what: "creating the state directory".into(),
             source,
         })?;
-        // The guest as a path another process can open (the built-in one is this
-        // process's memory file).
-        let kernel = match guest.path().strip_prefix("/proc/self") {
-            Ok(rest) => Path::new("/proc")
-                .join(std::process::id().to_string())
-                .join(rest),
-            Err(_) => guest.path().to_path_buf(),
-        };
+        let kernel = guest.path_for_other_processes();
         // The guest's `vsock` step serves any number of agent connections.
         let steps = "vsock";
         let o = Command::new(clade)

@@ -108,13 +108,12 @@ fn start_parent_with(d: &Dir, steps: &str, env: Option<(&str, &str)>, extra: &[&
     p
 }
 
-#[test]
-fn fork_children_are_processes_that_outlive_a_killed_parent() {
-    let d = Dir::new("three");
-    let mut parent = start_parent(&d, "vsock", None);
+/// `clade fork API -n 3 --no-agent-sync --json` with the children's files in `kids/`: its
+/// answer, the children and their processes.
+fn fork_three(d: &Dir, api: &Path) -> (serde_json::Value, Vec<serde_json::Value>, Vec<Pid>) {
     let o = clade()
         .arg("fork")
-        .arg(d.p("p.api"))
+        .arg(api)
         .args(["-n", "3", "--no-agent-sync", "--json"])
         .arg("--prefix")
         .arg(d.p("kids"))
@@ -128,6 +127,14 @@ fn fork_children_are_processes_that_outlive_a_killed_parent() {
         .iter()
         .map(|k| Pid(k["pid"].as_i64().unwrap() as i32))
         .collect();
+    (j, kids, pids)
+}
+
+#[test]
+fn fork_children_are_processes_that_outlive_a_killed_parent() {
+    let d = Dir::new("three");
+    let mut parent = start_parent(&d, "vsock", None);
+    let (j, kids, pids) = fork_three(&d, &d.p("p.api"));
     let parent_pid = parent.0.id() as i32;
     let mut cids = Vec::new();
     for (k, pid) in kids.iter().zip(&pids) {
@@ -179,6 +186,104 @@ fn fork_children_are_processes_that_outlive_a_killed_parent() {
         }
         assert!(!api.exists());
         assert!(!Path::new(k["vsock"].as_str().unwrap()).exists());
+    }
+}
+
+/// The `clade fork-child` processes waiting for a fork of the VM behind `api`.
+fn waiting_children(api: &Path) -> Vec<i32> {
+    let needle = format!("--prestarted-for\0{}\0", api.display());
+    let mut pids: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+                && pid_alive(*pid)
+        })
+        .collect();
+    pids.sort();
+    pids
+}
+
+fn status(api: &Path) -> serde_json::Value {
+    let r = ApiClient::connect(api)
+        .unwrap()
+        .call(&Request::Status)
+        .unwrap();
+    assert!(r.ok, "{r:?}");
+    serde_json::Value::Object(r.fields)
+}
+
+/// Waits until the parent behind `api` says `n` fork children wait.
+fn wait_waiting(api: &Path, n: u64) {
+    let t = Instant::now();
+    while status(api)["fork_children_waiting"] != n {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "never {n} waiting: {}",
+            status(api)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn children_started_ahead_take_the_fork_are_replaced_and_end_with_the_parent() {
+    let d = Dir::new("spares");
+    let mut parent = start_parent_with(&d, "vsock", None, &["--fork-spares", "2"]);
+    let api = d.p("p.api");
+    wait_waiting(&api, 2);
+    let waiting = waiting_children(&api);
+    assert_eq!(waiting.len(), 2, "two waiting processes: {waiting:?}");
+
+    // Three children: the two waiting processes become two of them, the third is started.
+    let (j, kids, pids) = fork_three(&d, &api);
+    let from_waiting = pids.iter().filter(|p| waiting.contains(&p.0)).count();
+    assert_eq!(from_waiting, 2, "children {j} vs waiting {waiting:?}");
+    for k in &kids {
+        ping(Path::new(k["vsock"].as_str().unwrap()));
+        // Each logs to its own log (the waiting ones took theirs over the socket).
+        let log = PathBuf::from(k["log"].as_str().unwrap());
+        assert!(log.exists(), "{k}");
+        assert!(
+            !std::fs::read_to_string(&log)
+                .unwrap()
+                .contains("does not fit"),
+            "a waiting child's shell fits its VM: {k}"
+        );
+    }
+    // A child is an ordinary VM: its memory is the parent's at the fork.
+    let r = ApiClient::connect(Path::new(kids[0]["api_sock"].as_str().unwrap()))
+        .unwrap()
+        .call(&Request::Status)
+        .unwrap();
+    assert_eq!(r.fields["state"], "running", "{r:?}");
+
+    // The parent starts two new ones while idle.
+    wait_waiting(&api, 2);
+    // (A child that was started ahead keeps that command line.)
+    let again: Vec<i32> = waiting_children(&api)
+        .into_iter()
+        .filter(|p| !pids.iter().any(|c| c.0 == *p))
+        .collect();
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(again.iter().all(|p| !waiting.contains(p)), "new processes");
+
+    // The parent killed outright: the waiting processes see their socket close and end;
+    // the children run on.
+    parent.0.kill().unwrap();
+    parent.0.wait().unwrap();
+    let t = Instant::now();
+    while again.iter().any(|p| pid_alive(*p)) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "waiting processes outlived their parent"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for k in &kids {
+        ping(Path::new(k["vsock"].as_str().unwrap()));
     }
 }
 

@@ -525,6 +525,19 @@ impl Vm {
         })
     }
 
+    /// The shell a child of this VM's fork is built in (the shape [`Frozen::child`] asks
+    /// for: this VM's memory and vCPUs, dirty pages logged), so one can be built ahead.
+    ///
+    /// [`Frozen::child`]: crate::fork::Frozen::child
+    pub fn child_shell_spec(&self) -> crate::vstate::shell::ShellSpec {
+        crate::vstate::shell::ShellSpec {
+            kvm_device: self.config.kvm_device.clone(),
+            mem_bytes: self.ram.mem_bytes(),
+            vcpus: self.config.vcpus,
+            dirty_log: true,
+        }
+    }
+
     /// The machine's shape, as VMs built from its saved state need it.
     fn machine_state(&self) -> MachineState {
         MachineState {

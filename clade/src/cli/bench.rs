@@ -137,6 +137,26 @@ pub enum BenchCommand {
         #[command(flatten)]
         machine: MachineArgs,
     },
+    /// Fork as `clade fork` users see it: a `clade run` process asked through its API to
+    /// fork into -n child processes, until the request is answered and until every child's
+    /// agent answered a ping; children started at the fork (baseline) against children
+    /// waiting with their shells built (`clade run --fork-spares N`), alternated.
+    ForkProcesses {
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
+        /// Children per fork.
+        #[arg(short, long, default_value_t = 3)]
+        n: usize,
+        /// Forks per parent.
+        #[arg(long, default_value_t = 20)]
+        rounds: usize,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
     /// The sandbox host over HTTP: `clade serve` (started by the benchmark, this executable)
     /// with a template of the native test guest; create (POST /v2/sandboxes until the new
     /// sandbox's agent answered a ping) and wake (connect of a paused sandbox until its
@@ -254,6 +274,21 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 restored,
             };
             let r = clade_bench::fork(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
+        }
+        BenchCommand::ForkProcesses {
+            guest,
+            n,
+            rounds,
+            json,
+            machine,
+        } => {
+            let params = clade_bench::ForkProcessesParams {
+                clade: std::env::current_exe()?,
+                n,
+                rounds,
+            };
+            let r = clade_bench::fork_processes(&load(guest)?, &machine.into(), &params)?;
             print(json, r.to_json(), r);
         }
     }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use vmm::api::{ApiClient, Request};
-use vmm::host::serve_fork_child;
+use vmm::host::{serve_fork_child, serve_prestarted_fork_child};
 
 use super::run::{owner_options, report_end};
 
@@ -80,16 +80,30 @@ pub fn fork(args: ForkArgs) -> anyhow::Result<u8> {
 pub struct ForkChildArgs {
     /// The child's API socket, as the parent named it (the launch record on stdin is
     /// authoritative; this names the process in listings and is checked against it).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prestarted_for")]
     api_sock: Option<PathBuf>,
+    /// Started ahead of a fork of the VM whose API socket this is: stdin is a socket to
+    /// that VM's process; build the VM shell it names, then wait for a fork (see
+    /// [`vmm::host::serve_prestarted_fork_child`]).
+    #[arg(long, value_name = "PARENT_API_SOCK")]
+    prestarted_for: Option<PathBuf>,
 }
 
 /// `clade fork-child`: becomes one child of a fork (everything it needs arrives on stdin,
 /// see [`vmm::host::serve_fork_child`]), then runs like `clade run`.
 pub fn fork_child(args: ForkChildArgs) -> anyhow::Result<u8> {
-    // A child takes no files root of its own (the parent's is not handed over).
-    let options = owner_options(None, true)?;
-    let end = serve_fork_child(&options, args.api_sock.as_deref())?;
+    // A child takes its parent's files root (in the hand-over) and keeps no waiting
+    // children of its own.
+    let options = owner_options(None, true, 0)?;
+    let end = if args.prestarted_for.is_some() {
+        match serve_prestarted_fork_child(&options)? {
+            Some(end) => end,
+            // The parent ended before it forked: nothing ran here.
+            None => return Ok(0),
+        }
+    } else {
+        serve_fork_child(&options, args.api_sock.as_deref())?
+    };
     report_end(&end);
     Ok(end.exit_code())
 }

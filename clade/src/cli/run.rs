@@ -58,6 +58,13 @@ pub struct RunArgs {
     /// VMM's allow-list ends the process with a line naming it).
     #[arg(long)]
     no_seccomp: bool,
+    /// Keep N fork child processes started and waiting, each with a VM shell of this VM's
+    /// shape built, so that a fork through the API (`clade fork`) hands its children to
+    /// them instead of starting processes (a fork of more children starts the rest).
+    /// Each waiting process holds a few MiB and no guest memory.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "api_sock",
+          value_parser = clap::value_parser!(u16).range(0..=64))]
+    fork_spares: u16,
     #[command(flatten)]
     machine: MachineArgs,
     #[command(flatten)]
@@ -127,7 +134,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
         }),
         net: args.net,
     };
-    let options = owner_options(args.files_root, !args.no_seccomp)?;
+    let options = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
     // The API socket first: a socket in use fails before a VM exists.
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     let mut vm = vmm::boot(config)?;
@@ -166,11 +173,13 @@ pub(super) fn check_jailed_net(jailed: bool, net: Option<&NetConfig>) -> anyhow:
 pub(super) fn owner_options(
     files_root: Option<PathBuf>,
     seccomp: bool,
+    fork_spares: usize,
 ) -> anyhow::Result<OwnerOptions> {
     Ok(OwnerOptions {
         stop: Some(stop_on_signals()?),
         files_root,
         seccomp,
+        fork_spares,
         ..OwnerOptions::default()
     })
 }

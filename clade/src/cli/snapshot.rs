@@ -94,6 +94,10 @@ pub struct RestoreArgs {
     /// VMM's allow-list ends the process with a line naming it).
     #[arg(long)]
     no_seccomp: bool,
+    /// Keep N fork child processes started and waiting (see `clade run --fork-spares`).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "api_sock",
+          value_parser = clap::value_parser!(u16).range(0..=64))]
+    fork_spares: u16,
     /// The vsock device's Unix socket (default: the snapshot's, which must be free).
     #[arg(long, value_name = "PATH")]
     vsock: Option<PathBuf>,
@@ -185,7 +189,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if !args.no_seccomp {
         vmm::seccomp::install()?;
     }
-    let owner = owner_options(args.files_root, !args.no_seccomp)?;
+    let owner = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
     // The same request a standby process gets through its API, from this command line.
     let request = RestoreRequest {
@@ -214,7 +218,11 @@ fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
     if !args.no_seccomp {
         vmm::seccomp::install()?;
     }
-    let owner = owner_options(args.files_root.clone(), !args.no_seccomp)?;
+    let owner = owner_options(
+        args.files_root.clone(),
+        !args.no_seccomp,
+        args.fork_spares.into(),
+    )?;
     let api = ApiServer::bind(api_sock)?;
     let spec = ShellSpec {
         kvm_device: args.kvm_device.clone(),

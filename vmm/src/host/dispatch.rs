@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 use snapshot::SnapshotKind;
 
-use super::fork::fork_processes;
+use super::fork::{fork_processes, ChildProcesses};
 use super::options::OwnerOptions;
+use super::prestarted::PrestartedChildren;
 use crate::api::{PendingRequest, Request, Response};
 use crate::persist::take::snapshot;
 use crate::vm::Vm;
@@ -24,11 +25,16 @@ pub(crate) fn handle(
     api_sock: &Path,
     req: PendingRequest,
     options: &OwnerOptions,
+    prestarted: &mut PrestartedChildren,
 ) -> Handled {
     let root = options.files_root.as_deref();
     let state = |vm: &Vm| json!({ "state": vm.state_name() });
     let response = match &req.request {
-        Request::Status => Response::ok(status_fields(vm)),
+        Request::Status => {
+            let mut fields = status_fields(vm);
+            fields["fork_children_waiting"] = json!(prestarted.idle());
+            Response::ok(fields)
+        }
         Request::Pause => match vm.pause() {
             Ok(()) => Response::ok(state(vm)),
             Err(e) => Response::err(e),
@@ -80,16 +86,13 @@ pub(crate) fn handle(
                     .map(|n| crate::config::NetConfig::parse(n))
                     .collect::<crate::error::Result<Vec<_>>>()
                     .map_err(|e| e.to_string())?;
-                fork_processes(
-                    vm,
-                    api_sock,
-                    *count,
-                    prefix.as_deref(),
-                    *agent_sync,
-                    &nets,
-                    options,
-                )
-                .map_err(|e| e.to_string())
+                let spec = ChildProcesses {
+                    count: *count,
+                    prefix: prefix.as_deref(),
+                    agent_sync: *agent_sync,
+                    nets: &nets,
+                };
+                fork_processes(vm, api_sock, spec, options, prestarted).map_err(|e| e.to_string())
             }) {
             Ok(forked) => Response::ok(forked.to_json()),
             Err(e) => Response::err(e),

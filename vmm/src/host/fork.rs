@@ -8,7 +8,9 @@
 //! `ready` once the child's VM runs and its API socket listens, or `error <message>`. All
 //! children are started before the first line is awaited: they build their VMs at once. The
 //! child is in its own process group and maps the memfds `MAP_PRIVATE`, so it outlives the
-//! parent and never sees its later writes.
+//! parent and never sees its later writes. A VM process that keeps children started ahead
+//! of forks ([`super::PrestartedChildren`]) hands the same state to those first, over a
+//! socket instead of inheritance and a pipe.
 //!
 //! stdin of a child: a little-endian `u32` length, the launch record ([`ChildLaunch`],
 //! postcard) of that length, then the hand-over bytes to the end.
@@ -18,7 +20,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::{Child, ChildStdout, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::options::{ChildLauncher, OwnerOptions};
+use super::prestarted::{Prestarted, PrestartedChildren};
 use crate::config::NetConfig;
 use crate::error::{Error, Result};
 use crate::fork::{
@@ -105,6 +108,24 @@ struct Started {
 }
 
 impl Started {
+    /// The child has its state: a thread reads its first line from `stdout`.
+    fn launched(self, stdout: ChildStdout, mut child: ForkedChild) -> Launched {
+        child.pid = self.child.id();
+        let (tx, rx) = mpsc::channel();
+        // On the fork's path: no filter of its own (installing one costs ~0.2 ms); it only
+        // reads the child's ready line, under the process filter.
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        Launched {
+            started: self,
+            line: rx,
+            child,
+        }
+    }
+
     fn kill(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -114,22 +135,40 @@ impl Started {
     }
 }
 
-/// The parent's side: freezes `vm` and starts `count` child processes with `launcher`.
-/// Each child's files are [`child_path`]s of the API socket in `prefix` (default: the API
-/// socket's directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child
-/// is left (the ones started are killed and their files removed; logs stay) and `vm` runs
-/// on. Children are started by `owner.launcher` and keep the owner's files root and
-/// system-call filter setting. A VM with a network device needs one TAP per child in
-/// `nets` (checked before the VM pauses); a TAP by descriptor cannot go to a child.
+/// What a process fork makes.
+#[derive(Debug, Clone, Copy)]
+pub struct ChildProcesses<'a> {
+    /// How many children (1 to [`crate::MAX_FORK_CHILDREN`]).
+    pub count: usize,
+    /// The directory of their files (default: the API socket's).
+    pub prefix: Option<&'a Path>,
+    /// Give each child's guest agent the time, entropy and a hostname suffix.
+    pub agent_sync: bool,
+    /// One TAP per child, when the VM has a network device.
+    pub nets: &'a [NetConfig],
+}
+
+/// The parent's side: freezes `vm` and starts `spec.count` child processes. Each child's
+/// files are [`child_path`]s of the API socket in `spec.prefix` (default: the API socket's
+/// directory): `.api`, `.vsock`, `.serial`, `.log`, `.cdsk`. On an error no child is left
+/// (the ones started are killed and their files removed; logs stay) and `vm` runs on.
+/// Children are the processes waiting in `prestarted` first, then new ones started by
+/// `owner.launcher`; they keep the owner's files root and system-call filter setting. A VM
+/// with a network device needs one TAP per child in `spec.nets` (checked before the VM
+/// pauses); a TAP by descriptor cannot go to a child.
 pub fn fork_processes(
     vm: &mut Vm,
     api_sock: &Path,
-    count: usize,
-    prefix: Option<&Path>,
-    agent_sync: bool,
-    nets: &[NetConfig],
+    spec: ChildProcesses<'_>,
     owner: &OwnerOptions,
+    prestarted: &mut PrestartedChildren,
 ) -> Result<ForkedProcesses> {
+    let ChildProcesses {
+        count,
+        prefix,
+        agent_sync,
+        nets,
+    } = spec;
     check_child_count(count)?;
     check_child_nets(vm.has_net_device(), count, nets)?;
     let dir = match prefix {
@@ -174,7 +213,15 @@ pub fn fork_processes(
             net: nets.get(i),
         };
         // All children start at once: each builds its VM while the next is launched.
-        match launch_child(&frozen, &bytes, &fds, &child, owner.launcher.as_ref()) {
+        let waiting = prestarted.take();
+        match launch_child(
+            &frozen,
+            &bytes,
+            &fds,
+            &child,
+            owner.launcher.as_ref(),
+            waiting,
+        ) {
             Ok(l) => launched.push(l),
             Err(e) => {
                 tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
@@ -313,13 +360,15 @@ impl Launched {
     }
 }
 
-/// Starts one child and hands it its state; [`Launched::ready`] waits until it runs.
+/// Starts one child (or takes `waiting`, one started ahead) and hands it its state;
+/// [`Launched::ready`] waits until it runs.
 fn launch_child(
     frozen: &Frozen,
     bytes: &[u8],
     fds: &[RawFd],
     plan: &ChildPlan<'_>,
     launcher: &dyn ChildLauncher,
+    waiting: Option<Prestarted>,
 ) -> Result<Launched> {
     let (dir, api_sock) = (plan.dir, plan.api_sock);
     let seq = next_fork_seq();
@@ -371,6 +420,41 @@ fn launch_child(
     };
     let record = postcard::to_allocvec(&launch)
         .map_err(|e| Error::Fork(format!("encoding the launch record: {e}")))?;
+    let own_files: Vec<PathBuf> = [
+        Some(api.clone()),
+        vsock.clone(),
+        Some(serial.clone()),
+        disk.clone(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let forked = ForkedChild {
+        pid: 0,
+        api_sock: api.clone(),
+        cid: vsock.as_ref().map(|_| cid),
+        vsock: vsock.clone(),
+        serial: serial.clone(),
+        log: log.clone(),
+        disk: disk.clone(),
+    };
+    if let Some(mut w) = waiting {
+        match w.hand_over(log_file.as_raw_fd(), fds, &record, bytes) {
+            Ok(()) => {
+                let Prestarted { child, stdout, .. } = w;
+                let started = Started {
+                    child,
+                    files: own_files,
+                };
+                return Ok(started.launched(stdout, forked));
+            }
+            // It ended or its socket broke: a new process instead.
+            Err(e) => {
+                tracing::warn!("a waiting fork child failed its hand-over ({e}): starting one");
+                w.end();
+            }
+        }
+    }
     let mut cmd = launcher.command(&api);
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -405,23 +489,14 @@ fn launch_child(
             });
         }
     };
-    let pid = child.id();
     let stdin = child.stdin.take();
     let stdout = child.stdout.take();
+    // The log stays on failure: it says why a child failed.
     let st = Started {
         child,
-        // The log stays: it says why a child failed.
-        files: [
-            Some(api.clone()),
-            vsock.clone(),
-            Some(serial.clone()),
-            disk.clone(),
-        ]
-        .into_iter()
-        .flatten()
-        .collect(),
+        files: own_files,
     };
-    let handed = (|| -> Result<mpsc::Receiver<String>> {
+    let handed = (|| -> Result<ChildStdout> {
         let mut stdin = stdin.ok_or_else(|| Error::Fork("no stdin pipe".into()))?;
         stdin
             .write_all(&(record.len() as u32).to_le_bytes())
@@ -429,31 +504,10 @@ fn launch_child(
             .and_then(|()| stdin.write_all(bytes))
             .map_err(io("handing the state to the child"))?;
         drop(stdin);
-        let stdout = stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))?;
-        let (tx, rx) = mpsc::channel();
-        // On the fork's path: no filter of its own (installing one costs ~0.2 ms); it only
-        // reads the child's ready line, under the process filter.
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        Ok(rx)
+        stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))
     })();
     match handed {
-        Ok(line) => Ok(Launched {
-            started: st,
-            line,
-            child: ForkedChild {
-                pid,
-                api_sock: api,
-                cid: vsock.as_ref().map(|_| cid),
-                vsock,
-                serial,
-                log,
-                disk,
-            },
-        }),
+        Ok(stdout) => Ok(st.launched(stdout, forked)),
         Err(e) => {
             st.kill();
             Err(e)

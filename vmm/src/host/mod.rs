@@ -10,7 +10,8 @@
 //! - The control-API dispatcher (private): one [`crate::api::Request`] against the VM.
 //! - [`fork_processes`]: process-per-child fork. The VM is frozen and each child is its own
 //!   process, started by a [`ChildLauncher`] (by default this very executable with
-//!   `fork-child`), which calls [`serve_fork_child`].
+//!   `fork-child`), which calls [`serve_fork_child`]; or one started ahead of the fork
+//!   ([`PrestartedChildren`], [`serve_prestarted_fork_child`]), with its VM shell built.
 //! - [`standby`]: a process that built its VM shell ahead of time and waits for one
 //!   `restore` request; [`restore_request`] is the one restore path of `clade restore`
 //!   and of that request.
@@ -23,12 +24,14 @@ mod fork;
 pub mod jail;
 mod options;
 mod owner;
+mod prestarted;
 mod standby;
 
-pub use child::serve_fork_child;
-pub use fork::{fork_processes, ForkedChild, ForkedProcesses};
+pub use child::{serve_fork_child, serve_prestarted_fork_child};
+pub use fork::{fork_processes, ChildProcesses, ForkedChild, ForkedProcesses};
 pub use options::{ChildLauncher, OwnerOptions, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd};
+pub use prestarted::PrestartedChildren;
 pub use standby::{
     restore_request, standby, StandbyEnd, DEFAULT_AGENT_SYNC_TIMEOUT, MAX_AGENT_SYNC_TIMEOUT,
 };

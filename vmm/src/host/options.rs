@@ -19,6 +19,9 @@ pub struct OwnerOptions {
     /// Install the system-call filter ([`crate::seccomp`]) on every thread before the loop
     /// runs (default: true).
     pub seccomp: bool,
+    /// Fork child processes kept started and waiting, each with a VM shell of this VM's
+    /// shape built (see [`super::PrestartedChildren`]; default 0). Only with a control API.
+    pub fork_spares: usize,
 }
 
 impl Default for OwnerOptions {
@@ -29,6 +32,7 @@ impl Default for OwnerOptions {
             stop: None,
             files_root: None,
             seccomp: true,
+            fork_spares: 0,
         }
     }
 }
@@ -42,11 +46,17 @@ pub trait ChildLauncher: Send + Sync {
     /// child learns everything from its standard input; `api_sock` is for naming it, e.g.
     /// in process listings).
     fn command(&self, api_sock: &Path) -> Command;
+
+    /// The command that starts a child process ahead of a fork, for the VM whose control
+    /// API socket is `parent_api_sock`: it must call [`super::serve_prestarted_fork_child`]
+    /// (standard input is its socket to the parent, standard output a pipe).
+    fn prestarted_command(&self, parent_api_sock: &Path) -> Command;
 }
 
 /// The default [`ChildLauncher`]: this very executable (`/proc/self/exe`, even if its file
 /// was replaced since it started) with `args` (`fork-child` for `clade`), then
-/// `--api-sock <child's API socket>`, so a child can be found by its command line.
+/// `--api-sock <child's API socket>`, so a child can be found by its command line (a child
+/// started ahead of the fork: `--prestarted-for <parent's API socket>`).
 #[derive(Debug, Clone)]
 pub struct SelfExec {
     /// The child's `argv[0]`.
@@ -71,6 +81,16 @@ impl ChildLauncher for SelfExec {
             .args(&self.args)
             .arg("--api-sock")
             .arg(api_sock);
+        cmd
+    }
+
+    /// `args`, then `--prestarted-for <parent's API socket>`.
+    fn prestarted_command(&self, parent_api_sock: &Path) -> Command {
+        let mut cmd = Command::new("/proc/self/exe");
+        cmd.arg0(&self.arg0)
+            .args(&self.args)
+            .arg("--prestarted-for")
+            .arg(parent_api_sock);
         cmd
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::dispatch::{handle, Handled};
 use super::options::OwnerOptions;
+use super::prestarted::PrestartedChildren;
 use crate::api::ApiServer;
 use crate::error::{Error, Result};
 use crate::exit::VmExit;
@@ -76,15 +77,25 @@ pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result
     } else {
         Duration::from_millis(100)
     };
+    // Fork children started ahead (only forks through the API use them); ended when the
+    // loop returns.
+    let mut prestarted = PrestartedChildren::new(match api {
+        Some(_) => options.fork_spares,
+        None => 0,
+    });
     loop {
         let status = match &api {
             Some(api) => {
                 if let Some(req) = api.next_request(tick) {
-                    if handle(&mut vm, api.path(), req, options) == Handled::Shutdown {
+                    let handled = handle(&mut vm, api.path(), req, options, &mut prestarted);
+                    if handled == Handled::Shutdown {
                         let status = vm.shutdown();
                         tracing::info!("{status}");
                         return Ok(OwnerEnd::ShutdownRequested(status));
                     }
+                } else {
+                    // Idle: one more waiting fork child, if any is missing.
+                    prestarted.top_up(&vm, api.path(), options.launcher.as_ref());
                 }
                 vm.wait_timeout(Duration::ZERO)?
             }

@@ -1,0 +1,225 @@
+//! Fork child processes started ahead of time ([`PrestartedChildren`]).
+//!
+//! Starting a child process on the fork's path costs more than building the child VM in
+//! it: fork and exec of the VMM, dynamic loading, then a VM shell (KVM VM, vCPUs, an
+//! address-space reservation). A VM process with `fork_spares` set
+//! ([`super::OwnerOptions::fork_spares`]) keeps that many `clade fork-child` processes
+//! waiting, each with a shell of the VM's shape already built; a fork hands each child's
+//! state to one of them instead of starting a process, and starts a new one for each
+//! spent (one per idle turn of the owner loop, off the fork's path). A fork asking for
+//! more children than are waiting starts the rest as before.
+//!
+//! A waiting process's standard input is one end of a Unix stream socket; the parent
+//! keeps the other. What goes over it:
+//! 1. at start: a little-endian `u32` length and the shell's shape ([`PrestartShape`],
+//!    postcard) of that length; the process builds the shell and waits;
+//! 2. at a fork: the `u32` length of the launch record, sent with the descriptors
+//!    (`SCM_RIGHTS`): the child's log first, then the memory layers, base first; then the
+//!    launch record and the hand-over bytes, as a child started at the fork reads them from
+//!    its standard input ([`super::fork`]); then the parent shuts its side down.
+//!
+//! The process then logs to the log it was given and answers `ready` or `error …` on its
+//! standard output, exactly like a child started at the fork. If the parent goes away
+//! first, the process reads the end of the stream and exits without having run anything.
+//!
+//! Written here (no crate hands a process its work over a socket this way); the
+//! descriptor passing itself is `nix`'s `sendmsg`/`recvmsg`.
+
+use std::io::{IoSlice, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Stdio};
+
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use serde::{Deserialize, Serialize};
+
+use super::fork::io;
+use super::options::ChildLauncher;
+use crate::error::{Error, Result};
+use crate::vm::Vm;
+use crate::vstate::shell::ShellSpec;
+
+/// Most memory layer descriptors one hand-over carries (the kernel passes at most 253
+/// descriptors in one message; one of them is the log).
+pub(super) const MAX_HANDED_LAYERS: usize = 250;
+
+/// The shell a waiting child builds: [`ShellSpec`] as it goes over the socket.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct PrestartShape {
+    pub(super) kvm_device: PathBuf,
+    pub(super) mem_bytes: u64,
+    pub(super) vcpus: u32,
+    pub(super) dirty_log: bool,
+}
+
+impl PrestartShape {
+    pub(super) fn spec(self) -> ShellSpec {
+        ShellSpec {
+            kvm_device: self.kvm_device,
+            mem_bytes: self.mem_bytes,
+            vcpus: self.vcpus,
+            dirty_log: self.dirty_log,
+        }
+    }
+}
+
+/// Idle fork child processes of one VM, at most `want` of them. Dropping it ends them.
+pub struct PrestartedChildren {
+    want: usize,
+    idle: Vec<Prestarted>,
+}
+
+/// One waiting child process.
+pub(super) struct Prestarted {
+    pub(super) child: Child,
+    sock: UnixStream,
+    pub(super) stdout: ChildStdout,
+}
+
+impl PrestartedChildren {
+    /// A pool that keeps `want` processes waiting (0: none; forks start every child).
+    pub fn new(want: usize) -> Self {
+        PrestartedChildren {
+            want,
+            idle: Vec::with_capacity(want),
+        }
+    }
+
+    /// How many wait now.
+    pub fn idle(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// Starts one waiting process for children of `vm` if fewer than wanted wait. One per
+    /// call: the owner loop calls it when it has nothing else to do. A failure is logged
+    /// (forks then start their children as they go).
+    pub(super) fn top_up(&mut self, vm: &Vm, api_sock: &Path, launcher: &dyn ChildLauncher) {
+        self.idle
+            .retain_mut(|p| matches!(p.child.try_wait(), Ok(None)));
+        if self.idle.len() >= self.want {
+            return;
+        }
+        match Prestarted::start(vm, api_sock, launcher) {
+            Ok(p) => self.idle.push(p),
+            Err(e) => {
+                tracing::warn!("could not start a waiting fork child process: {e}");
+                // Not again and again: the next fork starts its children itself.
+                self.want = self.idle.len();
+            }
+        }
+    }
+
+    /// A waiting process, if one is still there.
+    pub(super) fn take(&mut self) -> Option<Prestarted> {
+        while let Some(mut p) = self.idle.pop() {
+            if matches!(p.child.try_wait(), Ok(None)) {
+                return Some(p);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for PrestartedChildren {
+    fn drop(&mut self) {
+        for p in self.idle.drain(..) {
+            p.end();
+        }
+    }
+}
+
+impl Prestarted {
+    fn start(vm: &Vm, api_sock: &Path, launcher: &dyn ChildLauncher) -> Result<Prestarted> {
+        let spec = vm.child_shell_spec();
+        let shape = PrestartShape {
+            kvm_device: spec.kvm_device,
+            mem_bytes: spec.mem_bytes,
+            vcpus: spec.vcpus,
+            dirty_log: spec.dirty_log,
+        };
+        let record = postcard::to_allocvec(&shape)
+            .map_err(|e| Error::Fork(format!("encoding a shell's shape: {e}")))?;
+        let (mut ours, theirs) = UnixStream::pair().map_err(io("a waiting child's socket"))?;
+        let mut cmd = launcher.prestarted_command(api_sock);
+        cmd.stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::piped())
+            .process_group(0);
+        // SAFETY: runs in the forked child before exec; only calls close_range
+        // (async-signal safe) and allocates nothing.
+        unsafe {
+            cmd.pre_exec(|| {
+                // Nothing of the parent's but its standard streams.
+                const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+                libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC);
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(io("starting a waiting fork child process"))?;
+        let Some(stdout) = child.stdout.take() else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::Fork("a waiting child has no stdout pipe".into()));
+        };
+        let p = Prestarted {
+            child,
+            sock: ours.try_clone().map_err(io("a waiting child's socket"))?,
+            stdout,
+        };
+        if let Err(e) = ours
+            .write_all(&(record.len() as u32).to_le_bytes())
+            .and_then(|()| ours.write_all(&record))
+        {
+            p.end();
+            return Err(io("telling a waiting child its shell")(e));
+        }
+        Ok(p)
+    }
+
+    /// Hands the child its state: the launch record's length with `log` and the memory
+    /// layers `fds`, then `record` and `handoff`; then ends the stream. On an error the
+    /// caller ends the process.
+    pub(super) fn hand_over(
+        &mut self,
+        log: RawFd,
+        fds: &[RawFd],
+        record: &[u8],
+        handoff: &[u8],
+    ) -> Result<()> {
+        if fds.len() > MAX_HANDED_LAYERS {
+            return Err(Error::Fork(format!(
+                "{} memory layers: a waiting child takes at most {MAX_HANDED_LAYERS}",
+                fds.len()
+            )));
+        }
+        let mut all = Vec::with_capacity(fds.len() + 1);
+        all.push(log);
+        all.extend_from_slice(fds);
+        let len = (record.len() as u32).to_le_bytes();
+        let sent = sendmsg::<()>(
+            self.sock.as_raw_fd(),
+            &[IoSlice::new(&len)],
+            &[ControlMessage::ScmRights(&all)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(|e| Error::Fork(format!("handing descriptors to a waiting child: {e}")))?;
+        if sent != len.len() {
+            return Err(Error::Fork("a short hand-over to a waiting child".into()));
+        }
+        self.sock
+            .write_all(record)
+            .and_then(|()| self.sock.write_all(handoff))
+            .and_then(|()| self.sock.shutdown(std::net::Shutdown::Write))
+            .map_err(io("handing the state to a waiting child"))
+    }
+
+    /// Ends a process that is not used.
+    pub(super) fn end(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
