@@ -23,7 +23,7 @@ cd "$REPO_ROOT"
 # Disk: the builds (debug tests, release, the nested tier's static release), the Debian
 # kernel and root filesystem and the nested machine's images take about NEED_GIB together.
 # Say so up front rather than fail half-way with ENOSPC.
-NEED_GIB=12
+NEED_GIB=6
 free_gib=$(df -P -BG "$REPO_ROOT" | awk 'NR == 2 {sub("G", "", $4); print $4}')
 if [ "${free_gib:-0}" -lt "$NEED_GIB" ]; then
     echo "== WARNING: ${free_gib}G free under $REPO_ROOT; a full run from a clean clone needs about ${NEED_GIB}G"

@@ -502,6 +502,16 @@ fn tap_attached(ns: &Path) -> bool {
 /// its rules; a pause keeps the namespace and a resume reattaches; kill removes it, and
 /// stopping the service removes the pool. The service's range and names are this test's
 /// own (`--net-range`, `--net-name`), so nothing else on the host is touched.
+/// The `egress` chain of the sandbox namespace pinned at `ns`, as nft lists it.
+fn egress_rules(ns: &Path) -> String {
+    let o = Command::new("ip")
+        .args(["netns", "exec", ns.file_name().unwrap().to_str().unwrap()])
+        .args(["nft", "list", "chain", "ip", "sandbox", "egress"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 #[test]
 fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
     // SAFETY: geteuid has no arguments and cannot fail.
@@ -569,23 +579,29 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
         "one namespace holds the sandbox's VM: {attached:?}"
     );
     let ns = attached[0].clone();
-    let rules = Command::new("ip")
-        .args(["netns", "exec", ns.file_name().unwrap().to_str().unwrap()])
-        .args(["nft", "list", "chain", "ip", "sandbox", "egress"])
-        .output()
-        .unwrap();
-    let rules = String::from_utf8_lossy(&rules.stdout);
+    let rules = egress_rules(&ns);
     assert!(
         rules.contains("10.9.8.7") && rules.contains("drop"),
         "{rules}"
     );
-    // A domain name cannot be enforced here: refused, not ignored.
+    // A domain name is allowed through the sandbox's DNS (its learned set in the rules);
+    // one cannot be denied: refused, not ignored.
     let (st, v) = http(
         port,
         "PUT",
         &format!("/sandboxes/{id}/network"),
         Some("k"),
-        r#"{"allowOut":["example.org"]}"#,
+        r#"{"allowOut":["example.org"],"denyOut":["0.0.0.0/0"]}"#,
+    );
+    assert_eq!(st, 204, "{v}");
+    let rules = egress_rules(&ns);
+    assert!(rules.contains("@dns_allowed accept"), "{rules}");
+    let (st, v) = http(
+        port,
+        "PUT",
+        &format!("/sandboxes/{id}/network"),
+        Some("k"),
+        r#"{"denyOut":["example.org"]}"#,
     );
     assert_eq!(st, 400, "{v}");
     let (st, _) = http(

@@ -48,10 +48,14 @@ mod tap;
 
 pub use host::{sweep, HostNet, Swept};
 pub use netns::{add_netns, in_netns, remove_netns};
-pub use policy::{parse_cidr, Default as PolicyDefault, EgressPolicy, MAX_ENTRIES};
+pub use policy::{
+    learned_addresses, parse_cidr, parse_domain, Default as PolicyDefault, EgressPolicy,
+    MAX_ENTRIES, MAX_LEARNED_SECS, MIN_LEARNED_SECS,
+};
 pub use range::NetRange;
 pub use sandbox::{
-    InnerLink, Options, SandboxNet, GUEST_GATEWAY, GUEST_IP, GUEST_PREFIX, TAP_MAC, TAP_NAME,
+    allow_learned, InnerLink, Options, SandboxNet, GUEST_GATEWAY, GUEST_IP, GUEST_PREFIX, TAP_MAC,
+    TAP_NAME,
 };
 
 /// Everything that can go wrong here.
@@ -60,6 +64,9 @@ pub enum Error {
     /// A CIDR or address in a policy or range did not parse.
     #[error("invalid address or CIDR {input:?}: {reason}")]
     InvalidCidr { input: String, reason: String },
+    /// A domain name in a policy did not parse.
+    #[error("invalid domain name {input:?}: {reason}")]
+    InvalidDomain { input: String, reason: String },
     /// The sandbox's namespace already exists (a leak to sweep, or an index in use).
     #[error("{0}")]
     Exists(String),

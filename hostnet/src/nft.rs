@@ -38,9 +38,12 @@ use std::process::{Command, Stdio};
 
 use ipnet::Ipv4Net;
 use nftables::expr::{
-    Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix, CT,
+    Elem, Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix, CT,
 };
-use nftables::schema::{Chain, FlushObject, NfCmd, NfListObject, NfObject, Nftables, Rule, Table};
+use nftables::schema::{
+    Chain, Element, FlushObject, NfCmd, NfListObject, NfObject, Nftables, Rule, Set, SetFlag,
+    SetType, SetTypeValue, Table,
+};
 use nftables::stmt::{JumpTarget, Match, Operator, Statement, NAT};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 
@@ -207,6 +210,54 @@ pub(crate) fn flush_chain(table: &str, name: &'static str) -> NfObject<'static> 
         name: name.into(),
         ..Chain::default()
     })))
+}
+
+fn ipv4_set(table: &str, name: &'static str) -> Set<'static> {
+    Set {
+        family: FAMILY,
+        table: Cow::Owned(table.into()),
+        name: name.into(),
+        set_type: SetTypeValue::Single(SetType::Ipv4Addr),
+        flags: Some([SetFlag::Timeout].into_iter().collect()),
+        ..Set::default()
+    }
+}
+
+/// `add set` (a set of IPv4 addresses whose elements time out; kept if it exists) then
+/// `flush set`: the set is there, and empty.
+pub(crate) fn timeout_set(table: &str, name: &'static str) -> Vec<NfObject<'static>> {
+    vec![
+        add(NfListObject::Set(Box::new(ipv4_set(table, name)))),
+        NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(Box::new(ipv4_set(
+            table, name,
+        ))))),
+    ]
+}
+
+/// `add element`: each address into the set `name` with its timeout (seconds); an address
+/// already there gets the new timeout.
+pub(crate) fn add_timed_elements(
+    table: &str,
+    name: &'static str,
+    elems: &[(Ipv4Addr, u32)],
+) -> NfObject<'static> {
+    add(NfListObject::Element(Element {
+        family: FAMILY,
+        table: Cow::Owned(table.into()),
+        name: name.into(),
+        elem: Cow::Owned(
+            elems
+                .iter()
+                .map(|(ip, secs)| {
+                    Expression::Named(NamedExpression::Elem(Elem {
+                        val: Box::new(s(ip.to_string())),
+                        timeout: Some(*secs),
+                        ..Elem::default()
+                    }))
+                })
+                .collect(),
+        ),
+    }))
 }
 
 /// `add table; delete table; add table`: a fresh table in one transaction, whether or not

@@ -10,10 +10,20 @@
 //!   entries always take precedence over denied entries". An allow list on its own (nothing
 //!   denied) changes nothing. So the rule for a packet from the guest to D is:
 //!   D in allow -> pass; else D in deny -> drop; else the default.
-//! * Only IPv4 (the sandbox has no IPv6). Domain names in `allow_out` (E2B filters those
-//!   by the TLS SNI / HTTP Host of ports 443 / 80 in a proxy) are NOT supported here: they
-//!   are refused with [`Error::InvalidCidr`] so a caller never silently drops a rule; a
-//!   domain policy needs an egress proxy, which is a separate piece of work.
+//! * Only IPv4 (the sandbox has no IPv6).
+//! * Domain names in `allow_out` (`example.com`, or `*.example.com` for every name under
+//!   it; `allow_domains`): E2B filters those by TLS SNI / HTTP Host in a proxy; here the
+//!   sandbox's DNS forwarder (the guest's only resolver, see the service's `net/dns.rs`)
+//!   learns them: when an allowed name resolves, its IPv4 addresses join the namespace's
+//!   set `dns_allowed` (with a timeout of at least [`MIN_LEARNED_SECS`], renewed by each
+//!   lookup) and pass like `allow` entries. So a domain entry allows what the name
+//!   resolves to *through that forwarder*: an address the guest hard-codes passes only if
+//!   some allowed name resolved to it. Domain names in `deny_out` are refused (a name
+//!   cannot be denied by address: any other name may resolve to the same one).
+//! * DNS follows the policy: with `default: Deny`, the forwarder answers REFUSED to names
+//!   not in `allow_domains` (instead of resolving them: a lookup would leak the name to
+//!   the upstream resolver and tell the guest addresses it cannot reach anyway).
+//! * Replacing the policy empties the learned set (names resolve again under the new one).
 //!
 //! The policy is enforced in the sandbox's namespace (forward chain `egress`, see
 //! `nft.rs`), on every packet the guest sends out (so replacing the policy of a running
@@ -33,6 +43,16 @@ use crate::{Error, Result};
 
 /// Most entries accepted in one list (each becomes a set element; a request is untrusted).
 pub const MAX_ENTRIES: usize = 4096;
+
+/// The namespace's set of addresses learned from allowed domains' DNS answers.
+pub(crate) const DNS_ALLOWED_SET: &str = "dns_allowed";
+
+/// Shortest time a learned address stays allowed (a DNS TTL is often seconds; a connection
+/// made to the address lasts longer, and every packet it sends is checked).
+pub const MIN_LEARNED_SECS: u32 = 3600;
+
+/// Longest time a learned address stays allowed without a new lookup.
+pub const MAX_LEARNED_SECS: u32 = 86_400;
 
 /// What happens to traffic neither list names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -54,6 +74,11 @@ pub struct EgressPolicy {
     pub allow: Vec<Ipv4Net>,
     /// Not reachable unless in `allow`.
     pub deny: Vec<Ipv4Net>,
+    /// Names whose resolved addresses are reachable like `allow` entries: lower case, no
+    /// trailing dot; `*.example.com` matches every name under `example.com` (not the name
+    /// itself). See the module docs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_domains: Vec<String>,
 }
 
 impl EgressPolicy {
@@ -71,21 +96,45 @@ impl EgressPolicy {
     }
 
     /// From E2B's create/update parameters: `allow_internet_access` (default true),
-    /// `network.allow_out` and `network.deny_out` (CIDRs or bare IPv4 addresses).
+    /// `network.allow_out` (CIDRs, bare IPv4 addresses or domain names) and
+    /// `network.deny_out` (CIDRs or bare IPv4 addresses).
     pub fn from_e2b<S: AsRef<str>>(
         allow_internet_access: bool,
         allow_out: &[S],
         deny_out: &[S],
     ) -> Result<Self> {
+        let (domains, addresses): (Vec<&str>, Vec<&str>) = allow_out
+            .iter()
+            .map(|s| s.as_ref())
+            .partition(|s| looks_like_domain(s.trim()));
         Ok(EgressPolicy {
             default: if allow_internet_access {
                 Default::Allow
             } else {
                 Default::Deny
             },
-            allow: parse_list(allow_out)?,
+            allow: parse_list(&addresses)?,
             deny: parse_list(deny_out)?,
+            allow_domains: parse_domains(&domains)?,
         })
+    }
+
+    /// Whether `name`'s addresses are learned (it matches an `allow_domains` entry).
+    pub fn allows_domain(&self, name: &str) -> bool {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        self.allow_domains
+            .iter()
+            .any(|d| match d.strip_prefix("*.") {
+                Some(parent) => name
+                    .strip_suffix(parent)
+                    .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+                None => *d == name,
+            })
+    }
+
+    /// Whether the sandbox's DNS forwarder resolves `name` at all (see the module docs).
+    pub fn resolves(&self, name: &str) -> bool {
+        self.default == Default::Allow || self.allows_domain(name)
     }
 
     /// Whether a packet to `dst` passes (the compiled rules' meaning, for callers and tests).
@@ -114,15 +163,19 @@ impl EgressPolicy {
     /// then the default verdict. Lists are merged into the fewest prefixes first (nftables
     /// refuses overlapping intervals in one set).
     pub(crate) fn rules(&self) -> Result<Vec<nftables::schema::NfObject<'static>>> {
-        for (name, list) in [("allow", &self.allow), ("deny", &self.deny)] {
-            if list.len() > MAX_ENTRIES {
+        for (name, len) in [
+            ("allow", self.allow.len()),
+            ("deny", self.deny.len()),
+            ("allowed domain", self.allow_domains.len()),
+        ] {
+            if len > MAX_ENTRIES {
                 return Err(Error::Config(format!(
-                    "{name} list has {} entries, at most {MAX_ENTRIES}",
-                    list.len()
+                    "{name} list has {len} entries, at most {MAX_ENTRIES}"
                 )));
             }
         }
-        let mut rules = Vec::new();
+        // The learned addresses' set, there (and empty) whatever the policy.
+        let mut rules = nft::timeout_set(NS_TABLE, DNS_ALLOWED_SET);
         let set = |list: &[Ipv4Net]| {
             let merged = Ipv4Net::aggregate(&list.iter().map(|n| n.trunc()).collect());
             Expression::Named(NamedExpression::Set(
@@ -139,6 +192,16 @@ impl EgressPolicy {
                 vec![daddr_in(set(&self.allow)), accept()],
             ));
         }
+        if !self.allow_domains.is_empty() {
+            rules.push(nft::rule(
+                NS_TABLE,
+                EGRESS_CHAIN,
+                vec![
+                    daddr_in(Expression::String(format!("@{DNS_ALLOWED_SET}").into())),
+                    accept(),
+                ],
+            ));
+        }
         if !self.deny.is_empty() {
             rules.push(nft::rule(
                 NS_TABLE,
@@ -153,6 +216,69 @@ impl EgressPolicy {
         rules.push(nft::rule(NS_TABLE, EGRESS_CHAIN, vec![last]));
         Ok(rules)
     }
+}
+
+/// The nftables transaction that lets the guest reach `learned` (addresses an allowed name
+/// resolved to, each with its DNS TTL in seconds): each joins the `dns_allowed` set for
+/// its TTL, clamped to [`MIN_LEARNED_SECS`]..=[`MAX_LEARNED_SECS`].
+pub fn learned_addresses(learned: &[(Ipv4Addr, u32)]) -> Nftables<'static> {
+    let elems = learned
+        .iter()
+        .map(|(ip, ttl)| (*ip, (*ttl).clamp(MIN_LEARNED_SECS, MAX_LEARNED_SECS)))
+        .collect::<Vec<_>>();
+    Nftables {
+        objects: Cow::Owned(vec![nft::add_timed_elements(
+            NS_TABLE,
+            DNS_ALLOWED_SET,
+            &elems,
+        )]),
+    }
+}
+
+/// Most characters in a domain name (RFC 1035).
+const MAX_DOMAIN: usize = 253;
+
+fn parse_domains(items: &[&str]) -> Result<Vec<String>> {
+    if items.len() > MAX_ENTRIES {
+        return Err(Error::Config(format!(
+            "{} domain names, at most {MAX_ENTRIES}",
+            items.len()
+        )));
+    }
+    items.iter().map(|s| parse_domain(s)).collect()
+}
+
+/// A domain entry, normalised: `example.com`, `Example.COM.` or `*.example.com`. Labels of
+/// letters, digits and `-` (1 to 63 characters, not starting or ending with `-`); a `*`
+/// only as the whole first label.
+pub fn parse_domain(input: &str) -> Result<String> {
+    let err = |reason: &str| Error::InvalidDomain {
+        input: input.chars().take(100).collect(),
+        reason: reason.into(),
+    };
+    let s = input.trim().trim_end_matches('.').to_ascii_lowercase();
+    if s.is_empty() || s.len() > MAX_DOMAIN {
+        return Err(err("a domain name has 1 to 253 characters"));
+    }
+    let body = s.strip_prefix("*.").unwrap_or(&s);
+    let labels: Vec<&str> = body.split('.').collect();
+    if labels.len() < 2 {
+        return Err(err("a name with at least two labels (example.com)"));
+    }
+    for l in &labels {
+        if l.is_empty() || l.len() > 63 {
+            return Err(err("each label has 1 to 63 characters"));
+        }
+        if !l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            return Err(err(
+                "letters, digits and '-' only ('*' only as '*.' in front)",
+            ));
+        }
+        if l.starts_with('-') || l.ends_with('-') {
+            return Err(err("a label does not start or end with '-'"));
+        }
+    }
+    Ok(s)
 }
 
 fn parse_list<S: AsRef<str>>(items: &[S]) -> Result<Vec<Ipv4Net>> {
@@ -184,7 +310,8 @@ pub fn parse_cidr(input: &str) -> Result<Ipv4Net> {
         Ok(ip) => ip,
         Err(_) if len.is_none() && looks_like_domain(addr) => {
             return Err(err(
-                "domain names are not supported (only IPv4 addresses and CIDRs)",
+                "a domain name, where only IPv4 addresses and CIDRs are taken (domain names \
+                 go in allow_out)",
             ))
         }
         Err(_) => return Err(err("not an IPv4 address")),
@@ -285,8 +412,64 @@ mod tests {
         let p = EgressPolicy::from_e2b(true, &[], &["8.8.8.8"]).unwrap();
         assert!(!p.permits("8.8.8.8".parse().unwrap()));
         assert!(p.permits("8.8.4.4".parse().unwrap()));
-        // A domain is refused, not ignored.
-        assert!(EgressPolicy::from_e2b(true, &["example.com"], &[]).is_err());
+        // A domain in allow_out is learned through DNS; in deny_out it is refused.
+        let p =
+            EgressPolicy::from_e2b(false, &["Example.COM.", "*.pkg.dev", "1.2.3.4"], &[]).unwrap();
+        assert_eq!(p.allow_domains, ["example.com", "*.pkg.dev"]);
+        assert_eq!(p.allow, [net("1.2.3.4/32")]);
+        assert!(EgressPolicy::from_e2b(true, &[] as &[&str], &["example.com"]).is_err());
+        assert!(EgressPolicy::from_e2b(true, &["exa_mple.com"], &[]).is_err());
+    }
+
+    #[test]
+    fn domains_match_exactly_or_below_a_wildcard_and_dns_follows_the_default() {
+        let p = EgressPolicy::from_e2b(false, &["example.com", "*.pkg.dev"], &[]).unwrap();
+        assert!(p.allows_domain("example.com"));
+        assert!(p.allows_domain("EXAMPLE.com."));
+        assert!(!p.allows_domain("www.example.com"));
+        assert!(!p.allows_domain("badexample.com"));
+        assert!(p.allows_domain("a.pkg.dev"));
+        assert!(p.allows_domain("a.b.pkg.dev"));
+        assert!(!p.allows_domain("pkg.dev"));
+        assert!(!p.allows_domain("xpkg.dev"));
+        assert!(!p.allows_domain(".pkg.dev"));
+        // Deny by default: only allowed names resolve; allow by default: every name.
+        assert!(p.resolves("a.pkg.dev"));
+        assert!(!p.resolves("other.org"));
+        assert!(EgressPolicy::allow_all().resolves("other.org"));
+        for bad in [
+            "",
+            "com",
+            "a..b",
+            "-a.com",
+            "a-.com",
+            "*.com",
+            "a.*.com",
+            "*",
+            &"a".repeat(64),
+        ] {
+            let input = if bad.len() == 64 {
+                format!("{bad}.com")
+            } else {
+                bad.to_string()
+            };
+            assert!(parse_domain(&input).is_err(), "{input:?}");
+        }
+        assert!(parse_domain(&format!("{}.com", "a.".repeat(130))).is_err());
+    }
+
+    #[test]
+    fn learned_addresses_join_the_set_for_at_least_the_minimum() {
+        let doc = learned_addresses(&[
+            ("192.0.2.1".parse().unwrap(), 5),
+            ("192.0.2.2".parse().unwrap(), 999_999),
+        ]);
+        let json = serde_json::to_value(doc).unwrap();
+        let e = &json["nftables"][0]["add"]["element"];
+        assert_eq!(e["name"], DNS_ALLOWED_SET);
+        assert_eq!(e["elem"][0]["elem"]["val"], "192.0.2.1");
+        assert_eq!(e["elem"][0]["elem"]["timeout"], MIN_LEARNED_SECS);
+        assert_eq!(e["elem"][1]["elem"]["timeout"], MAX_LEARNED_SECS);
     }
 
     #[test]
@@ -295,12 +478,27 @@ mod tests {
             default: Default::Deny,
             allow: vec![net("10.0.0.0/8"), net("10.1.0.0/16"), net("192.0.2.7/32")],
             deny: vec![net("192.0.2.0/24")],
+            allow_domains: vec!["example.com".into()],
         };
         let json = serde_json::to_value(p.compile().unwrap()).unwrap();
-        let o = json["nftables"].as_array().unwrap();
-        assert_eq!(o.len(), 4, "{json}");
+        let o = json["nftables"].as_array().unwrap().clone();
+        assert_eq!(o.len(), 7, "{json}");
         assert_eq!(o[0]["flush"]["chain"]["name"], "egress");
         assert_eq!(o[0]["flush"]["chain"]["table"], "sandbox");
+        // The learned set: made if missing, emptied (a new policy learns anew).
+        assert_eq!(o[1]["add"]["set"]["name"], DNS_ALLOWED_SET);
+        assert_eq!(o[2]["flush"]["set"]["name"], DNS_ALLOWED_SET);
+        // Learned addresses pass after the allow list, before the deny list.
+        assert_eq!(
+            o[4]["add"]["rule"]["expr"][0]["match"]["right"],
+            "@dns_allowed"
+        );
+        let o: Vec<_> = o
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| ![1, 2, 4].contains(i))
+            .map(|(_, v)| v.clone())
+            .collect();
         // Allow first, merged (10.1/16 is inside 10/8), as a set of prefixes and addresses.
         let allow = &o[1]["add"]["rule"]["expr"];
         assert_eq!(allow[0]["match"]["left"]["payload"]["field"], "daddr");
@@ -323,9 +521,9 @@ mod tests {
 
         let json = serde_json::to_value(EgressPolicy::allow_all().compile().unwrap()).unwrap();
         let o = json["nftables"].as_array().unwrap();
-        assert_eq!(o.len(), 2, "{json}");
+        assert_eq!(o.len(), 4, "{json}");
         assert!(
-            o[1]["add"]["rule"]["expr"][0].get("accept").is_some(),
+            o[3]["add"]["rule"]["expr"][0].get("accept").is_some(),
             "{json}"
         );
     }

@@ -133,6 +133,12 @@ impl SandboxNet {
         nft::apply(Some(&ns), &doc)
     }
 
+    /// Lets the guest reach `learned`: addresses an allowed domain resolved to, each with
+    /// its DNS TTL (see [`crate::learned_addresses`]).
+    pub fn allow_learned(&self, learned: &[(Ipv4Addr, u32)]) -> Result<()> {
+        allow_learned(&self.netns_path, learned)
+    }
+
     /// Removes the network: the host's veth end (which takes the namespace's end with it)
     /// and the namespace's pin (the namespace, its TAP and rules go away once no process
     /// is left in it).
@@ -262,4 +268,14 @@ impl SandboxNet {
             live: true,
         })
     }
+}
+
+/// [`SandboxNet::allow_learned`] for the sandbox network whose namespace is pinned at
+/// `netns_path` (for a holder of the path only, such as its DNS forwarder).
+pub fn allow_learned(netns_path: &Path, learned: &[(Ipv4Addr, u32)]) -> Result<()> {
+    if learned.is_empty() {
+        return Ok(());
+    }
+    let ns = netns::open(netns_path)?;
+    nft::apply(Some(&ns), &crate::policy::learned_addresses(learned))
 }

@@ -36,13 +36,13 @@ fn egress_policy_allows_denies_and_changes_live() {
         return;
     }
     let mut f = Fixture::new(1);
-    let (_wa, ga) = f.sandbox(true, 0);
-    let (_wb, gb) = f.sandbox(true, 1);
-    let _ea = Echo::start(Some(&ga), sa(GUEST_IP, PORT));
-    let _eb = Echo::start(Some(&gb), sa(GUEST_IP, PORT));
-    let a = sa(f.world.outer_ip(0), PORT);
-    let b = sa(f.world.outer_ip(1), PORT);
-    let (sb, g) = f.sandbox(false, 0);
+    let TwoServers {
+        a,
+        b,
+        sb,
+        g,
+        world: _world,
+    } = f.two_servers_and_a_sandbox(PORT);
 
     // Allow all (the default): both servers.
     assert!(reaches(Some(&g), a), "allow-all: A");
@@ -67,6 +67,7 @@ fn egress_policy_allows_denies_and_changes_live() {
         default: PolicyDefault::Deny,
         allow: vec![format!("{}/32", b.ip()).parse().unwrap()],
         deny: vec![],
+        allow_domains: vec![],
     };
     sb.set_policy(&p).unwrap();
     assert!(!reaches(Some(&g), a), "allow-list B: A");
@@ -86,6 +87,40 @@ fn egress_policy_allows_denies_and_changes_live() {
     sb.destroy().unwrap();
     assert!(!netns_exists(&f.range.netns_path(0)));
     assert!(!host_link_exists(&f.range.host_veth(0)));
+}
+
+#[test]
+fn addresses_learned_for_allowed_domains_pass_until_the_policy_changes() {
+    if !is_root() {
+        return;
+    }
+    let mut f = Fixture::new(6);
+    let TwoServers {
+        a,
+        b,
+        sb,
+        g,
+        world: _world,
+    } = f.two_servers_and_a_sandbox(PORT);
+
+    // Deny all but a domain: nothing passes until the name is resolved.
+    let p = EgressPolicy::from_e2b(false, &["a.example"], &[]).unwrap();
+    sb.set_policy(&p).unwrap();
+    assert!(!reaches(Some(&g), a), "before the lookup: A");
+    // What the forwarder does with an allowed name's answer (a TTL shorter than the
+    // minimum still lets the address pass).
+    sb.allow_learned(&[(*a.ip(), 1)]).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(reaches(Some(&g), a), "learned: A");
+    assert!(!reaches(Some(&g), b), "not learned: B");
+    // Learned addresses pass ahead of the deny list, like allow entries.
+    let p = EgressPolicy::from_e2b(true, &["a.example"], &["0.0.0.0/0"]).unwrap();
+    sb.set_policy(&p).unwrap();
+    assert!(!reaches(Some(&g), a), "a new policy learns anew: A");
+    hostnet::allow_learned(&f.range.netns_path(0), &[(*b.ip(), 60)]).unwrap();
+    assert!(reaches(Some(&g), b), "learned under the new policy: B");
+    assert!(!reaches(Some(&g), a), "A");
+    sb.destroy().unwrap();
 }
 
 #[test]

@@ -1041,7 +1041,18 @@ impl Host {
         let all = self.reg().all()?;
         // Networks no sandbox holds (a crash's leftovers) go; the rest are taken over.
         if let Ok(n) = &self.networks {
-            let keep: Vec<u32> = all.iter().filter_map(|r| r.net).collect();
+            let mut keep = Vec::new();
+            for r in &all {
+                if let Some(i) = r.net {
+                    // Its rules stay in its namespace as they were; its DNS resolves
+                    // nothing if the recorded policy cannot be read.
+                    let policy = policy_of(r).unwrap_or_else(|e| {
+                        tracing::error!("{e}: the sandbox's DNS answers nothing");
+                        EgressPolicy::deny_all()
+                    });
+                    keep.push((i, policy));
+                }
+            }
             n.recover(&keep)?;
         }
         let count = |s: State| all.iter().filter(|r| r.state == s).count();

@@ -3,7 +3,8 @@
 //! device, held from its creation to its kill (a paused sandbox keeps its namespace: its
 //! outer address and policy stay, and a resume only attaches a new VM process to the TAP).
 //!
-//! Each network answers DNS on its gateway ([`dns`]: a forwarder to the host's resolver).
+//! Each network answers DNS on its gateway ([`dns`]: a forwarder to the host's resolver,
+//! which also applies the domain names of the sandbox's egress policy).
 //!
 //! Making a namespace costs milliseconds of netlink and `nft` work, so a small pool of
 //! ready networks (allow-all) is kept off the create path and refilled in the background;
@@ -32,6 +33,17 @@ struct Net {
 }
 
 impl Net {
+    /// Replaces the policy: the rules, and what its DNS forwarder resolves and learns.
+    fn set_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        self.net
+            .set_policy(policy)
+            .map_err(net_err("egress policy"))?;
+        if let Some(d) = &self.dns {
+            d.set_policy(policy);
+        }
+        Ok(())
+    }
+
     fn destroy(self) -> hostnet::Result<()> {
         drop(self.dns);
         self.net.destroy()
@@ -83,30 +95,33 @@ impl Networks {
         }))
     }
 
-    /// `net` as this service keeps it: with its DNS forwarder started.
-    fn keep(&self, net: SandboxNet) -> Result<Net> {
+    /// `net` as this service keeps it: with its DNS forwarder started, under `policy`.
+    fn keep(&self, net: SandboxNet, policy: &EgressPolicy) -> Result<Net> {
         let dns = match self.dns_upstream {
             Some(up) => Some(dns::Forwarder::start(
                 net.netns_path(),
                 SocketAddr::new(hostnet::GUEST_GATEWAY.into(), 53),
                 up,
+                policy,
             )?),
             None => None,
         };
         Ok(Net { dns, net })
     }
 
-    /// After a (re)start: keeps the networks of `keep` (the registry's sandboxes), removes
-    /// every other one of the range; then fills the pool.
-    pub fn recover(self: &Arc<Self>, keep: &[u32]) -> Result<()> {
-        let swept = hostnet::sweep(&self.range, keep).map_err(net_err("sweeping networks"))?;
+    /// After a (re)start: keeps the networks of `keep` (the registry's sandboxes, with
+    /// their policies), removes every other one of the range; then fills the pool.
+    pub fn recover(self: &Arc<Self>, keep: &[(u32, EgressPolicy)]) -> Result<()> {
+        let indices: Vec<u32> = keep.iter().map(|(i, _)| *i).collect();
+        let swept = hostnet::sweep(&self.range, &indices).map_err(net_err("sweeping networks"))?;
         if !swept.namespaces.is_empty() || !swept.veths.is_empty() {
             tracing::info!(?swept, "removed networks no sandbox holds");
         }
-        for &i in keep {
+        for (i, policy) in keep {
+            let i = *i;
             match SandboxNet::adopt(&self.range, i)
                 .map_err(net_err("taking a network over"))
-                .and_then(|n| self.keep(n))
+                .and_then(|n| self.keep(n, policy))
             {
                 Ok(n) => {
                     lock(&self.held).insert(i, n);
@@ -125,7 +140,7 @@ impl Networks {
         let net = match ready {
             Some(n) => {
                 if *policy != EgressPolicy::allow_all() {
-                    n.net.set_policy(policy).map_err(net_err("egress policy"))?;
+                    n.set_policy(policy)?;
                 }
                 n
             }
@@ -153,7 +168,7 @@ impl Networks {
             };
             if !taken {
                 match SandboxNet::create_with(&self.range, i, &opts) {
-                    Ok(n) => return self.keep(n),
+                    Ok(n) => return self.keep(n, policy),
                     Err(hostnet::Error::Exists(_)) => {}
                     Err(e) => return Err(net_err("making a sandbox network")(e)),
                 }
@@ -197,7 +212,7 @@ impl Networks {
     /// Replaces the egress policy of network `i` (a running or paused sandbox's).
     pub fn set_policy(&self, i: u32, policy: &EgressPolicy) -> Result<()> {
         match lock(&self.held).get(&i) {
-            Some(n) => n.net.set_policy(policy).map_err(net_err("egress policy")),
+            Some(n) => n.set_policy(policy),
             None => Err(Error::Network(format!(
                 "the sandbox's network ({i}) is gone"
             ))),

@@ -447,6 +447,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
             n.netns_path(),
             std::net::SocketAddr::new(hostnet::GUEST_GATEWAY.into(), 53),
             up,
+            &hostnet::EgressPolicy::allow_all(),
         )?),
         _ => None,
     };

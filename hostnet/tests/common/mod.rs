@@ -84,6 +84,27 @@ impl Fixture {
         (SandboxNet::create_with(range, i, &opts).unwrap(), g)
     }
 
+    /// Two "world" servers (echo on `port` in world sandboxes 0 and 1, reached at their
+    /// outer addresses) and sandbox 0 of `range` to reach them from.
+    pub fn two_servers_and_a_sandbox(&mut self, port: u16) -> TwoServers {
+        let (wa, ga) = self.sandbox(true, 0);
+        let (wb, gb) = self.sandbox(true, 1);
+        let echoes = [
+            Echo::start(Some(&ga), sa(hostnet::GUEST_IP, port)),
+            Echo::start(Some(&gb), sa(hostnet::GUEST_IP, port)),
+        ];
+        let a = sa(self.world.outer_ip(0), port);
+        let b = sa(self.world.outer_ip(1), port);
+        let (sb, g) = self.sandbox(false, 0);
+        TwoServers {
+            a,
+            b,
+            sb,
+            g,
+            world: (wa, wb, echoes),
+        }
+    }
+
     fn cleanup(&mut self) {
         for r in [&self.range, &self.world] {
             if let Err(e) = sweep(r, &[]) {
@@ -112,6 +133,20 @@ impl Drop for Fixture {
 
 /// A TCP server that answers each connection's first byte with the same byte, in a
 /// namespace (the listener is opened there; the serving thread stays outside).
+/// What [`Fixture::two_servers_and_a_sandbox`] made.
+pub struct TwoServers {
+    /// Server A's address.
+    pub a: SocketAddrV4,
+    /// Server B's address.
+    pub b: SocketAddrV4,
+    /// The sandbox.
+    pub sb: SandboxNet,
+    /// Its guest's namespace.
+    pub g: PathBuf,
+    /// The world sandboxes and their servers (bind it: dropping it stops them).
+    pub world: (SandboxNet, SandboxNet, [Echo; 2]),
+}
+
 pub struct Echo {
     pub addr: SocketAddr,
     stop: Arc<AtomicBool>,

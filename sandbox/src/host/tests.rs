@@ -582,17 +582,66 @@ fn sandbox_networks_follow_the_lifecycle() {
     // Without networking, such a template's sandbox is refused with the reason.
     let err = h.create(req(60)).unwrap_err().to_string();
     assert!(err.contains("no sandbox networking"), "{err}");
-    // The host's "resolver": answers every query with its bytes and a marker.
+    // The host's "resolver": answers each query with one A record, 10.9.8.<id's low
+    // byte> (TTL 5), and a marker after the message.
     let upstream = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let upstream_addr = upstream.local_addr().unwrap();
     std::thread::spawn(move || {
+        use simple_dns::{rdata::RData, Packet, ResourceRecord, CLASS};
         let mut b = [0u8; 512];
         while let Ok((n, from)) = upstream.recv_from(&mut b) {
-            let mut answer = b[..n].to_vec();
+            let Ok(q) = Packet::parse(&b[..n]) else {
+                continue;
+            };
+            let id = q.id();
+            let name = q.questions[0].qname.clone();
+            let mut a = q.into_reply();
+            a.answers.push(ResourceRecord::new(
+                name,
+                CLASS::IN,
+                5,
+                RData::A(simple_dns::rdata::A {
+                    address: u32::from_be_bytes([10, 9, 8, id as u8]),
+                }),
+            ));
+            let mut answer = a.build_bytes_vec().unwrap();
             answer.extend_from_slice(b"resolved");
             let _ = upstream.send_to(&answer, from);
         }
     });
+    // A query from inside network `i`'s namespace to its gateway: the answer.
+    let ask = |i: u32, id: u16, name: &str| -> Vec<u8> {
+        let mut q = simple_dns::Packet::new_query(id);
+        q.questions.push(simple_dns::Question::new(
+            simple_dns::Name::new_unchecked(name),
+            simple_dns::QTYPE::TYPE(simple_dns::TYPE::A),
+            simple_dns::QCLASS::CLASS(simple_dns::CLASS::IN),
+            false,
+        ));
+        let q = q.build_bytes_vec().unwrap();
+        hostnet::in_netns(&range.netns_path(i), move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            s.send_to(&q, (hostnet::GUEST_GATEWAY, 53)).unwrap();
+            let mut b = [0u8; 512];
+            let n = s.recv(&mut b).unwrap();
+            b[..n].to_vec()
+        })
+        .unwrap()
+    };
+    // The addresses learned in network `i` (its `dns_allowed` set, as nft lists it).
+    let learned = |i: u32| -> String {
+        hostnet::in_netns(&range.netns_path(i), || {
+            let o = std::process::Command::new("nft")
+                .args(["list", "set", "ip", "sandbox", "dns_allowed"])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{o:?}");
+            String::from_utf8_lossy(&o.stdout).into_owned()
+        })
+        .unwrap()
+    };
     let nets = crate::net::Networks::init(range.clone(), 1, Some(upstream_addr)).unwrap();
     h.set_networks(Ok(nets.clone()));
     h.recover().unwrap();
@@ -616,23 +665,20 @@ fn sandbox_networks_follow_the_lifecycle() {
         h.guest_ip(&a),
         Some(std::net::IpAddr::V4(range.outer_ip(ia)))
     );
-    // DNS: a query to the gateway inside the sandbox's namespace reaches the host's
-    // resolver, and its answer comes back.
-    let answer = hostnet::in_netns(&ns(ia), || {
-        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
-            .unwrap();
-        let q = [
-            0xab, 0xcd, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3, b'f', b'o', b'o', 0,
-        ];
-        s.send_to(&q, (hostnet::GUEST_GATEWAY, 53)).unwrap();
-        let mut b = [0u8; 512];
-        let n = s.recv(&mut b).unwrap();
-        b[..n].to_vec()
-    })
-    .unwrap();
-    assert_eq!(&answer[..2], &[0xab, 0xcd]);
+    // DNS follows the policy: denied by default, a name is refused at the gateway.
+    let answer = ask(ia, 0xab01, "foo.test");
+    assert_eq!(&answer[..2], &[0xab, 0x01]);
+    assert_eq!(answer[3] & 0x0f, 5, "REFUSED: {answer:?}");
+    assert!(!answer.ends_with(b"resolved"));
+    // A domain allowed: it resolves through the host's resolver, and what it resolved to
+    // is in the namespace's learned set by the time the answer is back.
+    let domains = EgressPolicy::from_e2b(false, &["*.allowed.test"], &[]).unwrap();
+    let a = h.set_egress(&a.id, &domains).unwrap();
+    assert!(!learned(ia).contains("10.9.8."), "{}", learned(ia));
+    let answer = ask(ia, 0xab07, "pkg.allowed.test");
     assert!(answer.ends_with(b"resolved"), "{answer:?}");
+    assert!(learned(ia).contains("10.9.8.7"), "{}", learned(ia));
+    assert_eq!(ask(ia, 0xab02, "foo.test")[3] & 0x0f, 5);
     // Paused: the network stays (a resume reattaches to it).
     h.pause(&a.id).unwrap();
     assert!(ns(ia).exists());
@@ -641,6 +687,9 @@ fn sandbox_networks_follow_the_lifecycle() {
     let allow = EgressPolicy::from_e2b(true, &["10.1.2.3"], &["10.0.0.0/8"]).unwrap();
     let a = h.set_egress(&a.id, &allow).unwrap();
     assert_eq!(super::policy_of(&a).unwrap(), allow);
+    // Allowed by default: every name resolves; a new policy forgot what was learned.
+    assert!(ask(ia, 0xab03, "foo.test").ends_with(b"resolved"));
+    assert!(!learned(ia).contains("10.9.8."), "{}", learned(ia));
     // Fork children: networks of their own, with the parent's policy.
     let kids = h.fork(&a.id, 2, 60).unwrap();
     let ik: Vec<u32> = kids.iter().map(|k| k.net.unwrap()).collect();

@@ -9,17 +9,28 @@
 //! namespace (it keeps that namespace for life) and the query goes out from this process,
 //! in the host's namespace, like any lookup of the host's own.
 //!
-//! Written here (a few dozen lines of UDP relaying) rather than with a DNS crate: nothing
-//! is parsed beyond the 2-byte query id that pairs an answer with its query. One query at a
-//! time per sandbox, each answered or dropped within [`UPSTREAM_TIMEOUT`]; the guest
-//! retries as resolvers do. TCP (answers over 512 bytes without EDNS) is not forwarded.
+//! The forwarder is also where a sandbox's egress policy meets names
+//! (`hostnet::EgressPolicy`): a query is parsed (the `simple-dns` crate) for its name;
+//! under a deny-by-default policy a name not in `allow_domains` gets REFUSED without
+//! reaching the upstream resolver; the answer for an allowed name has its IPv4 addresses
+//! added to the namespace's learned set (`hostnet::allow_learned`) *before* the guest sees
+//! the answer, so its connection right after the lookup passes.
+//!
+//! Written here (UDP relaying) rather than with a DNS server crate: messages are parsed
+//! only for the question's name and the answer's A records. One query at a time per
+//! sandbox, each answered or dropped within [`UPSTREAM_TIMEOUT`]; the guest retries as
+//! resolvers do. TCP (answers over 512 bytes without EDNS) is not forwarded.
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use hostnet::EgressPolicy;
+use simple_dns::rdata::RData;
+use simple_dns::{Packet, CLASS, RCODE};
 
 use crate::error::{Error, Result};
 
@@ -41,32 +52,68 @@ pub fn upstream_from(resolv_conf: &str) -> Option<SocketAddr> {
         .next()
 }
 
+/// What the forwarder does with the addresses an allowed name resolved to (with their
+/// TTLs): in service, [`hostnet::allow_learned`] in the sandbox's namespace.
+type Learn = Box<dyn Fn(&[(Ipv4Addr, u32)]) -> std::result::Result<(), String> + Send>;
+
 /// A running forwarder; stopped (and its socket closed) when dropped.
 pub struct Forwarder {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    policy: Arc<RwLock<EgressPolicy>>,
 }
 
 impl Forwarder {
     /// Binds `listen` (UDP) inside the network namespace at `netns` and relays what
-    /// arrives there to `upstream`.
-    pub fn start(netns: &Path, listen: SocketAddr, upstream: SocketAddr) -> Result<Forwarder> {
+    /// arrives there to `upstream`, under `policy` (see the module docs).
+    pub fn start(
+        netns: &Path,
+        listen: SocketAddr,
+        upstream: SocketAddr,
+        policy: &EgressPolicy,
+    ) -> Result<Forwarder> {
         let socket = hostnet::in_netns(netns, move || UdpSocket::bind(listen))
             .map_err(|e| Error::Network(format!("DNS forwarder: {e}")))?
             .map_err(|e| Error::Network(format!("DNS forwarder: binding {listen}: {e}")))?;
+        let netns = netns.to_path_buf();
+        let learn: Learn = Box::new(move |learned| {
+            hostnet::allow_learned(&netns, learned).map_err(|e| e.to_string())
+        });
+        Forwarder::serve(socket, upstream, policy, learn)
+    }
+
+    /// Relays what arrives on `socket`; `learn` takes allowed names' addresses.
+    fn serve(
+        socket: UdpSocket,
+        upstream: SocketAddr,
+        policy: &EgressPolicy,
+        learn: Learn,
+    ) -> Result<Forwarder> {
         socket
             .set_read_timeout(Some(POLL))
             .map_err(|e| Error::Network(format!("DNS forwarder: {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let policy = Arc::new(RwLock::new(policy.clone()));
+        let relay_state = Relay {
+            upstream,
+            stop: stop.clone(),
+            policy: policy.clone(),
+            learn,
+        };
         let thread = std::thread::Builder::new()
             .name("dns-forward".into())
-            .spawn(move || relay(&socket, upstream, &flag))
+            .spawn(move || relay_state.run(&socket))
             .map_err(|e| Error::Network(format!("DNS forwarder thread: {e}")))?;
         Ok(Forwarder {
             stop,
             thread: Some(thread),
+            policy,
         })
+    }
+
+    /// The sandbox's egress policy changed: names resolve under `policy` from now on.
+    pub fn set_policy(&self, policy: &EgressPolicy) {
+        *self.policy.write().unwrap_or_else(|p| p.into_inner()) = policy.clone();
     }
 }
 
@@ -79,35 +126,120 @@ impl Drop for Forwarder {
     }
 }
 
-fn relay(socket: &UdpSocket, upstream: SocketAddr, stop: &AtomicBool) {
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    while !stop.load(Ordering::Relaxed) {
-        let (n, from) = match socket.recv_from(&mut buf) {
-            Ok(x) => x,
+/// The relay thread's state.
+struct Relay {
+    upstream: SocketAddr,
+    stop: Arc<AtomicBool>,
+    policy: Arc<RwLock<EgressPolicy>>,
+    learn: Learn,
+}
+
+/// What the policy says about one query.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Answered REFUSED here.
+    Refuse,
+    /// Relayed; `learn`: the answer's addresses join the learned set.
+    Relay { learn: bool },
+}
+
+impl Relay {
+    fn verdict(&self, query: &[u8]) -> Verdict {
+        let policy = self.policy.read().unwrap_or_else(|p| p.into_inner());
+        let name = Packet::parse(query)
+            .ok()
+            .and_then(|p| p.questions.first().map(|q| q.qname.to_string()));
+        match name {
+            Some(n) if policy.resolves(&n) => Verdict::Relay {
+                learn: policy.allows_domain(&n),
+            },
+            Some(_) => Verdict::Refuse,
+            // Not a query we can read: relayed only where every name would be.
+            None if policy.default == hostnet::PolicyDefault::Allow => {
+                Verdict::Relay { learn: false }
+            }
+            None => Verdict::Refuse,
+        }
+    }
+
+    fn run(self, socket: &UdpSocket) {
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some((n, from)) = receive(socket, &mut buf) else {
+                continue;
+            };
+            let query = &buf[..n];
+            let answer = match self.verdict(query) {
+                Verdict::Refuse => refused(query),
+                Verdict::Relay { learn } => match ask(query, self.upstream) {
+                    Ok(answer) => {
+                        if learn {
+                            let learned = a_records(&answer);
+                            if let Err(e) = (self.learn)(&learned) {
+                                tracing::warn!("DNS forwarder: allowing {learned:?}: {e}");
+                            }
+                        }
+                        Some(answer)
+                    }
+                    Err(e) => {
+                        tracing::debug!("DNS forwarder: {}: {e}", self.upstream);
+                        None
+                    }
+                },
+            };
+            if let Some(a) = answer {
+                let _ = socket.send_to(&a, from);
+            }
+        }
+    }
+}
+
+/// The REFUSED answer to `query` (None when it does not parse: dropped).
+fn refused(query: &[u8]) -> Option<Vec<u8>> {
+    let mut reply = Packet::parse(query).ok()?.into_reply();
+    *reply.rcode_mut() = RCODE::Refused;
+    reply.answers.clear();
+    reply.name_servers.clear();
+    reply.additional_records.clear();
+    reply.build_bytes_vec().ok()
+}
+
+/// The IPv4 addresses in an answer, with their TTLs.
+fn a_records(answer: &[u8]) -> Vec<(Ipv4Addr, u32)> {
+    let Ok(p) = Packet::parse(answer) else {
+        return Vec::new();
+    };
+    p.answers
+        .iter()
+        .filter(|rr| rr.class == CLASS::IN)
+        .filter_map(|rr| match &rr.rdata {
+            RData::A(a) => Some((Ipv4Addr::from(a.address), rr.ttl)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One datagram of at least a DNS header's 12 bytes (None: a timeout, an error, a runt).
+fn receive(socket: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
+    loop {
+        return match socket.recv_from(buf) {
+            // A DNS header is 12 bytes; anything shorter is not a query.
+            Ok((n, from)) if n >= 12 => Some((n, from)),
+            Ok(_) => continue,
             Err(e)
                 if matches!(
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
-                continue
+                None
             }
             Err(e) => {
                 tracing::warn!("DNS forwarder: {e}");
                 std::thread::sleep(POLL);
-                continue;
+                None
             }
         };
-        // A DNS header is 12 bytes; anything shorter is not a query.
-        if n < 12 {
-            continue;
-        }
-        match ask(&buf[..n], upstream) {
-            Ok(answer) => {
-                let _ = socket.send_to(&answer, from);
-            }
-            Err(e) => tracing::debug!("DNS forwarder: {upstream}: {e}"),
-        }
     }
 }
 
@@ -145,6 +277,101 @@ mod tests {
         );
         assert_eq!(upstream_from("nameserver bogus\noptions edns0\n"), None);
         assert_eq!(upstream_from(""), None);
+    }
+
+    use simple_dns::rdata::A;
+    use simple_dns::{Name, Question, ResourceRecord, CLASS, QCLASS, QTYPE, TYPE};
+    use std::sync::mpsc;
+
+    fn query(id: u16, name: &str) -> Vec<u8> {
+        let mut q = Packet::new_query(id);
+        q.questions.push(Question::new(
+            Name::new_unchecked(name),
+            QTYPE::TYPE(TYPE::A),
+            QCLASS::CLASS(CLASS::IN),
+            false,
+        ));
+        q.build_bytes_vec().unwrap()
+    }
+
+    /// An upstream that answers every query with `addr` (TTL 30) and reports each name.
+    fn upstream(addr: Ipv4Addr) -> (SocketAddr, mpsc::Receiver<String>) {
+        let up = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let at = up.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || loop {
+            let mut b = [0u8; 512];
+            let Ok((n, from)) = up.recv_from(&mut b) else {
+                return;
+            };
+            let q = Packet::parse(&b[..n]).unwrap();
+            let name = q.questions[0].qname.to_string();
+            let mut a = q.clone().into_reply();
+            a.answers.push(ResourceRecord::new(
+                Name::new_unchecked(&name),
+                CLASS::IN,
+                30,
+                RData::A(A {
+                    address: addr.into(),
+                }),
+            ));
+            up.send_to(&a.build_bytes_vec().unwrap(), from).unwrap();
+            let _ = tx.send(name);
+        });
+        (at, rx)
+    }
+
+    /// Asks `forwarder` at `at` for `name`; the answer's RCODE and addresses.
+    fn resolve(at: SocketAddr, id: u16, name: &str) -> (RCODE, Vec<(Ipv4Addr, u32)>) {
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.send_to(&query(id, name), at).unwrap();
+        let mut b = [0u8; 512];
+        let n = c.recv(&mut b).unwrap();
+        let p = Packet::parse(&b[..n]).unwrap();
+        assert_eq!(p.id(), id);
+        (p.rcode(), a_records(&b[..n]))
+    }
+
+    #[test]
+    fn names_resolve_as_the_policy_says_and_allowed_ones_are_learned_first() {
+        let addr: Ipv4Addr = "192.0.2.9".parse().unwrap();
+        let (up, asked) = upstream(addr);
+        let (learned_tx, learned) = mpsc::channel();
+        let learn: Learn = Box::new(move |l| {
+            learned_tx.send(l.to_vec()).unwrap();
+            Ok(())
+        });
+        let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let at = socket.local_addr().unwrap();
+        let deny = EgressPolicy::from_e2b(false, &["allowed.test", "*.pkg.test"], &[]).unwrap();
+        let f = Forwarder::serve(socket, up, &deny, learn).unwrap();
+
+        // Not allowed: REFUSED here, the upstream never asked.
+        assert_eq!(resolve(at, 1, "other.test"), (RCODE::Refused, vec![]));
+        assert!(asked.try_recv().is_err());
+        // Allowed: relayed, and learned before the answer reached the guest.
+        assert_eq!(
+            resolve(at, 2, "allowed.test"),
+            (RCODE::NoError, vec![(addr, 30)])
+        );
+        assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
+        assert_eq!(asked.recv().unwrap(), "allowed.test");
+        assert_eq!(resolve(at, 3, "a.pkg.test").1, vec![(addr, 30)]);
+        assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
+        // Garbage under deny: no answer at all.
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        c.send_to(&[0xffu8; 20], at).unwrap();
+        assert!(c.recv(&mut [0u8; 64]).is_err());
+
+        // Allow by default: every name resolves, only allowed ones are learned.
+        f.set_policy(&EgressPolicy::from_e2b(true, &["allowed.test"], &[]).unwrap());
+        assert_eq!(resolve(at, 4, "other.test").1, vec![(addr, 30)]);
+        assert!(learned.try_recv().is_err());
+        assert_eq!(resolve(at, 5, "Allowed.Test").1, vec![(addr, 30)]);
+        assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
     }
 
     #[test]
