@@ -2,7 +2,8 @@
 
 tests/nested/scenarios/sdk.sh builds template "debian" with a network device and makes a
 "world": a network namespace of its own in the nested machine, 10.99.0.2 and 10.99.0.3
-serving HTTP on port 8000 (the same files: hello.txt, a 1 MiB blob and its SHA-256).
+serving HTTP on port 8000 (the same files: hello.txt, a 1 MiB blob and its SHA-256), and
+its DNS at 10.99.0.4 (the service's --net-dns: a.world.test and b.world.test are the two).
 Sandboxes reach it through their own namespace and the service's NAT, or are kept from it
 by their egress policy. No address outside the nested machine is ever used. Run with
 tests/e2b/run_nested.sh (with test_linux.py and test_dataplane.py).
@@ -129,12 +130,23 @@ def test_domains_are_allowed_through_dns_and_cannot_be_denied():
     with pytest.raises(Exception) as e:
         create(network={"deny_out": ["example.org"]})
     assert "example.org" in str(e.value) or "400" in str(e.value)
-    # An allowed domain is taken: only what it resolves to through the sandbox's DNS
-    # passes (the nested machine has no resolver for sandboxes, so nothing resolves and
-    # the world's addresses stay out of reach; resolution itself is tested natively).
-    s = create(network={"deny_out": [ALL_TRAFFIC], "allow_out": ["*.world.test"]})
+    # Everything denied but one name: the world's DNS (sdk.sh) says a.world.test is
+    # WORLD_A and b.world.test is WORLD_B. Before any lookup neither address passes; the
+    # allowed name resolves through the sandbox's gateway and its address passes from
+    # then on; the other name is refused by the gateway, its address stays blocked.
+    s = create(network={"deny_out": [ALL_TRAFFIC], "allow_out": ["a.world.test"]})
     try:
-        assert not reaches(s, WORLD_A)
+        assert not reaches(s, WORLD_A), "before the name resolved"
+        ok, out = fetch(s, "a.world.test")
+        assert ok, out
+        assert reaches(s, WORLD_A), "what the allowed name resolved to"
+        assert not reaches(s, "b.world.test"), "a name not allowed"
+        assert not reaches(s, WORLD_B)
+        r = run(s, "python3 -c 'import socket; print(socket.gethostbyname(\"a.world.test\"))'")
+        assert r.stdout.strip() == WORLD_A, r.stdout
+        # A new policy forgets what was learned.
+        s.update_network({"deny_out": [ALL_TRAFFIC]})
+        assert not reaches(s, WORLD_A), "learned addresses go with the policy"
     finally:
         s.kill()
 

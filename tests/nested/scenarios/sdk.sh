@@ -55,11 +55,13 @@ netns_count() { ls /run/netns 2>/dev/null | grep -c '^clade-'; }
 veth_count() { ls /sys/class/net | grep -c '^clh[0-9]'; }
 IP=/usr/sbin/ip   # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
 WORLD=""
+WORLD_DNS=""
 cleanup() {
     [ -n "$SERVE" ] && kill "$SERVE" 2>/dev/null
     sleep 1
     for p in $(vm_pids); do kill -9 "$p" 2>/dev/null; done
     [ -n "$WORLD" ] && kill "$WORLD" 2>/dev/null
+    [ -n "$WORLD_DNS" ] && kill "$WORLD_DNS" 2>/dev/null
 }
 fail() {
     echo "SDK-SCENARIO-FAIL $*"
@@ -74,7 +76,7 @@ fail() {
 start_serve() {
     echo "---- serve started at $(uptime_s) ----" >>"$LOG"
     $CLADE serve --listen 0.0.0.0:$PORT --state-dir "$STATE" --api-key "$KEY" \
-        --max-timeout 3600 >>"$LOG" 2>&1 &
+        --max-timeout 3600 --net-dns 10.99.0.4 >>"$LOG" 2>&1 &
     SERVE=$!
     i=0
     until grep -q listening "$LOG"; do
@@ -180,7 +182,19 @@ $IP -n world addr add 10.99.0.2/24 dev wv1 && $IP -n world addr add 10.99.0.3/24
     $IP -n world route add default via 10.99.0.1 || fail "world addresses"
 $IP netns exec world httpd -f -p 8000 -h /tmp/world &
 WORLD=$!
-echo "SDK-WORLD 10.99.0.2 10.99.0.3 port 8000"
+# The world's DNS, the service's upstream (--net-dns): a.world.test is 10.99.0.2,
+# b.world.test 10.99.0.3 (names under them too). dnsmasq looks its user up: L1 has no
+# /etc/passwd of its own.
+[ -x /usr/sbin/dnsmasq ] || fail "no /usr/sbin/dnsmasq (NESTED_L1_BINS)"
+grep -q '^root:' /etc/passwd 2>/dev/null || echo 'root:x:0:0:root:/root:/bin/sh' >>/etc/passwd
+grep -q '^root:' /etc/group 2>/dev/null || echo 'root:x:0:' >>/etc/group
+$IP -n world addr add 10.99.0.4/24 dev wv1 || fail "world DNS address"
+$IP netns exec world /usr/sbin/dnsmasq --keep-in-foreground --no-resolv --no-hosts \
+    --conf-file=/dev/null --user=root --group=root --pid-file= --listen-address=10.99.0.4 \
+    --bind-interfaces --address=/a.world.test/10.99.0.2 --address=/b.world.test/10.99.0.3 \
+    --log-facility=- >>/tmp/world-dns.log 2>&1 &
+WORLD_DNS=$!
+echo "SDK-WORLD 10.99.0.2 10.99.0.3 port 8000, DNS 10.99.0.4"
 
 t0=$(uptime_s)
 $CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
