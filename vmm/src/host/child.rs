@@ -71,6 +71,10 @@ pub fn serve_prestarted_fork_child(options: &OwnerOptions) -> Result<Option<Owne
         },
         Err(e) => return Err(e),
     };
+    // Ready for a fork (the parent counts this one as waiting from now on).
+    if (&sock).write_all(b"w").is_err() {
+        return Ok(None);
+    }
     let Some(Handed { len, log, layers }) = wait_for_fork(&sock)? else {
         return Ok(None);
     };
@@ -78,13 +82,16 @@ pub fn serve_prestarted_fork_child(options: &OwnerOptions) -> Result<Option<Owne
     nix::unistd::dup2(log.as_raw_fd(), libc::STDERR_FILENO)
         .map_err(|e| Error::Fork(format!("taking the child's log: {e}")))?;
     drop(log);
+    let t0 = std::time::Instant::now();
     let built = read_rest(&sock, &len).and_then(|input| {
         let (launch, handoff) = parse_launch(&input)?;
         if launch.fds.len() != layers.len() {
             return Err(bad("the memory layers sent are not the launch record's"));
         }
+        tracing::debug!("hand-over read in {:?}", t0.elapsed());
         build_child(launch, handoff, layers, shell)
     });
+    tracing::debug!("hand-over to a built child: {:?}", t0.elapsed());
     run_child(options, built).map(Some)
 }
 

@@ -32,7 +32,7 @@ pub(crate) fn handle(
     let response = match &req.request {
         Request::Status => {
             let mut fields = status_fields(vm);
-            fields["fork_children_waiting"] = json!(prestarted.idle());
+            fields["fork_children_waiting"] = json!(prestarted.waiting());
             Response::ok(fields)
         }
         Request::Pause => match vm.pause() {

@@ -232,6 +232,7 @@ pub fn fork_processes(
             }
         }
     }
+    let handed_at = t0.elapsed();
     let mut failed = None;
     for (i, l) in launched.into_iter().enumerate() {
         if failed.is_some() {
@@ -263,7 +264,8 @@ pub fn fork_processes(
     }
     let total = t0.elapsed();
     tracing::info!(
-        "forked {count} child processes: paused {:?}, total {total:?}",
+        "forked {count} child processes: paused {:?}, every child had its state after \
+         {handed_at:?}, total {total:?}",
         report.pause_time
     );
     Ok(ForkedProcesses {

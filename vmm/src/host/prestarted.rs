@@ -6,13 +6,17 @@
 //! ([`super::OwnerOptions::fork_spares`]) keeps that many `clade fork-child` processes
 //! waiting, each with a shell of the VM's shape already built; a fork hands each child's
 //! state to one of them instead of starting a process, and starts a new one for each
-//! spent (one per idle turn of the owner loop, off the fork's path). A fork asking for
-//! more children than are waiting starts the rest as before.
+//! spent (one per idle turn of the owner loop, off the fork's path, and only
+//! [`REFILL_AFTER`] after the last fork: starting a process and building its shell takes
+//! a CPU for milliseconds, which the new children need for their first requests). A fork
+//! asking for more children than are waiting starts the rest as before.
 //!
 //! A waiting process's standard input is one end of a Unix stream socket; the parent
 //! keeps the other. What goes over it:
 //! 1. at start: a little-endian `u32` length and the shell's shape ([`PrestartShape`],
-//!    postcard) of that length; the process builds the shell and waits;
+//!    postcard) of that length; the process builds the shell, answers one byte (`w`) and
+//!    waits (until that byte, it counts as starting, not waiting: a fork still takes it,
+//!    after the ones that wait);
 //! 2. at a fork: the `u32` length of the launch record, sent with the descriptors
 //!    (`SCM_RIGHTS`): the child's log first, then the memory layers, base first; then the
 //!    launch record and the hand-over bytes, as a child started at the fork reads them from
@@ -31,8 +35,9 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Stdio};
+use std::time::{Duration, Instant};
 
-use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use nix::sys::socket::{recv, sendmsg, ControlMessage, MsgFlags};
 use serde::{Deserialize, Serialize};
 
 use super::fork::io;
@@ -40,6 +45,9 @@ use super::options::ChildLauncher;
 use crate::error::{Error, Result};
 use crate::vm::Vm;
 use crate::vstate::shell::ShellSpec;
+
+/// How long after a fork the waiting processes it used are replaced.
+pub const REFILL_AFTER: Duration = Duration::from_millis(250);
 
 /// Most memory layer descriptors one hand-over carries (the kernel passes at most 253
 /// descriptors in one message; one of them is the log).
@@ -69,6 +77,8 @@ impl PrestartShape {
 pub struct PrestartedChildren {
     want: usize,
     idle: Vec<Prestarted>,
+    /// When a fork last took one.
+    last_taken: Option<Instant>,
 }
 
 /// One waiting child process.
@@ -76,6 +86,8 @@ pub(super) struct Prestarted {
     pub(super) child: Child,
     sock: UnixStream,
     pub(super) stdout: ChildStdout,
+    /// It said its shell is built.
+    ready: bool,
 }
 
 impl PrestartedChildren {
@@ -84,18 +96,26 @@ impl PrestartedChildren {
         PrestartedChildren {
             want,
             idle: Vec::with_capacity(want),
+            last_taken: None,
         }
     }
 
-    /// How many wait now.
-    pub fn idle(&self) -> usize {
-        self.idle.len()
+    /// How many wait now, their shells built.
+    pub fn waiting(&mut self) -> usize {
+        self.idle
+            .iter_mut()
+            .map(|p| p.is_ready())
+            .filter(|r| *r)
+            .count()
     }
 
     /// Starts one waiting process for children of `vm` if fewer than wanted wait. One per
     /// call: the owner loop calls it when it has nothing else to do. A failure is logged
     /// (forks then start their children as they go).
     pub(super) fn top_up(&mut self, vm: &Vm, api_sock: &Path, launcher: &dyn ChildLauncher) {
+        if self.last_taken.is_some_and(|t| t.elapsed() < REFILL_AFTER) {
+            return;
+        }
         self.idle
             .retain_mut(|p| matches!(p.child.try_wait(), Ok(None)));
         if self.idle.len() >= self.want {
@@ -111,14 +131,17 @@ impl PrestartedChildren {
         }
     }
 
-    /// A waiting process, if one is still there.
+    /// A waiting process (one whose shell is built first), if one is still there.
     pub(super) fn take(&mut self) -> Option<Prestarted> {
-        while let Some(mut p) = self.idle.pop() {
-            if matches!(p.child.try_wait(), Ok(None)) {
-                return Some(p);
-            }
-        }
-        None
+        self.last_taken = Some(Instant::now());
+        self.idle
+            .retain_mut(|p| matches!(p.child.try_wait(), Ok(None)));
+        let i = self
+            .idle
+            .iter_mut()
+            .position(|p| p.is_ready())
+            .or_else(|| self.idle.len().checked_sub(1))?;
+        Some(self.idle.swap_remove(i))
     }
 }
 
@@ -168,6 +191,7 @@ impl Prestarted {
             child,
             sock: ours.try_clone().map_err(io("a waiting child's socket"))?,
             stdout,
+            ready: false,
         };
         if let Err(e) = ours
             .write_all(&(record.len() as u32).to_le_bytes())
@@ -215,6 +239,18 @@ impl Prestarted {
             .and_then(|()| self.sock.write_all(handoff))
             .and_then(|()| self.sock.shutdown(std::net::Shutdown::Write))
             .map_err(io("handing the state to a waiting child"))
+    }
+
+    /// Whether it said its shell is built (looked at without waiting).
+    fn is_ready(&mut self) -> bool {
+        if !self.ready {
+            let mut b = [0u8; 1];
+            self.ready = matches!(
+                recv(self.sock.as_raw_fd(), &mut b, MsgFlags::MSG_DONTWAIT),
+                Ok(1)
+            );
+        }
+        self.ready
     }
 
     /// Ends a process that is not used.
