@@ -35,13 +35,15 @@ struct Net {
 impl Net {
     /// Replaces the policy: the rules, and what its DNS forwarder resolves and learns.
     fn set_policy(&self, policy: &EgressPolicy) -> Result<()> {
-        self.net
-            .set_policy(policy)
-            .map_err(net_err("egress policy"))?;
-        if let Some(d) = &self.dns {
-            d.set_policy(policy);
+        let apply = || {
+            self.net
+                .set_policy(policy)
+                .map_err(net_err("egress policy"))
+        };
+        match &self.dns {
+            Some(d) => d.set_policy(policy, apply),
+            None => apply(),
         }
-        Ok(())
     }
 
     fn destroy(self) -> hostnet::Result<()> {

@@ -14,19 +14,24 @@
 //! under a deny-by-default policy a name not in `allow_domains` gets REFUSED without
 //! reaching the upstream resolver; the answer for an allowed name has its IPv4 addresses
 //! added to the namespace's learned set (`hostnet::allow_learned`) *before* the guest sees
-//! the answer, so its connection right after the lookup passes.
+//! the answer, so its connection right after the lookup passes. Adding costs an `nft` run
+//! (milliseconds), so an address learned less than [`RELEARN_AFTER`] ago is not added
+//! again (its element keeps most of its timeout). A policy replaced while a query is out
+//! is the one its answer is judged by: replacing the rules (which empties the learned
+//! set) and learning are serialised, so nothing learned under the old policy survives.
 //!
 //! Written here (UDP relaying) rather than with a DNS server crate: messages are parsed
 //! only for the question's name and the answer's A records. One query at a time per
 //! sandbox, each answered or dropped within [`UPSTREAM_TIMEOUT`]; the guest retries as
 //! resolvers do. TCP (answers over 512 bytes without EDNS) is not forwarded.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hostnet::EgressPolicy;
 use simple_dns::rdata::RData;
@@ -40,6 +45,11 @@ pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_MESSAGE: usize = 4096;
 /// How often the relay thread looks at its stop flag.
 const POLL: Duration = Duration::from_millis(200);
+/// An address learned less than this long ago is not added to the set again (it is there
+/// for at least `hostnet::MIN_LEARNED_SECS`).
+pub const RELEARN_AFTER: Duration = Duration::from_secs(600);
+/// Most addresses remembered as learned (then the memory starts over).
+const MAX_REMEMBERED: usize = 4096;
 
 /// The first `nameserver` of a resolv.conf text, on port 53.
 pub fn upstream_from(resolv_conf: &str) -> Option<SocketAddr> {
@@ -60,7 +70,13 @@ type Learn = Box<dyn Fn(&[(Ipv4Addr, u32)]) -> std::result::Result<(), String> +
 pub struct Forwarder {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    policy: Arc<RwLock<EgressPolicy>>,
+    policy: Arc<RwLock<PolicyState>>,
+}
+
+/// The policy the forwarder applies, and how many times it was replaced.
+struct PolicyState {
+    generation: u64,
+    policy: EgressPolicy,
 }
 
 impl Forwarder {
@@ -93,12 +109,17 @@ impl Forwarder {
             .set_read_timeout(Some(POLL))
             .map_err(|e| Error::Network(format!("DNS forwarder: {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let policy = Arc::new(RwLock::new(policy.clone()));
+        let policy = Arc::new(RwLock::new(PolicyState {
+            generation: 0,
+            policy: policy.clone(),
+        }));
         let relay_state = Relay {
             upstream,
             stop: stop.clone(),
             policy: policy.clone(),
             learn,
+            remembered: HashMap::new(),
+            remembered_generation: 0,
         };
         let thread = std::thread::Builder::new()
             .name("dns-forward".into())
@@ -111,9 +132,19 @@ impl Forwarder {
         })
     }
 
-    /// The sandbox's egress policy changed: names resolve under `policy` from now on.
-    pub fn set_policy(&self, policy: &EgressPolicy) {
-        *self.policy.write().unwrap_or_else(|p| p.into_inner()) = policy.clone();
+    /// Replaces the policy: `apply` puts its rules in place (emptying the learned set),
+    /// with no learning meanwhile; names resolve under `policy` from then on. On an error
+    /// from `apply` the old policy stays.
+    pub fn set_policy(
+        &self,
+        policy: &EgressPolicy,
+        apply: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let mut state = self.policy.write().unwrap_or_else(|p| p.into_inner());
+        apply()?;
+        state.policy = policy.clone();
+        state.generation += 1;
+        Ok(())
     }
 }
 
@@ -130,8 +161,11 @@ impl Drop for Forwarder {
 struct Relay {
     upstream: SocketAddr,
     stop: Arc<AtomicBool>,
-    policy: Arc<RwLock<EgressPolicy>>,
+    policy: Arc<RwLock<PolicyState>>,
     learn: Learn,
+    /// Addresses added to the set, and when (under policy `remembered_generation`).
+    remembered: HashMap<Ipv4Addr, Instant>,
+    remembered_generation: u64,
 }
 
 /// What the policy says about one query.
@@ -144,8 +178,8 @@ enum Verdict {
 }
 
 impl Relay {
-    fn verdict(&self, query: &[u8]) -> Verdict {
-        let policy = self.policy.read().unwrap_or_else(|p| p.into_inner());
+    /// What `policy` says about `query`.
+    fn verdict(policy: &EgressPolicy, query: &[u8]) -> Verdict {
         let name = Packet::parse(query)
             .ok()
             .and_then(|p| p.questions.first().map(|q| q.qname.to_string()));
@@ -162,34 +196,78 @@ impl Relay {
         }
     }
 
-    fn run(self, socket: &UdpSocket) {
+    fn run(mut self, socket: &UdpSocket) {
         let mut buf = vec![0u8; MAX_MESSAGE];
         while !self.stop.load(Ordering::Relaxed) {
             let Some((n, from)) = receive(socket, &mut buf) else {
                 continue;
             };
-            let query = &buf[..n];
-            let answer = match self.verdict(query) {
-                Verdict::Refuse => refused(query),
-                Verdict::Relay { learn } => match ask(query, self.upstream) {
-                    Ok(answer) => {
-                        if learn {
-                            let learned = a_records(&answer);
-                            if let Err(e) = (self.learn)(&learned) {
-                                tracing::warn!("DNS forwarder: allowing {learned:?}: {e}");
-                            }
-                        }
-                        Some(answer)
-                    }
-                    Err(e) => {
-                        tracing::debug!("DNS forwarder: {}: {e}", self.upstream);
-                        None
-                    }
-                },
-            };
-            if let Some(a) = answer {
+            if let Some(a) = self.answer(&buf[..n]) {
                 let _ = socket.send_to(&a, from);
             }
+        }
+    }
+
+    /// The answer to `query` under the policy in force when the answer is back (None: no
+    /// answer, the guest retries).
+    fn answer(&mut self, query: &[u8]) -> Option<Vec<u8>> {
+        let (generation, verdict) = {
+            let state = self.policy.read().unwrap_or_else(|p| p.into_inner());
+            (state.generation, Relay::verdict(&state.policy, query))
+        };
+        if verdict == Verdict::Refuse {
+            return refused(query);
+        }
+        let answer = match ask(query, self.upstream) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!("DNS forwarder: {}: {e}", self.upstream);
+                return None;
+            }
+        };
+        let policy = Arc::clone(&self.policy);
+        let state = policy.read().unwrap_or_else(|p| p.into_inner());
+        let verdict = if state.generation == generation {
+            verdict
+        } else {
+            Relay::verdict(&state.policy, query)
+        };
+        match verdict {
+            Verdict::Refuse => refused(query),
+            Verdict::Relay { learn: false } => Some(answer),
+            Verdict::Relay { learn: true } => {
+                // Under the read lock: a policy replaced meanwhile waits until this is in.
+                self.learn_from(state.generation, &answer);
+                Some(answer)
+            }
+        }
+    }
+
+    /// Adds the addresses in `answer` not added lately (under policy `generation`).
+    fn learn_from(&mut self, generation: u64, answer: &[u8]) {
+        if generation != self.remembered_generation || self.remembered.len() > MAX_REMEMBERED {
+            self.remembered.clear();
+            self.remembered_generation = generation;
+        }
+        let now = Instant::now();
+        let fresh: Vec<(Ipv4Addr, u32)> = a_records(answer)
+            .into_iter()
+            .filter(|(ip, _)| {
+                self.remembered
+                    .get(ip)
+                    .is_none_or(|t| now.duration_since(*t) >= RELEARN_AFTER)
+            })
+            .collect();
+        if fresh.is_empty() {
+            return;
+        }
+        match (self.learn)(&fresh) {
+            Ok(()) => {
+                for (ip, _) in &fresh {
+                    self.remembered.insert(*ip, now);
+                }
+            }
+            Err(e) => tracing::warn!("DNS forwarder: allowing {fresh:?}: {e}"),
         }
     }
 }
@@ -357,8 +435,9 @@ mod tests {
         );
         assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
         assert_eq!(asked.recv().unwrap(), "allowed.test");
+        // Another allowed name, the same address, learned lately: not added again.
         assert_eq!(resolve(at, 3, "a.pkg.test").1, vec![(addr, 30)]);
-        assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
+        assert!(learned.try_recv().is_err());
         // Garbage under deny: no answer at all.
         let c = UdpSocket::bind("127.0.0.1:0").unwrap();
         c.set_read_timeout(Some(Duration::from_millis(300)))
@@ -366,8 +445,17 @@ mod tests {
         c.send_to(&[0xffu8; 20], at).unwrap();
         assert!(c.recv(&mut [0u8; 64]).is_err());
 
-        // Allow by default: every name resolves, only allowed ones are learned.
-        f.set_policy(&EgressPolicy::from_e2b(true, &["allowed.test"], &[]).unwrap());
+        // A policy whose rules fail to apply does not take over.
+        assert!(f
+            .set_policy(&EgressPolicy::allow_all(), || Err(Error::Network(
+                "nft".into()
+            )))
+            .is_err());
+        assert_eq!(resolve(at, 7, "other.test").0, RCODE::Refused);
+        // Allow by default: every name resolves, only allowed ones are learned (anew: the
+        // rules were replaced, the learned set emptied).
+        let allow = EgressPolicy::from_e2b(true, &["allowed.test"], &[]).unwrap();
+        f.set_policy(&allow, || Ok(())).unwrap();
         assert_eq!(resolve(at, 4, "other.test").1, vec![(addr, 30)]);
         assert!(learned.try_recv().is_err());
         assert_eq!(resolve(at, 5, "Allowed.Test").1, vec![(addr, 30)]);
