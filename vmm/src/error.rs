@@ -150,4 +150,9 @@ impl Error {
     pub(crate) fn kvm(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> Error {
         move |source| Error::Kvm { op, source }
     }
+
+    /// An I/O error while `context`.
+    pub(crate) fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+        move |source| Error::Io { context, source }
+    }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 
-use super::fork::{io, ChildLaunch};
+use super::fork::ChildLaunch;
 use super::options::OwnerOptions;
 use super::owner::{own, OwnerEnd};
 use super::prestarted::{PrestartShape, MAX_HANDED_LAYERS};
@@ -58,7 +58,7 @@ pub fn serve_prestarted_fork_child(options: &OwnerOptions) -> Result<Option<Owne
         .as_fd()
         .try_clone_to_owned()
         .map(UnixStream::from)
-        .map_err(io("the socket to the parent"))?;
+        .map_err(Error::io("the socket to the parent"))?;
     let shell = match read_shape(&sock) {
         Ok(None) => return Ok(None),
         Ok(Some(spec)) => match Shell::create(&spec) {
@@ -105,7 +105,7 @@ fn run_child(
         Ok((vm, api, (files_root, seccomp))) => {
             writeln!(stdout, "ready")
                 .and_then(|()| stdout.flush())
-                .map_err(io("telling the parent"))?;
+                .map_err(Error::io("telling the parent"))?;
             // The parent's files root holds here too (unless this process was given one).
             let options = OwnerOptions {
                 launcher: options.launcher.clone(),
@@ -132,7 +132,7 @@ fn read_stdin() -> Result<Vec<u8>> {
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)
-        .map_err(io("reading the parent's state"))?;
+        .map_err(Error::io("reading the parent's state"))?;
     Ok(input)
 }
 
@@ -140,7 +140,7 @@ fn read_stdin() -> Result<Vec<u8>> {
 fn read_rest(mut sock: &UnixStream, start: &[u8]) -> Result<Vec<u8>> {
     let mut input = start.to_vec();
     sock.read_to_end(&mut input)
-        .map_err(io("reading the parent's state"))?;
+        .map_err(Error::io("reading the parent's state"))?;
     Ok(input)
 }
 
@@ -164,7 +164,7 @@ fn read_shape(mut sock: &UnixStream) -> Result<Option<crate::vstate::shell::Shel
     match sock.read_exact(&mut len) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(io("reading the shell's shape")(e)),
+        Err(e) => return Err(Error::io("reading the shell's shape")(e)),
     }
     let len = u32::from_le_bytes(len) as usize;
     if len > 4096 {
@@ -172,7 +172,7 @@ fn read_shape(mut sock: &UnixStream) -> Result<Option<crate::vstate::shell::Shel
     }
     let mut record = vec![0u8; len];
     sock.read_exact(&mut record)
-        .map_err(io("reading the shell's shape"))?;
+        .map_err(Error::io("reading the shell's shape"))?;
     let shape: PrestartShape =
         postcard::from_bytes(&record).map_err(|e| bad(&format!("shell shape: {e}")))?;
     Ok(Some(shape.spec()))

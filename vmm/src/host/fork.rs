@@ -275,10 +275,6 @@ pub fn fork_processes(
     })
 }
 
-pub(super) fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { context, source }
-}
-
 /// Creates `path` for writing: it must not exist (not even as a symlink), mode 0600.
 fn new_private_file(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -504,7 +500,7 @@ fn launch_child(
             .write_all(&(record.len() as u32).to_le_bytes())
             .and_then(|()| stdin.write_all(&record))
             .and_then(|()| stdin.write_all(bytes))
-            .map_err(io("handing the state to the child"))?;
+            .map_err(Error::io("handing the state to the child"))?;
         drop(stdin);
         stdout.ok_or_else(|| Error::Fork("no stdout pipe".into()))
     })();

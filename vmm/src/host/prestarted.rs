@@ -40,7 +40,6 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{recv, sendmsg, ControlMessage, MsgFlags};
 use serde::{Deserialize, Serialize};
 
-use super::fork::io;
 use super::options::ChildLauncher;
 use crate::error::{Error, Result};
 use crate::vm::Vm;
@@ -164,7 +163,8 @@ impl Prestarted {
         };
         let record = postcard::to_allocvec(&shape)
             .map_err(|e| Error::Fork(format!("encoding a shell's shape: {e}")))?;
-        let (mut ours, theirs) = UnixStream::pair().map_err(io("a waiting child's socket"))?;
+        let (mut ours, theirs) =
+            UnixStream::pair().map_err(Error::io("a waiting child's socket"))?;
         let mut cmd = launcher.prestarted_command(api_sock);
         cmd.stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
@@ -181,7 +181,7 @@ impl Prestarted {
         }
         let mut child = cmd
             .spawn()
-            .map_err(io("starting a waiting fork child process"))?;
+            .map_err(Error::io("starting a waiting fork child process"))?;
         let Some(stdout) = child.stdout.take() else {
             let _ = child.kill();
             let _ = child.wait();
@@ -189,7 +189,9 @@ impl Prestarted {
         };
         let p = Prestarted {
             child,
-            sock: ours.try_clone().map_err(io("a waiting child's socket"))?,
+            sock: ours
+                .try_clone()
+                .map_err(Error::io("a waiting child's socket"))?,
             stdout,
             ready: false,
         };
@@ -198,7 +200,7 @@ impl Prestarted {
             .and_then(|()| ours.write_all(&record))
         {
             p.end();
-            return Err(io("telling a waiting child its shell")(e));
+            return Err(Error::io("telling a waiting child its shell")(e));
         }
         Ok(p)
     }
@@ -238,7 +240,7 @@ impl Prestarted {
             .write_all(record)
             .and_then(|()| self.sock.write_all(handoff))
             .and_then(|()| self.sock.shutdown(std::net::Shutdown::Write))
-            .map_err(io("handing the state to a waiting child"))
+            .map_err(Error::io("handing the state to a waiting child"))
     }
 
     /// Whether it said its shell is built (looked at without waiting).
