@@ -64,6 +64,9 @@ timeout 120 "$CLADE" bench ping
 timeout 300 "$CLADE" bench snapshot -n 20
 timeout 300 "$CLADE" bench restore --backend uffd -n 100
 timeout 300 "$CLADE" bench fork -n 10
+# `clade fork -n 3` of a VM process: children started at the fork against children started
+# ahead with their shells built (`clade run --fork-spares 3`).
+timeout 300 "$CLADE" bench fork-processes -n 3 --rounds 20
 # The sandbox host as the e2b SDK sees it: clade serve over HTTP, create and wake of a
 # sandbox until its agent answers, with 1 and with 100 paused sandboxes on the host.
 timeout 300 "$CLADE" bench serve -n 30 --background 100
