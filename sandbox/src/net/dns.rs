@@ -462,6 +462,51 @@ mod tests {
         assert_eq!(learned.try_recv().unwrap(), vec![(addr, 30)]);
     }
 
+    /// What a guest sends and what an upstream answers are untrusted: mutated queries and
+    /// answers (bytes flipped, truncated, extended) never panic the verdict, the REFUSED
+    /// reply or the address extraction, and a REFUSED reply keeps the query's id.
+    #[test]
+    fn mutated_queries_and_answers_never_panic() {
+        let deny = EgressPolicy::from_e2b(false, &["allowed.test"], &[]).unwrap();
+        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let base = query(0x4242, "allowed.test");
+        let mut answer = Packet::parse(&base).unwrap().into_reply();
+        answer.answers.push(ResourceRecord::new(
+            Name::new_unchecked("allowed.test"),
+            CLASS::IN,
+            30,
+            RData::A(A { address: 1 }),
+        ));
+        let answer = answer.build_bytes_vec().unwrap();
+        for _ in 0..20_000 {
+            for seedling in [&base, &answer] {
+                let mut m = seedling.clone();
+                for _ in 0..(next() % 4 + 1) {
+                    match next() % 3 {
+                        0 if !m.is_empty() => {
+                            let i = (next() as usize) % m.len();
+                            m[i] = next() as u8;
+                        }
+                        1 => m.truncate((next() as usize) % (m.len() + 1)),
+                        _ => m.push(next() as u8),
+                    }
+                }
+                let _ = Relay::verdict(&deny, &m);
+                let _ = Relay::verdict(&EgressPolicy::allow_all(), &m);
+                if let Some(r) = refused(&m) {
+                    assert_eq!(r[..2], m[..2]);
+                }
+                let _ = a_records(&m);
+            }
+        }
+    }
+
     #[test]
     fn a_query_is_relayed_and_only_its_own_answer_comes_back() {
         // The "upstream": answers each query with its id, first a wrong one.
