@@ -45,6 +45,9 @@ use crate::error::{Error, Result};
 use crate::vm::Vm;
 use crate::vstate::shell::ShellSpec;
 
+/// After this many waiting processes ended by themselves, no more are started.
+const MAX_DEATHS: usize = 3;
+
 /// How long after a fork the waiting processes it used are replaced.
 pub const REFILL_AFTER: Duration = Duration::from_millis(250);
 
@@ -78,6 +81,8 @@ pub struct PrestartedChildren {
     idle: Vec<Prestarted>,
     /// When a fork last took one.
     last_taken: Option<Instant>,
+    /// Waiting processes that ended by themselves.
+    died: usize,
 }
 
 /// One waiting child process.
@@ -96,6 +101,7 @@ impl PrestartedChildren {
             want,
             idle: Vec::with_capacity(want),
             last_taken: None,
+            died: 0,
         }
     }
 
@@ -115,8 +121,18 @@ impl PrestartedChildren {
         if self.last_taken.is_some_and(|t| t.elapsed() < REFILL_AFTER) {
             return;
         }
+        let before = self.idle.len();
         self.idle
             .retain_mut(|p| matches!(p.child.try_wait(), Ok(None)));
+        self.died += before - self.idle.len();
+        if self.died >= MAX_DEATHS && self.want > 0 {
+            // Something ends them (see the VM process's log): not again and again.
+            tracing::warn!(
+                "{} waiting fork child processes ended by themselves: no more are started",
+                self.died
+            );
+            self.want = 0;
+        }
         if self.idle.len() >= self.want {
             return;
         }
