@@ -16,7 +16,7 @@ use vmm::api::{ApiClient, Request};
 
 use crate::error::{Context, Error, Result};
 use crate::guest::{ping_once, Guest, Machine, Scratch};
-use crate::stats::Samples;
+use crate::stats::{r1, Samples};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -230,7 +230,7 @@ impl ForkProcessesReport {
     /// One JSON object.
     pub fn to_json(&self) -> String {
         let run = |r: &ForkProcessesRun| {
-            let p = |s: &Samples, q| s.percentile(q).map(|v| (v * 10.0).round() / 10.0);
+            let p = |s: &Samples, q| s.percentile(q).map(r1);
             json!({
                 "fork_children_waiting": r.spares,
                 "forks": r.all.len(),

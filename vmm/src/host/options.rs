@@ -74,23 +74,22 @@ impl Default for SelfExec {
     }
 }
 
+impl SelfExec {
+    /// This executable with `args`, then `flag` and `path`.
+    fn with(&self, flag: &str, path: &Path) -> Command {
+        let mut cmd = Command::new("/proc/self/exe");
+        cmd.arg0(&self.arg0).args(&self.args).arg(flag).arg(path);
+        cmd
+    }
+}
+
 impl ChildLauncher for SelfExec {
     fn command(&self, api_sock: &Path) -> Command {
-        let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg0(&self.arg0)
-            .args(&self.args)
-            .arg("--api-sock")
-            .arg(api_sock);
-        cmd
+        self.with("--api-sock", api_sock)
     }
 
     /// `args`, then `--prestarted-for <parent's API socket>`.
     fn prestarted_command(&self, parent_api_sock: &Path) -> Command {
-        let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg0(&self.arg0)
-            .args(&self.args)
-            .arg("--prestarted-for")
-            .arg(parent_api_sock);
-        cmd
+        self.with("--prestarted-for", parent_api_sock)
     }
 }
