@@ -50,8 +50,12 @@ pub struct ServeRun {
     pub background: usize,
     /// create → ping answered.
     pub create: Samples,
+    /// create → HTTP answer (the part of `create` spent in the service).
+    pub create_http: Samples,
     /// connect of a paused sandbox → ping answered.
     pub wake: Samples,
+    /// connect → HTTP answer (the part of `wake` spent in the service).
+    pub wake_http: Samples,
 }
 
 /// The data-plane case (see the module documentation).
@@ -299,9 +303,11 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
             paused.push(id);
         }
         let mut create = Samples::new();
+        let mut create_http = Samples::new();
         for _ in 0..params.n {
             let t = Instant::now();
             let id = service.create()?;
+            create_http.push(t.elapsed());
             ping_once(&service.vsock(&id)).context("a new sandbox's agent")?;
             create.push(t.elapsed());
             service.kill(&id)?;
@@ -310,10 +316,12 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
         let id = service.create()?;
         ping_once(&service.vsock(&id)).context("the woken sandbox's agent")?;
         let mut wake = Samples::new();
+        let mut wake_http = Samples::new();
         for _ in 0..params.n {
             service.pause(&id)?;
             let t = Instant::now();
             service.connect(&id)?;
+            wake_http.push(t.elapsed());
             ping_once(&service.vsock(&id)).context("a woken sandbox's agent")?;
             wake.push(t.elapsed());
         }
@@ -321,7 +329,9 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
         runs.push(ServeRun {
             background,
             create,
+            create_http,
             wake,
+            wake_http,
         });
     }
     let dataplane = dataplane(&service, params.n.max(200))?;
@@ -369,6 +379,8 @@ impl ServeReport {
                 "create_p99_us": p(&r.create, 99.0),
                 "wake_p50_us": p(&r.wake, 50.0),
                 "wake_p99_us": p(&r.wake, 99.0),
+                "create_http_p50_us": p(&r.create_http, 50.0),
+                "wake_http_p50_us": p(&r.wake_http, 50.0),
             })
         };
         let mut top = self.runs.first().map(run).unwrap_or_else(|| json!({}));
@@ -395,13 +407,15 @@ impl std::fmt::Display for ServeReport {
             let p = |s: &Samples, q| s.percentile(q).unwrap_or(f64::NAN);
             writeln!(
                 f,
-                "  {:>4} paused sandboxes on the host: create p50 {:>8.1} us  p99 {:>8.1} us | wake p50 {:>8.1} us  p99 {:>8.1} us  (n={})",
+                "  {:>4} paused sandboxes on the host: create p50 {:>8.1} us  p99 {:>8.1} us | wake p50 {:>8.1} us  p99 {:>8.1} us  (n={}; HTTP answered p50: create {:.1} us, wake {:.1} us)",
                 r.background,
                 p(&r.create, 50.0),
                 p(&r.create, 99.0),
                 p(&r.wake, 50.0),
                 p(&r.wake, 99.0),
-                r.create.len()
+                r.create.len(),
+                p(&r.create_http, 50.0),
+                p(&r.wake_http, 50.0)
             )?;
         }
         let d = &self.dataplane;

@@ -218,6 +218,8 @@ pub struct PageServer {
     thread: Option<Receiver<Result<()>>>,
     /// Where to write the recorded working set (None: not recording).
     record_to: Option<PathBuf>,
+    /// The working set this run prefetched (loaded from its file), in its order.
+    loaded: Arc<Vec<u64>>,
     id: crate::SnapshotId,
     pages: u64,
 }
@@ -382,6 +384,7 @@ impl PageServer {
             .try_clone()
             .map_err(|e| Error::PageServer(format!("eventfd: {e}")))?;
 
+        let loaded = Arc::new(working_set.clone());
         let mut server = Server {
             uffd: uffd.clone(),
             chain,
@@ -439,6 +442,7 @@ impl PageServer {
             stop_evt,
             thread: Some(thread),
             record_to,
+            loaded,
             id,
             pages,
         })
@@ -460,6 +464,44 @@ impl PageServer {
         self.record_to.is_some()
     }
 
+    /// The pages this run's guest needed first: the working set it prefetched, or, when
+    /// recording, the fault order so far (first touches). A snapshot of this VM writes
+    /// them as its own working set (see `vmm`'s snapshot), so that waking a sandbox from
+    /// its pause snapshot prefetches what it needed last time instead of faulting page by
+    /// page while recording again. Image page indices of this server's image
+    /// ([`Self::page_count`] pages).
+    pub fn first_touches(&self) -> Vec<u64> {
+        if self.record_to.is_none() {
+            return self.loaded.as_ref().clone();
+        }
+        self.recorded_first_touches().unwrap_or_default()
+    }
+
+    /// The recorded fault order, each page once (a page discarded by the guest and
+    /// touched again faults twice: the first counts).
+    fn recorded_first_touches(&self) -> Result<Vec<u64>> {
+        let recorded = self
+            .shared
+            .recorded
+            .lock()
+            .map(|r| r.clone())
+            .map_err(|_| Error::PageServer("recorder lock poisoned".into()))?;
+        let mut seen = PageBitmap::new(self.pages);
+        let mut pages = Vec::with_capacity(recorded.len());
+        for p in recorded {
+            if p < self.pages && !seen.get(p) {
+                seen.set(p);
+                pages.push(p);
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Pages in the image this server serves.
+    pub fn page_count(&self) -> u64 {
+        self.pages
+    }
+
     /// Write the fault order recorded so far to the working-set file (e.g. when the
     /// sandbox has served its first request). Returns the number of pages written, or
     /// `None` when this run is not recording.
@@ -467,21 +509,7 @@ impl PageServer {
         let Some(path) = &self.record_to else {
             return Ok(None);
         };
-        let recorded = self
-            .shared
-            .recorded
-            .lock()
-            .map(|r| r.clone())
-            .map_err(|_| Error::PageServer("recorder lock poisoned".into()))?;
-        // A page discarded by the guest and touched again faults twice: keep the first.
-        let mut seen = PageBitmap::new(self.pages);
-        let mut pages = Vec::with_capacity(recorded.len());
-        for p in recorded {
-            if !seen.get(p) {
-                seen.set(p);
-                pages.push(p);
-            }
-        }
+        let pages = self.recorded_first_touches()?;
         let n = pages.len();
         WorkingSet {
             id: self.id,

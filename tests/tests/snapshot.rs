@@ -310,20 +310,25 @@ fn diff_snapshots_restore_on_top_of_their_base() {
     }
 }
 
-#[test]
-fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
-    let dirs = TmpDir::new("resumed-diff");
-    let base = dirs.0.join("base");
-    let diff = dirs.0.join("diff");
+/// Boots a guest that sums its memory three times (writing 2 MiB between the first two),
+/// takes a full snapshot into `base` after the first sum, and lets the guest finish: its
+/// three sums.
+fn full_snapshot_between_memsums(base: &Path) -> Vec<String> {
     let mut c = guest_config("memfill:1:32,memsum,loop:29,memfill:9:2,memsum,loop:30,memsum");
     c.mem_mib = 128;
     let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
     wait_for_output(&vm, "step memsum ok", 1);
-    vmm::snapshot(&mut vm, &base, SnapshotKind::Full).unwrap();
-    let out = finish(&mut vm, "original");
-    let sums = memsums(&out);
-    drop(vm);
+    vmm::snapshot(&mut vm, base, SnapshotKind::Full).unwrap();
+    memsums(&finish(&mut vm, "original"))
+}
+
+#[test]
+fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
+    let dirs = TmpDir::new("resumed-diff");
+    let base = dirs.0.join("base");
+    let diff = dirs.0.join("diff");
+    let sums = full_snapshot_between_memsums(&base);
     for backend in BACKENDS {
         let mut r = vmm::restore(&base, backend, options()).unwrap();
         wait_for_output(&r, "step memsum ok", 1);
@@ -336,6 +341,43 @@ fn a_resumed_vm_takes_diffs_on_top_of_the_snapshot_it_came_from() {
         let o = finish(&mut r2, &format!("{backend} diff of a resumed VM"));
         assert_eq!(memsums(&o), vec![sums[2].clone()], "{backend}: {o}");
     }
+}
+
+/// A snapshot of a VM whose memory is served on demand carries the pages that VM's guest
+/// needed first (recorded by a first restore, or prefetched by a later one): restoring the
+/// new snapshot prefetches them instead of recording from nothing. That is every wake of a
+/// paused sandbox (a restore of its newest pause snapshot).
+#[test]
+fn snapshots_of_a_vm_restored_on_demand_carry_its_working_set() {
+    let dirs = TmpDir::new("ws-carry");
+    let base = dirs.0.join("base");
+    let (d1, d2) = (dirs.0.join("d1"), dirs.0.join("d2"));
+    let sums = full_snapshot_between_memsums(&base);
+    let working_set = |vm: &Vm| {
+        let r = vm.restore_report().unwrap();
+        let ws = r.page_server.as_ref().unwrap().working_set_len;
+        (r.recording_working_set, ws)
+    };
+
+    // The first restore of the base records; its diff gets what it recorded so far.
+    let mut r1 = vmm::restore(&base, MemoryBackend::Uffd, options()).unwrap();
+    assert_eq!(working_set(&r1), (true, 0));
+    wait_for_output(&r1, "step memsum ok", 1);
+    vmm::snapshot(&mut r1, &d1, SnapshotKind::Diff).unwrap();
+    assert!(d1.join(vmm::WORKING_SET_FILE).is_file());
+    drop(r1);
+
+    // Restoring that diff prefetches it; its own diff carries the same pages on.
+    let mut r2 = vmm::restore(&d1, MemoryBackend::Uffd, options()).unwrap();
+    let (recording, carried) = working_set(&r2);
+    assert!(!recording && carried > 0, "{:?}", working_set(&r2));
+    vmm::snapshot(&mut r2, &d2, SnapshotKind::Diff).unwrap();
+    drop(r2);
+    let mut r3 = vmm::restore(&d2, MemoryBackend::Uffd, options()).unwrap();
+    assert_eq!(working_set(&r3), (false, carried));
+    // The pages are a hint only: the guest runs on exactly its memory.
+    let out = finish(&mut r3, "restore of a diff of a diff");
+    assert_eq!(memsums(&out), vec![sums[2].clone()], "{out}");
 }
 
 #[test]

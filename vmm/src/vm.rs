@@ -834,6 +834,13 @@ impl Vm {
         self.page_server.is_some()
     }
 
+    /// The pages the guest needed first in this run, if its memory is served on demand
+    /// (see `PageServer::first_touches`), with the page count of the image they index.
+    pub(crate) fn first_touches(&self) -> Option<(u64, Vec<u64>)> {
+        let ps = self.page_server.as_ref()?;
+        Some((ps.page_count(), ps.first_touches()))
+    }
+
     /// Stops the page server after installing every page it has not served yet, so the
     /// VM runs on plain memory (before a full snapshot reads all of it). If that fails,
     /// the pages not installed would read as zeros from now on: the VM is ended

@@ -397,6 +397,31 @@ fn build(a: BuildArgs) -> anyhow::Result<u8> {
     Ok(0)
 }
 
+/// How long the build VM's console must stay unchanged before its snapshot.
+const SETTLE_QUIET: Duration = Duration::from_millis(20);
+/// The longest wait for that.
+const SETTLE_MAX: Duration = Duration::from_secs(2);
+
+/// Waits until the build VM's console (`serial`, a file) has not grown for
+/// [`SETTLE_QUIET`], or [`SETTLE_MAX`] passed. A template is the machine every sandbox
+/// of it starts as: a snapshot taken while the guest was still writing to its console
+/// (the line a guest logs when the build's agent connection ends; each byte is an exit to
+/// the VMM) would make every sandbox finish that line first, ~5 ms of its vCPU on the
+/// path of its first request. A guest that never goes quiet is snapshotted anyway.
+fn settle(serial: &Path) {
+    let size = || std::fs::metadata(serial).map(|m| m.len()).unwrap_or(0);
+    let t = Instant::now();
+    let (mut last, mut since) = (size(), Instant::now());
+    while since.elapsed() < SETTLE_QUIET && t.elapsed() < SETTLE_MAX {
+        std::thread::sleep(Duration::from_millis(2));
+        let now = size();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    tracing::debug!(waited = ?t.elapsed(), quiet = since.elapsed() >= SETTLE_QUIET, "build VM settled");
+}
+
 fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Result<Template> {
     let api = dir.join("build.api");
     let vsock = dir.join("build.vsock");
@@ -538,6 +563,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
                 .context("sync")?;
         }
     }
+    settle(&serial);
     let snap = store.snapshot_dir(&a.name)?;
     let mut c = ApiClient::connect(&api)?;
     let r = c.call(&Request::Snapshot {

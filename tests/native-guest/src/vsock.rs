@@ -26,7 +26,8 @@
 use crate::agent::{self, Handled, Session};
 use crate::steps::Reason;
 use crate::virtio::{Dma, Ring, Transport, Virtqueue, F_VERSION_1, QSIZE};
-use crate::{apic, clock, interrupts};
+use crate::{apic, clock, interrupts, serial};
+use core::fmt::Write as _;
 use core::ptr::{addr_of_mut, copy_nonoverlapping, read_volatile};
 use core::sync::atomic::{AtomicU32, Ordering};
 
@@ -415,10 +416,6 @@ pub struct Report {
     /// Times the guest halted, and device interrupts taken.
     pub halts: u64,
     pub wakeups: u32,
-    /// Connections the last transport reset dropped, not yet reported on the console (it
-    /// is written once the guest has nothing else to do: each byte is an exit to the VMM,
-    /// and the connection request that usually follows a reset should not wait for it).
-    pub unreported_drop: Option<u32>,
 }
 
 /// The connection table, in .bss: 8 connections with their buffers are ~100 KiB, more
@@ -446,6 +443,9 @@ struct Driver {
     rx_done_len: usize,
     /// Rx buffers the device holds.
     rx_posted: usize,
+    /// The step's console lines, written while there is nothing else to do (see
+    /// [`serial::Deferred`]).
+    log: serial::Deferred,
 }
 
 type Res<T> = Result<T, &'static str>;
@@ -479,6 +479,7 @@ impl Driver {
             rx_done: [0; QSIZE],
             rx_done_len: 0,
             rx_posted: 0,
+            log: serial::Deferred::new(),
         };
         for i in 0..QSIZE as u16 {
             d.rxq.set_desc(i, rx_buf(i) as u64, RX_BUF as u32, true);
@@ -805,7 +806,11 @@ impl Driver {
                 report.accepted = report.accepted.saturating_sub(n);
                 // Every restore sends one: only worth a line when it dropped something.
                 if n > 0 {
-                    report.unreported_drop = Some(n);
+                    let _ = writeln!(
+                        self.log,
+                        "vsock: a transport reset dropped {} open connection(s)",
+                        n
+                    );
                 }
             }
         }
@@ -825,7 +830,8 @@ impl Driver {
             self.close_if_done(c, worked)?;
             if c.state == State::Closed {
                 report.conns += 1;
-                println!(
+                let _ = writeln!(
+                    self.log,
                     "vsock: host port {} done ({}): {} hello, {} pings, {} error replies",
                     c.peer_port, c.why_closed, c.hellos, c.pings, c.refused
                 );
@@ -862,8 +868,9 @@ impl Driver {
         while limits.conns.is_none_or(|n| report.conns < n) {
             if self.poll(conns, limits, report)? {
                 last_work = clock::rdtsc();
-            } else if let Some(n) = report.unreported_drop.take() {
-                println!("vsock: a transport reset dropped {} open connection(s)", n);
+            } else if self.log.write_one() {
+                // Console output only when there is nothing else to do; the poll window
+                // starts after it.
                 last_work = clock::rdtsc();
             } else if clock::rdtsc().wrapping_sub(last_work) >= window {
                 self.idle(report);
@@ -910,9 +917,7 @@ pub fn run(limits: Limits) -> Result<Report, Reason> {
     WAKEUPS.store(0, Ordering::Relaxed);
     // With a limit, every accepted connection has ended when this returns Ok.
     let served = d.serve(conns, &limits, &mut report);
-    if let Some(n) = report.unreported_drop.take() {
-        println!("vsock: a transport reset dropped {} open connection(s)", n);
-    }
+    d.log.flush();
     let device_broke = d.t.needs_reset();
     d.t.reset();
     apic::ioapic_mask(pin);

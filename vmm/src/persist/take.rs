@@ -23,10 +23,13 @@ use std::time::{Duration, Instant};
 
 use snapshot::memory_file::{self, GuestRegion, PendingMemoryFile, RegionData};
 use snapshot::state_file::{self, SnapshotMeta};
+use snapshot::working_set::WorkingSet;
 use snapshot::{SnapshotId, SnapshotKind};
 
 use super::staging::{crash_point, Staging};
-use super::{file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE};
+use super::{
+    file_err, io_err, StatePayload, MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE,
+};
 use crate::error::{Error, Result};
 use crate::saved::{Lineage, Steps};
 use crate::vm::{FreezePlan, Vm};
@@ -158,6 +161,7 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         state_file::write(&staging.path().join(STATE_FILE), &meta, &payload)
             .map_err(file_err(&dir))?;
         steps.done("write_state");
+        inherit_working_set(vm, staging.path(), id);
         crash_point("staged");
         staging.commit()?;
         steps.done("put_in_place");
@@ -193,6 +197,33 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         info.total_time
     );
     Ok(info)
+}
+
+/// Gives the snapshot `id` (staged in `dir`) of a VM whose memory is served on demand the
+/// pages that VM's guest needed first ([`Vm::first_touches`]: the working set its restore
+/// prefetched, or what it has touched so far while recording one), as the snapshot's own
+/// working set. Without it, the first restore of every new snapshot records from nothing,
+/// faulting page by page: that is every wake of a sandbox from its pause snapshot. The
+/// guest paused at the same kind of moment (between requests) needs the same pages to
+/// answer its next request. Optional: a working set that cannot be written is logged,
+/// and the snapshot's first restore records one as before.
+fn inherit_working_set(vm: &Vm, dir: &Path, id: SnapshotId) {
+    let Some((page_count, pages)) = vm.first_touches() else {
+        return;
+    };
+    if pages.is_empty() || page_count != vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64 {
+        return;
+    }
+    let n = pages.len();
+    let ws = WorkingSet {
+        id,
+        page_count,
+        pages,
+    };
+    match ws.save(&dir.join(WORKING_SET_FILE)) {
+        Ok(()) => tracing::debug!(pages = n, "working set carried over to the snapshot"),
+        Err(e) => tracing::warn!("carrying the working set over to the snapshot: {e}"),
+    }
 }
 
 /// The memory of a snapshot as [`capture`] leaves it.
