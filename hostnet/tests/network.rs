@@ -43,10 +43,17 @@ fn egress_policy_allows_denies_and_changes_live() {
         g,
         world: _world,
     } = f.two_servers_and_a_sandbox(PORT);
+    // UDP echoes in the world sandboxes' own namespaces, at their outer addresses (exposed
+    // ports forward TCP only): the policy applies to every protocol alike.
+    let _udp = [
+        Echo::start_udp(&f.world.netns_path(0), a),
+        Echo::start_udp(&f.world.netns_path(1), b),
+    ];
 
     // Allow all (the default): both servers.
     assert!(reaches(Some(&g), a), "allow-all: A");
     assert!(reaches(Some(&g), b), "allow-all: B");
+    assert!(reaches_udp(&g, a) && reaches_udp(&g, b), "allow-all: UDP");
     let mut open = connect_from(&g, a);
     assert!(echoes(&mut open));
 
@@ -54,6 +61,7 @@ fn egress_policy_allows_denies_and_changes_live() {
     sb.set_policy(&EgressPolicy::deny_all()).unwrap();
     assert!(!reaches(Some(&g), a), "deny-all: A");
     assert!(!reaches(Some(&g), b), "deny-all: B");
+    assert!(!reaches_udp(&g, a) && !reaches_udp(&g, b), "deny-all: UDP");
     assert!(!echoes(&mut open), "deny-all: an established connection");
     drop(open);
 
@@ -63,6 +71,7 @@ fn egress_policy_allows_denies_and_changes_live() {
     sb.set_policy(&p).unwrap();
     assert!(reaches(Some(&g), a), "allow-list: A");
     assert!(!reaches(Some(&g), b), "allow-list: B");
+    assert!(reaches_udp(&g, a) && !reaches_udp(&g, b), "allow-list: UDP");
     let p = EgressPolicy {
         default: PolicyDefault::Deny,
         allow: vec![format!("{}/32", b.ip()).parse().unwrap()],
@@ -78,6 +87,7 @@ fn egress_policy_allows_denies_and_changes_live() {
     sb.set_policy(&p).unwrap();
     assert!(reaches(Some(&g), a), "deny-list: A");
     assert!(!reaches(Some(&g), b), "deny-list: B");
+    assert!(reaches_udp(&g, a) && !reaches_udp(&g, b), "deny-list: UDP");
 
     // Back to allow all, on the live sandbox.
     sb.set_policy(&EgressPolicy::allow_all()).unwrap();

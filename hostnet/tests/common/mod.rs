@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -193,6 +193,32 @@ impl Echo {
     }
 }
 
+impl Echo {
+    /// Echoes UDP datagrams on `addr`, bound inside `netns`.
+    pub fn start_udp(netns: &Path, addr: SocketAddrV4) -> Echo {
+        let udp = in_netns(netns, move || UdpSocket::bind(addr))
+            .unwrap()
+            .unwrap();
+        udp.set_read_timeout(Some(Duration::from_millis(20)))
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut d = [0u8; 64];
+            while !s.load(Ordering::Relaxed) {
+                if let Ok((n, from)) = udp.recv_from(&mut d) {
+                    let _ = udp.send_to(&d[..n], from);
+                }
+            }
+        });
+        Echo {
+            addr: SocketAddr::V4(addr),
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
 impl Drop for Echo {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -220,6 +246,22 @@ pub fn reaches(netns: Option<&Path>, dst: SocketAddrV4) -> bool {
         Some(ns) => in_netns(ns, go).unwrap(),
         None => go(),
     }
+}
+
+/// One UDP round trip (a datagram out, the same one back) from inside `netns` to `dst`:
+/// true if it made it (a few tries, as UDP is).
+pub fn reaches_udp(netns: &Path, dst: SocketAddrV4) -> bool {
+    in_netns(netns, move || -> bool {
+        let s = UdpSocket::bind(sa(Ipv4Addr::UNSPECIFIED, 0)).unwrap();
+        s.set_read_timeout(Some(CONNECT / 4)).unwrap();
+        let mut b = [0u8; 8];
+        (0..4).any(|_| {
+            s.send_to(b"udp-echo", dst).is_ok()
+                && matches!(s.recv_from(&mut b), Ok((8, from)) if from == SocketAddr::V4(dst))
+                && &b == b"udp-echo"
+        })
+    })
+    .unwrap()
 }
 
 /// A connection opened from inside `netns` (for checks on established connections).
