@@ -24,6 +24,7 @@ use hostnet::{EgressPolicy, HostNet, NetRange, Options, SandboxNet};
 use crate::error::{Error, Result};
 
 pub mod dns;
+pub mod own;
 
 /// A network as this service keeps it: the namespace and rules, and the DNS forwarder on
 /// its gateway (stopped first when it goes).

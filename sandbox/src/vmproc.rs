@@ -269,6 +269,28 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
     cmdline.split(|b| *b == 0).any(|arg| arg == want)
 }
 
+/// Makes the process `cmd` starts end (SIGKILL) when this one does, however it ends:
+/// for processes that must not outlive their owner (a standby nobody can hand out, a VM
+/// whose network its owner holds). A start after this process ended fails instead.
+pub fn end_with_this_process(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec and only makes
+    // async-signal-safe calls (prctl, getppid), allocating nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Its owner ended before the signal was set: nobody would send it.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("its owner has ended"));
+            }
+            Ok(())
+        })
+    };
+}
+
 /// What a sandbox's VM process logs (a `CLADE_LOG` filter) when the service has none.
 pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 

@@ -6,6 +6,7 @@ mod disk;
 mod exec;
 mod fork;
 mod jail;
+mod ownnet;
 mod run;
 mod serve;
 mod snapshot;

@@ -9,6 +9,7 @@ use vmm::host::{own, stop_on_signals, OwnerEnd, OwnerOptions};
 use vmm::{BlockConfig, NetConfig, SerialOutput, Vm, VmConfig, VsockConfig};
 
 use super::jail::JailArgs;
+use super::ownnet::{parse_net_arg, run_with_own_network, NetArg, OwnNetArgs};
 use super::MachineArgs;
 
 #[derive(Debug, Args)]
@@ -45,8 +46,14 @@ pub struct RunArgs {
     /// the guest's address (default 06:00:ac:10:00:02); `,netns=PATH` (with tap=NAME) opens
     /// the TAP inside that network namespace (e.g. /run/netns/NAME: a sandbox's own, as
     /// `clade serve` makes them), while the VMM itself stays in its own.
-    #[arg(long, value_name = "tap=NAME[,netns=PATH]|fd=N[,mac=MAC]", value_parser = parse_net)]
-    net: Option<NetConfig>,
+    /// `auto`: a network of its own (a namespace with NAT to the host's network, the TAP
+    /// inside it, DNS on its gateway; the guest's addresses on the kernel command line as
+    /// `clade.net=` and `clade.dns=`, which clade-agent applies), removed when the VM ends.
+    #[arg(long, value_name = "auto|tap=NAME[,netns=PATH]|fd=N[,mac=MAC]",
+          value_parser = |s: &str| parse_net_arg(s, parse_net))]
+    net: Option<NetArg<NetConfig>>,
+    #[command(flatten)]
+    own_net: OwnNetArgs,
     /// Serve the VM's control API on this Unix socket (status, pause, unpause, shutdown,
     /// snapshot, fork; see `clade snapshot`, `clade fork`).
     #[arg(long, value_name = "PATH")]
@@ -72,6 +79,11 @@ pub struct RunArgs {
 }
 
 pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
+    if matches!(args.net, Some(NetArg::Auto)) {
+        let cmdline = format!("{} {}", args.cmdline, sandbox::net::guest_cmdline());
+        return run_with_own_network(&args.own_net, args.jail.jailed(), Some(cmdline));
+    }
+    let net = args.net.take().and_then(NetArg::given);
     args.jail.absolute(
         [&mut args.kernel]
             .into_iter()
@@ -84,7 +96,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     )?;
     args.jail
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
-    check_jailed_net(args.jail.jailed(), args.net.as_ref())?;
+    check_jailed_net(args.jail.jailed(), net.as_ref())?;
     let jailed = args.jail.enter(&args.machine.kvm_device, |p| {
         p.read(&args.kernel)?;
         if let Some(initrd) = &args.initrd {
@@ -132,7 +144,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
             read_only: false,
             serial: None,
         }),
-        net: args.net,
+        net,
     };
     let options = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
     // The API socket first: a socket in use fails before a VM exists.

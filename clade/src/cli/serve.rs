@@ -438,43 +438,24 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         )
         .with_context(|| format!("overlay on {}", base.display()))?;
     }
-    // The build VM's own network: the highest free index of the service's range (a running
-    // service takes the lowest), removed when the build ends.
+    // The build VM's own network (in the service's range, from the top; the service takes
+    // the lowest), removed when the build ends. Setup commands resolve names through the
+    // host's resolver, as sandboxes do.
     let net = if a.net {
         let range = a.range.range()?;
-        hostnet::HostNet::init(&range).context("host network set-up")?;
-        let mut i = range.capacity();
-        loop {
-            i = i
-                .checked_sub(1)
-                .context("no free network index in --net-range for the build VM")?;
-            match hostnet::SandboxNet::create(&range, i) {
-                Ok(n) => break Some(n),
-                Err(hostnet::Error::Exists(_)) => continue,
-                Err(e) => return Err(e).context("the build VM's network"),
-            }
-        }
+        Some(
+            sandbox::net::own::OwnNetwork::create(
+                &range,
+                Path::new(sandbox::net::own::OWN_NET_LOCK_DIR),
+            )
+            .context("the build VM's network")?,
+        )
     } else {
         None
     };
     let cmdline = match &net {
         Some(_) => format!("{} {}", a.cmdline, sandbox::net::guest_cmdline()),
         None => a.cmdline.clone(),
-    };
-    // Setup commands resolve names through the host's resolver, as sandboxes do.
-    let _dns = match (
-        &net,
-        sandbox::net::dns::upstream_from(
-            &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
-        ),
-    ) {
-        (Some(n), Some(up)) => Some(sandbox::net::dns::Forwarder::start(
-            n.netns_path(),
-            std::net::SocketAddr::new(hostnet::GUEST_GATEWAY.into(), 53),
-            up,
-            &hostnet::EgressPolicy::allow_all(),
-        )?),
-        _ => None,
     };
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let mut cmd = Command::new(exe);
@@ -507,11 +488,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         cmd.arg("--test-device");
     }
     if let Some(n) = &net {
-        cmd.arg("--net").arg(format!(
-            "tap={},netns={}",
-            n.tap_name(),
-            n.netns_path().display()
-        ));
+        cmd.arg("--net").arg(n.vmm_spec());
     }
     let log = std::fs::File::create(dir.join("build.log"))?;
     let mut vm = BuildVm(

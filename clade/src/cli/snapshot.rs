@@ -9,6 +9,7 @@ use vmm::host::StandbyEnd;
 use vmm::{MemoryBackend, NetConfig, ShellSpec};
 
 use super::jail::JailArgs;
+use super::ownnet::{parse_net_arg, run_with_own_network, NetArg, OwnNetArgs};
 use super::run::{check_jailed_net, own_vm, owner_options, parse_net};
 
 /// `--net` checked when parsed, kept as written: the restore request carries it as text.
@@ -121,9 +122,13 @@ pub struct RestoreArgs {
     #[arg(long, value_name = "PATH")]
     disk_overlay: Option<PathBuf>,
     /// A snapshot with a network device: the restored VM's TAP, as for `clade run --net`
-    /// (`tap=NAME` or `fd=N`; a `mac=` must be the saved guest's).
-    #[arg(long, value_name = "tap=NAME[,netns=PATH]|fd=N[,mac=MAC]", value_parser = parse_net_spec)]
-    net: Option<String>,
+    /// (`auto`, `tap=NAME` or `fd=N`; a `mac=` must be the saved guest's). `auto`: a new
+    /// network of its own with the same inner addresses, so the guest needs no change.
+    #[arg(long, value_name = "auto|tap=NAME[,netns=PATH]|fd=N[,mac=MAC]",
+          value_parser = |s: &str| parse_net_arg(s, parse_net_spec))]
+    net: Option<NetArg<String>>,
+    #[command(flatten)]
+    own_net: OwnNetArgs,
     #[command(flatten)]
     jail: JailArgs,
 }
@@ -144,12 +149,16 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     let Some(dir) = args.dir.clone() else {
         bail!("give the snapshot directory (or --standby)");
     };
+    if matches!(args.net, Some(NetArg::Auto)) {
+        return run_with_own_network(&args.own_net, args.jail.jailed(), None);
+    }
+    let net_spec = args.net.take().and_then(NetArg::given);
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {
         bail!("--agent-sync-timeout must be a positive number of seconds");
     }
     args.jail
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
-    let net = args.net.as_deref().map(NetConfig::parse).transpose()?;
+    let net = net_spec.as_deref().map(NetConfig::parse).transpose()?;
     check_jailed_net(args.jail.jailed(), net.as_ref())?;
     let jailed = args.jail.enter(&args.kvm_device, |p| {
         // The snapshot is read and checked here, before the jail, to know what it needs.
@@ -202,7 +211,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         agent_sync: !args.no_agent_sync,
         agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
         working_set: !args.no_working_set,
-        net: args.net,
+        net: net_spec,
     };
     let vm = vmm::host::restore_request(&request, &args.kvm_device, &mut None, None)?;
     own_vm(vm, api, &owner)

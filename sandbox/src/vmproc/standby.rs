@@ -360,21 +360,7 @@ fn start_standby(clade: &Path, cfg: &StandbyConfig, shape: Shape) -> Result<Stan
         // Its own process group, as every VM process: a Ctrl-C meant for the service is
         // not its business (the parent-death signal is).
         .process_group(0);
-    let parent = std::process::id();
-    // SAFETY: the closure runs in the child between fork and exec and only makes
-    // async-signal-safe calls (prctl, getppid), allocating nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The service ended before the signal was set: nobody would send it.
-            if libc::getppid() as u32 != parent {
-                return Err(std::io::Error::other("the service has ended"));
-            }
-            Ok(())
-        })
-    };
+    super::end_with_this_process(&mut cmd);
     let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
     let t = Instant::now();
     loop {
