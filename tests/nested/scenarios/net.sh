@@ -17,6 +17,10 @@
 #   restore   snapshot, SIGKILL, restore onto a new TAP of the same name: the guest's
 #             network works again without any change inside it (download again)
 #   stop      power off: the TAP is gone with the VM process
+#   own       `clade run --net auto`: the VM's own network (namespace, NAT, DNS on its
+#             gateway) made by clade, the guest's address given on its command line; the
+#             guest downloads the file from a server in a "world" namespace of this
+#             scenario's own through the NAT; power off: the namespace is gone
 
 CLADE=/bin/clade
 BASE=${DISK_BASE:-/dev/vda}
@@ -143,4 +147,41 @@ done
 [ -e /sys/class/net/$TAP ] && fail "$TAP outlived the VM"
 kill "$HTTPD" 2>/dev/null
 pass stop "powered off; $TAP gone"
+
+# own: a network of the VM's own. The "world" is a namespace with a veth to this machine
+# (10.98.0.1 here, 10.98.0.2 there): sandboxes' NAT reaches it, nothing reaches further.
+IP=/usr/sbin/ip # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
+mkdir -p /run/netns # the initramfs has no /run
+$IP netns add networld || fail "own: world namespace"
+$IP link add nwv0 type veth peer name nwv1 netns networld || fail "own: world veth"
+$IP addr add 10.98.0.1/24 dev nwv0 && $IP link set nwv0 up || fail "own: world veth here"
+$IP -n networld addr add 10.98.0.2/24 dev nwv1 && $IP -n networld link set nwv1 up &&
+    $IP -n networld link set lo up && $IP -n networld route add default via 10.98.0.1 ||
+    fail "own: world addresses"
+$IP netns exec networld httpd -f -p 8000 -h "$D/www" &
+HTTPD=$!
+$CLADE disk create --parent "$BASE" "$D/vm3.cdsk" >/dev/null || fail "own: overlay"
+rm -f "$D/vm.sock" "$D/vm.api"
+$CLADE run --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem 256 --vcpus 1 \
+    --vsock "$D/vm.sock" --api-sock "$D/vm.api" --disk "$D/vm3.cdsk" --net auto \
+    --serial-file "$D/vm3.serial" --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
+    2>"$D/vm3.log" &
+VM=$!
+$CLADE ping --wait 180 "$D/vm.sock" >/dev/null || fail "own: agent did not answer"
+grep -q "CLADE-AGENT-NET eth0 172.16.0.2/30" "$D/vm3.serial" || fail "own: no CLADE-AGENT-NET line"
+ns=$(ls /run/netns | grep '^cladevm-') || fail "own: no namespace cladevm-*"
+got=$(gx python3 -c "import hashlib, urllib.request; print(hashlib.sha256(urllib.request.urlopen('http://10.98.0.2:8000/blob', timeout=60).read()).hexdigest())") ||
+    fail "own: download through the NAT: $got"
+[ "$got" = "$want" ] || fail "own: sha256 $got, want $want"
+$CLADE poweroff "$D/vm.sock" >/dev/null 2>&1
+i=0
+while kill -0 "$VM" 2>/dev/null; do
+    i=$((i + 1))
+    [ "$i" -gt 200 ] && fail "own: did not power off"
+    sleep 0.1
+done
+[ -e "/run/netns/$ns" ] && fail "own: $ns outlived the VM"
+kill "$HTTPD" 2>/dev/null
+$IP netns del networld
+pass own "$ns: 4 MiB from the world through its NAT, same sha256; removed at power off"
 echo "NET-SCENARIO-PASS"
