@@ -1,8 +1,8 @@
 //! `clade run|restore --net auto` on the native test guest (root only): each VM gets a
 //! network namespace of its own with its TAP attached, two at once get two, a third finds
 //! none free in a two-network range, a network a SIGKILLed owner left behind is removed
-//! by the next taker, a restore gets a new one and its guest answers, and every network
-//! is gone once its VM ended.
+//! by the next taker, a restore gets a new one and its guest answers, a jailed VM takes
+//! its TAP as a descriptor, and every network is gone once its VM ended.
 
 #[path = "../../tests/src/native_guest.rs"]
 mod native_guest;
@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use common::{Dir, Proc};
 use native_guest::native_guest;
+
+const NOBODY: u32 = 65534;
 
 /// Two /30 blocks: networks 0 and 1.
 const RANGE: &str = "10.231.0.0/29";
@@ -52,8 +54,9 @@ fn tap_attached(i: u32) -> bool {
     String::from_utf8_lossy(&o.stdout).contains("LOWER_UP")
 }
 
-/// `clade run --net auto` of the native guest serving the agent, its files named `name`.
-fn run_vm(d: &Dir, name: &str) -> Command {
+/// `clade run --net auto` of the native guest serving the agent, its files `dir/name.*`.
+fn run_vm(dir: &Path, name: &str) -> Command {
+    let f = |ext: &str| dir.join(format!("{name}.{ext}"));
     let mut c = clade();
     c.args([
         "run",
@@ -67,13 +70,29 @@ fn run_vm(d: &Dir, name: &str) -> Command {
     .arg(native_guest())
     .args(["--cmdline", "steps=vsock"])
     .arg("--api-sock")
-    .arg(d.p(&format!("{name}.api")))
+    .arg(f("api"))
     .arg("--vsock")
-    .arg(d.p(&format!("{name}.vsock")))
+    .arg(f("vsock"))
     .arg("--serial-file")
-    .arg(d.p(&format!("{name}.serial")))
-    .stderr(std::fs::File::create(d.p(&format!("{name}.log"))).unwrap());
+    .arg(f("serial"))
+    .stderr(std::fs::File::create(f("log")).unwrap());
     c
+}
+
+/// The jail's VM process: the one running as nobody whose command line names `dir`.
+fn jailed_vm_pid(dir: &Path) -> i32 {
+    let needle = dir.to_string_lossy().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains(&needle)
+                && status.contains(&format!("Uid:\t{NOBODY}"))
+        })
+        .expect("a VM process running as nobody")
 }
 
 fn ping(sock: &Path) -> Output {
@@ -88,7 +107,7 @@ fn vm_cmdline(api: &Path) -> String {
         .flatten()
         .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
         .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-        .find(|c| c.contains(&needle) && c.contains("tap="))
+        .find(|c| c.contains(&needle) && c.contains("--net fd="))
         .unwrap_or_default()
 }
 
@@ -104,20 +123,21 @@ fn vms_get_networks_of_their_own_that_end_with_them() {
 
     // The first takes the range's top network, with its TAP attached and the guest's
     // addresses on its command line; the second the next one down.
-    let mut a = Proc(run_vm(&d, "a").spawn().unwrap());
+    let mut a = Proc(run_vm(&d.0, "a").spawn().unwrap());
     wait_until("a's network", || tap_attached(1));
     assert_eq!(holder(1), a.0.id().to_string());
+    // The VMM took its TAP as an inherited descriptor.
     let cmdline = vm_cmdline(&d.p("a.api"));
     assert!(
-        cmdline.contains("tap=tap0,netns=/run/netns/cladevm-1") && cmdline.contains("clade.net="),
+        cmdline.contains("--net fd=") && cmdline.contains("clade.net="),
         "{cmdline}"
     );
-    let mut b = Proc(run_vm(&d, "b").spawn().unwrap());
+    let mut b = Proc(run_vm(&d.0, "b").spawn().unwrap());
     wait_until("b's network", || tap_attached(0));
     wait_until("b's agent", || ping(&d.p("b.vsock")).status.success());
 
     // None left: a clear refusal, nothing made.
-    let o = run_vm(&d, "x").stderr(Stdio::piped()).output().unwrap();
+    let o = run_vm(&d.0, "x").stderr(Stdio::piped()).output().unwrap();
     assert!(!o.status.success());
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("no free index"),
@@ -132,7 +152,7 @@ fn vms_get_networks_of_their_own_that_end_with_them() {
     assert!(netns(1).exists());
     assert!(!holder(1).is_empty());
     // The next one removes it and makes its own there.
-    let mut c = Proc(run_vm(&d, "c").spawn().unwrap());
+    let mut c = Proc(run_vm(&d.0, "c").spawn().unwrap());
     wait_until("c's network", || {
         tap_attached(1) && holder(1) == c.0.id().to_string()
     });
@@ -174,7 +194,32 @@ fn vms_get_networks_of_their_own_that_end_with_them() {
         ping(&d.p("r.vsock")).status.success()
     });
 
-    for p in [&mut c, &mut r] {
+    // Jailed (as nobody, its own root): the same, the TAP handed in as a descriptor.
+    // SAFETY: kill(2) of a process this test started.
+    unsafe { libc::kill(r.0.id() as i32, libc::SIGTERM) };
+    r.0.wait().unwrap();
+    assert!(!netns(0).exists());
+    let jd = d.p("j");
+    std::fs::create_dir_all(&jd).unwrap();
+    std::os::unix::fs::chown(&jd, Some(NOBODY), Some(NOBODY)).unwrap();
+    let mut j = Proc(
+        run_vm(&jd, "j")
+            .arg("--files-root")
+            .arg(&jd)
+            .arg("--jail")
+            .arg(d.p("root"))
+            .args(["--uid", "65534", "--gid", "65534"])
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the jailed VM's network", || tap_attached(0));
+    wait_until("the jailed agent", || {
+        ping(&jd.join("j.vsock")).status.success()
+    });
+    let status = std::fs::read_to_string(format!("/proc/{}/status", jailed_vm_pid(&jd))).unwrap();
+    assert!(status.contains(&format!("Uid:\t{NOBODY}")), "{status}");
+
+    for p in [&mut c, &mut j] {
         // SAFETY: kill(2) of a process this test started.
         unsafe { libc::kill(p.0.id() as i32, libc::SIGTERM) };
         p.0.wait().unwrap();

@@ -3,14 +3,16 @@
 //! `sandbox::net::own`), made before the VM starts and removed when it ends.
 //!
 //! The network is made and owned by this process, which then runs the VM as a child
-//! `clade` with the same arguments but `--net` naming the TAP in the new namespace (and,
-//! for `run`, the guest's addresses on the kernel command line). The VMM process stays
+//! `clade` with the same arguments but `--net fd=N`, the TAP in the new namespace opened
+//! here and inherited (and, for `run`, the guest's addresses on the kernel command line);
+//! with `--jail`, the jailed VMM takes it as it must, by descriptor. The VMM process stays
 //! what it always is (its system-call filter has no room for netlink, `nft` or a DNS
 //! forwarder), and the network outlives any way the VMM ends. The child is killed if
 //! this process dies; a network left behind then (SIGKILL) is removed by the next
 //! `--net auto` that takes its index.
 
 use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::Command;
@@ -18,6 +20,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use devices::virtio::net::tap::Tap;
+use nix::fcntl::{fcntl, FcntlArg, FdFlag};
 use sandbox::net::own::{OwnNetwork, OWN_NET_LOCK_DIR};
 
 /// The own networks' range: its namespace names (`/run/netns/cladevm-<i>`) and host veth
@@ -69,23 +73,24 @@ impl<T> NetArg<T> {
 /// guest's addresses); returns the child's exit status once the network is removed.
 pub fn run_with_own_network(
     args: &OwnNetArgs,
-    jailed: bool,
     guest_cmdline: Option<String>,
 ) -> anyhow::Result<u8> {
-    if jailed {
-        anyhow::bail!(
-            "--net auto with --jail is not supported: a jailed VMM takes its TAP as a \
-             descriptor (--net fd=N)"
-        );
-    }
     let cidr = hostnet::parse_cidr(&args.own_net_range)?;
     let range = hostnet::NetRange::new(cidr, OWN_NET_NAME, OWN_NET_LINK)?;
     let stop = vmm::host::stop_on_signals()?;
     let net = OwnNetwork::create(&range, Path::new(OWN_NET_LOCK_DIR))
         .context("making the VM's own network (--net auto)")?;
+    // The TAP opened here and inherited as a descriptor: the VMM needs no way into the
+    // namespace, and a jailed one (which cannot open a TAP by name) takes it the same way.
+    let tap_name = net.tap_name();
+    let tap = hostnet::in_netns(net.netns_path(), move || Tap::open(tap_name))?
+        .context("opening the network's TAP")?;
+    let fd = tap.as_fd().try_clone_to_owned()?;
+    fcntl(fd.as_raw_fd(), FcntlArg::F_SETFD(FdFlag::empty()))
+        .context("handing the TAP to the VM process")?;
     let mut argv = without_options(std::env::args_os().skip(1), &["--net", "--cmdline"]);
     argv.push("--net".into());
-    argv.push(net.vmm_spec().into());
+    argv.push(format!("fd={}", fd.as_raw_fd()).into());
     if let Some(c) = guest_cmdline {
         argv.push("--cmdline".into());
         argv.push(c.into());
@@ -108,7 +113,7 @@ pub fn run_with_own_network(
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    drop(net);
+    drop((fd, tap, net));
     Ok(match (status.code(), status.signal()) {
         (Some(code), _) => code as u8,
         (None, Some(sig)) => 128u8.saturating_add(sig as u8),

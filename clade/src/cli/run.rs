@@ -81,7 +81,7 @@ pub struct RunArgs {
 pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     if matches!(args.net, Some(NetArg::Auto)) {
         let cmdline = format!("{} {}", args.cmdline, sandbox::net::guest_cmdline());
-        return run_with_own_network(&args.own_net, args.jail.jailed(), Some(cmdline));
+        return run_with_own_network(&args.own_net, Some(cmdline));
     }
     let net = args.net.take().and_then(NetArg::given);
     args.jail.absolute(

@@ -150,7 +150,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         bail!("give the snapshot directory (or --standby)");
     };
     if matches!(args.net, Some(NetArg::Auto)) {
-        return run_with_own_network(&args.own_net, args.jail.jailed(), None);
+        return run_with_own_network(&args.own_net, None);
     }
     let net_spec = args.net.take().and_then(NetArg::given);
     if !(args.agent_sync_timeout.is_finite() && args.agent_sync_timeout > 0.0) {

@@ -116,6 +116,11 @@ impl OwnNetwork {
         )
     }
 
+    /// The TAP's name inside the namespace.
+    pub fn tap_name(&self) -> &'static str {
+        self.net().tap_name()
+    }
+
     /// The network's namespace.
     pub fn netns_path(&self) -> &Path {
         self.net().netns_path()

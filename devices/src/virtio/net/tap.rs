@@ -12,7 +12,7 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
 use super::{offload, NetBackend, VNET_HDR_LEN};
@@ -176,6 +176,13 @@ impl Tap {
     /// The interface's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+}
+
+/// The TAP's descriptor (to hand it to another process, e.g. a jailed VMM).
+impl AsFd for Tap {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
     }
 }
 
