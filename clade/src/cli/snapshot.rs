@@ -72,7 +72,7 @@ pub struct RestoreArgs {
     /// Start as a standby process: confine the process, build a VM shell of --vcpus and
     /// --mem, serve --api-sock and wait for one `restore` request (the options below, as
     /// JSON: vmm::api::RestoreRequest), then run that VM as `clade restore DIR` would.
-    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "jail", "vsock", "serial_file", "disk_overlay", "no_agent_sync"])]
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "jail", "vsock", "serial_file", "disk_overlay", "no_agent_sync", "net"])]
     standby: bool,
     /// Standby: the vCPUs of the VM shell (the snapshots it will take).
     #[arg(long, requires = "standby", default_value_t = 1)]
