@@ -28,7 +28,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -196,6 +196,11 @@ const RUN: u8 = 0;
 const STOP: u8 = 1;
 const FILL: u8 = 2;
 
+/// The most pages [`PageServer::first_touches`] gives from a recording run that has not
+/// saved its working set yet (a guest whose agent is never synced records all its life):
+/// its first 16 MiB of touches, not everything it touched since.
+pub const CARRIED_MAX: usize = 4096;
+
 /// Pages per prefetch/fill batch (one read and one `UFFDIO_COPY` per contiguous run).
 const BATCH_PAGES: u64 = 64;
 
@@ -220,6 +225,8 @@ pub struct PageServer {
     record_to: Option<PathBuf>,
     /// The working set this run prefetched (loaded from its file), in its order.
     loaded: Arc<Vec<u64>>,
+    /// Pages written by [`Self::save_working_set`] (`usize::MAX`: not saved yet).
+    saved_len: AtomicUsize,
     id: crate::SnapshotId,
     pages: u64,
 }
@@ -443,6 +450,7 @@ impl PageServer {
             thread: Some(thread),
             record_to,
             loaded,
+            saved_len: AtomicUsize::new(usize::MAX),
             id,
             pages,
         })
@@ -470,11 +478,22 @@ impl PageServer {
     /// its pause snapshot prefetches what it needed last time instead of faulting page by
     /// page while recording again. Image page indices of this server's image
     /// ([`Self::page_count`] pages).
+    ///
+    /// A recording run keeps recording after it saved its working set: what it touched
+    /// later is not what a restore needs first, so only the saved part counts, or, before
+    /// it saved one, the first [`CARRIED_MAX`] pages.
     pub fn first_touches(&self) -> Vec<u64> {
         if self.record_to.is_none() {
             return self.loaded.as_ref().clone();
         }
-        self.recorded_first_touches().unwrap_or_default()
+        let mut pages = self.recorded_first_touches().unwrap_or_default();
+        let saved = self.saved_len.load(Ordering::Relaxed);
+        pages.truncate(if saved == usize::MAX {
+            CARRIED_MAX
+        } else {
+            saved
+        });
+        pages
     }
 
     /// The recorded fault order, each page once (a page discarded by the guest and
@@ -517,6 +536,7 @@ impl PageServer {
             pages,
         }
         .save(path)?;
+        self.saved_len.store(n, Ordering::Relaxed);
         tracing::debug!(path = %path.display(), pages = n, "saved working set");
         Ok(Some(n))
     }

@@ -132,6 +132,11 @@ fn cold_run_records_and_warm_run_prefetches() {
     )
     .unwrap();
     assert!(!server.is_recording());
+    assert_eq!(
+        server.first_touches(),
+        ws.pages,
+        "a prefetching run carries what it loaded"
+    );
     let after_prefetch = server.stats();
     assert_eq!(after_prefetch.pages_prefetched, n as u64);
     assert_eq!(after_prefetch.working_set_len, n as u64);
@@ -322,11 +327,17 @@ fn unusable_working_set_is_replaced_by_a_new_recording() {
     for p in [10, 5, 700] {
         m.read_page(p);
     }
+    // What a snapshot of this run would carry: the touches so far, in order...
+    assert_eq!(server.first_touches(), vec![10, 5, 700]);
     assert_eq!(server.save_working_set().unwrap(), Some(3));
+    // ...and once saved, the saved part only (later touches are not the first ones).
+    m.read_page(42);
+    assert_eq!(server.first_touches(), vec![10, 5, 700]);
+    // Stopping writes the file again, with everything recorded.
     let r = server.stop(StopMode::Detach).unwrap();
-    assert_eq!(r.working_set_saved, Some(3));
+    assert_eq!(r.working_set_saved, Some(4));
     let ws = WorkingSet::load(&f.ws_path, f.chain.top().header().id, PAGES as u64).unwrap();
-    assert_eq!(ws.pages, vec![10, 5, 700]);
+    assert_eq!(ws.pages, vec![10, 5, 700, 42]);
 }
 
 #[test]
