@@ -155,14 +155,23 @@ mod tests {
     #[test]
     fn cpu_is_measured_over_the_recent_interval() {
         // A process of its own (this test process runs other tests' threads meanwhile):
-        // busy for 300 ms, then asleep; the figure after the sleep reflects it only.
+        // busy for 300 ms once it says so (not while the interpreter starts, which may
+        // wait on the disk), then asleep; the figure after the sleep reflects it only.
         let mut child = std::process::Command::new("python3")
             .args([
                 "-c",
-                "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.3: pass\ntime.sleep(5)",
+                "import time\nprint('busy', flush=True)\nt = time.monotonic()\nwhile time.monotonic() - t < 0.3: pass\ntime.sleep(5)",
             ])
+            .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line.trim(), "busy");
         let pid = child.id() as i32;
         let samples = Mutex::new(HashMap::new());
         let busy = recent_cpu(&samples, pid).unwrap();
