@@ -139,6 +139,8 @@ fn run_serves_the_api_and_snapshots_resume_side_by_side() {
     assert!(j["pause_us"].as_u64().unwrap() > 0);
     let r = api(&api_sock, Request::Status);
     assert_eq!(r.fields["last_snapshot"]["id"], j["id"]);
+    // The diff and its full base: what `clade serve` counts before a pause.
+    assert_eq!(r.fields["last_snapshot"]["layers"], 2);
 
     // The original still answers; then it is shut down through the API.
     let o = clade().arg("ping").arg(&vsock).output().unwrap();

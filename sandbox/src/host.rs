@@ -42,6 +42,15 @@ mod usage;
 
 pub use logs::{LogLine, MAX_LOG_LINES};
 
+/// Memory files a pause snapshot's chain may reach: a pause writes a diff on the sandbox's
+/// last snapshot until its chain holds this many files, then a full snapshot. Each wake
+/// opens every file of the chain and looks pages up through them: in `clade bench serve`
+/// (one sandbox paused and woken 40 times) the wake's request took 4.2–4.9 ms at p50 with
+/// chains growing to 40 diffs, 2.3–2.6 ms with a full snapshot every time. A full
+/// snapshot writes all the memory the guest has (copy-on-write from the image the VM
+/// runs on, the guest paused only to freeze it), so a pause in eight costs more disk.
+pub const PAUSE_CHAIN_MAX: usize = 8;
+
 /// Limits and places.
 #[derive(Debug, Clone)]
 pub struct HostConfig {
@@ -732,13 +741,19 @@ impl Host {
         // The guest stops at the snapshot's instant and does nothing more (no packet sent,
         // no disk write) that a resume would not remember.
         self.driver.set_vcpus_running(&api, false)?;
-        let snapshotted = match self.driver.snapshot(&api, &dir, true) {
-            Ok(()) => Ok("diff"),
-            Err(e) => {
+        // A diff while the chain stays short (see PAUSE_CHAIN_MAX), else a full one.
+        let diff = self
+            .driver
+            .snapshot_layers(&api)
+            .is_none_or(|n| n < PAUSE_CHAIN_MAX);
+        let snapshotted = match self.driver.snapshot(&api, &dir, diff) {
+            Ok(()) => Ok(if diff { "diff" } else { "full" }),
+            Err(e) if diff => {
                 tracing::debug!(sandbox = %rec.id, "diff snapshot refused ({e}); taking a full one");
                 let _ = std::fs::remove_dir_all(&dir);
                 self.driver.snapshot(&api, &dir, false).map(|()| "full")
             }
+            Err(e) => Err(e),
         };
         let kind = match snapshotted {
             Ok(k) => k,

@@ -85,6 +85,11 @@ pub trait VmDriver: Send + Sync {
     /// Snapshots the VM into `dir`: a diff on the VM's last snapshot when `diff` (an error
     /// if it has none), else full. The VM keeps running.
     fn snapshot(&self, api_sock: &Path, dir: &Path, diff: bool) -> Result<()>;
+    /// Memory files of the VM's last snapshot (itself and its bases; a diff on it adds
+    /// one), if it has one and says so.
+    fn snapshot_layers(&self, _api_sock: &Path) -> Option<usize> {
+        None
+    }
     /// Pauses (`running` false) or unpauses the VM's vCPUs.
     fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()>;
     /// Stops the VM process (API shutdown, then SIGKILL if it does not end in time) and
@@ -384,6 +389,15 @@ impl VmDriver for ProcessDriver {
             },
         )
         .map(|_| ())
+    }
+
+    fn snapshot_layers(&self, api_sock: &Path) -> Option<usize> {
+        let r = api_call(api_sock, "status", &Request::Status).ok()?;
+        r.fields
+            .get("last_snapshot")?
+            .get("layers")?
+            .as_u64()
+            .map(|n| n as usize)
     }
 
     fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()> {

@@ -375,6 +375,12 @@ fn snapshots_of_a_vm_restored_on_demand_carry_its_working_set() {
     drop(r2);
     let mut r3 = vmm::restore(&d2, MemoryBackend::Uffd, options()).unwrap();
     assert_eq!(working_set(&r3), (false, carried));
+    // A full snapshot carries them too (taken before the snapshot stops the page server).
+    let full = dirs.0.join("full");
+    vmm::snapshot(&mut r3, &full, SnapshotKind::Full).unwrap();
+    let r4 = vmm::restore(&full, MemoryBackend::Uffd, options()).unwrap();
+    assert_eq!(working_set(&r4), (false, carried));
+    drop(r4);
     // The pages are a hint only: the guest runs on exactly its memory.
     let out = finish(&mut r3, "restore of a diff of a diff");
     assert_eq!(memsums(&out), vec![sums[2].clone()], "{out}");

@@ -18,6 +18,8 @@ pub(crate) struct FakeDriver {
     pub no_diff: std::sync::atomic::AtomicBool,
     /// Refuse full snapshots too.
     pub no_snapshot: std::sync::atomic::AtomicBool,
+    /// What `snapshot_layers` says (0: nothing).
+    pub layers: std::sync::atomic::AtomicUsize,
     /// Live forks refused (as for a VM whose memory cannot be frozen).
     pub no_live_fork: std::sync::atomic::AtomicBool,
     /// The TAP each start and fork child got (`--net` specs), in order.
@@ -27,6 +29,10 @@ pub(crate) struct FakeDriver {
 impl FakeDriver {
     fn note(&self, s: String) {
         self.log.lock().unwrap().push(s);
+    }
+    /// Whether the driver did something starting with `what`.
+    fn did(&self, what: &str) -> bool {
+        self.log.lock().unwrap().iter().any(|l| l.starts_with(what))
     }
     /// What the driver did last.
     fn last_note(&self) -> String {
@@ -74,6 +80,9 @@ impl VmDriver for FakeDriver {
             dir.display()
         ));
         Ok(())
+    }
+    fn snapshot_layers(&self, _api: &Path) -> Option<usize> {
+        Some(self.layers.load(Ordering::SeqCst)).filter(|n| *n > 0)
     }
     fn set_vcpus_running(&self, api: &Path, running: bool) -> Result<()> {
         let op = if running { "unpause" } else { "pause" };
@@ -191,19 +200,27 @@ fn create_pause_resume_kill() {
     assert!(!resumed, "connect to a running sandbox does not resume it");
     assert!(matches!(h.resume(&r.id, 30), Err(Error::Conflict(_))));
 
-    // A second pause numbers its snapshot on; a refused diff falls back to a full one.
+    // A VM whose chain is as long as a pause chain may get: a full snapshot, not a diff.
+    drv.layers.store(PAUSE_CHAIN_MAX, Ordering::SeqCst);
+    h.pause(&r.id).unwrap();
+    assert!(drv.did("snapshot full"));
+    h.resume(&r.id, 30).unwrap();
+    drv.log.lock().unwrap().clear();
+    drv.layers.store(PAUSE_CHAIN_MAX - 1, Ordering::SeqCst);
+    h.pause(&r.id).unwrap();
+    assert!(drv.did("snapshot diff"), "one below: a diff");
+    h.resume(&r.id, 30).unwrap();
+    drv.layers.store(0, Ordering::SeqCst);
+    drv.log.lock().unwrap().clear();
+
+    // The next pause numbers its snapshot on; a refused diff falls back to a full one.
     drv.no_diff.store(true, Ordering::SeqCst);
     let p2 = h.pause(&r.id).unwrap();
     assert_eq!(
         p2.snapshot.as_deref(),
-        Some(r.dir.join("pause-2").as_path())
+        Some(r.dir.join("pause-4").as_path())
     );
-    assert!(drv
-        .log
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|l| l.starts_with("snapshot full")));
+    assert!(drv.did("snapshot full"));
     let r2 = h.resume(&r.id, 30).unwrap();
     assert_eq!(r2.state, State::Running);
 

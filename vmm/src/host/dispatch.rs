@@ -119,6 +119,8 @@ pub(crate) fn status_fields(vm: &Vm) -> serde_json::Value {
         fields["last_snapshot"] = json!({
             "id": l.id.to_string(),
             "dir": l.dir,
+            // Memory files a diff on it would add to (itself and its bases).
+            "layers": l.chain.len() + 1,
         });
     }
     if let Some(r) = vm.restore_report() {

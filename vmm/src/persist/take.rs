@@ -81,6 +81,8 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         }
     };
     let dir = target_dir(dir)?;
+    // Taken before anything below can stop the page server (a full snapshot fills memory).
+    let carried = vm.first_touches();
     if let Some(l) = &base {
         if l.chain.len() + 2 > MAX_DIFF_CHAIN {
             return Err(Error::Snapshot(format!(
@@ -161,7 +163,7 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
         state_file::write(&staging.path().join(STATE_FILE), &meta, &payload)
             .map_err(file_err(&dir))?;
         steps.done("write_state");
-        inherit_working_set(vm, staging.path(), id);
+        inherit_working_set(carried, vm.ram().mem_bytes(), staging.path(), id);
         crash_point("staged");
         staging.commit()?;
         steps.done("put_in_place");
@@ -200,18 +202,24 @@ pub fn snapshot(vm: &mut Vm, dir: &Path, kind: SnapshotKind) -> Result<SnapshotI
 }
 
 /// Gives the snapshot `id` (staged in `dir`) of a VM whose memory is served on demand the
-/// pages that VM's guest needed first ([`Vm::first_touches`]: the working set its restore
-/// prefetched, or what it has touched so far while recording one), as the snapshot's own
-/// working set. Without it, the first restore of every new snapshot records from nothing,
-/// faulting page by page: that is every wake of a sandbox from its pause snapshot. The
-/// guest paused at the same kind of moment (between requests) needs the same pages to
-/// answer its next request. Optional: a working set that cannot be written is logged,
-/// and the snapshot's first restore records one as before.
-fn inherit_working_set(vm: &Vm, dir: &Path, id: SnapshotId) {
-    let Some((page_count, pages)) = vm.first_touches() else {
+/// pages that VM's guest needed first (`carried`, [`Vm::first_touches`] taken when the
+/// snapshot began: the working set its restore prefetched, or its first touches while
+/// recording one), as the snapshot's own working set. Without it, the first restore of
+/// every new snapshot records from nothing, faulting page by page: that is every wake of
+/// a sandbox from its pause snapshot. The guest paused at the same kind of moment
+/// (between requests) needs the same pages to answer its next request. Optional: a
+/// working set that cannot be written is logged, and the snapshot's first restore
+/// records one as before.
+fn inherit_working_set(
+    carried: Option<(u64, Vec<u64>)>,
+    mem_bytes: u64,
+    dir: &Path,
+    id: SnapshotId,
+) {
+    let Some((page_count, pages)) = carried else {
         return;
     };
-    if pages.is_empty() || page_count != vm.ram().mem_bytes() / snapshot::PAGE_SIZE_U64 {
+    if pages.is_empty() || page_count != mem_bytes / snapshot::PAGE_SIZE_U64 {
         return;
     }
     let n = pages.len();
