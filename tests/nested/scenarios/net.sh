@@ -64,8 +64,19 @@ tap_up() {
     ip addr add 10.10.0.1/24 dev $TAP || fail "address on $TAP"
     ip link set $TAP up || fail "$TAP up"
 }
+# fetch [HOST]: the SHA-256 of the blob the guest downloads from HOST:8000 (the TAP's side).
 fetch() {
-    gx python3 -c "import hashlib, urllib.request; print(hashlib.sha256(urllib.request.urlopen('http://10.10.0.1:8000/blob', timeout=60).read()).hexdigest())"
+    gx python3 -c "import hashlib, urllib.request; print(hashlib.sha256(urllib.request.urlopen('http://${1:-10.10.0.1}:8000/blob', timeout=60).read()).hexdigest())"
+}
+# power_off WHAT: powers the VM off through its agent and waits for its process to end.
+power_off() {
+    $CLADE poweroff "$D/vm.sock" >/dev/null 2>&1
+    i=0
+    while kill -0 "$VM" 2>/dev/null; do
+        i=$((i + 1))
+        [ "$i" -gt 200 ] && fail "$1: did not power off"
+        sleep 0.1
+    done
 }
 
 [ -e "$BASE" ] || fail "no base layer at $BASE"
@@ -137,13 +148,7 @@ got=$(fetch) || fail "restored: download: $got"
 [ "$got" = "$want" ] || fail "restored: sha256 $got"
 pass restore "the same guest address on a new TAP, no change in the guest"
 
-$CLADE poweroff "$D/vm.sock" >/dev/null 2>&1
-i=0
-while kill -0 "$VM" 2>/dev/null; do
-    i=$((i + 1))
-    [ "$i" -gt 200 ] && fail "did not power off"
-    sleep 0.1
-done
+power_off stop
 [ -e /sys/class/net/$TAP ] && fail "$TAP outlived the VM"
 kill "$HTTPD" 2>/dev/null
 pass stop "powered off; $TAP gone"
@@ -170,16 +175,9 @@ VM=$!
 $CLADE ping --wait 180 "$D/vm.sock" >/dev/null || fail "own: agent did not answer"
 grep -q "CLADE-AGENT-NET eth0 172.16.0.2/30" "$D/vm3.serial" || fail "own: no CLADE-AGENT-NET line"
 ns=$(ls /run/netns | grep '^cladevm-') || fail "own: no namespace cladevm-*"
-got=$(gx python3 -c "import hashlib, urllib.request; print(hashlib.sha256(urllib.request.urlopen('http://10.98.0.2:8000/blob', timeout=60).read()).hexdigest())") ||
-    fail "own: download through the NAT: $got"
+got=$(fetch 10.98.0.2) || fail "own: download through the NAT: $got"
 [ "$got" = "$want" ] || fail "own: sha256 $got, want $want"
-$CLADE poweroff "$D/vm.sock" >/dev/null 2>&1
-i=0
-while kill -0 "$VM" 2>/dev/null; do
-    i=$((i + 1))
-    [ "$i" -gt 200 ] && fail "own: did not power off"
-    sleep 0.1
-done
+power_off own
 [ -e "/run/netns/$ns" ] && fail "own: $ns outlived the VM"
 kill "$HTTPD" 2>/dev/null
 $IP netns del networld
