@@ -224,7 +224,7 @@ pub struct PageServer {
     /// Where to write the recorded working set (None: not recording).
     record_to: Option<PathBuf>,
     /// The working set this run prefetched (loaded from its file), in its order.
-    loaded: Arc<Vec<u64>>,
+    loaded: Option<Arc<WorkingSet>>,
     /// Pages written by [`Self::save_working_set`] (`usize::MAX`: not saved yet).
     saved_len: AtomicUsize,
     id: crate::SnapshotId,
@@ -354,16 +354,18 @@ impl PageServer {
         let pages = chain.pages();
 
         let mut record_to = None;
-        let mut working_set = Vec::new();
+        // Kept whole (shared, not copied) for `first_touches`; the server's prefetch list
+        // below is the one copy, as it always was.
+        let mut loaded: Option<Arc<WorkingSet>> = None;
         let preloaded = options
             .working_set_loaded
             .as_ref()
             .filter(|ws| ws.id == id && ws.page_count == pages);
         if let (Some(ws), Some(_)) = (preloaded, &options.working_set) {
-            working_set = ws.pages.clone();
+            loaded = Some(Arc::clone(ws));
         } else if let Some(path) = &options.working_set {
             match WorkingSet::load(path, id, pages) {
-                Ok(ws) => working_set = ws.pages,
+                Ok(ws) => loaded = Some(Arc::new(ws)),
                 Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
                     record_to = Some(path.clone());
                 }
@@ -375,8 +377,12 @@ impl PageServer {
             }
         }
         if options.prefetch == Prefetch::Off {
-            working_set.clear();
+            loaded = None;
         }
+        let working_set = loaded
+            .as_ref()
+            .map(|ws| ws.pages.clone())
+            .unwrap_or_default();
 
         let shared = Arc::new(Shared {
             counters: Counters::default(),
@@ -391,7 +397,6 @@ impl PageServer {
             .try_clone()
             .map_err(|e| Error::PageServer(format!("eventfd: {e}")))?;
 
-        let loaded = Arc::new(working_set.clone());
         let mut server = Server {
             uffd: uffd.clone(),
             chain,
@@ -484,7 +489,11 @@ impl PageServer {
     /// it saved one, the first [`CARRIED_MAX`] pages.
     pub fn first_touches(&self) -> Vec<u64> {
         if self.record_to.is_none() {
-            return self.loaded.as_ref().clone();
+            return self
+                .loaded
+                .as_ref()
+                .map(|ws| ws.pages.clone())
+                .unwrap_or_default();
         }
         let mut pages = self.recorded_first_touches().unwrap_or_default();
         let saved = self.saved_len.load(Ordering::Relaxed);
