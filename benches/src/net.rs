@@ -1,6 +1,8 @@
 //! `--net` of the restore and fork scenarios: sandbox networks (the `hostnet` crate, as
 //! `clade serve` makes them) in a range and with names of this process's own, made before
-//! the measurement (a service's pool makes them off the path) and removed when dropped.
+//! the measurement and removed when dropped. Each one's TAP is opened ahead as well, as
+//! the service's pool does (and hands the descriptor to the VM process that restores):
+//! attaching to a TAP is not on a restore's path.
 
 use std::time::Instant;
 
@@ -13,6 +15,8 @@ fn err(e: hostnet::Error) -> Error {
 
 /// `n` sandbox networks, indexes 0..n.
 pub(crate) struct BenchNets {
+    /// Closed before their networks are removed (fields drop in this order).
+    taps: Vec<std::sync::Arc<vmm::Tap>>,
     range: hostnet::NetRange,
     nets: Vec<hostnet::SandboxNet>,
 }
@@ -28,15 +32,26 @@ impl BenchNets {
         let nets = (0..n as u32)
             .map(|i| hostnet::SandboxNet::create(&range, i).map_err(err))
             .collect::<Result<Vec<_>>>()?;
-        Ok(BenchNets { range, nets })
+        let taps = nets
+            .iter()
+            .map(|n| {
+                vmm::open_tap(&vmm::NetConfig {
+                    tap: vmm::TapSource::Name(n.tap_name().into()),
+                    mac: None,
+                    netns: Some(n.netns_path().to_path_buf()),
+                })
+                .map_err(|e| Error::Guest(format!("--net: opening TAP {}: {e}", n.tap_name())))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BenchNets { taps, range, nets })
     }
 
-    /// The VMM's TAP of network `i`.
+    /// The VMM's TAP of network `i`, opened ahead.
     pub(crate) fn config(&self, i: usize) -> vmm::NetConfig {
         vmm::NetConfig {
-            tap: vmm::TapSource::Name(self.nets[i].tap_name().into()),
+            tap: vmm::TapSource::Open(std::sync::Arc::clone(&self.taps[i])),
             mac: None,
-            netns: Some(self.nets[i].netns_path().to_path_buf()),
+            netns: None,
         }
     }
 

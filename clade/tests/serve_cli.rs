@@ -485,8 +485,8 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     assert_eq!(standby_sockets(&state), Vec::new());
 }
 
-/// Whether `tap0` in namespace file `ns` has a VM attached (a persistent TAP without a
-/// reader has no carrier).
+/// Whether `tap0` in namespace file `ns` is attached (a persistent TAP without a reader
+/// has no carrier): the service holds each network's TAP open from the network's making.
 fn tap_attached(ns: &Path) -> bool {
     let name = ns.file_name().unwrap().to_str().unwrap();
     let o = Command::new("ip")
@@ -495,6 +495,34 @@ fn tap_attached(ns: &Path) -> bool {
         .unwrap();
     let s = String::from_utf8_lossy(&o.stdout);
     o.status.success() && s.contains("LOWER_UP")
+}
+
+/// The VM process of sandbox `id` (the one whose standard error is its `vm.log`) and
+/// how many TAP descriptors (`/dev/net/tun` attached to `tap0`) it holds; `None` when no
+/// process runs for it.
+fn vm_taps(state: &Path, id: &str) -> Option<(i32, usize)> {
+    let log = state.join("sandboxes").join(id).join("vm.log");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read_link(e.path().join("fd/2")).ok().as_deref() != Some(log.as_path()) {
+            continue;
+        }
+        let taps = std::fs::read_dir(e.path().join("fd"))
+            .map(|fds| {
+                fds.flatten()
+                    .filter(|f| {
+                        std::fs::read_link(f.path()).is_ok_and(|l| l == Path::new("/dev/net/tun"))
+                            && std::fs::read_to_string(e.path().join("fdinfo").join(f.file_name()))
+                                .is_ok_and(|i| i.contains("iff:\ttap0"))
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
+        return Some((pid, taps));
+    }
+    None
 }
 
 /// Root only: a template built with `--net`; each sandbox of it gets a network namespace
@@ -572,17 +600,26 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
     );
     assert_eq!(st, 201, "{v}");
     let id = id_of(&v);
-    let attached: Vec<PathBuf> = netns().into_iter().filter(|n| tap_attached(n)).collect();
+    // The sandbox's namespace: the one with the policy asked at create in its rules (the
+    // pool's has none); its TAP is held open (by the service and the VM process).
+    let ours: Vec<PathBuf> = netns()
+        .into_iter()
+        .filter(|n| egress_rules(n).contains("10.9.8.7"))
+        .collect();
     assert_eq!(
-        attached.len(),
+        ours.len(),
         1,
-        "one namespace holds the sandbox's VM: {attached:?}"
+        "one namespace has the sandbox's rules: {ours:?}"
     );
-    let ns = attached[0].clone();
+    let ns = ours[0].clone();
     let rules = egress_rules(&ns);
+    assert!(rules.contains("drop"), "{rules}");
+    assert!(tap_attached(&ns), "the sandbox's TAP is open");
+    let (vm_pid, taps) = vm_taps(&state, &id).expect("the sandbox's VM process");
+    // (One descriptor, or two when it was inherited: that one and the VM's duplicate.)
     assert!(
-        rules.contains("10.9.8.7") && rules.contains("drop"),
-        "{rules}"
+        taps >= 1,
+        "the VM process {vm_pid} holds the TAP it was handed"
     );
     // A domain name is allowed through the sandbox's DNS (its learned set in the rules);
     // one cannot be denied: refused, not ignored.
@@ -624,7 +661,11 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
         .0,
         204
     );
-    assert!(ns.exists() && !tap_attached(&ns));
+    assert!(ns.exists(), "a paused sandbox keeps its network");
+    assert!(
+        vm_taps(&state, &id).is_none_or(|(pid, _)| pid != vm_pid),
+        "the paused sandbox's VM process is gone"
+    );
     let (st, v) = http(
         port,
         "POST",
@@ -633,7 +674,11 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
         r#"{"timeout":60}"#,
     );
     assert!(st == 200 || st == 201, "{st} {v}");
-    assert!(tap_attached(&ns), "resumed onto the same namespace");
+    let (resumed_pid, taps) = vm_taps(&state, &id).expect("the resumed VM process");
+    assert!(
+        resumed_pid != vm_pid && taps >= 1,
+        "resumed onto the same TAP"
+    );
     assert_eq!(
         http(port, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "").0,
         204

@@ -433,6 +433,10 @@ impl Host {
                     )))
                 }
             },
+            tap: match (template.net, rec.net) {
+                (true, Some(i)) => self.networks.as_ref().ok().and_then(|n| n.tap(i)),
+                _ => None,
+            },
         };
         let started = self.driver.start(&spec)?;
         rec.state = State::Running;

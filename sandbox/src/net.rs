@@ -1,7 +1,14 @@
 //! Sandbox networks as the host service keeps them: one `hostnet::SandboxNet` (namespace,
 //! veth pair, persistent TAP, NAT, egress policy) per sandbox whose template has a network
 //! device, held from its creation to its kill (a paused sandbox keeps its namespace: its
-//! outer address and policy stay, and a resume only attaches a new VM process to the TAP).
+//! outer address and policy stay, and a resume only hands a new VM process the TAP).
+//!
+//! Each network's TAP is opened by the service when the network is made (or taken over)
+//! and held open for the network's life ([`Networks::tap`]): every VM process of the
+//! sandbox gets a duplicate of that descriptor with its start (over the standby's control
+//! socket, or inherited), so no restore attaches to a TAP on its path. While no VM runs
+//! (a paused sandbox) frames sent towards the guest queue in the TAP and are dropped when
+//! its queue is full, as they would be by a VM that does not read them.
 //!
 //! Each network answers DNS on its gateway ([`dns`]: a forwarder to the host's resolver,
 //! which also applies the domain names of the sandbox's egress policy).
@@ -30,6 +37,8 @@ pub mod own;
 /// its gateway (stopped first when it goes).
 struct Net {
     dns: Option<dns::Forwarder>,
+    /// Its TAP, opened ahead (`None` if that failed: VM processes then open it by name).
+    tap: Option<Arc<vmm::Tap>>,
     net: SandboxNet,
 }
 
@@ -49,6 +58,7 @@ impl Net {
 
     fn destroy(self) -> hostnet::Result<()> {
         drop(self.dns);
+        drop(self.tap);
         self.net.destroy()
     }
 }
@@ -109,7 +119,19 @@ impl Networks {
             )?),
             None => None,
         };
-        Ok(Net { dns, net })
+        let tap = vmm::open_tap(&vmm::NetConfig {
+            tap: vmm::TapSource::Name(net.tap_name().into()),
+            mac: None,
+            netns: Some(net.netns_path().to_path_buf()),
+        })
+        .map_err(|e| {
+            tracing::warn!(
+                net = net.index(),
+                "opening the network's TAP ahead: {e} (its VM processes open it by name)"
+            )
+        })
+        .ok();
+        Ok(Net { dns, tap, net })
     }
 
     /// After a (re)start: keeps the networks of `keep` (the registry's sandboxes, with
@@ -238,6 +260,11 @@ impl Networks {
             hostnet::TAP_NAME,
             self.range.netns_path(i).display()
         )
+    }
+
+    /// Network `i`'s TAP, opened ahead (see the module docs), if it could be.
+    pub fn tap(&self, i: u32) -> Option<Arc<vmm::Tap>> {
+        lock(&self.held).get(&i).and_then(|n| n.tap.clone())
     }
 
     /// The address the host reaches network `i`'s guest at (its exposed ports).

@@ -15,9 +15,10 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vmm::api::{ApiClient, Request, RestoreRequest};
@@ -29,7 +30,7 @@ pub mod standby;
 pub use standby::{Shape, StandbyConfig, StandbyPool};
 
 /// What a new VM process starts from and where its files go.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct StartSpec {
     /// The snapshot to restore.
     pub snapshot: PathBuf,
@@ -53,6 +54,9 @@ pub struct StartSpec {
     pub mem_mib: u64,
     /// The TAP of a snapshot with a network device, as `--net` takes it.
     pub net: Option<String>,
+    /// That TAP, opened ahead: the VM process gets a duplicate of its descriptor and
+    /// does not open `net` itself.
+    pub tap: Option<Arc<vmm::Tap>>,
 }
 
 /// A started VM process.
@@ -184,17 +188,24 @@ impl ProcessDriver {
         let Some(sb) = taken.flatten() else {
             return Ok(None);
         };
+        // A TAP opened ahead goes with the request (its descriptor, SCM_RIGHTS).
         let req = Request::Restore(RestoreRequest {
             vsock: Some(spec.vsock.clone()),
             serial_file: Some(spec.serial.clone()),
             disk_overlay: spec.disk_overlay.clone(),
             log: Some(spec.log.clone()),
             agent_sync: spec.agent_sync,
-            net: spec.net.clone(),
+            net: if spec.tap.is_some() {
+                None
+            } else {
+                spec.net.clone()
+            },
+            tap_passed: spec.tap.is_some(),
             ..RestoreRequest::new(spec.snapshot.clone())
         });
+        let fds: Vec<_> = spec.tap.iter().map(|t| t.as_fd()).collect();
         let t = Instant::now();
-        let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call(&req));
+        let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call_with_fds(&req, &fds));
         match answer {
             Ok(r) if r.ok => {
                 tracing::info!(
@@ -296,6 +307,23 @@ pub fn end_with_this_process(cmd: &mut Command) {
     };
 }
 
+/// Lets the process `cmd` starts inherit descriptor `fd` (open in this process, with
+/// close-on-exec) under the same number: the flag is cleared in the child only, between
+/// fork and exec, so no other process started meanwhile gets it.
+fn inherit_descriptor(cmd: &mut Command, fd: std::os::fd::RawFd) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and makes one
+    // async-signal-safe call (fcntl on the child's copy of `fd`), allocating nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+}
+
 /// What a sandbox's VM process logs (a `CLADE_LOG` filter) when the service has none.
 pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 
@@ -324,8 +352,16 @@ impl VmDriver for ProcessDriver {
         if let Some(d) = &spec.disk_overlay {
             cmd.arg("--disk-overlay").arg(d);
         }
-        if let Some(n) = &spec.net {
-            cmd.arg("--net").arg(n);
+        match (&spec.tap, &spec.net) {
+            (Some(tap), _) => {
+                let fd = tap.as_fd().as_raw_fd();
+                cmd.arg("--net").arg(format!("fd={fd}"));
+                inherit_descriptor(&mut cmd, fd);
+            }
+            (None, Some(n)) => {
+                cmd.arg("--net").arg(n);
+            }
+            (None, None) => {}
         }
         if !spec.agent_sync {
             cmd.arg("--no-agent-sync");
@@ -549,6 +585,7 @@ mod tests {
             vcpus: 1,
             mem_mib: 64,
             net: None,
+            tap: None,
         };
         let e = driver.start(&spec).unwrap_err();
         assert!(matches!(e, Error::Vm(_)), "{e}");

@@ -1,6 +1,9 @@
 //! What a VM should look like: the only input of [`crate::Vm::new`].
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use devices::virtio::net::tap::Tap;
 
 use crate::error::{Error, Result};
 
@@ -42,15 +45,34 @@ pub struct BlockConfig {
 }
 
 /// Where a virtio-net device's TAP comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum TapSource {
     /// The TAP interface of this name, opened (or created, with CAP_NET_ADMIN) through
     /// `/dev/net/tun` when the VM is built.
     Name(String),
     /// A TAP descriptor this process inherited, opened with `IFF_TAP | IFF_NO_PI |
-    /// IFF_VNET_HDR` (a jailed VMM gets its TAP this way); the VM uses a duplicate.
+    /// IFF_VNET_HDR` (a jailed VMM gets its TAP this way); the VM uses a duplicate, and
+    /// the descriptor is made close-on-exec (processes this one starts do not get it).
     Fd(i32),
+    /// A TAP this process opened ahead ([`crate::open_tap`]), e.g. by a pool of sandbox
+    /// networks, so that a restore's path does not attach to one: the VM shares it (one VM
+    /// at a time; a VM built over it while another runs on it would share its frames).
+    Open(Arc<Tap>),
 }
+
+/// Equal when they name the same TAP the same way (an opened one: the same object).
+impl PartialEq for TapSource {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (TapSource::Name(a), TapSource::Name(b)) => a == b,
+            (TapSource::Fd(a), TapSource::Fd(b)) => a == b,
+            (TapSource::Open(a), TapSource::Open(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for TapSource {}
 
 /// A virtio-net device over a TAP (see `devices::virtio::net`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,10 +140,9 @@ impl NetConfig {
             _ => {}
         }
         if let Some(ns) = &self.netns {
-            if matches!(self.tap, TapSource::Fd(_)) {
+            if !matches!(self.tap, TapSource::Name(_)) {
                 return Err(Error::Config(
-                    "netns= goes with tap=NAME (a TAP descriptor is in its namespace already)"
-                        .into(),
+                    "netns= goes with tap=NAME (an open TAP is in its namespace already)".into(),
                 ));
             }
             if !ns.is_absolute()
@@ -154,6 +175,7 @@ impl std::fmt::Display for NetConfig {
         match &self.tap {
             TapSource::Name(n) => write!(f, "tap={n}")?,
             TapSource::Fd(fd) => write!(f, "fd={fd}")?,
+            TapSource::Open(t) => write!(f, "open={}", t.name())?,
         }
         if let Some(mac) = &self.mac {
             write!(f, ",mac={}", devices::virtio::net::format_mac(mac))?;

@@ -117,10 +117,13 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
     ))
 }
 
-/// Opens the TAP `cfg` names (by name, or a duplicate of the descriptor given), set up for
-/// virtio-net. Done before any KVM object exists on boot, so a missing TAP fails early.
-pub(crate) fn open_tap(cfg: &NetConfig) -> Result<Tap> {
-    Ok(match &cfg.tap {
+/// Opens the TAP `cfg` names (by name, or a duplicate of the descriptor given; an opened
+/// one is shared), set up for virtio-net. Done before any KVM object exists on boot, so a
+/// missing TAP fails early; a pool of networks calls it ahead of its restores
+/// ([`TapSource::Open`]).
+pub fn open_tap(cfg: &NetConfig) -> Result<Arc<Tap>> {
+    Ok(Arc::new(match &cfg.tap {
+        TapSource::Open(tap) => return Ok(Arc::clone(tap)),
         TapSource::Name(name) => match &cfg.netns {
             None => Tap::open(name)?,
             Some(ns) => open_tap_in_netns(name, ns)?,
@@ -138,9 +141,18 @@ pub(crate) fn open_tap(cfg: &NetConfig) -> Result<Tap> {
             // SAFETY: `fd` is open (checked above) and stays open for this call: the
             // process keeps it, and `from_fd` only duplicates it.
             let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) };
-            Tap::from_fd(borrowed)?
+            let tap = Tap::from_fd(borrowed)?;
+            // An inherited TAP was handed to this VMM for its VM, not to the processes it
+            // starts (fork children): it does not pass on.
+            if let Err(e) = nix::fcntl::fcntl(
+                *fd,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+            ) {
+                tracing::warn!("TAP descriptor {fd}: setting close-on-exec: {e}");
+            }
+            tap
         }
-    })
+    }))
 }
 
 /// Opens the TAP `name` inside the network namespace `netns` (a namespace file such as
@@ -528,7 +540,7 @@ impl DeviceManager {
                                     devices::virtio::net::format_mac(&ns.mac)
                                 )));
                             }
-                            let tap: Arc<dyn NetBackend> = Arc::new(open_tap(cfg)?);
+                            let tap: Arc<dyn NetBackend> = open_tap(cfg)?;
                             let lp = match event_loop.take() {
                                 Some(lp) => lp,
                                 None => start_loop()?,
@@ -723,7 +735,7 @@ impl DeviceManager {
         &mut self,
         vm: &VmFd,
         mem: &GuestMemory,
-        tap: Tap,
+        tap: Arc<Tap>,
         mac: Option<[u8; 6]>,
     ) -> Result<()> {
         let lp = match &self._event_loop {
@@ -734,7 +746,7 @@ impl DeviceManager {
             )?),
         };
         let name = tap.name().to_string();
-        let device = NetDevice::new(Arc::new(tap), mac.unwrap_or(DEFAULT_MAC), lp.handle())?;
+        let device = NetDevice::new(tap, mac.unwrap_or(DEFAULT_MAC), lp.handle())?;
         let mmio = Arc::get_mut(&mut self.buses.mmio)
             .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
         let n = self.virtio_slots.len();

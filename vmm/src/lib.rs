@@ -40,8 +40,9 @@ pub use ::snapshot::page_server::{PageServerStats, Prefetch};
 pub use ::snapshot::{CpuCheck, SnapshotId, SnapshotKind};
 pub use builder::{boot, run};
 pub use config::{
-    BlockConfig, NetConfig, SerialOutput, TapSource, VmConfig, VsockConfig, MIN_MEM_MIB,
+    BlockConfig, NetConfig, SerialOutput, Tap, TapSource, VmConfig, VsockConfig, MIN_MEM_MIB,
 };
+pub use device_manager::open_tap;
 pub use error::{Error, Result};
 pub use exit::VmExit;
 pub use fork::{

@@ -212,8 +212,9 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
         working_set: !args.no_working_set,
         net: net_spec,
+        tap_passed: false,
     };
-    let vm = vmm::host::restore_request(&request, &args.kvm_device, &mut None, None)?;
+    let vm = vmm::host::restore_request(&request, Vec::new(), &args.kvm_device, &mut None, None)?;
     own_vm(vm, api, &owner)
 }
 

@@ -55,6 +55,7 @@
 //! between threads. [`ApiClient`] is the client `clade snapshot` uses.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -72,6 +73,8 @@ const MAX_SOCKET_PATH: usize = 108;
 /// Longest request line accepted; longer lines are answered with an error and the
 /// connection is closed.
 pub const MAX_REQUEST: usize = 64 * 1024;
+/// Most descriptors one request may carry (`SCM_RIGHTS`); a request with more is refused.
+pub const MAX_REQUEST_FDS: usize = 4;
 /// Most connections served at once; one more is answered with an error and closed.
 pub const MAX_CONNECTIONS: usize = 32;
 /// A connection that sends nothing for this long is closed.
@@ -151,9 +154,15 @@ pub struct RestoreRequest {
     #[serde(default = "default_true")]
     pub working_set: bool,
     /// The virtio-net device's TAP, as `--net` takes it (`tap=NAME[,mac=MAC]` or
-    /// `fd=N[,mac=MAC]`); required when the snapshot has a network device.
+    /// `fd=N[,mac=MAC]`); required when the snapshot has a network device, unless
+    /// `tap_passed`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net: Option<String>,
+    /// The TAP is the descriptor sent with this request (`SCM_RIGHTS`, API requests only;
+    /// `net` then unset): a host service opens its networks' TAPs ahead, so a restore
+    /// does not attach to one on its path.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tap_passed: bool,
 }
 
 impl RestoreRequest {
@@ -170,6 +179,7 @@ impl RestoreRequest {
             agent_sync_timeout_ms: None,
             working_set: true,
             net: None,
+            tap_passed: false,
         }
     }
 }
@@ -222,10 +232,18 @@ impl Response {
 pub struct PendingRequest {
     /// What was asked.
     pub request: Request,
+    /// Descriptors that came with the request line (`SCM_RIGHTS`, at most
+    /// [`MAX_REQUEST_FDS`]), e.g. a standby's TAP; closed with the request unless taken.
+    fds: Vec<OwnedFd>,
     reply: Sender<Response>,
 }
 
 impl PendingRequest {
+    /// Takes the descriptors that came with the request.
+    pub fn take_fds(&mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.fds)
+    }
+
     /// Sends the answer back to the client.
     pub fn respond(self, response: Response) {
         let _ = self.reply.send(response);
@@ -496,38 +514,41 @@ fn serve_connection(stream: UnixStream, tx: Sender<PendingRequest>) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
-    let mut reader = BufReader::new(stream);
+    let mut reader = LineReader::new(stream);
     loop {
-        let mut line = Vec::new();
-        // Bounded read: never buffer more than MAX_REQUEST bytes of one line.
-        let n = match (&mut reader)
-            .take(MAX_REQUEST as u64 + 1)
-            .read_until(b'\n', &mut line)
-        {
-            Ok(n) => n,
-            Err(_) => return,
-        };
-        if n == 0 {
-            return;
-        }
-        if line.last() != Some(&b'\n') {
-            if line.len() > MAX_REQUEST {
+        let line = match reader.next_line() {
+            Ok(Some(l)) => Ok(l),
+            Ok(None) | Err(LineError::Io) => return,
+            Err(LineError::TooLong) => {
                 let _ = write_response(&mut writer, &Response::err("request too long"));
+                return;
             }
-            return;
-        }
-        let response = match serde_json::from_slice::<Request>(&line) {
-            Err(e) => Response::err(format!("bad request: {e}")),
-            Ok(request) => {
-                let (reply, answer) = mpsc::channel();
-                if tx.send(PendingRequest { request, reply }).is_err() {
-                    Response::err("the VM is gone")
-                } else {
-                    answer
-                        .recv()
-                        .unwrap_or_else(|_| Response::err("the VM is gone"))
+            Err(LineError::TooManyFds) => Err(()),
+        };
+        let response = match line {
+            Err(()) => Response::err(format!(
+                "bad request: more than {MAX_REQUEST_FDS} descriptors sent with it"
+            )),
+            Ok((line, fds)) => match serde_json::from_slice::<Request>(&line) {
+                Err(e) => Response::err(format!("bad request: {e}")),
+                Ok(request) => {
+                    let (reply, answer) = mpsc::channel();
+                    if tx
+                        .send(PendingRequest {
+                            request,
+                            fds,
+                            reply,
+                        })
+                        .is_err()
+                    {
+                        Response::err("the VM is gone")
+                    } else {
+                        answer
+                            .recv()
+                            .unwrap_or_else(|_| Response::err("the VM is gone"))
+                    }
                 }
-            }
+            },
         };
         if write_response(&mut writer, &response).is_err() {
             return;
@@ -535,7 +556,97 @@ fn serve_connection(stream: UnixStream, tx: Sender<PendingRequest>) {
     }
 }
 
-use std::io::Read;
+/// A request line (with its newline) and the descriptors that came with it.
+type Line = (Vec<u8>, Vec<OwnedFd>);
+
+enum LineError {
+    /// The peer went away, or the socket failed or timed out.
+    Io,
+    /// A line longer than [`MAX_REQUEST`].
+    TooLong,
+    /// A line sent with more descriptors than [`MAX_REQUEST_FDS`].
+    TooManyFds,
+}
+
+/// Reads request lines with `recvmsg`, so that descriptors sent with a line
+/// (`SCM_RIGHTS`) come along with it: every descriptor received until a line ends belongs
+/// to that line. A buffered reader would drop them (`read` discards control messages).
+/// std and the rust-vmm crates have no line reader that keeps them; this one is ours.
+struct LineReader {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    /// Descriptors of the current line were cut off (`MSG_CTRUNC`).
+    truncated: bool,
+}
+
+impl LineReader {
+    fn new(stream: UnixStream) -> Self {
+        Self {
+            stream,
+            buf: Vec::new(),
+            fds: Vec::new(),
+            truncated: false,
+        }
+    }
+
+    /// The next line (with its newline) and its descriptors; `None` at the end.
+    fn next_line(&mut self) -> std::result::Result<Option<Line>, LineError> {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::os::fd::FromRawFd;
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                if end > MAX_REQUEST {
+                    return Err(LineError::TooLong);
+                }
+                let rest = self.buf.split_off(end + 1);
+                let line = std::mem::replace(&mut self.buf, rest);
+                if std::mem::take(&mut self.truncated) || self.fds.len() > MAX_REQUEST_FDS {
+                    self.fds.clear();
+                    return Err(LineError::TooManyFds);
+                }
+                return Ok(Some((line, std::mem::take(&mut self.fds))));
+            }
+            if self.buf.len() > MAX_REQUEST {
+                return Err(LineError::TooLong);
+            }
+            let mut chunk = [0u8; 4096];
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; MAX_REQUEST_FDS + 1]);
+            let mut iov = [std::io::IoSliceMut::new(&mut chunk)];
+            let msg = match recvmsg::<()>(
+                self.stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Ok(m) => m,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(_) => return Err(LineError::Io),
+            };
+            let n = msg.bytes;
+            for c in msg.cmsgs() {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    for fd in fds {
+                        // SAFETY: the kernel installed `fd` in this process for this
+                        // message; nothing else owns it.
+                        self.fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                    }
+                }
+            }
+            // More descriptors than the buffer holds (the kernel closed the rest): the
+            // line is refused for carrying too many.
+            self.truncated |= msg.flags.contains(MsgFlags::MSG_CTRUNC);
+            if n == 0 {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(LineError::Io)
+                };
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
 
 /// A client of a VM's API socket.
 pub struct ApiClient {
@@ -556,12 +667,42 @@ impl ApiClient {
 
     /// Sends `request` and waits for the response.
     pub fn call(&mut self, request: &Request) -> Result<Response> {
+        self.call_with_fds(request, &[])
+    }
+
+    /// Sends `request` with descriptors `fds` (`SCM_RIGHTS`, at most
+    /// [`MAX_REQUEST_FDS`]; the server gets duplicates, these stay the caller's) and waits
+    /// for the response.
+    pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<Response> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
         let mut line = serde_json::to_string(request)
             .map_err(|e| Error::Config(format!("encoding request: {e}")))?;
         line.push('\n');
+        let mut bytes = line.as_bytes();
+        if !fds.is_empty() {
+            // The descriptors go with the line's first bytes.
+            let raw: Vec<std::os::fd::RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+            let sent = loop {
+                match sendmsg::<()>(
+                    self.stream.get_ref().as_raw_fd(),
+                    &[std::io::IoSlice::new(bytes)],
+                    &[ControlMessage::ScmRights(&raw)],
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                ) {
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    r => break r,
+                }
+            }
+            .map_err(|e| Error::Io {
+                context: "writing an API request with descriptors",
+                source: std::io::Error::from_raw_os_error(e as i32),
+            })?;
+            bytes = &bytes[sent..];
+        }
         self.stream
             .get_mut()
-            .write_all(line.as_bytes())
+            .write_all(bytes)
             .map_err(io_err("writing an API request"))?;
         let mut answer = String::new();
         self.stream
@@ -609,6 +750,57 @@ mod tests {
         let server = owner.join().unwrap();
         drop(server);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    #[test]
+    fn descriptors_sent_with_a_request_come_with_it() {
+        use std::os::fd::AsFd;
+        let path = std::env::temp_dir().join(format!("clade-api-fds-{}.sock", std::process::id()));
+        let server = ApiServer::bind(&path).unwrap();
+        let owner = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                let mut p = server.next_request(Duration::from_secs(5)).unwrap();
+                let fds = p.take_fds();
+                // What the descriptor is: the contents of the file sent.
+                let text = fds.first().map(|fd| {
+                    let mut f = std::fs::File::from(fd.try_clone().unwrap());
+                    std::io::Seek::rewind(&mut f).unwrap();
+                    let mut s = String::new();
+                    std::io::Read::read_to_string(&mut f, &mut s).unwrap();
+                    s
+                });
+                got.push((fds.len(), text));
+                p.respond(Response::ok(serde_json::json!({})));
+            }
+            got
+        });
+        let dir = scratch("fds");
+        let file = dir.join("payload");
+        std::fs::write(&file, "sent along").unwrap();
+        let f = std::fs::File::open(&file).unwrap();
+        let mut c = ApiClient::connect(&path).unwrap();
+        assert!(c.call_with_fds(&Request::Status, &[f.as_fd()]).unwrap().ok);
+        // More than the limit: refused, the connection stays usable.
+        let many: Vec<_> = (0..MAX_REQUEST_FDS + 1).map(|_| f.as_fd()).collect();
+        let r = c.call_with_fds(&Request::Status, &many).unwrap();
+        assert!(!r.ok && r.error.unwrap().contains("descriptors"));
+        assert!(c.call(&Request::Status).unwrap().ok);
+        assert!(
+            c.call_with_fds(&Request::Pause, &[f.as_fd(), f.as_fd()])
+                .unwrap()
+                .ok
+        );
+        let got = owner.join().unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (1, Some("sent along".to_string())),
+                (0, None),
+                (2, Some("sent along".to_string()))
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn scratch(name: &str) -> PathBuf {

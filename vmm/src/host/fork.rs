@@ -316,7 +316,7 @@ fn check_child_nets(has_net: bool, count: usize, nets: &[NetConfig]) -> Result<(
     }
     if let Some(n) = nets
         .iter()
-        .find(|n| matches!(n.tap, crate::config::TapSource::Fd(_)))
+        .find(|n| !matches!(n.tap, crate::config::TapSource::Name(_)))
     {
         return Err(Error::Fork(format!(
             "child TAP '{n}': a child process needs a TAP by name (tap=NAME[,netns=PATH])"

@@ -19,6 +19,7 @@
 //! from then on the VM is a sandbox of its own and outlives its starter, as one started
 //! by `clade restore` does.
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -28,7 +29,7 @@ use serde_json::json;
 use super::dispatch::{confine, status_fields};
 use super::options::OwnerOptions;
 use crate::api::{ApiServer, Request, Response, RestoreRequest};
-use crate::config::SerialOutput;
+use crate::config::{NetConfig, SerialOutput, Tap, TapSource};
 use crate::error::{Error, Result};
 use crate::persist::restore::{PreparedSnapshot, RestoreOptions};
 use crate::saved::MemoryBackend;
@@ -83,7 +84,7 @@ pub fn standby(api: &ApiServer, spec: &ShellSpec, options: &OwnerOptions) -> Res
                 return Ok(StandbyEnd::Signal(signal));
             }
         }
-        let Some(req) = api.next_request(Duration::from_millis(20)) else {
+        let Some(mut req) = api.next_request(Duration::from_millis(20)) else {
             continue;
         };
         match &req.request {
@@ -98,8 +99,10 @@ pub fn standby(api: &ApiServer, spec: &ShellSpec, options: &OwnerOptions) -> Res
             }
             Request::Restore(r) => {
                 let r = r.clone();
+                let passed = req.take_fds();
                 match restore_request(
                     &r,
+                    passed,
                     &spec.kvm_device,
                     &mut shell,
                     Some(options.files_root.as_deref()),
@@ -135,9 +138,11 @@ pub fn standby(api: &ApiServer, spec: &ShellSpec, options: &OwnerOptions) -> Res
 /// given); `Some(root)` for one through the control API: every path must be absolute
 /// and without `..`, the files the VM creates must lie under `root` (when one is set)
 /// and a snapshot with a disk needs an explicit overlay path then (the default one is
-/// in the snapshot's directory).
+/// in the snapshot's directory). `passed`: the descriptors sent with an API request (its
+/// TAP when `tap_passed`; a request that says none may carry none).
 pub fn restore_request(
     req: &RestoreRequest,
+    passed: Vec<OwnedFd>,
     kvm_device: &Path,
     shell: &mut Option<Shell>,
     confined: Option<Option<&Path>>,
@@ -173,6 +178,32 @@ pub fn restore_request(
             *p = check(p, root)?;
         }
     }
+    let net = match (req.tap_passed, passed.len(), &req.net) {
+        (false, 0, spec) => spec.as_deref().map(NetConfig::parse).transpose()?,
+        (true, 1, None) => {
+            let tap = Tap::from_fd(passed[0].as_fd())?;
+            Some(NetConfig {
+                tap: TapSource::Open(std::sync::Arc::new(tap)),
+                mac: None,
+                netns: None,
+            })
+        }
+        (true, _, Some(_)) => {
+            return Err(Error::Config(
+                "a request with tap_passed names no other TAP (net)".into(),
+            ))
+        }
+        (true, n, None) => {
+            return Err(Error::Config(format!(
+                "tap_passed: the request must carry exactly one descriptor (the TAP), not {n}"
+            )))
+        }
+        (false, n, _) => {
+            return Err(Error::Config(format!(
+                "{n} descriptors sent with a restore request that takes none (tap_passed)"
+            )))
+        }
+    };
     let prepared = PreparedSnapshot::open(&req.snapshot, CpuCheck::default())?;
     if confined.is_some()
         && prepared.disk().is_some_and(|d| !d.read_only)
@@ -197,11 +228,7 @@ pub fn restore_request(
         agent_sync,
         working_set: req.working_set,
         disk_overlay: req.disk_overlay.clone(),
-        net: req
-            .net
-            .as_deref()
-            .map(crate::NetConfig::parse)
-            .transpose()?,
+        net,
         ..RestoreOptions::default()
     };
     let vm = prepared.restore(backend, options)?;
@@ -249,5 +276,35 @@ fn clear_parent_death_signal() {
             "clearing the parent-death signal: {}",
             std::io::Error::last_os_error()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Checked before the snapshot is read: a request's passed descriptors must be what
+    /// it says they are.
+    #[test]
+    fn a_passed_tap_must_be_exactly_the_one_descriptor_the_request_says() {
+        let req = |tap_passed: bool, net: Option<&str>| RestoreRequest {
+            tap_passed,
+            net: net.map(String::from),
+            ..RestoreRequest::new(PathBuf::from("/nonexistent/snapshot"))
+        };
+        let fd = || -> OwnedFd { std::fs::File::open("/dev/null").unwrap().into() };
+        let kvm = Path::new("/dev/kvm");
+        let err = |r: &RestoreRequest, fds: Vec<OwnedFd>| {
+            restore_request(r, fds, kvm, &mut None, Some(None))
+                .err()
+                .expect("refused")
+                .to_string()
+        };
+        assert!(err(&req(true, None), vec![]).contains("exactly one"));
+        assert!(err(&req(true, None), vec![fd(), fd()]).contains("exactly one"));
+        assert!(err(&req(true, Some("tap=tap0")), vec![fd()]).contains("names no other TAP"));
+        assert!(err(&req(false, None), vec![fd()]).contains("takes none"));
+        // One descriptor as said, but not a TAP.
+        assert!(err(&req(true, None), vec![fd()]).contains("TUNGETIFF"));
     }
 }

@@ -359,13 +359,22 @@ impl NetDevice {
     /// A network device with address `mac` over `backend`; the worker will run on
     /// `event_loop`. It offers the offloads the backend can take.
     pub fn new(backend: Arc<dyn NetBackend>, mac: [u8; 6], event_loop: LoopHandle) -> Result<Self> {
+        let features = features_for(backend.offload_capability());
+        Self::with_features(backend, mac, features, event_loop)
+    }
+
+    fn with_features(
+        backend: Arc<dyn NetBackend>,
+        mac: [u8; 6],
+        features: u64,
+        event_loop: LoopHandle,
+    ) -> Result<Self> {
         if mac[0] & 1 != 0 {
             return Err(Error::Virtio(format!(
                 "virtio-net: MAC {} is a multicast address",
                 format_mac(&mac)
             )));
         }
-        let features = features_for(backend.offload_capability());
         Ok(Self {
             log: crate::virtio::mmio::LogLimiter::new(),
             backend,
@@ -377,14 +386,14 @@ impl NetDevice {
     }
 
     /// A device restored from `state` over `backend` (reopened by the VMM). The backend
-    /// must take the offloads the saved device offered. The transport restores the queues.
+    /// must take the offloads the saved device offered: they are set on it, which checks
+    /// them in one call (no probe on a restore's path); the worker narrows them to the
+    /// ones the guest accepted when it starts. The transport restores the queues.
     pub fn restore(
         state: &NetState,
         backend: Arc<dyn NetBackend>,
         event_loop: LoopHandle,
     ) -> Result<Self> {
-        let mut dev =
-            Self::new(backend, state.mac, event_loop).map_err(|e| Error::Restore(e.to_string()))?;
         let known = BASE_FEATURES | OFFLOAD_FEATURES | UFO_FEATURES;
         if state.features & !known != 0 || state.features & BASE_FEATURES != BASE_FEATURES {
             return Err(Error::Restore(format!(
@@ -392,15 +401,15 @@ impl NetDevice {
                 state.features
             )));
         }
-        let missing = state.features & !dev.features;
-        if missing != 0 {
-            return Err(Error::Restore(format!(
-                "virtio-net: the TAP lacks offloads the saved device offered (feature bits \
-                 {missing:#x}); the host kernel must accept the same TUNSETOFFLOAD flags"
-            )));
-        }
-        dev.features = state.features;
-        Ok(dev)
+        let offloads = offloads_for(state.features);
+        backend.set_offloads(offloads).map_err(|e| {
+            Error::Restore(format!(
+                "virtio-net: the TAP does not take the offloads the saved device offered \
+                 (TUNSETOFFLOAD {offloads:#x}: {e}); the host kernel must accept the same flags"
+            ))
+        })?;
+        Self::with_features(backend, state.mac, state.features, event_loop)
+            .map_err(|e| Error::Restore(e.to_string()))
     }
 
     /// The MAC address.

@@ -4,8 +4,10 @@
 //!
 //! The TAP is set up for virtio 1.x frames: a 12-byte vnet header (`TUNSETVNETHDRSZ`) in
 //! front of every frame both ways, non-blocking. Which offloads the host kernel takes is
-//! probed once (`TUNSETOFFLOAD` with checksum + TSO, and UFO), then switched off until the
-//! guest accepts them. The ioctls are the only `unsafe` code of the device; there is no
+//! probed when a new device first asks (`TUNSETOFFLOAD` with checksum + TSO, and UFO), then
+//! switched off until the guest accepts them; a restored device does not ask (it sets the
+//! offloads its saved guest was offered, which checks them in one call), so a restore's
+//! path has no probe. The ioctls are the only `unsafe` code of the device; there is no
 //! maintained crate for TAP setup that fits (the ones that exist bring their own async
 //! runtimes or do not take a descriptor opened elsewhere), so this is our own.
 
@@ -31,7 +33,8 @@ const TAP_FLAGS: libc::c_int = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_
 pub struct Tap {
     file: File,
     name: String,
-    caps: u32,
+    /// The offloads the kernel takes on it, probed on first use.
+    caps: std::sync::OnceLock<u32>,
 }
 
 fn tap_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -145,7 +148,7 @@ impl Tap {
         Self::setup(file, name)
     }
 
-    /// The 12-byte vnet header, the offload probe, offloads off until a guest accepts them.
+    /// The 12-byte vnet header.
     fn setup(file: File, name: String) -> Result<Self> {
         let hdr_len = VNET_HDR_LEN as libc::c_int;
         // SAFETY: TUNSETVNETHDRSZ reads one int, which lives across the call.
@@ -155,22 +158,28 @@ impl Tap {
                 std::io::Error::last_os_error(),
             ));
         }
-        let mut tap = Self {
+        Ok(Self {
             file,
             name,
-            caps: 0,
-        };
+            caps: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Which offloads the kernel takes on this TAP (checksum + TSO, and UFO), leaving them
+    /// all off. A probe that cannot switch them off again reports none (the device then
+    /// offers none, and the kernel hands it no offloaded frames it could not take back).
+    fn probe_offloads(&self) -> u32 {
         let tso = offload::CSUM | offload::TSO4 | offload::TSO6;
-        for caps in [tso | offload::UFO, tso] {
-            if tap.set_offloads(caps).is_ok() {
-                tap.caps = caps;
-                break;
-            }
+        let caps = [tso | offload::UFO, tso]
+            .into_iter()
+            .find(|&caps| self.set_offloads(caps).is_ok())
+            .unwrap_or(0);
+        if let Err(e) = self.set_offloads(0) {
+            tracing::error!("TAP {}: switching offloads off: {e}", self.name);
+            return 0;
         }
-        tap.set_offloads(0)
-            .map_err(tap_err(format!("'{}': TUNSETOFFLOAD", tap.name)))?;
-        tracing::debug!("TAP {}: offloads {:#x} available", tap.name, tap.caps);
-        Ok(tap)
+        tracing::debug!("TAP {}: offloads {caps:#x} available", self.name);
+        caps
     }
 
     /// The interface's name.
@@ -200,7 +209,7 @@ impl NetBackend for Tap {
     }
 
     fn offload_capability(&self) -> u32 {
-        self.caps
+        *self.caps.get_or_init(|| self.probe_offloads())
     }
 
     fn set_offloads(&self, flags: u32) -> std::io::Result<()> {

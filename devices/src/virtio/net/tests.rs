@@ -39,6 +39,8 @@ struct SocketBackend {
     sock: UnixDatagram,
     caps: u32,
     offloads: Mutex<Vec<u32>>,
+    /// How often the device asked for the capability (a probe, on a real TAP).
+    probes: std::sync::atomic::AtomicUsize,
 }
 
 impl NetBackend for SocketBackend {
@@ -52,9 +54,15 @@ impl NetBackend for SocketBackend {
         self.sock.as_raw_fd()
     }
     fn offload_capability(&self) -> u32 {
+        self.probes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.caps
     }
     fn set_offloads(&self, flags: u32) -> std::io::Result<()> {
+        // As the kernel does: offloads beyond what it takes are refused.
+        if flags & !self.caps != 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
         self.offloads.lock().unwrap().push(flags);
         Ok(())
     }
@@ -85,6 +93,7 @@ fn socket_backend(caps: u32) -> (Arc<SocketBackend>, UnixDatagram) {
             sock: a,
             caps,
             offloads: Mutex::new(Vec::new()),
+            probes: Default::default(),
         }),
         b,
     )
@@ -731,6 +740,11 @@ fn a_saved_device_restores_onto_a_new_backend_at_its_queue_positions() {
         h.backend.offloads.lock().unwrap().last().copied(),
         Some(ALL_OFFLOADS),
         "the restored worker gives the new TAP the guest's offloads"
+    );
+    assert_eq!(
+        h.backend.probes.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a restore sets the saved offloads, it does not probe the TAP"
     );
     // The second posted buffer is still there; the next frame lands in it.
     h.peer_send(&frame(VnetHeader::default(), &pattern(32, 100)));

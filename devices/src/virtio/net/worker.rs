@@ -391,8 +391,9 @@ impl QueueWorker for NetWorker {
 
     fn init(&mut self, _ops: &mut EventOps) {
         // On the event loop thread (not the vCPU that activated the device): the offloads
-        // the guest accepted.
-        let offloads = offloads_for(self.features) & self.backend.offload_capability();
+        // the guest accepted (within the ones offered, which the backend takes: the
+        // transport refuses features it did not offer).
+        let offloads = offloads_for(self.features);
         if let Err(e) = self.backend.set_offloads(offloads) {
             tracing::error!("virtio-net: setting the backend's offloads {offloads:#x}: {e}");
         }
