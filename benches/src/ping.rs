@@ -19,7 +19,18 @@ const STALL: Duration = Duration::from_secs(25);
 
 /// Boots the guest's `vsock` step, pings its agent port `warmup` times, then measures `n`
 /// round trips; checks that the guest counted as many. Reported as `agent_ping_rtt`.
-pub fn ping(guest: &Guest, machine: &Machine, n: usize, warmup: usize) -> Result<Summary> {
+///
+/// `gap`: how long the client waits before each measured ping. Longer than the guest's
+/// poll window (100 us) and the guest has halted by then: every round trip includes its
+/// wake-up by the device's interrupt, as the first request to an idle guest (a restored
+/// or newly created sandbox's) does. Reported as `agent_ping_rtt_after_<gap>us`.
+pub fn ping(
+    guest: &Guest,
+    machine: &Machine,
+    n: usize,
+    warmup: usize,
+    gap: Duration,
+) -> Result<Summary> {
     if n == 0 {
         return Err(Error::InvalidParams("--n must be at least 1".into()));
     }
@@ -35,7 +46,7 @@ pub fn ping(guest: &Guest, machine: &Machine, n: usize, warmup: usize) -> Result
     let progress = Arc::clone(&done);
     let sock_path = sock.clone();
     std::thread::spawn(move || {
-        let _ = tx.send(measure(&sock_path, warmup, n, &progress));
+        let _ = tx.send(measure(&sock_path, warmup, n, gap, &progress));
     });
     let mut seen = 0;
     let mut since = Instant::now();
@@ -83,17 +94,31 @@ pub fn ping(guest: &Guest, machine: &Machine, n: usize, warmup: usize) -> Result
             last_serial_line(&vm)
         )));
     }
-    Ok(samples.summary("agent_ping_rtt"))
+    Ok(if gap.is_zero() {
+        samples.summary("agent_ping_rtt")
+    } else {
+        samples.summary(&format!("agent_ping_rtt_after_{}us", gap.as_micros()))
+    })
 }
 
 /// Connects to the guest's agent port through the VM's vsock socket, pings `warmup + n`
-/// times and returns the round trips of the last `n`. Closes the connection when done.
-fn measure(sock: &Path, warmup: usize, n: usize, done: &AtomicUsize) -> Result<Samples> {
+/// times (the last `n` each after `gap`) and returns the round trips of the last `n`.
+/// Closes the connection when done.
+fn measure(
+    sock: &Path,
+    warmup: usize,
+    n: usize,
+    gap: Duration,
+    done: &AtomicUsize,
+) -> Result<Samples> {
     let client =
         connect(sock, Duration::from_secs(10)).context("connect to the guest's agent port")?;
     tracing::debug!(warmup, n, "connected to the guest's agent port");
     let mut samples = Samples::new();
     for i in 0..warmup + n {
+        if i >= warmup && !gap.is_zero() {
+            std::thread::sleep(gap);
+        }
         let t = Instant::now();
         client.ping().context_with(|| format!("ping {i}"))?;
         if i >= warmup {

@@ -497,16 +497,25 @@ fn tap_attached(ns: &Path) -> bool {
     o.status.success() && s.contains("LOWER_UP")
 }
 
-/// The VM process of sandbox `id` (the one whose standard error is its `vm.log`) and
-/// how many TAP descriptors (`/dev/net/tun` attached to `tap0`) it holds; `None` when no
-/// process runs for it.
+/// The VM process of sandbox `id` (the one whose standard error is a log in its
+/// directory) and how many TAP descriptors (`/dev/net/tun` attached to `tap0`) it holds;
+/// `None` when no process runs for it.
 fn vm_taps(state: &Path, id: &str) -> Option<(i32, usize)> {
-    let log = state.join("sandboxes").join(id).join("vm.log");
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+    vm_taps_under(&state.join("sandboxes").join(id)).pop()
+}
+
+/// Every process whose standard error is a file under `dir`, with how many TAP
+/// descriptors it holds (see [`vm_taps`]).
+fn vm_taps_under(dir: &Path) -> Vec<(i32, usize)> {
+    let mut found = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for e in procs.flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
             continue;
         };
-        if std::fs::read_link(e.path().join("fd/2")).ok().as_deref() != Some(log.as_path()) {
+        if !std::fs::read_link(e.path().join("fd/2")).is_ok_and(|l| l.starts_with(dir)) {
             continue;
         }
         let taps = std::fs::read_dir(e.path().join("fd"))
@@ -520,9 +529,9 @@ fn vm_taps(state: &Path, id: &str) -> Option<(i32, usize)> {
                     .count()
             })
             .unwrap_or(0);
-        return Some((pid, taps));
+        found.push((pid, taps));
     }
-    None
+    found
 }
 
 /// Root only: a template built with `--net`; each sandbox of it gets a network namespace
@@ -678,6 +687,114 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
     assert!(
         resumed_pid != vm_pid && taps >= 1,
         "resumed onto the same TAP"
+    );
+    // A fork: each child on a network of its own (from the pool), its VM on that TAP.
+    let (st, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some("k"),
+        r#"{"count":2}"#,
+    );
+    assert_eq!(st, 201, "{v}");
+    // (A live fork's children log under the fork's directory.)
+    let children = vm_taps_under(&state.join("sandboxes").join("forks"));
+    assert_eq!(children.len(), 2, "two child VM processes: {children:?}");
+    assert!(
+        children.iter().all(|&(_, taps)| taps >= 1),
+        "each fork child is on its TAP: {children:?}"
+    );
+    for c in v.as_array().expect("children") {
+        let cid = c["sandbox"]["sandboxID"]
+            .as_str()
+            .expect("child id")
+            .to_string();
+        assert_eq!(
+            http(port, "DELETE", &format!("/sandboxes/{cid}"), Some("k"), "").0,
+            204
+        );
+    }
+    // A service restart with a running and a paused sandbox: both keep their networks;
+    // the paused one resumes onto its TAP, and so does the running one after a pause.
+    let (st, v) = http(
+        port,
+        "POST",
+        "/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t"}"#,
+    );
+    assert_eq!(st, 201, "{v}");
+    let paused = id_of(&v);
+    assert_eq!(
+        http(
+            port,
+            "POST",
+            &format!("/sandboxes/{paused}/pause"),
+            Some("k"),
+            ""
+        )
+        .0,
+        204
+    );
+    let (st, _) = http(
+        port,
+        "PUT",
+        &format!("/sandboxes/{id}/network"),
+        Some("k"),
+        r#"{"denyOut":["10.9.8.6"]}"#,
+    );
+    assert_eq!(st, 204);
+    // SAFETY: plain kill(2) on the service this test started.
+    unsafe { libc::kill(serve.0.id() as i32, libc::SIGTERM) };
+    serve.0.wait().unwrap();
+    assert!(
+        ns.exists() && egress_rules(&ns).contains("10.9.8.6"),
+        "a stopped service leaves its sandboxes' networks as they are"
+    );
+    serve = start_serve_with(
+        &state,
+        port,
+        &[&net_args[..], &["--net-pool", "1"]].concat(),
+    );
+    for sid in [&paused, &id] {
+        if sid == &id {
+            assert_eq!(
+                http(
+                    port,
+                    "POST",
+                    &format!("/sandboxes/{sid}/pause"),
+                    Some("k"),
+                    ""
+                )
+                .0,
+                204
+            );
+        }
+        let (st, v) = http(
+            port,
+            "POST",
+            &format!("/sandboxes/{sid}/connect"),
+            Some("k"),
+            r#"{"timeout":60}"#,
+        );
+        assert!(st == 200 || st == 201, "{sid} after the restart: {st} {v}");
+        let (_, taps) = vm_taps(&state, sid).expect("the resumed VM process");
+        assert!(taps >= 1, "{sid} resumed onto its TAP after the restart");
+    }
+    assert!(
+        egress_rules(&ns).contains("10.9.8.6"),
+        "the restarted service kept the running sandbox's network and policy"
+    );
+    assert_eq!(
+        http(
+            port,
+            "DELETE",
+            &format!("/sandboxes/{paused}"),
+            Some("k"),
+            ""
+        )
+        .0,
+        204
     );
     assert_eq!(
         http(port, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "").0,

@@ -434,11 +434,18 @@ impl Host {
                 }
             },
             tap: match (template.net, rec.net) {
-                (true, Some(i)) => self.networks.as_ref().ok().and_then(|n| n.tap(i)),
+                (true, Some(i)) => self.networks.as_ref().ok().and_then(|n| n.take_tap(i)),
                 _ => None,
             },
         };
-        let started = self.driver.start(&spec)?;
+        let started = self.driver.start(&spec);
+        // The VM process has its own descriptor of the TAP now (or failed): the service's
+        // goes; after a failure it is opened ahead again for the next start.
+        drop(spec);
+        if let (Err(_), Some(i), Ok(n)) = (&started, rec.net, &self.networks) {
+            n.reopen_tap(i);
+        }
+        let started = started?;
         rec.state = State::Running;
         rec.pid = Some(started.pid);
         // A standby process keeps its own socket (see `vmproc::standby`).
@@ -778,6 +785,10 @@ impl Host {
         rec.pauses += 1;
         self.reg().update(&rec)?;
         tracing::info!(sandbox = %rec.id, kind, elapsed = ?t.elapsed(), "paused");
+        // Its TAP, opened ahead again for the resume (off the resume's path).
+        if let (Some(i), Ok(n)) = (rec.net, &self.networks) {
+            n.reopen_tap(i);
+        }
         Ok(rec)
     }
 
@@ -872,8 +883,16 @@ impl Host {
                 }
             }
         }
+        // The children's VM processes open their TAPs by name (their parent starts them):
+        // the service lets go of the ones it opened ahead.
         let specs: Vec<String> = match self.networks.as_ref() {
-            Ok(n) => nets.iter().map(|&i| n.tap_spec(i)).collect(),
+            Ok(n) => nets
+                .iter()
+                .map(|&i| {
+                    drop(n.take_tap(i));
+                    n.tap_spec(i)
+                })
+                .collect(),
             Err(_) => Vec::new(),
         };
         let live = match self

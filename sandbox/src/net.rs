@@ -3,12 +3,15 @@
 //! device, held from its creation to its kill (a paused sandbox keeps its namespace: its
 //! outer address and policy stay, and a resume only hands a new VM process the TAP).
 //!
-//! Each network's TAP is opened by the service when the network is made (or taken over)
-//! and held open for the network's life ([`Networks::tap`]): every VM process of the
-//! sandbox gets a duplicate of that descriptor with its start (over the standby's control
-//! socket, or inherited), so no restore attaches to a TAP on its path. While no VM runs
-//! (a paused sandbox) frames sent towards the guest queue in the TAP and are dropped when
-//! its queue is full, as they would be by a VM that does not read them.
+//! A network's TAP is opened by the service ahead of the VM that will use it — when the
+//! network is made (a pool's refill), taken over after a restart, or its sandbox's VM
+//! ended (a pause) — and handed to that VM process with its start ([`Networks::take_tap`]:
+//! over the standby's control socket, or inherited), so no restore attaches to a TAP on
+//! its path. The service keeps no descriptor of a TAP a VM uses: a TAP takes one
+//! attachment at a time, and a VM that opens its own by name (a fork child, whose parent
+//! VM process starts it; a start after a crash) must find it free. While a paused
+//! sandbox's TAP is held by the service, frames sent towards its guest queue in the TAP and
+//! are dropped when its queue is full, as they would be by a VM that does not read them.
 //!
 //! Each network answers DNS on its gateway ([`dns`]: a forwarder to the host's resolver,
 //! which also applies the domain names of the sandbox's egress policy).
@@ -37,7 +40,8 @@ pub mod own;
 /// its gateway (stopped first when it goes).
 struct Net {
     dns: Option<dns::Forwarder>,
-    /// Its TAP, opened ahead (`None` if that failed: VM processes then open it by name).
+    /// Its TAP, opened ahead for the next VM to start on it (`None` while a VM uses it,
+    /// or if opening failed: a VM then opens it by name).
     tap: Option<Arc<vmm::Tap>>,
     net: SandboxNet,
 }
@@ -119,18 +123,7 @@ impl Networks {
             )?),
             None => None,
         };
-        let tap = vmm::open_tap(&vmm::NetConfig {
-            tap: vmm::TapSource::Name(net.tap_name().into()),
-            mac: None,
-            netns: Some(net.netns_path().to_path_buf()),
-        })
-        .map_err(|e| {
-            tracing::warn!(
-                net = net.index(),
-                "opening the network's TAP ahead: {e} (its VM processes open it by name)"
-            )
-        })
-        .ok();
+        let tap = open_tap_ahead(net.index(), net.netns_path());
         Ok(Net { dns, tap, net })
     }
 
@@ -262,9 +255,24 @@ impl Networks {
         )
     }
 
-    /// Network `i`'s TAP, opened ahead (see the module docs), if it could be.
-    pub fn tap(&self, i: u32) -> Option<Arc<vmm::Tap>> {
-        lock(&self.held).get(&i).and_then(|n| n.tap.clone())
+    /// Network `i`'s TAP opened ahead, for a VM process about to start on it; the service
+    /// lets go of it (see the module docs). `None`: the VM opens the TAP by name.
+    pub fn take_tap(&self, i: u32) -> Option<Arc<vmm::Tap>> {
+        lock(&self.held).get_mut(&i).and_then(|n| n.tap.take())
+    }
+
+    /// Opens network `i`'s TAP ahead again once no VM uses it (its sandbox paused, or a
+    /// start failed), for the next start; nothing if it is held already.
+    pub fn reopen_tap(&self, i: u32) {
+        if lock(&self.held).get(&i).is_none_or(|n| n.tap.is_some()) {
+            return;
+        }
+        let tap = open_tap_ahead(i, &self.range.netns_path(i));
+        if let Some(n) = lock(&self.held).get_mut(&i) {
+            if n.tap.is_none() {
+                n.tap = tap;
+            }
+        }
     }
 
     /// The address the host reaches network `i`'s guest at (its exposed ports).
@@ -272,15 +280,34 @@ impl Networks {
         self.range.outer_ip(i)
     }
 
-    /// Removes the pool's ready networks (the service stops; held ones stay, as their
-    /// sandboxes do).
+    /// Removes the pool's ready networks (the service stops); held ones stay, as their
+    /// sandboxes do (the next service takes them over, [`Networks::recover`]): they are let
+    /// go here, so that dropping this value afterwards removes nothing.
     pub fn shutdown(&self) {
         for n in lock(&self.pool).drain(..) {
             if let Err(e) = n.destroy() {
                 tracing::warn!("removing a pooled network: {e}");
             }
         }
+        for (_, n) in std::mem::take(&mut *lock(&self.held)) {
+            drop(n.dns);
+            drop(n.tap);
+            n.net.leak();
+        }
     }
+}
+
+/// Opens the TAP of network `index` (in namespace `netns`) ahead of a VM; `None` if it
+/// cannot be, e.g. while a VM is on it (after a service restart): that VM's next start
+/// opens it by name.
+fn open_tap_ahead(index: u32, netns: &std::path::Path) -> Option<Arc<vmm::Tap>> {
+    vmm::open_tap(&vmm::NetConfig {
+        tap: vmm::TapSource::Name(hostnet::TAP_NAME.into()),
+        mac: None,
+        netns: Some(netns.to_path_buf()),
+    })
+    .map_err(|e| tracing::debug!(net = index, "TAP not opened ahead: {e}"))
+    .ok()
 }
 
 /// The guest side of every sandbox network, for a template's kernel command line

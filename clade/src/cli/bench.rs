@@ -40,6 +40,11 @@ pub enum BenchCommand {
         /// Pings before measuring (connection warm-up), not counted.
         #[arg(long, default_value_t = 100)]
         warmup: usize,
+        /// Wait this long before each measured ping. Above the guest's 100 us poll window
+        /// the guest halts in between, and each round trip includes its wake-up by the
+        /// device's interrupt (what the first request to an idle sandbox pays).
+        #[arg(long, value_name = "US", default_value_t = 0)]
+        gap_us: u64,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -192,10 +197,12 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             guest,
             n,
             warmup,
+            gap_us,
             json,
             machine,
         } => {
-            let s = clade_bench::ping(&load(guest)?, &machine.into(), n, warmup)?;
+            let gap = std::time::Duration::from_micros(gap_us);
+            let s = clade_bench::ping(&load(guest)?, &machine.into(), n, warmup, gap)?;
             print(json, s.to_json(), s);
         }
         BenchCommand::Restore {
