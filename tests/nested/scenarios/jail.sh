@@ -98,7 +98,7 @@ $CLADE run --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem-mib 256 --v
     --jail $J/root $JAIL_ARGS 2>$J/run.log &
 OUTER=$!
 PIDS="$OUTER"
-$CLADE ping --wait 180 $J/vm/v.sock >/dev/null || fail "the jailed VM's agent did not answer"
+$CLADE ping --wait 300 $J/vm/v.sock >/dev/null || fail "the jailed VM's agent did not answer"
 out=$(gx $J/vm/v.sock sh -c 'grep " / " /proc/mounts') || fail "mounts"
 case "$out" in "/dev/vda / ext4 "*) ;; *) fail "root is not /dev/vda: $out" ;; esac
 gx $J/vm/v.sock sh -c 'echo written-in-the-jail > /root/jail.txt && sync' || fail "write /root/jail.txt"
