@@ -883,16 +883,15 @@ impl Host {
                 }
             }
         }
-        // The children's VM processes open their TAPs by name (their parent starts them):
-        // the service lets go of the ones it opened ahead.
         let specs: Vec<String> = match self.networks.as_ref() {
-            Ok(n) => nets
-                .iter()
-                .map(|&i| {
+            Ok(n) => {
+                // The children's VM processes open their TAPs by name (their parent starts
+                // them): the service lets go of the ones it opened ahead.
+                for &i in &nets {
                     drop(n.take_tap(i));
-                    n.tap_spec(i)
-                })
-                .collect(),
+                }
+                nets.iter().map(|&i| n.tap_spec(i)).collect()
+            }
             Err(_) => Vec::new(),
         };
         let live = match self
