@@ -138,8 +138,10 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         before.push(t.elapsed());
     }
     let before = before.summary("parent_ping_before");
-    // Shells are built ahead (a pool's job, not measured).
+    // Shells are built ahead (a pool's job, not measured): the children's, and the one the
+    // parent moves onto at the fork.
     let pre = shells(machine, n)?;
+    parent.give_shell(Shell::create(&parent.child_shell_spec())?)?;
     let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
     let t0 = Instant::now();
     let (children, report) = vmm::fork_with_report(

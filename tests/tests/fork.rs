@@ -3,6 +3,8 @@
 //! writes its own pattern), forks of forks and repeated forks of one parent see the right
 //! memory, VMs restored on demand (`uffd`) or from the memory file fork from their
 //! snapshot, and a fork failing part-way leaves the parent running and no child behind.
+//! The memory tests run twice: the parent frozen in place, and the parent moving onto a
+//! spare shell (`Vm::give_shell`), which must be the same to the guest and to its users.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 use clade_tests::guest_config;
 use vmm::agent::{Client, Transport, AGENT_VSOCK_PORT};
 use vmm::VsockConfig;
-use vmm::{ForkOptions, SerialOutput, Vm, VmExit};
+use vmm::{ForkOptions, ForkReport, SerialOutput, Shell, Vm, VmExit};
 
 const T: Duration = Duration::from_secs(60);
 /// The guest's mailbox (tests/native-guest: 64 MiB - 4096).
@@ -75,6 +77,35 @@ fn fork_opts() -> ForkOptions {
     }
 }
 
+/// How the forking VM freezes its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Freeze {
+    /// Remapped in place (no spare shell).
+    InPlace,
+    /// The VM moves onto a spare shell.
+    Moving,
+}
+
+/// Gives `vm` a spare shell when it is to move at its next fork.
+fn prepare(vm: &mut Vm, how: Freeze) {
+    if how == Freeze::Moving {
+        vm.give_shell(Shell::create(&vm.child_shell_spec()).unwrap())
+            .unwrap();
+        assert!(vm.has_spare_shell());
+    }
+}
+
+/// The fork froze the parent the way asked for (a failed move would fall back in place).
+fn check_freeze(report: &ForkReport, how: Freeze) {
+    let moved = report.pause_steps.iter().any(|(s, _)| *s == "move");
+    assert_eq!(
+        moved,
+        how == Freeze::Moving,
+        "{how:?}: {:?}",
+        report.pause_steps
+    );
+}
+
 fn memory_parent(steps: &str) -> Vm {
     let mut c = guest_config(steps);
     c.mem_mib = 128;
@@ -85,10 +116,22 @@ fn memory_parent(steps: &str) -> Vm {
 
 #[test]
 fn ten_children_and_the_parent_see_only_their_own_writes() {
+    ten_children(Freeze::InPlace);
+}
+
+#[test]
+fn ten_children_and_a_parent_that_moved_see_only_their_own_writes() {
+    ten_children(Freeze::Moving);
+}
+
+fn ten_children(how: Freeze) {
     let steps = format!("memfill:1:{MIB},memsum,mbox:0,memsum,memfill:mbox:{MIB},mbox:1,memsum");
     let mut parent = memory_parent(&steps);
     wait_for_output(&parent, "step memsum ok", 1);
+    prepare(&mut parent, how);
     let (children, report) = vmm::fork_with_report(&mut parent, 10, fork_opts()).unwrap();
+    check_freeze(&report, how);
+    assert!(!parent.has_spare_shell(), "the move used the shell up");
     println!(
         "fork of 10: parent paused {:?} ({:?}); children built in {:?}",
         report.pause_time, report.pause_steps, report.child_times
@@ -131,21 +174,34 @@ fn ten_children_and_the_parent_see_only_their_own_writes() {
 
 #[test]
 fn fork_of_a_fork_and_a_second_fork_of_the_parent_see_the_latest_writes() {
+    fork_of_a_fork(Freeze::InPlace);
+}
+
+#[test]
+fn fork_of_a_fork_and_a_second_fork_of_a_parent_that_moved_see_the_latest_writes() {
+    fork_of_a_fork(Freeze::Moving);
+}
+
+fn fork_of_a_fork(how: Freeze) {
     let steps = format!("memfill:1:{MIB},memsum,mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum");
     let mut parent = memory_parent(&steps);
     wait_for_output(&parent, "step memsum ok", 1);
-    let mut child = vmm::fork(&mut parent, 1, fork_opts())
-        .unwrap()
-        .pop()
-        .unwrap();
+    prepare(&mut parent, how);
+    let (mut first, r0) = vmm::fork_with_report(&mut parent, 1, fork_opts()).unwrap();
+    check_freeze(&r0, how);
+    let mut child = first.pop().unwrap();
     mbox(&parent, 0, 5);
     mbox(&child, 0, 6);
     wait_for_output(&parent, "step memsum ok", 2);
     wait_for_output(&child, "step memsum ok", 1);
 
     // Both wrote since their memory was frozen: the second generation needs a layer.
+    prepare(&mut child, how);
+    prepare(&mut parent, how);
     let (mut grand, r1) = vmm::fork_with_report(&mut child, 1, fork_opts()).unwrap();
     let (mut second, r2) = vmm::fork_with_report(&mut parent, 2, fork_opts()).unwrap();
+    check_freeze(&r1, how);
+    check_freeze(&r2, how);
     assert_eq!((r1.layers, r2.layers), (2, 2));
     println!(
         "second-generation forks: paused {:?} / {:?} ({} / {} mappings)",
@@ -196,9 +252,8 @@ fn ping(sock: &Path) {
     c.ping().unwrap();
 }
 
-#[test]
-fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
-    let dir = TmpDir::new("fail");
+/// A running guest serving its agent on `p.sock` in `dir` (guest CID 3).
+fn agent_parent(dir: &TmpDir) -> (Vm, PathBuf) {
     let psock = dir.0.join("p.sock");
     let mut c = guest_config("vsock");
     c.vsock = Some(VsockConfig {
@@ -208,6 +263,13 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
     let mut parent = vmm::boot(c).unwrap();
     parent.start().unwrap();
     wait_for_output(&parent, "serving agent port", 1);
+    (parent, psock)
+}
+
+#[test]
+fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
+    let dir = TmpDir::new("fail");
+    let (mut parent, psock) = agent_parent(&dir);
     let paths: Vec<PathBuf> = (0..3).map(|i| dir.0.join(format!("c{i}.sock"))).collect();
     let err = vmm::fork(
         &mut parent,
@@ -263,7 +325,16 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
 /// snapshot's pages, the ones written since — and from then on only their own writes.
 #[test]
 fn vms_restored_on_demand_or_from_the_file_fork_from_their_snapshot() {
-    let dir = TmpDir::new("restored");
+    restored_parents(Freeze::InPlace);
+}
+
+#[test]
+fn vms_restored_on_demand_or_from_the_file_move_and_fork_from_their_snapshot() {
+    restored_parents(Freeze::Moving);
+}
+
+fn restored_parents(how: Freeze) {
+    let dir = TmpDir::new(&format!("restored-{how:?}"));
     let full = dir.0.join("full");
     let steps = format!(
         "memfill:1:{MIB},memsum,mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum,\
@@ -298,10 +369,12 @@ fn vms_restored_on_demand_or_from_the_file_fork_from_their_snapshot() {
             parent.unpause().unwrap();
             layers = 3;
         }
+        prepare(&mut parent, how);
         let (mut children, report) = vmm::fork_with_report(&mut parent, 2, fork_opts())
             .unwrap_or_else(|e| {
                 panic!("{backend}: {e}");
             });
+        check_freeze(&report, how);
         assert_eq!(report.layers, layers, "{backend}: {:?}", report.pause_steps);
         println!(
             "{backend}: fork paused {:?} ({:?})",
@@ -324,4 +397,66 @@ fn vms_restored_on_demand_or_from_the_file_fork_from_their_snapshot() {
             );
         }
     }
+}
+
+/// A VM that moves onto a spare shell at each freeze stays the same VM to its users: an
+/// agent connection opened before carries on through every move, its socket and CID stay,
+/// it forks again and again (moving each time), and a copy-on-write snapshot moves it too
+/// and restores into a VM that answers.
+#[test]
+fn a_vm_that_moves_keeps_its_connection_forks_again_and_snapshots() {
+    let dir = TmpDir::new("moves");
+    let (mut parent, psock) = agent_parent(&dir);
+    let conn = Client::connect_timeout(
+        &psock,
+        Transport::Vsock {
+            port: AGENT_VSOCK_PORT,
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    conn.ping().unwrap();
+    for round in 0..3 {
+        prepare(&mut parent, Freeze::Moving);
+        let kid = dir.0.join(format!("c{round}.sock"));
+        let (mut kids, report) = vmm::fork_with_report(
+            &mut parent,
+            1,
+            ForkOptions {
+                vsock_paths: vec![kid.clone()],
+                ..fork_opts()
+            },
+        )
+        .unwrap();
+        check_freeze(&report, Freeze::Moving);
+        conn.ping().unwrap();
+        ping(&psock);
+        ping(&kid);
+        assert_eq!(parent.config().vsock.as_ref().unwrap().guest_cid, 3);
+        kids[0].shutdown();
+    }
+    // A full snapshot of the running VM is copy-on-write: the freeze moves it.
+    prepare(&mut parent, Freeze::Moving);
+    let snap = dir.0.join("snap");
+    let info = vmm::snapshot(&mut parent, &snap, vmm::SnapshotKind::Full).unwrap();
+    assert!(
+        info.steps.iter().any(|(s, _)| *s == "move"),
+        "{:?}",
+        info.steps
+    );
+    conn.ping().unwrap();
+    let rsock = dir.0.join("r.sock");
+    let mut restored = vmm::restore(
+        &snap,
+        vmm::MemoryBackend::Uffd,
+        vmm::RestoreOptions {
+            vsock_path: Some(rsock.clone()),
+            ..vmm::RestoreOptions::default()
+        },
+    )
+    .unwrap();
+    ping(&rsock);
+    conn.ping().unwrap();
+    restored.shutdown();
+    parent.shutdown();
 }

@@ -197,14 +197,68 @@ fn open_tap_in_netns(name: &str, netns: &std::path::Path) -> Result<Tap> {
     Ok(tap?)
 }
 
-fn irq_eventfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
-    let evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| Error::Io {
-        context: "creating an interrupt eventfd",
+/// One registration of a device's eventfd with KVM: what a VM that moves to another KVM
+/// VM ([`DeviceManager::wire_to`]) registers again there.
+enum Wire {
+    /// An irqfd: signalling `evt` raises `gsi`.
+    Irq { evt: EventFd, gsi: u32 },
+    /// An ioeventfd: a guest write of `datamatch` at `addr` signals `evt`.
+    IoEvent {
+        evt: EventFd,
+        addr: u64,
+        datamatch: u32,
+    },
+}
+
+/// The KVM VM the devices are wired to, and the record of every registration made.
+struct Wiring<'a> {
+    vm: &'a VmFd,
+    wires: Vec<Wire>,
+}
+
+impl<'a> Wiring<'a> {
+    fn new(vm: &'a VmFd) -> Self {
+        Wiring {
+            vm,
+            wires: Vec::new(),
+        }
+    }
+
+    /// A new interrupt eventfd, registered as the irqfd of `gsi`.
+    fn irq(&mut self, gsi: u32) -> Result<EventFd> {
+        let evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| Error::Io {
+            context: "creating an interrupt eventfd",
+            source,
+        })?;
+        self.vm
+            .register_irqfd(&evt, gsi)
+            .map_err(Error::kvm("KVM_IRQFD"))?;
+        self.wires.push(Wire::Irq {
+            evt: dup_eventfd(&evt)?,
+            gsi,
+        });
+        Ok(evt)
+    }
+
+    /// Registers `evt` as the ioeventfd of a guest write of `datamatch` at MMIO `addr`.
+    fn ioevent(&mut self, evt: &EventFd, addr: u64, datamatch: u32) -> Result<()> {
+        self.vm
+            .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
+            .map_err(Error::kvm("KVM_IOEVENTFD"))?;
+        self.wires.push(Wire::IoEvent {
+            evt: dup_eventfd(evt)?,
+            addr,
+            datamatch,
+        });
+        Ok(())
+    }
+}
+
+fn dup_eventfd(evt: &EventFd) -> Result<EventFd> {
+    evt.try_clone().map_err(|source| Error::Io {
+        context: "duplicating an eventfd",
         source,
-    })?;
-    vm.register_irqfd(&evt, gsi)
-        .map_err(Error::kvm("KVM_IRQFD"))?;
-    Ok(evt)
+    })
 }
 
 /// Offset of the QueueNotify register in a virtio-mmio window.
@@ -214,7 +268,7 @@ const VIRTIO_MMIO_QUEUE_NOTIFY: u64 = 0x50;
 /// QueueNotify (datamatch = queue index), the transport on the MMIO bus. With `state`, the
 /// transport (and the device's queues) is restored from it.
 fn add_virtio_mmio(
-    vm: &VmFd,
+    wiring: &mut Wiring<'_>,
     mem: &GuestMemory,
     mmio_bus: &mut Bus,
     n: usize,
@@ -229,7 +283,7 @@ fn add_virtio_mmio(
     }
     let base = VIRTIO_MMIO_BASE + u64::from(n32) * VIRTIO_MMIO_SLOT_SIZE;
     let gsi = VIRTIO_MMIO_GSI_BASE + n32;
-    let irq = irq_eventfd(vm, gsi)?;
+    let irq = wiring.irq(gsi)?;
     let transport = match state {
         None => MmioTransport::new(mem.clone(), device, irq)?,
         Some(st) => MmioTransport::restore(
@@ -241,10 +295,8 @@ fn add_virtio_mmio(
             st,
         )?,
     };
-    let notify = IoEventAddress::Mmio(base + VIRTIO_MMIO_QUEUE_NOTIFY);
     for (q, evt) in transport.queue_evts().iter().enumerate() {
-        vm.register_ioevent(evt, &notify, q as u32)
-            .map_err(Error::kvm("KVM_IOEVENTFD"))?;
+        wiring.ioevent(evt, base + VIRTIO_MMIO_QUEUE_NOTIFY, q as u32)?;
     }
     let slot = VirtioSlot {
         base,
@@ -293,6 +345,8 @@ pub struct DeviceManager {
     unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
     /// The virtio-blk device's disk, if any (frozen when the VM forks).
     disk: Option<Arc<Mutex<disk::Disk>>>,
+    /// Every eventfd registered with KVM, for [`DeviceManager::wire_to`].
+    wires: Vec<Wire>,
 }
 
 impl DeviceManager {
@@ -374,11 +428,12 @@ impl DeviceManager {
             });
             Ok(EventLoop::start_on("clade-devices", r)?)
         };
+        let mut wiring = Wiring::new(vm);
         let mut pio_bus = Bus::new();
         let mut mmio_bus = Bus::new();
 
         let (writer, serial_tap) = serial_writer(serial)?;
-        let com1_irq = irq_eventfd(vm, pio::SERIAL_COM1_GSI)?;
+        let com1_irq = wiring.irq(pio::SERIAL_COM1_GSI)?;
         let serial_dev = match state {
             None => SerialDevice::new(com1_irq, writer),
             Some(st) => SerialDevice::restore((com1_irq, writer), &st.serial)?,
@@ -400,7 +455,7 @@ impl DeviceManager {
                 mem,
                 VMGENID_ADDR,
                 pio::GED_GSI,
-                irq_eventfd(vm, pio::GED_GSI)?,
+                wiring.irq(pio::GED_GSI)?,
             )?),
             Some(st) => match &st.vmgenid {
                 None => None,
@@ -414,7 +469,7 @@ impl DeviceManager {
                             g.gsi
                         )));
                     }
-                    Some(VmGenId::restore(g, irq_eventfd(vm, g.gsi)?)?)
+                    Some(VmGenId::restore(g, wiring.irq(g.gsi)?)?)
                 }
             },
         };
@@ -425,7 +480,7 @@ impl DeviceManager {
                 TEST_PIO_BASE,
                 TEST_PIO_LEN,
             )?;
-            let irq = irq_eventfd(vm, pio::TEST_DEVICE_GSI)?;
+            let irq = wiring.irq(pio::TEST_DEVICE_GSI)?;
             let dev = match state.and_then(|s| s.test_device.as_ref()) {
                 None => TestMmio::new(irq),
                 Some(st) => TestMmio::restore(irq, st)?,
@@ -556,7 +611,8 @@ impl DeviceManager {
         let mut transports = Vec::new();
         for (n, device) in virtio.into_iter().enumerate() {
             let saved = saved_virtio.and_then(|s| s.get(n));
-            let (slot, transport) = add_virtio_mmio(vm, mem, &mut mmio_bus, n, device, saved)?;
+            let (slot, transport) =
+                add_virtio_mmio(&mut wiring, mem, &mut mmio_bus, n, device, saved)?;
             transports.push(transport);
             tracing::debug!(
                 "virtio-mmio slot {n}: device type {} at {:#x}, GSI {}",
@@ -582,6 +638,7 @@ impl DeviceManager {
             paused: false,
             unbound,
             disk: restored_disk,
+            wires: wiring.wires,
         })
     }
 
@@ -715,7 +772,10 @@ impl DeviceManager {
         let mmio = Arc::get_mut(&mut self.buses.mmio)
             .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
         let n = self.virtio_slots.len();
-        let (slot, transport) = add_virtio_mmio(vm, mem, mmio, n, Box::new(device), None)?;
+        let mut wiring = Wiring::new(vm);
+        let added = add_virtio_mmio(&mut wiring, mem, mmio, n, Box::new(device), None);
+        self.wires.extend(wiring.wires);
+        let (slot, transport) = added?;
         tracing::debug!(
             "virtio-mmio slot {n}: block device {} at {:#x}, GSI {}",
             cfg.path.display(),
@@ -750,7 +810,10 @@ impl DeviceManager {
         let mmio = Arc::get_mut(&mut self.buses.mmio)
             .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
         let n = self.virtio_slots.len();
-        let (slot, transport) = add_virtio_mmio(vm, mem, mmio, n, Box::new(device), None)?;
+        let mut wiring = Wiring::new(vm);
+        let added = add_virtio_mmio(&mut wiring, mem, mmio, n, Box::new(device), None);
+        self.wires.extend(wiring.wires);
+        let (slot, transport) = added?;
         tracing::debug!(
             "virtio-mmio slot {n}: net device on TAP {name} at {:#x}, GSI {}",
             slot.base,
@@ -759,6 +822,70 @@ impl DeviceManager {
         self.virtio_slots.push(slot);
         self.transports.push(transport);
         Ok(())
+    }
+
+    /// Registers the devices' ioeventfds with `vm` as well (they stay registered with
+    /// the current KVM VM, whose vCPUs no longer run once the VM moved: see
+    /// `Vm::move_onto`). Changes nothing for the current VM.
+    pub(crate) fn wire_ioevents_to(&self, vm: &VmFd) -> Result<()> {
+        for w in &self.wires {
+            if let Wire::IoEvent {
+                evt,
+                addr,
+                datamatch,
+            } = w
+            {
+                vm.register_ioevent(evt, &IoEventAddress::Mmio(*addr), *datamatch)
+                    .map_err(Error::kvm("KVM_IOEVENTFD"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves the devices' irqfds from KVM VM `from` to `to`. An eventfd drives one irqfd
+    /// at a time (KVM refuses a second with `EBUSY`), so each is released from `from`
+    /// before it is registered with `to`. On an error those moved so far go back to
+    /// `from`, as far as KVM lets them.
+    pub(crate) fn move_irqs(&self, from: &VmFd, to: &VmFd) -> Result<()> {
+        let irqs: Vec<(&EventFd, u32)> = self
+            .wires
+            .iter()
+            .filter_map(|w| match w {
+                Wire::Irq { evt, gsi } => Some((evt, *gsi)),
+                Wire::IoEvent { .. } => None,
+            })
+            .collect();
+        for (i, &(evt, gsi)) in irqs.iter().enumerate() {
+            let moved = from
+                .unregister_irqfd(evt, gsi)
+                .map_err(Error::kvm("KVM_IRQFD (deassign)"))
+                .and_then(|()| {
+                    to.register_irqfd(evt, gsi).map_err(|e| {
+                        let _ = from.register_irqfd(evt, gsi);
+                        Error::kvm("KVM_IRQFD")(e)
+                    })
+                });
+            if let Err(e) = moved {
+                for &(evt, gsi) in &irqs[..i] {
+                    let back = to
+                        .unregister_irqfd(evt, gsi)
+                        .and_then(|()| from.register_irqfd(evt, gsi));
+                    if let Err(e) = back {
+                        tracing::error!("putting back the irqfd of GSI {gsi}: {e}");
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// From now on guest memory is `mem` for every device (the same guest memory mapped
+    /// elsewhere; call while paused: see [`devices::virtio::VirtioDevice::replace_memory`]).
+    pub(crate) fn replace_memory(&mut self, mem: &GuestMemory) {
+        for t in &self.transports {
+            lock(t).replace_memory(mem);
+        }
     }
 
     /// The virtio-mmio slots in use, in slot order.

@@ -5,17 +5,19 @@
 //!
 //! 1. The parent's vCPUs and device workers pause ([`Vm::pause_guard`]); its machine is
 //!    saved in memory ([`Vm::save_machine`], the same state a snapshot writes).
-//! 2. Its memory is *frozen* ([`GuestRam::freeze`]): a booted VM's memfd is mapped again,
-//!    `MAP_PRIVATE`, at the same host address (KVM's memory slots stay valid; its MMU
-//!    notifiers drop the old mappings), so nobody writes the memfd any more. The old
-//!    mapping is not torn down in the pause: its page tables are moved aside whole
-//!    (`mremap` with `MREMAP_DONTUNMAP`) and dropped a few MiB at a time in a thread after
-//!    the parent runs again, so what the pause still pays in proportion to the memory
-//!    touched is KVM dropping its own mappings of it (~10 us per touched MiB here, against
-//!    ~80 us with the teardown in the pause). The parent then faults each page in again on
-//!    its first touch (a read maps the frozen page, a write copies it). A VM forked
-//!    before copies the pages it wrote since (KVM dirty log + the VMM's writes) into a new
-//!    memfd layer over the previous frozen image, and maps that layer back private.
+//! 2. Its memory is *frozen*: a booted VM's memfd becomes the frozen image as it is; a VM
+//!    forked before copies the pages it wrote since (KVM dirty log + the VMM's writes) into
+//!    a new memfd layer over the previous frozen image. Then, with a spare shell
+//!    ([`Vm::give_shell`]; a VM process keeps one), the parent *moves*: it continues in that
+//!    pre-built KVM VM, on a new private mapping of the image, with its own devices, vCPU
+//!    threads, sockets and connections (`Vm::move_onto`); its former KVM VM and mapping
+//!    are torn down in a thread after it runs again. Nothing in this pause grows with the
+//!    memory the guest touched. Without a shell the image is mapped `MAP_PRIVATE` over the
+//!    same host addresses instead ([`GuestRam::map_frozen`]; KVM's memory slots stay valid,
+//!    its MMU notifiers drop the old mappings: ~10 us per touched MiB here, in the pause;
+//!    the old mapping's page tables are moved aside and dropped after the pause). Either
+//!    way the parent then faults each page in again on its first touch (a read maps the
+//!    frozen page, a write copies it).
 //! 3. The parent runs again: the pause is steps 1 and 2 only.
 //! 4. Each child is a VM shell with the frozen image's layers mapped `MAP_PRIVATE`, built
 //!    from the saved machine ([`crate::builder::from_saved`]) with its own identity: vsock
@@ -383,7 +385,7 @@ fn capture(
     steps: &mut Steps,
 ) -> Result<(Arc<FrozenImage>, SavedMachine)> {
     let mut saved = vm.save_machine(steps)?;
-    let image = vm.freeze_memory(plan, steps)?;
+    let image = vm.freeze_memory(plan, &saved, steps)?;
     saved.disk = vm.freeze_disk("p", steps)?;
     Ok((image, saved))
 }

@@ -26,6 +26,7 @@ use crate::saved::{
 use crate::seccomp::ThreadKind;
 use crate::vstate::kvm;
 use crate::vstate::memory::{Backing, FrozenImage, GuestMemory, GuestRam, MAX_FROZEN_LAYERS};
+use crate::vstate::shell::Shell;
 use crate::vstate::spare::SpareThread;
 use crate::vstate::state::{self as kvm_state, Capabilities};
 use crate::vstate::vcpu::VcpuHandle;
@@ -88,6 +89,57 @@ pub struct Vm {
     /// Forked memory: the pages written since it was frozen that a snapshot already took
     /// out of the dirty log (the fork module's business).
     fork_carry: Vec<Vec<u64>>,
+    /// A pre-built shell of this VM's shape that its next freeze moves it onto
+    /// ([`Vm::give_shell`]).
+    spare_shell: Option<Shell>,
+    /// The KVM VM and memory mapping the last freeze moved away from, still to be torn
+    /// down ([`Vm::unmap_retired_memory`]).
+    retired_vm: Option<RetiredVm>,
+}
+
+/// What a VM leaves behind when it moves onto a shell ([`Vm::move_onto`]): its former
+/// KVM VM, vCPUs and memory mapping. Tearing them down costs in proportion to the memory
+/// the guest touched (KVM drops its mappings of every page), so it happens in a thread of
+/// its own once the VM runs again.
+struct RetiredVm {
+    vcpu_fds: Vec<VcpuFd>,
+    vm_fd: VmFd,
+    ram: GuestRam,
+    spares: Vec<SpareThread>,
+}
+
+impl RetiredVm {
+    /// Closes the KVM VM (KVM drops its mappings then, not on a later unmap) and then
+    /// unmaps the memory a few MiB at a time, in a short-lived thread (here if none can
+    /// be started).
+    fn tear_down_in_background(self) {
+        let tear_down = move || {
+            let t = Instant::now();
+            let RetiredVm {
+                vcpu_fds,
+                vm_fd,
+                ram,
+                spares,
+            } = self;
+            drop(vcpu_fds);
+            drop(vm_fd);
+            let vm_closed = t.elapsed();
+            ram.release_gradually();
+            drop(spares);
+            tracing::debug!(
+                "former KVM VM closed in {vm_closed:?}, its memory mapping released in {:?}",
+                t.elapsed() - vm_closed
+            );
+        };
+        // Should no thread start, the closure is dropped with what it holds: torn down
+        // here, at once.
+        if let Err(e) = std::thread::Builder::new()
+            .name("clade-retire".into())
+            .spawn(tear_down)
+        {
+            tracing::warn!("no thread to tear down a former KVM VM ({e}): torn down here");
+        }
+    }
 }
 
 /// Everything a [`Vm`] is made of, prepared by the builder for a boot, a restore or
@@ -197,6 +249,8 @@ impl Vm {
             vcpu_cpus: p.vcpu_cpus,
             agent_sync: None,
             fork_carry: Vec::new(),
+            spare_shell: None,
+            retired_vm: None,
         }
     }
 
@@ -401,6 +455,11 @@ impl Vm {
     /// The VM's state: "not started", "running", "paused" or "ended".
     pub fn state_name(&self) -> &'static str {
         self.state.name()
+    }
+
+    /// Whether it was started and has not ended (running or paused).
+    pub(crate) fn is_live(&self) -> bool {
+        matches!(self.state, RunState::Running | RunState::Paused)
     }
 
     /// Whether its vCPUs run (started, not paused, not ended).
@@ -633,45 +692,215 @@ impl Vm {
         }))
     }
 
-    /// Freezes guest memory (call paused, with the plan [`Vm::freeze_plan`] made;
-    /// [`GuestRam::freeze`]) and restarts the dirty log there: the instant a fork's
-    /// children and a copy-on-write snapshot are made from. The VM runs on the returned
-    /// image, copy-on-write; call [`Vm::unmap_retired_memory`] once it runs again.
+    /// Freezes guest memory (call paused, with the plan [`Vm::freeze_plan`] made, and its
+    /// machine `saved` at this instant) and restarts the dirty log there: the instant a
+    /// fork's children and a copy-on-write snapshot are made from. The VM runs on the
+    /// returned image, copy-on-write; call [`Vm::unmap_retired_memory`] once it runs again.
+    ///
+    /// With a spare shell ([`Vm::give_shell`]) the VM moves onto it, mapped from the image
+    /// ([`Vm::move_onto`]): the pause then costs the same whatever the guest touched.
+    /// Without one (or should the move fail) its memory is mapped again in place
+    /// ([`GuestRam::map_frozen`]), and KVM drops its mappings of every touched page in the
+    /// pause.
     pub(crate) fn freeze_memory(
         &mut self,
         plan: FreezePlan,
+        saved: &SavedMachine,
         steps: &mut Steps,
     ) -> Result<Arc<FrozenImage>> {
         if let FreezePlan::OnSnapshot(chain) = plan {
-            return self.freeze_restored_memory(&chain, steps);
+            return self.freeze_restored_memory(&chain, saved, steps);
         }
-        if matches!(self.ram.backing(), Backing::Forked(_)) {
-            // The pages written since this memory was last frozen: the new layer.
+        let forked = matches!(self.ram.backing(), Backing::Forked(_));
+        // Forked memory: the pages written since it was last frozen make the new layer.
+        // A booted VM's memfd is frozen as it is: its dirty bits so far are in the frozen
+        // base already, dropped below.
+        let dirty = if forked {
             self.take_dirty()?;
-            let dirty = self.take_fork_carry();
             steps.done("dirty_log");
-            let image = match self.ram.freeze(Some(&dirty[..])) {
-                Ok(i) => i,
-                Err(e) => {
-                    self.return_fork_carry(dirty);
-                    return Err(e);
-                }
-            };
-            steps.done("freeze_memory");
-            Ok(image)
+            Some(self.take_fork_carry())
         } else {
-            // A booted VM's memory is frozen as it is; then the dirty log restarts, cheaper
-            // after the freeze (KVM has no mapping of the memory left to write-protect).
-            // Its bits so far are in the frozen base already: dropped. Should reading the
-            // log fail, the VM still runs on the frozen image (same contents); only the
-            // caller's operation fails.
-            let image = self.ram.freeze(None)?;
-            steps.done("freeze_memory");
+            None
+        };
+        let (image, changed) = match self.ram.image_now(dirty.as_deref()) {
+            Ok(i) => i,
+            Err(e) => {
+                if let Some(d) = dirty {
+                    self.return_fork_carry(d);
+                }
+                return Err(e);
+            }
+        };
+        if !changed {
+            return Ok(image);
+        }
+        if forked {
+            steps.done("copy_written");
+        }
+        if self.try_move(&image, saved, steps) {
+            drop(self.take_fork_carry());
+            return Ok(image);
+        }
+        if let Err(e) = self.ram.map_frozen(Arc::clone(&image)) {
+            if let Some(d) = dirty {
+                self.return_fork_carry(d);
+            }
+            return Err(e);
+        }
+        steps.done("freeze_memory");
+        if !forked {
+            // The dirty log restarts, cheaper after the freeze (KVM has no mapping of the
+            // memory left to write-protect). Should reading it fail, the VM still runs on
+            // the frozen image (same contents); only the caller's operation fails.
             self.take_dirty()?;
             drop(self.take_fork_carry());
             steps.done("dirty_log");
-            Ok(image)
         }
+        Ok(image)
+    }
+
+    /// Moves the VM onto its spare shell, if it has one, mapped from `image`; false if
+    /// it has none or the move failed (the VM is then as it was; logged).
+    fn try_move(
+        &mut self,
+        image: &Arc<FrozenImage>,
+        saved: &SavedMachine,
+        steps: &mut Steps,
+    ) -> bool {
+        let Some(shell) = self.spare_shell.take() else {
+            return false;
+        };
+        match self.move_onto(shell, image, saved, steps) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("moving the VM onto its spare shell failed ({e}): its memory is frozen in place");
+                false
+            }
+        }
+    }
+
+    /// Moves this paused VM onto `shell`, a new KVM VM whose memory is `image` mapped
+    /// private at a new address: the vCPUs' state (`saved`) and the in-kernel irqchip,
+    /// PIT and clock are set there, every device eventfd is registered there, the devices
+    /// use the new mapping, and each vCPU thread runs the new VM's vCPU from now on. The
+    /// devices themselves (with their host ends: sockets, connections, disk, TAP) and the
+    /// threads stay, so the VM stays the same to whoever uses it.
+    ///
+    /// The former KVM VM and mapping are kept aside ([`RetiredVm`]), to be torn down
+    /// once the VM runs again: nothing here costs in proportion to the memory the guest
+    /// touched. Afterwards the guest faults in each page again on its first touch (a read
+    /// maps the frozen page, a write copies it). On an error the VM is as it was: nothing
+    /// changes it before the last, infallible step.
+    fn move_onto(
+        &mut self,
+        shell: Shell,
+        image: &Arc<FrozenImage>,
+        saved: &SavedMachine,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let Shell {
+            vcpus: vcpu_fds,
+            vm_fd,
+            reservation,
+            cpuids,
+            spares,
+            ..
+        } = shell;
+        if vcpu_fds.len() != saved.vcpus.len() {
+            return Err(Error::Fork(format!(
+                "a spare shell with {} vCPUs for a VM with {}",
+                vcpu_fds.len(),
+                saved.vcpus.len()
+            )));
+        }
+        let ram = GuestRam::forked(reservation, Arc::clone(image))?;
+        ram.clear_vmm_dirty();
+        steps.done("map_memory");
+        self.devices.wire_ioevents_to(&vm_fd)?;
+        kvm_state::restore_vm(&vm_fd, &saved.vm)?;
+        for (i, (fd, s)) in vcpu_fds.iter().zip(&saved.vcpus).enumerate() {
+            let refused =
+                kvm_state::restore_vcpu(fd, s, cpuids.get(i).map(|c| &c[..])).map_err(|e| {
+                    Error::Vcpu {
+                        index: i,
+                        reason: format!("restoring its state in the new VM: {e}"),
+                    }
+                })?;
+            if !refused.is_empty() {
+                tracing::warn!("vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
+            }
+            if let Some(vif) = saved.machine.pvm_vif_base {
+                // After SREGS, which resets the hypervisor's view of the cell.
+                if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
+                    return Err(Error::UnsupportedHost(
+                        "the new VM lacks the PVM virtual-interrupt cell".into(),
+                    ));
+                }
+            }
+        }
+        steps.done("vcpu_state");
+        // The last step that can fail (and puts the irqfds back if it does).
+        self.devices.move_irqs(&self.vm_fd, &vm_fd)?;
+        steps.done("move_irqs");
+        // From here on nothing fails: the VM becomes the new one.
+        self.devices.replace_memory(&ram.mem);
+        let old_vcpu_fds = if self.vcpus.is_empty() {
+            std::mem::replace(&mut self.pending_vcpus, vcpu_fds)
+        } else {
+            self.swap_vcpu_fds(vcpu_fds)
+        };
+        let old_vm_fd = std::mem::replace(&mut self.vm_fd, vm_fd);
+        let old_ram = std::mem::replace(&mut self.ram, ram);
+        self.retired_vm = Some(RetiredVm {
+            vcpu_fds: old_vcpu_fds,
+            vm_fd: old_vm_fd,
+            ram: old_ram,
+            spares,
+        });
+        steps.done("move");
+        Ok(())
+    }
+
+    /// Each paused vCPU thread runs `fds[i]` from now on; returns the fds they ran.
+    fn swap_vcpu_fds(&mut self, fds: Vec<VcpuFd>) -> Vec<VcpuFd> {
+        let jobs: Vec<_> = self
+            .vcpus
+            .iter()
+            .zip(fds)
+            .map(|(h, fd)| h.submit(move |v: &mut VcpuFd| std::mem::replace(v, fd)))
+            .collect();
+        let mut old = Vec::with_capacity(jobs.len());
+        for (h, job) in self.vcpus.iter().zip(jobs) {
+            // A vCPU thread of a paused VM runs its jobs; one that ended has no vCPU
+            // left to swap (its VM is ending anyway).
+            match job.and_then(|rx| h.wait_job(rx)) {
+                Ok(fd) => old.push(fd),
+                Err(e) => tracing::error!("moving a vCPU to the new VM: {e}"),
+            }
+        }
+        old
+    }
+
+    /// Gives this VM a pre-built shell of its shape ([`Vm::child_shell_spec`]) to move
+    /// onto at its next freeze (a fork, a copy-on-write snapshot), so that the freeze does
+    /// not pause the guest while KVM drops its mappings of the memory (see
+    /// [`crate::fork`]). A freeze uses the shell up: give another one after it
+    /// ([`Vm::has_spare_shell`]). Refused for a shell of another shape.
+    pub fn give_shell(&mut self, shell: Shell) -> Result<()> {
+        let want = self.child_shell_spec();
+        if *shell.spec() != want {
+            return Err(Error::Config(format!(
+                "a spare shell for {:?}, but this VM needs {want:?}",
+                shell.spec()
+            )));
+        }
+        self.spare_shell = Some(shell);
+        Ok(())
+    }
+
+    /// Whether the VM holds a spare shell for its next freeze ([`Vm::give_shell`]).
+    pub fn has_spare_shell(&self) -> bool {
+        self.spare_shell.is_some()
     }
 
     /// Whether [`Vm::freeze_memory`] can freeze this VM's memory, and how (why not, as the
@@ -725,6 +954,7 @@ impl Vm {
     fn freeze_restored_memory(
         &mut self,
         chain: &MemoryChain,
+        saved: &SavedMachine,
         steps: &mut Steps,
     ) -> Result<Arc<FrozenImage>> {
         let dirty = self.take_dirty()?;
@@ -746,7 +976,11 @@ impl Vm {
             }
             steps.done("stop_page_server");
         }
-        match self.ram.freeze_onto(layers) {
+        let image = layers.into_image(self.ram.mem_bytes());
+        if self.try_move(&image, saved, steps) {
+            return Ok(image);
+        }
+        match self.ram.map_frozen(Arc::clone(&image)) {
             Ok(image) => {
                 steps.done("freeze_memory");
                 Ok(image)
@@ -761,11 +995,14 @@ impl Vm {
     }
 
     /// Unmaps, in the background, the mapping the last [`Vm::freeze_memory`] moved out of
-    /// the guest's range (call once the VM runs again: see
-    /// [`crate::vstate::memory::Retired`]).
+    /// the guest's range, or tears down the KVM VM and mapping it moved away from (call
+    /// once the VM runs again: see [`crate::vstate::memory::Retired`], [`RetiredVm`]).
     pub(crate) fn unmap_retired_memory(&mut self) {
         if let Some(retired) = self.ram.take_retired() {
             retired.unmap_in_background();
+        }
+        if let Some(old) = self.retired_vm.take() {
+            old.tear_down_in_background();
         }
     }
 

@@ -177,6 +177,13 @@ impl MmioTransport {
         })
     }
 
+    /// From now on guest memory is `mem`, for the transport and its device (see
+    /// [`VirtioDevice::replace_memory`]; call while the device is paused).
+    pub fn replace_memory(&mut self, mem: &GuestMemory) {
+        self.mem = mem.clone();
+        self.device.replace_memory(mem);
+    }
+
     /// One eventfd per queue, in queue order: the VMM registers each as an ioeventfd on
     /// `base + 0x50` with datamatch = the queue index.
     pub fn queue_evts(&self) -> &[EventFd] {
@@ -826,6 +833,7 @@ mod tests {
                 .config_writes
                 .push((offset, data.to_vec()));
         }
+        fn replace_memory(&mut self, _mem: &GuestMemory) {}
         fn activate(
             &mut self,
             _mem: GuestMemory,

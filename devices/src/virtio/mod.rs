@@ -211,6 +211,12 @@ pub trait VirtioDevice: Send {
     /// Lets a paused device work again (anything that arrived meanwhile is handled then).
     fn unpause(&mut self) {}
 
+    /// From now on guest memory is `mem`: the same guest memory, mapped at another host
+    /// address (the VM moved to a new mapping of it while paused). Called while paused;
+    /// an active device's worker uses `mem` from its next round on and never the old
+    /// mapping again. Every device that keeps guest memory must implement it.
+    fn replace_memory(&mut self, mem: &GuestMemory);
+
     /// Where each queue stands, in queue order, while the device is active and paused;
     /// empty when it is not active.
     fn queue_positions(&self) -> Vec<QueuePosition> {

@@ -61,6 +61,9 @@ pub(crate) trait QueueWorker: Send + 'static {
     fn run(&mut self, ops: &mut EventOps);
     /// Publishes the device's own progress (called under the gate after every round).
     fn publish(&self, _progress: &mut Self::Progress) {}
+    /// From now on guest memory is `mem` (the same guest memory, mapped elsewhere: see
+    /// [`DeviceWorker::replace_memory`]). Called under the gate, between rounds.
+    fn set_memory(&mut self, mem: crate::GuestMemory);
 }
 
 /// For an event on a descriptor the worker does not know: unregisters it (it would fire
@@ -102,6 +105,9 @@ struct GateState<P> {
     positions: Vec<QueuePosition>,
     /// The device's own progress after the worker's last round.
     progress: P,
+    /// Guest memory the worker uses from its next round on (see
+    /// [`DeviceWorker::replace_memory`]).
+    memory: Option<crate::GuestMemory>,
 }
 
 /// The pause gate (see the module documentation).
@@ -120,6 +126,7 @@ impl<P: Default> Gate<P> {
                 paused: false,
                 positions: vec![QueuePosition::default(); queues],
                 progress: P::default(),
+                memory: None,
             }),
             cv: Condvar::new(),
         }
@@ -185,6 +192,9 @@ impl<W: QueueWorker> MutEventSubscriber for Gated<W> {
         let Some(mut g) = self.gate.enter() else {
             return;
         };
+        if let Some(mem) = g.memory.take() {
+            self.worker.set_memory(mem);
+        }
         self.worker.first_round(ops);
         Self::publish(&self.worker, &mut g);
     }
@@ -193,6 +203,9 @@ impl<W: QueueWorker> MutEventSubscriber for Gated<W> {
         let Some(mut g) = self.gate.enter() else {
             return;
         };
+        if let Some(mem) = g.memory.take() {
+            self.worker.set_memory(mem);
+        }
         let fd = events.fd();
         let queue = self
             .worker
@@ -283,6 +296,16 @@ impl<W: QueueWorker> DeviceWorker<W> {
         }
     }
 
+    /// Hands a paused worker the guest memory it uses from its next round on: the same
+    /// guest memory at another host address (its VM moved to a new mapping of it). The
+    /// worker touches guest memory only between entering the gate and leaving it, and
+    /// takes the new memory as it enters, so it never uses the old mapping afterwards.
+    pub(crate) fn replace_memory(&self, mem: &crate::GuestMemory) {
+        if let Some(r) = &self.running {
+            r.gate.lock().memory = Some(mem.clone());
+        }
+    }
+
     /// Lets a paused worker go on.
     pub(crate) fn unpause(&self) {
         if let Some(r) = &self.running {
@@ -339,6 +362,7 @@ mod tests {
         fn publish(&self, progress: &mut usize) {
             *progress = self.rounds.load(Ordering::SeqCst);
         }
+        fn set_memory(&mut self, _mem: crate::GuestMemory) {}
     }
 
     use crate::virtio::test_util::wait_for;

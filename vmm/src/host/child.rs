@@ -113,6 +113,7 @@ fn run_child(
                 files_root: options.files_root.clone().or(files_root),
                 seccomp: options.seccomp && seccomp,
                 fork_spares: options.fork_spares,
+                spare_shell: options.spare_shell,
             };
             own(vm, Some(api), &options)
         }

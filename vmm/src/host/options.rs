@@ -22,6 +22,12 @@ pub struct OwnerOptions {
     /// Fork child processes kept started and waiting, each with a VM shell of this VM's
     /// shape built (see [`super::PrestartedChildren`]; default 0). Only with a control API.
     pub fork_spares: usize,
+    /// Keep a spare VM shell of the VM's shape for its next fork or copy-on-write
+    /// snapshot, built in the background while idle (see [`crate::Vm::give_shell`]): the
+    /// VM then moves onto it instead of pausing while KVM drops its mappings of every page
+    /// the guest touched (default: true). Costs one more KVM VM and its spare threads
+    /// while idle, no guest memory. Only with a control API and dirty page tracking.
+    pub spare_shell: bool,
 }
 
 impl Default for OwnerOptions {
@@ -33,6 +39,7 @@ impl Default for OwnerOptions {
             files_root: None,
             seccomp: true,
             fork_spares: 0,
+            spare_shell: true,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The owner loop of a running VM ([`own`]).
 
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::dispatch::{handle, Handled};
 use super::options::OwnerOptions;
@@ -83,6 +83,7 @@ pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result
         Some(_) => options.fork_spares,
         None => 0,
     });
+    let mut spare_shell = SpareShell::new(api.is_some() && options.spare_shell);
     loop {
         let status = match &api {
             Some(api) => {
@@ -94,8 +95,9 @@ pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result
                         return Ok(OwnerEnd::ShutdownRequested(status));
                     }
                 } else {
-                    // Idle: one more waiting fork child, if any is missing.
+                    // Idle: one more waiting fork child, if any is missing; a spare shell.
                     prestarted.top_up(&vm, api.path(), options.launcher.as_ref());
+                    spare_shell.top_up(&mut vm);
                 }
                 vm.wait_timeout(Duration::ZERO)?
             }
@@ -121,6 +123,82 @@ pub fn own(mut vm: Vm, api: Option<ApiServer>, options: &OwnerOptions) -> Result
                 let exit = vm.shutdown();
                 tracing::info!("stopped by signal {signal} ({exit})");
                 return Ok(OwnerEnd::Signal { signal, exit });
+            }
+        }
+    }
+}
+
+/// How long a VM that used up its spare shell waits before another is built: the build
+/// (~2 ms of CPU) would compete with the fork's children for their first requests.
+const SPARE_SHELL_DELAY: Duration = Duration::from_millis(250);
+
+/// The owner's side of [`crate::Vm::give_shell`]: builds a spare shell for the VM in a
+/// helper thread while idle, whenever it has none, and gives it to the VM.
+struct SpareShell {
+    enabled: bool,
+    /// Since when the VM has had no spare shell (none being built).
+    missing_since: Option<Instant>,
+    /// A shell being built.
+    building: Option<std::sync::mpsc::Receiver<Result<crate::Shell>>>,
+}
+
+impl SpareShell {
+    fn new(enabled: bool) -> Self {
+        SpareShell {
+            enabled,
+            missing_since: None,
+            building: None,
+        }
+    }
+
+    /// Takes a built shell to the VM, or starts building one (see [`SPARE_SHELL_DELAY`]).
+    /// Gives up for good after a failed build (logged): the VM then freezes in place.
+    fn top_up(&mut self, vm: &mut Vm) {
+        if !self.enabled || !vm.dirty_tracking() {
+            return;
+        }
+        if let Some(rx) = &self.building {
+            match rx.try_recv() {
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Ok(Ok(shell)) => {
+                    if let Err(e) = vm.give_shell(shell) {
+                        tracing::warn!("spare shell refused: {e}");
+                        self.enabled = false;
+                    }
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(
+                        "building a spare shell failed ({e}): forks and snapshots freeze \
+                         memory in place"
+                    );
+                    self.enabled = false;
+                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => self.enabled = false,
+            }
+            self.building = None;
+            return;
+        }
+        if vm.has_spare_shell() || !vm.is_live() {
+            self.missing_since = None;
+            return;
+        }
+        let since = *self.missing_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < SPARE_SHELL_DELAY {
+            return;
+        }
+        self.missing_since = None;
+        let spec = vm.child_shell_spec();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("clade-shell".into())
+            .spawn(move || {
+                let _ = tx.send(crate::Shell::create(&spec));
+            });
+        match spawned {
+            Ok(_) => self.building = Some(rx),
+            Err(e) => {
+                tracing::warn!("no thread to build a spare shell ({e})");
+                self.enabled = false;
             }
         }
     }

@@ -320,7 +320,10 @@ fn capture(
     let (memory, considered) = match (kind, base, copy_on_write) {
         (SnapshotKind::Full, _, Some(plan)) => {
             // Also restarts the dirty log: the next diff covers what changes after this.
-            (Memory::Frozen(vm.freeze_memory(plan, steps)?), pages)
+            (
+                Memory::Frozen(vm.freeze_memory(plan, &saved, steps)?),
+                pages,
+            )
         }
         (SnapshotKind::Full, _, None) => {
             if vm.dirty_tracking() {

@@ -12,9 +12,11 @@
 //! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` restore | the mapping |
 //! | [`Backing::Forked`] | `MAP_PRIVATE` of a frozen image's layers | after a fork or a copy-on-write snapshot; fork children | a copy-on-write snapshot: the image's layers; paused: the mapping |
 //!
-//! Freezing ([`GuestRam::freeze`], [`GuestRam::freeze_onto`]) turns any of the first three
+//! Freezing ([`GuestRam::map_frozen`], [`GuestRam::map_frozen`]) turns any of the first three
 //! into the fourth in place, at the same addresses; the old mapping's teardown is moved off
-//! the caller's pause ([`Retired`]).
+//! the caller's pause ([`Retired`]). A VM with a spare shell instead moves onto a new
+//! mapping of the frozen image ([`GuestRam::image_now`], [`GuestRam::forked`]) and leaves
+//! this one whole, to be released later ([`GuestRam::release_gradually`]).
 //! Writes the VMM makes through [`GuestMemory`] (devices) are recorded in per-region dirty
 //! bitmaps ([`GuestRam::take_vmm_dirty`]), the complement of KVM's dirty log.
 
@@ -100,7 +102,7 @@ fn munmap(addr: usize, len: usize) {
 }
 
 /// Alignment of reserved guest address space: a page-table page (PMD) covers 2 MiB, so
-/// the kernel can move a whole one at a time ([`GuestRam::freeze`]) instead of page by
+/// the kernel can move a whole one at a time ([`GuestRam::map_frozen`]) instead of page by
 /// page.
 const RESERVE_ALIGN: usize = 2 << 20;
 
@@ -134,7 +136,7 @@ fn reserve_aligned(len: usize, what: &str) -> Result<usize> {
 }
 
 /// A populated guest memory mapping taken out of the guest's address range by
-/// [`GuestRam::freeze`] (its page tables moved here, not torn down): unmapping it costs
+/// [`GuestRam::map_frozen`] (its page tables moved here, not torn down): unmapping it costs
 /// in proportion to the pages it held, so it happens off the paused VM's critical path,
 /// in a thread of its own ([`Retired::unmap_in_background`]) or when dropped.
 #[derive(Debug)]
@@ -386,9 +388,19 @@ pub struct FrozenImage {
 /// starts in it, and its runs `(image offset, length)`.
 pub type LayerParts = (File, u64, Vec<(u64, u64)>);
 
-/// The layers [`GuestRam::restored_layers`] prepared, for [`GuestRam::freeze_onto`].
+/// The layers [`GuestRam::restored_layers`] prepared ([`RestoredLayers::into_image`]).
 #[derive(Debug)]
 pub struct RestoredLayers(Vec<FrozenLayer>);
+
+impl RestoredLayers {
+    /// The frozen image of `mem_bytes` of guest memory these layers make.
+    pub fn into_image(self, mem_bytes: u64) -> Arc<FrozenImage> {
+        Arc::new(FrozenImage {
+            layers: self.0,
+            mem_bytes,
+        })
+    }
+}
 
 /// Most layers (fork generations with writes in between) a frozen image may have; each
 /// adds mappings (one per run of written pages) to every VM that maps it.
@@ -697,24 +709,20 @@ impl GuestRam {
         })
     }
 
-    /// Freezes this memory for a fork and returns the frozen view; the VM runs on it from
-    /// now on, copy-on-write. Call with the vCPUs and devices paused.
+    /// Freezing, first half: the frozen image of this memory as it is now, made without
+    /// touching its mapping, and whether it differs from the image the memory runs on
+    /// (false: nothing was written since the last freeze, the memory already is that
+    /// image). Call with the vCPUs and devices paused. [`GuestRam::map_frozen`] then maps
+    /// it in place, or the VM moves onto a new mapping of it (`Vm::move_onto`).
     ///
-    /// - memfd memory (booted VM): the memfd becomes the frozen base and is mapped again,
-    ///   private, at the same address (KVM's memory slots keep pointing at it; its MMU
-    ///   notifiers drop the old mappings). No page is copied, and the old mapping is not
-    ///   torn down here: its page tables are moved aside ([`Retired`], unmapped later off
-    ///   the pause), so the cost hardly grows with what the guest touched (what remains is
-    ///   KVM dropping its own mappings of the range).
+    /// - memfd memory (booted VM): the memfd becomes the frozen base. No page is copied.
     /// - memory forked before: the pages written since (`dirty`, KVM's log and the VMM's
     ///   writes, one bitmap per range) are copied into a new memfd, a new layer on top of
-    ///   the previous frozen image, and mapped back private (the private copies are freed
-    ///   and shared from then on). Costs in proportion to the pages written, not to memory.
+    ///   the previous frozen image. Costs in proportion to the pages written, not to memory.
     ///
     /// Memory restored from a snapshot (the `uffd` and `file` backends) freezes with
-    /// [`GuestRam::restored_layers`] and [`GuestRam::freeze_onto`]. On an error the memory
-    /// is unchanged.
-    pub fn freeze(&mut self, dirty: Option<&[Vec<u64>]>) -> Result<Arc<FrozenImage>> {
+    /// [`GuestRam::restored_layers`] instead.
+    pub fn image_now(&self, dirty: Option<&[Vec<u64>]>) -> Result<(Arc<FrozenImage>, bool)> {
         match &self.backing {
             Backing::Memfd(file) => {
                 let file =
@@ -726,7 +734,13 @@ impl GuestRam {
                     file_offset: 0,
                     runs: vec![(0, self.len as u64)],
                 }];
-                self.remap_frozen(layers)
+                Ok((
+                    Arc::new(FrozenImage {
+                        layers,
+                        mem_bytes: self.len as u64,
+                    }),
+                    true,
+                ))
             }
             Backing::Forked(prev) => {
                 let dirty = dirty.ok_or_else(|| {
@@ -738,7 +752,7 @@ impl GuestRam {
                 })?;
                 let runs = dirty_runs(&self.ranges, dirty);
                 if runs.is_empty() {
-                    return Ok(Arc::clone(prev));
+                    return Ok((Arc::clone(prev), false));
                 }
                 if prev.layers.len() >= MAX_FROZEN_LAYERS {
                     return Err(Error::Memory(format!(
@@ -756,17 +770,14 @@ impl GuestRam {
                         runs: l.runs.clone(),
                     })
                     .collect();
-                let layer = self.copy_to_layer(runs)?;
-                // SAFETY: our own live mapping, which nothing writes while paused: the
-                // written runs are replaced by mappings of their copies (same contents).
-                unsafe { map_runs(self.base, &layer) }?;
-                layers.push(layer);
-                let image = Arc::new(FrozenImage {
-                    layers,
-                    mem_bytes: self.len as u64,
-                });
-                self.backing = Backing::Forked(Arc::clone(&image));
-                Ok(image)
+                layers.push(self.copy_to_layer(runs)?);
+                Ok((
+                    Arc::new(FrozenImage {
+                        layers,
+                        mem_bytes: self.len as u64,
+                    }),
+                    true,
+                ))
             }
             Backing::Anonymous | Backing::FilePrivate => Err(Error::Memory(
                 "memory restored from a snapshot freezes with the snapshot it came from".into(),
@@ -778,7 +789,7 @@ impl GuestRam {
     /// backends), written only where `dirty` says since it matched the snapshot whose
     /// memory files are `chain`: the layers of its frozen image — those files (the full
     /// one, each diff's pages over it) and the written pages copied into a layer on top.
-    /// Changes nothing: [`GuestRam::freeze_onto`] then maps them. Call with the vCPUs and
+    /// Changes nothing: [`GuestRam::map_frozen`] then maps them. Call with the vCPUs and
     /// devices paused (a page server may still run: the written pages are present).
     pub fn restored_layers(
         &self,
@@ -813,13 +824,35 @@ impl GuestRam {
         Ok(RestoredLayers(layers))
     }
 
-    /// The second half: maps `layers` over this memory, private, in place, as
-    /// [`GuestRam::freeze`] does; the VM runs on the frozen image from now on. Call with
-    /// the page server stopped (the pages it never installed were never written: they
-    /// come from the files). On an error the memory is as before (without the pages the
-    /// stopped page server never installed).
-    pub fn freeze_onto(&mut self, layers: RestoredLayers) -> Result<Arc<FrozenImage>> {
-        self.remap_frozen(layers.0)
+    /// Freezing in place, second half: makes `image` (from [`GuestRam::image_now`] or
+    /// [`RestoredLayers::into_image`]) this memory, at the same addresses; the VM runs on
+    /// it from now on, copy-on-write. Forked memory maps the image's top layer (the pages
+    /// written since) over itself (its private copies are freed and shared from then on).
+    /// Any other is mapped over whole, private (KVM's memory slots keep pointing at it;
+    /// its MMU notifiers drop KVM's mappings of every touched page, the part of the cost
+    /// that grows with what the guest touched); its old mapping is not torn down here: its
+    /// page tables are moved aside ([`Retired`], unmapped later off the pause). Call paused; for
+    /// memory restored from a snapshot, with the page server stopped (the pages it never
+    /// installed were never written: they come from the files). On an error the memory is
+    /// as before (without the pages a stopped page server never installed).
+    pub fn map_frozen(&mut self, image: Arc<FrozenImage>) -> Result<Arc<FrozenImage>> {
+        if let Backing::Forked(_) = self.backing {
+            if let Some(layer) = image.layers.last() {
+                // SAFETY: our own live mapping, which nothing writes while paused: the
+                // written runs are replaced by mappings of their copies (same contents).
+                unsafe { map_runs(self.base, layer) }?;
+            }
+            self.backing = Backing::Forked(Arc::clone(&image));
+            return Ok(image);
+        }
+        self.remap_frozen(image)
+    }
+
+    /// Drops this memory a few MiB at a time before unmapping it (see [`zap_gradually`]):
+    /// for a mapping a VM moved away from, torn down while the VM runs on.
+    pub fn release_gradually(self) {
+        zap_gradually(self.base, self.len);
+        drop(self);
     }
 
     /// A new memfd layer holding `runs` of this memory as they are now.
@@ -843,11 +876,7 @@ impl GuestRam {
 
     /// Makes `layers` the whole of this memory: the current mapping is moved aside (see
     /// [`Retired`]) and the layers are mapped private over the same addresses.
-    fn remap_frozen(&mut self, layers: Vec<FrozenLayer>) -> Result<Arc<FrozenImage>> {
-        let image = Arc::new(FrozenImage {
-            layers,
-            mem_bytes: self.len as u64,
-        });
+    fn remap_frozen(&mut self, image: Arc<FrozenImage>) -> Result<Arc<FrozenImage>> {
         // SAFETY: our own live mapping, which nothing accesses while paused; it is
         // mapped over right below.
         let retired = unsafe { retire(self.base, self.len) };
@@ -867,7 +896,7 @@ impl GuestRam {
         Ok(image)
     }
 
-    /// The old mapping the last [`GuestRam::freeze`] moved out of the guest's range, still
+    /// The old mapping the last [`GuestRam::map_frozen`] moved out of the guest's range, still
     /// to be unmapped (see [`Retired`]).
     pub fn take_retired(&mut self) -> Option<Retired> {
         self.retired.take()
@@ -984,6 +1013,15 @@ pub fn pss_kib(start: usize, end: usize) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Freezes `ram` in place, as a VM without a spare shell does.
+    fn freeze(ram: &mut GuestRam, dirty: Option<&[Vec<u64>]>) -> Result<Arc<FrozenImage>> {
+        let (image, changed) = ram.image_now(dirty)?;
+        if !changed {
+            return Ok(image);
+        }
+        ram.map_frozen(image)
+    }
     use vm_memory::Bytes;
 
     #[test]
@@ -1074,7 +1112,7 @@ mod tests {
         let mut parent = create(64 << 20).unwrap();
         parent.mem.write_obj(1u64, GuestAddress(0x1000)).unwrap();
         parent.mem.write_obj(2u64, GuestAddress(0x5000)).unwrap();
-        let g1 = parent.freeze(None).unwrap();
+        let g1 = freeze(&mut parent, None).unwrap();
         assert_eq!((g1.layers(), g1.mappings()), (1, 1));
         assert_eq!(
             read_u64(&parent, 0x1000),
@@ -1104,7 +1142,7 @@ mod tests {
 
         // Second generation: the parent's write becomes a layer.
         let dirty = parent.take_vmm_dirty();
-        let g2 = parent.freeze(Some(&dirty)).unwrap();
+        let g2 = freeze(&mut parent, Some(&dirty)).unwrap();
         assert_eq!((g2.layers(), g2.mappings()), (2, 2));
         let child2 = GuestRam::forked(Reservation::new(64 << 20).unwrap(), g2).unwrap();
         assert_eq!(read_u64(&child2, 0x1000), 10);
@@ -1115,9 +1153,12 @@ mod tests {
         // Nothing written since: the same image again.
         let mut c = child;
         let none = vec![vec![0u64; (64 << 20) / 4096 / 64]];
-        let g = c.freeze(Some(&none)).unwrap();
+        let g = freeze(&mut c, Some(&none)).unwrap();
         assert!(Arc::ptr_eq(&g, &g1));
-        assert!(c.freeze(None).is_err(), "a forked VM needs its dirty pages");
+        assert!(
+            freeze(&mut c, None).is_err(),
+            "a forked VM needs its dirty pages"
+        );
     }
 
     #[test]
@@ -1130,7 +1171,7 @@ mod tests {
         }
         let (base, len) = (ram.image_addr(), ram.len);
         assert!(pss_kib(base, base + len).unwrap() >= (filled as u64 >> 10));
-        ram.freeze(None).unwrap();
+        freeze(&mut ram, None).unwrap();
         let retired = ram
             .take_retired()
             .expect("mremap(MREMAP_DONTUNMAP) moved the mapping");

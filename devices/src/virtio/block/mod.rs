@@ -233,6 +233,10 @@ impl VirtioDevice for BlockDevice {
         self.worker.pause();
     }
 
+    fn replace_memory(&mut self, mem: &GuestMemory) {
+        self.worker.replace_memory(mem);
+    }
+
     fn unpause(&mut self) {
         self.worker.unpause();
     }

@@ -391,6 +391,10 @@ impl QueueWorker for BlockWorker {
         std::slice::from_ref(&self.evt)
     }
 
+    fn set_memory(&mut self, mem: GuestMemory) {
+        self.mem = mem;
+    }
+
     fn run(&mut self, _ops: &mut EventOps) {
         self.process_queue();
     }

@@ -413,6 +413,10 @@ impl QueueWorker for NetWorker {
     }
 
     /// Both directions until neither moves, then one interrupt if buffers were used.
+    fn set_memory(&mut self, mem: GuestMemory) {
+        self.mem = mem;
+    }
+
     fn run(&mut self, ops: &mut EventOps) {
         let tx = self.process_tx();
         let rx = self.process_rx(ops);

@@ -483,6 +483,10 @@ impl VirtioDevice for VsockDevice {
         self.worker.pause();
     }
 
+    fn replace_memory(&mut self, mem: &GuestMemory) {
+        self.worker.replace_memory(mem);
+    }
+
     fn unpause(&mut self) {
         self.worker.unpause();
     }

@@ -734,6 +734,10 @@ impl QueueWorker for VsockWorker {
 
     /// Moves packets until neither queue makes progress, then updates epoll registrations
     /// and interrupts the guest if buffers were used.
+    fn set_memory(&mut self, mem: GuestMemory) {
+        self.mem = mem;
+    }
+
     fn run(&mut self, ops: &mut EventOps) {
         let mut rx_used = false;
         let mut tx_used = false;
