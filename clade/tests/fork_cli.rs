@@ -215,17 +215,27 @@ fn status(api: &Path) -> serde_json::Value {
     serde_json::Value::Object(r.fields)
 }
 
-/// Waits until the parent behind `api` says `n` fork children wait.
-fn wait_waiting(api: &Path, n: u64) {
+/// Waits until the VM behind `api` reports `field` as `want` in its status.
+fn wait_status(api: &Path, field: &str, want: serde_json::Value) {
     let t = Instant::now();
-    while status(api)["fork_children_waiting"] != n {
+    while status(api)[field] != want {
         assert!(
             t.elapsed() < Duration::from_secs(30),
-            "never {n} waiting: {}",
+            "{field} never {want}: {}",
             status(api)
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Waits until the parent behind `api` says `n` fork children wait.
+fn wait_waiting(api: &Path, n: u64) {
+    wait_status(api, "fork_children_waiting", n.into());
+}
+
+/// Waits until the VM behind `api` says whether it holds a spare shell as `want`.
+fn wait_spare_shell(api: &Path, want: bool) {
+    wait_status(api, "spare_shell", want.into());
 }
 
 #[test]
@@ -403,6 +413,8 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
     let mut parent = Proc(cmd.spawn().unwrap());
     wait_for(&d.p("p.api"));
     wait_for_text(&d.p("p.serial"), "serving agent port");
+    // Both forks move the parent (its disk's worker follows it onto the new mapping).
+    wait_spare_shell(&d.p("p.api"), true);
     let o = clade()
         .arg("fork")
         .arg(d.p("p.api"))
@@ -411,6 +423,7 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["moved"], true, "{j}");
     let kids = j["children"].as_array().unwrap().clone();
     let pids: Vec<Pid> = kids
         .iter()
@@ -424,6 +437,7 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
     assert_ne!(overlays[0], overlays[1]);
     ping(&d.p("p.vsock"));
     // A fork of the parent again freezes the overlay it continued on.
+    wait_spare_shell(&d.p("p.api"), true);
     let o = clade()
         .arg("fork")
         .arg(d.p("p.api"))
@@ -694,4 +708,44 @@ fn a_vm_with_a_nic_forks_only_with_a_tap_per_child_each_in_its_own_namespace() {
     ping(&d.p("p.vsock"));
     parent.0.kill().unwrap();
     parent.0.wait().unwrap();
+}
+
+/// A VM process keeps a spare shell and moves onto it at a fork and at a full snapshot
+/// of the running VM (each answer says `moved`), builds another one afterwards, and stays
+/// the same VM to its users: an agent connection opened before answers after each move.
+#[test]
+fn a_vm_process_moves_onto_its_spare_shell_at_a_fork_and_a_snapshot() {
+    let d = Dir::new("move");
+    let mut parent = start_parent(&d, "vsock", None);
+    let api = d.p("p.api");
+    wait_spare_shell(&api, true);
+    let conn = vmm::agent::Client::connect_timeout(
+        d.p("p.vsock"),
+        vmm::agent::Transport::Vsock {
+            port: vmm::agent::AGENT_VSOCK_PORT,
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    conn.ping().unwrap();
+    let (j, kids, pids) = fork_three(&d, &api);
+    assert_eq!(j["moved"], true, "{j}");
+    conn.ping().unwrap();
+    for k in &kids {
+        ping(Path::new(k["vsock"].as_str().unwrap()));
+    }
+    wait_spare_shell(&api, true);
+    let r = ApiClient::connect(&api)
+        .unwrap()
+        .call(&Request::Snapshot {
+            dir: d.p("snap"),
+            kind: "full".into(),
+        })
+        .unwrap();
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.fields["moved"], true, "{r:?}");
+    conn.ping().unwrap();
+    ping(&d.p("p.vsock"));
+    drop(pids);
+    parent.0.kill().unwrap();
 }

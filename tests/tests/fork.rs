@@ -97,7 +97,10 @@ fn prepare(vm: &mut Vm, how: Freeze) {
 
 /// The fork froze the parent the way asked for (a failed move would fall back in place).
 fn check_freeze(report: &ForkReport, how: Freeze) {
-    let moved = report.pause_steps.iter().any(|(s, _)| *s == "move");
+    let moved = report
+        .pause_steps
+        .iter()
+        .any(|(s, _)| *s == vmm::MOVED_STEP);
     assert_eq!(
         moved,
         how == Freeze::Moving,
@@ -440,7 +443,7 @@ fn a_vm_that_moves_keeps_its_connection_forks_again_and_snapshots() {
     let snap = dir.0.join("snap");
     let info = vmm::snapshot(&mut parent, &snap, vmm::SnapshotKind::Full).unwrap();
     assert!(
-        info.steps.iter().any(|(s, _)| *s == "move"),
+        info.steps.iter().any(|(s, _)| *s == vmm::MOVED_STEP),
         "{:?}",
         info.steps
     );

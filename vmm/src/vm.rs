@@ -210,6 +210,10 @@ impl Drop for PauseGuard<'_> {
     }
 }
 
+/// The step a freeze records when the VM moved onto its spare shell ([`Vm::give_shell`]):
+/// how a fork's or a snapshot's report says the VM moved.
+pub const MOVED_STEP: &str = "move";
+
 /// How often a wait looks at the page server (a failed one sends no event).
 const PAGE_SERVER_CHECK: Duration = Duration::from_millis(200);
 
@@ -857,7 +861,7 @@ impl Vm {
             ram: old_ram,
             spares,
         });
-        steps.done("move");
+        steps.done(MOVED_STEP);
         Ok(())
     }
 

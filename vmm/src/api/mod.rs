@@ -41,7 +41,7 @@
 //!
 //! ```text
 //! -> {"op":"status"}
-//! <- {"ok":true,"state":"running","vcpus":1,"mem_mib":256,"pvm_native":true,"fork_children_waiting":0}
+//! <- {"ok":true,"state":"running","vcpus":1,"mem_mib":256,"pvm_native":true,"fork_children_waiting":0,"spare_shell":true}
 //! -> {"op":"snapshot","dir":"/var/lib/clade/s1"}
 //! <- {"ok":true,"id":"6f0c...","kind":"full","dir":"/var/lib/clade/s1","pause_us":5210,...}
 //! -> {"op":"pause"}

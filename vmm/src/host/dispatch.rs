@@ -33,6 +33,7 @@ pub(crate) fn handle(
         Request::Status => {
             let mut fields = status_fields(vm);
             fields["fork_children_waiting"] = json!(prestarted.waiting());
+            fields["spare_shell"] = json!(vm.has_spare_shell());
             Response::ok(fields)
         }
         Request::Pause => match vm.pause() {
@@ -63,6 +64,7 @@ pub(crate) fn handle(
                         "kind": info.kind.to_string(),
                         "dir": info.dir,
                         "pause_us": info.pause_time.as_micros() as u64,
+                        "moved": info.steps.iter().any(|(s, _)| *s == crate::vm::MOVED_STEP),
                         "total_us": info.total_time.as_micros() as u64,
                         "pages_written": info.pages_written,
                         "pages_considered": info.pages_considered,

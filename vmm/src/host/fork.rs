@@ -84,6 +84,8 @@ pub struct ForkedChild {
 pub struct ForkedProcesses {
     /// How long the parent's vCPUs were paused.
     pub pause: Duration,
+    /// The parent moved onto its spare shell (see [`crate::Vm::give_shell`]).
+    pub moved: bool,
     /// The whole call.
     pub total: Duration,
     /// The children, in order.
@@ -91,10 +93,11 @@ pub struct ForkedProcesses {
 }
 
 impl ForkedProcesses {
-    /// The control API's answer fields: `pause_us`, `total_us`, `children`.
+    /// The control API's answer fields: `pause_us`, `moved`, `total_us`, `children`.
     pub fn to_json(&self) -> serde_json::Value {
         json!({
             "pause_us": self.pause.as_micros() as u64,
+            "moved": self.moved,
             "total_us": self.total.as_micros() as u64,
             "children": self.children,
         })
@@ -270,6 +273,10 @@ pub fn fork_processes(
     );
     Ok(ForkedProcesses {
         pause: report.pause_time,
+        moved: report
+            .steps
+            .iter()
+            .any(|(s, _)| *s == crate::vm::MOVED_STEP),
         total,
         children,
     })
