@@ -100,7 +100,7 @@ pub struct Vm {
 /// What a VM leaves behind when it moves onto a shell ([`Vm::move_onto`]): its former
 /// KVM VM, vCPUs and memory mapping. Tearing them down costs in proportion to the memory
 /// the guest touched (KVM drops its mappings of every page), so it happens in a thread of
-/// its own once the VM runs again.
+/// its own, at idle priority, once the VM runs again.
 struct RetiredVm {
     vcpu_fds: Vec<VcpuFd>,
     vm_fd: VmFd,
@@ -114,6 +114,9 @@ impl RetiredVm {
     /// be started).
     fn tear_down_in_background(self) {
         let tear_down = move || {
+            // Only on CPU time nothing else wants: right after a fork the children and the
+            // parent need every CPU for their first requests.
+            crate::vstate::spare::run_at_idle_priority("tearing down a former KVM VM");
             let t = Instant::now();
             let RetiredVm {
                 vcpu_fds,

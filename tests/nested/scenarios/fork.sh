@@ -13,7 +13,8 @@
 # end, FORK-SCENARIO-FAIL and exit 1 at the first failure):
 #   boot      the parent boots on its overlay, root /dev/vda
 #   setup     the parent writes /root/fork.txt and starts a background counter process
-#   fork      `clade fork -n 3` prints three children (API socket, vsock socket)
+#   fork      `clade fork -n 3 --json` answers three children (API socket, vsock socket)
+#             and that the parent moved onto its spare VM shell
 #   child i   each child sees /root/fork.txt, its counter process still runs and counts
 #             on from the parent's count, its hostname has the fork suffix, its kernel
 #             logged a CRNG reseed for a VM fork (new VM generation ID; the parent none)
@@ -91,9 +92,12 @@ k=$(gx /tmp/fork-p.sock sh -c "dmesg | grep -c '$RESEED'; true")
 pass setup "/root/fork.txt written; counter at $n lines; hostname $phost"
 
 # --- the fork --------------------------------------------------------------------------
-out=$($CLADE fork /tmp/fork-p.api -n 3 --prefix /tmp/forks) || fail "clade fork: rc $?: $out"
-[ "$(echo "$out" | wc -l)" = 3 ] || fail "clade fork printed: $out"
-KIDS=$(echo "$out" | awk '{ print $2 }')
+# The parent process keeps a spare VM shell (built while idle): the fork moves the parent
+# onto it instead of remapping its memory in the pause, and the answer says so.
+out=$($CLADE fork /tmp/fork-p.api -n 3 --prefix /tmp/forks --json) || fail "clade fork: rc $?: $out"
+KIDS=$(echo "$out" | grep -o '"vsock":"[^"]*"' | sed 's/^"vsock":"//; s/"$//')
+[ "$(echo "$KIDS" | wc -l)" = 3 ] || fail "clade fork printed: $out"
+echo "$out" | grep -q '"moved":true' || fail "the parent did not move onto its spare shell: $out"
 rm -f /tmp/fork-urandom
 [ "$(child_pids | wc -l)" = 3 ] || fail "not 3 fork-child processes: $(child_pids)"
 pass fork "$(echo "$out" | tr '\n' ' ')"

@@ -377,8 +377,21 @@ impl Client {
         let frame =
             proto::encode_host(0, &hello).map_err(|e| Error::AgentProtocol(e.to_string()))?;
         stream.write_all(&frame).map_err(io_err)?;
+        // A connection reset before the answer is a connection closed before it (the
+        // VMM closes a connection the guest dropped, our Hello still unread: a resumed
+        // guest's transport reset drops connections made just before it took effect).
         let reply = proto::read_frame(&mut stream, MAX_FRAME_LEN)
-            .map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?
+            .map_err(|e| match e {
+                guest_agent::Error::Io(io)
+                    if matches!(
+                        io.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                    ) =>
+                {
+                    Error::AgentDisconnected
+                }
+                e => Error::AgentProtocol(format!("hello: {e}")),
+            })?
             .ok_or(Error::AgentDisconnected)?;
         let f =
             proto::decode_frame(&reply).map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?;

@@ -202,7 +202,11 @@ fn retryable(e: &Error) -> bool {
     match e {
         Error::AgentConnect { source, .. } => matches!(
             source.kind(),
-            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::ConnectionRefused
+                // Our first write met a connection the VMM closed (see `AgentDisconnected`).
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
         ),
         Error::AgentHandshake { reason, .. } => {
             reason.starts_with("connection closed") || reason.starts_with(NO_ANSWER)
@@ -236,5 +240,26 @@ mod tests {
         a.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
         let mut buf = [0u8; 1];
         assert!(is_timeout(&a.read(&mut buf).unwrap_err()));
+    }
+
+    /// A connection the VMM closes before the agent answered Hello (our Hello unread: the
+    /// reader sees a reset) is retried like one closed cleanly: a resumed guest's transport
+    /// reset drops connections made just before it took effect.
+    #[test]
+    fn a_connection_reset_before_the_hello_answer_is_retried() {
+        use std::io::Read;
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let peer = std::thread::spawn(move || {
+            let mut first = [0u8; 1];
+            b.read_exact(&mut first).unwrap();
+            // Closed with the rest of the Hello unread: the client's read gets a reset.
+        });
+        let r = super::super::Client::handshake(Path::new("/vm.sock"), a);
+        peer.join().unwrap();
+        let e = r.err().expect("no agent answered");
+        assert!(matches!(e, Error::AgentDisconnected), "{e}");
+        assert!(retryable(&e));
+        let pipe = connect_error(Path::new("/vm.sock"), std::io::ErrorKind::BrokenPipe.into());
+        assert!(retryable(&pipe));
     }
 }

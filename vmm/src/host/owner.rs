@@ -192,6 +192,7 @@ impl SpareShell {
         let spawned = std::thread::Builder::new()
             .name("clade-shell".into())
             .spawn(move || {
+                crate::vstate::spare::run_at_idle_priority("building a spare shell");
                 let _ = tx.send(crate::Shell::create(&spec));
             });
         match spawned {

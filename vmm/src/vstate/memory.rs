@@ -146,13 +146,15 @@ pub struct Retired {
 }
 
 impl Retired {
-    /// Unmaps it in a short-lived thread (or here, if no thread can be started).
+    /// Unmaps it in a short-lived thread at idle priority (or here, if no thread can be
+    /// started).
     pub fn unmap_in_background(self) {
         let (addr, len) = (self.addr, self.len);
         std::mem::forget(self);
         let spawned = std::thread::Builder::new()
             .name("clade-unmap".into())
             .spawn(move || {
+                crate::vstate::spare::run_at_idle_priority("unmapping a retired guest mapping");
                 let t = std::time::Instant::now();
                 zap_gradually(addr, len);
                 munmap(addr, len);

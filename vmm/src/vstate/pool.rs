@@ -154,14 +154,7 @@ impl ShellPool {
 fn refill(inner: &Inner) {
     // Building a shell is mostly kernel work (~4 ms here); it must not take CPU time from
     // the restore that just took a shell, or from running guests: only idle CPU time.
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets the calling thread's scheduling policy; `param` is a valid struct.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
-        tracing::debug!(
-            "VM pool: SCHED_IDLE refused: {}",
-            std::io::Error::last_os_error()
-        );
-    }
+    crate::vstate::spare::run_at_idle_priority("VM pool");
     loop {
         {
             let mut st = inner.lock();

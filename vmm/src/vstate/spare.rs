@@ -23,6 +23,20 @@ impl std::fmt::Debug for SpareThread {
     }
 }
 
+/// Puts the calling thread at `SCHED_IDLE`: it runs only on CPU time nothing else wants
+/// (building a shell ahead, tearing down what a VM left behind). `what` names the work in
+/// the debug line when the kernel refuses.
+pub(crate) fn run_at_idle_priority(what: &str) {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets the calling thread's scheduling policy; `param` is a valid struct.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+        tracing::debug!(
+            "{what}: SCHED_IDLE refused: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 impl SpareThread {
     /// Starts a thread that confines itself as a `kind` thread (if the process filter is
     /// on: [`seccomp::confine_current_thread`]) and waits for one body.
