@@ -256,7 +256,9 @@ mod tests {
         });
         let r = super::super::Client::handshake(Path::new("/vm.sock"), a);
         peer.join().unwrap();
-        let e = r.err().expect("no agent answered");
+        let Err(e) = r else {
+            panic!("no agent answered")
+        };
         assert!(matches!(e, Error::AgentDisconnected), "{e}");
         assert!(retryable(&e));
         let pipe = connect_error(Path::new("/vm.sock"), std::io::ErrorKind::BrokenPipe.into());
