@@ -192,7 +192,7 @@ pub struct ChildSpec {
 pub const CANNOT_FORK_LIVE: &str = "cannot fork live";
 
 /// Most children one fork makes.
-pub const MAX_FORK_CHILDREN: usize = 64;
+pub const MAX_FORK_CHILDREN: usize = 128;
 
 /// `n` must be 1..=[`MAX_FORK_CHILDREN`].
 pub(crate) fn check_child_count(n: usize) -> Result<()> {

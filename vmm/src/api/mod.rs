@@ -12,7 +12,7 @@
 //! Every response is an object with `"ok"`: `true` plus result fields, or `false` plus
 //! `"error"` (one line naming the problem). A line that is not a request gets
 //! `{"ok":false,"error":"bad request: ..."}` and the connection stays usable; a line over
-//! 64 KiB is answered with an error and the connection closed. A fork makes 1 to 64
+//! 64 KiB is answered with an error and the connection closed. A fork makes 1 to 128
 //! children.
 //!
 //! | request | result fields |
