@@ -162,6 +162,10 @@ def test_network_survives_pause_resume_and_each_fork_child_has_its_own():
         assert not reaches(s, WORLD_B), "the policy survives a pause"
         kids = s.fork(count=3, timeout=1800, **SLOW)
         assert all(isinstance(k, Sandbox) for k in kids), kids
+        # The parent's VM process moved onto its spare VM shell at the fork (when it had
+        # one): its network device goes on on the new mapping of its memory.
+        assert reaches(s, WORLD_A), "the parent's network after the fork"
+        assert not reaches(s, WORLD_B), "the parent's policy after the fork"
         for k in kids:
             assert reaches(k, WORLD_A)
             assert not reaches(k, WORLD_B), "children get the parent's policy"
