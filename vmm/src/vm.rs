@@ -434,8 +434,9 @@ impl Vm {
         self.devices.disk()
     }
 
-    /// Guest memory. (Clones of it must not outlive the VM: the memory is unmapped when
-    /// the VM is dropped.)
+    /// Guest memory. (Clones of it must not outlive the VM, nor be kept across a fork or a
+    /// snapshot of it: the memory is unmapped when the VM is dropped, and a VM that moves
+    /// onto its spare shell at a freeze leaves this mapping behind, to be unmapped.)
     pub fn memory(&self) -> &GuestMemory {
         &self.ram.mem
     }
