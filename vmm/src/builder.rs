@@ -330,28 +330,7 @@ pub(crate) fn from_saved(
     steps.done("devices");
     kvm_state::restore_vm(&vm_fd, &saved.vm)?;
     steps.done("vm_state");
-    let mut refused_msrs = Vec::new();
-    for (i, (fd, s)) in vcpu_fds.iter().zip(&saved.vcpus).enumerate() {
-        let current = cpuids.get(i).map(|c| &c[..]);
-        let refused = kvm_state::restore_vcpu(fd, s, current).map_err(|e| Error::Vcpu {
-            index: i,
-            reason: format!("restoring its state: {e}"),
-        })?;
-        if !refused.is_empty() {
-            tracing::warn!("vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
-            refused_msrs.extend(refused);
-        }
-        if let Some(vif) = m.pvm_vif_base {
-            // After SREGS, which resets the hypervisor's view of the cell.
-            if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
-                return Err(Error::UnsupportedHost(
-                    "the state was saved under the PVM hypervisor and its guest needs the PVM \
-                     virtual-interrupt cell, which this host's KVM lacks"
-                        .into(),
-                ));
-            }
-        }
-    }
+    let refused_msrs = kvm_state::restore_vcpus(&vcpu_fds, &saved.vcpus, &cpuids, m.pvm_vif_base)?;
     steps.done("vcpu_state");
     // A VM built from saved state may be one of many from the same instant: a new
     // generation ID makes the guest kernel reseed its CRNG as soon as it runs. After the

@@ -814,38 +814,12 @@ impl Vm {
             spares,
             ..
         } = shell;
-        if vcpu_fds.len() != saved.vcpus.len() {
-            return Err(Error::Fork(format!(
-                "a spare shell with {} vCPUs for a VM with {}",
-                vcpu_fds.len(),
-                saved.vcpus.len()
-            )));
-        }
         let ram = GuestRam::forked(reservation, Arc::clone(image))?;
         ram.clear_vmm_dirty();
         steps.done("map_memory");
         self.devices.wire_ioevents_to(&vm_fd)?;
         kvm_state::restore_vm(&vm_fd, &saved.vm)?;
-        for (i, (fd, s)) in vcpu_fds.iter().zip(&saved.vcpus).enumerate() {
-            let refused =
-                kvm_state::restore_vcpu(fd, s, cpuids.get(i).map(|c| &c[..])).map_err(|e| {
-                    Error::Vcpu {
-                        index: i,
-                        reason: format!("restoring its state in the new VM: {e}"),
-                    }
-                })?;
-            if !refused.is_empty() {
-                tracing::warn!("vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
-            }
-            if let Some(vif) = saved.machine.pvm_vif_base {
-                // After SREGS, which resets the hypervisor's view of the cell.
-                if !kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
-                    return Err(Error::UnsupportedHost(
-                        "the new VM lacks the PVM virtual-interrupt cell".into(),
-                    ));
-                }
-            }
-        }
+        kvm_state::restore_vcpus(&vcpu_fds, &saved.vcpus, &cpuids, saved.machine.pvm_vif_base)?;
         steps.done("vcpu_state");
         // The last step that can fail (and puts the irqfds back if it does).
         self.devices.move_irqs(&self.vm_fd, &vm_fd)?;

@@ -327,6 +327,49 @@ pub fn save_vcpu(
     })
 }
 
+/// Writes each saved vCPU state `saved[i]` into `vcpus[i]` (vCPUs that have not run, whose
+/// CPUID is `cpuids[i]`: see [`restore_vcpu`]) and, for a machine saved under the PVM
+/// hypervisor (`pvm_vif_base`), registers each vCPU's virtual-interrupt cell. Returns the
+/// MSRs KVM refused (each logged; the rest were written). The one way saved vCPU state
+/// goes into vCPUs: a VM built from saved state, and a VM moving onto a new KVM VM.
+pub fn restore_vcpus(
+    vcpus: &[VcpuFd],
+    saved: &[VcpuState],
+    cpuids: &[Vec<kvm_cpuid_entry2>],
+    pvm_vif_base: Option<u64>,
+) -> Result<Vec<u32>> {
+    if vcpus.len() != saved.len() {
+        return Err(Error::Snapshot(format!(
+            "state for {} vCPUs, {} vCPUs to restore it into",
+            saved.len(),
+            vcpus.len()
+        )));
+    }
+    let mut refused_msrs = Vec::new();
+    for (i, (fd, s)) in vcpus.iter().zip(saved).enumerate() {
+        let current = cpuids.get(i).map(|c| &c[..]);
+        let refused = restore_vcpu(fd, s, current).map_err(|e| Error::Vcpu {
+            index: i,
+            reason: format!("restoring its state: {e}"),
+        })?;
+        if !refused.is_empty() {
+            tracing::warn!("vcpu{i}: KVM refused to restore MSRs {refused:#x?}");
+            refused_msrs.extend(refused);
+        }
+        if let Some(vif) = pvm_vif_base {
+            // After SREGS, which resets the hypervisor's view of the cell.
+            if !crate::vstate::kvm::register_pvm_vif(fd, vif + i as u64 * 0x1000)? {
+                return Err(Error::UnsupportedHost(
+                    "the state was saved under the PVM hypervisor and its guest needs the PVM \
+                     virtual-interrupt cell, which this host's KVM lacks"
+                        .into(),
+                ));
+            }
+        }
+    }
+    Ok(refused_msrs)
+}
+
 /// Writes `s` into a vCPU that has not run yet, whose CPUID is `current` (skipped when the
 /// saved one is the same). Returns the MSRs KVM refused (logged by the caller; the rest
 /// were written).
