@@ -198,7 +198,7 @@ fn open_tap_in_netns(name: &str, netns: &std::path::Path) -> Result<Tap> {
 }
 
 /// One registration of a device's eventfd with KVM: what a VM that moves to another KVM
-/// VM ([`DeviceManager::wire_to`]) registers again there.
+/// VM registers again there ([`DeviceManager::wire_ioevents_to`], [`DeviceManager::move_irqs`]).
 enum Wire {
     /// An irqfd: signalling `evt` raises `gsi`.
     Irq { evt: EventFd, gsi: u32 },
@@ -345,7 +345,7 @@ pub struct DeviceManager {
     unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
     /// The virtio-blk device's disk, if any (frozen when the VM forks).
     disk: Option<Arc<Mutex<disk::Disk>>>,
-    /// Every eventfd registered with KVM, for [`DeviceManager::wire_to`].
+    /// Every eventfd registered with KVM (see [`Wire`]).
     wires: Vec<Wire>,
 }
 

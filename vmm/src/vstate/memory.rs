@@ -12,7 +12,7 @@
 //! | [`Backing::FilePrivate`] | `MAP_PRIVATE` of the snapshot memory file | `file` restore | the mapping |
 //! | [`Backing::Forked`] | `MAP_PRIVATE` of a frozen image's layers | after a fork or a copy-on-write snapshot; fork children | a copy-on-write snapshot: the image's layers; paused: the mapping |
 //!
-//! Freezing ([`GuestRam::map_frozen`], [`GuestRam::map_frozen`]) turns any of the first three
+//! Freezing ([`GuestRam::image_now`], then [`GuestRam::map_frozen`]) turns any of the first three
 //! into the fourth in place, at the same addresses; the old mapping's teardown is moved off
 //! the caller's pause ([`Retired`]). A VM with a spare shell instead moves onto a new
 //! mapping of the frozen image ([`GuestRam::image_now`], [`GuestRam::forked`]) and leaves
