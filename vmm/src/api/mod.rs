@@ -463,27 +463,15 @@ fn accept_loop(
                 }
                 live.fetch_add(1, Ordering::SeqCst);
                 // The spare takes it (and counts it down when done); without one, or if it
-                // is gone, a thread started now.
-                let stream = match spare.take() {
-                    Some(s) => match s.send(stream) {
-                        Ok(()) => None,
-                        Err(mpsc::SendError(stream)) => Some(stream),
-                    },
-                    None => Some(stream),
+                // is gone, one started now. With no thread at all the connection is dropped.
+                let give = |to: Option<Sender<UnixStream>>, stream| match to {
+                    Some(t) => t.send(stream).map_err(|mpsc::SendError(s)| s),
+                    None => Err(stream),
                 };
-                if let Some(stream) = stream {
-                    let tx = tx.clone();
-                    let live2 = Arc::clone(&live);
-                    let spawned =
-                        std::thread::Builder::new()
-                            .name("api-conn".into())
-                            .spawn(move || {
-                                serve_connection(stream, tx);
-                                live2.fetch_sub(1, Ordering::SeqCst);
-                            });
-                    if spawned.is_err() {
-                        live.fetch_sub(1, Ordering::SeqCst);
-                    }
+                let unserved = give(spare.take(), stream)
+                    .or_else(|stream| give(spare_connection_thread(&tx, &live), stream));
+                if unserved.is_err() {
+                    live.fetch_sub(1, Ordering::SeqCst);
                 }
                 spare = spare_connection_thread(&tx, &live);
             }
