@@ -101,14 +101,17 @@ impl Service {
             source,
         })?;
         let kernel = guest.path_for_other_processes();
-        // The guest's `vsock` step serves any number of agent connections.
-        let steps = "vsock";
+        // The guest's `vsock` step serves any number of agent connections, without a
+        // console line per connection (`conn_log=0`): like a Linux guest, a sandbox paused
+        // right after a connection ended is not woken into writing the rest of that line
+        // an exit per byte (see the native guest's `vsock::Tuning`).
+        let cmdline = "steps=vsock conn_log=0";
         let o = Command::new(clade)
             .args(["template", "build", "bench", "--test-device", "--mem", "64"])
             .arg("--kernel")
             .arg(&kernel)
             .arg("--cmdline")
-            .arg(format!("steps={steps}"))
+            .arg(cmdline)
             .arg("--state-dir")
             .arg(&state)
             .output()

@@ -201,6 +201,11 @@ const FILL: u8 = 2;
 /// its first 16 MiB of touches, not everything it touched since.
 pub const CARRIED_MAX: usize = 4096;
 
+/// The most pages a run with a working set adds to it for the next snapshot's (the
+/// first pages it faulted in beyond it, until the VM says its first requests are served:
+/// [`PageServer::save_working_set`]).
+pub const CARRIED_EXTRA_MAX: usize = 256;
+
 /// Pages per prefetch/fill batch (one read and one `UFFDIO_COPY` per contiguous run).
 const BATCH_PAGES: u64 = 64;
 
@@ -477,7 +482,8 @@ impl PageServer {
         self.record_to.is_some()
     }
 
-    /// The pages this run's guest needed first: the working set it prefetched, or, when
+    /// The pages this run's guest needed first: the working set it prefetched followed by
+    /// the pages it faulted in beyond it early on (at most [`CARRIED_EXTRA_MAX`]), or, when
     /// recording, the fault order so far (first touches). A snapshot of this VM writes
     /// them as its own working set (see `vmm`'s snapshot), so that waking a sandbox from
     /// its pause snapshot prefetches what it needed last time instead of faulting page by
@@ -488,20 +494,34 @@ impl PageServer {
     /// later is not what a restore needs first, so only the saved part counts, or, before
     /// it saved one, the first [`CARRIED_MAX`] pages.
     pub fn first_touches(&self) -> Vec<u64> {
-        if self.record_to.is_none() {
-            return self
-                .loaded
-                .as_ref()
-                .map(|ws| ws.pages.clone())
-                .unwrap_or_default();
-        }
-        let mut pages = self.recorded_first_touches().unwrap_or_default();
         let saved = self.saved_len.load(Ordering::Relaxed);
-        pages.truncate(if saved == usize::MAX {
-            CARRIED_MAX
-        } else {
-            saved
-        });
+        let mut touched = self.recorded_first_touches().unwrap_or_default();
+        if self.record_to.is_some() {
+            touched.truncate(if saved == usize::MAX {
+                CARRIED_MAX
+            } else {
+                saved
+            });
+            return touched;
+        }
+        // The working set prefetched, then the pages this run still had to fault in
+        // early on (a woken sandbox's guest does not need exactly what its template's
+        // did: without them each wake would fault them again), up to the point the VM
+        // said its first requests were served.
+        let mut pages = self
+            .loaded
+            .as_ref()
+            .map(|ws| ws.pages.clone())
+            .unwrap_or_default();
+        let mut known = PageBitmap::new(self.pages);
+        for &p in &pages {
+            if p < self.pages {
+                known.set(p);
+            }
+        }
+        touched.truncate(saved);
+        pages.extend(touched.into_iter().filter(|&p| !known.get(p)));
+        pages.truncate(CARRIED_MAX);
         pages
     }
 
@@ -532,9 +552,13 @@ impl PageServer {
 
     /// Write the fault order recorded so far to the working-set file (e.g. when the
     /// sandbox has served its first request). Returns the number of pages written, or
-    /// `None` when this run is not recording.
+    /// `None` when this run is not recording: it prefetched a working set, and its faults
+    /// beyond it from now on are not added to the next snapshot's ([`Self::first_touches`]).
     pub fn save_working_set(&self) -> Result<Option<usize>> {
         let Some(path) = &self.record_to else {
+            // A run with a working set: its first faults beyond it end here.
+            let n = self.shared.recorded.lock().map(|r| r.len()).unwrap_or(0);
+            self.saved_len.store(n, Ordering::Relaxed);
             return Ok(None);
         };
         let pages = self.recorded_first_touches()?;
@@ -758,8 +782,10 @@ impl Server {
             return;
         }
         add(&c.faults, 1);
-        if self.recording {
-            if let Ok(mut r) = self.shared.recorded.lock() {
+        // Recorded while recording (the working set), and in a run with a working set
+        // its first faults beyond it (see `PageServer::first_touches`).
+        if let Ok(mut r) = self.shared.recorded.lock() {
+            if self.recording || r.len() < CARRIED_EXTRA_MAX {
                 r.push(page);
             }
         }

@@ -200,6 +200,24 @@ fn device_reset_and_reinitialisation_serve_a_second_connection() {
     assert!(out.contains("step vsock:1 ok"), "{out}");
 }
 
+/// `conn_log=0`: the guest reports its totals only, no line per connection (a benchmark of
+/// what follows a connection must not find the guest writing that line, an exit per byte).
+#[test]
+fn without_conn_log_the_guest_reports_totals_only() {
+    let (vm, sock) = start("vsock:2 conn_log=0", "quiet");
+    for _ in 0..2 {
+        let c = connect(&vm, &sock);
+        for _ in 0..2 {
+            ping(&vm, &c).expect("ping");
+        }
+        drop(c);
+    }
+    let out = finish(vm);
+    assert!(out.contains("vsock: served 2 connections"), "{out}");
+    assert!(!out.contains(" done ("), "{out}");
+    assert!(out.contains("step vsock:2 ok"), "{out}");
+}
+
 /// Waits until the guest reported `n` ended connections.
 fn wait_for_ends(vm: &Vm, n: usize) -> String {
     let t = Instant::now();

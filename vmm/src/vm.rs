@@ -74,7 +74,8 @@ pub struct Vm {
     lineage: Option<Lineage>,
     /// How the restore that made this VM went.
     restore_report: Option<RestoreReport>,
-    /// False while a page server records a working set that was not yet written.
+    /// False while a page server records a working set that was not yet written (or, in
+    /// a run that prefetched one, still notes the pages it faults in beyond it).
     working_set_saved: bool,
     /// The memory slots log dirty pages (diff snapshots possible).
     dirty_tracking: bool,
@@ -231,7 +232,7 @@ pub(crate) enum FreezePlan {
 impl Vm {
     /// The one place a `Vm` is put together (boot, restore and fork all come here).
     pub(crate) fn from_parts(p: VmParts) -> Vm {
-        let recording = p.page_server.as_ref().is_some_and(PageServer::is_recording);
+        let served = p.page_server.is_some();
         Vm {
             vcpus: Vec::new(),
             pending_vcpus: p.vcpu_fds,
@@ -249,7 +250,7 @@ impl Vm {
             exit: None,
             lineage: p.lineage,
             restore_report: None,
-            working_set_saved: !recording,
+            working_set_saved: !served,
             dirty_tracking: p.dirty_tracking,
             spares: p.spares,
             cpuids: p.cpuids,
@@ -495,7 +496,9 @@ impl Vm {
     /// Writes the working set the page server recorded since the restore (the pages the
     /// guest touched, in order) next to the snapshot, so that later restores prefetch it.
     /// Call it once the guest has served its first request; a VM that never calls it saves
-    /// everything it touched when it ends. Returns the pages written (None: not recording).
+    /// everything it touched when it ends. A VM restored with a working set writes none:
+    /// the pages it faulted in beyond it until now go into its next snapshot's
+    /// ([`PageServer::first_touches`]). Returns the pages written (None: not recording).
     pub fn save_working_set(&mut self) -> Result<Option<usize>> {
         let Some(ps) = &self.page_server else {
             return Ok(None);

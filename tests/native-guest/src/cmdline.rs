@@ -33,8 +33,8 @@ pub struct Args<'a> {
     /// Guest-physical address of the PVM virtual-interrupt-flag cell
     /// (`clade.vif=0x...`); None on hardware KVM.
     pub vif: Option<u64>,
-    /// The `vsock` step's poll window before it halts, in microseconds (`poll_us=`).
-    pub poll_us: u64,
+    /// The `vsock` step's settings (`poll_us=`, `conn_log=`).
+    pub vsock: crate::vsock::Tuning,
 }
 
 impl<'a> Args<'a> {
@@ -45,13 +45,19 @@ impl<'a> Args<'a> {
         let mut args = Args {
             steps: "hello",
             vif: None,
-            poll_us: crate::vsock::POLL_WINDOW_US,
+            vsock: crate::vsock::Tuning::default(),
         };
         for tok in line.split_ascii_whitespace() {
             if let Some(v) = tok.strip_prefix("steps=") {
                 args.steps = v;
             } else if let Some(v) = tok.strip_prefix("poll_us=") {
-                args.poll_us = v.parse().map_err(|_| "bad poll_us= value")?;
+                args.vsock.poll_us = v.parse().map_err(|_| "bad poll_us= value")?;
+            } else if let Some(v) = tok.strip_prefix("conn_log=") {
+                args.vsock.conn_log = match v {
+                    "0" => false,
+                    "1" => true,
+                    _ => return Err("bad conn_log= value (0 or 1)"),
+                };
             } else if let Some(v) = tok.strip_prefix("clade.vif=") {
                 let hex = v
                     .strip_prefix("0x")

@@ -75,7 +75,7 @@ extern "C" fn rust_main(boot_params: u64) -> ! {
     // SAFETY: as above.
     unsafe { memtest::init(boot_params) };
 
-    finish(steps::run(args.steps, args.poll_us))
+    finish(steps::run(args.steps, args.vsock))
 }
 
 fn finish(code: u32) -> ! {

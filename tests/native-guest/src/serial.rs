@@ -41,8 +41,9 @@ pub struct Serial;
 /// Bytes of console output [`Deferred`] holds back.
 const DEFERRED_LEN: usize = 1024;
 
-/// Console output held back while the guest has work, and written a byte at a time when it
-/// has none ([`Deferred::write_one`]), as a kernel's log buffer is drained by its console.
+/// Console output held back while the guest has work, and written a byte at a time once it
+/// has been idle for its poll window ([`Deferred::write_one`]), as a kernel's log buffer is
+/// drained by its console.
 ///
 /// Each byte on this UART costs two exits to the VMM (the LSR read and the THR write;
 /// ~30 us each under the PVM hypervisor), so an 80-byte line written at once held the guest

@@ -100,7 +100,7 @@ impl Step {
         })
     }
 
-    fn run(&self, poll_us: u64) -> Result<(), Reason> {
+    fn run(&self, tuning: vsock::Tuning) -> Result<(), Reason> {
         match *self {
             Step::Hello => Ok(()),
             Step::Pio => pio(),
@@ -113,7 +113,7 @@ impl Step {
             Step::Vsock { conns, pings } => serve_vsock(vsock::Limits {
                 conns,
                 pings,
-                poll_us,
+                tuning,
             }),
             Step::MemFill(seed, mib) => {
                 memtest::fill(seed, mib).map_err(|e| Reason::new(format_args!("{}", e)))
@@ -158,9 +158,9 @@ fn machine_exit(port: u16, value: u8) -> Result<(), Reason> {
 
 /// Runs the comma-separated `steps`; returns the exit code (0 all ok, 1 a
 /// step failed, 2 unknown step name). All names are checked before anything
-/// runs, so a typo never produces a partial run. `poll_us`: the `vsock` step's
-/// poll window before it halts.
-pub fn run(steps: &str, poll_us: u64) -> u32 {
+/// runs, so a typo never produces a partial run. `tuning`: the `vsock` step's settings
+/// from the command line.
+pub fn run(steps: &str, tuning: vsock::Tuning) -> u32 {
     let names = || steps.split(',').filter(|s| !s.is_empty());
     if let Some(bad) = names().find(|n| Step::parse(n).is_none()) {
         println!("clade-native-guest: unknown step '{}'", bad);
@@ -168,7 +168,7 @@ pub fn run(steps: &str, poll_us: u64) -> u32 {
     }
     let mut code = 0;
     for name in names() {
-        match Step::parse(name).unwrap().run(poll_us) {
+        match Step::parse(name).unwrap().run(tuning) {
             Ok(()) => println!("step {} ok", name),
             Err(reason) => {
                 println!("step {} FAIL {}", name, reason.as_str());
