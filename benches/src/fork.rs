@@ -107,7 +107,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
     let mut parent = crate::guest::boot_until_with(
         guest,
         machine,
-        &format!("memfill:1:{fill_mib},vsock"),
+        &format!("memfill:1:{fill_mib},vsock {}", crate::guest::NO_CONN_LOG),
         Some(&psock),
         "serving agent port",
         nets.as_ref().map(|b| b.config(0)),
