@@ -77,10 +77,15 @@ fn guest_snapshot(d: &Dir) -> PathBuf {
 }
 
 fn start_standby(d: &Dir, name: &str, root: &Path) -> (Proc, PathBuf) {
+    start_standby_with(d, name, root, &[])
+}
+
+fn start_standby_with(d: &Dir, name: &str, root: &Path, args: &[&Path]) -> (Proc, PathBuf) {
     let sock = d.p(&format!("{name}.api"));
     let p = Proc(
         clade()
             .args(["restore", "--standby", "--vcpus", "1", "--mem", "256"])
+            .args(args)
             .arg("--api-sock")
             .arg(&sock)
             .arg("--files-root")
@@ -213,6 +218,63 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
     assert!(api(&sock, &Request::Shutdown).ok);
     assert_eq!(wait_exit(&mut sb), 0);
     assert!(!sock.exists() && !root.join("vm.vsock").exists());
+}
+
+/// `--preload`: the standby opens the snapshot it is told its request will most likely
+/// name while it waits, and a request for it uses it; once that snapshot's files were
+/// replaced (a template built again under the same name), the request opens the new one.
+#[test]
+fn a_standby_opens_its_likely_snapshot_ahead_and_sees_when_it_was_replaced() {
+    let d = Dir::new("standby-preload");
+    let snap = guest_snapshot(&d);
+    let root = d.p("sandboxes");
+    std::fs::create_dir(&root).unwrap();
+    let request = |name: &str| RestoreRequest {
+        vsock: Some(root.join(format!("{name}.vsock"))),
+        serial_file: Some(root.join(format!("{name}.serial"))),
+        log: Some(root.join(format!("{name}.log"))),
+        agent_sync: false,
+        ..RestoreRequest::new(snap.clone())
+    };
+    let restore = |sock: &Path, name: &str| {
+        let r = api(sock, &Request::Restore(request(name)));
+        assert!(r.ok, "{r:?}");
+        let o = clade()
+            .arg("ping")
+            .arg(root.join(format!("{name}.vsock")))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let log = std::fs::read_to_string(root.join(format!("{name}.log"))).unwrap();
+        assert!(api(sock, &Request::Shutdown).ok);
+        (r.fields["last_snapshot"]["id"].clone(), log)
+    };
+    let preload = [Path::new("--preload"), snap.as_path()];
+
+    let (mut a, sock_a) = start_standby_with(&d, "a", &root, &preload);
+    let r = api(&sock_a, &Request::Status);
+    assert_eq!(r.fields["preloaded"], snap.to_str().unwrap(), "{r:?}");
+    let (first_id, log) = restore(&sock_a, "a");
+    assert!(log.contains("snapshot opened ahead"), "{log}");
+    assert_eq!(wait_exit(&mut a), 0);
+
+    // Opened ahead, then replaced by another snapshot at the same path.
+    let (mut b, sock_b) = start_standby_with(&d, "b", &root, &preload);
+    let other = Dir::new("standby-preload-other");
+    let replacement = guest_snapshot(&other);
+    std::fs::rename(&snap, d.p("snap-old")).unwrap();
+    std::fs::rename(&replacement, &snap).unwrap();
+    let (second_id, log) = restore(&sock_b, "b");
+    assert!(log.contains("snapshot opened now"), "{log}");
+    assert_ne!(first_id, second_id, "the replacement was restored");
+    assert_eq!(wait_exit(&mut b), 0);
+
+    // A snapshot that cannot be opened ahead is no reason not to stand by.
+    let missing = d.p("no-such-snapshot");
+    let (mut c, sock_c) = start_standby_with(&d, "c", &root, &[Path::new("--preload"), &missing]);
+    assert!(api(&sock_c, &Request::Status).fields["preloaded"].is_null());
+    assert!(api(&sock_c, &Request::Shutdown).ok);
+    assert_eq!(wait_exit(&mut c), 0);
 }
 
 #[test]

@@ -384,7 +384,8 @@ impl Host {
         let started = self.acquire_net(&template, &req.egress).and_then(|net| {
             rec.net = net;
             rec.egress = policy_json(&req.egress)?;
-            self.start_vm(&mut rec, &template, &snapshot)
+            // Other sandboxes will be created from the same snapshot.
+            self.start_vm(&mut rec, &template, &snapshot, true)
         });
         if let Err(e) = started {
             self.release_net(rec.net);
@@ -405,8 +406,15 @@ impl Host {
         Ok(rec)
     }
 
-    /// Starts the VM process of `rec` from `snapshot`; fills in its process fields.
-    fn start_vm(&self, rec: &mut Record, template: &Template, snapshot: &Path) -> Result<()> {
+    /// Starts the VM process of `rec` from `snapshot` (`reused`: later starts will likely
+    /// restore it too); fills in its process fields.
+    fn start_vm(
+        &self,
+        rec: &mut Record,
+        template: &Template,
+        snapshot: &Path,
+        reused: bool,
+    ) -> Result<()> {
         let api = rec.dir.join("vm.api");
         let vsock = rec.dir.join("vm.vsock");
         let disk = template
@@ -414,6 +422,7 @@ impl Host {
             .then(|| rec.dir.join(format!("disk-r{}.cdsk", rec.pauses)));
         let spec = StartSpec {
             snapshot: snapshot.to_path_buf(),
+            snapshot_reused: reused,
             api_sock: api.clone(),
             vsock: vsock.clone(),
             serial: rec.dir.join(format!("serial-r{}.log", rec.pauses)),
@@ -826,7 +835,7 @@ impl Host {
             .clone()
             .ok_or_else(|| Error::Corrupt(format!("paused sandbox {} has no snapshot", rec.id)))?;
         let t = std::time::Instant::now();
-        self.start_vm(&mut rec, &template, &snapshot)?;
+        self.start_vm(&mut rec, &template, &snapshot, false)?;
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
         self.reg().update(&rec)?;
         tracing::info!(sandbox = %rec.id, elapsed = ?t.elapsed(), "resumed");
@@ -970,7 +979,7 @@ impl Host {
                     std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
                     let mut rec = new_child(cid, dir);
                     rec.net = nets.next();
-                    if let Err(e) = self.start_vm(&mut rec, &template, &base) {
+                    if let Err(e) = self.start_vm(&mut rec, &template, &base, false) {
                         self.release_net(rec.net);
                         let _ = std::fs::remove_dir_all(&rec.dir);
                         // The children started so far stay: each is a sandbox of its own.

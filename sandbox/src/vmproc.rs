@@ -34,6 +34,9 @@ pub use standby::{Shape, StandbyConfig, StandbyPool};
 pub struct StartSpec {
     /// The snapshot to restore.
     pub snapshot: PathBuf,
+    /// Later starts will likely restore the same snapshot (a template's, or one that
+    /// sandboxes are created from): standby processes may open it ahead.
+    pub snapshot_reused: bool,
     /// Its control API socket.
     pub api_sock: PathBuf,
     /// Its vsock socket.
@@ -182,7 +185,12 @@ impl ProcessDriver {
         };
         let taken = self.with_pool(|pool| {
             (pool.files_root() == spec.files_root)
-                .then(|| pool.take(shape))
+                .then(|| {
+                    pool.take(
+                        shape,
+                        spec.snapshot_reused.then_some(spec.snapshot.as_path()),
+                    )
+                })
                 .flatten()
         });
         let Some(sb) = taken.flatten() else {
@@ -575,6 +583,7 @@ mod tests {
         let driver = ProcessDriver::new(PathBuf::from("false"));
         let spec = StartSpec {
             snapshot: d.join("nosnap"),
+            snapshot_reused: false,
             api_sock: d.join("vm.api"),
             vsock: d.join("vm.vsock"),
             serial: d.join("serial"),

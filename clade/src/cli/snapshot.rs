@@ -80,6 +80,11 @@ pub struct RestoreArgs {
     /// Standby: the memory of the VM shell (MiB, or 512M, 4G).
     #[arg(long = "mem", requires = "standby", default_value = "256", value_parser = super::parse_mem_mib)]
     mem_mib: u64,
+    /// Standby: open this snapshot directory ahead (checked, its working set read), the
+    /// one the restore request will most likely name; a request for another, or for this
+    /// one once its state file was replaced, opens it then.
+    #[arg(long, value_name = "DIR", requires = "standby")]
+    preload: Option<PathBuf>,
     /// How guest memory is restored: uffd (on demand, with working-set prefetch), file
     /// (copy-on-write mapping of the memory file) or copy (read it all first).
     #[arg(long, default_value = "uffd", value_parser = clap::value_parser!(MemoryBackend))]
@@ -214,7 +219,14 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         net: net_spec,
         tap_passed: false,
     };
-    let vm = vmm::host::restore_request(&request, Vec::new(), &args.kvm_device, &mut None, None)?;
+    let vm = vmm::host::restore_request(
+        &request,
+        Vec::new(),
+        &args.kvm_device,
+        &mut None,
+        None,
+        None,
+    )?;
     own_vm(vm, api, &owner)
 }
 
@@ -243,7 +255,7 @@ fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
         vcpus: args.vcpus,
         dirty_log: true,
     };
-    match vmm::host::standby(&api, &spec, &owner)? {
+    match vmm::host::standby(&api, &spec, &owner, args.preload.as_deref())? {
         StandbyEnd::Restored(vm) => own_vm(*vm, Some(api), &owner),
         StandbyEnd::Shutdown => Ok(0),
         StandbyEnd::Signal(signal) => Ok(128u8.saturating_add(signal as u8)),

@@ -101,6 +101,9 @@ struct PoolState {
     shapes: Vec<Shape>,
     /// Shapes whose last start failed, and when.
     failed: HashMap<Shape, Instant>,
+    /// Per shape, the snapshot its standbys open ahead: the last one taken for a
+    /// restore that others are likely to repeat (a create from a template).
+    preload: HashMap<Shape, PathBuf>,
     last_take: Option<Instant>,
     stop: bool,
 }
@@ -149,6 +152,7 @@ impl StandbyPool {
                 ready: HashMap::new(),
                 shapes,
                 failed: HashMap::new(),
+                preload: HashMap::new(),
                 last_take: None,
                 stop: false,
             }),
@@ -175,10 +179,17 @@ impl StandbyPool {
     }
 
     /// A ready standby of `shape`, if there is one; the shape is kept filled from now on.
-    pub(crate) fn take(&self, shape: Shape) -> Option<Standby> {
+    /// `again`: the snapshot this take restores, when later takes will likely restore it
+    /// too: standbys of the shape started from now on open it ahead (`--preload`).
+    pub(crate) fn take(&self, shape: Shape, again: Option<&Path>) -> Option<Standby> {
         let mut st = self.inner.lock();
         if !st.shapes.contains(&shape) {
             st.shapes.push(shape);
+        }
+        if let Some(dir) = again {
+            if st.preload.get(&shape).is_none_or(|d| d != dir) {
+                st.preload.insert(shape, dir.to_path_buf());
+            }
         }
         st.last_take = Some(Instant::now());
         let mut found = None;
@@ -305,8 +316,9 @@ fn refill(inner: &Inner) {
             continue;
         }
         let Some(shape) = wanted else { continue };
+        let preload = st.preload.get(&shape).cloned();
         drop(st);
-        let started = start_standby(&inner.clade, &inner.cfg, shape);
+        let started = start_standby(&inner.clade, &inner.cfg, shape, preload.as_deref());
         st = inner.lock();
         match started {
             Ok(s) if st.stop => {
@@ -328,8 +340,14 @@ fn refill(inner: &Inner) {
     }
 }
 
-/// Starts one standby of `shape` and waits until its API answers as a standby.
-fn start_standby(clade: &Path, cfg: &StandbyConfig, shape: Shape) -> Result<Standby> {
+/// Starts one standby of `shape` (opening `preload` ahead) and waits until its API
+/// answers as a standby.
+fn start_standby(
+    clade: &Path,
+    cfg: &StandbyConfig,
+    shape: Shape,
+    preload: Option<&Path>,
+) -> Result<Standby> {
     let token = format!("sb-{}", ids::random_string(16));
     let api_sock = cfg.dir.join(format!("{token}.api"));
     let log = cfg.dir.join(format!("{token}.log"));
@@ -348,6 +366,12 @@ fn start_standby(clade: &Path, cfg: &StandbyConfig, shape: Shape) -> Result<Stan
         .arg(shape.vcpus.to_string())
         .arg("--mem")
         .arg(shape.mem_mib.to_string())
+        .args(
+            preload
+                .map(|d| [std::ffi::OsStr::new("--preload"), d.as_os_str()])
+                .into_iter()
+                .flatten(),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log_file)

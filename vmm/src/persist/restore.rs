@@ -281,6 +281,13 @@ impl PreparedSnapshot {
         }
     }
 
+    /// Reads the snapshot's working set ahead (if it has one yet), so that a restore finds
+    /// it read. Returns whether it has one.
+    pub fn load_working_set(&self) -> bool {
+        self.cached_working_set(&self.dir.join(WORKING_SET_FILE))
+            .is_some()
+    }
+
     /// The working set at `path`, read once and kept (None while there is none yet).
     fn cached_working_set(&self, path: &Path) -> Option<Arc<WorkingSet>> {
         let mut cache = self.working_set.lock().unwrap_or_else(|e| e.into_inner());
