@@ -1,14 +1,35 @@
 //! Bad input gets one clear error, never a panic.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clade_tests::{guest_config, native_guest};
 use vmm::{Error, VmConfig};
 
-fn scratch(name: &str) -> PathBuf {
+/// A file in this test process's scratch directory, removed when dropped (and the
+/// directory with the last one).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        if let Some(dir) = self.0.parent() {
+            // Fails while another test's file is still in it.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("clade-errors-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    Scratch(dir.join(name))
 }
 
 fn build_err(c: VmConfig) -> Error {
@@ -46,8 +67,8 @@ fn linux_on_a_host_without_hardware_virtualization_is_refused_with_the_reason() 
     let bz = scratch("bzimage");
     let mut img = vec![0u8; 64 << 10];
     img[0x202..0x206].copy_from_slice(b"HdrS");
-    std::fs::write(&bz, img).unwrap();
-    let e = build_err(VmConfig::new(&bz));
+    std::fs::write(&*bz, img).unwrap();
+    let e = build_err(VmConfig::new(&*bz));
     assert!(matches!(e, Error::UnsupportedHost(_)), "{e}");
     assert!(e.to_string().contains("hardware virtualization"), "{e}");
 }
@@ -55,8 +76,8 @@ fn linux_on_a_host_without_hardware_virtualization_is_refused_with_the_reason() 
 #[test]
 fn corrupt_kernels() {
     let junk = scratch("junk-kernel");
-    std::fs::write(&junk, vec![0xa5u8; 64 << 10]).unwrap();
-    let e = build_err(VmConfig::new(&junk));
+    std::fs::write(&*junk, vec![0xa5u8; 64 << 10]).unwrap();
+    let e = build_err(VmConfig::new(&*junk));
     if hardware_virtualization() {
         assert!(matches!(e, Error::KernelInvalid { .. }), "{e}");
     } else {
@@ -66,21 +87,21 @@ fn corrupt_kernels() {
     // A truncated copy of a real ELF.
     let elf = std::fs::read(native_guest()).unwrap();
     let cut = scratch("truncated-elf");
-    std::fs::write(&cut, &elf[..200]).unwrap();
-    let e = build_err(VmConfig::new(&cut));
+    std::fs::write(&*cut, &elf[..200]).unwrap();
+    let e = build_err(VmConfig::new(&*cut));
     assert!(matches!(e, Error::KernelInvalid { .. }), "{e}");
 }
 
 #[test]
 fn initrd_too_large_for_memory() {
     let big = scratch("big-initrd");
-    std::fs::File::create(&big)
+    std::fs::File::create(&*big)
         .unwrap()
         .set_len(48 << 20)
         .unwrap();
     let mut c = guest_config("hello");
     c.mem_mib = 32;
-    c.initrd = Some(big);
+    c.initrd = Some(big.to_path_buf());
     let e = build_err(c);
     assert!(matches!(e, Error::InitrdTooLarge { .. }), "{e}");
 }
