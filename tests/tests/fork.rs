@@ -97,10 +97,7 @@ fn prepare(vm: &mut Vm, how: Freeze) {
 
 /// The fork froze the parent the way asked for (a failed move would fall back in place).
 fn check_freeze(report: &ForkReport, how: Freeze) {
-    let moved = report
-        .pause_steps
-        .iter()
-        .any(|(s, _)| *s == vmm::MOVED_STEP);
+    let moved = vmm::moved(&report.pause_steps);
     assert_eq!(
         moved,
         how == Freeze::Moving,
@@ -442,11 +439,7 @@ fn a_vm_that_moves_keeps_its_connection_forks_again_and_snapshots() {
     prepare(&mut parent, Freeze::Moving);
     let snap = dir.0.join("snap");
     let info = vmm::snapshot(&mut parent, &snap, vmm::SnapshotKind::Full).unwrap();
-    assert!(
-        info.steps.iter().any(|(s, _)| *s == vmm::MOVED_STEP),
-        "{:?}",
-        info.steps
-    );
+    assert!(vmm::moved(&info.steps), "{:?}", info.steps);
     conn.ping().unwrap();
     let rsock = dir.0.join("r.sock");
     let mut restored = vmm::restore(

@@ -57,7 +57,7 @@ pub use persist::{MAX_DIFF_CHAIN, MEMORY_FILE, STATE_FILE, WORKING_SET_FILE};
 pub use saved::{
     Lineage, MachineState, MemoryBackend, RestoreReport, SavedDisk, SavedMachine, SavedVsock,
 };
-pub use vm::{Vm, MOVED_STEP};
+pub use vm::{moved, Vm, MOVED_STEP};
 /// Guest-physical address of the VM generation ID (16 bytes), in VMs that have one.
 pub const VMGENID_ADDR: u64 = arch::layout::VMGENID_ADDR;
 pub use vstate::memory::host_mem_mib;

@@ -218,6 +218,12 @@ impl Drop for PauseGuard<'_> {
 /// how a fork's or a snapshot's report says the VM moved.
 pub const MOVED_STEP: &str = "move";
 
+/// Whether a freeze's report `steps` (a fork's or a snapshot's) say the VM moved onto its
+/// spare shell.
+pub fn moved(steps: &[(&'static str, Duration)]) -> bool {
+    steps.iter().any(|(s, _)| *s == MOVED_STEP)
+}
+
 /// How often a wait looks at the page server (a failed one sends no event).
 const PAGE_SERVER_CHECK: Duration = Duration::from_millis(200);
 

@@ -64,7 +64,7 @@ pub(crate) fn handle(
                         "kind": info.kind.to_string(),
                         "dir": info.dir,
                         "pause_us": info.pause_time.as_micros() as u64,
-                        "moved": info.steps.iter().any(|(s, _)| *s == crate::vm::MOVED_STEP),
+                        "moved": crate::vm::moved(&info.steps),
                         "total_us": info.total_time.as_micros() as u64,
                         "pages_written": info.pages_written,
                         "pages_considered": info.pages_considered,

@@ -273,10 +273,7 @@ pub fn fork_processes(
     );
     Ok(ForkedProcesses {
         pause: report.pause_time,
-        moved: report
-            .steps
-            .iter()
-            .any(|(s, _)| *s == crate::vm::MOVED_STEP),
+        moved: crate::vm::moved(&report.steps),
         total,
         children,
     })
