@@ -108,13 +108,13 @@ impl IntoResponse for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// Runs a blocking lifecycle call on the blocking pool.
+/// Runs a blocking lifecycle call ([`crate::run_blocking`]).
 async fn blocking<T: Send + 'static>(
     st: &AppState,
     f: impl FnOnce(&Host) -> crate::Result<T> + Send + 'static,
 ) -> ApiResult<T> {
     let host = st.host.clone();
-    tokio::task::spawn_blocking(move || f(&host))
+    crate::run_blocking(move || f(&host))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("worker: {e}")))?
         .map_err(ApiError::from)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use vmm::api::{ApiClient, ApiServer, Request, RestoreRequest};
+use vmm::api::{ApiClient, ApiListener, ApiServer, Request, RestoreRequest};
 use vmm::host::StandbyEnd;
 use vmm::{MemoryBackend, NetConfig, ShellSpec};
 
@@ -245,7 +245,7 @@ fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
         !args.no_seccomp,
         args.fork_spares.into(),
     )?;
-    let api = ApiServer::bind(api_sock)?;
+    let api = ApiListener::bind(api_sock)?;
     let spec = ShellSpec {
         kvm_device: args.kvm_device.clone(),
         mem_bytes: args
@@ -255,8 +255,8 @@ fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
         vcpus: args.vcpus,
         dirty_log: true,
     };
-    match vmm::host::standby(&api, &spec, &owner, args.preload.as_deref())? {
-        StandbyEnd::Restored(vm) => own_vm(*vm, Some(api), &owner),
+    match vmm::host::standby(api, &spec, &owner, args.preload.as_deref())? {
+        StandbyEnd::Restored(vm, api) => own_vm(*vm, Some(api), &owner),
         StandbyEnd::Shutdown => Ok(0),
         StandbyEnd::Signal(signal) => Ok(128u8.saturating_add(signal as u8)),
     }

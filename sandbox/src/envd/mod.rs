@@ -415,7 +415,7 @@ impl DataPlane {
         // start): done inline, it saves a hop to the blocking pool on every request.
         // Only a resume goes there.
         let rec = match host.get(id) {
-            Ok(rec) if rec.state == SbState::Paused => tokio::task::spawn_blocking(move || {
+            Ok(rec) if rec.state == SbState::Paused => crate::run_blocking(move || {
                 tracing::info!(sandbox = %owned, "auto-resume for a data-plane request");
                 host.connect(&owned, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
             })
@@ -504,29 +504,13 @@ async fn health(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
         Ok(s) => s,
         Err(r) => return r,
     };
-    match short_agent_call(move || sb.with_client(|c| c.ping())).await {
+    match crate::run_blocking(move || sb.with_client(|c| c.ping())).await {
         Ok(Ok(_)) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => proxy_error(format!(
             "The sandbox is running but port {ENVD_PORT} is not open: {}",
             e.message
         )),
         Err(e) => proxy_error(format!("worker: {e}")),
-    }
-}
-
-/// Runs a short blocking agent round trip: on this worker thread when the runtime has
-/// others to take over its tasks meanwhile (`block_in_place`: no hand-off to the blocking
-/// pool and back, which costs more than a ping's wait on a small host), else on the
-/// blocking pool.
-pub(crate) async fn short_agent_call<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, tokio::task::JoinError> {
-    if tokio::runtime::Handle::current().runtime_flavor()
-        == tokio::runtime::RuntimeFlavor::MultiThread
-    {
-        Ok(tokio::task::block_in_place(f))
-    } else {
-        tokio::task::spawn_blocking(f).await
     }
 }
 

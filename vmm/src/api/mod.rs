@@ -8,6 +8,9 @@
 //! gets an error line and is closed), each a sequence of one request line and one response
 //! line, closed after 60 s of silence. Requests are executed one at a time, in arrival
 //! order, by the process that owns the VM.
+//! A standby process (`clade restore --standby`), before it holds a VM, serves its socket
+//! on its own main thread ([`ApiListener::next_request`]): one request per connection, its
+//! line read within 2 s.
 //!
 //! Every response is an object with `"ok"`: `true` plus result fields, or `false` plus
 //! `"error"` (one line naming the problem). A line that is not a request gets
@@ -235,7 +238,15 @@ pub struct PendingRequest {
     /// Descriptors that came with the request line (`SCM_RIGHTS`, at most
     /// [`MAX_REQUEST_FDS`]), e.g. a standby's TAP; closed with the request unless taken.
     fds: Vec<OwnedFd>,
-    reply: Sender<Response>,
+    reply: Reply,
+}
+
+/// Where a request's answer goes.
+enum Reply {
+    /// To the connection thread that read it ([`ApiServer`]).
+    Thread(Sender<Response>),
+    /// Straight onto its connection, which closes then ([`ApiListener::next_request`]).
+    Connection(UnixStream),
 }
 
 impl PendingRequest {
@@ -246,7 +257,14 @@ impl PendingRequest {
 
     /// Sends the answer back to the client.
     pub fn respond(self, response: Response) {
-        let _ = self.reply.send(response);
+        match self.reply {
+            Reply::Thread(tx) => {
+                let _ = tx.send(response);
+            }
+            Reply::Connection(mut stream) => {
+                let _ = write_response(&mut stream, &response);
+            }
+        }
     }
 }
 
@@ -261,19 +279,39 @@ pub enum PeerCheck {
     None,
 }
 
-/// Listens on the API socket and hands requests to the VM owner.
-///
-/// Bounded: at most [`MAX_CONNECTIONS`] connections at once, [`MAX_REQUEST`] bytes a line,
-/// [`IDLE_TIMEOUT`] of silence. The socket is created with mode 0600, never replaces
-/// anything but a stale socket, and is removed when the server is dropped only if the path
-/// still names the socket this server bound.
-pub struct ApiServer {
+/// The socket file an API socket was bound at, removed when this is dropped if the path
+/// still names that socket (another VM may have bound the path since).
+struct BoundPath {
     path: PathBuf,
-    /// Device and inode of the socket file this server bound.
+    /// Device and inode of the socket file.
     identity: (u64, u64),
-    requests: Receiver<PendingRequest>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+}
+
+impl BoundPath {
+    /// Whether the path still names the socket bound there.
+    fn still_ours(&self) -> bool {
+        file_identity(&self.path).is_ok_and(|id| id == self.identity)
+    }
+}
+
+impl Drop for BoundPath {
+    fn drop(&mut self) {
+        if self.still_ours() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// A bound API socket, served either on the caller's thread one request at a time
+/// ([`ApiListener::next_request`]: a standby process, whose only work is to wait for its
+/// restore) or by a server thread ([`ApiListener::serve`]).
+///
+/// The socket is created with mode 0600, never replaces anything but a stale socket, and is
+/// removed when dropped only if the path still names the socket bound here.
+pub struct ApiListener {
+    bound: BoundPath,
+    listener: UnixListener,
+    peers: PeerCheck,
 }
 
 fn io_err(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
@@ -287,14 +325,18 @@ fn file_identity(path: &Path) -> std::io::Result<(u64, u64)> {
     Ok((m.dev(), m.ino()))
 }
 
-impl ApiServer {
+/// How long [`ApiListener::next_request`] waits for the request line of a connection it
+/// accepted (a client sends it as it connects).
+pub const DIRECT_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl ApiListener {
     /// Binds `path` with [`PeerCheck::SameUser`]. A stale socket file (nobody listening) is
     /// replaced; a live one, or any other kind of file, is an error.
     pub fn bind(path: &Path) -> Result<Self> {
         Self::bind_with(path, PeerCheck::SameUser)
     }
 
-    /// Binds `path`, serving only peers that pass `peers`.
+    /// Binds `path`, accepting only peers that pass `peers`.
     pub fn bind_with(path: &Path, peers: PeerCheck) -> Result<Self> {
         use std::os::unix::fs::{FileTypeExt, PermissionsExt};
         match std::fs::symlink_metadata(path) {
@@ -344,9 +386,77 @@ impl ApiServer {
                 });
             }
         };
+        let bound = BoundPath {
+            path: path.to_path_buf(),
+            identity,
+        };
         listener
             .set_nonblocking(true)
             .map_err(io_err("configuring the API socket"))?;
+        Ok(Self {
+            bound,
+            listener,
+            peers,
+        })
+    }
+
+    /// Socket path.
+    pub fn path(&self) -> &Path {
+        &self.bound.path
+    }
+
+    /// The next request, if a connection with one arrives within `timeout`, served on
+    /// this thread: accepted, its request line read (within [`DIRECT_READ_TIMEOUT`]) and
+    /// parsed here, and [`PendingRequest::respond`] writes the answer on the connection
+    /// and closes it: one request per connection. A connection that sends no valid
+    /// request gets an error line (as from [`ApiServer`]) and counts as none.
+    ///
+    /// No hand-off between threads on the way in or out: for a standby process, whose
+    /// restore request is on the path of a sandbox's create or wake, that is ~3 thread
+    /// wake-ups (~100-200 us on a 2-CPU host) less than the server thread's path.
+    pub fn next_request(&self, timeout: Duration) -> Option<PendingRequest> {
+        let stream = match self.listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wait_readable(&self.listener, timeout);
+                self.listener.accept().ok()?.0
+            }
+            Err(e) => {
+                tracing::warn!("API accept failed: {e}");
+                std::thread::sleep(timeout.min(Duration::from_millis(50)));
+                return None;
+            }
+        };
+        let mut writer = stream;
+        if !peer_allowed(&writer, self.peers) {
+            tracing::warn!("API connection refused: peer uid not allowed");
+            let _ = write_response(&mut writer, &Response::err("permission denied"));
+            return None;
+        }
+        let _ = writer.set_nonblocking(false);
+        let _ = writer.set_read_timeout(Some(DIRECT_READ_TIMEOUT));
+        let mut reader = LineReader::new(writer.try_clone().ok()?);
+        match next_request(&mut reader) {
+            NextRequest::Request(request, fds) => Some(PendingRequest {
+                request,
+                fds,
+                reply: Reply::Connection(writer),
+            }),
+            NextRequest::End => None,
+            NextRequest::Bad(answer) | NextRequest::Fatal(answer) => {
+                let _ = write_response(&mut writer, &answer);
+                None
+            }
+        }
+    }
+
+    /// Serves the socket from a thread of its own from now on (see [`ApiServer`]).
+    pub fn serve(self) -> Result<ApiServer> {
+        let Self {
+            bound,
+            listener,
+            peers,
+        } = self;
         let (tx, requests) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
@@ -358,13 +468,37 @@ impl ApiServer {
                 accept_loop(listener, tx, &stop2, peers)
             })
             .map_err(io_err("spawning the API thread"))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            identity,
+        Ok(ApiServer {
+            bound,
             requests,
             stop,
             thread: Some(thread),
         })
+    }
+}
+
+/// Listens on the API socket from a thread of its own and hands requests to the VM owner.
+///
+/// Bounded: at most [`MAX_CONNECTIONS`] connections at once, [`MAX_REQUEST`] bytes a line,
+/// [`IDLE_TIMEOUT`] of silence. The socket is bound as by [`ApiListener::bind`] and removed
+/// when the server is dropped only if the path still names the socket bound there.
+pub struct ApiServer {
+    // Dropped after the thread is joined (see `Drop`): the file goes last.
+    bound: BoundPath,
+    requests: Receiver<PendingRequest>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ApiServer {
+    /// Binds `path` with [`PeerCheck::SameUser`] and serves it ([`ApiListener::bind`]).
+    pub fn bind(path: &Path) -> Result<Self> {
+        ApiListener::bind(path)?.serve()
+    }
+
+    /// Binds `path`, serving only peers that pass `peers`.
+    pub fn bind_with(path: &Path, peers: PeerCheck) -> Result<Self> {
+        ApiListener::bind_with(path, peers)?.serve()
     }
 
     /// The next request, if one arrives within `timeout`.
@@ -374,7 +508,7 @@ impl ApiServer {
 
     /// Socket path.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.bound.path
     }
 }
 
@@ -382,15 +516,11 @@ impl Drop for ApiServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         // Wakes the accept loop from its wait at once (only through our own socket).
-        if file_identity(&self.path).is_ok_and(|id| id == self.identity) {
-            let _ = UnixStream::connect(&self.path);
+        if self.bound.still_ours() {
+            let _ = UnixStream::connect(&self.bound.path);
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-        }
-        // Only our own socket: another VM may have bound the path since.
-        if file_identity(&self.path).is_ok_and(|id| id == self.identity) {
-            let _ = std::fs::remove_file(&self.path);
         }
     }
 }
@@ -475,7 +605,9 @@ fn accept_loop(
                 }
                 spare = spare_connection_thread(&tx, &live);
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_readable(&listener),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wait_readable(&listener, STOP_CHECK)
+            }
             Err(e) => {
                 tracing::warn!("API accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(50));
@@ -509,10 +641,10 @@ fn spare_connection_thread(
 /// How often the accept loop looks at its stop flag while no connection comes.
 const STOP_CHECK: Duration = Duration::from_millis(50);
 
-/// Waits until a connection is pending on `listener` or [`STOP_CHECK`] passed: a new
+/// Waits until a connection is pending on `listener` or `timeout` passed: a new
 /// connection is accepted at once (sleeping between accept attempts would add up to the
 /// sleep to every request on a new connection, such as each request of `clade serve`).
-fn wait_readable(listener: &UnixListener) {
+fn wait_readable(listener: &UnixListener, timeout: Duration) {
     use std::os::fd::AsRawFd;
     let mut fds = [libc::pollfd {
         fd: listener.as_raw_fd(),
@@ -521,7 +653,13 @@ fn wait_readable(listener: &UnixListener) {
     }];
     // SAFETY: `fds` is one valid pollfd for the duration of the call, with the listener's
     // own descriptor; poll writes only its `revents`.
-    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 1, STOP_CHECK.as_millis() as libc::c_int) };
+    let rc = unsafe {
+        libc::poll(
+            fds.as_mut_ptr(),
+            1,
+            timeout.as_millis().min(i32::MAX as u128) as libc::c_int,
+        )
+    };
     if rc < 0 {
         // EINTR or a transient failure: a short pause keeps this from spinning.
         std::thread::sleep(Duration::from_millis(1));
@@ -542,43 +680,59 @@ fn serve_connection(stream: UnixStream, tx: Sender<PendingRequest>) {
     };
     let mut reader = LineReader::new(stream);
     loop {
-        let line = match reader.next_line() {
-            Ok(Some(l)) => Ok(l),
-            Ok(None) | Err(LineError::Io) => return,
-            Err(LineError::TooLong) => {
-                let _ = write_response(&mut writer, &Response::err("request too long"));
+        let response = match next_request(&mut reader) {
+            NextRequest::End => return,
+            NextRequest::Fatal(answer) => {
+                let _ = write_response(&mut writer, &answer);
                 return;
             }
-            Err(LineError::TooManyFds) => Err(()),
-        };
-        let response = match line {
-            Err(()) => Response::err(format!(
-                "bad request: more than {MAX_REQUEST_FDS} descriptors sent with it"
-            )),
-            Ok((line, fds)) => match serde_json::from_slice::<Request>(&line) {
-                Err(e) => Response::err(format!("bad request: {e}")),
-                Ok(request) => {
-                    let (reply, answer) = mpsc::channel();
-                    if tx
-                        .send(PendingRequest {
-                            request,
-                            fds,
-                            reply,
-                        })
-                        .is_err()
-                    {
-                        Response::err("the VM is gone")
-                    } else {
-                        answer
-                            .recv()
-                            .unwrap_or_else(|_| Response::err("the VM is gone"))
-                    }
+            NextRequest::Bad(answer) => answer,
+            NextRequest::Request(request, fds) => {
+                let (reply, answer) = mpsc::channel();
+                if tx
+                    .send(PendingRequest {
+                        request,
+                        fds,
+                        reply: Reply::Thread(reply),
+                    })
+                    .is_err()
+                {
+                    Response::err("the VM is gone")
+                } else {
+                    answer
+                        .recv()
+                        .unwrap_or_else(|_| Response::err("the VM is gone"))
                 }
-            },
+            }
         };
         if write_response(&mut writer, &response).is_err() {
             return;
         }
+    }
+}
+
+/// What the next line of a connection is.
+enum NextRequest {
+    Request(Request, Vec<OwnedFd>),
+    /// Not a request: this answer, and the connection stays usable.
+    Bad(Response),
+    /// This answer, then the connection closes (the line was too long to find its end).
+    Fatal(Response),
+    /// The peer went away, or the socket failed or timed out.
+    End,
+}
+
+fn next_request(reader: &mut LineReader) -> NextRequest {
+    match reader.next_line() {
+        Ok(Some((line, fds))) => match serde_json::from_slice::<Request>(&line) {
+            Ok(request) => NextRequest::Request(request, fds),
+            Err(e) => NextRequest::Bad(Response::err(format!("bad request: {e}"))),
+        },
+        Ok(None) | Err(LineError::Io) => NextRequest::End,
+        Err(LineError::TooLong) => NextRequest::Fatal(Response::err("request too long")),
+        Err(LineError::TooManyFds) => NextRequest::Bad(Response::err(format!(
+            "bad request: more than {MAX_REQUEST_FDS} descriptors sent with it"
+        ))),
     }
 }
 
@@ -827,6 +981,78 @@ mod tests {
             ]
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_listener_serves_a_request_per_connection_on_its_thread_then_hands_over() {
+        use std::io::Read;
+        use std::os::fd::AsFd;
+        let d = scratch("direct");
+        let path = d.join("sb.api");
+        let listener = ApiListener::bind(&path).unwrap();
+        assert!(
+            ApiListener::bind(&path).is_err(),
+            "a live socket is not replaced"
+        );
+        // Nobody connects: nothing, after the timeout.
+        assert!(listener.next_request(Duration::from_millis(20)).is_none());
+        let client = std::thread::spawn({
+            let path = path.clone();
+            let payload = d.join("payload");
+            move || {
+                std::fs::write(&payload, "sent along").unwrap();
+                let f = std::fs::File::open(&payload).unwrap();
+                let mut c = ApiClient::connect(&path).unwrap();
+                let r = c.call_with_fds(&Request::Status, &[f.as_fd()]).unwrap();
+                // One request per connection: the next one finds it closed.
+                let again = c.call(&Request::Status);
+                // A line that is not a request gets its error, then the connection closes.
+                let mut raw = UnixStream::connect(&path).unwrap();
+                raw.write_all(b"{not json\n").unwrap();
+                let mut answer = String::new();
+                raw.read_to_string(&mut answer).unwrap();
+                (r, again.is_err(), answer)
+            }
+        });
+        let mut p = loop {
+            if let Some(p) = listener.next_request(Duration::from_secs(5)) {
+                break p;
+            }
+        };
+        assert!(matches!(p.request, Request::Status));
+        let fds = p.take_fds();
+        let mut f = std::fs::File::from(fds.into_iter().next().expect("the descriptor"));
+        let mut text = String::new();
+        std::io::Seek::rewind(&mut f).unwrap();
+        f.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "sent along");
+        p.respond(Response::ok(serde_json::json!({"state": "standby"})));
+        // The bad line: answered here, no request.
+        assert!(listener.next_request(Duration::from_secs(5)).is_none());
+        let (r, closed, answer) = client.join().unwrap();
+        assert!(r.ok && r.fields["state"] == "standby", "{r:?}");
+        assert!(closed, "a second request on the same connection fails");
+        let bad: Response = serde_json::from_str(answer.trim()).unwrap();
+        assert!(!bad.ok && bad.error.unwrap().contains("bad request"));
+        // From here a server thread serves the same socket, with connections as usual.
+        let server = listener.serve().unwrap();
+        let owner = std::thread::spawn(move || {
+            for _ in 0..2 {
+                let p = server.next_request(Duration::from_secs(5)).unwrap();
+                p.respond(Response::ok(serde_json::json!({"state": "running"})));
+            }
+            server
+        });
+        let mut c = ApiClient::connect(&path).unwrap();
+        for _ in 0..2 {
+            assert_eq!(c.call(&Request::Status).unwrap().fields["state"], "running");
+        }
+        drop(owner.join().unwrap());
+        assert!(!path.exists(), "the socket goes with the server");
+        // An unserved listener removes its socket too.
+        drop(ApiListener::bind(&path).unwrap());
+        assert!(!path.exists());
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     fn scratch(name: &str) -> PathBuf {

@@ -4,7 +4,10 @@
 //! process's system-call filter, then a VM shell (KVM VM, slots, irqchip, vCPUs, spare
 //! threads each confined to its kind) built in a process that has none ready. A standby
 //! process pays all of that ahead of time: it confines itself, builds a shell of one shape
-//! (vCPUs, memory), serves its control API and waits ([`standby`]). One `restore` request
+//! (vCPUs, memory), serves its control API and waits ([`standby`]). It serves that socket
+//! on its main thread, a request per connection ([`ApiListener::next_request`]): the
+//! restore request is read, run and answered without a hand-off between threads, and the
+//! socket's server thread starts once the process holds a VM. One `restore` request
 //! ([`RestoreRequest`]) then restores a snapshot into that shell, and from then on the
 //! process is an ordinary restored VM (its owner loop, [`super::own`], serves the rest of
 //! its life). A second `restore` is refused, by the owner loop's dispatcher.
@@ -33,7 +36,7 @@ use serde_json::json;
 
 use super::dispatch::{confine, status_fields};
 use super::options::OwnerOptions;
-use crate::api::{ApiServer, Request, Response, RestoreRequest};
+use crate::api::{ApiListener, ApiServer, Request, Response, RestoreRequest};
 use crate::config::{NetConfig, SerialOutput, Tap, TapSource};
 use crate::error::{Error, Result};
 use crate::persist::restore::{PreparedSnapshot, RestoreOptions};
@@ -50,8 +53,9 @@ pub const MAX_AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How a standby process's wait ended.
 pub enum StandbyEnd {
-    /// A `restore` request made this VM; the caller owns it from here ([`super::own`]).
-    Restored(Box<Vm>),
+    /// A `restore` request made this VM; the caller owns it from here ([`super::own`]),
+    /// with its control API now served from a thread of its own.
+    Restored(Box<Vm>, ApiServer),
     /// A `shutdown` request: the process ends without having run a VM.
     Shutdown,
     /// A stop signal (its number).
@@ -61,7 +65,7 @@ pub enum StandbyEnd {
 impl std::fmt::Debug for StandbyEnd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StandbyEnd::Restored(_) => f.write_str("Restored"),
+            StandbyEnd::Restored(..) => f.write_str("Restored"),
             StandbyEnd::Shutdown => f.write_str("Shutdown"),
             StandbyEnd::Signal(s) => write!(f, "Signal({s})"),
         }
@@ -110,13 +114,13 @@ impl Preloaded {
 }
 
 /// Builds a shell for `spec`, opens `preload` (if given; a snapshot that cannot be
-/// opened is logged and ignored), and serves `api` until a `restore` request succeeds, a
+/// opened is logged and ignored), and serves `api` on this thread until a `restore` request succeeds, a
 /// `shutdown` request or a stop signal ([`OwnerOptions::stop`]) comes. `status` answers
 /// `{"state":"standby","vcpus","mem_mib","preloaded"}`; other requests are refused (there
 /// is no VM yet). A request that fails its checks leaves the shell ready; a restore that
 /// fails later (the shell is spent) builds a new one.
 pub fn standby(
-    api: &ApiServer,
+    api: ApiListener,
     spec: &ShellSpec,
     options: &OwnerOptions,
     preload: Option<&Path>,
@@ -171,7 +175,12 @@ pub fn standby(
                     Ok(vm) => {
                         clear_parent_death_signal();
                         req.respond(Response::ok(status_fields(&vm)));
-                        return Ok(StandbyEnd::Restored(Box::new(vm)));
+                        // Started once the answer is out: its thread is not on the
+                        // request's path. Connections meanwhile wait in the backlog.
+                        let api = api.serve().inspect_err(|e| {
+                            tracing::error!("restored, but the control API cannot be served: {e}")
+                        })?;
+                        return Ok(StandbyEnd::Restored(Box::new(vm), api));
                     }
                     Err(e) => {
                         tracing::warn!("standby: restore of {}: {e}", r.snapshot.display());
