@@ -378,20 +378,25 @@ fn wait_standbys(state: &Path, n: usize) -> Vec<PathBuf> {
 /// `serve --standby 2`: a create takes a VM process that existed before the request, the
 /// pool refills, a service crash ends the unused standbys but not the sandbox, and a
 /// stopped service leaves no standby behind.
-#[test]
-fn creates_use_standby_processes_and_the_pool_refills() {
-    let d = Dir::new("standby");
-    let state = d.p("state");
+/// Builds template `t` (the native guest serving agent connections, 64 MiB) in `state`.
+fn build_template(state: &Path) {
     let o = clade()
         .args(["template", "build", "t", "--test-device", "--mem", "64"])
         .arg("--kernel")
         .arg(native_guest())
         .args(["--cmdline", "steps=vsock"])
         .arg("--state-dir")
-        .arg(&state)
+        .arg(state)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn creates_use_standby_processes_and_the_pool_refills() {
+    let d = Dir::new("standby");
+    let state = d.p("state");
+    build_template(&state);
     let port = free_port();
     let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
     let before = wait_standbys(&state, 2);
@@ -483,6 +488,78 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     serve.0.wait().unwrap();
     assert!(pid_naming(&ready[0]).is_none());
     assert_eq!(standby_sockets(&state), Vec::new());
+}
+
+/// A pause asks a ready standby to open the new snapshot ahead, and the wake takes that
+/// standby: its restore finds the snapshot open.
+#[test]
+fn a_paused_sandbox_wakes_in_the_standby_that_opened_its_snapshot() {
+    let d = Dir::new("standby-wake");
+    let state = d.p("state");
+    build_template(&state);
+    let port = free_port();
+    let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
+    wait_standbys(&state, 2);
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t","timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    let a = id_of(&v);
+    let dir = state.join("sandboxes").join(&a);
+    ping(&dir.join("vm.vsock"));
+    wait_standbys(&state, 2);
+    for round in 1..=2 {
+        let (s, v) = http(
+            port,
+            "POST",
+            &format!("/sandboxes/{a}/pause"),
+            Some("k"),
+            "",
+        );
+        assert_eq!(s, 204, "{v}");
+        let snapshot = std::fs::canonicalize(dir.join(format!("pause-{round}"))).unwrap();
+        // One ready standby holds it open now.
+        let holders: Vec<PathBuf> = ready_standbys(&state)
+            .into_iter()
+            .filter(|sock| {
+                vmm::api::ApiClient::connect(sock)
+                    .and_then(|mut c| c.call(&vmm::api::Request::Status))
+                    .is_ok_and(|r| {
+                        r.fields["preloaded"]
+                            .as_array()
+                            .is_some_and(|l| l.iter().any(|p| p.as_str() == snapshot.to_str()))
+                    })
+            })
+            .collect();
+        assert_eq!(holders.len(), 1, "{:?}", standby_sockets(&state));
+        let (s, v) = http(
+            port,
+            "POST",
+            &format!("/sandboxes/{a}/connect"),
+            Some("k"),
+            r#"{"timeout":300}"#,
+        );
+        assert_eq!(s, 201, "{v}");
+        ping(&dir.join("vm.vsock"));
+        // The holder is the sandbox's VM now, and its restore used what it had opened.
+        let (_, info) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+        assert!(!ready_standbys(&state).contains(&holders[0]), "{info}");
+        let log = std::fs::read_to_string(dir.join("vm.log")).unwrap();
+        let line = log
+            .lines()
+            .rfind(|l| l.contains("restored ") && l.contains(&format!("pause-{round}")))
+            .unwrap_or_else(|| panic!("no restore of pause-{round} in\n{log}"));
+        assert!(line.contains("snapshot opened ahead"), "{line}");
+        wait_standbys(&state, 2);
+    }
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(s, 204);
+    serve.0.kill().unwrap();
+    serve.0.wait().unwrap();
 }
 
 /// Whether `tap0` in namespace file `ns` is attached (a persistent TAP without a reader

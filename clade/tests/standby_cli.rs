@@ -253,7 +253,7 @@ fn a_standby_opens_its_likely_snapshot_ahead_and_sees_when_it_was_replaced() {
 
     let (mut a, sock_a) = start_standby_with(&d, "a", &root, &preload);
     let r = api(&sock_a, &Request::Status);
-    assert_eq!(r.fields["preloaded"], snap.to_str().unwrap(), "{r:?}");
+    assert_eq!(r.fields["preloaded"], serde_json::json!([snap]), "{r:?}");
     let (first_id, log) = restore(&sock_a, "a");
     assert!(log.contains("snapshot opened ahead"), "{log}");
     assert_eq!(wait_exit(&mut a), 0);
@@ -272,9 +272,78 @@ fn a_standby_opens_its_likely_snapshot_ahead_and_sees_when_it_was_replaced() {
     // A snapshot that cannot be opened ahead is no reason not to stand by.
     let missing = d.p("no-such-snapshot");
     let (mut c, sock_c) = start_standby_with(&d, "c", &root, &[Path::new("--preload"), &missing]);
-    assert!(api(&sock_c, &Request::Status).fields["preloaded"].is_null());
+    assert_eq!(
+        api(&sock_c, &Request::Status).fields["preloaded"],
+        serde_json::json!([])
+    );
+    // Nor is a `preload` request for it (answered with why), nor one with a relative path.
+    let r = api(
+        &sock_c,
+        &Request::Preload {
+            snapshot: missing.clone(),
+        },
+    );
+    assert!(!r.ok && r.error.unwrap().contains("no-such-snapshot"));
+    let r = api(
+        &sock_c,
+        &Request::Preload {
+            snapshot: "snap".into(),
+        },
+    );
+    assert!(!r.ok && r.error.unwrap().contains("absolute"));
+    // A snapshot asked for (a paused sandbox's, by the service) is opened ahead too; past
+    // MAX_PRELOADED asked for, the oldest is closed; the restore of one uses it.
+    let mut copies = Vec::new();
+    for i in 0..=vmm::host::MAX_PRELOADED {
+        let copy = d.p(&format!("copy{i}"));
+        copy_dir(&snap, &copy);
+        let r = api(
+            &sock_c,
+            &Request::Preload {
+                snapshot: copy.clone(),
+            },
+        );
+        assert!(r.ok, "{r:?}");
+        copies.push(copy);
+    }
+    let held = api(&sock_c, &Request::Status).fields["preloaded"].clone();
+    assert_eq!(held, serde_json::json!(copies[1..]), "the oldest went");
+    // Asked again: held already, nothing changes.
+    let r = api(
+        &sock_c,
+        &Request::Preload {
+            snapshot: copies[2].clone(),
+        },
+    );
+    assert_eq!(r.fields["preloaded"], held);
+    let mut req = request("c");
+    req.snapshot = copies[2].clone();
+    let r = api(&sock_c, &Request::Restore(req));
+    assert!(r.ok, "{r:?}");
+    let log = std::fs::read_to_string(root.join("c.log")).unwrap();
+    assert!(log.contains("snapshot opened ahead"), "{log}");
+    // A VM refuses it.
+    let r = api(
+        &sock_c,
+        &Request::Preload {
+            snapshot: copies[1].clone(),
+        },
+    );
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("standby"),
+        "{r:?}"
+    );
     assert!(api(&sock_c, &Request::Shutdown).ok);
     assert_eq!(wait_exit(&mut c), 0);
+}
+
+/// Copies the files of snapshot directory `from` to `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
 }
 
 #[test]

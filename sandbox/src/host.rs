@@ -794,6 +794,10 @@ impl Host {
         rec.pauses += 1;
         self.reg().update(&rec)?;
         tracing::info!(sandbox = %rec.id, kind, elapsed = ?t.elapsed(), "paused");
+        // Its wake will restore this snapshot: a ready VM process may open it now.
+        if let Some(snapshot) = &rec.snapshot {
+            self.driver.open_ahead(rec.vcpus, rec.mem_mib, snapshot);
+        }
         // Its TAP, opened ahead again for the resume (off the resume's path).
         if let (Some(i), Ok(n)) = (rec.net, &self.networks) {
             n.reopen_tap(i);

@@ -97,6 +97,9 @@ pub trait VmDriver: Send + Sync {
     fn snapshot_layers(&self, _api_sock: &Path) -> Option<usize> {
         None
     }
+    /// A hint: a VM of this shape will likely be started from `snapshot` soon (a paused
+    /// sandbox's), so a process kept ready may open it ahead. Best effort, no answer.
+    fn open_ahead(&self, _vcpus: u32, _mem_mib: u64, _snapshot: &Path) {}
     /// Pauses (`running` false) or unpauses the VM's vCPUs.
     fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()>;
     /// Stops the VM process (API shutdown, then SIGKILL if it does not end in time) and
@@ -189,6 +192,7 @@ impl ProcessDriver {
                     pool.take(
                         shape,
                         spec.snapshot_reused.then_some(spec.snapshot.as_path()),
+                        &spec.snapshot,
                     )
                 })
                 .flatten()
@@ -442,6 +446,10 @@ impl VmDriver for ProcessDriver {
             .get("layers")?
             .as_u64()
             .map(|n| n as usize)
+    }
+
+    fn open_ahead(&self, vcpus: u32, mem_mib: u64, snapshot: &Path) {
+        self.with_pool(|pool| pool.open_ahead(Shape { vcpus, mem_mib }, snapshot));
     }
 
     fn set_vcpus_running(&self, api_sock: &Path, running: bool) -> Result<()> {

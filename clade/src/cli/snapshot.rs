@@ -225,7 +225,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         &args.kvm_device,
         &mut None,
         None,
-        None,
+        &vmm::host::Ahead::default(),
     )?;
     own_vm(vm, api, &owner)
 }

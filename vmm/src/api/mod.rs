@@ -27,6 +27,7 @@
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
 //! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true,"nets":["tap=tap0,netns=/run/netns/a",...]}` (`nets`: one TAP per child, only for a VM with a network device) | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
 //! | `{"op":"restore","snapshot":"/abs/snap","vsock":"/abs/vm.vsock",...}` | standby processes only (`clade restore --standby`): the fields of [`RestoreRequest`]; the answer is the `status` of the restored VM. A second restore, or one in a process that already runs a VM, is refused |
+//! | `{"op":"preload","snapshot":"/abs/snap"}` | standby processes only: `preloaded`, the snapshots it holds open ahead (its `--preload` one and the last ones asked for) |
 //!
 //! `fork`: the VM pauses for a moment, its memory is frozen (shared copy-on-write) and each
 //! child becomes its own `clade` process (its own API socket and vsock socket, named
@@ -122,6 +123,12 @@ pub enum Request {
     /// Restore a snapshot into this process's pre-built VM shell (a standby process only,
     /// once; see [`crate::host::standby`]).
     Restore(RestoreRequest),
+    /// Open a snapshot ahead, so that a later `restore` of it skips that part (a standby
+    /// process only; see [`crate::host::standby`]).
+    Preload {
+        /// The snapshot directory (absolute, no `..`).
+        snapshot: PathBuf,
+    },
 }
 
 /// What a VM is restored from and where its files go: the options of `clade restore`, as

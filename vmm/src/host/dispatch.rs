@@ -103,6 +103,9 @@ pub(crate) fn handle(
         Request::Restore(_) => Response::err(
             "this process already runs a VM: a restore is only accepted by a standby process, once",
         ),
+        Request::Preload { .. } => Response::err(
+            "this process already runs a VM: only a standby process opens snapshots ahead",
+        ),
     };
     req.respond(response);
     Handled::Continue
