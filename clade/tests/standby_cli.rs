@@ -183,10 +183,21 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
         assert_eq!(r.fields["state"], "standby", "after {req:?}");
     }
     assert!(!root.join("vm.vsock").exists());
+    // A stale socket where the VM's goes (left by a VM process that ended): replaced.
+    drop(std::os::unix::net::UnixListener::bind(root.join("vm.vsock")).unwrap());
+    // The standby made its serial file and vsock socket ahead, next to its API socket:
+    // the restore moves them into place (same files), it does not create them.
+    let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let made = (ino(&d.p("sb.serial")), ino(&d.p("sb.vsock")));
 
     // The restore: the answer is the restored VM's status; its agent answers.
     let r = api(&sock, &Request::Restore(good.clone()));
     assert!(r.ok, "{r:?}");
+    assert_eq!(
+        (ino(&root.join("serial.log")), ino(&root.join("vm.vsock"))),
+        made
+    );
+    assert!(!d.p("sb.serial").exists() && !d.p("sb.vsock").exists());
     assert_eq!(r.fields["state"], "running");
     assert_eq!(r.fields["restored"]["kind"], "full");
     let o = clade()
@@ -350,9 +361,13 @@ fn copy_dir(from: &Path, to: &Path) {
 fn a_standby_ends_on_shutdown_and_on_a_signal() {
     let d = Dir::new("standby-end");
     let (mut sb, sock) = start_standby(&d, "a", &d.0);
+    assert!(sock.with_extension("serial").exists() && sock.with_extension("vsock").exists());
     assert!(api(&sock, &Request::Shutdown).ok);
     assert_eq!(wait_exit(&mut sb), 0);
-    assert!(!sock.exists());
+    // Its files go with it, the ones it made ahead too.
+    for ext in ["api", "serial", "vsock"] {
+        assert!(!sock.with_extension(ext).exists(), "{ext}");
+    }
 
     let (mut sb, sock) = start_standby(&d, "b", &d.0);
     let o = Command::new("kill")
@@ -362,7 +377,9 @@ fn a_standby_ends_on_shutdown_and_on_a_signal() {
         .unwrap();
     assert!(o.status.success());
     assert_eq!(wait_exit(&mut sb), 128 + 15);
-    assert!(!sock.exists());
+    for ext in ["api", "serial", "vsock"] {
+        assert!(!sock.with_extension(ext).exists(), "{ext}");
+    }
 
     // --standby takes no snapshot and needs an API socket.
     let o = clade()

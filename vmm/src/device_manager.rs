@@ -117,6 +117,10 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
     ))
 }
 
+/// A listening Unix socket bound ahead of a restore, with its file (see
+/// [`DeviceManager::finish_restore`]).
+pub type BoundAhead = (std::os::unix::net::UnixListener, SocketFile);
+
 /// Opens the TAP `cfg` names (by name, or a duplicate of the descriptor given; an opened
 /// one is shared), set up for virtio-net. Done before any KVM object exists on boot, so a
 /// missing TAP fails early; a pool of networks calls it ahead of its restores
@@ -644,10 +648,27 @@ impl DeviceManager {
 
     /// Completes a [`DeviceManager::restore`]: binds the vsock sockets and starts the
     /// virtio devices' work. Call it once the vCPUs run (their notifications wait in the
-    /// queue eventfds until then), before handing the VM out.
-    pub fn finish_restore(&mut self) -> Result<()> {
+    /// queue eventfds until then), before handing the VM out. `bound_ahead`: a listening
+    /// socket bound elsewhere on the same filesystem, moved to the vsock socket's path
+    /// instead of binding one there ([`SocketFile::move_to`]); if it cannot be moved, it is
+    /// closed and a socket bound as usual.
+    pub fn finish_restore(&mut self, bound_ahead: Option<BoundAhead>) -> Result<()> {
+        let mut bound_ahead = bound_ahead;
         for (path, slot) in self.unbound.drain(..) {
-            let (listener, file) = SocketFile::bind(&path)?;
+            let moved =
+                bound_ahead
+                    .take()
+                    .and_then(|(listener, mut file)| match file.move_to(&path) {
+                        Ok(()) => Some((listener, file)),
+                        Err(e) => {
+                            tracing::debug!("vsock: a socket bound ahead not used ({e})");
+                            None
+                        }
+                    });
+            let (listener, file) = match moved {
+                Some(b) => b,
+                None => SocketFile::bind(&path)?,
+            };
             self._socket_files.push(file);
             *lock(&slot) = Some(listener);
         }

@@ -455,7 +455,7 @@ impl Frozen {
         let mut steps = Steps::new();
         let mut vm = builder::from_saved(saved, spec.shell, memory, identity, &mut steps)?.vm;
         let agent_sync = spec.agent_sync.map(|t| (t, Some(spec.hostname_suffix)));
-        vm.finish_from_saved(spec.start, agent_sync, &mut steps)?;
+        vm.finish_from_saved(spec.start, agent_sync, None, &mut steps)?;
         tracing::debug!("fork child built in {:?}: {:?}", t0.elapsed(), steps.steps);
         Ok(vm)
     }

@@ -1103,20 +1103,21 @@ impl Vm {
     }
 
     /// Finishes a VM built from saved state: starts the vCPUs if asked, then binds the
-    /// vsock sockets and starts the virtio workers (the vCPUs' first moments overlap with
+    /// vsock sockets (or moves one bound ahead into place) and starts the virtio workers (the vCPUs' first moments overlap with
     /// them), then with `agent_sync` gives the guest agent the time, fresh entropy and the
     /// hostname suffix in a background thread ([`Vm::agent_sync_done`] tells the outcome).
     pub(crate) fn finish_from_saved(
         &mut self,
         start: bool,
         agent_sync: Option<(Duration, Option<String>)>,
+        vsock_bound_ahead: Option<crate::device_manager::BoundAhead>,
         steps: &mut Steps,
     ) -> Result<()> {
         if start {
             self.start()?;
             steps.done("start");
         }
-        self.devices.finish_restore()?;
+        self.devices.finish_restore(vsock_bound_ahead)?;
         steps.done("devices_finish");
         if let (Some((timeout, suffix)), Some(v)) = (agent_sync, &self.config.vsock) {
             let path = v.uds_path.clone();

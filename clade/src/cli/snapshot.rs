@@ -226,6 +226,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         &mut None,
         None,
         &vmm::host::Ahead::default(),
+        &mut vmm::host::MadeAhead::default(),
     )?;
     own_vm(vm, api, &owner)
 }

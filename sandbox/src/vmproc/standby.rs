@@ -505,8 +505,11 @@ fn start_standby(
 /// processes that became sandboxes' VMs are kept, and so are files still in use.
 fn sweep(dir: &Path) -> Result<()> {
     let entries = std::fs::read_dir(dir).map_err(Error::io("reading", dir))?;
+    // Stems of live processes' sockets, and the other files of standbys: their start-up
+    // logs, and the serial file and vsock socket each makes ahead (`<token>.serial`,
+    // `<token>.vsock`; see `vmm::host::MadeAhead`).
     let mut live = Vec::new();
-    let mut logs = Vec::new();
+    let mut others = Vec::new();
     for e in entries.flatten() {
         let path = e.path();
         match path.extension().and_then(|x| x.to_str()) {
@@ -519,7 +522,7 @@ fn sweep(dir: &Path) -> Result<()> {
                     let _ = ask(&path, &Request::Shutdown);
                 }
                 // A sandbox's VM: its socket stays.
-                Ok(_) => live.push(path.with_extension("log")),
+                Ok(_) => live.push(path.with_extension("")),
                 // Not answering in time (a stopped process?): left alone.
                 Err(e)
                     if matches!(
@@ -527,7 +530,7 @@ fn sweep(dir: &Path) -> Result<()> {
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) =>
                 {
-                    live.push(path.with_extension("log"))
+                    live.push(path.with_extension(""))
                 }
                 // Nobody listens, or the process is ending (it closed the connection
                 // unanswered): a dead process's socket.
@@ -535,13 +538,13 @@ fn sweep(dir: &Path) -> Result<()> {
                     let _ = std::fs::remove_file(&path);
                 }
             },
-            Some("log") => logs.push(path),
+            Some("log" | "serial" | "vsock") => others.push(path),
             _ => {}
         }
     }
-    for log in logs {
-        if !live.contains(&log) {
-            let _ = std::fs::remove_file(&log);
+    for file in others {
+        if !live.contains(&file.with_extension("")) {
+            let _ = std::fs::remove_file(&file);
         }
     }
     Ok(())
@@ -600,12 +603,17 @@ mod tests {
         // A dead standby's files: a socket nobody listens on, its log.
         drop(std::os::unix::net::UnixListener::bind(d.join("sb-dead.api")).unwrap());
         std::fs::write(d.join("sb-dead.log"), "x").unwrap();
+        // And what it made ahead for its restore.
+        std::fs::write(d.join("sb-dead.serial"), "").unwrap();
+        drop(std::os::unix::net::UnixListener::bind(d.join("sb-dead.vsock")).unwrap());
         std::fs::write(d.join("sb-orphan.log"), "x").unwrap();
         let old = fake_vm(&d.join("sb-old.api"), "standby");
         let vm = fake_vm(&d.join("sb-vm.api"), "running");
         std::fs::write(d.join("sb-vm.log"), "x").unwrap();
         sweep(&d).unwrap();
-        assert!(!d.join("sb-dead.api").exists() && !d.join("sb-dead.log").exists());
+        for ext in ["api", "log", "serial", "vsock"] {
+            assert!(!d.join("sb-dead").with_extension(ext).exists(), "{ext}");
+        }
         assert!(!d.join("sb-orphan.log").exists());
         let asked = old.join().unwrap();
         assert_eq!(asked.len(), 2, "{asked:?}");

@@ -70,6 +70,10 @@ pub struct RestoreOptions {
     /// A snapshot with a network device: the restored VM's TAP (and, optionally, the MAC,
     /// which must be the saved one).
     pub net: Option<NetConfig>,
+    /// A listening socket bound ahead elsewhere on the vsock socket's filesystem (by a
+    /// standby process): moved to the vsock socket's path instead of binding one there,
+    /// if it can be (see `DeviceManager::finish_restore`).
+    pub vsock_bound_ahead: Option<crate::device_manager::BoundAhead>,
 }
 
 impl Default for RestoreOptions {
@@ -88,6 +92,7 @@ impl Default for RestoreOptions {
             vcpu_cpus: Vec::new(),
             disk_overlay: None,
             net: None,
+            vsock_bound_ahead: None,
         }
     }
 }
@@ -435,7 +440,12 @@ impl PreparedSnapshot {
         } = builder::from_saved(saved, shell, memory, identity, &mut steps)?;
         let agent_sync = options.agent_sync.map(|t| (t, None));
         let recording = vm.page_server_recording();
-        vm.finish_from_saved(options.start, agent_sync, &mut steps)?;
+        vm.finish_from_saved(
+            options.start,
+            agent_sync,
+            options.vsock_bound_ahead.take(),
+            &mut steps,
+        )?;
         // The VM owns its overlay from here on.
         overlay.0 = None;
         let mut report = RestoreReport {
