@@ -180,22 +180,9 @@ impl SocketFile {
             path: path.to_path_buf(),
             source,
         };
-        match std::fs::symlink_metadata(path) {
-            Ok(md) if md.file_type().is_socket() => {
-                if socket_in_use(path) {
-                    return Err(Error::SocketInUse(path.to_path_buf()));
-                }
-                tracing::info!("vsock: removing stale socket {}", path.display());
-                std::fs::remove_file(path).map_err(sock_err)?;
-            }
-            Ok(_) => {
-                return Err(sock_err(std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "exists and is not a socket",
-                )))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(sock_err(e)),
+        if stale_socket_at(path)? {
+            tracing::info!("vsock: removing stale socket {}", path.display());
+            std::fs::remove_file(path).map_err(sock_err)?;
         }
         // Bound under a private name, made 0600, then renamed into place: the socket is
         // never reachable with the umask's mode (only the VMM's user and root may talk to
@@ -237,26 +224,12 @@ impl SocketFile {
     /// around it (ext4 skipping recently deleted inodes, reading inode tables) was measured
     /// here at 0.4-0.6 ms; a socket bound ahead and moved into place costs a rename.
     pub fn move_to(&mut self, to: &Path) -> Result<()> {
-        let sock_err = |source| Error::Socket {
+        // A stale socket there is replaced by the rename.
+        stale_socket_at(to)?;
+        std::fs::rename(&self.path, to).map_err(|source| Error::Socket {
             path: to.to_path_buf(),
             source,
-        };
-        match std::fs::symlink_metadata(to) {
-            Ok(md) if md.file_type().is_socket() => {
-                if socket_in_use(to) {
-                    return Err(Error::SocketInUse(to.to_path_buf()));
-                }
-            }
-            Ok(_) => {
-                return Err(sock_err(std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "exists and is not a socket",
-                )))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(sock_err(e)),
-        }
-        std::fs::rename(&self.path, to).map_err(sock_err)?;
+        })?;
         self.path = to.to_path_buf();
         Ok(())
     }
@@ -273,6 +246,29 @@ impl Drop for SocketFile {
             }
             _ => {}
         }
+    }
+}
+
+/// Whether a stale socket file (nobody listens on it) is at `path`, where a VM's socket is
+/// to go: `false` if nothing is there; an error for a live socket or another kind of file.
+fn stale_socket_at(path: &Path) -> Result<bool> {
+    let sock_err = |source| Error::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if md.file_type().is_socket() => {
+            if socket_in_use(path) {
+                return Err(Error::SocketInUse(path.to_path_buf()));
+            }
+            Ok(true)
+        }
+        Ok(_) => Err(sock_err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "exists and is not a socket",
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(sock_err(e)),
     }
 }
 

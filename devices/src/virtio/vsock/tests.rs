@@ -1146,6 +1146,37 @@ fn a_socket_in_use_is_refused_and_a_stale_one_replaced() {
 }
 
 #[test]
+fn a_socket_bound_ahead_moves_into_place_and_keeps_listening() {
+    let dir = TempDir::new("clade-vsock-move");
+    let ahead = dir.0.join("ahead.sock");
+    let path = dir.0.join("v.sock");
+    let (listener, mut file) = SocketFile::bind(&ahead).unwrap();
+    // A stale socket where it goes is replaced.
+    drop(UnixListener::bind(&path).unwrap());
+    file.move_to(&path).unwrap();
+    assert_eq!(file.path(), path);
+    assert!(!ahead.exists());
+    let _c = UnixStream::connect(&path).unwrap();
+    assert!(
+        listener.accept().is_ok(),
+        "the same listener, reached at the new path"
+    );
+
+    // A live socket or another file at the target: refused, and it stays where it was.
+    let (_l2, mut other) = SocketFile::bind(&ahead).unwrap();
+    let err = other.move_to(&path).expect_err("a live socket is there");
+    assert!(matches!(err, crate::Error::SocketInUse(_)), "{err}");
+    let plain = dir.0.join("plain");
+    std::fs::write(&plain, b"x").unwrap();
+    assert!(other.move_to(&plain).is_err());
+    assert_eq!(other.path(), ahead);
+    assert!(ahead.exists() && std::fs::read(&plain).unwrap() == b"x");
+    // Each is removed with its guard, where it is.
+    drop((other, file));
+    assert!(!ahead.exists() && !path.exists());
+}
+
+#[test]
 fn the_socket_is_created_with_mode_0600_whatever_the_umask() {
     use std::os::unix::fs::PermissionsExt;
     let dir = TempDir::new("clade-vsock");
