@@ -219,7 +219,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         net: net_spec,
         tap_passed: false,
     };
-    let vm = vmm::host::restore_request(
+    let restored = vmm::host::restore_request(
         &request,
         Vec::new(),
         &args.kvm_device,
@@ -228,7 +228,8 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         &vmm::host::Ahead::default(),
         &mut vmm::host::MadeAhead::default(),
     )?;
-    own_vm(vm, api, &owner)
+    restored.log();
+    own_vm(restored.vm, api, &owner)
 }
 
 /// `clade restore --standby`: a confined process with a pre-built VM shell that waits for

@@ -33,6 +33,6 @@ pub use options::{ChildLauncher, OwnerOptions, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd};
 pub use prestarted::PrestartedChildren;
 pub use standby::{
-    restore_request, standby, Ahead, MadeAhead, Preloaded, StandbyEnd, DEFAULT_AGENT_SYNC_TIMEOUT,
-    MAX_AGENT_SYNC_TIMEOUT, MAX_PRELOADED,
+    restore_request, standby, Ahead, MadeAhead, Preloaded, Restored, StandbyEnd,
+    DEFAULT_AGENT_SYNC_TIMEOUT, MAX_AGENT_SYNC_TIMEOUT, MAX_PRELOADED,
 };

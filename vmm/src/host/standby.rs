@@ -198,9 +198,11 @@ pub fn standby(
                     &ahead,
                     &mut made,
                 ) {
-                    Ok(vm) => {
+                    Ok(restored) => {
                         clear_parent_death_signal();
-                        req.respond(Response::ok(status_fields(&vm)));
+                        req.respond(Response::ok(status_fields(&restored.vm)));
+                        restored.log();
+                        let vm = restored.vm;
                         // Started once the answer is out: its thread is not on the
                         // request's path. Connections meanwhile wait in the backlog.
                         let api = api.serve().inspect_err(|e| {
@@ -359,7 +361,7 @@ pub fn restore_request(
     confined: Option<Option<&Path>>,
     ahead: &Ahead,
     made: &mut MadeAhead,
-) -> Result<Vm> {
+) -> Result<Restored> {
     let backend = match &req.backend {
         None => MemoryBackend::Uffd,
         Some(b) => b.parse::<MemoryBackend>().map_err(Error::Config)?,
@@ -457,8 +459,8 @@ pub fn restore_request(
         ..RestoreOptions::default()
     };
     let vm = prepared.restore(backend, options)?;
-    if let Some(r) = vm.restore_report() {
-        tracing::info!(
+    let summary = vm.restore_report().map(|r| {
+        format!(
             "restored {} ({} backend, shell {}, snapshot opened {}) in {:?}: {:?}",
             req.snapshot.display(),
             r.backend,
@@ -466,9 +468,27 @@ pub fn restore_request(
             if ahead.is_some() { "ahead" } else { "now" },
             r.total,
             r.steps
-        );
+        )
+    });
+    Ok(Restored { vm, summary })
+}
+
+/// A VM [`restore_request`] made, and how its restore went.
+pub struct Restored {
+    /// The VM, running.
+    pub vm: Vm,
+    summary: Option<String>,
+}
+
+impl Restored {
+    /// Logs how the restore went (one line with its steps). A standby does it once its
+    /// answer is out: a log line appended to a file was measured at 0.05-0.5 ms here, on a
+    /// filesystem busy with snapshots.
+    pub fn log(&self) {
+        if let Some(s) = &self.summary {
+            tracing::info!("{s}");
+        }
     }
-    Ok(vm)
 }
 
 /// Points this process's standard error (the VMM's log) at `path`, appended.

@@ -465,7 +465,9 @@ impl PreparedSnapshot {
             report.steps.insert(0, ("read_check", read));
             report.total += read;
         }
-        tracing::info!(
+        // Debug: the caller says it (after answering whoever waits for the VM: see
+        // `host::restore_request`), with the steps, from `Vm::restore_report`.
+        tracing::debug!(
             "restored snapshot {} ({}, {} backend) in {:?}",
             report.id,
             report.kind,

@@ -496,7 +496,9 @@ impl VirtioDevice for VsockDevice {
         .with_transport_reset(std::mem::take(&mut self.reset_on_activate))
         .with_log(self.log.clone());
         self.worker.start(worker)?;
-        tracing::info!(
+        // Debug: at a restore this is on the path to the VM's first answer, and a log line
+        // to a file that is being appended to was measured at 0.05-0.5 ms here.
+        tracing::debug!(
             "vsock: guest CID {} active, host socket {}",
             self.guest_cid,
             self.uds_path.display()
