@@ -548,10 +548,24 @@ fn a_paused_sandbox_wakes_in_the_standby_that_opened_its_snapshot() {
         // The holder is the sandbox's VM now, and its restore used what it had opened.
         let (_, info) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
         assert!(!ready_standbys(&state).contains(&holders[0]), "{info}");
+        // (Written by the standby once it answered.)
+        let restored = |l: &str| l.contains("restored ") && l.contains(&format!("pause-{round}"));
+        let t = Instant::now();
+        while !std::fs::read_to_string(dir.join("vm.log"))
+            .unwrap()
+            .lines()
+            .any(restored)
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "no line about the restore"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let log = std::fs::read_to_string(dir.join("vm.log")).unwrap();
         let line = log
             .lines()
-            .rfind(|l| l.contains("restored ") && l.contains(&format!("pause-{round}")))
+            .rfind(|l| restored(l))
             .unwrap_or_else(|| panic!("no restore of pause-{round} in\n{log}"));
         assert!(line.contains("snapshot opened ahead"), "{line}");
         wait_standbys(&state, 2);

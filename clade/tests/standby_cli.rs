@@ -188,16 +188,26 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
     // The standby made its serial file and vsock socket ahead, next to its API socket:
     // the restore moves them into place (same files), it does not create them.
     let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
-    let made = (ino(&d.p("sb.serial")), ino(&d.p("sb.vsock")));
+    let made = (
+        ino(&d.p("sb.serial")),
+        ino(&d.p("sb.vmlog")),
+        ino(&d.p("sb.vsock")),
+    );
 
     // The restore: the answer is the restored VM's status; its agent answers.
     let r = api(&sock, &Request::Restore(good.clone()));
     assert!(r.ok, "{r:?}");
     assert_eq!(
-        (ino(&root.join("serial.log")), ino(&root.join("vm.vsock"))),
+        (
+            ino(&root.join("serial.log")),
+            ino(&root.join("vm.log")),
+            ino(&root.join("vm.vsock"))
+        ),
         made
     );
-    assert!(!d.p("sb.serial").exists() && !d.p("sb.vsock").exists());
+    for ext in ["serial", "vmlog", "vsock"] {
+        assert!(!d.p("sb").with_extension(ext).exists(), "{ext}");
+    }
     assert_eq!(r.fields["state"], "running");
     assert_eq!(r.fields["restored"]["kind"], "full");
     let o = clade()
@@ -206,7 +216,11 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    // Its log went where the request said, and the restore used the pre-built shell.
+    // Its log went where the request said, and the restore used the pre-built shell (a
+    // line written once the standby answered).
+    wait_until("no line about the restore in the VM's log", || {
+        std::fs::read_to_string(root.join("vm.log")).is_ok_and(|l| l.contains("restored "))
+    });
     let log = std::fs::read_to_string(root.join("vm.log")).unwrap();
     assert!(log.contains("shell pre-built"), "{log}");
 
@@ -256,7 +270,11 @@ fn a_standby_opens_its_likely_snapshot_ahead_and_sees_when_it_was_replaced() {
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let log = std::fs::read_to_string(root.join(format!("{name}.log"))).unwrap();
+        let log_file = root.join(format!("{name}.log"));
+        wait_until("no line about the restore in the VM's log", || {
+            std::fs::read_to_string(&log_file).is_ok_and(|l| l.contains("restored "))
+        });
+        let log = std::fs::read_to_string(&log_file).unwrap();
         assert!(api(sock, &Request::Shutdown).ok);
         (r.fields["last_snapshot"]["id"].clone(), log)
     };
@@ -331,6 +349,10 @@ fn a_standby_opens_its_likely_snapshot_ahead_and_sees_when_it_was_replaced() {
     req.snapshot = copies[2].clone();
     let r = api(&sock_c, &Request::Restore(req));
     assert!(r.ok, "{r:?}");
+    // The standby logs how the restore went once it has answered.
+    wait_until("no line about the restore in the VM's log", || {
+        std::fs::read_to_string(root.join("c.log")).is_ok_and(|l| l.contains("restored "))
+    });
     let log = std::fs::read_to_string(root.join("c.log")).unwrap();
     assert!(log.contains("snapshot opened ahead"), "{log}");
     // A VM refuses it.
@@ -361,11 +383,13 @@ fn copy_dir(from: &Path, to: &Path) {
 fn a_standby_ends_on_shutdown_and_on_a_signal() {
     let d = Dir::new("standby-end");
     let (mut sb, sock) = start_standby(&d, "a", &d.0);
-    assert!(sock.with_extension("serial").exists() && sock.with_extension("vsock").exists());
+    for ext in ["serial", "vmlog", "vsock"] {
+        assert!(sock.with_extension(ext).exists(), "{ext} made ahead");
+    }
     assert!(api(&sock, &Request::Shutdown).ok);
     assert_eq!(wait_exit(&mut sb), 0);
     // Its files go with it, the ones it made ahead too.
-    for ext in ["api", "serial", "vsock"] {
+    for ext in ["api", "serial", "vmlog", "vsock"] {
         assert!(!sock.with_extension(ext).exists(), "{ext}");
     }
 
@@ -377,7 +401,7 @@ fn a_standby_ends_on_shutdown_and_on_a_signal() {
         .unwrap();
     assert!(o.status.success());
     assert_eq!(wait_exit(&mut sb), 128 + 15);
-    for ext in ["api", "serial", "vsock"] {
+    for ext in ["api", "serial", "vmlog", "vsock"] {
         assert!(!sock.with_extension(ext).exists(), "{ext}");
     }
 

@@ -228,8 +228,10 @@ impl ProcessDriver {
                 );
                 let mut sb = sb;
                 let pid = sb.child.id() as i32;
-                // Its start-up log: from the restore on it writes the sandbox's.
-                let _ = std::fs::remove_file(&sb.log);
+                // Its start-up log: from the restore on it writes the sandbox's. Removed
+                // by the pool's thread, off the request's path.
+                let log = std::mem::take(&mut sb.log);
+                self.with_pool(|pool| pool.remove_later(log));
                 let api_sock = std::mem::take(&mut sb.api_sock);
                 self.children().insert(pid, sb.child);
                 Ok(Some(Started { pid, api_sock }))

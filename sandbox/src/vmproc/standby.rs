@@ -114,6 +114,8 @@ struct PoolState {
     /// Per shape, the snapshot its standbys open ahead: the last one taken for a
     /// restore that others are likely to repeat (a create from a template).
     preload: HashMap<Shape, PathBuf>,
+    /// Files to remove, by the refill thread (off the paths of requests).
+    trash: Vec<PathBuf>,
     last_take: Option<Instant>,
     stop: bool,
 }
@@ -163,6 +165,7 @@ impl StandbyPool {
                 shapes,
                 failed: HashMap::new(),
                 preload: HashMap::new(),
+                trash: Vec::new(),
                 last_take: None,
                 stop: false,
             }),
@@ -292,6 +295,13 @@ impl StandbyPool {
         self.inner.cv.notify_all();
     }
 
+    /// Removes `path` soon, from the pool's own thread (a taken standby's start-up log: an
+    /// unlink on a busy filesystem is tens to hundreds of microseconds).
+    pub(crate) fn remove_later(&self, path: PathBuf) {
+        self.inner.lock().trash.push(path);
+        self.inner.cv.notify_all();
+    }
+
     /// How many standbys of `shape` are ready.
     pub fn ready(&self, shape: Shape) -> usize {
         self.inner.lock().ready.get(&shape).map_or(0, Vec::len)
@@ -339,6 +349,9 @@ impl StandbyPool {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        for p in std::mem::take(&mut self.inner.lock().trash) {
+            let _ = std::fs::remove_file(p);
+        }
         let ready: Vec<Standby> = self
             .inner
             .lock()
@@ -369,6 +382,14 @@ fn refill(inner: &Inner) {
     unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE | libc::SCHED_RESET_ON_FORK, &param) };
     let mut st = inner.lock();
     loop {
+        if !st.trash.is_empty() {
+            let trash = std::mem::take(&mut st.trash);
+            drop(st);
+            for p in trash {
+                let _ = std::fs::remove_file(p);
+            }
+            st = inner.lock();
+        }
         if st.stop {
             return;
         }
@@ -506,8 +527,8 @@ fn start_standby(
 fn sweep(dir: &Path) -> Result<()> {
     let entries = std::fs::read_dir(dir).map_err(Error::io("reading", dir))?;
     // Stems of live processes' sockets, and the other files of standbys: their start-up
-    // logs, and the serial file and vsock socket each makes ahead (`<token>.serial`,
-    // `<token>.vsock`; see `vmm::host::MadeAhead`).
+    // logs, and the files and socket each makes ahead (`<token>.serial`, `.vmlog`,
+    // `.vsock`; see `vmm::host::MadeAhead`).
     let mut live = Vec::new();
     let mut others = Vec::new();
     for e in entries.flatten() {
@@ -538,7 +559,7 @@ fn sweep(dir: &Path) -> Result<()> {
                     let _ = std::fs::remove_file(&path);
                 }
             },
-            Some("log" | "serial" | "vsock") => others.push(path),
+            Some("log" | "serial" | "vmlog" | "vsock") => others.push(path),
             _ => {}
         }
     }
@@ -605,13 +626,14 @@ mod tests {
         std::fs::write(d.join("sb-dead.log"), "x").unwrap();
         // And what it made ahead for its restore.
         std::fs::write(d.join("sb-dead.serial"), "").unwrap();
+        std::fs::write(d.join("sb-dead.vmlog"), "").unwrap();
         drop(std::os::unix::net::UnixListener::bind(d.join("sb-dead.vsock")).unwrap());
         std::fs::write(d.join("sb-orphan.log"), "x").unwrap();
         let old = fake_vm(&d.join("sb-old.api"), "standby");
         let vm = fake_vm(&d.join("sb-vm.api"), "running");
         std::fs::write(d.join("sb-vm.log"), "x").unwrap();
         sweep(&d).unwrap();
-        for ext in ["api", "log", "serial", "vsock"] {
+        for ext in ["api", "log", "serial", "vmlog", "vsock"] {
             assert!(!d.join("sb-dead").with_extension(ext).exists(), "{ext}");
         }
         assert!(!d.join("sb-orphan.log").exists());
