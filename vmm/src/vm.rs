@@ -1103,9 +1103,10 @@ impl Vm {
     }
 
     /// Finishes a VM built from saved state: starts the vCPUs if asked, then binds the
-    /// vsock sockets (or moves one bound ahead into place) and starts the virtio workers (the vCPUs' first moments overlap with
-    /// them), then with `agent_sync` gives the guest agent the time, fresh entropy and the
-    /// hostname suffix in a background thread ([`Vm::agent_sync_done`] tells the outcome).
+    /// vsock sockets (or moves `vsock_bound_ahead` into place) and starts the virtio
+    /// workers (the vCPUs' first moments overlap with them), then with `agent_sync` gives
+    /// the guest agent the time, fresh entropy and the hostname suffix in a background
+    /// thread ([`Vm::agent_sync_done`] tells the outcome).
     pub(crate) fn finish_from_saved(
         &mut self,
         start: bool,

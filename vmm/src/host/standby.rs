@@ -125,8 +125,9 @@ impl Preloaded {
 }
 
 /// Builds a shell for `spec`, opens `preload` (if given; a snapshot that cannot be
-/// opened is logged and ignored), and serves `api` on this thread until a `restore` request succeeds, a
-/// `shutdown` request or a stop signal ([`OwnerOptions::stop`]) comes. `status` answers
+/// opened is logged and ignored), makes its files ahead ([`MadeAhead`]), and serves `api`
+/// on this thread until a `restore` request succeeds, a `shutdown` request or a stop
+/// signal ([`OwnerOptions::stop`]) comes. `status` answers
 /// `{"state":"standby","vcpus","mem_mib","preloaded"}`; other requests are refused (there
 /// is no VM yet). A request that fails its checks leaves the shell ready; a restore that
 /// fails later (the shell is spent) builds a new one.
