@@ -844,6 +844,14 @@ pub async fn serve(
         shutdown.await;
         let _ = fired_tx.send(());
     };
+    // TCP_NODELAY on every connection: a streamed answer (a command's output, a PTY) goes
+    // out chunk by chunk, not held back until the client acknowledges the previous one
+    // (Nagle's algorithm, against a client's delayed acknowledgement: up to 40 ms a chunk).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY on a connection: {e}");
+        }
+    });
     let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown);
     let grace = async move {
         match fired_rx.await {
