@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::error::{Context, Error, Result};
-use crate::guest::{ping_once, Guest};
+use crate::guest::{ping_once, Guest, Scratch};
 use crate::stats::Samples;
 
 const KEY: &str = "clade-bench";
@@ -87,19 +87,16 @@ pub struct ServeReport {
 /// (the sandboxes first: their VM processes outlive the service by design).
 struct Service {
     child: Child,
-    state: PathBuf,
+    /// The service's state directory, removed when dropped (also when the service could
+    /// not be started).
+    state: Scratch,
     url: String,
     agent: ureq::Agent,
 }
 
 impl Service {
     fn start(clade: &Path, guest: &Guest) -> Result<Service> {
-        let state = std::env::temp_dir().join(format!("clade-bench-serve-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&state);
-        std::fs::create_dir_all(&state).map_err(|source| Error::Io {
-            what: "creating the state directory".into(),
-            source,
-        })?;
+        let state = Scratch::new("serve")?;
         let kernel = guest.path_for_other_processes();
         // The guest's `vsock` step serves any number of agent connections, without a
         // console line per connection (`conn_log=0`): like a Linux guest, a sandbox paused
@@ -113,7 +110,7 @@ impl Service {
             .arg("--cmdline")
             .arg(cmdline)
             .arg("--state-dir")
-            .arg(&state)
+            .arg(&state.0)
             .output()
             .map_err(|source| Error::Io {
                 what: "running clade template build".into(),
@@ -142,7 +139,7 @@ impl Service {
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .arg("--state-dir")
-            .arg(&state)
+            .arg(&state.0)
             .args(["--api-key", KEY, "--max-timeout", "86400"])
             .stdout(Stdio::null())
             // CLADE_BENCH_SERVE_LOG=FILE keeps the service's log (with CLADE_LOG=info: the
@@ -242,7 +239,7 @@ impl Service {
     }
 
     fn vsock(&self, id: &str) -> PathBuf {
-        self.state.join("sandboxes").join(id).join("vm.vsock")
+        self.state.0.join("sandboxes").join(id).join("vm.vsock")
     }
 
     fn kill(&self, id: &str) -> Result<()> {
@@ -286,7 +283,7 @@ impl Drop for Service {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.state);
+        // The state directory goes with `state`, after the service and its VMs.
     }
 }
 
