@@ -321,7 +321,7 @@ pub fn connect_raw(
     timeout: Duration,
 ) -> Result<UnixStream> {
     let path = path.as_ref();
-    transport::retry(timeout, || transport::open(path, transport))
+    transport::retry(timeout, || transport::open(path, transport, &[]))
 }
 
 /// A connection to the agent. See the [module documentation](self).
@@ -349,7 +349,7 @@ impl Client {
     /// Connects with an explicit transport.
     pub fn connect_with(path: impl AsRef<Path>, transport: Transport) -> Result<Self> {
         let path = path.as_ref();
-        let stream = transport::open(path, transport)?;
+        let stream = transport::open(path, transport, &hello_frame()?)?;
         Self::handshake(path, stream)
     }
 
@@ -364,19 +364,13 @@ impl Client {
         transport::retry(timeout, || Self::connect_with(path, transport))
     }
 
+    /// Finishes a connection whose Hello ([`hello_frame`]) went out with the transport's
+    /// opening: reads the agent's answer, then starts the reader thread.
     fn handshake(path: &Path, mut stream: UnixStream) -> Result<Self> {
         let io_err = |e: std::io::Error| Error::AgentConnect {
             path: path.to_path_buf(),
             source: e,
         };
-        let hello = HostMsg::Hello {
-            min_version: MIN_PROTOCOL_VERSION,
-            max_version: PROTOCOL_VERSION,
-            client: format!("clade {}", env!("CARGO_PKG_VERSION")),
-        };
-        let frame =
-            proto::encode_host(0, &hello).map_err(|e| Error::AgentProtocol(e.to_string()))?;
-        stream.write_all(&frame).map_err(io_err)?;
         // A connection reset before the answer is a connection closed before it (the
         // VMM closes a connection the guest dropped, our Hello still unread: a resumed
         // guest's transport reset drops connections made just before it took effect).
@@ -805,6 +799,16 @@ impl Client {
 }
 
 /// Reads frames until the connection ends, routing them by id.
+/// The protocol's first frame: Hello, with the versions this client speaks.
+fn hello_frame() -> Result<Vec<u8>> {
+    let hello = HostMsg::Hello {
+        min_version: MIN_PROTOCOL_VERSION,
+        max_version: PROTOCOL_VERSION,
+        client: format!("clade {}", env!("CARGO_PKG_VERSION")),
+    };
+    proto::encode_host(0, &hello).map_err(|e| Error::AgentProtocol(e.to_string()))
+}
+
 fn read_loop(sock: UnixStream, routes: &Routes) {
     let mut input = BufReader::with_capacity(128 * 1024, sock);
     loop {

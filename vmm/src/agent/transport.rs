@@ -63,14 +63,26 @@ enum Answer {
     Agent,
 }
 
-/// Opens a stream on which the protocol can start (Hello not yet sent). Read/write
-/// timeouts are set to [`HANDSHAKE_TIMEOUT`]; the caller clears them.
-pub(crate) fn open(path: &Path, transport: Transport) -> Result<UnixStream> {
+/// Opens a stream on which the protocol can start, with `first` (the protocol's first
+/// frame, or nothing) already sent. Read/write timeouts are set to [`HANDSHAKE_TIMEOUT`];
+/// the caller clears them.
+///
+/// Through a vsock socket, `first` goes in the same write as the `CONNECT` line: a VMM's
+/// vsock muxer keeps what follows the line for the guest connection it opens (ours keeps
+/// the bytes it read past the line; Firecracker's reads the line a byte at a time), so the
+/// guest gets the frame as soon as it accepts, a round trip through the host program
+/// (`OK` back, then the frame) sooner.
+pub(crate) fn open(path: &Path, transport: Transport, first: &[u8]) -> Result<UnixStream> {
+    let direct = || {
+        let mut s = unix_connect(path)?;
+        s.write_all(first).map_err(|e| connect_error(path, e))?;
+        Ok(s)
+    };
     match transport {
-        Transport::Direct => unix_connect(path),
+        Transport::Direct => direct(),
         Transport::Vsock { port } => {
             let mut s = unix_connect(path)?;
-            match vsock_connect(path, &mut s, port)? {
+            match vsock_connect(path, &mut s, port, first)? {
                 Answer::Vsock => Ok(s),
                 Answer::Agent => Err(handshake(
                     path,
@@ -81,16 +93,26 @@ pub(crate) fn open(path: &Path, transport: Transport) -> Result<UnixStream> {
         }
         Transport::Auto => {
             let mut s = unix_connect(path)?;
-            match vsock_connect(path, &mut s, AGENT_VSOCK_PORT)? {
+            match vsock_connect(path, &mut s, AGENT_VSOCK_PORT, first)? {
                 Answer::Vsock => Ok(s),
                 Answer::Agent => {
-                    // The agent closes a connection after an unframeable input; start over.
+                    // The agent closes a connection after an unframeable input (`first`
+                    // went unread with it); start over.
                     tracing::debug!("{}: direct agent socket", path.display());
-                    unix_connect(path)
+                    direct()
                 }
             }
         }
     }
+}
+
+/// Nothing listens on `port` in the guest (yet): the muxer closed the connection.
+fn closed(path: &Path, port: u32) -> Error {
+    handshake(
+        path,
+        port,
+        "connection closed: nothing listens on that port in the guest (agent not started yet?)",
+    )
 }
 
 fn handshake(path: &Path, port: u32, reason: impl Into<String>) -> Error {
@@ -101,26 +123,25 @@ fn handshake(path: &Path, port: u32, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Sends `CONNECT <port>\n` and classifies the answer.
+/// Sends `CONNECT <port>\n` with `first` behind it (see [`open`]) and classifies the answer.
 ///
 /// An agent reading `CONN` as a frame length (0x4e4e4f43, far above [`MAX_FRAME_LEN`])
 /// answers with a FrameTooLarge error frame; `OK ` followed by a digit can never start an
 /// agent frame, since as a length it would exceed the limit too. So the two are told apart
 /// by the first four bytes.
-fn vsock_connect(path: &Path, s: &mut UnixStream, port: u32) -> Result<Answer> {
-    s.write_all(format!("CONNECT {port}\n").as_bytes())
-        .map_err(|e| connect_error(path, e))?;
+fn vsock_connect(path: &Path, s: &mut UnixStream, port: u32, first: &[u8]) -> Result<Answer> {
+    let mut opening = format!("CONNECT {port}\n").into_bytes();
+    opening.extend_from_slice(first);
+    s.write_all(&opening).map_err(|e| connect_error(path, e))?;
     let mut head = [0u8; 4];
     let mut got = 0;
     while got < head.len() {
         match s.read(&mut head[got..]) {
-            Ok(0) => {
-                return Err(handshake(
-                    path,
-                    port,
-                    "connection closed: nothing listens on that port in the guest \
-                     (agent not started yet?)",
-                ))
+            // A muxer that closes with `first` still unread (nothing listens on the guest
+            // port) is seen as a reset rather than an end of stream: the same answer.
+            Ok(0) => return Err(closed(path, port)),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Err(closed(path, port))
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -254,6 +275,8 @@ mod tests {
             b.read_exact(&mut first).unwrap();
             // Closed with the rest of the Hello unread: the client's read gets a reset.
         });
+        (&a).write_all(&super::super::hello_frame().unwrap())
+            .unwrap();
         let r = super::super::Client::handshake(Path::new("/vm.sock"), a);
         peer.join().unwrap();
         let Err(e) = r else {
@@ -263,5 +286,44 @@ mod tests {
         assert!(retryable(&e));
         let pipe = connect_error(Path::new("/vm.sock"), std::io::ErrorKind::BrokenPipe.into());
         assert!(retryable(&pipe));
+    }
+
+    /// Through a vsock socket the Hello goes out with the `CONNECT` line: a muxer that
+    /// reads the line a byte at a time (as Firecracker's does) finds the whole Hello behind
+    /// it before it has answered `OK`.
+    #[test]
+    fn the_hello_goes_out_with_the_connect_line() {
+        use std::os::unix::net::UnixListener;
+        let dir = std::env::temp_dir().join(format!("clade-hello-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("v.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let muxer = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut line = Vec::new();
+            let mut b = [0u8; 1];
+            while line.last() != Some(&b'\n') {
+                s.read_exact(&mut b).unwrap();
+                line.push(b[0]);
+            }
+            assert_eq!(line, b"CONNECT 52\n");
+            // Nothing answered yet: the Hello must already be here.
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let frame = proto::read_frame(&mut s, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(frame, super::super::hello_frame().unwrap());
+            s.write_all(b"OK 1024\n").unwrap();
+            let ok = AgentMsg::HelloOk {
+                version: guest_agent::proto::PROTOCOL_VERSION,
+                agent_version: "test".into(),
+                max_frame_len: MAX_FRAME_LEN,
+            };
+            s.write_all(&proto::encode_agent(0, &ok).unwrap()).unwrap();
+            s
+        });
+        let c = super::super::Client::connect_with(&path, Transport::Vsock { port: 52 }).unwrap();
+        assert_eq!(c.agent_version(), "test");
+        drop(muxer.join().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
