@@ -6,6 +6,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// Descriptors the process's table holds from the start: grown now, while the process has
+/// one thread, it costs nothing; grown later, each doubling waits for an RCU grace period
+/// (see `vmm::reserve_fd_table`).
+const STARTUP_FD_TABLE: usize = 1024;
+
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
     tracing_subscriber::fmt()
@@ -17,6 +22,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,virtio_queue=off")),
         )
         .init();
+    vmm::reserve_fd_table(&std::io::stderr(), STARTUP_FD_TABLE);
     match cli::dispatch(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -5,7 +5,7 @@
 //! - `config`: what a VM should be ([`VmConfig`]).
 //! - `arch/`: x86_64 layout, boot protocol, CPU state, ACPI tables.
 //! - `vstate/`: KVM objects: VM shells and their pool, guest memory, vCPU threads, saved
-//!   KVM state.
+//!   KVM state, and the descriptor table they fill ([`reserve_fd_table`]).
 //! - `device_manager`: which devices a VM has, where they sit, their saved state.
 //! - `saved`: what a VM is saved as ([`SavedMachine`]) and where it came from.
 //! - `vm`: the [`Vm`] itself: one constructor from parts, start, pause/unpause, wait,
@@ -60,6 +60,7 @@ pub use saved::{
 pub use vm::{moved, Vm, MOVED_STEP};
 /// Guest-physical address of the VM generation ID (16 bytes), in VMs that have one.
 pub const VMGENID_ADDR: u64 = arch::layout::VMGENID_ADDR;
+pub use vstate::fdtable::reserve_fd_table;
 pub use vstate::memory::host_mem_mib;
 pub use vstate::pool::ShellPool;
 pub use vstate::shell::{Shell, ShellSpec};

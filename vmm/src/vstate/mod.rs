@@ -1,6 +1,7 @@
 //! KVM-owned state: the KVM system and VM file descriptors, VM shells and their pool, guest
-//! memory, vCPUs and their saved state.
+//! memory, vCPUs and their saved state, and the process's descriptor table they fill.
 
+pub(crate) mod fdtable;
 pub(crate) mod kvm;
 pub(crate) mod memory;
 pub(crate) mod pool;

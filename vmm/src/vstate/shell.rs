@@ -116,6 +116,8 @@ impl Shell {
                 None
             }
         };
+        // The VM made from this shell will open more descriptors: room for them now.
+        crate::vstate::fdtable::reserve_for_another_vm(&vm_fd);
         let build_time = t.elapsed();
         tracing::debug!(
             "VM shell: {} vCPUs, {} MiB, dirty log {}, built in {build_time:?}",
