@@ -70,7 +70,7 @@ pub struct RunArgs {
     /// them instead of starting processes (a fork of more children starts the rest).
     /// Each waiting process holds a few MiB and no guest memory.
     #[arg(long, value_name = "N", default_value_t = 0, requires = "api_sock",
-          value_parser = clap::value_parser!(u16).range(0..=64))]
+          value_parser = clap::value_parser!(u16).range(0..=vmm::MAX_FORK_CHILDREN as i64))]
     fork_spares: u16,
     #[command(flatten)]
     machine: MachineArgs,

@@ -102,7 +102,7 @@ pub struct RestoreArgs {
     no_seccomp: bool,
     /// Keep N fork child processes started and waiting (see `clade run --fork-spares`).
     #[arg(long, value_name = "N", default_value_t = 0, requires = "api_sock",
-          value_parser = clap::value_parser!(u16).range(0..=64))]
+          value_parser = clap::value_parser!(u16).range(0..=vmm::MAX_FORK_CHILDREN as i64))]
     fork_spares: u16,
     /// The vsock device's Unix socket (default: the snapshot's, which must be free).
     #[arg(long, value_name = "PATH")]
