@@ -149,8 +149,8 @@ impl PrestartedChildren {
     /// A waiting process (one whose shell is built first), if one is still there. Only the
     /// one handed out is looked at, the first ready one (a readiness seen once is kept, so
     /// that costs no system call), and dropped if it has ended: a scan of every waiting
-    /// process on each take made a fork into n of them n² system calls (~2 ms per child
-    /// with 100). One that ends after this is found at the hand-over, which then starts a
+    /// process on each take made a fork into n of them n² system calls (a `wait4` for each
+    /// waiting process, per child). One that ends after this is found at the hand-over, which then starts a
     /// new process; [`PrestartedChildren::top_up`] sweeps the ended ones.
     pub(super) fn take(&mut self) -> Option<Prestarted> {
         self.last_taken = Some(Instant::now());
