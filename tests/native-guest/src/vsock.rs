@@ -19,8 +19,7 @@
 //! It applies while a host connection is open (the host's next request comes on it); with
 //! none open the driver halts as soon as it is idle. So a restored or forked guest, whose
 //! connections the transport reset ended, does not spin away the CPU its siblings are
-//! being built and answering on (measured with 10 children of a fork: built in 15-19 ms
-//! instead of 22-25).
+//! being built and answering on.
 //!
 //! Packet header and flow control follow the virtio spec (5.10): every packet we send
 //! carries our receive buffer size (`buf_alloc`) and how many bytes we have consumed of it

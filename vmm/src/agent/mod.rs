@@ -798,7 +798,6 @@ impl Client {
     }
 }
 
-/// Reads frames until the connection ends, routing them by id.
 /// The protocol's first frame: Hello, with the versions this client speaks.
 fn hello_frame() -> Result<Vec<u8>> {
     let hello = HostMsg::Hello {
@@ -809,6 +808,7 @@ fn hello_frame() -> Result<Vec<u8>> {
     proto::encode_host(0, &hello).map_err(|e| Error::AgentProtocol(e.to_string()))
 }
 
+/// Reads frames until the connection ends, routing them by id.
 fn read_loop(sock: UnixStream, routes: &Routes) {
     let mut input = BufReader::with_capacity(128 * 1024, sock);
     loop {

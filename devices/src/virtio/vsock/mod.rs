@@ -241,8 +241,6 @@ impl Drop for SocketFile {
     }
 }
 
-/// Whether a stale socket file (nobody listens on it) is at `path`, where a VM's socket is
-/// to go: `false` if nothing is there; an error for a live socket or another kind of file.
 /// A listening socket bound at `path` with mode 0600 from the start: only the VMM's user
 /// (and root) may talk to the guest's agent. Linux gives the socket file the mode of the
 /// socket itself, less the umask, so the socket is made 0600 before it is bound: one new
@@ -260,6 +258,8 @@ fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
     Ok(UnixListener::from(std::os::fd::OwnedFd::from(sock)))
 }
 
+/// Whether a stale socket file (nobody listens on it) is at `path`, where a VM's socket is
+/// to go: `false` if nothing is there; an error for a live socket or another kind of file.
 fn stale_socket_at(path: &Path) -> Result<bool> {
     let sock_err = |source| Error::Socket {
         path: path.to_path_buf(),
