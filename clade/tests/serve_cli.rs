@@ -375,9 +375,19 @@ fn wait_standbys(state: &Path, n: usize) -> Vec<PathBuf> {
     }
 }
 
-/// `serve --standby 2`: a create takes a VM process that existed before the request, the
-/// pool refills, a service crash ends the unused standbys but not the sandbox, and a
-/// stopped service leaves no standby behind.
+/// A sandbox created from template `t` (built by [`build_template`]); its id.
+fn create_from_template(port: u16) -> String {
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"t","timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    id_of(&v)
+}
+
 /// Builds template `t` (the native guest serving agent connections, 64 MiB) in `state`.
 fn build_template(state: &Path) {
     let o = clade()
@@ -392,6 +402,9 @@ fn build_template(state: &Path) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// `serve --standby 2`: a create takes a VM process that existed before the request, the
+/// pool refills, a service crash ends the unused standbys but not the sandbox, and a
+/// stopped service leaves no standby behind.
 #[test]
 fn creates_use_standby_processes_and_the_pool_refills() {
     let d = Dir::new("standby");
@@ -402,15 +415,7 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     let before = wait_standbys(&state, 2);
     let pids: Vec<i32> = before.iter().map(|s| pid_naming(s).unwrap()).collect();
 
-    let (s, v) = http(
-        port,
-        "POST",
-        "/v2/sandboxes",
-        Some("k"),
-        r#"{"templateID":"t","timeout":300}"#,
-    );
-    assert_eq!(s, 201, "{v}");
-    let a = id_of(&v);
+    let a = create_from_template(port);
     ping(&state.join("sandboxes").join(&a).join("vm.vsock"));
     // One of the standbys is the sandbox's VM now: same process, same socket.
     let taken: Vec<(usize, &PathBuf)> = before
@@ -500,15 +505,7 @@ fn a_paused_sandbox_wakes_in_the_standby_that_opened_its_snapshot() {
     let port = free_port();
     let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
     wait_standbys(&state, 2);
-    let (s, v) = http(
-        port,
-        "POST",
-        "/v2/sandboxes",
-        Some("k"),
-        r#"{"templateID":"t","timeout":300}"#,
-    );
-    assert_eq!(s, 201, "{v}");
-    let a = id_of(&v);
+    let a = create_from_template(port);
     let dir = state.join("sandboxes").join(&a);
     ping(&dir.join("vm.vsock"));
     wait_standbys(&state, 2);

@@ -235,13 +235,12 @@ pub fn standby(
 /// if there is none yet: a woken sandbox's log is appended to), and a listening socket
 /// moved to the request's vsock socket path (`DeviceManager::finish_restore`), all next to
 /// the standby's API socket (`<token>.serial`, `<token>.vmlog`, `<token>.vsock`; the same
-/// filesystem as the
-/// sandboxes' files in a service's state directory). Creating a file (a new inode) on a
-/// filesystem where files come and go was measured at 0.4-0.8 ms here (ext4 skipping
-/// recently deleted inodes and reading inode tables, right after a pause deleted a
-/// sandbox's older snapshot files), a rename at 0.02-0.05 ms. Best effort: what cannot be
-/// made ahead, or moved, is created at the restore as before. Removed when dropped unless
-/// used.
+/// filesystem as the sandboxes' files in a service's state directory). Creating a file (a
+/// new inode) on a filesystem where files come and go was measured at 0.4-0.8 ms here
+/// (ext4 skipping recently deleted inodes and reading inode tables, right after a pause
+/// deleted a sandbox's older snapshot files), a rename at 0.02-0.05 ms. Best effort: what
+/// cannot be made ahead, or moved, is created at the restore as before. Removed when
+/// dropped unless used.
 #[derive(Default)]
 pub struct MadeAhead {
     serial: Option<PathBuf>,
@@ -250,7 +249,7 @@ pub struct MadeAhead {
 }
 
 impl MadeAhead {
-    /// Makes both next to `api` (a standby's API socket path).
+    /// Makes the three next to `api` (a standby's API socket path).
     fn make(api: &Path) -> MadeAhead {
         let mut m = MadeAhead::default();
         m.make_missing(api);
