@@ -193,11 +193,24 @@ pub(crate) fn connect(sock: &Path, timeout: Duration) -> vmm::Result<Client> {
     )
 }
 
+/// Connects to the agent port of the guest behind `sock` and waits for one answered ping,
+/// sent with the connection's Hello (as a client waiting for a sandbox to be ready sends
+/// it: [`Client::connect_and_ping`]).
+pub(crate) fn connect_and_ping(sock: &Path, timeout: Duration) -> vmm::Result<Client> {
+    Client::connect_and_ping(
+        sock,
+        Transport::Vsock {
+            port: AGENT_VSOCK_PORT,
+        },
+        timeout,
+    )
+    .map(|(c, _)| c)
+}
+
 /// Connects to the guest behind `sock` and waits for one answered ping.
 pub(crate) fn ping_once(sock: &Path) -> Result<()> {
-    let c = connect(sock, Duration::from_secs(20))
-        .context_with(|| format!("connecting to {}", sock.display()))?;
-    c.ping()?;
+    connect_and_ping(sock, Duration::from_secs(20))
+        .context_with(|| format!("connecting to {} and pinging", sock.display()))?;
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use serde_json::json;
 use vmm::{MemoryBackend, PreparedSnapshot, RestoreOptions, SerialOutput, ShellPool, SnapshotKind};
 
 use crate::error::{Context, Error, Result};
-use crate::guest::{boot_until, connect, serial, Guest, Machine, Scratch};
+use crate::guest::{boot_until, connect_and_ping, serial, Guest, Machine, Scratch};
 use crate::net::BenchNets;
 use crate::stats::{pct_u64, r1, us, Samples, StepTimes};
 use crate::FILL_BASE_MIB;
@@ -100,8 +100,7 @@ const STEP_ORDER: &[&str] = &[
     "vcpu_state",
     "start",
     "devices_finish",
-    "connect_hello",
-    "ping",
+    "connect_ping",
 ];
 
 /// Pins this thread (and so every VMM thread it starts from now on) to host CPU 0 and
@@ -176,13 +175,13 @@ impl Resume<'_> {
             )
             .context_with(|| format!("{backend} resume {i}"))?;
         let t_resumed = t0.elapsed();
-        let client = connect(self.sock, Duration::from_secs(10)).context_with(|| {
-            format!("{backend} resume {i}: connecting; serial:\n{}", serial(&vm))
+        // Connect, Hello and a Ping in one write, until the Pong (`connect_ping`).
+        let client = connect_and_ping(self.sock, Duration::from_secs(10)).context_with(|| {
+            format!(
+                "{backend} resume {i}: connecting and pinging; serial:\n{}",
+                serial(&vm)
+            )
         })?;
-        let t_connected = t0.elapsed();
-        client
-            .ping()
-            .context_with(|| format!("{backend} resume {i}: ping"))?;
         let total = t0.elapsed();
         tracing::debug!(%backend, i, ?total, "restore");
         let stats = vm.page_server_stats();
@@ -204,8 +203,7 @@ impl Resume<'_> {
                 run.steps
                     .add("start_to_return", t_resumed.saturating_sub(r.total));
             }
-            run.steps.add("connect_hello", t_connected - t_resumed);
-            run.steps.add("ping", total - t_connected);
+            run.steps.add("connect_ping", total - t_resumed);
         }
         drop(vm);
         drop(client);
@@ -398,7 +396,7 @@ impl RestoreReport {
             "vcpu_cpus": self.vcpu_cpus,
             "fill_mib": self.fill_mib,
             "snapshot_pages": self.snapshot_pages,
-            "measured": "PreparedSnapshot::restore call until vmm::agent::Client::ping answered over vsock (native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
+            "measured": "PreparedSnapshot::restore call until a ping answered over vsock (vmm::agent::Client::connect_and_ping: a new connection whose Hello and Ping go out together; native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
             "steps_p50_us": main.steps.p50_json(STEP_ORDER),
             "baseline_steps_p50_us": self.baseline.as_ref().map(|b| b.steps.p50_json(STEP_ORDER)),
             "net": self.net.is_some(),

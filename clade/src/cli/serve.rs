@@ -514,9 +514,8 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     }
     {
         let left = timeout.saturating_sub(t.elapsed());
-        let client = Client::connect_timeout(&vsock, Transport::Vsock { port: 52 }, left)
+        let (client, pong) = Client::connect_and_ping(&vsock, Transport::Vsock { port: 52 }, left)
             .context("waiting for the guest agent")?;
-        let pong = client.ping().context("agent ping")?;
         tracing::info!("agent {} answers", pong.agent_version);
         for c in &a.run {
             let out = client

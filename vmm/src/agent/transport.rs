@@ -240,6 +240,7 @@ fn retryable(e: &Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use guest_agent::proto::{HostMsg, RemoteError};
 
     #[test]
     fn booting_guests_are_waited_for() {
@@ -277,8 +278,11 @@ mod tests {
         });
         (&a).write_all(&super::super::hello_frame().unwrap())
             .unwrap();
-        let r = super::super::Client::handshake(Path::new("/vm.sock"), a);
+        let mut reader = Some(super::super::PendingReader::start().unwrap());
+        let r = super::super::Client::handshake(Path::new("/vm.sock"), a, &mut reader, None);
         peer.join().unwrap();
+        // The reader thread waits on for the retry's connection.
+        assert!(reader.is_some());
         let Err(e) = r else {
             panic!("no agent answered")
         };
@@ -288,13 +292,15 @@ mod tests {
         assert!(retryable(&pipe));
     }
 
-    /// Through a vsock socket the Hello goes out with the `CONNECT` line: a muxer that
-    /// reads the line a byte at a time (as Firecracker's does) finds the whole Hello behind
-    /// it before it has answered `OK`.
-    #[test]
-    fn the_hello_goes_out_with_the_connect_line() {
+    /// A vsock muxer on a new socket that reads the `CONNECT` line a byte at a time (as
+    /// Firecracker's does), checks it, and leaves the connection to `serve`. Returns the
+    /// socket's path and the muxer's thread (which gives the connection back).
+    fn fake_muxer(
+        name: &str,
+        serve: impl FnOnce(&mut UnixStream) + Send + 'static,
+    ) -> (std::path::PathBuf, std::thread::JoinHandle<UnixStream>) {
         use std::os::unix::net::UnixListener;
-        let dir = std::env::temp_dir().join(format!("clade-hello-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("clade-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("v.sock");
@@ -308,22 +314,116 @@ mod tests {
                 line.push(b[0]);
             }
             assert_eq!(line, b"CONNECT 52\n");
-            // Nothing answered yet: the Hello must already be here.
+            // Nothing answered yet: what the client sends first must already be here.
             s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            let frame = proto::read_frame(&mut s, MAX_FRAME_LEN).unwrap().unwrap();
+            serve(&mut s);
+            s
+        });
+        (path, muxer)
+    }
+
+    fn hello_ok() -> Vec<u8> {
+        let ok = AgentMsg::HelloOk {
+            version: guest_agent::proto::PROTOCOL_VERSION,
+            agent_version: "test".into(),
+            max_frame_len: MAX_FRAME_LEN,
+        };
+        proto::encode_agent(0, &ok).unwrap()
+    }
+
+    fn pong(id: u32) -> Vec<u8> {
+        let pong = AgentMsg::Pong {
+            agent_version: "test".into(),
+            protocol: guest_agent::proto::PROTOCOL_VERSION,
+            uptime_ms: 7,
+            running_execs: 0,
+        };
+        proto::encode_agent(id, &pong).unwrap()
+    }
+
+    /// Through a vsock socket the Hello goes out with the `CONNECT` line: a muxer that
+    /// reads the line a byte at a time finds the whole Hello behind it before it has
+    /// answered `OK`.
+    #[test]
+    fn the_hello_goes_out_with_the_connect_line() {
+        let (path, muxer) = fake_muxer("hello", |s| {
+            let frame = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
             assert_eq!(frame, super::super::hello_frame().unwrap());
             s.write_all(b"OK 1024\n").unwrap();
-            let ok = AgentMsg::HelloOk {
-                version: guest_agent::proto::PROTOCOL_VERSION,
-                agent_version: "test".into(),
-                max_frame_len: MAX_FRAME_LEN,
-            };
-            s.write_all(&proto::encode_agent(0, &ok).unwrap()).unwrap();
-            s
+            s.write_all(&hello_ok()).unwrap();
         });
         let c = super::super::Client::connect_with(&path, Transport::Vsock { port: 52 }).unwrap();
         assert_eq!(c.agent_version(), "test");
         drop(muxer.join().unwrap());
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// `connect_and_ping`: the Ping (id 1) goes out behind the Hello, before anything is
+    /// answered; its Pong is read with the handshake, and the connection's own requests
+    /// are numbered after it.
+    #[test]
+    fn a_ping_goes_out_behind_the_hello() {
+        let (path, muxer) = fake_muxer("ping", |s| {
+            let hello = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(hello, super::super::hello_frame().unwrap());
+            let ping = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            let f = proto::decode_frame(&ping).unwrap();
+            assert_eq!(f.id, 1);
+            assert!(matches!(f.msg, Msg::Host(HostMsg::Ping)), "{:?}", f.msg);
+            s.write_all(b"OK 1024\n").unwrap();
+            s.write_all(&[hello_ok(), pong(1)].concat()).unwrap();
+            // The next request is the connection's own, id 2.
+            let next = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(proto::decode_frame(&next).unwrap().id, 2);
+            s.write_all(&pong(2)).unwrap();
+        });
+        let (c, p) = super::super::Client::connect_and_ping(
+            &path,
+            Transport::Vsock { port: 52 },
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(
+            (p.agent_version.as_str(), p.uptime),
+            ("test", Duration::from_millis(7))
+        );
+        assert_eq!(c.ping().unwrap().uptime, Duration::from_millis(7));
+        drop(muxer.join().unwrap());
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// An agent that answers the first ping with something else (here: an error under
+    /// the ping's id, then a frame for another id) fails the connection with what it said.
+    #[test]
+    fn a_first_ping_answered_wrongly_fails_the_connection() {
+        let err = AgentMsg::Error(RemoteError::new(ErrorKind::Unsupported, "no pings"));
+        let answers = [
+            ("badping", proto::encode_agent(1, &err).unwrap()),
+            ("otherid", pong(5)),
+        ];
+        let mut errors = Vec::new();
+        for (name, answer) in answers {
+            let (path, muxer) = fake_muxer(name, move |s| {
+                for _ in 0..2 {
+                    proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+                }
+                s.write_all(b"OK 1024\n").unwrap();
+                s.write_all(&[hello_ok(), answer].concat()).unwrap();
+            });
+            let r = super::super::Client::connect_and_ping(
+                &path,
+                Transport::Vsock { port: 52 },
+                Duration::from_secs(5),
+            );
+            errors.push(r.unwrap_err());
+            drop(muxer.join().unwrap());
+            let _ = std::fs::remove_dir_all(path.parent().unwrap());
+        }
+        assert!(matches!(errors[0], Error::Agent(_)), "{}", errors[0]);
+        assert!(
+            matches!(errors[1], Error::AgentProtocol(_)),
+            "{}",
+            errors[1]
+        );
     }
 }
