@@ -426,7 +426,7 @@ impl Client {
             path: path.to_path_buf(),
             source: e,
         };
-        let reply = read_handshake_frame(&mut stream)?;
+        let reply = read_handshake_frame(&mut stream, "hello")?;
         let f =
             proto::decode_frame(&reply).map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?;
         let (version, agent_version) = match f.msg {
@@ -447,11 +447,11 @@ impl Client {
         let pong = match ping_sent {
             None => None,
             Some(t0) => {
-                let reply = read_handshake_frame(&mut stream)?;
+                let reply = read_handshake_frame(&mut stream, "ping")?;
                 let f = proto::decode_frame(&reply)
                     .map_err(|e| Error::AgentProtocol(format!("ping: {e}")))?;
                 match f.msg {
-                    Msg::Agent(m) if f.id == FIRST_PING_ID => Some(pong(check(m)?, t0)?),
+                    Msg::Agent(m) if f.id == FIRST_PING_ID => Some(pong_from(check(m)?, t0)?),
                     other => {
                         return Err(Error::AgentProtocol(format!(
                             "unexpected answer to the first ping (id {}): {other:?}",
@@ -517,7 +517,7 @@ impl Client {
     /// Health check: agent version, guest uptime, running execs, round-trip time.
     pub fn ping(&self) -> Result<Pong> {
         let t0 = Instant::now();
-        pong(self.call(&HostMsg::Ping)?, t0)
+        pong_from(self.call(&HostMsg::Ping)?, t0)
     }
 
     /// Starts a command. Its output arrives as [`ExecEvent`]s on the returned [`Exec`].
@@ -842,7 +842,7 @@ impl Client {
 const FIRST_PING_ID: u32 = 1;
 
 /// The answer to a Ping sent at `t0`.
-fn pong(msg: AgentMsg, t0: Instant) -> Result<Pong> {
+fn pong_from(msg: AgentMsg, t0: Instant) -> Result<Pong> {
     match msg {
         AgentMsg::Pong {
             agent_version,
@@ -860,11 +860,12 @@ fn pong(msg: AgentMsg, t0: Instant) -> Result<Pong> {
     }
 }
 
-/// Reads one answer during the handshake. A connection reset before it is a connection
-/// closed before it (the VMM closes a connection the guest dropped, our Hello still
-/// unread: a resumed guest's transport reset drops connections made just before it took
-/// effect); both are [`Error::AgentDisconnected`], which a connect retries.
-fn read_handshake_frame(stream: &mut UnixStream) -> Result<Vec<u8>> {
+/// Reads one answer during the handshake (to the `what` request). A connection reset
+/// before it is a connection closed before it (the VMM closes a connection the guest
+/// dropped, our Hello still unread: a resumed guest's transport reset drops connections
+/// made just before it took effect); both are [`Error::AgentDisconnected`], which a
+/// connect retries.
+fn read_handshake_frame(stream: &mut UnixStream, what: &str) -> Result<Vec<u8>> {
     proto::read_frame(stream, MAX_FRAME_LEN)
         .map_err(|e| match e {
             guest_agent::Error::Io(io)
@@ -875,7 +876,7 @@ fn read_handshake_frame(stream: &mut UnixStream) -> Result<Vec<u8>> {
             {
                 Error::AgentDisconnected
             }
-            e => Error::AgentProtocol(format!("hello: {e}")),
+            e => Error::AgentProtocol(format!("{what}: {e}")),
         })?
         .ok_or(Error::AgentDisconnected)
 }
