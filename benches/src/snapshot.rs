@@ -78,7 +78,6 @@ const FULL_STEP_ORDER: &[&str] = &[
     "copy_written",
     "map_memory",
     "vcpu_state",
-    "move_irqs",
     "move",
     "freeze_memory",
     "unpause",

@@ -1,12 +1,13 @@
 //! Clade device models.
 //!
 //! Devices here know how to answer guest port I/O and MMIO accesses and how to signal
-//! interrupts (through `EventFd`s the VMM wires to KVM irqfds). They know nothing of the KVM VM
+//! interrupts (through [`IrqLine`]s: eventfds the VMM wires to KVM irqfds). They know nothing of the KVM VM
 //! lifecycle: when the guest asks to power off or reset, a device reports a [`GuestExit`] through
 //! the [`ExitNotifier`] it was given, and the VMM decides what that means.
 
 pub mod bus;
 pub mod event_loop;
+pub mod irq;
 pub mod legacy;
 pub mod test_device;
 pub mod virtio;
@@ -16,6 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use bus::{Bus, BusDevice};
+pub use irq::IrqLine;
 
 /// Guest memory as devices see it: every write through it (virtqueue rings, rx buffers) is
 /// recorded in a per-region dirty bitmap, so a diff snapshot includes the pages the VMM

@@ -18,9 +18,8 @@ use std::thread;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use vmm_sys_util::eventfd::EventFd;
 
-use crate::{BusDevice, Error, ExitNotifier, GuestExit};
+use crate::{BusDevice, Error, ExitNotifier, GuestExit, IrqLine};
 
 /// First port of the PIO window.
 pub const TEST_PIO_BASE: u64 = 0xf4;
@@ -79,26 +78,19 @@ pub struct TestMmio {
 }
 
 impl TestMmio {
-    /// `irq_evt` is an eventfd the VMM registered as an irqfd. The thread that raises the
+    /// `irq` is a line the VMM registered as an irqfd. The thread that raises the
     /// interrupt starts here, idle until the guest arms it: started by the vCPU thread at
     /// the guest's first arm, it would be a thread creation the vCPU's system-call filter
     /// forbids.
-    pub fn new(irq_evt: EventFd) -> Self {
+    pub fn new(irq_line: impl Into<IrqLine>) -> Self {
         let irq = Arc::new((Mutex::new(IrqState::default()), Condvar::new()));
-        let irq_thread = match irq_evt.try_clone() {
-            Ok(evt) => {
-                let shared = Arc::clone(&irq);
-                thread::Builder::new()
-                    .name("clade-testirq".into())
-                    .spawn(move || raise_while_armed(&shared, &evt))
-                    .map_err(|e| tracing::error!("test device: no irq thread: {e}"))
-                    .ok()
-            }
-            Err(e) => {
-                tracing::error!("test device: cannot clone irq eventfd: {e}");
-                None
-            }
-        };
+        let shared = Arc::clone(&irq);
+        let line = irq_line.into();
+        let irq_thread = thread::Builder::new()
+            .name("clade-testirq".into())
+            .spawn(move || raise_while_armed(&shared, &line))
+            .map_err(|e| tracing::error!("test device: no irq thread: {e}"))
+            .ok();
         Self {
             scratch: 0,
             irq,
@@ -119,12 +111,12 @@ impl TestMmio {
 }
 
 /// The irq thread: raises the interrupt every [`IRQ_PERIOD`] while armed, until stopped.
-fn raise_while_armed(shared: &(Mutex<IrqState>, Condvar), evt: &EventFd) {
+fn raise_while_armed(shared: &(Mutex<IrqState>, Condvar), line: &IrqLine) {
     let (lock, cv) = shared;
     let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
     while !st.stop {
         if st.armed {
-            if let Err(e) = evt.write(1) {
+            if let Err(e) = line.trigger() {
                 tracing::error!("test device: raising irq failed: {e}");
             }
             st = cv
@@ -149,7 +141,7 @@ pub struct TestMmioState {
 impl<'a> snapshot::Persist<'a> for TestMmio {
     type State = TestMmioState;
     /// The interrupt eventfd (a KVM irqfd).
-    type ConstructorArgs = EventFd;
+    type ConstructorArgs = IrqLine;
     type Error = Error;
 
     fn save(&self) -> Result<TestMmioState, Error> {
@@ -161,7 +153,7 @@ impl<'a> snapshot::Persist<'a> for TestMmio {
         })
     }
 
-    fn restore(irq: EventFd, state: &TestMmioState) -> Result<Self, Error> {
+    fn restore(irq: IrqLine, state: &TestMmioState) -> Result<Self, Error> {
         let mut dev = TestMmio::new(irq);
         dev.scratch = state.scratch;
         if state.armed {
@@ -215,6 +207,7 @@ impl BusDevice for TestMmio {
 mod tests {
     use super::*;
     use std::time::Instant;
+    use vmm_sys_util::eventfd::EventFd;
 
     #[test]
     fn pio_reports_exit_code_and_magic() {
@@ -270,7 +263,7 @@ mod tests {
         );
         drop(dev);
         let evt2 = EventFd::new(libc_nonblock()).unwrap();
-        let mut back = TestMmio::restore(evt2.try_clone().unwrap(), &state).unwrap();
+        let mut back = TestMmio::restore(evt2.try_clone().unwrap().into(), &state).unwrap();
         let mut buf = [0u8; 8];
         back.read(8, &mut buf);
         assert_eq!(u64::from_le_bytes(buf), 0x1234);

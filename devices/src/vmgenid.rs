@@ -24,9 +24,8 @@ use std::io::Read;
 
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
-use vmm_sys_util::eventfd::EventFd;
 
-use crate::{Error, GuestMemory, Result};
+use crate::{Error, GuestMemory, IrqLine, Result};
 
 /// Length of the generation ID.
 pub const VMGENID_LEN: usize = 16;
@@ -47,7 +46,7 @@ pub struct VmGenId {
     addr: GuestAddress,
     gsi: u32,
     id: [u8; VMGENID_LEN],
-    irq: EventFd,
+    irq: IrqLine,
 }
 
 /// A fresh random ID from the host's CRNG.
@@ -71,14 +70,14 @@ fn check_addr(addr: u64) -> Result<()> {
 
 impl VmGenId {
     /// A device for a booting VM: a random first ID, written at `addr` in `mem`; `irq` is
-    /// the eventfd wired to `gsi`.
-    pub fn new(mem: &GuestMemory, addr: u64, gsi: u32, irq: EventFd) -> Result<Self> {
+    /// the line wired to `gsi`.
+    pub fn new(mem: &GuestMemory, addr: u64, gsi: u32, irq: impl Into<IrqLine>) -> Result<Self> {
         check_addr(addr)?;
         let mut dev = VmGenId {
             addr: GuestAddress(addr),
             gsi,
             id: [0; VMGENID_LEN],
-            irq,
+            irq: irq.into(),
         };
         dev.write_id(mem, random_id()?)?;
         Ok(dev)
@@ -87,13 +86,13 @@ impl VmGenId {
     /// The device of a VM built from saved state. Guest memory is left as it is: call
     /// [`VmGenId::new_generation`] once the VM's memory and interrupt controller are in
     /// place.
-    pub fn restore(state: &VmGenIdState, irq: EventFd) -> Result<Self> {
+    pub fn restore(state: &VmGenIdState, irq: impl Into<IrqLine>) -> Result<Self> {
         check_addr(state.addr)?;
         Ok(VmGenId {
             addr: GuestAddress(state.addr),
             gsi: state.gsi,
             id: state.generation_id,
-            irq,
+            irq: irq.into(),
         })
     }
 
@@ -116,7 +115,7 @@ impl VmGenId {
         }
         self.write_id(mem, id)?;
         self.irq
-            .write(1)
+            .trigger()
             .map_err(|e| Error::VmGenId(format!("raising the GED interrupt: {e}")))?;
         tracing::debug!(gsi = self.gsi, "new VM generation ID");
         Ok(())
@@ -150,6 +149,7 @@ impl VmGenId {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vmm_sys_util::eventfd::EventFd;
     use vmm_sys_util::eventfd::EFD_NONBLOCK;
 
     fn mem() -> GuestMemory {

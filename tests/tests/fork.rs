@@ -240,22 +240,27 @@ impl Drop for TmpDir {
     }
 }
 
-fn ping(sock: &Path) {
-    let c = Client::connect_timeout(
+/// An agent connection to the guest behind `sock`.
+fn connect(sock: &Path) -> Client {
+    Client::connect_timeout(
         sock,
         Transport::Vsock {
             port: AGENT_VSOCK_PORT,
         },
         Duration::from_secs(10),
     )
-    .unwrap_or_else(|e| panic!("{}: {e}", sock.display()));
-    c.ping().unwrap();
+    .unwrap_or_else(|e| panic!("{}: {e}", sock.display()))
 }
 
-/// A running guest serving its agent on `p.sock` in `dir` (guest CID 3).
-fn agent_parent(dir: &TmpDir) -> (Vm, PathBuf) {
+fn ping(sock: &Path) {
+    connect(sock).ping().unwrap();
+}
+
+/// A running guest serving its agent on `p.sock` in `dir` (guest CID 3), its steps
+/// `steps` (a `vsock` one first).
+fn agent_parent(dir: &TmpDir, steps: &str) -> (Vm, PathBuf) {
     let psock = dir.0.join("p.sock");
-    let mut c = guest_config("vsock");
+    let mut c = guest_config(steps);
     c.vsock = Some(VsockConfig {
         uds_path: psock.clone(),
         guest_cid: 3,
@@ -269,7 +274,7 @@ fn agent_parent(dir: &TmpDir) -> (Vm, PathBuf) {
 #[test]
 fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
     let dir = TmpDir::new("fail");
-    let (mut parent, psock) = agent_parent(&dir);
+    let (mut parent, psock) = agent_parent(&dir, "vsock");
     let paths: Vec<PathBuf> = (0..3).map(|i| dir.0.join(format!("c{i}.sock"))).collect();
     let err = vmm::fork(
         &mut parent,
@@ -406,15 +411,8 @@ fn restored_parents(how: Freeze) {
 #[test]
 fn a_vm_that_moves_keeps_its_connection_forks_again_and_snapshots() {
     let dir = TmpDir::new("moves");
-    let (mut parent, psock) = agent_parent(&dir);
-    let conn = Client::connect_timeout(
-        &psock,
-        Transport::Vsock {
-            port: AGENT_VSOCK_PORT,
-        },
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let (mut parent, psock) = agent_parent(&dir, "vsock");
+    let conn = connect(&psock);
     conn.ping().unwrap();
     for round in 0..3 {
         prepare(&mut parent, Freeze::Moving);
@@ -455,4 +453,42 @@ fn a_vm_that_moves_keeps_its_connection_forks_again_and_snapshots() {
     conn.ping().unwrap();
     restored.shutdown();
     parent.shutdown();
+}
+
+/// Every interrupt line follows a VM that moves onto its spare shell (the lines switch to
+/// eventfds wired to the new KVM VM when the shell is given): after two moves, its vsock
+/// device still wakes it for a request on a connection opened before them, and then its
+/// `hlt` step, which waits for the test device's interrupt, ends well.
+#[test]
+fn the_interrupts_of_a_vm_that_moved_reach_it() {
+    let dir = TmpDir::new("moved-irqs");
+    let (mut parent, psock) = agent_parent(&dir, "vsock:1,hlt");
+    let conn = connect(&psock);
+    for round in 0..2 {
+        prepare(&mut parent, Freeze::Moving);
+        let (kids, report) = vmm::fork_with_report(
+            &mut parent,
+            1,
+            ForkOptions {
+                vsock_paths: vec![dir.0.join(format!("c{round}.sock"))],
+                ..fork_opts()
+            },
+        )
+        .unwrap();
+        check_freeze(&report, Freeze::Moving);
+        drop(kids);
+        // Long enough for the guest to halt: the ping's packet must wake it.
+        std::thread::sleep(Duration::from_millis(20));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let c = conn.clone();
+        std::thread::spawn(move || tx.send(c.ping().map(|_| ())));
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("move {round}: no answer in 10 s (its interrupt went elsewhere)"),
+        }
+    }
+    // The one connection the `vsock:1` step serves ends; `hlt` runs.
+    drop(conn);
+    let out = finish(&mut parent, "the moved parent");
+    assert!(out.contains("step hlt ok"), "{out}");
 }

@@ -29,7 +29,7 @@ use devices::virtio::net::{NetBackend, NetDevice, DEFAULT_MAC};
 use devices::virtio::vsock::{socket_in_use, ListenerSlot, SocketFile, VsockDevice};
 use devices::virtio::{VirtioDevice, VirtioDeviceState};
 use devices::vmgenid::{VmGenId, VmGenIdState};
-use devices::{Bus, ExitNotifier, GuestMemory};
+use devices::{Bus, ExitNotifier, GuestMemory, IrqLine};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
 use snapshot::Persist;
@@ -202,16 +202,22 @@ fn open_tap_in_netns(name: &str, netns: &std::path::Path) -> Result<Tap> {
 }
 
 /// One registration of a device's eventfd with KVM: what a VM that moves to another KVM
-/// VM registers again there ([`DeviceManager::wire_ioevents_to`], [`DeviceManager::move_irqs`]).
+/// VM registers again there ([`DeviceManager::prewire`]).
 enum Wire {
-    /// An irqfd: signalling `evt` raises `gsi`.
-    Irq { evt: EventFd, gsi: u32 },
+    /// An irqfd: raising `line` raises `gsi`.
+    Irq { line: IrqLine, gsi: u32 },
     /// An ioeventfd: a guest write of `datamatch` at `addr` signals `evt`.
     IoEvent {
         evt: EventFd,
         addr: u64,
         datamatch: u32,
     },
+}
+
+/// The devices wired to another KVM VM ahead of a move onto it ([`DeviceManager::prewire`]):
+/// the interrupt lines' eventfds there, in the order of the lines.
+pub(crate) struct Prewired {
+    irqs: Vec<EventFd>,
 }
 
 /// The KVM VM the devices are wired to, and the record of every registration made.
@@ -228,20 +234,14 @@ impl<'a> Wiring<'a> {
         }
     }
 
-    /// A new interrupt eventfd, registered as the irqfd of `gsi`.
-    fn irq(&mut self, gsi: u32) -> Result<EventFd> {
-        let evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| Error::Io {
-            context: "creating an interrupt eventfd",
-            source,
-        })?;
-        self.vm
-            .register_irqfd(&evt, gsi)
-            .map_err(Error::kvm("KVM_IRQFD"))?;
+    /// A new interrupt line, registered as the irqfd of `gsi`.
+    fn irq(&mut self, gsi: u32) -> Result<IrqLine> {
+        let line = IrqLine::new(irq_eventfd(self.vm, gsi)?);
         self.wires.push(Wire::Irq {
-            evt: dup_eventfd(&evt)?,
+            line: line.clone(),
             gsi,
         });
-        Ok(evt)
+        Ok(line)
     }
 
     /// Registers `evt` as the ioeventfd of a guest write of `datamatch` at MMIO `addr`.
@@ -256,6 +256,17 @@ impl<'a> Wiring<'a> {
         });
         Ok(())
     }
+}
+
+/// A new eventfd, registered with `vm` as the irqfd of `gsi`.
+fn irq_eventfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
+    let evt = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| Error::Io {
+        context: "creating an interrupt eventfd",
+        source,
+    })?;
+    vm.register_irqfd(&evt, gsi)
+        .map_err(Error::kvm("KVM_IRQFD"))?;
+    Ok(evt)
 }
 
 fn dup_eventfd(evt: &EventFd) -> Result<EventFd> {
@@ -845,60 +856,43 @@ impl DeviceManager {
         Ok(())
     }
 
-    /// Registers the devices' ioeventfds with `vm` as well (they stay registered with
-    /// the current KVM VM, whose vCPUs no longer run once the VM moved: see
-    /// `Vm::move_onto`). Changes nothing for the current VM.
-    pub(crate) fn wire_ioevents_to(&self, vm: &VmFd) -> Result<()> {
+    /// Wires the devices to KVM VM `vm` too, ahead of a move onto it (a fork's parent, a
+    /// copy-on-write snapshot: `Vm::move_onto`), changing nothing for the current VM: the
+    /// ioeventfds are registered with `vm` as well (KVM lets an eventfd be the ioeventfd
+    /// of several VMs), and each interrupt line gets a new eventfd registered with `vm` as
+    /// its irqfd (an eventfd can be the irqfd of one VM only), for
+    /// [`DeviceManager::switch_irqs`]. Done when a spare shell is given, this takes
+    /// nothing from the move's pause. If it fails, what it registered with `vm` goes with
+    /// `vm`.
+    pub(crate) fn prewire(&self, vm: &VmFd) -> Result<Prewired> {
+        let mut irqs = Vec::new();
         for w in &self.wires {
-            if let Wire::IoEvent {
-                evt,
-                addr,
-                datamatch,
-            } = w
-            {
-                vm.register_ioevent(evt, &IoEventAddress::Mmio(*addr), *datamatch)
-                    .map_err(Error::kvm("KVM_IOEVENTFD"))?;
+            match w {
+                Wire::IoEvent {
+                    evt,
+                    addr,
+                    datamatch,
+                } => vm
+                    .register_ioevent(evt, &IoEventAddress::Mmio(*addr), *datamatch)
+                    .map_err(Error::kvm("KVM_IOEVENTFD"))?,
+                Wire::Irq { gsi, .. } => irqs.push(irq_eventfd(vm, *gsi)?),
             }
         }
-        Ok(())
+        Ok(Prewired { irqs })
     }
 
-    /// Moves the devices' irqfds from KVM VM `from` to `to`. An eventfd drives one irqfd
-    /// at a time (KVM refuses a second with `EBUSY`), so each is released from `from`
-    /// before it is registered with `to`. On an error those moved so far go back to
-    /// `from`, as far as KVM lets them.
-    pub(crate) fn move_irqs(&self, from: &VmFd, to: &VmFd) -> Result<()> {
-        let irqs: Vec<(&EventFd, u32)> = self
-            .wires
-            .iter()
-            .filter_map(|w| match w {
-                Wire::Irq { evt, gsi } => Some((evt, *gsi)),
-                Wire::IoEvent { .. } => None,
-            })
-            .collect();
-        for (i, &(evt, gsi)) in irqs.iter().enumerate() {
-            let moved = from
-                .unregister_irqfd(evt, gsi)
-                .map_err(Error::kvm("KVM_IRQFD (deassign)"))
-                .and_then(|()| {
-                    to.register_irqfd(evt, gsi).map_err(|e| {
-                        let _ = from.register_irqfd(evt, gsi);
-                        Error::kvm("KVM_IRQFD")(e)
-                    })
-                });
-            if let Err(e) = moved {
-                for &(evt, gsi) in &irqs[..i] {
-                    let back = to
-                        .unregister_irqfd(evt, gsi)
-                        .and_then(|()| from.register_irqfd(evt, gsi));
-                    if let Err(e) = back {
-                        tracing::error!("putting back the irqfd of GSI {gsi}: {e}");
-                    }
-                }
-                return Err(e);
-            }
+    /// Switches every interrupt line to the eventfd [`DeviceManager::prewire`] registered
+    /// with the KVM VM the devices move to (call while paused). The former eventfds stay
+    /// registered with the former KVM VM, which nothing raises any more, until that VM is
+    /// torn down.
+    pub(crate) fn switch_irqs(&mut self, prewired: Prewired) {
+        let lines = self.wires.iter().filter_map(|w| match w {
+            Wire::Irq { line, .. } => Some(line),
+            Wire::IoEvent { .. } => None,
+        });
+        for (line, evt) in lines.zip(prewired.irqs) {
+            drop(line.replace(evt));
         }
-        Ok(())
     }
 
     /// From now on guest memory is `mem` for every device (the same guest memory mapped

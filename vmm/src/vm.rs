@@ -17,7 +17,7 @@ use snapshot::memory_file::MemoryChain;
 use snapshot::page_server::{PageServer, PageServerStats};
 
 use crate::config::VmConfig;
-use crate::device_manager::DeviceManager;
+use crate::device_manager::{DeviceManager, Prewired};
 use crate::error::{Error, Result};
 use crate::exit::{VmEvent, VmExit};
 use crate::saved::{
@@ -90,9 +90,9 @@ pub struct Vm {
     /// Forked memory: the pages written since it was frozen that a snapshot already took
     /// out of the dirty log (the fork module's business).
     fork_carry: Vec<Vec<u64>>,
-    /// A pre-built shell of this VM's shape that its next freeze moves it onto
-    /// ([`Vm::give_shell`]).
-    spare_shell: Option<Shell>,
+    /// A pre-built shell of this VM's shape that its next freeze moves it onto, with the
+    /// devices already wired to it ([`Vm::give_shell`]).
+    spare_shell: Option<(Shell, Prewired)>,
     /// The KVM VM and memory mapping the last freeze moved away from, still to be torn
     /// down ([`Vm::unmap_retired_memory`]).
     retired_vm: Option<RetiredVm>,
@@ -784,10 +784,10 @@ impl Vm {
         saved: &SavedMachine,
         steps: &mut Steps,
     ) -> bool {
-        let Some(shell) = self.spare_shell.take() else {
+        let Some((shell, prewired)) = self.spare_shell.take() else {
             return false;
         };
-        match self.move_onto(shell, image, saved, steps) {
+        match self.move_onto(shell, prewired, image, saved, steps) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!("moving the VM onto its spare shell failed ({e}): its memory is frozen in place");
@@ -798,8 +798,9 @@ impl Vm {
 
     /// Moves this paused VM onto `shell`, a new KVM VM whose memory is `image` mapped
     /// private at a new address: the vCPUs' state (`saved`) and the in-kernel irqchip,
-    /// PIT and clock are set there, every device eventfd is registered there, the devices
-    /// use the new mapping, and each vCPU thread runs the new VM's vCPU from now on. The
+    /// PIT and clock are set there, the devices' interrupt lines switch to the eventfds
+    /// `prewired` registered there, the devices use the new mapping, and each vCPU
+    /// thread runs the new VM's vCPU from now on. The
     /// devices themselves (with their host ends: sockets, connections, disk, TAP) and the
     /// threads stay, so the VM stays the same to whoever uses it.
     ///
@@ -811,6 +812,7 @@ impl Vm {
     fn move_onto(
         &mut self,
         shell: Shell,
+        prewired: Prewired,
         image: &Arc<FrozenImage>,
         saved: &SavedMachine,
         steps: &mut Steps,
@@ -826,14 +828,12 @@ impl Vm {
         let ram = GuestRam::forked(reservation, Arc::clone(image))?;
         ram.clear_vmm_dirty();
         steps.done("map_memory");
-        self.devices.wire_ioevents_to(&vm_fd)?;
         kvm_state::restore_vm(&vm_fd, &saved.vm)?;
+        // The last step that can fail.
         kvm_state::restore_vcpus(&vcpu_fds, &saved.vcpus, &cpuids, saved.machine.pvm_vif_base)?;
         steps.done("vcpu_state");
-        // The last step that can fail (and puts the irqfds back if it does).
-        self.devices.move_irqs(&self.vm_fd, &vm_fd)?;
-        steps.done("move_irqs");
         // From here on nothing fails: the VM becomes the new one.
+        self.devices.switch_irqs(prewired);
         self.devices.replace_memory(&ram.mem);
         let old_vcpu_fds = if self.vcpus.is_empty() {
             std::mem::replace(&mut self.pending_vcpus, vcpu_fds)
@@ -875,8 +875,9 @@ impl Vm {
     /// Gives this VM a pre-built shell of its shape ([`Vm::child_shell_spec`]) to move
     /// onto at its next freeze (a fork, a copy-on-write snapshot), so that the freeze does
     /// not pause the guest while KVM drops its mappings of the memory (see
-    /// [`crate::fork`]). A freeze uses the shell up: give another one after it
-    /// ([`Vm::has_spare_shell`]). Refused for a shell of another shape.
+    /// [`crate::fork`]). The devices are wired to the shell here, outside any pause. A
+    /// freeze uses the shell up: give another one after it ([`Vm::has_spare_shell`]).
+    /// Refused for a shell of another shape, or one the devices cannot be wired to.
     pub fn give_shell(&mut self, shell: Shell) -> Result<()> {
         let want = self.child_shell_spec();
         if *shell.spec() != want {
@@ -885,7 +886,8 @@ impl Vm {
                 shell.spec()
             )));
         }
-        self.spare_shell = Some(shell);
+        let prewired = self.devices.prewire(&shell.vm_fd)?;
+        self.spare_shell = Some((shell, prewired));
         Ok(())
     }
 

@@ -7,4 +7,4 @@ mod serial;
 
 pub use acpi_pm::{AcpiPmDevice, ACPI_PM_RESET_VALUE, ACPI_PM_S5_SLP_TYP};
 pub use i8042::I8042;
-pub use serial::{EventFdTrigger, SerialDevice, SerialDeviceState};
+pub use serial::{IrqTrigger, SerialDevice, SerialDeviceState};

@@ -5,40 +5,32 @@ use std::io::Write;
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::SerialState;
 use vm_superio::{Serial, Trigger};
-use vmm_sys_util::eventfd::EventFd;
 
-use crate::{BusDevice, Error};
+use crate::{BusDevice, Error, IrqLine};
 
 /// Most bytes a saved receive FIFO may hold (vm-superio's FIFO is 64 bytes).
 const MAX_SAVED_FIFO: usize = 64;
 
-/// Raises an interrupt by writing to an eventfd registered as a KVM irqfd.
-pub struct EventFdTrigger(EventFd);
+/// Raises an interrupt through a line registered as a KVM irqfd.
+pub struct IrqTrigger(IrqLine);
 
-impl EventFdTrigger {
-    /// Wraps `evt`; the VMM registers the same eventfd with KVM.
-    pub fn new(evt: EventFd) -> Self {
-        Self(evt)
-    }
-}
-
-impl Trigger for EventFdTrigger {
+impl Trigger for IrqTrigger {
     type E = std::io::Error;
     fn trigger(&self) -> std::io::Result<()> {
-        self.0.write(1)
+        self.0.trigger()
     }
 }
 
 /// The guest's serial console; output goes to the writer the VMM chose (stdout, a file, ...).
 pub struct SerialDevice {
-    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
+    serial: Serial<IrqTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
 }
 
 impl SerialDevice {
     /// A UART raising its interrupt through `irq` and writing transmitted bytes to `out`.
-    pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
+    pub fn new(irq: impl Into<IrqLine>, out: Box<dyn Write + Send>) -> Self {
         Self {
-            serial: Serial::new(EventFdTrigger::new(irq), out),
+            serial: Serial::new(IrqTrigger(irq.into()), out),
         }
     }
 }
@@ -71,7 +63,7 @@ pub struct SerialDeviceState {
 impl<'a> snapshot::Persist<'a> for SerialDevice {
     type State = SerialDeviceState;
     /// The interrupt eventfd (a KVM irqfd) and where transmitted bytes go.
-    type ConstructorArgs = (EventFd, Box<dyn Write + Send>);
+    type ConstructorArgs = (IrqLine, Box<dyn Write + Send>);
     type Error = Error;
 
     fn save(&self) -> Result<SerialDeviceState, Error> {
@@ -91,7 +83,7 @@ impl<'a> snapshot::Persist<'a> for SerialDevice {
     }
 
     fn restore(
-        (irq, out): (EventFd, Box<dyn Write + Send>),
+        (irq, out): (IrqLine, Box<dyn Write + Send>),
         state: &SerialDeviceState,
     ) -> Result<Self, Error> {
         if state.in_buffer.len() > MAX_SAVED_FIFO {
@@ -112,13 +104,8 @@ impl<'a> snapshot::Persist<'a> for SerialDevice {
             scratch: state.scratch,
             in_buffer: state.in_buffer.clone(),
         };
-        let serial = Serial::from_state(
-            &s,
-            EventFdTrigger::new(irq),
-            vm_superio::serial::NoEvents,
-            out,
-        )
-        .map_err(|e| Error::Restore(format!("serial: {e:?}")))?;
+        let serial = Serial::from_state(&s, IrqTrigger(irq), vm_superio::serial::NoEvents, out)
+            .map_err(|e| Error::Restore(format!("serial: {e:?}")))?;
         Ok(Self { serial })
     }
 }
@@ -145,6 +132,7 @@ mod tests {
     use super::*;
     use snapshot::Persist;
     use std::sync::{Arc, Mutex};
+    use vmm_sys_util::eventfd::EventFd;
     use vmm_sys_util::eventfd::EFD_NONBLOCK;
 
     #[derive(Clone, Default)]
@@ -173,7 +161,7 @@ mod tests {
         assert_eq!(state.scratch, 0x5a);
 
         let sink = Sink::default();
-        let mut back = SerialDevice::restore((irq, Box::new(sink.clone())), &state).unwrap();
+        let mut back = SerialDevice::restore((irq.into(), Box::new(sink.clone())), &state).unwrap();
         assert_eq!(back.save().unwrap(), state);
         let mut b = [0u8];
         back.read(7, &mut b);
@@ -190,6 +178,6 @@ mod tests {
             ..state
         };
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-        assert!(SerialDevice::restore((irq, Box::new(Sink::default())), &bad).is_err());
+        assert!(SerialDevice::restore((irq.into(), Box::new(Sink::default())), &bad).is_err());
     }
 }

@@ -25,7 +25,7 @@ use super::{
     Interrupt, QueuePosition, VirtQueue, VirtioDevice, VirtioDeviceState, VENDOR_ID,
     VIRTIO_F_VERSION_1,
 };
-use crate::{BusDevice, Error, Result};
+use crate::{BusDevice, Error, IrqLine, Result};
 
 /// Size of one virtio-mmio register window.
 pub const MMIO_SLOT_SIZE: u64 = 0x1000;
@@ -142,8 +142,12 @@ macro_rules! guest_warn {
 }
 
 impl MmioTransport {
-    /// Wraps `device`; `irq` is the eventfd the VMM registered as the slot's irqfd.
-    pub fn new(mem: GuestMemory, device: Box<dyn VirtioDevice>, irq: EventFd) -> Result<Self> {
+    /// Wraps `device`; `irq` is the line the VMM registered as the slot's irqfd.
+    pub fn new(
+        mem: GuestMemory,
+        device: Box<dyn VirtioDevice>,
+        irq: impl Into<IrqLine>,
+    ) -> Result<Self> {
         let max_sizes = device.queue_max_sizes().to_vec();
         for (i, &m) in max_sizes.iter().enumerate() {
             if Queue::new(m).is_err() {
@@ -571,8 +575,8 @@ pub struct MmioTransportArgs {
     pub mem: GuestMemory,
     /// The device, already restored from [`MmioTransportState::device`].
     pub device: Box<dyn VirtioDevice>,
-    /// The slot's interrupt eventfd (a KVM irqfd).
-    pub irq: EventFd,
+    /// The slot's interrupt line (a KVM irqfd).
+    pub irq: IrqLine,
 }
 
 impl MmioTransport {

@@ -84,7 +84,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::GuestMemory;
+use crate::{GuestMemory, IrqLine};
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
@@ -109,21 +109,21 @@ pub struct VirtQueue {
 /// device's worker and the transport, and the irqfd that raises the guest interrupt.
 pub struct Interrupt {
     status: AtomicU32,
-    irq: EventFd,
+    irq: IrqLine,
 }
 
 impl Interrupt {
-    /// `irq` is an eventfd the VMM registered as a KVM irqfd.
-    pub fn new(irq: EventFd) -> Self {
+    /// `irq`: the line the VMM registered as a KVM irqfd.
+    pub fn new(irq: impl Into<IrqLine>) -> Self {
         Self {
             status: AtomicU32::new(0),
-            irq,
+            irq: irq.into(),
         }
     }
 
     fn signal(&self, bits: u32) {
         self.status.fetch_or(bits, Ordering::SeqCst);
-        if let Err(e) = self.irq.write(1) {
+        if let Err(e) = self.irq.trigger() {
             tracing::error!("virtio: raising the interrupt failed: {e}");
         }
     }

@@ -143,7 +143,9 @@ pub(crate) fn restored_transport(
         MmioTransportArgs {
             mem: mem.clone(),
             device,
-            irq: vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+            irq: vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+                .unwrap()
+                .into(),
         },
         state,
     )

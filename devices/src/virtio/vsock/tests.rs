@@ -1333,7 +1333,7 @@ fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections()
             MmioTransportArgs {
                 mem: mem.clone(),
                 device: Box::new(dev),
-                irq,
+                irq: irq.into(),
             },
             st,
         )?;
