@@ -492,3 +492,29 @@ fn the_interrupts_of_a_vm_that_moved_reach_it() {
     let out = finish(&mut parent, "the moved parent");
     assert!(out.contains("step hlt ok"), "{out}");
 }
+
+/// A booted VM's spare shell has its memory mapped when it is given (its memfd, which the
+/// fork freezes as it is): what the guest writes after that and before the fork is in the
+/// parent that moved onto the shell and in every child.
+#[test]
+fn writes_after_the_spare_shell_was_given_are_in_the_fork() {
+    let steps = format!("mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum");
+    let mut parent = memory_parent(&steps);
+    prepare(&mut parent, Freeze::Moving);
+    // Only now does the guest fill its memory (seed 7).
+    mbox(&parent, 0, 7);
+    wait_for_output(&parent, "step memsum ok", 1);
+    let (children, report) = vmm::fork_with_report(&mut parent, 2, fork_opts()).unwrap();
+    check_freeze(&report, Freeze::Moving);
+    let mut vms: Vec<Vm> = std::iter::once(parent).chain(children).collect();
+    for vm in &vms {
+        mbox(vm, 1, 1);
+    }
+    let filled = expected_sum(7);
+    for (i, vm) in vms.iter_mut().enumerate() {
+        let out = finish(vm, &format!("VM {i}"));
+        let sums = memsums(&out);
+        let want = if i == 0 { 2 } else { 1 };
+        assert_eq!(sums, vec![filled.clone(); want], "VM {i}:\n{out}");
+    }
+}
