@@ -907,9 +907,11 @@ impl Vm {
     /// Gives this VM a pre-built shell of its shape ([`Vm::child_shell_spec`]) to move
     /// onto at its next freeze (a fork, a copy-on-write snapshot), so that the freeze does
     /// not pause the guest while KVM drops its mappings of the memory (see
-    /// [`crate::fork`]). The devices are wired to the shell here, outside any pause. A
-    /// freeze uses the shell up: give another one after it ([`Vm::has_spare_shell`]).
-    /// Refused for a shell of another shape, or one the devices cannot be wired to.
+    /// [`crate::fork`]). The devices are wired to the shell here, outside any pause, and
+    /// a booted VM's memory is mapped there (`SpareMemory::Mapped`). A freeze uses the
+    /// shell up: give another one after it ([`Vm::has_spare_shell`]). Refused for a shell
+    /// of another shape, or one the devices cannot be wired to or the memory not mapped
+    /// over.
     pub fn give_shell(&mut self, shell: Shell) -> Result<()> {
         let want = self.child_shell_spec();
         if *shell.spec() != want {
