@@ -764,7 +764,12 @@ impl Vm {
         } else {
             None
         };
-        let (image, changed) = match self.ram.image_now(dirty.as_deref()) {
+        let premapped = if forked { None } else { self.premapped_image() };
+        let now = match premapped {
+            Some(image) => Ok((image, true)),
+            None => self.ram.image_now(dirty.as_deref()),
+        };
+        let (image, changed) = match now {
             Ok(i) => i,
             Err(e) => {
                 if let Some(d) = dirty {
@@ -821,6 +826,16 @@ impl Vm {
         }
     }
 
+    /// The image a booted VM's spare shell has mapped ([`SpareMemory::Mapped`]): its
+    /// memfd, which is what its freeze takes as the image (the memory's backing changes
+    /// only at a freeze, which uses the shell up), so the freeze takes this one.
+    fn premapped_image(&self) -> Option<Arc<FrozenImage>> {
+        match &self.spare_shell.as_ref()?.memory {
+            SpareMemory::Mapped(_, image) => Some(Arc::clone(image)),
+            SpareMemory::Reserved(_) => None,
+        }
+    }
+
     /// Moves this paused VM onto `shell`, a new KVM VM whose memory is `image` mapped
     /// private at a new address: the vCPUs' state (`saved`) and the in-kernel irqchip,
     /// PIT and clock are set there, the devices' interrupt lines switch to the eventfds
@@ -851,7 +866,7 @@ impl Vm {
         } = shell;
         let ram = match memory {
             SpareMemory::Reserved(reservation) => GuestRam::forked(reservation, Arc::clone(image))?,
-            SpareMemory::Mapped(ram, mapped) if mapped.same_as(image) => ram,
+            SpareMemory::Mapped(ram, mapped) if Arc::ptr_eq(&mapped, image) => ram,
             SpareMemory::Mapped(..) => {
                 return Err(Error::Fork(
                     "the spare shell's memory was mapped from another image".into(),

@@ -414,23 +414,6 @@ impl FrozenImage {
         self.layers.len()
     }
 
-    /// Whether `other` is the same image: the same files (not copies: the same open
-    /// file descriptions' inodes), offsets and runs.
-    pub fn same_as(&self, other: &FrozenImage) -> bool {
-        fn inode(f: &File) -> Option<(u64, u64)> {
-            use std::os::unix::fs::MetadataExt;
-            f.metadata().ok().map(|m| (m.dev(), m.ino()))
-        }
-        self.mem_bytes == other.mem_bytes
-            && self.layers.len() == other.layers.len()
-            && self.layers.iter().zip(&other.layers).all(|(a, b)| {
-                a.file_offset == b.file_offset
-                    && a.runs == b.runs
-                    && inode(&a.file).is_some()
-                    && inode(&a.file) == inode(&b.file)
-            })
-    }
-
     /// Mappings a VM on this image has (one per run per layer).
     pub fn mappings(&self) -> usize {
         self.layers.iter().map(|l| l.runs.len()).sum()
