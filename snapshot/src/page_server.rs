@@ -410,7 +410,9 @@ impl PageServer {
             removed: PageBitmap::new(pages),
             recording: record_to.is_some(),
             shared: shared.clone(),
-            buf: vec![0u8; BATCH_PAGES as usize * PAGE_SIZE],
+            // Grown by `install` to the longest run it reads: a prefetch before the start
+            // reads short runs, and zeroing a whole batch's buffer here was ~18 us of it.
+            buf: Vec::new(),
             zeropage,
             prefetch: working_set,
             prefetch_pos: 0,

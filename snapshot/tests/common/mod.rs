@@ -137,8 +137,11 @@ impl Mapping {
         assert!((i + 1) * PAGE <= self.len);
         let mut out = vec![0u8; PAGE];
         // SAFETY: the page lies inside our mapping; the source is not referenced as a
-        // Rust object elsewhere (only through raw pointers).
+        // Rust object elsewhere (only through raw pointers). The volatile read touches the
+        // page even where the caller drops the copy (which an optimised build elides, and
+        // with it the fault a test counts on).
         unsafe {
+            std::ptr::read_volatile(self.ptr.add(i * PAGE));
             std::ptr::copy_nonoverlapping(self.ptr.add(i * PAGE), out.as_mut_ptr(), PAGE);
         }
         out

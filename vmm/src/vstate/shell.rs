@@ -5,11 +5,12 @@
 //! guest, so a restore takes a shell from a pool ([`super::pool::ShellPool`]) and only maps
 //! memory over the shell's reserved address space ([`Reservation`]) and sets state.
 //!
-//! Order inside a shell: VM, memory slots over reserved (`PROT_NONE`) address space, then
+//! Order inside a shell: VM, memory slots over reserved (untouched) address space, then
 //! irqchip and PIT, then vCPUs (KVM requires the irqchip before the vCPUs, and the slots
 //! are cheapest first, see [`kvm::create_irqchip`]). Mapping memory over the reservation
-//! later (`MAP_FIXED`) needs no KVM call at all: KVM resolves guest pages through the
-//! process's page tables when the guest first touches them.
+//! later (`MAP_FIXED`) needs no KVM call: KVM resolves guest pages through the process's
+//! page tables when the guest first touches them (the kernel still tells KVM of the new
+//! mapping, which walks the slot: see [`Reservation`]).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
