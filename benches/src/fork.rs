@@ -138,9 +138,13 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         before.push(t.elapsed());
     }
     let before = before.summary("parent_ping_before");
-    // Shells are built ahead (a pool's job, not measured): the children's, and the one the
-    // parent moves onto at the fork.
-    let pre = shells(machine, n)?;
+    // Shells are built ahead (a pool's job, not measured): the children's, with the
+    // parent's memory mapped into them where that can be done before the fork (a booted
+    // VM's: `Vm::map_into_shell`), and the one the parent moves onto at the fork.
+    let pre = shells(machine, n)?
+        .into_iter()
+        .map(|s| parent.map_into_shell(s))
+        .collect::<vmm::Result<Vec<_>>>()?;
     parent.give_shell(Shell::create(&parent.child_shell_spec())?)?;
     let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
     let t0 = Instant::now();

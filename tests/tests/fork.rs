@@ -498,13 +498,44 @@ fn the_interrupts_of_a_vm_that_moved_reach_it() {
 /// parent that moved onto the shell and in every child.
 #[test]
 fn writes_after_the_spare_shell_was_given_are_in_the_fork() {
+    writes_after_shells_were_mapped(false);
+}
+
+/// Shells a booted VM mapped its memory into ahead of the fork (`Vm::map_into_shell`: its
+/// memfd, which the fork freezes as it is): the children built on them see what the guest
+/// wrote after that and before the fork, like the parent that moved.
+#[test]
+fn children_on_shells_mapped_ahead_see_the_writes_made_before_the_fork() {
+    writes_after_shells_were_mapped(true);
+}
+
+/// The parent gets a spare shell (and, with `children_mapped`, two shells for its children
+/// with its memory mapped ahead), then fills its memory and forks into two children; the
+/// parent and both children must see that memory.
+fn writes_after_shells_were_mapped(children_mapped: bool) {
     let steps = format!("mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memsum");
     let mut parent = memory_parent(&steps);
     prepare(&mut parent, Freeze::Moving);
+    let spec = parent.child_shell_spec();
+    let shells: Vec<Shell> = if children_mapped {
+        (0..2)
+            .map(|_| {
+                parent
+                    .map_into_shell(Shell::create(&spec).unwrap())
+                    .unwrap()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     // Only now does the guest fill its memory (seed 7).
     mbox(&parent, 0, 7);
     wait_for_output(&parent, "step memsum ok", 1);
-    let (children, report) = vmm::fork_with_report(&mut parent, 2, fork_opts()).unwrap();
+    let opts = ForkOptions {
+        shells,
+        ..fork_opts()
+    };
+    let (children, report) = vmm::fork_with_report(&mut parent, 2, opts).unwrap();
     check_freeze(&report, Freeze::Moving);
     let mut vms: Vec<Vm> = std::iter::once(parent).chain(children).collect();
     for vm in &vms {
@@ -513,8 +544,50 @@ fn writes_after_the_spare_shell_was_given_are_in_the_fork() {
     let filled = expected_sum(7);
     for (i, vm) in vms.iter_mut().enumerate() {
         let out = finish(vm, &format!("VM {i}"));
-        let sums = memsums(&out);
         let want = if i == 0 { 2 } else { 1 };
-        assert_eq!(sums, vec![filled.clone(); want], "VM {i}:\n{out}");
+        assert_eq!(
+            memsums(&out),
+            vec![filled.clone(); want],
+            "VM {i}:
+{out}"
+        );
     }
+}
+
+/// A shell mapped ahead for one fork and given to a child of a later one, whose frozen
+/// image is another (the parent wrote in between): the child gets the later fork's memory.
+#[test]
+fn a_shell_mapped_ahead_for_an_earlier_fork_gets_the_later_forks_memory() {
+    let steps =
+        format!("mbox:0,memfill:mbox:{MIB},memsum,mbox:1,memfill:mbox:{MIB},memsum,mbox:2,memsum");
+    let mut parent = memory_parent(&steps);
+    let stale = parent
+        .map_into_shell(Shell::create(&parent.child_shell_spec()).unwrap())
+        .unwrap();
+    mbox(&parent, 0, 7);
+    wait_for_output(&parent, "step memsum ok", 1);
+    let mut first = vmm::fork(&mut parent, 1, fork_opts()).unwrap();
+    // The parent fills its memory again (seed 9) and forks again, with the old shell.
+    mbox(&parent, 1, 9);
+    wait_for_output(&parent, "step memsum ok", 2);
+    let opts = ForkOptions {
+        shells: vec![stale],
+        ..fork_opts()
+    };
+    let mut second = vmm::fork(&mut parent, 1, opts).unwrap();
+    // The first child fills with seed 5; the second only sums what it was forked with.
+    mbox(&first[0], 1, 5);
+    for vm in [&parent, &first[0], &second[0]] {
+        mbox(vm, 2, 1);
+    }
+    let parent_out = finish(&mut parent, "parent");
+    assert_eq!(
+        memsums(&parent_out),
+        vec![expected_sum(7), expected_sum(9), expected_sum(9)],
+        "{parent_out}"
+    );
+    let out = finish(&mut first[0], "first child");
+    assert_eq!(memsums(&out), vec![expected_sum(5); 2], "{out}");
+    let out = finish(&mut second[0], "second child");
+    assert_eq!(memsums(&out), vec![expected_sum(9)], "{out}");
 }

@@ -26,8 +26,8 @@ use crate::exit::exit_notifier;
 use crate::saved::{Lineage, SavedMachine, Steps};
 use crate::seccomp::ThreadKind;
 use crate::vm::{Vm, VmParts};
-use crate::vstate::memory::{self, GuestRam, Reservation};
-use crate::vstate::shell::{Shell, ShellSpec};
+use crate::vstate::memory::{self, GuestRam};
+use crate::vstate::shell::{Shell, ShellMemory, ShellSpec};
 use crate::vstate::spare::{self, SpareThread};
 use crate::vstate::state as kvm_state;
 use crate::vstate::{kvm, vcpu};
@@ -80,7 +80,7 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
     let Shell {
         vcpus: vcpu_fds,
         vm_fd,
-        reservation,
+        memory,
         kvm,
         cpuids,
         spares,
@@ -93,7 +93,7 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
         // fault per page per snapshot interval).
         dirty_log: true,
     })?;
-    let ram = GuestRam::memfd(reservation)?;
+    let ram = GuestRam::memfd(memory.into_reservation()?)?;
 
     // On this project's PVM hypervisor, guests run natively only once each vCPU has a
     // virtual-interrupt-flag cell; elsewhere the probe finds no such MSR.
@@ -240,10 +240,10 @@ pub(crate) struct Identity {
     pub(crate) lineage: Option<Lineage>,
 }
 
-/// The parts of a shell memory goes into: the reserved address space, the threads kept for
-/// a page server, the shell's userfaultfd.
+/// The parts of a shell memory goes into: its address range (reserved, or with a fork's
+/// image mapped ahead), the threads kept for a page server, the shell's userfaultfd.
 pub(crate) struct MemorySlot<'a> {
-    pub(crate) reservation: Reservation,
+    pub(crate) memory: ShellMemory,
     pub(crate) spares: &'a mut Vec<SpareThread>,
     pub(crate) uffd: Option<PreparedUffd>,
 }
@@ -300,7 +300,7 @@ pub(crate) fn from_saved(
     let Shell {
         vcpus: vcpu_fds,
         vm_fd,
-        reservation,
+        memory: shell_memory,
         kvm: kvm_sys,
         cpuids,
         mut spares,
@@ -308,7 +308,7 @@ pub(crate) fn from_saved(
         ..
     } = shell;
     let (ram, page_server) = memory(MemorySlot {
-        reservation,
+        memory: shell_memory,
         spares: &mut spares,
         uffd,
     })?;

@@ -73,7 +73,7 @@ use crate::config::{NetConfig, SerialOutput, VsockConfig};
 use crate::error::{Error, Result};
 use crate::saved::{SavedMachine, Steps};
 use crate::vm::{FreezePlan, Vm};
-use crate::vstate::memory::{FrozenImage, GuestRam};
+use crate::vstate::memory::FrozenImage;
 use crate::vstate::shell::Shell;
 
 /// Options of [`fork`].
@@ -450,8 +450,7 @@ impl Frozen {
             lineage: None,
         };
         let image = Arc::clone(&self.image);
-        let memory =
-            move |slot: MemorySlot<'_>| Ok((GuestRam::forked(slot.reservation, image)?, None));
+        let memory = move |slot: MemorySlot<'_>| Ok((slot.memory.forked(&image)?, None));
         let mut steps = Steps::new();
         let mut vm = builder::from_saved(saved, spec.shell, memory, identity, &mut steps)?.vm;
         let agent_sync = spec.agent_sync.map(|t| (t, Some(spec.hostname_suffix)));

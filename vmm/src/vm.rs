@@ -26,7 +26,7 @@ use crate::saved::{
 use crate::seccomp::ThreadKind;
 use crate::vstate::kvm;
 use crate::vstate::memory::{Backing, FrozenImage, GuestMemory, GuestRam, MAX_FROZEN_LAYERS};
-use crate::vstate::shell::Shell;
+use crate::vstate::shell::{Shell, ShellMemory};
 use crate::vstate::spare::SpareThread;
 use crate::vstate::state::{self as kvm_state, Capabilities};
 use crate::vstate::vcpu::VcpuHandle;
@@ -93,6 +93,8 @@ pub struct Vm {
     /// A pre-built shell of this VM's shape that its next freeze moves it onto, made
     /// ready when it was given ([`Vm::give_shell`]).
     spare_shell: Option<SpareShell>,
+    /// See [`Vm::image_ahead`].
+    ahead_image: Option<Arc<FrozenImage>>,
     /// The KVM VM and memory mapping the last freeze moved away from, still to be torn
     /// down ([`Vm::unmap_retired_memory`]).
     retired_vm: Option<RetiredVm>,
@@ -104,23 +106,11 @@ struct SpareShell {
     // Field order is drop order: vCPUs, then the VM, then the address space.
     vcpus: Vec<VcpuFd>,
     vm_fd: VmFd,
-    memory: SpareMemory,
+    memory: ShellMemory,
     cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
     spares: Vec<SpareThread>,
     /// The devices wired to `vm_fd`.
     prewired: Prewired,
-}
-
-/// The memory side of a [`SpareShell`].
-enum SpareMemory {
-    /// Address space reserved: the freeze maps the image it makes over it.
-    Reserved(crate::vstate::memory::Reservation),
-    /// The image the freeze will make, already mapped private over the reservation: a
-    /// booted VM's memfd, which its first freeze takes as the image as it is. Nothing
-    /// touches this mapping before the move, so it shows the memfd as it is at the
-    /// freeze, and mapping it (with KVM walking the shell's memory slot to drop mappings
-    /// it has none of: ~85 us per GiB here) leaves the pause.
-    Mapped(GuestRam, Arc<FrozenImage>),
 }
 
 /// What a VM leaves behind when it moves onto a shell ([`Vm::move_onto`]): its former
@@ -289,6 +279,7 @@ impl Vm {
             agent_sync: None,
             fork_carry: Vec::new(),
             spare_shell: None,
+            ahead_image: None,
             retired_vm: None,
         }
     }
@@ -764,7 +755,11 @@ impl Vm {
         } else {
             None
         };
-        let premapped = if forked { None } else { self.premapped_image() };
+        let premapped = if forked {
+            None
+        } else {
+            self.ahead_image.take()
+        };
         let now = match premapped {
             Some(image) => Ok((image, true)),
             None => self.ram.image_now(dirty.as_deref()),
@@ -826,14 +821,53 @@ impl Vm {
         }
     }
 
-    /// The image a booted VM's spare shell has mapped ([`SpareMemory::Mapped`]): its
-    /// memfd, which is what its freeze takes as the image (the memory's backing changes
-    /// only at a freeze, which uses the shell up), so the freeze takes this one.
-    fn premapped_image(&self) -> Option<Arc<FrozenImage>> {
-        match &self.spare_shell.as_ref()?.memory {
-            SpareMemory::Mapped(_, image) => Some(Arc::clone(image)),
-            SpareMemory::Reserved(_) => None,
+    /// The image a booted VM's next freeze takes, its memfd as it is: made once, when
+    /// memory is first mapped ahead for it ([`Vm::map_ahead`]), so that every mapping
+    /// made ahead (its spare shell's, children's shells') is of this very image, which
+    /// the freeze then takes. `None` for memory of another kind.
+    fn image_ahead(&mut self) -> Result<Option<Arc<FrozenImage>>> {
+        if !matches!(self.ram.backing(), Backing::Memfd(_)) {
+            return Ok(None);
         }
+        if self.ahead_image.is_none() {
+            self.ahead_image = Some(self.ram.image_now(None)?.0);
+        }
+        Ok(self.ahead_image.clone())
+    }
+
+    /// `memory` with this VM's next frozen image mapped over it where that image is known
+    /// before the freeze (a booted VM's memfd; [`ShellMemory::Mapped`]); as it is for any
+    /// other VM, whose image the freeze makes.
+    fn map_ahead(&mut self, memory: ShellMemory) -> Result<ShellMemory> {
+        let Some(image) = self.image_ahead()? else {
+            return Ok(memory);
+        };
+        if memory
+            .mapped_image()
+            .is_some_and(|m| Arc::ptr_eq(m, &image))
+        {
+            return Ok(memory);
+        }
+        let ram = GuestRam::forked(memory.into_reservation()?, Arc::clone(&image))?;
+        Ok(ShellMemory::Mapped(ram, image))
+    }
+
+    /// Makes `shell` (of this VM's shape, [`Vm::child_shell_spec`]) ready for a child of
+    /// this VM's next fork: a booted VM's memory is mapped into it now, off the fork's
+    /// path (~85 us per GiB of KVM walking the shell's memory slot, plus the mapping, that
+    /// the child's build then skips); for any other VM it is returned as it is. A shell
+    /// that a later fork's child gets, whose image is no longer the one mapped, has it
+    /// replaced then.
+    pub fn map_into_shell(&mut self, mut shell: Shell) -> Result<Shell> {
+        let want = self.child_shell_spec();
+        if *shell.spec() != want {
+            return Err(Error::Config(format!(
+                "a shell for {:?}, but a child of this VM needs {want:?}",
+                shell.spec()
+            )));
+        }
+        shell.memory = self.map_ahead(shell.memory)?;
+        Ok(shell)
     }
 
     /// Moves this paused VM onto `shell`, a new KVM VM whose memory is `image` mapped
@@ -864,15 +898,7 @@ impl Vm {
             spares,
             prewired,
         } = shell;
-        let ram = match memory {
-            SpareMemory::Reserved(reservation) => GuestRam::forked(reservation, Arc::clone(image))?,
-            SpareMemory::Mapped(ram, mapped) if Arc::ptr_eq(&mapped, image) => ram,
-            SpareMemory::Mapped(..) => {
-                return Err(Error::Fork(
-                    "the spare shell's memory was mapped from another image".into(),
-                ))
-            }
-        };
+        let ram = memory.forked(image)?;
         ram.clear_vmm_dirty();
         steps.done("map_memory");
         kvm_state::restore_vm(&vm_fd, &saved.vm)?;
@@ -923,7 +949,7 @@ impl Vm {
     /// onto at its next freeze (a fork, a copy-on-write snapshot), so that the freeze does
     /// not pause the guest while KVM drops its mappings of the memory (see
     /// [`crate::fork`]). The devices are wired to the shell here, outside any pause, and
-    /// a booted VM's memory is mapped there (`SpareMemory::Mapped`). A freeze uses the
+    /// a booted VM's memory is mapped there (`Vm::map_ahead`). A freeze uses the
     /// shell up: give another one after it ([`Vm::has_spare_shell`]). Refused for a shell
     /// of another shape, or one the devices cannot be wired to or the memory not mapped
     /// over.
@@ -938,19 +964,13 @@ impl Vm {
         let Shell {
             vcpus,
             vm_fd,
-            reservation,
+            memory,
             cpuids,
             spares,
             ..
         } = shell;
         let prewired = self.devices.prewire(&vm_fd)?;
-        let memory = match self.ram.backing() {
-            Backing::Memfd(_) => {
-                let (image, _) = self.ram.image_now(None)?;
-                SpareMemory::Mapped(GuestRam::forked(reservation, Arc::clone(&image))?, image)
-            }
-            _ => SpareMemory::Reserved(reservation),
-        };
+        let memory = self.map_ahead(memory)?;
         self.spare_shell = Some(SpareShell {
             vcpus,
             vm_fd,

@@ -370,7 +370,7 @@ impl PreparedSnapshot {
         let memory = |slot: MemorySlot<'_>| -> Result<(GuestRam, Option<PageServer>)> {
             match backend {
                 MemoryBackend::Copy => {
-                    let ram = GuestRam::memfd(slot.reservation)?;
+                    let ram = GuestRam::memfd(slot.memory.into_reservation()?)?;
                     // SAFETY: nothing runs yet: no vCPU, no device; this is the only slice.
                     let image = unsafe { ram.image_mut() };
                     bytes_read = self
@@ -382,7 +382,7 @@ impl PreparedSnapshot {
                 MemoryBackend::File => {
                     let base = &self.chain.layers()[0];
                     let ram = GuestRam::file_private(
-                        slot.reservation,
+                        slot.memory.into_reservation()?,
                         base.file(),
                         base.header().data_offset,
                     )?;
@@ -395,7 +395,7 @@ impl PreparedSnapshot {
                     Ok((ram, None))
                 }
                 MemoryBackend::Uffd => {
-                    let ram = GuestRam::anonymous(slot.reservation)?;
+                    let ram = GuestRam::anonymous(slot.memory.into_reservation()?)?;
                     let ws = options.working_set.then(|| dir.join(WORKING_SET_FILE));
                     let loaded = ws.as_deref().and_then(|p| self.cached_working_set(p));
                     let ps = PageServer::start_with(

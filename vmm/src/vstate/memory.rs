@@ -711,6 +711,34 @@ impl GuestRam {
         })
     }
 
+    /// Gives the address range back as a [`Reservation`], with fresh, untouched private
+    /// anonymous memory mapped over it (what was mapped there is dropped). For memory
+    /// mapped into a shell ahead of a fork that no longer needs it. On error the range is
+    /// unmapped, as when dropped.
+    pub(crate) fn into_reservation(mut self) -> Result<Reservation> {
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: the range is this memory's own mapping, and it is consumed here: its guest
+        // memory regions go with it and nothing else refers into the range.
+        unsafe {
+            mmap(
+                self.base,
+                self.len,
+                PROT_RW,
+                flags | libc::MAP_FIXED,
+                -1,
+                0,
+                "replacing guest memory with reserved address space",
+            )
+        }?;
+        let reservation = Reservation {
+            base: self.base,
+            len: self.len,
+            ranges: std::mem::take(&mut self.ranges),
+        };
+        self.len = 0;
+        Ok(reservation)
+    }
+
     /// Freezing, first half: the frozen image of this memory as it is now, made without
     /// touching its mapping, and whether it differs from the image the memory runs on
     /// (false: nothing was written since the last freeze, the memory already is that
@@ -971,7 +999,10 @@ impl GuestRam {
 
 impl Drop for GuestRam {
     fn drop(&mut self) {
-        munmap(self.base, self.len);
+        // Zero once `into_reservation` handed the range on.
+        if self.len > 0 {
+            munmap(self.base, self.len);
+        }
     }
 }
 
