@@ -220,6 +220,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         start: true,
         vcpu_cpus: Vec::new(),
         net: nets.as_ref().map(|b| b.config(n + 1)),
+        vsock_bound_ahead: None,
     })?;
     ping_once(&bsock)?;
     let baseline = base_pause + tb.elapsed();

@@ -280,8 +280,21 @@ fn children_started_ahead_take_the_fork_are_replaced_and_end_with_the_parent() {
     assert_eq!(again.len(), 2, "{again:?}");
     assert!(again.iter().all(|p| !waiting.contains(p)), "new processes");
 
-    // The parent killed outright: the waiting processes see their socket close and end;
-    // the children run on.
+    // Each waiting process has its files made ahead (log, serial console, API and vsock
+    // sockets); the ones the fork used were moved to the children's names.
+    let t = Instant::now();
+    while made_ahead(&d.0).len() < 8 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "files made ahead: {:?}",
+            made_ahead(&d.0)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(made_ahead(&d.0).len(), 8, "{:?}", made_ahead(&d.0));
+
+    // The parent killed outright: the waiting processes see their socket close and end,
+    // removing what was made ahead for them; the children run on.
     parent.0.kill().unwrap();
     parent.0.wait().unwrap();
     let t = Instant::now();
@@ -292,9 +305,21 @@ fn children_started_ahead_take_the_fork_are_replaced_and_end_with_the_parent() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+    assert_eq!(made_ahead(&d.0), Vec::<String>::new());
     for k in &kids {
         ping(Path::new(k["vsock"].as_str().unwrap()));
     }
+}
+
+/// The files made ahead for waiting fork children in `dir` (hidden, `-ahead-` in the name).
+fn made_ahead(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.') && n.contains("-ahead-"))
+        .collect();
+    v.sort();
+    v
 }
 
 #[test]

@@ -185,6 +185,10 @@ pub struct ChildSpec {
     pub vcpu_cpus: Vec<usize>,
     /// Its TAP (needed when the parent has a network device).
     pub net: Option<NetConfig>,
+    /// A listening socket bound ahead on the same filesystem, moved to `vsock_path`
+    /// instead of binding one there (its listener and socket file; a child
+    /// process waiting for its fork binds one).
+    pub vsock_bound_ahead: Option<crate::device_manager::BoundAhead>,
 }
 
 /// In the error of a fork refused because the VM's memory cannot be frozen now (a caller
@@ -304,6 +308,7 @@ pub fn fork_with_report(
             start: options.start,
             vcpu_cpus: options.vcpu_cpus.clone(),
             net: options.nets.get(i).cloned(),
+            vsock_bound_ahead: None,
         };
         let child = frozen.child(spec).map_err(|e| {
             tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
@@ -454,7 +459,7 @@ impl Frozen {
         let mut steps = Steps::new();
         let mut vm = builder::from_saved(saved, spec.shell, memory, identity, &mut steps)?.vm;
         let agent_sync = spec.agent_sync.map(|t| (t, Some(spec.hostname_suffix)));
-        vm.finish_from_saved(spec.start, agent_sync, None, &mut steps)?;
+        vm.finish_from_saved(spec.start, agent_sync, spec.vsock_bound_ahead, &mut steps)?;
         tracing::debug!("fork child built in {:?}: {:?}", t0.elapsed(), steps.steps);
         Ok(vm)
     }

@@ -412,6 +412,33 @@ impl ApiListener {
         &self.bound.path
     }
 
+    /// Moves the socket file to `to` (a rename on the same filesystem: the socket keeps
+    /// listening, reached at `to`), which must not exist. For a socket bound ahead of
+    /// knowing its path (a fork child waiting for its fork): binding allocates an inode,
+    /// a rename does not. On error the socket stays where it was.
+    pub fn move_to(&mut self, to: &Path) -> Result<()> {
+        use nix::fcntl::{renameat2, RenameFlags};
+        if to.as_os_str().len() >= MAX_SOCKET_PATH {
+            return Err(Error::Config(format!(
+                "API socket {}: longer than a Unix socket path may be",
+                to.display()
+            )));
+        }
+        renameat2(
+            None,
+            &self.bound.path,
+            None,
+            to,
+            RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(|e| Error::Io {
+            context: "moving the API socket into place",
+            source: e.into(),
+        })?;
+        self.bound.path = to.to_path_buf();
+        Ok(())
+    }
+
     /// The next request, if a connection with one arrives within `timeout`, served on
     /// this thread: accepted, its request line read (within [`DIRECT_READ_TIMEOUT`]) and
     /// parsed here, and [`PendingRequest::respond`] writes the answer on the connection

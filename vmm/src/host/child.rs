@@ -44,7 +44,7 @@ pub fn serve_fork_child(options: &OwnerOptions, api_sock: Option<&Path>) -> Resu
             ));
         }
         let files = inherited_layers(&launch.fds)?;
-        build_child(launch, handoff, files, None)
+        build_child(launch, handoff, files, None, SocketsAhead::default())
     });
     run_child(options, built)
 }
@@ -59,23 +59,30 @@ pub fn serve_prestarted_fork_child(options: &OwnerOptions) -> Result<Option<Owne
         .try_clone_to_owned()
         .map(UnixStream::from)
         .map_err(Error::io("the socket to the parent"))?;
-    let shell = match read_shape(&sock) {
+    let shape = match read_shape(&sock) {
         Ok(None) => return Ok(None),
-        Ok(Some(spec)) => match Shell::create(&spec) {
-            Ok(shell) => Some(shell),
-            // The child then builds one when the fork comes (and says so in its log).
-            Err(e) => {
-                tracing::warn!("waiting fork child: no shell built ahead: {e}");
-                None
-            }
-        },
+        Ok(Some(shape)) => shape,
         Err(e) => return Err(e),
     };
+    let shell = match Shell::create(&shape.spec()) {
+        Ok(shell) => Some(shell),
+        // The child then builds one when the fork comes (and says so in its log).
+        Err(e) => {
+            tracing::warn!("waiting fork child: no shell built ahead: {e}");
+            None
+        }
+    };
+    let ahead = SocketsAhead::bind(&shape);
     // Ready for a fork (the parent counts this one as waiting from now on).
     if (&sock).write_all(b"w").is_err() {
         return Ok(None);
     }
     let Some(Handed { len, log, layers }) = wait_for_fork(&sock)? else {
+        // The parent went away: what it made ahead for this process goes too (the sockets
+        // bound ahead are removed with `ahead`).
+        for p in &shape.files_ahead {
+            let _ = std::fs::remove_file(p);
+        }
         return Ok(None);
     };
     // From here on this process is the child: it logs where the parent said.
@@ -89,7 +96,7 @@ pub fn serve_prestarted_fork_child(options: &OwnerOptions) -> Result<Option<Owne
             return Err(bad("the memory layers sent are not the launch record's"));
         }
         tracing::debug!("hand-over read in {:?}", t0.elapsed());
-        build_child(launch, handoff, layers, shell)
+        build_child(launch, handoff, layers, shell, ahead)
     });
     tracing::debug!("hand-over to a built child: {:?}", t0.elapsed());
     run_child(options, built).map(Some)
@@ -160,7 +167,7 @@ fn parse_launch(input: &[u8]) -> Result<(ChildLaunch, &[u8])> {
 }
 
 /// The shell a waiting child is told to build (`None`: the parent went away first).
-fn read_shape(mut sock: &UnixStream) -> Result<Option<crate::vstate::shell::ShellSpec>> {
+fn read_shape(mut sock: &UnixStream) -> Result<Option<PrestartShape>> {
     let mut len = [0u8; 4];
     match sock.read_exact(&mut len) {
         Ok(()) => {}
@@ -168,7 +175,8 @@ fn read_shape(mut sock: &UnixStream) -> Result<Option<crate::vstate::shell::Shel
         Err(e) => return Err(Error::io("reading the shell's shape")(e)),
     }
     let len = u32::from_le_bytes(len) as usize;
-    if len > 4096 {
+    // Paths in it: as long as a launch record may be.
+    if len > MAX_LAUNCH_RECORD {
         return Err(bad("shell shape length"));
     }
     let mut record = vec![0u8; len];
@@ -176,7 +184,45 @@ fn read_shape(mut sock: &UnixStream) -> Result<Option<crate::vstate::shell::Shel
         .map_err(Error::io("reading the shell's shape"))?;
     let shape: PrestartShape =
         postcard::from_bytes(&record).map_err(|e| bad(&format!("shell shape: {e}")))?;
-    Ok(Some(shape.spec()))
+    Ok(Some(shape))
+}
+
+/// A waiting child's API and vsock sockets, bound ahead where its starter said
+/// ([`PrestartShape`]) and moved to the child's paths at the fork: a socket bound there
+/// would allocate an inode on the fork's path (see [`super::prestarted::AheadFiles`]).
+/// Best effort: what cannot be bound, or moved, is bound at the fork as before.
+#[derive(Default)]
+struct SocketsAhead {
+    api: Option<crate::api::ApiListener>,
+    vsock: Option<crate::device_manager::BoundAhead>,
+}
+
+impl SocketsAhead {
+    fn bind(shape: &PrestartShape) -> SocketsAhead {
+        let api = shape.api_ahead.as_deref().and_then(|p| {
+            crate::api::ApiListener::bind(p)
+                .map_err(|e| tracing::debug!("no API socket bound ahead: {e}"))
+                .ok()
+        });
+        let vsock = shape.vsock_ahead.as_deref().and_then(|p| {
+            devices::virtio::vsock::SocketFile::bind(p)
+                .map_err(|e| tracing::debug!("no vsock socket bound ahead: {e}"))
+                .ok()
+        });
+        SocketsAhead { api, vsock }
+    }
+
+    /// The child's API server at `path`: the socket bound ahead, moved there, or one
+    /// bound there now.
+    fn api_server(&mut self, path: &Path) -> Result<ApiServer> {
+        if let Some(mut l) = self.api.take() {
+            match l.move_to(path) {
+                Ok(()) => return l.serve(),
+                Err(e) => tracing::debug!("the API socket bound ahead not used: {e}"),
+            }
+        }
+        ApiServer::bind(path)
+    }
 }
 
 /// Waits for a fork: the descriptors (the log, then the memory layers) that come with the
@@ -260,9 +306,10 @@ fn build_child(
     handoff: &[u8],
     layers: Vec<File>,
     shell: Option<Shell>,
+    mut ahead: SocketsAhead,
 ) -> Result<(Vm, ApiServer, (Option<PathBuf>, bool))> {
     let frozen = Frozen::from_handoff(handoff, layers)?;
-    let api = ApiServer::bind(&launch.api_sock)?;
+    let api = ahead.api_server(&launch.api_sock)?;
     let spec = ChildSpec {
         disk_path: launch.disk,
         vsock_path: launch.vsock,
@@ -278,6 +325,7 @@ fn build_child(
             .as_deref()
             .map(crate::config::NetConfig::parse)
             .transpose()?,
+        vsock_bound_ahead: ahead.vsock.take(),
     };
     let vm = frozen.child(spec)?;
     Ok((vm, api, (launch.files_root, launch.seccomp)))

@@ -15,7 +15,6 @@
 //! stdin of a child: a little-endian `u32` length, the launch record ([`ChildLaunch`],
 //! postcard) of that length, then the hand-over bytes to the end.
 
-use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -28,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::options::{ChildLauncher, OwnerOptions};
-use super::prestarted::{Prestarted, PrestartedChildren};
+use super::prestarted::{new_private_file, Prestarted, PrestartedChildren};
 use crate::config::NetConfig;
 use crate::error::{Error, Result};
 use crate::fork::{
@@ -279,17 +278,6 @@ pub fn fork_processes(
     })
 }
 
-/// Creates `path` for writing: it must not exist (not even as a symlink), mode 0600.
-fn new_private_file(path: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-}
-
 /// Where a child's files go and what it keeps of the parent's settings.
 struct ChildPlan<'a> {
     dir: &'a Path,
@@ -370,7 +358,7 @@ fn launch_child(
     fds: &[RawFd],
     plan: &ChildPlan<'_>,
     launcher: &dyn ChildLauncher,
-    waiting: Option<Prestarted>,
+    mut waiting: Option<Prestarted>,
 ) -> Result<Launched> {
     let (dir, api_sock) = (plan.dir, plan.api_sock);
     let seq = next_fork_seq();
@@ -387,15 +375,27 @@ fn launch_child(
         }
     }
     // The child's own files are new, private, and never reached through a symlink someone
-    // planted at their predictable names.
-    let created = |p: &Path| {
-        new_private_file(p).map_err(|e| Error::Fork(format!("creating {}: {e}", p.display())))
+    // planted at their predictable names: made ahead by a waiting child's starter and
+    // renamed here without replacing anything, or made here.
+    let ahead = waiting
+        .as_mut()
+        .and_then(Prestarted::take_files)
+        .and_then(|f| f.place(&log, &serial));
+    let log_file = match ahead {
+        Some(f) => f,
+        None => {
+            let created = |p: &Path| {
+                new_private_file(p)
+                    .map_err(|e| Error::Fork(format!("creating {}: {e}", p.display())))
+            };
+            let log_file = created(&log)?;
+            if let Err(e) = created(&serial) {
+                let _ = std::fs::remove_file(&log);
+                return Err(e);
+            }
+            log_file
+        }
     };
-    let log_file = created(&log)?;
-    if let Err(e) = created(&serial) {
-        let _ = std::fs::remove_file(&log);
-        return Err(e);
-    }
     let disk = match &frozen.saved().disk {
         Some(d) if !d.read_only => {
             let p = file("cdsk");

@@ -29,6 +29,7 @@
 //! Written here (no crate hands a process its work over a socket this way); the
 //! descriptor passing itself is `nix`'s `sendmsg`/`recvmsg`.
 
+use std::fs::File;
 use std::io::{IoSlice, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -62,12 +63,20 @@ pub(super) struct PrestartShape {
     pub(super) mem_bytes: u64,
     pub(super) vcpus: u32,
     pub(super) dirty_log: bool,
+    /// Where the process binds its API socket ahead (moved to the child's API socket at
+    /// the fork: see [`AheadFiles`] for why), if anywhere.
+    pub(super) api_ahead: Option<PathBuf>,
+    /// The same for its vsock socket (when the VM has a vsock device).
+    pub(super) vsock_ahead: Option<PathBuf>,
+    /// Its log and serial files made ahead by the parent: the process removes them if it
+    /// ends because the parent went away (a parent that ends it removes them itself).
+    pub(super) files_ahead: Vec<PathBuf>,
 }
 
 impl PrestartShape {
-    pub(super) fn spec(self) -> ShellSpec {
+    pub(super) fn spec(&self) -> ShellSpec {
         ShellSpec {
-            kvm_device: self.kvm_device,
+            kvm_device: self.kvm_device.clone(),
             mem_bytes: self.mem_bytes,
             vcpus: self.vcpus,
             dirty_log: self.dirty_log,
@@ -92,6 +101,103 @@ pub(super) struct Prestarted {
     pub(super) stdout: ChildStdout,
     /// It said its shell is built.
     ready: bool,
+    /// Its log and serial console files, made when it was started.
+    files: Option<AheadFiles>,
+    /// Where it binds its sockets ahead ([`PrestartShape`]): removed if it ends unused.
+    sockets_ahead: Vec<PathBuf>,
+}
+
+/// A waiting child's log and serial console files, made (new and private, under names
+/// nobody can guess) when the process is started, next to the parent's API socket where
+/// a fork's children's files go by default; the fork renames them to the child's names
+/// ([`AheadFiles::place`]). Creating a file allocates an inode, which on a filesystem
+/// where many files were just deleted (ext4 skipping recently deleted inodes) was
+/// measured here at 0.4-0.6 ms each, two per child in the fork's loop; a rename allocates
+/// none. Removed when dropped unless placed.
+pub(super) struct AheadFiles {
+    log: PathBuf,
+    log_file: File,
+    serial: PathBuf,
+}
+
+/// Creates `path` for writing: it must not exist (not even as a symlink), mode 0600.
+pub(super) fn new_private_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// The name of a waiting child's file made ahead next to `api_sock` (the parent's API
+/// socket): `.<stem>-ahead-<tag>.<ext>`.
+fn ahead_path(api_sock: &Path, tag: &str, ext: &str) -> PathBuf {
+    let stem = api_sock
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    api_sock.with_file_name(format!(".{stem}-ahead-{tag}.{ext}"))
+}
+
+impl AheadFiles {
+    /// Makes the two next to `api_sock`, named with `tag`; `None` (logged) if they cannot
+    /// be made.
+    fn make(api_sock: &Path, tag: &str) -> Option<AheadFiles> {
+        let (log, serial) = (
+            ahead_path(api_sock, tag, "log"),
+            ahead_path(api_sock, tag, "serial"),
+        );
+        let log_file = match new_private_file(&log) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!("no fork child files made ahead ({}: {e})", log.display());
+                return None;
+            }
+        };
+        if let Err(e) = new_private_file(&serial) {
+            tracing::debug!("no fork child files made ahead ({}: {e})", serial.display());
+            let _ = std::fs::remove_file(&log);
+            return None;
+        }
+        Some(AheadFiles {
+            log,
+            log_file,
+            serial,
+        })
+    }
+
+    /// Renames them to `log` and `serial`, neither of which may exist (as if made there):
+    /// the log's open file, or `None` when they could not be placed (nothing of theirs is
+    /// left at `log` or `serial`; the caller makes those).
+    pub(super) fn place(mut self, log: &Path, serial: &Path) -> Option<File> {
+        use nix::fcntl::{renameat2, RenameFlags};
+        let rename = |from: &Path, to: &Path| {
+            renameat2(None, from, None, to, RenameFlags::RENAME_NOREPLACE)
+                .map_err(|e| tracing::debug!("a fork child file made ahead not used: {e}"))
+        };
+        rename(&self.log, log).ok()?;
+        // Removed by `drop` from where it is now, should the rest fail.
+        self.log = log.to_path_buf();
+        rename(&self.serial, serial).ok()?;
+        self.serial = serial.to_path_buf();
+        let file = self.log_file.try_clone().ok()?;
+        // Placed: nothing to remove any more.
+        self.log = PathBuf::new();
+        self.serial = PathBuf::new();
+        Some(file)
+    }
+}
+
+impl Drop for AheadFiles {
+    fn drop(&mut self) {
+        for p in [&self.log, &self.serial] {
+            if !p.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
 }
 
 impl PrestartedChildren {
@@ -122,8 +228,13 @@ impl PrestartedChildren {
             return;
         }
         let before = self.idle.len();
-        self.idle
-            .retain_mut(|p| matches!(p.child.try_wait(), Ok(None)));
+        self.idle.retain_mut(|p| {
+            let alive = matches!(p.child.try_wait(), Ok(None));
+            if !alive {
+                p.remove_sockets_ahead();
+            }
+            alive
+        });
         self.died += before - self.idle.len();
         if self.died >= MAX_DEATHS && self.want > 0 {
             // Something ends them (see the VM process's log): not again and again.
@@ -181,12 +292,32 @@ impl Drop for PrestartedChildren {
 impl Prestarted {
     fn start(vm: &Vm, api_sock: &Path, launcher: &dyn ChildLauncher) -> Result<Prestarted> {
         let spec = vm.child_shell_spec();
-        let shape = PrestartShape {
+        // Names nobody can guess, for the files made ahead.
+        let mut tag = crate::SnapshotId::random().to_string();
+        tag.truncate(12);
+        let mut shape = PrestartShape {
             kvm_device: spec.kvm_device,
             mem_bytes: spec.mem_bytes,
             vcpus: spec.vcpus,
             dirty_log: spec.dirty_log,
+            api_ahead: Some(ahead_path(api_sock, &tag, "api")),
+            vsock_ahead: vm
+                .config()
+                .vsock
+                .as_ref()
+                .map(|_| ahead_path(api_sock, &tag, "vsock")),
+            files_ahead: Vec::new(),
         };
+        let files = AheadFiles::make(api_sock, &tag);
+        if let Some(f) = &files {
+            shape.files_ahead = vec![f.log.clone(), f.serial.clone()];
+        }
+        let sockets_ahead: Vec<PathBuf> = shape
+            .api_ahead
+            .iter()
+            .chain(&shape.vsock_ahead)
+            .cloned()
+            .collect();
         let record = postcard::to_allocvec(&shape)
             .map_err(|e| Error::Fork(format!("encoding a shell's shape: {e}")))?;
         let (mut ours, theirs) =
@@ -220,6 +351,8 @@ impl Prestarted {
                 .map_err(Error::io("a waiting child's socket"))?,
             stdout,
             ready: false,
+            files,
+            sockets_ahead,
         };
         if let Err(e) = ours
             .write_all(&(record.len() as u32).to_le_bytes())
@@ -269,6 +402,11 @@ impl Prestarted {
             .map_err(Error::io("handing the state to a waiting child"))
     }
 
+    /// Its log and serial files made ahead, for its fork to place.
+    pub(super) fn take_files(&mut self) -> Option<AheadFiles> {
+        self.files.take()
+    }
+
     /// Whether it said its shell is built (looked at without waiting).
     fn is_ready(&mut self) -> bool {
         if !self.ready {
@@ -285,5 +423,14 @@ impl Prestarted {
     pub(super) fn end(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        self.remove_sockets_ahead();
+    }
+
+    /// Removes the sockets it bound ahead, once it ended without a fork (killed, it
+    /// removed nothing of its own).
+    fn remove_sockets_ahead(&mut self) {
+        for p in self.sockets_ahead.drain(..) {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
