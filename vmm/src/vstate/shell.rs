@@ -13,6 +13,7 @@
 //! mapping, which walks the slot: see [`Reservation`]).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
@@ -23,8 +24,6 @@ use crate::seccomp::ThreadKind;
 
 use crate::error::{Error, Result};
 use crate::vstate::kvm;
-use std::sync::Arc;
-
 use crate::vstate::memory::{FrozenImage, GuestRam, Reservation};
 use crate::vstate::spare::SpareThread;
 
@@ -57,47 +56,6 @@ pub struct Shell {
     /// snapshot with the same CPUID need not set it again).
     pub(crate) cpuids: Vec<Vec<kvm_cpuid_entry2>>,
     pub(crate) build_time: Duration,
-}
-
-/// A shell's guest address range: reserved, or with a fork's image already mapped over it.
-pub(crate) enum ShellMemory {
-    /// Address space reserved ([`Reservation`]): memory is mapped over it when the shell
-    /// becomes a VM.
-    Reserved(Reservation),
-    /// An image mapped private over the reservation ahead of the fork that freezes it: a
-    /// booted VM's memfd, which its next freeze takes as the image as it is
-    /// (`Vm::map_into_shell`). Nothing touches this mapping before then, so it shows the
-    /// memfd as it is at the freeze, and mapping it (with KVM walking the shell's memory
-    /// slot, ~85 us per GiB here) is off the fork's path.
-    Mapped(GuestRam, Arc<FrozenImage>),
-}
-
-impl ShellMemory {
-    /// The image mapped ahead, if any.
-    pub(crate) fn mapped_image(&self) -> Option<&Arc<FrozenImage>> {
-        match self {
-            ShellMemory::Mapped(_, image) => Some(image),
-            ShellMemory::Reserved(_) => None,
-        }
-    }
-
-    /// The range as a reservation, for memory other than a fork's: one mapped ahead is
-    /// dropped (fresh address space mapped over it).
-    pub(crate) fn into_reservation(self) -> Result<Reservation> {
-        match self {
-            ShellMemory::Reserved(r) => Ok(r),
-            ShellMemory::Mapped(ram, _) => ram.into_reservation(),
-        }
-    }
-
-    /// Memory on the frozen `image`: the mapping made ahead if it is of that very image,
-    /// else a new one (a mapping of another image is dropped first).
-    pub(crate) fn forked(self, image: &Arc<FrozenImage>) -> Result<GuestRam> {
-        match self {
-            ShellMemory::Mapped(ram, mapped) if Arc::ptr_eq(&mapped, image) => Ok(ram),
-            other => GuestRam::forked(other.into_reservation()?, Arc::clone(image)),
-        }
-    }
 }
 
 impl std::fmt::Debug for Shell {
@@ -190,5 +148,46 @@ impl Shell {
     /// How long building it took.
     pub fn build_time(&self) -> Duration {
         self.build_time
+    }
+}
+
+/// A shell's guest address range: reserved, or with a fork's image already mapped over it.
+pub(crate) enum ShellMemory {
+    /// Address space reserved ([`Reservation`]): memory is mapped over it when the shell
+    /// becomes a VM.
+    Reserved(Reservation),
+    /// An image mapped private over the reservation ahead of the fork that freezes it: a
+    /// booted VM's memfd, which its next freeze takes as the image as it is
+    /// (`Vm::map_into_shell`). Nothing touches this mapping before then, so it shows the
+    /// memfd as it is at the freeze, and mapping it (with KVM walking the shell's memory
+    /// slot, ~85 us per GiB here) is off the fork's path.
+    Mapped(GuestRam, Arc<FrozenImage>),
+}
+
+impl ShellMemory {
+    /// The image mapped ahead, if any.
+    pub(crate) fn mapped_image(&self) -> Option<&Arc<FrozenImage>> {
+        match self {
+            ShellMemory::Mapped(_, image) => Some(image),
+            ShellMemory::Reserved(_) => None,
+        }
+    }
+
+    /// The range as a reservation, for memory other than a fork's: one mapped ahead is
+    /// dropped (fresh address space mapped over it).
+    pub(crate) fn into_reservation(self) -> Result<Reservation> {
+        match self {
+            ShellMemory::Reserved(r) => Ok(r),
+            ShellMemory::Mapped(ram, _) => ram.into_reservation(),
+        }
+    }
+
+    /// Memory on the frozen `image`: the mapping made ahead if it is of that very image,
+    /// else a new one (a mapping of another image is dropped first).
+    pub(crate) fn forked(self, image: &Arc<FrozenImage>) -> Result<GuestRam> {
+        match self {
+            ShellMemory::Mapped(ram, mapped) if Arc::ptr_eq(&mapped, image) => Ok(ram),
+            other => GuestRam::forked(other.into_reservation()?, Arc::clone(image)),
+        }
     }
 }
