@@ -23,7 +23,12 @@
 //!    its standard input ([`super::fork`]); then the parent shuts its side down.
 //!
 //! The process then logs to the log it was given and answers `ready` or `error …` on its
-//! standard output, exactly like a child started at the fork. If the parent goes away
+//! standard output, exactly like a child started at the fork.
+//!
+//! A waiting child's files are made ahead too, next to the parent's API socket, under
+//! hidden names (`.<stem>-ahead-<tag>.{log,serial,api,vsock}`): the parent creates the log
+//! and serial console files when it starts the process ([`AheadFiles`]), the process binds
+//! its API and vsock sockets while it waits; the fork renames them to the child's names. If the parent goes away
 //! first, the process reads the end of the stream and exits without having run anything.
 //!
 //! Written here (no crate hands a process its work over a socket this way); the
