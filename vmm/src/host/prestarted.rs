@@ -28,8 +28,9 @@
 //! A waiting child's files are made ahead too, next to the parent's API socket, under
 //! hidden names (`.<stem>-ahead-<tag>.{log,serial,api,vsock}`): the parent creates the log
 //! and serial console files when it starts the process ([`AheadFiles`]), the process binds
-//! its API and vsock sockets while it waits; the fork renames them to the child's names. If the parent goes away
-//! first, the process reads the end of the stream and exits without having run anything.
+//! its API and vsock sockets while it waits; the fork renames them to the child's names.
+//! If the parent goes away first, the process reads the end of the stream and exits
+//! without having run anything (removing what was made ahead for it).
 //!
 //! Written here (no crate hands a process its work over a socket this way); the
 //! descriptor passing itself is `nix`'s `sendmsg`/`recvmsg`.
@@ -121,7 +122,8 @@ pub(super) struct Prestarted {
 /// none. Removed when dropped unless placed.
 pub(super) struct AheadFiles {
     log: PathBuf,
-    log_file: File,
+    /// Taken by [`AheadFiles::place`].
+    log_file: Option<File>,
     serial: PathBuf,
 }
 
@@ -168,7 +170,7 @@ impl AheadFiles {
         }
         Some(AheadFiles {
             log,
-            log_file,
+            log_file: Some(log_file),
             serial,
         })
     }
@@ -187,7 +189,7 @@ impl AheadFiles {
         self.log = log.to_path_buf();
         rename(&self.serial, serial).ok()?;
         self.serial = serial.to_path_buf();
-        let file = self.log_file.try_clone().ok()?;
+        let file = self.log_file.take()?;
         // Placed: nothing to remove any more.
         self.log = PathBuf::new();
         self.serial = PathBuf::new();

@@ -273,10 +273,11 @@ unsafe fn move_mapping(from: usize, len: usize, to: usize, extra: i32) -> std::i
 ///
 /// It is private anonymous memory, readable and writable, that nothing has touched: no
 /// page is present and no page table exists (only the KVM memory slots registered on it
-/// know its address before a [`GuestRam`] takes it, and no vCPU runs before then). Mapping anything over a range that a KVM memory slot
-/// covers makes KVM walk the slot page by page (~25 us per 256 MiB measured here, the
-/// same for `mprotect`), so the `uffd` restore, whose memory is private anonymous memory
-/// with no page present, makes no mapping call at all ([`GuestRam::anonymous`]).
+/// know its address before a [`GuestRam`] takes it, and no vCPU runs before then).
+/// Mapping anything over a range that a KVM memory slot covers makes KVM walk the slot
+/// page by page (~25 us per 256 MiB measured here, the same for `mprotect`), so the `uffd`
+/// restore, whose memory is private anonymous memory with no page present, makes no
+/// mapping call at all ([`GuestRam::anonymous`]).
 #[derive(Debug)]
 pub struct Reservation {
     base: usize,
