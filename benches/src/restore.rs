@@ -22,7 +22,8 @@ pub struct RestoreParams {
     pub backend: MemoryBackend,
     /// Number of measured restores (at least 1).
     pub n: usize,
-    /// Pre-built VM shells kept ready (0: build one per restore).
+    /// Pre-built VM shells kept ready, with each restore's vsock socket bound ahead as a
+    /// service's standby binds it (0: build a shell and bind the socket at each restore).
     pub pool: usize,
     /// Percentage of the guest memory above 64 MiB the guest fills before the snapshot.
     pub fill_pct: u32,
@@ -159,6 +160,15 @@ impl Resume<'_> {
                 )));
             }
         }
+        // With the pool, the VM's vsock socket is bound ahead too, as a service's standby
+        // process binds it while it waits: the restore moves it into place.
+        let bound_ahead = match self.pool {
+            Some(_) => Some(
+                vmm::bind_vsock_ahead(&self.sock.with_extension("ahead"))
+                    .context("binding the vsock socket ahead")?,
+            ),
+            None => None,
+        };
         let t0 = Instant::now();
         let mut vm = self
             .snap
@@ -167,6 +177,7 @@ impl Resume<'_> {
                 RestoreOptions {
                     serial: SerialOutput::Memory,
                     vsock_path: Some(self.sock.to_path_buf()),
+                    vsock_bound_ahead: bound_ahead,
                     shell: self.pool.and_then(ShellPool::take),
                     vcpu_cpus: self.vcpu_cpus.to_vec(),
                     net: self.net.cloned(),

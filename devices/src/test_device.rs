@@ -13,8 +13,8 @@
 //! | MMIO base + 0x10 | write       | arm: raise the IRQ every [`IRQ_PERIOD`] until acked    |
 //! | MMIO base + 0x18 | write       | ack: stop raising                                      |
 
+use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -74,27 +74,35 @@ struct IrqState {
 pub struct TestMmio {
     scratch: u64,
     irq: Arc<(Mutex<IrqState>, Condvar)>,
-    irq_thread: Option<thread::JoinHandle<()>>,
+    /// Disconnected when the irq thread has ended (None: it could not be started).
+    irq_thread_done: Option<Receiver<()>>,
 }
 
 impl TestMmio {
     /// `irq` is a line the VMM registered as an irqfd. The thread that raises the
-    /// interrupt starts here, idle until the guest arms it: started by the vCPU thread at
-    /// the guest's first arm, it would be a thread creation the vCPU's system-call filter
-    /// forbids.
-    pub fn new(irq_line: impl Into<IrqLine>) -> Self {
+    /// interrupt runs on `runner` from here on (a VMM hands it a thread started ahead,
+    /// [`snapshot::spawn_thread`] starts one), idle until the guest arms it: started by
+    /// the vCPU thread at the guest's first arm, it would be a thread creation the vCPU's
+    /// system-call filter forbids.
+    pub fn new(irq_line: impl Into<IrqLine>, runner: snapshot::ThreadRunner) -> Self {
         let irq = Arc::new((Mutex::new(IrqState::default()), Condvar::new()));
         let shared = Arc::clone(&irq);
         let line = irq_line.into();
-        let irq_thread = thread::Builder::new()
-            .name("clade-testirq".into())
-            .spawn(move || raise_while_armed(&shared, &line))
-            .map_err(|e| tracing::error!("test device: no irq thread: {e}"))
-            .ok();
+        let (done_tx, done) = mpsc::sync_channel::<()>(0);
+        let irq_thread_done = runner(
+            "clade-testirq".into(),
+            Box::new(move || {
+                let _done = done_tx;
+                raise_while_armed(&shared, &line)
+            }),
+        )
+        .map_err(|e| tracing::error!("test device: no irq thread: {e}"))
+        .ok()
+        .map(|()| done);
         Self {
             scratch: 0,
             irq,
-            irq_thread,
+            irq_thread_done,
         }
     }
 
@@ -140,8 +148,8 @@ pub struct TestMmioState {
 
 impl<'a> snapshot::Persist<'a> for TestMmio {
     type State = TestMmioState;
-    /// The interrupt eventfd (a KVM irqfd).
-    type ConstructorArgs = IrqLine;
+    /// The interrupt eventfd (a KVM irqfd), and where the irq thread runs.
+    type ConstructorArgs = (IrqLine, snapshot::ThreadRunner);
     type Error = Error;
 
     fn save(&self) -> Result<TestMmioState, Error> {
@@ -153,8 +161,11 @@ impl<'a> snapshot::Persist<'a> for TestMmio {
         })
     }
 
-    fn restore(irq: IrqLine, state: &TestMmioState) -> Result<Self, Error> {
-        let mut dev = TestMmio::new(irq);
+    fn restore(
+        (irq, runner): (IrqLine, snapshot::ThreadRunner),
+        state: &TestMmioState,
+    ) -> Result<Self, Error> {
+        let mut dev = TestMmio::new(irq, runner);
         dev.scratch = state.scratch;
         if state.armed {
             dev.arm();
@@ -168,8 +179,9 @@ impl Drop for TestMmio {
         let (lock, cv) = &*self.irq;
         lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
         cv.notify_all();
-        if let Some(t) = self.irq_thread.take() {
-            let _ = t.join();
+        if let Some(done) = self.irq_thread_done.take() {
+            // Only a disconnect arrives: the thread's body has returned.
+            let _ = done.recv();
         }
     }
 }
@@ -206,6 +218,7 @@ impl BusDevice for TestMmio {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::thread;
     use std::time::Instant;
     use vmm_sys_util::eventfd::EventFd;
 
@@ -224,7 +237,7 @@ mod tests {
     #[test]
     fn mmio_scratch_and_periodic_irq_until_ack() {
         let evt = EventFd::new(libc_nonblock()).unwrap();
-        let mut dev = TestMmio::new(evt.try_clone().unwrap());
+        let mut dev = TestMmio::new(evt.try_clone().unwrap(), snapshot::spawn_thread());
         dev.write(8, &0xdead_beef_u64.to_le_bytes());
         let mut buf = [0u8; 8];
         dev.read(8, &mut buf);
@@ -250,7 +263,7 @@ mod tests {
     fn scratch_and_armed_irq_survive_save_and_restore() {
         use snapshot::Persist;
         let evt = EventFd::new(libc_nonblock()).unwrap();
-        let mut dev = TestMmio::new(evt.try_clone().unwrap());
+        let mut dev = TestMmio::new(evt.try_clone().unwrap(), snapshot::spawn_thread());
         dev.write(8, &0x1234_u64.to_le_bytes());
         dev.write(0x10, &[1]);
         let state = dev.save().unwrap();
@@ -263,7 +276,11 @@ mod tests {
         );
         drop(dev);
         let evt2 = EventFd::new(libc_nonblock()).unwrap();
-        let mut back = TestMmio::restore(evt2.try_clone().unwrap().into(), &state).unwrap();
+        let mut back = TestMmio::restore(
+            (evt2.try_clone().unwrap().into(), snapshot::spawn_thread()),
+            &state,
+        )
+        .unwrap();
         let mut buf = [0u8; 8];
         back.read(8, &mut buf);
         assert_eq!(u64::from_le_bytes(buf), 0x1234);

@@ -20,7 +20,7 @@ use crate::arch::boot::{self, BootSpec};
 use crate::arch::layout::{PVM_VIF_BASE, PVM_VIF_MAX};
 use crate::arch::{acpi, regs};
 use crate::config::{BlockConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
-use crate::device_manager::DeviceManager;
+use crate::device_manager::{DeviceManager, DeviceThreads};
 use crate::error::{Error, Result};
 use crate::exit::exit_notifier;
 use crate::saved::{Lineage, SavedMachine, Steps};
@@ -325,7 +325,16 @@ pub(crate) fn from_saved(
         identity.net.as_ref(),
         &saved.devices,
         exit_notifier(&events_tx),
-        spare::runner_for(&mut spares, ThreadKind::DeviceLoop),
+        DeviceThreads {
+            event_loop: spare::runner_for(&mut spares, ThreadKind::DeviceLoop),
+            // The shell's helper spare goes to the test device only if there is one (a
+            // Linux guest's agent sync takes it otherwise: `Vm::finish_from_saved`).
+            test_irq: if saved.devices.test_device.is_some() {
+                spare::runner_for(&mut spares, ThreadKind::Helper)
+            } else {
+                crate::seccomp::confine(ThreadKind::Helper, snapshot::spawn_thread())
+            },
+        },
     )?;
     steps.done("devices");
     kvm_state::restore_vm(&vm_fd, &saved.vm)?;

@@ -32,7 +32,7 @@ use devices::vmgenid::{VmGenId, VmGenIdState};
 use devices::{Bus, ExitNotifier, GuestMemory, IrqLine};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
-use snapshot::Persist;
+use snapshot::{Persist, ThreadRunner};
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use crate::arch::acpi::GenIdPlace;
@@ -120,6 +120,13 @@ fn serial_writer(out: &SerialOutput) -> Result<(Box<dyn Write + Send>, SerialTap
 /// A listening Unix socket bound ahead of a restore, with its file (see
 /// [`DeviceManager::finish_restore`]).
 pub type BoundAhead = (std::os::unix::net::UnixListener, SocketFile);
+
+/// Binds a VM's vsock socket ahead of its restore at `path`, a free name on the filesystem
+/// of the socket path the restore will name ([`crate::RestoreOptions::vsock_bound_ahead`]):
+/// the restore then moves it into place (a rename) instead of binding one (a new inode).
+pub fn bind_vsock_ahead(path: &std::path::Path) -> Result<BoundAhead> {
+    Ok(SocketFile::bind(path)?)
+}
 
 /// Opens the TAP `cfg` names (by name, or a duplicate of the descriptor given; an opened
 /// one is shared), set up for virtio-net. Done before any KVM object exists on boot, so a
@@ -342,6 +349,25 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The threads device work runs on, each given as a runner: a spare thread of its kind
+/// when the VM's shell had one (see `vstate::spare`), else one that starts a thread.
+pub struct DeviceThreads {
+    /// The device event loop (virtio devices), if one is needed.
+    pub event_loop: ThreadRunner,
+    /// The test device's interrupt thread, if the VM has the test device.
+    pub test_irq: ThreadRunner,
+}
+
+impl DeviceThreads {
+    /// Runners that start new threads, each confined to its kind.
+    pub fn spawned() -> Self {
+        Self {
+            event_loop: crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
+            test_irq: crate::seccomp::confine(ThreadKind::Helper, snapshot::spawn_thread()),
+        }
+    }
+}
+
 /// The devices of one VM.
 pub struct DeviceManager {
     // Field order is drop order: the event loop (and every device worker on it) stops
@@ -385,14 +411,14 @@ impl DeviceManager {
             None,
             None,
             exit,
-            crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
+            DeviceThreads::spawned(),
         )
     }
 
     /// Recreates the devices of a snapshot from `state`: the same devices in the same
     /// places, with their saved registers and queues. The vsock device keeps its guest CID
-    /// and listens on `vsock.uds_path`. The device event loop, if one is needed, runs on
-    /// the thread `runner` provides. A saved virtio-blk device is restored over the disk
+    /// and listens on `vsock.uds_path`. The device event loop, if one is needed, and the
+    /// test device's thread run on the threads `threads` provides. A saved virtio-blk device is restored over the disk
     /// chain whose top layer `disk` names; a saved virtio-net device over the TAP `net`
     /// names.
     #[allow(clippy::too_many_arguments)]
@@ -405,7 +431,7 @@ impl DeviceManager {
         net: Option<&NetConfig>,
         state: &DevicesState,
         exit: ExitNotifier,
-        runner: snapshot::ThreadRunner,
+        threads: DeviceThreads,
     ) -> Result<Self> {
         Self::build(
             vm,
@@ -417,7 +443,7 @@ impl DeviceManager {
             net,
             Some(state),
             exit,
-            runner,
+            threads,
         )
     }
 
@@ -432,11 +458,15 @@ impl DeviceManager {
         net: Option<&NetConfig>,
         state: Option<&DevicesState>,
         exit: ExitNotifier,
-        runner: snapshot::ThreadRunner,
+        threads: DeviceThreads,
     ) -> Result<Self> {
+        let DeviceThreads {
+            event_loop: loop_runner,
+            test_irq,
+        } = threads;
         // At most one event loop: the runner (which confines its thread as a device loop)
         // is used once.
-        let mut runner = Some(runner);
+        let mut runner = Some(loop_runner);
         let mut start_loop = move || -> Result<EventLoop> {
             let r = runner.take().unwrap_or_else(|| {
                 crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread())
@@ -497,8 +527,8 @@ impl DeviceManager {
             )?;
             let irq = wiring.irq(pio::TEST_DEVICE_GSI)?;
             let dev = match state.and_then(|s| s.test_device.as_ref()) {
-                None => TestMmio::new(irq),
-                Some(st) => TestMmio::restore(irq, st)?,
+                None => TestMmio::new(irq, test_irq),
+                Some(st) => TestMmio::restore((irq, test_irq), st)?,
             };
             let dev = Arc::new(Mutex::new(dev));
             mmio_bus.insert(dev.clone(), TEST_MMIO_BASE, TEST_MMIO_LEN)?;

@@ -42,7 +42,7 @@ pub use builder::{boot, run};
 pub use config::{
     BlockConfig, NetConfig, SerialOutput, Tap, TapSource, VmConfig, VsockConfig, MIN_MEM_MIB,
 };
-pub use device_manager::open_tap;
+pub use device_manager::{bind_vsock_ahead, open_tap, BoundAhead};
 pub use error::{Error, Result};
 pub use exit::VmExit;
 pub use fork::{

@@ -1207,26 +1207,31 @@ impl Vm {
         vsock_bound_ahead: Option<crate::device_manager::BoundAhead>,
         steps: &mut Steps,
     ) -> Result<()> {
+        // The shell's helper spare, if the devices left it (the vCPUs' start drops spares).
+        let sync_runner = (agent_sync.is_some() && self.config.vsock.is_some())
+            .then(|| crate::vstate::spare::runner_for(&mut self.spares, ThreadKind::Helper));
         if start {
             self.start()?;
             steps.done("start");
         }
         self.devices.finish_restore(vsock_bound_ahead)?;
         steps.done("devices_finish");
-        if let (Some((timeout, suffix)), Some(v)) = (agent_sync, &self.config.vsock) {
+        if let (Some((timeout, suffix)), Some(v), Some(runner)) =
+            (agent_sync, &self.config.vsock, sync_runner)
+        {
             let path = v.uds_path.clone();
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
-            std::thread::Builder::new()
-                .name("agent-sync".into())
-                .spawn(move || {
-                    crate::seccomp::confine_current_thread(ThreadKind::Helper);
+            runner(
+                "agent-sync".into(),
+                Box::new(move || {
                     let r = crate::agent::sync_after_restore(&path, timeout, suffix.as_deref());
                     let _ = tx.send(r);
-                })
-                .map_err(|source| Error::Io {
-                    context: "spawning the agent sync thread",
-                    source,
-                })?;
+                }),
+            )
+            .map_err(|source| Error::Io {
+                context: "starting the agent sync thread",
+                source,
+            })?;
             self.agent_sync = Some(rx);
         }
         Ok(())

@@ -65,7 +65,8 @@ pub enum BenchCommand {
         /// Number of measured restores.
         #[arg(short, long, default_value_t = 200)]
         n: usize,
-        /// Pre-built VM shells kept ready (0: build one per restore).
+        /// Pre-built VM shells kept ready, with each restore's vsock socket bound ahead as a
+        /// service's standby binds it (0: build a shell and bind the socket at each restore).
         #[arg(long, default_value_t = 2)]
         pool: usize,
         /// Percentage of the guest memory above 64 MiB that the guest fills (memfill step)

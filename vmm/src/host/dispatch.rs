@@ -141,50 +141,90 @@ pub(crate) fn status_fields(vm: &Vm) -> serde_json::Value {
 /// A directory a request names, checked: absolute, no `..`, and under `root` (when given)
 /// once symlinks in its existing part are resolved.
 pub(crate) fn confine(path: &Path, root: Option<&Path>) -> Result<PathBuf, String> {
-    if !path.is_absolute() {
-        return Err(format!("{}: the path must be absolute", path.display()));
-    }
-    if path
-        .components()
-        .any(|c| matches!(c, std::path::Component::ParentDir))
-    {
-        return Err(format!(
-            "{}: the path must not contain '..'",
-            path.display()
-        ));
-    }
-    let Some(root) = root else {
-        return Ok(path.to_path_buf());
-    };
-    let root = root
-        .canonicalize()
-        .map_err(|e| format!("the files root {}: {e}", root.display()))?;
-    // The longest existing ancestor, resolved; the rest cannot hold symlinks yet.
-    let mut existing = path;
-    let mut rest = Vec::new();
-    while !existing.exists() {
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
-                existing = parent;
-            }
-            _ => break,
+    Confiner::new(root).check(path)
+}
+
+/// Checks paths against one files root, as [`confine`] does, resolving the root and each
+/// existing ancestor once: a restore request names four files in one directory, and each
+/// resolution is a system call per path component (~0.01 ms a path here).
+pub(crate) struct Confiner<'a> {
+    root: Option<&'a Path>,
+    /// The root, resolved at the first path checked.
+    resolved_root: Option<PathBuf>,
+    /// Existing ancestors resolved so far (a request's few: a list).
+    resolved: Vec<(PathBuf, PathBuf)>,
+}
+
+impl<'a> Confiner<'a> {
+    /// A checker for paths under `root` (`None`: any absolute path without `..`).
+    pub(crate) fn new(root: Option<&'a Path>) -> Self {
+        Self {
+            root,
+            resolved_root: None,
+            resolved: Vec::new(),
         }
     }
-    let mut resolved = existing
-        .canonicalize()
-        .map_err(|e| format!("{}: {e}", existing.display()))?;
-    for name in rest.iter().rev() {
-        resolved.push(name);
+
+    /// `path`, checked; resolved when there is a root.
+    pub(crate) fn check(&mut self, path: &Path) -> Result<PathBuf, String> {
+        if !path.is_absolute() {
+            return Err(format!("{}: the path must be absolute", path.display()));
+        }
+        if path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return Err(format!(
+                "{}: the path must not contain '..'",
+                path.display()
+            ));
+        }
+        let Some(root) = self.root else {
+            return Ok(path.to_path_buf());
+        };
+        let root = match &self.resolved_root {
+            Some(r) => r.clone(),
+            None => {
+                let r = root
+                    .canonicalize()
+                    .map_err(|e| format!("the files root {}: {e}", root.display()))?;
+                self.resolved_root.insert(r).clone()
+            }
+        };
+        // The longest existing ancestor, resolved; the rest cannot hold symlinks yet.
+        let mut existing = path;
+        let mut rest = Vec::new();
+        while !existing.exists() {
+            match (existing.parent(), existing.file_name()) {
+                (Some(parent), Some(name)) => {
+                    rest.push(name.to_os_string());
+                    existing = parent;
+                }
+                _ => break,
+            }
+        }
+        let mut resolved = match self.resolved.iter().find(|(p, _)| p == existing) {
+            Some((_, r)) => r.clone(),
+            None => {
+                let r = existing
+                    .canonicalize()
+                    .map_err(|e| format!("{}: {e}", existing.display()))?;
+                self.resolved.push((existing.to_path_buf(), r.clone()));
+                r
+            }
+        };
+        for name in rest.iter().rev() {
+            resolved.push(name);
+        }
+        if !resolved.starts_with(&root) {
+            return Err(format!(
+                "{}: outside the directory this VM may write to ({})",
+                path.display(),
+                root.display()
+            ));
+        }
+        Ok(resolved)
     }
-    if !resolved.starts_with(&root) {
-        return Err(format!(
-            "{}: outside the directory this VM may write to ({})",
-            path.display(),
-            root.display()
-        ));
-    }
-    Ok(resolved)
 }
 
 #[cfg(test)]
@@ -208,6 +248,32 @@ mod tests {
         let e = confine(&root.join("out/s1"), Some(&root)).unwrap_err();
         assert!(e.contains("outside"), "{e}");
         assert!(confine(Path::new("/tmp/elsewhere"), Some(&root)).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// One checker for a request's several paths: a directory resolved for one path is
+    /// not taken for a symlink in it, or for a symlinked directory beside it.
+    #[test]
+    fn a_confiner_checks_each_path_of_a_request_as_confine_does() {
+        let base = std::env::temp_dir().join(format!("clade-confiner-{}", std::process::id()));
+        let root = base.join("root");
+        let dir = root.join("sandboxes/sb1");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("vm.log"), b"").unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.join("serial.log")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("sandboxes/out")).unwrap();
+        let mut c = Confiner::new(Some(&root));
+        for name in ["vm.vsock", "disk.cdsk", "vm.log", "new/deeper"] {
+            let p = c.check(&dir.join(name)).unwrap();
+            assert_eq!(p, confine(&dir.join(name), Some(&root)).unwrap());
+            assert!(p.ends_with(name), "{}", p.display());
+        }
+        let e = c.check(&dir.join("serial.log")).unwrap_err();
+        assert!(e.contains("outside"), "{e}");
+        let e = c.check(&root.join("sandboxes/out/x")).unwrap_err();
+        assert!(e.contains("outside"), "{e}");
+        assert!(c.check(Path::new("/a/../b")).is_err());
+        assert!(c.check(Path::new("relative")).is_err());
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

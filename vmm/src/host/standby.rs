@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::dispatch::{confine, status_fields};
+use super::dispatch::{confine, status_fields, Confiner};
 use super::options::OwnerOptions;
 use crate::api::{ApiListener, ApiServer, Request, Response, RestoreRequest};
 use crate::config::{NetConfig, SerialOutput, Tap, TapSource};
@@ -397,8 +397,9 @@ pub fn restore_request(
     };
     let mut req = req.clone();
     if let Some(root) = confined {
-        let check = |p: &Path, root: Option<&Path>| confine(p, root).map_err(Error::Config);
-        req.snapshot = check(&req.snapshot, None)?;
+        req.snapshot = confine(&req.snapshot, None).map_err(Error::Config)?;
+        // The files a VM makes, in its one directory: resolved once for all of them.
+        let mut confiner = Confiner::new(root);
         for p in [
             &mut req.vsock,
             &mut req.serial_file,
@@ -408,7 +409,7 @@ pub fn restore_request(
         .into_iter()
         .flatten()
         {
-            *p = check(p, root)?;
+            *p = confiner.check(p).map_err(Error::Config)?;
         }
     }
     let net = match (req.tap_passed, passed.len(), &req.net) {

@@ -100,11 +100,17 @@ impl Shell {
             cpuids.push(c.as_slice().to_vec());
             vcpus.push(fd);
         }
-        // One thread per vCPU, one for the device event loop, one for a page server, each
-        // confined to its kind already (installing a filter costs tens of microseconds).
+        // One thread per vCPU, one for the device event loop, one for a page server, one
+        // helper (the test device's interrupt thread, or a Linux guest's agent sync after
+        // a restore), each confined to its kind already (installing a filter costs tens of
+        // microseconds).
         let spares = (0..spec.vcpus)
             .map(|_| ThreadKind::Vcpu)
-            .chain([ThreadKind::DeviceLoop, ThreadKind::PageServer])
+            .chain([
+                ThreadKind::DeviceLoop,
+                ThreadKind::PageServer,
+                ThreadKind::Helper,
+            ])
             .map(SpareThread::start)
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|source| Error::Io {
