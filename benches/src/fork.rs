@@ -147,6 +147,11 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         .collect::<vmm::Result<Vec<_>>>()?;
     parent.give_shell(Shell::create(&parent.child_shell_spec())?)?;
     let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("c{i}.sock"))).collect();
+    // Their vsock sockets too (as a service's waiting child processes bind theirs).
+    let bound_ahead = paths
+        .iter()
+        .map(|p| vmm::bind_vsock_ahead(&p.with_extension("ahead")))
+        .collect::<vmm::Result<Vec<_>>>()?;
     let t0 = Instant::now();
     let (children, report) = vmm::fork_with_report(
         &mut parent,
@@ -155,6 +160,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
             serial: SerialOutput::Memory,
             vsock_paths: paths.clone(),
             shells: pre,
+            vsock_bound_ahead: bound_ahead,
             start: true,
             nets: nets
                 .as_ref()

@@ -325,6 +325,63 @@ fn a_failed_fork_removes_its_children_and_the_parent_runs_on() {
     }
 }
 
+/// Children's vsock sockets bound ahead are moved into place (a child without one binds
+/// its own), and a failed fork leaves none of them behind.
+#[test]
+fn sockets_bound_ahead_become_the_childrens_and_a_failed_fork_leaves_none() {
+    let dir = TmpDir::new("ahead");
+    let (mut parent, psock) = agent_parent(&dir, "vsock");
+    let paths: Vec<PathBuf> = (0..3).map(|i| dir.0.join(format!("c{i}.sock"))).collect();
+    let ahead_path = |i: usize| dir.0.join(format!("c{i}.ahead"));
+    let ahead = |n: usize| -> Vec<vmm::BoundAhead> {
+        (0..n)
+            .map(|i| vmm::bind_vsock_ahead(&ahead_path(i)).unwrap())
+            .collect()
+    };
+    let err = vmm::fork(
+        &mut parent,
+        3,
+        ForkOptions {
+            vsock_paths: paths.clone(),
+            vsock_bound_ahead: ahead(3),
+            fail_after: Some(2),
+            ..fork_opts()
+        },
+    )
+    .err()
+    .expect("injected failure");
+    assert!(err.to_string().contains("injected"), "{err}");
+    for (i, p) in paths.iter().enumerate() {
+        assert!(!p.exists(), "{} left behind", p.display());
+        assert!(
+            !ahead_path(i).exists(),
+            "socket {i} bound ahead left behind"
+        );
+    }
+    let mut kids = vmm::fork(
+        &mut parent,
+        2,
+        ForkOptions {
+            vsock_paths: paths[..2].to_vec(),
+            vsock_bound_ahead: ahead(1),
+            ..fork_opts()
+        },
+    )
+    .unwrap();
+    assert!(!ahead_path(0).exists(), "the socket bound ahead was moved");
+    for p in &paths[..2] {
+        ping(p);
+    }
+    ping(&psock);
+    for k in &mut kids {
+        k.shutdown();
+    }
+    drop(kids);
+    for p in &paths[..2] {
+        assert!(!p.exists(), "{} left behind", p.display());
+    }
+}
+
 /// A VM restored with the `uffd` or `file` backend forks live from the snapshot it came
 /// from (or last took, a diff on it): the children see the memory at the fork — the
 /// snapshot's pages, the ones written since — and from then on only their own writes.

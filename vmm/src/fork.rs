@@ -94,6 +94,10 @@ pub struct ForkOptions {
     /// Pre-built VM shells (e.g. from a [`crate::ShellPool`]); children without one build
     /// their own (default: none).
     pub shells: Vec<Shell>,
+    /// Child `i`'s vsock socket bound ahead ([`crate::bind_vsock_ahead`], on the filesystem
+    /// of its `vsock_paths` entry): moved into place instead of binding one at the fork;
+    /// children without one bind theirs (default: none).
+    pub vsock_bound_ahead: Vec<crate::BoundAhead>,
     /// Start the children's vCPUs before returning (default: false; call [`Vm::start`]).
     pub start: bool,
     /// Pin the children's vCPUs (see [`Vm::pin_vcpus`]; default: no pinning).
@@ -115,6 +119,7 @@ impl Default for ForkOptions {
             guest_cids: Vec::new(),
             agent_sync: None,
             shells: Vec::new(),
+            vsock_bound_ahead: Vec::new(),
             start: false,
             vcpu_cpus: Vec::new(),
             nets: Vec::new(),
@@ -266,6 +271,7 @@ pub fn fork_with_report(
     let mut children = Vec::with_capacity(n);
     let mut child_times = Vec::with_capacity(n);
     let mut shells = std::mem::take(&mut options.shells).into_iter();
+    let mut bound_ahead = std::mem::take(&mut options.vsock_bound_ahead).into_iter();
     let parent_vsock = frozen.saved.machine.vsock.clone();
     for i in 0..n {
         #[cfg(any(test, feature = "test-hooks"))]
@@ -308,7 +314,7 @@ pub fn fork_with_report(
             start: options.start,
             vcpu_cpus: options.vcpu_cpus.clone(),
             net: options.nets.get(i).cloned(),
-            vsock_bound_ahead: None,
+            vsock_bound_ahead: bound_ahead.next(),
         };
         let child = frozen.child(spec).map_err(|e| {
             tracing::warn!("fork: child {i} failed ({e}); removing {i} children");
