@@ -37,6 +37,7 @@ use crate::vmproc::{StartSpec, VmDriver};
 
 pub use hostnet::EgressPolicy;
 
+mod dirs;
 mod logs;
 mod usage;
 
@@ -148,6 +149,8 @@ pub struct Host {
     /// Sandbox networks, or why there are none (sandboxes of a template with a network
     /// device then cannot start).
     networks: std::result::Result<Arc<Networks>, String>,
+    /// Empty sandbox directories made ahead (see `host::dirs`).
+    dirs: dirs::DirsAhead,
 }
 
 impl Host {
@@ -167,6 +170,7 @@ impl Host {
             snapshot_lock: Mutex::new(()),
             cpu_samples: Mutex::new(HashMap::new()),
             networks: Err("networking is off (clade serve --no-net, or a library user)".into()),
+            dirs: dirs::DirsAhead::start(&sandboxes),
         })
     }
 
@@ -355,7 +359,7 @@ impl Host {
         let (template, snapshot) = self.resolve_template(&req.template)?;
         let id = ids::new_sandbox_id();
         let dir = self.sandboxes_dir().join(&id);
-        std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
+        self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
         let now = ids::now_ms();
         let mut rec = Record {
             id: id.clone(),
@@ -952,7 +956,7 @@ impl Host {
                 for c in children {
                     let cid = ids::new_sandbox_id();
                     let dir = self.sandboxes_dir().join(&cid);
-                    std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
+                    self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
                     let mut rec = new_child(cid, dir);
                     rec.net = nets.next();
                     rec.state = State::Running;
@@ -980,7 +984,7 @@ impl Host {
                 for _ in 0..count {
                     let cid = ids::new_sandbox_id();
                     let dir = self.sandboxes_dir().join(&cid);
-                    std::fs::create_dir(&dir).map_err(Error::io("creating", &dir))?;
+                    self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
                     let mut rec = new_child(cid, dir);
                     rec.net = nets.next();
                     if let Err(e) = self.start_vm(&mut rec, &template, &base, false) {

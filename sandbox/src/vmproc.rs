@@ -299,6 +299,15 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
     cmdline.split(|b| *b == 0).any(|arg| arg == want)
 }
 
+/// Puts the calling thread at idle priority (`SCHED_IDLE`: it runs on CPU time nothing else
+/// wants), for the service's background work (starting standby processes, making
+/// directories ahead). Processes it starts run at normal priority (`SCHED_RESET_ON_FORK`).
+pub(crate) fn run_at_idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets the calling thread's policy; `param` is a valid struct.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE | libc::SCHED_RESET_ON_FORK, &param) };
+}
+
 /// Makes the process `cmd` starts end (SIGKILL) when this one does, however it ends:
 /// for processes that must not outlive their owner (a standby nobody can hand out, a VM
 /// whose network its owner holds). A start after this process ended fails instead.

@@ -235,6 +235,7 @@ fn create_pause_resume_kill() {
     assert!(matches!(h.get(&r.id), Err(Error::NotFound(_))));
     assert!(!r.dir.exists());
     assert!(matches!(h.kill(&r.id), Err(Error::NotFound(_))));
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -259,6 +260,7 @@ fn bad_requests_are_refused_before_anything_starts() {
     assert!(matches!(h.fork(&s.id, 0, 10), Err(Error::BadRequest(_))));
     assert!(matches!(h.fork(&s.id, 17, 10), Err(Error::BadRequest(_))));
     assert!(matches!(h.set_timeout(&s.id, 0), Err(Error::BadRequest(_))));
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -284,6 +286,7 @@ fn timeouts_kill_or_pause() {
     let before = h.get(&lives.id).unwrap().end_ms;
     h.refresh(&lives.id, 1).unwrap();
     assert_eq!(h.get(&lives.id).unwrap().end_ms, before);
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -326,6 +329,7 @@ fn forks_become_sandboxes() {
     // A paused parent cannot fork.
     h.pause(&p.id).unwrap();
     assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -358,6 +362,7 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     // A crashed sandbox can be killed (removed).
     h.kill(&c.id).unwrap();
     assert!(matches!(h.get(&c.id), Err(Error::NotFound(_))));
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -372,6 +377,7 @@ fn templates_in_use_stay() {
     ));
     h.kill(&s.id).unwrap();
     store.remove("t", h.template_users("t").unwrap()).unwrap();
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -440,6 +446,7 @@ fn snapshots_become_templates_and_survive_a_restart() {
     // A paused sandbox resumes from its pause even when its template is a snapshot.
     h.pause(&b.id).unwrap();
     h.connect(&b.id, 10).unwrap();
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -484,6 +491,7 @@ fn snapshot_errors() {
         .map(|r| r.count())
         .unwrap_or(0);
     assert_eq!(left, 0);
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -502,6 +510,7 @@ fn a_paused_sandbox_snapshots_its_pause() {
     assert_eq!(h.get(&s.id).unwrap().state, State::Paused, "stays paused");
     let kid = h.create(from(&snap.id)).unwrap();
     assert_eq!(kid.state, State::Running);
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -551,6 +560,7 @@ fn deleted_snapshots_go_when_nothing_needs_them() {
     assert_eq!(all.len(), 1);
     // The old one is still needed by its source (whose next diff builds on it)...
     assert!(d.join("sandboxes/snapshots").join(&old.id).exists());
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -570,6 +580,7 @@ fn logs_of_a_sandbox_and_of_an_unknown_one() {
     assert_eq!(lines[1].text, "guest says hi");
     assert!(matches!(h.logs("nosuchsandbox"), Err(Error::NotFound(_))));
     assert!(matches!(h.logs("../../x"), Err(Error::NotFound(_))));
+    drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
 

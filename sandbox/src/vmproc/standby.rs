@@ -375,11 +375,8 @@ impl Drop for StandbyPool {
 /// should, never sooner than [`REFILL_DELAY`] after a take.
 fn refill(inner: &Inner) {
     // Runs at idle priority: starting a standby must not slow the VMs that serve requests
-    // (the processes it starts run at normal priority: a new process's policy is reset by
-    // SCHED_RESET_ON_FORK below).
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets the calling thread's policy; `param` is a valid struct.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE | libc::SCHED_RESET_ON_FORK, &param) };
+    // (the processes it starts run at normal priority).
+    super::run_at_idle_priority();
     let mut st = inner.lock();
     loop {
         if !st.trash.is_empty() {
