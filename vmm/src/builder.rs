@@ -329,11 +329,11 @@ pub(crate) fn from_saved(
             event_loop: spare::runner_for(&mut spares, ThreadKind::DeviceLoop),
             // The shell's helper spare goes to the test device only if there is one (a
             // Linux guest's agent sync takes it otherwise: `Vm::finish_from_saved`).
-            test_irq: if saved.devices.test_device.is_some() {
-                spare::runner_for(&mut spares, ThreadKind::Helper)
-            } else {
-                crate::seccomp::confine(ThreadKind::Helper, snapshot::spawn_thread())
-            },
+            test_irq: saved
+                .devices
+                .test_device
+                .is_some()
+                .then(|| spare::runner_for(&mut spares, ThreadKind::Helper)),
         },
     )?;
     steps.done("devices");

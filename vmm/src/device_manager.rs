@@ -354,8 +354,9 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub struct DeviceThreads {
     /// The device event loop (virtio devices), if one is needed.
     pub event_loop: ThreadRunner,
-    /// The test device's interrupt thread, if the VM has the test device.
-    pub test_irq: ThreadRunner,
+    /// The test device's interrupt thread, if the VM has the test device (`None`: a new
+    /// thread).
+    pub test_irq: Option<ThreadRunner>,
 }
 
 impl DeviceThreads {
@@ -363,7 +364,7 @@ impl DeviceThreads {
     pub fn spawned() -> Self {
         Self {
             event_loop: crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
-            test_irq: crate::seccomp::confine(ThreadKind::Helper, snapshot::spawn_thread()),
+            test_irq: None,
         }
     }
 }
@@ -418,9 +419,9 @@ impl DeviceManager {
     /// Recreates the devices of a snapshot from `state`: the same devices in the same
     /// places, with their saved registers and queues. The vsock device keeps its guest CID
     /// and listens on `vsock.uds_path`. The device event loop, if one is needed, and the
-    /// test device's thread run on the threads `threads` provides. A saved virtio-blk device is restored over the disk
-    /// chain whose top layer `disk` names; a saved virtio-net device over the TAP `net`
-    /// names.
+    /// test device's thread run on the threads `threads` provides. A saved virtio-blk
+    /// device is restored over the disk chain whose top layer `disk` names; a saved
+    /// virtio-net device over the TAP `net` names.
     #[allow(clippy::too_many_arguments)]
     pub fn restore(
         vm: &VmFd,
@@ -526,6 +527,9 @@ impl DeviceManager {
                 TEST_PIO_LEN,
             )?;
             let irq = wiring.irq(pio::TEST_DEVICE_GSI)?;
+            let test_irq = test_irq.unwrap_or_else(|| {
+                crate::seccomp::confine(ThreadKind::Helper, snapshot::spawn_thread())
+            });
             let dev = match state.and_then(|s| s.test_device.as_ref()) {
                 None => TestMmio::new(irq, test_irq),
                 Some(st) => TestMmio::restore((irq, test_irq), st)?,
