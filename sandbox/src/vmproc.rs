@@ -283,20 +283,25 @@ pub(crate) fn log_tail(log: &Path) -> String {
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
-/// Whether `pid` is a live (not zombie) process whose command line names `api_sock`.
+/// Whether `pid` is a live process whose command line names `api_sock`: one of its threads
+/// has not ended. A process whose main thread ended shows as a zombie (with an empty command
+/// line) while its other threads still run or are still ending, and its files (a VM's
+/// TAP, which another process can open only once it is closed) are closed by the last of
+/// them: so each thread is looked at, not only the main one.
 pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-    if state.starts_with('Z') || state.starts_with('X') {
-        return false;
-    }
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
     let want = api_sock.as_os_str().as_encoded_bytes();
-    cmdline.split(|b| *b == 0).any(|arg| arg == want)
+    tasks.flatten().any(|task| {
+        let dir = task.path();
+        let live = std::fs::read_to_string(dir.join("stat")).is_ok_and(|stat| {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            !(state.starts_with('Z') || state.starts_with('X'))
+        });
+        live && std::fs::read(dir.join("cmdline"))
+            .is_ok_and(|cmdline| cmdline.split(|b| *b == 0).any(|arg| arg == want))
+    })
 }
 
 /// Puts the calling thread at idle priority (`SCHED_IDLE`: it runs on CPU time nothing else
@@ -592,6 +597,41 @@ mod tests {
         child.wait().unwrap();
         assert!(!process_alive(pid, Path::new("30")));
         assert!(!process_alive(-1, Path::new("30")));
+    }
+
+    /// A process whose main thread ended while another runs on is alive (a zombie main
+    /// thread, its command line empty), until that thread ends too.
+    #[test]
+    fn a_process_is_alive_while_any_of_its_threads_is() {
+        let script = "import threading, time, ctypes\n\
+                      threading.Thread(target=time.sleep, args=(1.0,)).start()\n\
+                      ctypes.CDLL(None).pthread_exit(None)\n";
+        let marker = Path::new("/clade-test/zombie-leader.api");
+        let mut child = Command::new("python3")
+            .args(["-c", script])
+            .arg(marker)
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let leader_state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.rsplit(')').next().unwrap_or("").trim_start().to_string())
+                .unwrap_or_default()
+        };
+        let t = Instant::now();
+        while !leader_state().starts_with('Z') {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the main thread never ended"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            process_alive(pid, marker),
+            "main thread ended, the other runs: alive"
+        );
+        child.wait().unwrap();
+        assert!(!process_alive(pid, marker));
     }
 
     #[test]
