@@ -1374,8 +1374,14 @@ fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections()
     let ev: u32 = mem.read_obj(GuestAddress(eb)).unwrap();
     assert_eq!(ev, EVENT_TRANSPORT_RESET);
     assert_ne!(h.read(reg::VIRTIO_MMIO_INTERRUPT_STATUS) & 1, 0);
-    // The guest's listening port still works through the restored device.
-    let (_s2, _hport, _gc2) = host_connect(&mut h, 52, b"");
+    // The guest's listening port still works through the restored device, from a host
+    // port its guest cannot hold from before the snapshot (every device counts from the
+    // base; the guest may not have taken the reset yet).
+    let (_s2, hport, _gc2) = host_connect(&mut h, 52, b"");
+    assert!(
+        hport > LOCAL_PORT_BASE && hport <= LOCAL_PORT_BASE + (1 << 29),
+        "restored device's first host port {hport}"
+    );
 }
 
 /// Checks the device still serves a new guest connection: a listener on a fresh host port,

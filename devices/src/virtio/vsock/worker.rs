@@ -98,6 +98,22 @@ pub struct VsockWorker {
     log: LogLimiter,
 }
 
+/// Where a restored device starts counting its host ports: not at [`LOCAL_PORT_BASE`],
+/// where every device starts and so where the ports of the connections its guest held at
+/// the snapshot lie. Until the guest has taken the transport reset, it still holds those:
+/// a connection request from one of their ports meets an established connection and is
+/// answered with a reset (by Linux's driver and the test guest alike), and the host's
+/// client must retry (seen here: every first connection to one restored snapshot ~100 ms
+/// late). A random start among 2^29 ports keeps clear of them.
+fn restored_port_start() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    // Keys drawn from the OS's randomness once per thread, then stepped: no system call.
+    let r = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    LOCAL_PORT_BASE + 1 + (r as u32 & ((1 << 29) - 1))
+}
+
 impl VsockWorker {
     /// A worker for an activated device.
     /// Logs guest-triggered warnings through `log` (the device's, shared by its workers).
@@ -138,9 +154,13 @@ impl VsockWorker {
         })
     }
 
-    /// Sends the guest a transport reset first thing (a device restored from a snapshot).
+    /// Sends the guest a transport reset first thing (a device restored from a snapshot),
+    /// and counts host ports from [`restored_port_start`] then.
     pub(crate) fn with_transport_reset(mut self, reset: bool) -> Self {
         self.reset_transport = reset;
+        if reset {
+            self.next_local_port = restored_port_start();
+        }
         self
     }
 
