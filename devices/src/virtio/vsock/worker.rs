@@ -103,8 +103,8 @@ pub struct VsockWorker {
 /// the snapshot lie. Until the guest has taken the transport reset, it still holds those:
 /// a connection request from one of their ports meets an established connection and is
 /// answered with a reset (by Linux's driver and the test guest alike), and the host's
-/// client must retry (seen here: every first connection to one restored snapshot ~100 ms
-/// late). A random start among 2^29 ports keeps clear of them.
+/// client must retry (its retry waits 100 ms). A random start among 2^29 ports keeps clear
+/// of them.
 fn restored_port_start() -> u32 {
     use std::hash::{BuildHasher, Hasher};
     // Keys drawn from the OS's randomness once per thread, then stepped: no system call.
