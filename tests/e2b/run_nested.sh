@@ -58,11 +58,13 @@ until grep -a -q NESTED-E2B-READY "$LOG" 2>/dev/null; do
     fi
     watched=${NESTED_PID:-${CLADE_NESTED_PID:-}}
     if [ -n "$watched" ] && ! kill -0 "$watched" 2>/dev/null; then
-        echo "the nested machine ended before its service was ready (see $LOG)"
+        echo "the nested machine ended before its service was ready; the end of $LOG:"
+        tail -n 60 "$LOG" 2>/dev/null || true
         exit 1
     fi
     if [ $((SECONDS - t0)) -gt "$READY_TIMEOUT" ]; then
-        echo "timed out waiting for NESTED-E2B-READY in $LOG"
+        echo "timed out waiting for NESTED-E2B-READY in $LOG; its end:"
+        tail -n 60 "$LOG" 2>/dev/null || true
         exit 1
     fi
     sleep 2

@@ -87,17 +87,30 @@ start_serve() {
     done
 }
 trap 'fail "interrupted"' INT TERM
+# A trap runs only once the shell's foreground command has ended: every step that waits on
+# the service or a VM is bounded here (STEP_LIMIT seconds), so a hung one fails this
+# scenario with the service's log instead of outliving suite.sh's timeout.
+STEP_LIMIT=600
 
 # octal NUMBER: the byte NUMBER (0-255) as a printf escape.
 octal() { printf '\\%03o' "$1"; }
 # http_raw REQUEST OUT: sends the file REQUEST (a whole HTTP/1.1 request with
 # `Connection: close`) to the service with nc, the answer into OUT. (busybox wget posts
 # text only: it stops at the first NUL.) nc ends when the service closes; its input is
-# kept open meanwhile.
+# kept open meanwhile. Fails if the service has not closed within STEP_LIMIT seconds.
 http_raw() {
     rm -f /tmp/http.done
     ( { cat "$1"; sleep 3600; } | { nc 127.0.0.1 "$PORT" >"$2"; touch /tmp/http.done; } ) &
-    until [ -f /tmp/http.done ]; do usleep 10000; done
+    i=0
+    until [ -f /tmp/http.done ]; do
+        i=$((i + 1))
+        if [ "$i" -gt $((STEP_LIMIT * 100)) ]; then
+            killall nc sleep 2>/dev/null
+            echo "http_raw $1: no end of the answer in ${STEP_LIMIT} s ($(wc -c <"$2") bytes)"
+            return 1
+        fi
+        usleep 10000
+    done
     killall sleep 2>/dev/null
     return 0
 }
@@ -109,26 +122,26 @@ secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
 # ratio is the figure (times under TCG are not latencies).
 throughput() {
     n=33554432
-    out=$(wget -q -O - --header "X-API-KEY: $KEY" --header 'Content-Type: application/json' \
+    out=$(wget -q -T "$STEP_LIMIT" -O - --header "X-API-KEY: $KEY" --header 'Content-Type: application/json' \
         --post-data '{"templateID":"debian","timeout":900}' "http://127.0.0.1:$PORT/sandboxes") ||
-        return 1
+        { echo "create: no answer"; return 1; }
     id=$(echo "$out" | sed -n 's/.*"sandboxID":"\([^"]*\)".*/\1/p')
     vs="$STATE/sandboxes/$id/vm.vsock"
     head -c "$n" /dev/urandom >/tmp/blob
     want=$(sha256sum /tmp/blob | cut -d' ' -f1)
 
     t0=$(uptime_s)
-    $CLADE cp /tmp/blob "$vs:/root/blob-cp" || return 1
+    timeout "$STEP_LIMIT" $CLADE cp /tmp/blob "$vs:/root/blob-cp" || { echo "clade cp failed"; return 1; }
     t1=$(uptime_s)
     printf 'POST /files?path=/root/blob-dp&username=root HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/octet-stream\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
         "$id" "$n" >/tmp/up.req
     cat /tmp/blob >>/tmp/up.req
     t2=$(uptime_s)
-    http_raw /tmp/up.req /tmp/up.resp
+    http_raw /tmp/up.req /tmp/up.resp || return 1
     t3=$(uptime_s)
     head -n 1 /tmp/up.resp | grep -q ' 200 ' || { head -c 400 /tmp/up.resp; return 1; }
     for f in blob-cp blob-dp; do
-        got=$($CLADE exec "$vs" -- sha256sum "/root/$f" | cut -d' ' -f1)
+        got=$(timeout "$STEP_LIMIT" $CLADE exec "$vs" -- sha256sum "/root/$f" | cut -d' ' -f1)
         [ "$got" = "$want" ] || { echo "upload $f: checksum $got, want $want"; return 1; }
     done
     echo "SDK-THROUGHPUT upload 32 MiB: clade cp $(secs "$t0" "$t1") s, data plane $(secs "$t2" "$t3") s, ratio $(awk -v a="$(secs "$t0" "$t1")" -v b="$(secs "$t2" "$t3")" 'BEGIN { printf "%.2f", b / a }')"
@@ -146,9 +159,10 @@ throughput() {
         printf '%s' "$cmd"
     } >/tmp/start.req
     t0=$(uptime_s)
-    $CLADE exec "$vs" -- head -c "$n" /dev/zero >/tmp/exec.out || return 1
+    timeout "$STEP_LIMIT" $CLADE exec "$vs" -- head -c "$n" /dev/zero >/tmp/exec.out ||
+        { echo "clade exec failed"; return 1; }
     t1=$(uptime_s)
-    http_raw /tmp/start.req /tmp/start.resp
+    http_raw /tmp/start.req /tmp/start.resp || return 1
     t2=$(uptime_s)
     got=$(wc -c </tmp/exec.out)
     [ "$got" = "$n" ] || { echo "clade exec gave $got bytes"; return 1; }
@@ -156,7 +170,7 @@ throughput() {
     [ "$got" -gt "$n" ] || { echo "the data plane's stream has $got bytes"; head -c 400 /tmp/start.resp; return 1; }
     echo "SDK-THROUGHPUT stdout 32 MiB: clade exec $(secs "$t0" "$t1") s, data plane $(secs "$t1" "$t2") s, ratio $(awk -v a="$(secs "$t0" "$t1")" -v b="$(secs "$t1" "$t2")" 'BEGIN { printf "%.2f", b / a }')"
     printf 'DELETE /sandboxes/%s HTTP/1.1\r\nHost: sdk\r\nX-API-KEY: %s\r\nConnection: close\r\n\r\n' "$id" "$KEY" >/tmp/del.req
-    http_raw /tmp/del.req /tmp/del.resp
+    http_raw /tmp/del.req /tmp/del.resp || return 1
     rm -f /tmp/blob /tmp/up.req /tmp/up.resp /tmp/exec.out /tmp/start.resp
 }
 
@@ -197,7 +211,7 @@ WORLD_DNS=$!
 echo "SDK-WORLD 10.99.0.2 10.99.0.3 port 8000, DNS 10.99.0.4"
 
 t0=$(uptime_s)
-$CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
+timeout "$STEP_LIMIT" $CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
     --initrd /guest/initrd.cpio --disk "$BASE" --mem-mib 256 --vcpus 1 --agent-timeout 240 \
     --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
     --run 'echo made-by-the-template > /root/template.txt' || fail "template build"
