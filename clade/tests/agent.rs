@@ -506,6 +506,33 @@ fn cli_exec_streams_forwards_stdin_and_exits_with_the_code() {
     stdout.read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "term\n");
     assert_eq!(child.wait().unwrap().code(), Some(9));
+
+    // A command that ignores SIGTERM: clade exec leaves it after its grace period, with
+    // 128 + SIGTERM, rather than outlive a `timeout` around it.
+    let mut child = clade()
+        .args(["exec", s, "--", "sh", "-c"])
+        .arg("trap '' TERM; echo up; exec sleep 60")
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut up = [0u8; 3];
+    stdout.read_exact(&mut up).unwrap();
+    assert_eq!(&up, b"up\n");
+    let t = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + libc::SIGTERM));
+    assert!(
+        (std::time::Duration::from_secs(4)..std::time::Duration::from_secs(30))
+            .contains(&t.elapsed()),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("did not end"));
 }
 
 #[test]

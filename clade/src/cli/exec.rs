@@ -99,6 +99,11 @@ fn parse_user(s: &str) -> Result<(u32, Option<u32>), String> {
 
 /// Signal caught by clade, to forward to the command (0: none).
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// How long the command may take to end after a SIGTERM or SIGHUP was forwarded to it;
+/// then `clade exec` ends itself (exit status 128 + the signal), so that `timeout`, a
+/// supervisor or a closed terminal ends it even when the guest no longer answers. (SIGINT
+/// is only forwarded: a command may catch it and go on.)
+const SIGNAL_GRACE: Duration = Duration::from_secs(5);
 static WINDOW_CHANGED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_forward_signal(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
@@ -232,16 +237,35 @@ pub fn exec(args: ExecArgs) -> anyhow::Result<u8> {
 
     let handle = exec.handle();
     let tty = args.tty;
+    // The terminal's settings, for an exit from the signal thread (see SIGNAL_GRACE).
+    let terminal = _raw.as_ref().map(|r| (r.fd, r.saved));
     let done = std::sync::Arc::new(AtomicBool::new(false));
     let done2 = done.clone();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
+            let mut ending: Option<(i32, std::time::Instant)> = None;
             while !done2.load(Ordering::SeqCst) {
                 let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
                 if sig != 0 {
                     if let Err(e) = handle.signal_group(sig) {
                         tracing::debug!("forward signal {sig}: {e}");
+                    }
+                    if ending.is_none() && (sig == libc::SIGTERM || sig == libc::SIGHUP) {
+                        ending = Some((sig, std::time::Instant::now()));
+                    }
+                }
+                if let Some((sig, since)) = ending {
+                    if since.elapsed() > SIGNAL_GRACE && !done2.load(Ordering::SeqCst) {
+                        if let Some((fd, saved)) = terminal {
+                            // SAFETY: restores the termios saved from this fd.
+                            unsafe { libc::tcsetattr(fd, libc::TCSANOW, &saved) };
+                        }
+                        eprintln!(
+                            "clade exec: the command did not end within {SIGNAL_GRACE:?} of \
+                             signal {sig}; leaving it"
+                        );
+                        std::process::exit(128 + sig);
                     }
                 }
                 if tty && WINDOW_CHANGED.swap(false, Ordering::SeqCst) {

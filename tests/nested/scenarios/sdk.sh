@@ -63,8 +63,18 @@ cleanup() {
     [ -n "$WORLD" ] && kill "$WORLD" 2>/dev/null
     [ -n "$WORLD_DNS" ] && kill "$WORLD_DNS" 2>/dev/null
 }
+# dump_threads: where each thread of the service and its VM processes waits (for a hang).
+dump_threads() {
+    for p in $(vm_pids); do
+        echo "---- pid $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-100) ----"
+        for t in /proc/"$p"/task/*; do
+            echo "  $(cat "$t/comm" 2>/dev/null) $(cut -d' ' -f3 "$t/stat" 2>/dev/null) $(cat "$t/wchan" 2>/dev/null)"
+        done
+    done
+}
 fail() {
     echo "SDK-SCENARIO-FAIL $*"
+    dump_threads
     [ -f "$LOG" ] && { echo "---- $LOG (tail) ----"; tail -n 40 "$LOG"; }
     for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
         "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log; do
@@ -101,10 +111,12 @@ octal() { printf '\\%03o' "$1"; }
 http_raw() {
     rm -f /tmp/http.done
     ( { cat "$1"; sleep 3600; } | { nc 127.0.0.1 "$PORT" >"$2"; touch /tmp/http.done; } ) &
+    t0=$(uptime_s)
     i=0
     until [ -f /tmp/http.done ]; do
         i=$((i + 1))
-        if [ "$i" -gt $((STEP_LIMIT * 100)) ]; then
+        # The clock every second or so (a loop pass takes longer than 10 ms under TCG).
+        if [ $((i % 100)) = 0 ] && [ "$(secs "$t0" "$(uptime_s)" | cut -d. -f1)" -gt "$STEP_LIMIT" ]; then
             killall nc sleep 2>/dev/null
             echo "http_raw $1: no end of the answer in ${STEP_LIMIT} s ($(wc -c <"$2") bytes)"
             return 1
@@ -122,7 +134,7 @@ secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
 # ratio is the figure (times under TCG are not latencies).
 throughput() {
     n=33554432
-    out=$(wget -q -T "$STEP_LIMIT" -O - --header "X-API-KEY: $KEY" --header 'Content-Type: application/json' \
+    out=$(timeout -s KILL "$STEP_LIMIT" wget -q -O - --header "X-API-KEY: $KEY" --header 'Content-Type: application/json' \
         --post-data '{"templateID":"debian","timeout":900}' "http://127.0.0.1:$PORT/sandboxes") ||
         { echo "create: no answer"; return 1; }
     id=$(echo "$out" | sed -n 's/.*"sandboxID":"\([^"]*\)".*/\1/p')
@@ -131,7 +143,7 @@ throughput() {
     want=$(sha256sum /tmp/blob | cut -d' ' -f1)
 
     t0=$(uptime_s)
-    timeout "$STEP_LIMIT" $CLADE cp /tmp/blob "$vs:/root/blob-cp" || { echo "clade cp failed"; return 1; }
+    timeout -s KILL "$STEP_LIMIT" $CLADE cp /tmp/blob "$vs:/root/blob-cp" || { echo "clade cp failed"; return 1; }
     t1=$(uptime_s)
     printf 'POST /files?path=/root/blob-dp&username=root HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/octet-stream\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
         "$id" "$n" >/tmp/up.req
@@ -141,7 +153,7 @@ throughput() {
     t3=$(uptime_s)
     head -n 1 /tmp/up.resp | grep -q ' 200 ' || { head -c 400 /tmp/up.resp; return 1; }
     for f in blob-cp blob-dp; do
-        got=$(timeout "$STEP_LIMIT" $CLADE exec "$vs" -- sha256sum "/root/$f" | cut -d' ' -f1)
+        got=$(timeout -s KILL "$STEP_LIMIT" $CLADE exec "$vs" -- sha256sum "/root/$f" | cut -d' ' -f1)
         [ "$got" = "$want" ] || { echo "upload $f: checksum $got, want $want"; return 1; }
     done
     echo "SDK-THROUGHPUT upload 32 MiB: clade cp $(secs "$t0" "$t1") s, data plane $(secs "$t2" "$t3") s, ratio $(awk -v a="$(secs "$t0" "$t1")" -v b="$(secs "$t2" "$t3")" 'BEGIN { printf "%.2f", b / a }')"
@@ -159,7 +171,7 @@ throughput() {
         printf '%s' "$cmd"
     } >/tmp/start.req
     t0=$(uptime_s)
-    timeout "$STEP_LIMIT" $CLADE exec "$vs" -- head -c "$n" /dev/zero >/tmp/exec.out ||
+    timeout -s KILL "$STEP_LIMIT" $CLADE exec "$vs" -- head -c "$n" /dev/zero >/tmp/exec.out ||
         { echo "clade exec failed"; return 1; }
     t1=$(uptime_s)
     http_raw /tmp/start.req /tmp/start.resp || return 1
@@ -211,7 +223,7 @@ WORLD_DNS=$!
 echo "SDK-WORLD 10.99.0.2 10.99.0.3 port 8000, DNS 10.99.0.4"
 
 t0=$(uptime_s)
-timeout "$STEP_LIMIT" $CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
+timeout -s KILL "$STEP_LIMIT" $CLADE template build debian --state-dir "$STATE" --kernel /guest/vmlinuz --net \
     --initrd /guest/initrd.cpio --disk "$BASE" --mem-mib 256 --vcpus 1 --agent-timeout 240 \
     --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
     --run 'echo made-by-the-template > /root/template.txt' || fail "template build"

@@ -83,6 +83,12 @@ pub const MAX_REQUEST_FDS: usize = 4;
 pub const MAX_CONNECTIONS: usize = 32;
 /// A connection that sends nothing for this long is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an [`ApiClient`] waits for the answer to a request that does no work that
+/// grows with the VM (status, pause, unpause, shutdown).
+pub const QUICK_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an [`ApiClient`] waits for the answer to a snapshot, fork, restore or preload:
+/// work that grows with the VM's memory, its children and the disk's speed.
+pub const WORK_ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A control request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,6 +135,23 @@ pub enum Request {
         /// The snapshot directory (absolute, no `..`).
         snapshot: PathBuf,
     },
+}
+
+impl Request {
+    /// How long a client waits for this request's answer: a VM process that has not
+    /// answered by then is taken as wedged (its caller ends it) rather than waited on
+    /// forever.
+    pub fn answer_timeout(&self) -> Duration {
+        match self {
+            Request::Status | Request::Pause | Request::Unpause | Request::Shutdown => {
+                QUICK_ANSWER_TIMEOUT
+            }
+            Request::Snapshot { .. }
+            | Request::Fork { .. }
+            | Request::Restore(_)
+            | Request::Preload { .. } => WORK_ANSWER_TIMEOUT,
+        }
+    }
 }
 
 /// What a VM is restored from and where its files go: the options of `clade restore`, as
@@ -865,6 +888,9 @@ impl LineReader {
 /// A client of a VM's API socket.
 pub struct ApiClient {
     stream: BufReader<UnixStream>,
+    /// Replaces [`Request::answer_timeout`] for every request (see
+    /// [`ApiClient::set_answer_timeout`]).
+    answer_timeout: Option<Duration>,
 }
 
 impl ApiClient {
@@ -876,7 +902,13 @@ impl ApiClient {
         })?;
         Ok(Self {
             stream: BufReader::new(stream),
+            answer_timeout: None,
         })
+    }
+
+    /// Waits at most `limit` for each answer from now on, whatever the request.
+    pub fn set_answer_timeout(&mut self, limit: Duration) {
+        self.answer_timeout = Some(limit);
     }
 
     /// Sends `request` and waits for the response.
@@ -886,9 +918,17 @@ impl ApiClient {
 
     /// Sends `request` with descriptors `fds` (`SCM_RIGHTS`, at most
     /// [`MAX_REQUEST_FDS`]; the server gets duplicates, these stay the caller's) and waits
-    /// for the response.
+    /// for the response, at most [`Request::answer_timeout`] (or the limit set with
+    /// [`ApiClient::set_answer_timeout`]).
     pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<Response> {
         use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let limit = self
+            .answer_timeout
+            .unwrap_or_else(|| request.answer_timeout());
+        let sock = self.stream.get_ref();
+        sock.set_read_timeout(Some(limit))
+            .and_then(|()| sock.set_write_timeout(Some(limit)))
+            .map_err(io_err("setting the API socket's timeouts"))?;
         let mut line = serde_json::to_string(request)
             .map_err(|e| Error::Config(format!("encoding request: {e}")))?;
         line.push('\n');
@@ -921,7 +961,17 @@ impl ApiClient {
         let mut answer = String::new();
         self.stream
             .read_line(&mut answer)
-            .map_err(io_err("reading an API response"))?;
+            .map_err(|source| Error::Io {
+                context: if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) {
+                    "no API response in the request's time limit (the VM process is wedged?)"
+                } else {
+                    "reading an API response"
+                },
+                source,
+            })?;
         serde_json::from_str(&answer).map_err(|e| Error::Config(format!("bad API response: {e}")))
     }
 }
@@ -964,6 +1014,33 @@ mod tests {
         let server = owner.join().unwrap();
         drop(server);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    #[test]
+    fn a_request_nobody_answers_fails_within_its_time_limit() {
+        assert_eq!(Request::Pause.answer_timeout(), QUICK_ANSWER_TIMEOUT);
+        assert_eq!(
+            Request::Fork {
+                count: 1,
+                prefix: None,
+                agent_sync: true,
+                nets: vec![]
+            }
+            .answer_timeout(),
+            WORK_ANSWER_TIMEOUT
+        );
+        let path = std::env::temp_dir().join(format!("clade-api-mute-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        // A wedged VM process: its socket takes connections and reads, but never answers.
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let mut c = ApiClient::connect(&path).unwrap();
+        let (_held, _) = listener.accept().unwrap();
+        c.set_answer_timeout(Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        let e = c.call(&Request::Shutdown).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(e.to_string().contains("time limit"), "{e}");
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
