@@ -113,38 +113,62 @@ else
         echo "nested scenarios disk, fork, jail, net, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
         failed=$((failed + 5))
     fi
-    expects=()
-    for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
-    rm -f "$NESTED_OUT/nested.log"
-    # The whole suite takes about 800 s here; 1800 s bounds a hung one well inside CI's hour.
-    NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 1800 \
-        --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
-        "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
-    nested_pid=$!
-    if [[ " ${SCENARIOS[*]} " == *" sdk "* ]]; then
-        echo "== the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
-        if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$NESTED_OUT/nested.log" -p no:cacheprovider \
-            2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
-            n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}' || true)
-            passed=$((passed + ${n:-0}))
-            echo "e2b SDK linux suite: PASS (${n:-0} tests)"
-        else
-            n=$(pytest_failed "$REPO_ROOT/target/e2b-linux.log")
-            failed=$((failed + ${n:-1}))
-            echo "e2b SDK linux suite: FAIL"
+    # nested_run: boots the nested machine once (every scenario) with the SDK suite beside
+    # it; counts into nested_passed / nested_failed.
+    nested_run() {
+        nested_passed=0
+        nested_failed=0
+        local expects=() s line n
+        for s in "${SCENARIOS[@]}"; do expects+=(--expect "^NESTED-SCENARIO $s PASS"); done
+        rm -f "$NESTED_OUT/nested.log"
+        # The whole suite takes about 800 s here; 1800 s bounds a hung one well inside CI's
+        # hour.
+        NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout 1800 \
+            --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
+            "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
+        local nested_pid=$!
+        if [[ " ${SCENARIOS[*]} " == *" sdk "* ]]; then
+            echo "== the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
+            if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$NESTED_OUT/nested.log" -p no:cacheprovider \
+                2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
+                n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}' || true)
+                nested_passed=$((nested_passed + ${n:-0}))
+                echo "e2b SDK linux suite: PASS (${n:-0} tests)"
+            else
+                n=$(pytest_failed "$REPO_ROOT/target/e2b-linux.log")
+                nested_failed=$((nested_failed + ${n:-1}))
+                echo "e2b SDK linux suite: FAIL"
+            fi
         fi
+        wait "$nested_pid" || true
+        cat "$NESTED_OUT/suite.out"
+        for s in "${SCENARIOS[@]}"; do
+            line=$(grep -a -m1 -E "^\[ *[0-9.]+\] NESTED-SCENARIO $s (PASS|FAIL)" \
+                "$NESTED_OUT/nested.log" 2>/dev/null | sed -E 's/^\[ *[0-9.]+\] //' || true)
+            case "$line" in
+            *" PASS"*) nested_passed=$((nested_passed + 1)) ;;
+            *) nested_failed=$((nested_failed + 1)) ;;
+            esac
+            echo "nested scenario $s: ${line:-NESTED-SCENARIO $s: no result (see $NESTED_OUT/nested.log)}"
+        done
+    }
+    nested_run
+    # The nested machine's own kernel (QEMU TCG emulating SVM, L1) has been seen to stop
+    # for minutes inside a nested guest's VMRUN: its console then says "soft lockup" on its
+    # vCPU thread, a fault of the emulation below clade, not of what is tested. A run that
+    # failed with one is set aside (its logs kept as *-lockup.*) and the tier runs once more,
+    # if there is time left in CI's hour; its result is the one counted.
+    if [ "$nested_failed" -gt 0 ] && grep -a -q "soft lockup" "$NESTED_OUT/nested.log" &&
+        [ "$SECONDS" -lt 2000 ]; then
+        echo "== the nested machine's kernel reported a soft lockup in this run:"
+        grep -a "soft lockup" "$NESTED_OUT/nested.log"
+        echo "== its results ($nested_passed passed, $nested_failed failed) are set aside; the nested tier runs again"
+        cp "$NESTED_OUT/nested.log" "$NESTED_OUT/nested-lockup.log"
+        cp "$REPO_ROOT/target/e2b-linux.log" "$REPO_ROOT/target/e2b-linux-lockup.log" 2>/dev/null || true
+        nested_run
     fi
-    wait "$nested_pid" || true
-    cat "$NESTED_OUT/suite.out"
-    for s in "${SCENARIOS[@]}"; do
-        line=$(grep -a -m1 -E "^\[ *[0-9.]+\] NESTED-SCENARIO $s (PASS|FAIL)" \
-            "$NESTED_OUT/nested.log" 2>/dev/null | sed -E 's/^\[ *[0-9.]+\] //' || true)
-        case "$line" in
-        *" PASS"*) passed=$((passed + 1)) ;;
-        *) failed=$((failed + 1)) ;;
-        esac
-        echo "nested scenario $s: ${line:-NESTED-SCENARIO $s: no result (see $NESTED_OUT/nested.log)}"
-    done
+    passed=$((passed + nested_passed))
+    failed=$((failed + nested_failed))
 fi
 echo "all tiers: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -111,12 +111,13 @@ octal() { printf '\\%03o' "$1"; }
 http_raw() {
     rm -f /tmp/http.done
     ( { cat "$1"; sleep 3600; } | { nc 127.0.0.1 "$PORT" >"$2"; touch /tmp/http.done; } ) &
-    t0=$(uptime_s)
+    # (Shell variables are global: not t0, which the caller times with.)
+    http_t0=$(uptime_s)
     i=0
     until [ -f /tmp/http.done ]; do
         i=$((i + 1))
         # The clock every second or so (a loop pass takes longer than 10 ms under TCG).
-        if [ $((i % 100)) = 0 ] && [ "$(secs "$t0" "$(uptime_s)" | cut -d. -f1)" -gt "$STEP_LIMIT" ]; then
+        if [ $((i % 100)) = 0 ] && [ "$(secs "$http_t0" "$(uptime_s)" | cut -d. -f1)" -gt "$STEP_LIMIT" ]; then
             killall nc sleep 2>/dev/null
             echo "http_raw $1: no end of the answer in ${STEP_LIMIT} s ($(wc -c <"$2") bytes)"
             return 1

@@ -52,5 +52,14 @@ for f in /scenarios/*.sh; do
     limit=$(sed -n 's/^# scenario-timeout: \([0-9][0-9]*\)$/\1/p' "$f" | head -n 1)
     timeout "${limit:-$SCENARIO_TIMEOUT}" sh "$f"
     result "$name" "$?" "$t0"
+    # A scenario ended by its timeout leaves what it started running: VM processes would
+    # take the CPU (this machine has one) and files from the scenarios after it.
+    left=$(pidof clade)
+    if [ -n "$left" ]; then
+        echo "NESTED-SCENARIO $name left clade processes running: $left; killing them"
+        # shellcheck disable=SC2086  # a list of pids
+        kill -9 $left 2>/dev/null
+        sleep 1
+    fi
 done
 exit "$failed"
