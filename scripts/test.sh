@@ -153,9 +153,10 @@ else
         done
     }
     nested_run
-    # The nested machine's own kernel (QEMU TCG emulating SVM, L1) has been seen to stop
-    # for minutes inside a nested guest's VMRUN: its console then says "soft lockup" on its
-    # vCPU thread, a fault of the emulation below clade, not of what is tested. A run that
+    # The nested machine's own kernel (L1, under QEMU TCG emulating SVM) has been seen to
+    # stop for minutes while running a nested guest: its console then says "soft lockup" on
+    # a vCPU thread, a fault below clade (L1's KVM or the emulation), not of what is
+    # tested. A run that
     # failed with one is set aside (its logs kept as *-lockup.*) and the tier runs once more,
     # if there is time left in CI's hour; its result is the one counted.
     if [ "$nested_failed" -gt 0 ] && grep -a -q "soft lockup" "$NESTED_OUT/nested.log" &&
