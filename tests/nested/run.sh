@@ -8,6 +8,10 @@
 #
 # Usage: tests/nested/run.sh [options] [-- extra qemu-system-x86_64 arguments]
 #   --timeout SECONDS   host timeout for the outer VM (default 600; env NESTED_TIMEOUT)
+#   --stall SECONDS     end the outer VM early when its console has printed nothing for
+#                       SECONDS (default 0: never; env NESTED_STALL). The L1 test must print
+#                       now and then (suite.sh prints a heartbeat line every 30 s); the log
+#                       of a machine so ended has a `NESTED-STALL` line at its end
 #   --skip-build        reuse build/nested/outer.cpio as it is (env NESTED_SKIP_BUILD=1)
 #   --l1-test FILE      run FILE in the outer VM instead of the clade command (NESTED_L1_TEST)
 #   --standin qemu      run QEMU/KVM instead of clade in the outer VM (NESTED_STANDIN)
@@ -31,6 +35,7 @@ set -euo pipefail
 usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; }
 
 TIMEOUT=${NESTED_TIMEOUT:-600}
+STALL=${NESTED_STALL:-0}
 SKIP_BUILD=${NESTED_SKIP_BUILD:-0}
 EXPECT=()
 QEMU_EXTRA=()
@@ -39,6 +44,7 @@ FORWARDS=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
+    --stall) STALL=${2:?--stall needs a value}; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --l1-test) export NESTED_L1_TEST=${2:?--l1-test needs a file}; shift 2 ;;
     --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
@@ -54,6 +60,7 @@ if [ ${#EXPECT[@]} -eq 0 ]; then
     EXPECT=('CLADE-GUEST-READY kernel=' '^CLADE-EXIT 0$')
 fi
 case "$TIMEOUT" in '' | *[!0-9]*) die "timeout must be a number of seconds, got '$TIMEOUT'" ;; esac
+case "$STALL" in '' | *[!0-9]*) die "stall must be a number of seconds, got '$STALL'" ;; esac
 # The inner (L1) timeout must fire first so a hung clade still gives CLADE-EXIT and the
 # outer VM's log; leave time for the outer boot.
 if [ -z "${NESTED_L1_TIMEOUT:-}" ]; then
@@ -128,11 +135,46 @@ stamp() {
     done
 }
 
+# stall_watch: ends the outer VM (through its `timeout`, a child of this shell) when the
+# console log has not grown for $STALL seconds. The outer kernel has been seen to stop for
+# minutes under TCG (its one vCPU runs nothing, so no timeout inside it fires); waiting out
+# --timeout then would leave no time to run the tier again.
+stall_watch() {
+    local parent=$1 size last_size=-1 last_t=$SECONDS
+    while sleep 10; do
+        size=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
+        if [ "$size" != "$last_size" ]; then
+            last_size=$size
+            last_t=$SECONDS
+        elif [ $((SECONDS - last_t)) -ge "$STALL" ]; then
+            printf 'NESTED-STALL: the outer VM printed nothing for %s s; ending it\n' \
+                "$((SECONDS - last_t))" | tee "$STALL_NOTE" >&2
+            pkill -TERM -P "$parent" -x timeout || true
+            return
+        fi
+    done
+}
+
 T_QEMU0=$(now)
+# The watcher's verdict, added to the log once QEMU's own last lines are in it.
+STALL_NOTE="$NESTED_OUT/stall-note"
+rm -f "$STALL_NOTE"
+WATCH_PID=""
+if [ "$STALL" -gt 0 ]; then
+    stall_watch "$$" &
+    WATCH_PID=$!
+fi
 set +e
 timeout --kill-after=10 "$TIMEOUT" "${QEMU[@]}" </dev/null 2>&1 | stamp "${EPOCHREALTIME/./}" | tee "$LOG"
 QEMU_RC=${PIPESTATUS[0]}
 set -e
+if [ -n "$WATCH_PID" ]; then
+    kill "$WATCH_PID" 2>/dev/null || true
+    wait "$WATCH_PID" 2>/dev/null || true
+    if [ -f "$STALL_NOTE" ]; then
+        cat "$STALL_NOTE" >>"$LOG"
+    fi
+fi
 T_QEMU1=$(now)
 
 # --- verdict ---------------------------------------------------------------------------
@@ -157,6 +199,7 @@ printf 'wall: build=%ss  qemu_run=%ss  total=%ss  (qemu rc=%s%s)\n' \
     "$(elapsed "$T_BUILD0" "$T_BUILD1")" "$(elapsed "$T_QEMU0" "$T_QEMU1")" \
     "$(elapsed "$T_BUILD0" "$T_QEMU1")" "$QEMU_RC" \
     "$([ "$QEMU_RC" = 124 ] || [ "$QEMU_RC" = 137 ] && echo ", TIMED OUT after ${TIMEOUT}s")"
+if [ -f "$STALL_NOTE" ]; then cat "$STALL_NOTE"; fi
 echo "since qemu start: L1 init=$(at NESTED-L1-INIT) kvm ready=$(at NESTED-KVM-READY)" \
     "guest ready=$(at CLADE-GUEST-READY) clade exit=$(at '^\[ *[0-9.]+\] CLADE-EXIT')" \
     "L1 done=$(at NESTED-L1-DONE)"

@@ -24,6 +24,11 @@
 SCENARIO_TIMEOUT=${SCENARIO_TIMEOUT:-300}
 failed=0
 
+# A line every 30 s while the suite runs, so the host (run.sh --stall) can tell a machine
+# that has stopped from a scenario that is quietly working.
+(while sleep 30; do echo "NESTED-HEARTBEAT $(cut -d' ' -f1 /proc/uptime)"; done) &
+heartbeat=$!
+
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
 
 # result NAME RC T0: the scenario's verdict line.
@@ -62,4 +67,5 @@ for f in /scenarios/*.sh; do
         sleep 1
     fi
 done
+kill "$heartbeat" 2>/dev/null
 exit "$failed"
