@@ -287,7 +287,7 @@ pub(crate) fn log_tail(log: &Path) -> String {
 /// has not ended. A process whose main thread ended shows as a zombie (with an empty command
 /// line) while its other threads still run or are still ending, and its files (a VM's
 /// TAP, which another process can open only once it is closed) are closed by the last of
-/// them: so each thread is looked at, not only the main one.
+/// them: so each thread is looked at, not only the main one (see [`thread_alive`]).
 pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
@@ -295,13 +295,41 @@ pub fn process_alive(pid: i32, api_sock: &Path) -> bool {
     let want = api_sock.as_os_str().as_encoded_bytes();
     tasks.flatten().any(|task| {
         let dir = task.path();
-        let live = std::fs::read_to_string(dir.join("stat")).is_ok_and(|stat| {
-            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-            !(state.starts_with('Z') || state.starts_with('X'))
-        });
-        live && std::fs::read(dir.join("cmdline"))
-            .is_ok_and(|cmdline| cmdline.split(|b| *b == 0).any(|arg| arg == want))
+        let Ok(stat) = std::fs::read_to_string(dir.join("stat")) else {
+            return false;
+        };
+        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+        thread_alive(&stat, &cmdline, want)
     })
+}
+
+/// The kernel's `PF_EXITING` and `PF_KTHREAD` task flags (`include/linux/sched.h`).
+const PF_EXITING: u64 = 0x4;
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// One thread of [`process_alive`], from its `/proc/PID/task/TID/stat` and `cmdline`: not a
+/// zombie, and either its command line names the API socket (`want`) or it is a user
+/// thread on its way out (`PF_EXITING`). An exiting thread releases its memory before its
+/// files, so for a while its command line reads empty although it still holds the VM's
+/// TAP; a process that took the pid since would have to be exiting at that very moment to
+/// be mistaken for the VM, and is then gone a moment later.
+fn thread_alive(stat: &str, cmdline: &[u8], want: &[u8]) -> bool {
+    // The fields after the command name, which may itself hold ')'.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next().unwrap_or("Z");
+    if state.starts_with('Z') || state.starts_with('X') {
+        return false;
+    }
+    // state, ppid, pgrp, session, tty_nr, tpgid, flags.
+    let flags = fields
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    cmdline.split(|b| *b == 0).any(|arg| arg == want)
+        || (flags & PF_EXITING != 0 && flags & PF_KTHREAD == 0)
 }
 
 /// Puts the calling thread at idle priority (`SCHED_IDLE`: it runs on CPU time nothing else
@@ -597,6 +625,32 @@ mod tests {
         child.wait().unwrap();
         assert!(!process_alive(pid, Path::new("30")));
         assert!(!process_alive(-1, Path::new("30")));
+    }
+
+    /// A thread on its way out, its memory (and so its command line) already released,
+    /// is alive: it may still hold the VM's files. A zombie is not; nor is a kernel thread
+    /// or a live thread of another program.
+    #[test]
+    fn an_exiting_thread_with_no_command_line_is_alive() {
+        let want = b"/run/s/api.sock";
+        let stat = |state: &str, flags: u64| {
+            format!("4242 (vcpu 0) (x)) {state} 1 4242 4242 0 -1 {flags} 0 0 0 0 5 6 0 0 20 0 3")
+        };
+        let ours = b"clade\0run\0--api-sock\0/run/s/api.sock\0";
+        assert!(thread_alive(&stat("S", 0x40), ours, want));
+        assert!(thread_alive(&stat("R", 0x40 | PF_EXITING), b"", want));
+        assert!(thread_alive(&stat("D", PF_EXITING), b"", want));
+        assert!(!thread_alive(&stat("S", 0x40), b"", want));
+        assert!(!thread_alive(&stat("S", 0x40), b"other\0program\0", want));
+        assert!(!thread_alive(&stat("Z", PF_EXITING), ours, want));
+        assert!(!thread_alive(&stat("X", 0), ours, want));
+        assert!(!thread_alive(
+            &stat("I", PF_KTHREAD | PF_EXITING),
+            b"",
+            want
+        ));
+        assert!(!thread_alive("", ours, want));
+        assert!(!thread_alive("garbage", ours, want));
     }
 
     /// A process whose main thread ended while another runs on is alive (a zombie main
