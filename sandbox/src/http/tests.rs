@@ -70,6 +70,7 @@ async fn auth_is_required() {
     // Unknown paths need the key too, then are 404 with an error body.
     let (s, _, v) = call(&app, "GET", "/nope", None).await;
     assert_eq!((s, v["code"].clone()), (404, json!(404)));
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -180,6 +181,7 @@ async fn sandbox_life_over_http() {
     assert_eq!(v["code"], 404);
     let (s, _, _) = call(&app, "DELETE", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(s, 404);
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -228,6 +230,7 @@ async fn bad_input_gets_400_with_a_message() {
     assert_eq!(s, 404);
     let (s, _, _) = call(&app, "GET", "/sandboxes/..%2F..%2Fetc", None).await;
     assert_eq!(s, 404);
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -268,6 +271,7 @@ async fn lists_filter_by_metadata_and_page() {
         }
     }
     assert_eq!(seen.len(), 5);
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -312,6 +316,7 @@ async fn pages_stay_stable_when_sandboxes_come_and_go() {
         let (s, _, _) = call(&app, "GET", &format!("/v2/sandboxes?nextToken={bad}"), None).await;
         assert_eq!(s, 400, "{bad}");
     }
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -426,6 +431,7 @@ async fn snapshots_over_http() {
     )
     .await;
     assert_eq!(s, 400, "a deleted snapshot makes no sandboxes");
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -516,5 +522,6 @@ async fn logs_and_metrics_over_http() {
     assert_eq!(s, 200);
     assert_eq!(v[0]["cpuCount"], 2);
     assert_eq!(v[0]["memTotal"], 128 * 1024 * 1024);
+    drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
 }
