@@ -25,8 +25,12 @@ SCENARIO_TIMEOUT=${SCENARIO_TIMEOUT:-300}
 failed=0
 
 # A line every 30 s while the suite runs, so the host (run.sh --stall) can tell a machine
-# that has stopped from a scenario that is quietly working.
-(while sleep 30; do echo "NESTED-HEARTBEAT $(cut -d' ' -f1 /proc/uptime)"; done) &
+# that has stopped from a scenario that is quietly working. A scenario may kill every
+# `sleep` (sdk.sh's http_raw does): the loop goes on regardless (a line sooner).
+(while :; do
+    sleep 30
+    echo "NESTED-HEARTBEAT $(cut -d' ' -f1 /proc/uptime)"
+done) &
 heartbeat=$!
 
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
