@@ -891,6 +891,9 @@ pub struct ApiClient {
     /// Replaces [`Request::answer_timeout`] for every request (see
     /// [`ApiClient::set_answer_timeout`]).
     answer_timeout: Option<Duration>,
+    /// The limit the socket has now (set again only when a request needs another: two
+    /// system calls saved on each call of a standby's restore path).
+    applied_timeout: Option<Duration>,
 }
 
 impl ApiClient {
@@ -903,6 +906,7 @@ impl ApiClient {
         Ok(Self {
             stream: BufReader::new(stream),
             answer_timeout: None,
+            applied_timeout: None,
         })
     }
 
@@ -925,10 +929,13 @@ impl ApiClient {
         let limit = self
             .answer_timeout
             .unwrap_or_else(|| request.answer_timeout());
-        let sock = self.stream.get_ref();
-        sock.set_read_timeout(Some(limit))
-            .and_then(|()| sock.set_write_timeout(Some(limit)))
-            .map_err(io_err("setting the API socket's timeouts"))?;
+        if self.applied_timeout != Some(limit) {
+            let sock = self.stream.get_ref();
+            sock.set_read_timeout(Some(limit))
+                .and_then(|()| sock.set_write_timeout(Some(limit)))
+                .map_err(io_err("setting the API socket's timeouts"))?;
+            self.applied_timeout = Some(limit);
+        }
         let mut line = serde_json::to_string(request)
             .map_err(|e| Error::Config(format!("encoding request: {e}")))?;
         line.push('\n');
