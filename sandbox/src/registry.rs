@@ -492,17 +492,17 @@ impl Registry {
     /// The live snapshot `reference` means: the one with that id, else the newest with
     /// that name.
     pub fn resolve_snapshot(&self, reference: &str) -> Result<Option<SnapshotRecord>> {
-        let live: Vec<SnapshotRecord> = self
-            .all_snapshots()?
-            .into_iter()
-            .filter(|s| !s.deleted)
-            .collect();
-        let by_id = live.iter().position(|s| s.id == reference);
-        let by_name = || {
-            live.iter()
-                .position(|s| s.name.as_deref() == Some(reference))
-        };
-        Ok(by_id.or_else(by_name).map(|i| live[i].clone()))
+        // One row looked up (by the primary key, or by name among live ones): every
+        // create asks this, and reading every snapshot's row grew with their number.
+        let sql = format!(
+            "SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE deleted = 0 AND (id = ?1 OR name = ?1) \
+             ORDER BY id = ?1 DESC, created_ms DESC, id DESC LIMIT 1"
+        );
+        Ok(self
+            .db
+            .prepare_cached(&sql)?
+            .query_row([reference], snapshot_row)
+            .optional()?)
     }
 
     /// Live snapshots matching `q`, newest first, and whether more match after them.
@@ -759,6 +759,14 @@ pub(crate) mod tests {
             "snap-a"
         );
         assert_eq!(reg.resolve_snapshot("nope").unwrap(), None);
+        // An id wins over a newer snapshot named like it.
+        reg.insert_snapshot(&snap("snap-d", Some("snap-b"), "x2", 5))
+            .unwrap();
+        assert_eq!(
+            reg.resolve_snapshot("snap-b").unwrap().unwrap().id,
+            "snap-b"
+        );
+        reg.delete_snapshot("snap-d").unwrap();
         let ids = |q: &SnapshotQuery| -> Vec<String> {
             reg.list_snapshots(q)
                 .unwrap()
