@@ -67,6 +67,8 @@ pub struct ForkReport {
     pub restored: Option<vmm::MemoryBackend>,
     /// With `--net`: this fork had network devices; the same fork without them.
     pub without_net: Option<Box<ForkReport>>,
+    /// The host's noise, measured after the fork (children stopped).
+    pub noise: crate::HostNoise,
 }
 
 fn shells(machine: &Machine, n: usize) -> Result<Vec<Shell>> {
@@ -250,6 +252,7 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         parent_first_ping,
         restored: params.restored,
         without_net,
+        noise: crate::HostNoise::measure(crate::noise::NOISE_TRIES),
     })
 }
 
@@ -290,6 +293,7 @@ impl ForkReport {
             "parent_pss_kib": self.parent_pss_kib,
             "baseline_child_p50_us": self.baseline.as_micros() as u64,
             "baseline_copy_us": self.copy_time.as_micros() as u64,
+            "host_noise": self.noise.to_json(),
             "net": self.without_net.is_some(),
             "without_net_child_p50_us": self.without_net.as_ref().map(|w| w.child.p50_us as u64),
             "without_net_child_p99_us": self.without_net.as_ref().map(|w| w.child.p99_us as u64),
@@ -359,6 +363,6 @@ impl fmt::Display for ForkReport {
                 (self.child.p50_us - w.child.p50_us) / w.child.p50_us * 100.0
             )?;
         }
-        Ok(())
+        write!(f, "\n  {}", self.noise)
     }
 }

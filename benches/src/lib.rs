@@ -13,6 +13,7 @@ mod fork;
 mod fork_processes;
 mod guest;
 mod net;
+mod noise;
 mod ping;
 mod restore;
 mod serve;
@@ -26,6 +27,7 @@ pub use fork_processes::{
     fork_processes, ForkProcessesParams, ForkProcessesReport, ForkProcessesRun,
 };
 pub use guest::{Guest, Machine};
+pub use noise::HostNoise;
 pub use ping::ping;
 pub use restore::{restore, BackendRun, RestoreParams, RestoreReport};
 pub use serve::{serve, ServeParams, ServeReport, ServeRun};

@@ -12,6 +12,7 @@ use vmm::{MemoryBackend, PreparedSnapshot, RestoreOptions, SerialOutput, ShellPo
 use crate::error::{Context, Error, Result};
 use crate::guest::{boot_until, connect_and_ping, serial, Guest, Machine, Scratch};
 use crate::net::BenchNets;
+use crate::noise::{HostNoise, NOISE_TRIES};
 use crate::stats::{pct_u64, r1, us, Samples, StepTimes};
 use crate::FILL_BASE_MIB;
 
@@ -66,6 +67,9 @@ pub struct BackendRun {
     pub cold: Option<(Duration, u64)>,
     /// uffd: pages of the working set recorded by the first restore.
     pub working_set_pages: Option<usize>,
+    /// A second ping on the same connection right after the first (not in the restore's
+    /// time): the guest's warm round trip, against which the first one's cost shows.
+    pub second_ping: Samples,
 }
 
 /// What `restore` reports.
@@ -89,6 +93,8 @@ pub struct RestoreReport {
     pub baseline: Option<BackendRun>,
     /// With `--net`: `main` had a network device; this is the run without.
     pub net: Option<NetRun>,
+    /// The host's noise, measured after the restores on the same thread.
+    pub noise: HostNoise,
 }
 
 const STEP_ORDER: &[&str] = &[
@@ -126,6 +132,7 @@ impl BackendRun {
             steps: StepTimes::default(),
             cold: None,
             working_set_pages: None,
+            second_ping: Samples::new(),
         }
     }
 }
@@ -194,6 +201,11 @@ impl Resume<'_> {
             )
         })?;
         let total = t0.elapsed();
+        let t = Instant::now();
+        client
+            .ping()
+            .context_with(|| format!("{backend} resume {i}: a second ping"))?;
+        let second_ping = t.elapsed();
         tracing::debug!(%backend, i, ?total, "restore");
         let stats = vm.page_server_stats();
         let report = vm.restore_report().cloned();
@@ -215,6 +227,7 @@ impl Resume<'_> {
                     .add("start_to_return", t_resumed.saturating_sub(r.total));
             }
             run.steps.add("connect_ping", total - t_resumed);
+            run.second_ping.push(second_ping);
         }
         drop(vm);
         drop(client);
@@ -356,6 +369,7 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         main,
         baseline,
         net,
+        noise: HostNoise::measure(NOISE_TRIES),
     })
 }
 
@@ -409,6 +423,8 @@ impl RestoreReport {
             "snapshot_pages": self.snapshot_pages,
             "measured": "PreparedSnapshot::restore call until a ping answered over vsock (vmm::agent::Client::connect_and_ping: a new connection whose Hello and Ping go out together; native guest `vsock` step); opening the snapshot (open_p50_us) is done once",
             "steps_p50_us": main.steps.p50_json(STEP_ORDER),
+            "second_ping_p50_us": r1(main.second_ping.percentile(50.0).unwrap_or(f64::NAN)),
+            "host_noise": self.noise.to_json(),
             "baseline_steps_p50_us": self.baseline.as_ref().map(|b| b.steps.p50_json(STEP_ORDER)),
             "net": self.net.is_some(),
             "without_net_p50_us": self.net.as_ref().map(|n| r1(n.without.samples.summary("x").p50_us)),
@@ -452,6 +468,11 @@ impl fmt::Display for RestoreReport {
             )?;
         }
         write!(f, "\n  steps p50 (us): {}", main.steps.p50_json(STEP_ORDER))?;
+        write!(
+            f,
+            "\n  a second ping on the same connection (the warm round trip): p50 {:.1} us",
+            main.second_ping.percentile(50.0).unwrap_or(f64::NAN)
+        )?;
         if let Some(n) = &self.net {
             let w = n.without.samples.summary("resume_to_first_ping");
             write!(
@@ -478,6 +499,6 @@ impl fmt::Display for RestoreReport {
                 b.p50_us / s.p50_us
             )?;
         }
-        Ok(())
+        write!(f, "\n  {}", self.noise)
     }
 }

@@ -81,6 +81,8 @@ pub struct ServeReport {
     pub runs: Vec<ServeRun>,
     /// Measured once, with one running sandbox and the last run's paused ones.
     pub dataplane: DataPlaneRun,
+    /// The host's noise, measured after the runs (the service and its sandboxes idle).
+    pub noise: crate::HostNoise,
 }
 
 /// The `clade serve` process and its scratch state directory, both removed when dropped
@@ -335,7 +337,12 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
         });
     }
     let dataplane = dataplane(&service, params.n.max(200))?;
-    Ok(ServeReport { runs, dataplane })
+    let noise = crate::HostNoise::measure(crate::noise::NOISE_TRIES);
+    Ok(ServeReport {
+        runs,
+        dataplane,
+        noise,
+    })
 }
 
 /// The data-plane case: `n` interleaved pairs on one running sandbox, after a warm-up.
@@ -391,6 +398,7 @@ impl ServeReport {
         top["dataplane_p50_us"] = json!(r1(d.through.percentile(50.0)));
         top["dataplane_p99_us"] = json!(r1(d.through.percentile(99.0)));
         top["dataplane_added_p50_us"] = json!(r1(d.added_p50_us()));
+        top["host_noise"] = self.noise.to_json();
         top["bench"] = json!("serve");
         top["runs"] = Value::Array(self.runs.iter().map(run).collect());
         top.to_string()
@@ -429,6 +437,6 @@ impl std::fmt::Display for ServeReport {
             d.added_p50_us().unwrap_or(f64::NAN),
             d.through.len()
         )?;
-        Ok(())
+        writeln!(f, "  {}", self.noise)
     }
 }

@@ -29,6 +29,11 @@ impl Samples {
         self.us.len()
     }
 
+    /// The measurements, in microseconds, in the order taken.
+    pub fn values(&self) -> &[f64] {
+        &self.us
+    }
+
     /// True when nothing was measured.
     pub fn is_empty(&self) -> bool {
         self.us.is_empty()
