@@ -26,6 +26,9 @@ pub struct RestoreParams {
     /// Pre-built VM shells kept ready, with each restore's vsock socket bound ahead as a
     /// service's standby binds it (0: build a shell and bind the socket at each restore).
     pub pool: usize,
+    /// With the pool: each shell prefilled for the restore before it is timed (as a
+    /// standby's is: `PreparedSnapshot::prefill_shell`).
+    pub prefill: bool,
     /// Percentage of the guest memory above 64 MiB the guest fills before the snapshot.
     pub fill_pct: u32,
     /// Restores of the copy baseline (`None`: `n`; 0: none).
@@ -79,6 +82,8 @@ pub struct RestoreReport {
     pub machine: Machine,
     /// Pre-built VM shells kept ready.
     pub pool: usize,
+    /// Each shell prefilled for its restore, untimed.
+    pub prefill: bool,
     /// CPUs the vCPUs were pinned to (empty: not pinned).
     pub vcpu_cpus: Vec<usize>,
     /// MiB the guest filled before the snapshot.
@@ -143,6 +148,7 @@ struct Resume<'a> {
     sock: &'a Path,
     backend: MemoryBackend,
     pool: Option<&'a ShellPool>,
+    prefill: bool,
     vcpu_cpus: &'a [usize],
     net: Option<&'a vmm::NetConfig>,
 }
@@ -176,6 +182,15 @@ impl Resume<'_> {
             ),
             None => None,
         };
+        // A standby prepares its shell while it waits: not timed.
+        let shell = match self.pool.and_then(ShellPool::take) {
+            Some(s) if self.prefill && backend == MemoryBackend::Uffd => Some(
+                self.snap
+                    .prefill_shell(s)
+                    .context_with(|| format!("prefilling a shell for resume {i}"))?,
+            ),
+            s => s,
+        };
         let t0 = Instant::now();
         let mut vm = self
             .snap
@@ -185,7 +200,7 @@ impl Resume<'_> {
                     serial: SerialOutput::Memory,
                     vsock_path: Some(self.sock.to_path_buf()),
                     vsock_bound_ahead: bound_ahead,
-                    shell: self.pool.and_then(ShellPool::take),
+                    shell,
                     vcpu_cpus: self.vcpu_cpus.to_vec(),
                     net: self.net.cloned(),
                     ..RestoreOptions::default()
@@ -316,6 +331,7 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
         sock: &sock,
         backend: params.backend,
         pool: pool.as_ref(),
+        prefill: params.prefill,
         vcpu_cpus: &vcpu_cpus,
         net: net_cfg.as_ref(),
     };
@@ -362,6 +378,7 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
     Ok(RestoreReport {
         machine: machine.clone(),
         pool: params.pool,
+        prefill: params.prefill && params.pool > 0,
         vcpu_cpus,
         fill_mib,
         snapshot_pages: snap.pages_written,
@@ -418,6 +435,7 @@ impl RestoreReport {
             "working_set_pages": main.working_set_pages,
             "open_p50_us": r1(self.open.percentile(50.0).unwrap_or(f64::NAN)),
             "pool": self.pool,
+            "prefill": self.prefill,
             "vcpu_cpus": self.vcpu_cpus,
             "fill_mib": self.fill_mib,
             "snapshot_pages": self.snapshot_pages,
@@ -449,7 +467,7 @@ impl fmt::Display for RestoreReport {
         write!(
             f,
             "resume_to_first_ping {}: n={} p50={:.1} us p99={:.1} us, faults p50 {}, \
-             {} MiB guest ({} MiB filled), pool {}",
+             {} MiB guest ({} MiB filled), pool {}{}",
             main.backend,
             s.n,
             s.p50_us,
@@ -457,7 +475,12 @@ impl fmt::Display for RestoreReport {
             pct_u64(&main.faults, 50.0),
             self.machine.mem_mib,
             self.fill_mib,
-            self.pool
+            self.pool,
+            if self.prefill {
+                " (each shell prefilled for its restore, untimed)"
+            } else {
+                ""
+            }
         )?;
         if let Some((cold, faults)) = main.cold {
             write!(

@@ -218,6 +218,71 @@ pub struct PageServerReport {
     pub working_set_saved: Option<usize>,
 }
 
+/// Memory registered for a page server and its working set installed, before the server
+/// runs ([`PageServer::prefill`], [`PageServer::start_prefilled`]).
+pub struct Prefilled {
+    server: Server,
+    shared: Arc<Shared>,
+    stop_evt: EventFd,
+    thread_evt: EventFd,
+    record_to: Option<PathBuf>,
+    loaded: Option<Arc<WorkingSet>>,
+    maps: Vec<GuestMapping>,
+    id: crate::SnapshotId,
+    pages: u64,
+    /// What it was prefilled with (a restore with other options does not use it).
+    options: PageServerOptions,
+}
+
+impl std::fmt::Debug for Prefilled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefilled")
+            .field("id", &self.id)
+            .field("mappings", &self.maps)
+            .field(
+                "prefetched",
+                &self
+                    .shared
+                    .counters
+                    .pages_prefetched
+                    .load(Ordering::Relaxed),
+            )
+            .finish()
+    }
+}
+
+impl Prefilled {
+    /// Whether it was prefilled from `chain` (the very same loaded chain).
+    pub fn is_of(&self, chain: &Arc<MemoryChain>) -> bool {
+        Arc::ptr_eq(&self.server.chain, chain)
+    }
+
+    /// Whether it is of `chain` (the very same loaded chain), with `options`' working set
+    /// and prefetch, over `mappings`: then [`PageServer::start_prefilled`] with it serves
+    /// what [`PageServer::start_with`] with these arguments would.
+    pub fn matches(
+        &self,
+        chain: &Arc<MemoryChain>,
+        mappings: &[GuestMapping],
+        options: &PageServerOptions,
+    ) -> bool {
+        let mut want = mappings.to_vec();
+        want.sort_by_key(|m| m.host_addr);
+        Arc::ptr_eq(&self.server.chain, chain)
+            && want == self.maps
+            && options.working_set == self.options.working_set
+            && options.prefetch == self.options.prefetch
+    }
+}
+
+impl Prefilled {
+    /// Its userfaultfd, to register other memory with: call once the mappings it was
+    /// registered on are gone or replaced (a replaced mapping is not registered).
+    pub fn into_uffd(self) -> Option<PreparedUffd> {
+        Arc::try_unwrap(self.server.uffd).ok().map(PreparedUffd)
+    }
+}
+
 /// A running page server; see the [module documentation](self).
 pub struct PageServer {
     uffd: Arc<Uffd>,
@@ -328,6 +393,22 @@ impl PageServer {
         runner: ThreadRunner,
         uffd: Option<PreparedUffd>,
     ) -> Result<PageServer> {
+        Self::start_prefilled(Self::prefill(chain, mappings, options, uffd)?, runner)
+    }
+
+    /// The first half of [`PageServer::start_with`], which can be done before the memory
+    /// is needed (a standby VM process does it while it waits for a request to restore
+    /// the snapshot it opened ahead): registers `mappings` and, with
+    /// [`Prefetch::BeforeStart`], installs the working set. Nothing serves faults on the
+    /// mappings until [`PageServer::start_prefilled`]; dropping the result unregisters
+    /// them (the pages installed stay mapped).
+    pub fn prefill(
+        chain: Arc<MemoryChain>,
+        mappings: &[GuestMapping],
+        options: PageServerOptions,
+        uffd: Option<PreparedUffd>,
+    ) -> Result<Prefilled> {
+        let for_options = options.clone();
         let maps = validate_mappings(mappings, chain.mem_size())?;
         let uffd = match uffd {
             Some(PreparedUffd(u)) => u,
@@ -428,6 +509,36 @@ impl PageServer {
             }
             add(&shared.counters.prefetch_ns, t.elapsed().as_nanos() as u64);
         }
+        Ok(Prefilled {
+            server,
+            shared,
+            stop_evt,
+            thread_evt,
+            record_to,
+            loaded,
+            maps,
+            id,
+            pages,
+            options: for_options,
+        })
+    }
+
+    /// Starts serving faults on memory [`PageServer::prefill`] prepared, on the thread
+    /// `runner` provides.
+    pub fn start_prefilled(prefilled: Prefilled, runner: ThreadRunner) -> Result<PageServer> {
+        let Prefilled {
+            server,
+            shared,
+            stop_evt,
+            thread_evt,
+            record_to,
+            loaded,
+            maps,
+            id,
+            pages,
+            options: _,
+        } = prefilled;
+        let uffd = Arc::clone(&server.uffd);
         let (done_tx, thread) = mpsc::sync_channel(1);
         let thread_shared = Arc::clone(&shared);
         runner(

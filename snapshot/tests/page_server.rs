@@ -171,6 +171,70 @@ fn cold_run_records_and_warm_run_prefetches() {
 }
 
 #[test]
+fn a_prefilled_mapping_serves_as_a_started_one_and_its_uffd_can_be_reused() {
+    let _w = Watchdog::new("a_prefilled_mapping_serves_as_a_started_one", 60);
+    let f = fixture(7);
+    let w = workload();
+    let n = distinct(&w) as u64;
+    // Record the working set.
+    let m = Mapping::anon(PAGES * PAGE);
+    let server = PageServer::start(
+        f.chain.clone(),
+        &whole(&m),
+        opts(&f.ws_path, Prefetch::BeforeStart),
+    )
+    .unwrap();
+    run_workload(&m, &f.img, &w);
+    server.stop(StopMode::Detach).unwrap();
+    drop(m);
+
+    // Prefilled ahead: the working set is in place before any server runs.
+    let m = Mapping::anon(PAGES * PAGE);
+    let options = opts(&f.ws_path, Prefetch::BeforeStart);
+    let prefilled =
+        PageServer::prefill(f.chain.clone(), &whole(&m), options.clone(), None).unwrap();
+    assert!(prefilled.is_of(&f.chain));
+    assert!(prefilled.matches(&f.chain, &whole(&m), &options));
+    let other_chain = Arc::new(MemoryChain::open(&[&f.mem_path]).unwrap());
+    assert!(!prefilled.matches(&other_chain, &whole(&m), &options));
+    assert!(!prefilled.matches(&f.chain, &whole(&m), &opts(&f.ws_path, Prefetch::Off)));
+    let server = PageServer::start_prefilled(prefilled, snapshot::spawn_thread()).unwrap();
+    assert_eq!(server.stats().pages_prefetched, n);
+    run_workload(&m, &f.img, &w);
+    assert_eq!(
+        server.stats().faults,
+        0,
+        "a prefilled run faulted in its working set"
+    );
+    // A page outside it is still served.
+    let p = (0..PAGES)
+        .find(|p| !w.iter().flatten().any(|q| q == p))
+        .unwrap();
+    assert!(m.read_page(p) == f.img[p * PAGE..(p + 1) * PAGE]);
+    assert_eq!(server.stop(StopMode::Detach).unwrap().stats.faults, 1);
+    drop(m);
+
+    // Not used: its userfaultfd serves another mapping once the first one is gone.
+    let m = Mapping::anon(PAGES * PAGE);
+    let prefilled =
+        PageServer::prefill(f.chain.clone(), &whole(&m), options.clone(), None).unwrap();
+    drop(m);
+    let uffd = prefilled.into_uffd().expect("its userfaultfd");
+    let m = Mapping::anon(PAGES * PAGE);
+    let server = PageServer::start_with(
+        f.chain.clone(),
+        &whole(&m),
+        options,
+        snapshot::spawn_thread(),
+        Some(uffd),
+    )
+    .unwrap();
+    run_workload(&m, &f.img, &w);
+    assert_eq!(server.stats().faults, 0);
+    server.stop(StopMode::Detach).unwrap();
+}
+
+#[test]
 fn background_prefetch_and_private_memfd() {
     let _w = Watchdog::new("background_prefetch_and_private_memfd", 60);
     let f = fixture(2);

@@ -690,6 +690,76 @@ fn a_pool_hands_out_prebuilt_shells_and_refills() {
     finish(&mut r, "unfit shell");
 }
 
+/// A full snapshot (96 MiB) of a guest that filled its memory with `seed` and is in its
+/// loop; the memsum the restored guest prints.
+fn filled_snapshot(dir: &Path, seed: u32) -> String {
+    let mut c = guest_config(&format!("memfill:{seed}:8,memsum,loop:30,memsum"));
+    c.mem_mib = 96;
+    let mut vm = vmm::boot(c).unwrap();
+    vm.start().unwrap();
+    wait_for_output(&vm, "step memsum ok", 1);
+    vmm::snapshot(&mut vm, dir, SnapshotKind::Full).unwrap();
+    memsums(&finish(&mut vm, "original"))[1].clone()
+}
+
+#[test]
+fn a_prefilled_shell_restores_its_snapshot_and_any_other_exactly() {
+    use vmm::{PreparedSnapshot, Shell};
+
+    let (a_dir, b_dir) = (TmpDir::new("prefill-a"), TmpDir::new("prefill-b"));
+    let a_sum = filled_snapshot(&a_dir.0, 3);
+    let b_sum = filled_snapshot(&b_dir.0, 5);
+    assert_ne!(a_sum, b_sum);
+    let a = PreparedSnapshot::open(&a_dir.0, Default::default()).unwrap();
+    let b = PreparedSnapshot::open(&b_dir.0, Default::default()).unwrap();
+    let spec = a.shell_spec(Path::new("/dev/kvm"), true);
+    let restore = |snap: &PreparedSnapshot, shell: Shell, o: RestoreOptions, what: &str| {
+        let mut vm = snap
+            .restore(
+                MemoryBackend::Uffd,
+                RestoreOptions {
+                    shell: Some(shell),
+                    ..o
+                },
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(vm.restore_report().unwrap().shell_reused, "{what}");
+        let stats = vm.page_server_stats().unwrap();
+        (memsums(&finish(&mut vm, what)), stats)
+    };
+    // No working set yet: nothing to prefill, the first restore records it.
+    let shell = a.prefill_shell(Shell::create(&spec).unwrap()).unwrap();
+    let (sums, stats) = restore(&a, shell, options(), "a, recording");
+    assert_eq!(sums, vec![a_sum.clone()]);
+    assert_eq!(stats.pages_prefetched, 0);
+    assert!(
+        a.load_working_set(),
+        "the first restore wrote its working set"
+    );
+
+    // Prefilled for a, restoring a: the working set was installed ahead, and it is a's.
+    let shell = a.prefill_shell(Shell::create(&spec).unwrap()).unwrap();
+    let (sums, stats) = restore(&a, shell, options(), "a, prefilled");
+    assert_eq!(sums, vec![a_sum.clone()]);
+    assert!(stats.pages_prefetched > 0, "{stats:?}");
+    assert_eq!(stats.pages_prefetched, stats.working_set_len);
+
+    // Prefilled for a, restoring b: fresh memory, none of a's pages.
+    let shell = a.prefill_shell(Shell::create(&spec).unwrap()).unwrap();
+    let (sums, _) = restore(&b, shell, options(), "b on a shell prefilled for a");
+    assert_eq!(sums, vec![b_sum]);
+
+    // Prefilled for a, restoring a without a working set: fresh memory too.
+    let shell = a.prefill_shell(Shell::create(&spec).unwrap()).unwrap();
+    let o = RestoreOptions {
+        working_set: false,
+        ..options()
+    };
+    let (sums, stats) = restore(&a, shell, o, "a without its working set");
+    assert_eq!(sums, vec![a_sum]);
+    assert_eq!(stats.pages_prefetched, 0);
+}
+
 /// `len` bytes of the disk chain of `vm` at offset 0.
 fn disk_bytes(vm: &Vm, len: usize) -> Vec<u8> {
     let d = vm.disk().expect("the VM has a disk");

@@ -69,6 +69,12 @@ pub enum BenchCommand {
         /// service's standby binds it (0: build a shell and bind the socket at each restore).
         #[arg(long, default_value_t = 2)]
         pool: usize,
+        /// With the pool (uffd): each shell is prepared for the restore before it is timed,
+        /// as a standby VM process prepares its shell for the snapshot it opened ahead
+        /// (memory mapped and registered, the working set installed:
+        /// `PreparedSnapshot::prefill_shell`).
+        #[arg(long)]
+        prefill: bool,
         /// Percentage of the guest memory above 64 MiB that the guest fills (memfill step)
         /// before the snapshot: memory a sandbox has touched but does not need to answer.
         #[arg(long, default_value_t = 50)]
@@ -211,6 +217,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             backend,
             n,
             pool,
+            prefill,
             fill,
             baseline_n,
             no_pin,
@@ -222,6 +229,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 backend,
                 n,
                 pool,
+                prefill,
                 fill_pct: fill,
                 baseline_n,
                 pin: !no_pin,

@@ -35,7 +35,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -156,6 +156,9 @@ pub fn standby(
         asked: VecDeque::new(),
     };
     let mut made = MadeAhead::make(api.path());
+    if let Some(p) = &ahead.initial {
+        prefill(&mut shell, &p.snapshot, spec);
+    }
     loop {
         if let Some(flag) = options.stop {
             let signal = flag.load(Ordering::SeqCst);
@@ -175,13 +178,20 @@ pub fn standby(
                 "preloaded": ahead.dirs(),
             }))),
             Request::Preload { snapshot } => {
+                let snapshot = snapshot.clone();
                 let answer = ahead
-                    .ask(snapshot)
+                    .ask(&snapshot)
                     .map(|()| json!({ "preloaded": ahead.dirs() }));
+                let asked = answer.is_ok();
                 req.respond(match answer {
                     Ok(fields) => Response::ok(fields),
                     Err(e) => Response::err(e),
-                })
+                });
+                // The snapshot asked for last is the one this standby's shell is
+                // prepared for (its next restore is most likely that sandbox's wake).
+                if let Some(p) = asked.then(|| ahead.find_confined(&snapshot)).flatten() {
+                    prefill(&mut shell, p, spec);
+                }
             }
             Request::Shutdown => {
                 req.respond(Response::ok(json!({ "state": "ended" })));
@@ -226,6 +236,28 @@ pub fn standby(
                     "no VM yet: this is a standby process (send a restore request first)",
                 ))
             }
+        }
+    }
+}
+
+/// Prepares the standby's shell for a restore of `snapshot`
+/// ([`PreparedSnapshot::prefill_shell`]), after its answer is out. A failure is logged and
+/// costs only the time saved: a shell lost in it is built again.
+fn prefill(shell: &mut Option<Shell>, snapshot: &PreparedSnapshot, spec: &ShellSpec) {
+    let Some(s) = shell.take() else {
+        return;
+    };
+    let t = Instant::now();
+    match snapshot.prefill_shell(s) {
+        Ok(s) => {
+            *shell = Some(s);
+            tracing::debug!("standby: shell prefilled in {:?}", t.elapsed());
+        }
+        Err(e) => {
+            tracing::warn!("standby: preparing its shell for a restore: {e}");
+            *shell = Shell::create(spec)
+                .inspect_err(|e| tracing::warn!("standby: building a shell: {e}"))
+                .ok();
         }
     }
 }
@@ -329,6 +361,11 @@ impl Ahead {
             .iter()
             .chain(&self.asked)
             .find_map(|p| p.for_dir(dir))
+    }
+
+    /// [`Ahead::find`] for a directory as a request names it (confined first).
+    fn find_confined(&self, dir: &Path) -> Option<&PreparedSnapshot> {
+        self.find(&confine(dir, None).ok()?)
     }
 
     /// The directories held.

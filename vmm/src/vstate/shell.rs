@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::vstate::kvm;
 use crate::vstate::memory::{FrozenImage, GuestRam, Reservation};
 use crate::vstate::spare::SpareThread;
+use snapshot::page_server::Prefilled;
 
 /// What a shell must fit: a snapshot (or a boot config) of this size.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -168,6 +169,11 @@ pub(crate) enum ShellMemory {
     /// memfd as it is at the freeze, and mapping it (with KVM walking the shell's memory
     /// slot, ~85 us per GiB here) is off the fork's path.
     Mapped(GuestRam, Arc<FrozenImage>),
+    /// Anonymous memory registered with the shell's userfaultfd and the working set of
+    /// one snapshot installed, ahead of its restore (`PreparedSnapshot::prefill_shell`:
+    /// a standby waiting to restore the snapshot it opened ahead). A restore of that
+    /// snapshot starts its page server on it; any other use maps fresh memory over it.
+    Prefilled(GuestRam, Box<Prefilled>),
 }
 
 impl ShellMemory {
@@ -175,16 +181,30 @@ impl ShellMemory {
     pub(crate) fn mapped_image(&self) -> Option<&Arc<FrozenImage>> {
         match self {
             ShellMemory::Mapped(_, image) => Some(image),
-            ShellMemory::Reserved(_) => None,
+            ShellMemory::Reserved(_) | ShellMemory::Prefilled(..) => None,
         }
     }
 
     /// The range as a reservation, for memory other than a fork's: one mapped ahead is
     /// dropped (fresh address space mapped over it).
     pub(crate) fn into_reservation(self) -> Result<Reservation> {
+        self.into_reservation_and_uffd().map(|(r, _)| r)
+    }
+
+    /// [`ShellMemory::into_reservation`], with the userfaultfd of prefilled memory (free
+    /// for other memory once that memory is replaced).
+    pub(crate) fn into_reservation_and_uffd(
+        self,
+    ) -> Result<(Reservation, Option<snapshot::page_server::PreparedUffd>)> {
         match self {
-            ShellMemory::Reserved(r) => Ok(r),
-            ShellMemory::Mapped(ram, _) => ram.into_reservation(),
+            ShellMemory::Reserved(r) => Ok((r, None)),
+            ShellMemory::Mapped(ram, _) => Ok((ram.into_reservation()?, None)),
+            ShellMemory::Prefilled(ram, prefilled) => {
+                // Fresh address space first: the registered mapping is replaced, so the
+                // userfaultfd is free for other memory.
+                let r = ram.into_reservation()?;
+                Ok((r, prefilled.into_uffd()))
+            }
         }
     }
 
