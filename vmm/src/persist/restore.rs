@@ -301,12 +301,18 @@ impl PreparedSnapshot {
     /// other options maps fresh memory over it. For a caller that knows which snapshot its
     /// shell will most likely restore and has time before (a standby VM process waiting
     /// with the snapshot opened ahead). Nothing is done without a working set yet (the
-    /// first restore records it) or for a shell of another size. On an error the shell is
+    /// first restore records it), for a working set over [`MAX_PREFILL_PAGES`] (held by
+    /// a shell nobody may use) or for a shell of another size. On an error the shell is
     /// gone (its memory in an unknown state): build another.
     pub fn prefill_shell(&self, shell: Shell) -> Result<Shell> {
         let m = &self.state.saved.machine;
         let done = matches!(&shell.memory, ShellMemory::Prefilled(_, p) if p.is_of(&self.chain));
-        if done || shell.spec.mem_bytes != m.mem_bytes || !self.load_working_set() {
+        let ws = self.dir.join(WORKING_SET_FILE);
+        let loaded = self.cached_working_set(&ws);
+        let fits = loaded
+            .as_ref()
+            .is_some_and(|w| w.pages.len() <= MAX_PREFILL_PAGES);
+        if done || shell.spec.mem_bytes != m.mem_bytes || !fits {
             return Ok(shell);
         }
         let Shell {
@@ -320,9 +326,8 @@ impl PreparedSnapshot {
             cpuids,
             build_time,
         } = shell;
-        let ws = self.dir.join(WORKING_SET_FILE);
         let options = PageServerOptions {
-            working_set_loaded: self.cached_working_set(&ws),
+            working_set_loaded: loaded,
             working_set: Some(ws),
             prefetch: RestoreOptions::default().prefetch,
         };
@@ -560,6 +565,10 @@ impl Drop for OverlayGuard {
         }
     }
 }
+
+/// The largest working set [`PreparedSnapshot::prefill_shell`] installs ahead (64 MiB):
+/// memory a waiting shell holds before any sandbox uses it.
+pub const MAX_PREFILL_PAGES: usize = 16384;
 
 /// The one userfaultfd mapping of a `uffd` restore: the whole guest image at `ram`.
 fn uffd_mapping(ram: &GuestRam, mem_bytes: u64) -> GuestMapping {
