@@ -273,9 +273,7 @@ impl Prefilled {
             && options.working_set == self.options.working_set
             && options.prefetch == self.options.prefetch
     }
-}
 
-impl Prefilled {
     /// Its userfaultfd, to register other memory with: call once the mappings it was
     /// registered on are gone or replaced (a replaced mapping is not registered).
     pub fn into_uffd(self) -> Option<PreparedUffd> {

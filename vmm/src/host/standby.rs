@@ -156,8 +156,8 @@ pub fn standby(
         asked: VecDeque::new(),
     };
     let mut made = MadeAhead::make(api.path());
-    if let Some(p) = &ahead.initial {
-        prefill(&mut shell, &p.snapshot, spec);
+    if let Some(p) = ahead.latest() {
+        prefill(&mut shell, p, spec);
     }
     loop {
         if let Some(flag) = options.stop {
@@ -178,9 +178,8 @@ pub fn standby(
                 "preloaded": ahead.dirs(),
             }))),
             Request::Preload { snapshot } => {
-                let snapshot = snapshot.clone();
                 let answer = ahead
-                    .ask(&snapshot)
+                    .ask(snapshot)
                     .map(|()| json!({ "preloaded": ahead.dirs() }));
                 let asked = answer.is_ok();
                 req.respond(match answer {
@@ -189,7 +188,7 @@ pub fn standby(
                 });
                 // The snapshot asked for last is the one this standby's shell is
                 // prepared for (its next restore is most likely that sandbox's wake).
-                if let Some(p) = asked.then(|| ahead.find_confined(&snapshot)).flatten() {
+                if let Some(p) = ahead.latest().filter(|_| asked) {
                     prefill(&mut shell, p, spec);
                 }
             }
@@ -226,6 +225,9 @@ pub fn standby(
                         req.respond(Response::err(e));
                         if shell.is_none() {
                             shell = Some(Shell::create(spec)?);
+                            if let Some(p) = ahead.latest() {
+                                prefill(&mut shell, p, spec);
+                            }
                         }
                         made.make_missing(api.path());
                     }
@@ -363,9 +365,13 @@ impl Ahead {
             .find_map(|p| p.for_dir(dir))
     }
 
-    /// [`Ahead::find`] for a directory as a request names it (confined first).
-    fn find_confined(&self, dir: &Path) -> Option<&PreparedSnapshot> {
-        self.find(&confine(dir, None).ok()?)
+    /// The snapshot a shell is best prepared for: the one asked for last, else the
+    /// `--preload` one.
+    fn latest(&self) -> Option<&PreparedSnapshot> {
+        self.asked
+            .back()
+            .or(self.initial.as_ref())
+            .map(|p| &p.snapshot)
     }
 
     /// The directories held.
@@ -378,9 +384,16 @@ impl Ahead {
     }
 
     /// Opens `dir` ahead for a `preload` request, unless it is held already (and
-    /// unchanged); past [`MAX_PRELOADED`] the oldest asked for is closed.
+    /// unchanged: it becomes the one asked for last); past [`MAX_PRELOADED`] the oldest
+    /// asked for is closed.
     fn ask(&mut self, dir: &Path) -> Result<()> {
         let dir = confine(dir, None).map_err(Error::Config)?;
+        if let Some(i) = self.asked.iter().position(|p| p.for_dir(&dir).is_some()) {
+            if let Some(p) = self.asked.remove(i) {
+                self.asked.push_back(p);
+            }
+            return Ok(());
+        }
         if self.find(&dir).is_some() {
             return Ok(());
         }

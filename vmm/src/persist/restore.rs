@@ -459,7 +459,7 @@ impl PreparedSnapshot {
                         prefetch: options.prefetch,
                     };
                     let runner = spare::runner_for(slot.spares, ThreadKind::PageServer);
-                    let ps = match slot.memory {
+                    let (ram, ps) = match slot.memory {
                         // Prefilled for this very restore (a standby's shell): its page
                         // server only starts.
                         ShellMemory::Prefilled(ram, p)
@@ -487,7 +487,6 @@ impl PreparedSnapshot {
                             (ram, ps)
                         }
                     };
-                    let (ram, ps) = ps;
                     bytes_read = ps.stats().bytes_read;
                     Ok((ram, Some(ps)))
                 }
