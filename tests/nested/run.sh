@@ -11,7 +11,11 @@
 #   --stall SECONDS     end the outer VM early when its console has printed nothing for
 #                       SECONDS (default 0: never; env NESTED_STALL). The L1 test must print
 #                       now and then (suite.sh prints a heartbeat line every 30 s); the log
-#                       of a machine so ended has a `NESTED-STALL` line at its end
+#                       of a machine so ended has a `NESTED-STALL` line at its end.
+#                       Before that, from 45 s of silence, a key press is sent to the
+#                       outer VM every 30 s (its keyboard interrupt; see stall_watch);
+#                       each is noted (`NESTED-POKE`, and `NESTED-WOKEN` when the console
+#                       then goes on) at the log's end
 #   --skip-build        reuse build/nested/outer.cpio as it is (env NESTED_SKIP_BUILD=1)
 #   --l1-test FILE      run FILE in the outer VM instead of the clade command (NESTED_L1_TEST)
 #   --standin qemu      run QEMU/KVM instead of clade in the outer VM (NESTED_STANDIN)
@@ -122,6 +126,12 @@ fi
 if [ -n "$NETDEV" ]; then
     QEMU+=(-netdev "$NETDEV" -device virtio-net-pci,netdev=n0)
 fi
+# The stall watch's way in: QEMU's monitor on a socket (the serial console stays on stdio).
+MONITOR="$NESTED_OUT/monitor.sock"
+if [ "$STALL" -gt 0 ]; then
+    rm -f "$MONITOR"
+    QEMU+=(-monitor "unix:$MONITOR,server=on,wait=off")
+fi
 QEMU+=("${QEMU_EXTRA[@]}")
 log "booting outer VM (timeout ${TIMEOUT}s): ${QEMU[*]}"
 log "console log: $LOG"
@@ -135,24 +145,68 @@ stamp() {
     done
 }
 
-# stall_watch: ends the outer VM (through its `timeout`, a child of this shell) when the
-# console log has not grown for $STALL seconds. The outer kernel has been seen to stop for
-# minutes under TCG (its one vCPU runs nothing, so no timeout inside it fires); waiting out
-# --timeout then would leave no time to run the tier again.
+# stall_watch: nudges, then ends, an outer VM whose console has gone quiet. Its kernel
+# (one vCPU under TCG) has been seen to stop for minutes, even while idle (`soft lockup
+# ... [swapper/0:0]`: its CPU halted and no timer interrupt woke it), and to go on by
+# itself later. Any interrupt wakes a halted CPU, and one taken while the nested guest
+# runs brings L1 back to its own kernel; so from POKE_AFTER seconds of silence (the suite
+# prints a heartbeat every 30 s) the watch presses a key on the outer VM's keyboard
+# (QEMU monitor `sendkey shift`: an i8042 interrupt that types nothing), again every 30 s,
+# and notes each press and whether the console went on after it. At $STALL seconds of
+# silence it ends the VM (through its `timeout`, a child of this shell): waiting out
+# --timeout would leave no time to run the tier again. A workaround for the emulator, not
+# for anything under test: every press is in the log.
+POKE_AFTER=45
 stall_watch() {
-    local parent=$1 size last_size=-1 last_t=$SECONDS
-    while sleep 10; do
+    local parent=$1 t0=$2 size last_size=-1 last_t=$SECONDS poked_at=0 last_poke=0 quiet
+    while sleep 5; do
         size=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
         if [ "$size" != "$last_size" ]; then
+            if [ "$poked_at" -gt 0 ]; then
+                printf '[%7s] NESTED-WOKEN: the console went on %s s after the first key press (%s s quiet)\n' \
+                    "$(since "$t0")" "$((SECONDS - poked_at))" "$((SECONDS - last_t))" >>"$STALL_NOTE"
+                poked_at=0
+            fi
             last_size=$size
             last_t=$SECONDS
-        elif [ $((SECONDS - last_t)) -ge "$STALL" ]; then
-            printf 'NESTED-STALL: the outer VM printed nothing for %s s; ending it\n' \
-                "$((SECONDS - last_t))" | tee "$STALL_NOTE" >&2
+            continue
+        fi
+        quiet=$((SECONDS - last_t))
+        if [ "$quiet" -ge "$STALL" ]; then
+            printf 'NESTED-STALL: the outer VM printed nothing for %s s; ending it\n' "$quiet" |
+                tee -a "$STALL_NOTE" >&2
             pkill -TERM -P "$parent" -x timeout || true
             return
         fi
+        if [ "$quiet" -ge "$POKE_AFTER" ] && [ $((SECONDS - last_poke)) -ge 30 ]; then
+            last_poke=$SECONDS
+            [ "$poked_at" -gt 0 ] || poked_at=$SECONDS
+            printf '[%7s] NESTED-POKE: %s s quiet; a key press sent (%s)\n' "$(since "$t0")" \
+                "$quiet" "$(monitor_cmd "sendkey shift" 2>&1 && echo ok)" >>"$STALL_NOTE"
+        fi
     done
+}
+
+# since T0_US: seconds (two decimals) since T0_US (µs), as the log's stamps.
+since() {
+    local now_us=${EPOCHREALTIME/./}
+    printf '%d.%02d' "$(((now_us - $1) / 1000000))" "$((((now_us - $1) / 10000) % 100))"
+}
+
+# monitor_cmd CMD: one command to the outer VM's QEMU monitor ($MONITOR).
+monitor_cmd() {
+    python3 - "$MONITOR" "$1" <<'PY'
+import socket, sys, time
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(sys.argv[1])
+    s.sendall((sys.argv[2] + "\n").encode())
+    time.sleep(0.2)
+    s.close()
+except OSError as e:
+    sys.exit(f"monitor {sys.argv[1]}: {e}")
+PY
 }
 
 T_QEMU0=$(now)
@@ -160,12 +214,13 @@ T_QEMU0=$(now)
 STALL_NOTE="$NESTED_OUT/stall-note"
 rm -f "$STALL_NOTE"
 WATCH_PID=""
+T0_US=${EPOCHREALTIME/./}
 if [ "$STALL" -gt 0 ]; then
-    stall_watch "$$" &
+    stall_watch "$$" "$T0_US" &
     WATCH_PID=$!
 fi
 set +e
-timeout --kill-after=10 "$TIMEOUT" "${QEMU[@]}" </dev/null 2>&1 | stamp "${EPOCHREALTIME/./}" | tee "$LOG"
+timeout --kill-after=10 "$TIMEOUT" "${QEMU[@]}" </dev/null 2>&1 | stamp "$T0_US" | tee "$LOG"
 QEMU_RC=${PIPESTATUS[0]}
 set -e
 if [ -n "$WATCH_PID" ]; then

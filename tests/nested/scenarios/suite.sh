@@ -56,7 +56,9 @@ result boot "$rc" "$t0"
 for f in /scenarios/*.sh; do
     [ -f "$f" ] || continue
     name=$(basename "$f" .sh)
-    echo "NESTED-SCENARIO-START $name"
+    # With the nested machine's free memory, to tell a scenario slowed by memory pressure
+    # from one slowed by the machine itself.
+    echo "NESTED-SCENARIO-START $name ($(awk '/^MemAvailable:/ {printf "%d MiB available", $2 / 1024}' /proc/meminfo))"
     t0=$(uptime_s)
     limit=$(sed -n 's/^# scenario-timeout: \([0-9][0-9]*\)$/\1/p' "$f" | head -n 1)
     timeout "${limit:-$SCENARIO_TIMEOUT}" sh "$f"
