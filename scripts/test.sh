@@ -107,13 +107,14 @@ else
     # nested_run LIMIT SCENARIO...: boots the nested machine once (at most LIMIT seconds)
     # to run these scenarios ("boot", the default, always runs first: suite.sh), with the
     # SDK suite beside it when sdk is one of them. Sets nested_ok (the scenarios that
-    # passed; sdk only with its SDK suite), nested_sdk_passed (that suite's passed tests)
-    # and nested_stopped (1 when the machine itself stopped: its kernel's "soft lockup",
-    # or run.sh's NESTED-STALL).
+    # passed; sdk only with its SDK suite), nested_unfinished (those with no result
+    # line), nested_sdk_passed (that suite's passed tests), nested_stopped (1 when the
+    # machine itself stopped: its kernel's "soft lockup" or RCU "self-detected stall", or
+    # run.sh's NESTED-STALL) and nested_timed_out (1 when it ran out of LIMIT).
     nested_run() {
         local limit=$1 s line n extra="$NESTED_OUT/suite-l1" expects=() sdk_ok=1
         shift
-        nested_ok=() nested_sdk_passed=0 nested_stopped=0
+        nested_ok=() nested_unfinished=() nested_sdk_passed=0 nested_stopped=0 nested_timed_out=0
         rm -rf "$extra"
         mkdir -p "$extra/scenarios"
         for s in "$@"; do
@@ -145,37 +146,50 @@ else
             echo "nested scenario $s: ${line:-NESTED-SCENARIO $s: no result (see $NESTED_OUT/nested.log)}"
             if [[ "$line" == *" PASS"* ]] && { [ "$s" != sdk ] || [ "$sdk_ok" = 1 ]; }; then
                 nested_ok+=("$s")
+            elif [ -z "$line" ]; then
+                nested_unfinished+=("$s")
             fi
         done
-        if grep -a -q -E "soft lockup|NESTED-STALL" "$NESTED_OUT/nested.log"; then
+        if grep -a -q -E "$STOPPED" "$NESTED_OUT/nested.log"; then
             nested_stopped=1
+        fi
+        if grep -a -q "TIMED OUT after" "$NESTED_OUT/suite.out"; then
+            nested_timed_out=1
         fi
     }
     # The whole suite takes 800-1200 s here; 1800 s bounds a hung one well inside CI's
     # hour, and run.sh ends a machine that has printed nothing (not even suite.sh's
     # heartbeat) for 300 s sooner.
+    STOPPED="soft lockup|self-detected stall|NESTED-STALL"
     todo=("${SCENARIOS[@]}")
     nested_run 1800 "${todo[@]}"
     done_ok=("${nested_ok[@]}")
     sdk_passed=$nested_sdk_passed
     # The nested machine's own kernel (L1, under QEMU TCG emulating SVM, one vCPU) has been
     # seen to stop for minutes while running a nested guest: a fault below clade (L1's KVM
-    # or the emulation), not of what is tested. Its console then says "soft lockup" when it
-    # comes back, or run.sh ends the machine for printing nothing (NESTED-STALL). After a
-    # run that stopped so, the scenarios without a result of their own (those that did not
-    # pass) run once more in a new machine, its logs set aside as *-lockup.*, if CI's
-    # 90 minutes leave it room: its limit is what is left of 85 minutes, at most 1800 s and
-    # at least 600 s. A scenario that failed in a run that did not stop is not rerun.
+    # or the emulation), not of what is tested. Its console then says "soft lockup" or
+    # "self-detected stall" when it comes back, or run.sh ends the machine for printing
+    # nothing (NESTED-STALL); or the stops only slow it and it runs out of its time limit.
+    # After a run that stopped, the scenarios that did not pass in it run once more in a
+    # new machine; after one that ran out of time, those it never finished. Its logs are
+    # set aside as *-lockup.*, and the rerun happens if CI's 90 minutes leave it room: its
+    # limit is what is left of 85 minutes, at most 1800 s and at least 600 s. A scenario
+    # that failed in a run that neither stopped nor ran out of time is not rerun.
     left=()
-    for s in "${todo[@]}"; do
-        [[ " ${done_ok[*]} " == *" $s "* ]] || left+=("$s")
-    done
+    if [ "$nested_stopped" = 1 ]; then
+        for s in "${todo[@]}"; do
+            [[ " ${done_ok[*]} " == *" $s "* ]] || left+=("$s")
+        done
+    elif [ "$nested_timed_out" = 1 ]; then
+        left=("${nested_unfinished[@]}")
+    fi
     room=$((5100 - SECONDS))
-    if [ ${#left[@]} -gt 0 ] && [ "$nested_stopped" = 1 ]; then
-        echo "== the nested machine stopped in this run (its kernel or run.sh said so):"
-        grep -a -E "soft lockup|NESTED-STALL|NESTED-POKE|NESTED-WOKEN" "$NESTED_OUT/nested.log"
+    if [ ${#left[@]} -gt 0 ]; then
+        echo "== the nested machine stopped or ran out of time in this run:"
+        grep -a -h -E "$STOPPED|NESTED-POKE|NESTED-WOKEN|TIMED OUT after" \
+            "$NESTED_OUT/nested.log" "$NESTED_OUT/suite.out" || true
         if [ "$room" -ge 600 ]; then
-            echo "== without a result: ${left[*]}; they run again in a new nested machine (at most $((room < 1800 ? room : 1800)) s)"
+            echo "== not passed: ${left[*]}; they run again in a new nested machine (at most $((room < 1800 ? room : 1800)) s)"
             cp "$NESTED_OUT/nested.log" "$NESTED_OUT/nested-lockup.log"
             cp "$REPO_ROOT/target/e2b-linux.log" "$REPO_ROOT/target/e2b-linux-lockup.log" 2>/dev/null || true
             nested_run "$((room < 1800 ? room : 1800))" "${left[@]}"
