@@ -1374,6 +1374,34 @@ fn snapshot_keeps_queue_positions_and_a_restored_device_resets_old_connections()
     let ev: u32 = mem.read_obj(GuestAddress(eb)).unwrap();
     assert_eq!(ev, EVENT_TRANSPORT_RESET);
     assert_ne!(h.read(reg::VIRTIO_MMIO_INTERRUPT_STATUS) & 1, 0);
+    // Until the guest has taken the reset (given an event buffer back), a host program's
+    // connection request waits: the guest could accept it and then drop it with the
+    // connections the reset is about.
+    let mut early = UnixStream::connect(&h.path).unwrap();
+    early.write_all(b"CONNECT 52\n").unwrap();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(50) {
+        h.em.run_with_timeout(10).unwrap();
+        h.collect();
+    }
+    assert!(
+        h.take().is_empty(),
+        "nothing for the guest before it took the reset"
+    );
+    h.ev.add_raw(&[(eb, 8, true)]);
+    h.notify(EVENT_QUEUE as u32);
+    h.pump_until("the request once the reset was taken", |h| {
+        !h.inbox.is_empty()
+    });
+    let pkts = h.take();
+    assert_eq!(pkts.len(), 1, "{pkts:?}");
+    assert_eq!((pkts[0].hdr.op, pkts[0].hdr.dst_port), (OP_REQUEST, 52));
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "the request followed the event buffer, not the time limit"
+    );
+    h.send(gh(OP_RST, 52, pkts[0].hdr.src_port), &[]);
+    h.pump();
     // The guest's listening port still works through the restored device, from a host
     // port its guest cannot hold from before the snapshot (every device counts from the
     // base; the guest may not have taken the reset yet).
