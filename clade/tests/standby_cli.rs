@@ -76,6 +76,17 @@ fn guest_snapshot(d: &Dir) -> PathBuf {
     snap
 }
 
+/// The `Cpus_allowed_list` line of a /proc status file.
+fn cpus_allowed(status: &Path) -> String {
+    std::fs::read_to_string(status)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list")
+        .trim()
+        .to_string()
+}
+
 fn start_standby(d: &Dir, name: &str, root: &Path) -> (Proc, PathBuf) {
     start_standby_with(d, name, root, &[])
 }
@@ -216,6 +227,20 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The vCPU, kept off the CPU the standby answered on until the answer was out, may
+    // run on every CPU the process may.
+    let pid = sb.0.id();
+    wait_until("the vCPU thread stayed pinned", || {
+        let vcpu = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| t.ok())
+            .find(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "vcpu0")
+            })
+            .expect("a vcpu0 thread");
+        cpus_allowed(&vcpu.path().join("status"))
+            == cpus_allowed(Path::new(&format!("/proc/{pid}/status")))
+    });
     // Its log went where the request said, and the restore used the pre-built shell (a
     // line written once the standby answered).
     wait_until("no line about the restore in the VM's log", || {

@@ -327,6 +327,25 @@ impl Vm {
         Ok(())
     }
 
+    /// Lets every vCPU thread run on any CPU the calling thread may run on, lifting the
+    /// pins [`Vm::pin_vcpus`] (or a restore's `vcpu_cpus`) gave them; later starts pin
+    /// nothing. A pin that cannot be lifted is logged: the VM runs on, pinned.
+    pub fn unpin_vcpus(&mut self) {
+        self.vcpu_cpus.clear();
+        let cpus = match crate::vstate::vcpu::current_thread_cpus() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("vCPU threads stay pinned: reading this thread's CPUs: {e}");
+                return;
+            }
+        };
+        for (i, v) in self.vcpus.iter().enumerate() {
+            if let Err(e) = v.unpin(&cpus) {
+                tracing::warn!("vcpu{i} stays pinned: {e}");
+            }
+        }
+    }
+
     /// Stops all vCPUs from running guest code; guest memory and devices stay as they are.
     pub fn pause(&mut self) -> Result<()> {
         self.poll_exit();

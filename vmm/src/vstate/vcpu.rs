@@ -64,6 +64,11 @@ struct State {
     request: Request,
     /// The thread running the vCPU, once it started (for kicks).
     thread: Option<libc::pthread_t>,
+    /// Its kernel thread ID, once it started (to change its CPUs from another thread).
+    tid: Option<libc::pid_t>,
+    /// Its CPU pin was lifted ([`VcpuHandle::unpin`]); a thread that starts after that
+    /// does not pin itself.
+    unpinned: bool,
     /// The thread is parked (paused, stopped or exited) and not in KVM_RUN.
     parked: bool,
     exited: bool,
@@ -126,6 +131,33 @@ pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The CPUs the calling thread may run on.
+pub fn current_thread_cpus() -> std::io::Result<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a writable cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(set)
+}
+
+/// The CPUs the calling thread may run on other than the one it runs on now, in order
+/// (empty when there is no other, or the current one is unknown).
+pub fn other_cpus_than_current() -> Vec<usize> {
+    // SAFETY: sched_getcpu has no preconditions.
+    let Ok(current) = usize::try_from(unsafe { libc::sched_getcpu() }) else {
+        return Vec::new();
+    };
+    let Ok(set) = current_thread_cpus() else {
+        return Vec::new();
+    };
+    (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: every index is below CPU_SETSIZE, inside `set`.
+        .filter(|&c| c != current && unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
 /// A running vCPU thread and its control handle.
 pub struct VcpuHandle {
     index: usize,
@@ -150,6 +182,8 @@ impl VcpuHandle {
         let control = Arc::new(Control {
             state: Mutex::new(State {
                 thread: None,
+                tid: None,
+                unpinned: false,
                 request: Request::Run,
                 parked: false,
                 exited: false,
@@ -164,13 +198,20 @@ impl VcpuHandle {
             Box::new(move || {
                 // Dropped when the body returns (or unwinds): the handle's cue.
                 let _done = done_tx;
-                if let Some(cpu) = cpu {
-                    if let Err(e) = pin_current_thread(cpu) {
-                        tracing::warn!("vcpu{index}: cannot pin to CPU {cpu}: {e}");
+                {
+                    let mut st = c.lock();
+                    // SAFETY: pthread_self has no preconditions.
+                    st.thread = Some(unsafe { libc::pthread_self() });
+                    // SAFETY: gettid has no preconditions.
+                    st.tid = Some(unsafe { libc::gettid() });
+                    // Pinned with the state locked: an `unpin` either comes before (and
+                    // is seen here) or after (and lifts this pin).
+                    if let Some(cpu) = cpu.filter(|_| !st.unpinned) {
+                        if let Err(e) = pin_current_thread(cpu) {
+                            tracing::warn!("vcpu{index}: cannot pin to CPU {cpu}: {e}");
+                        }
                     }
                 }
-                // SAFETY: pthread_self has no preconditions.
-                c.lock().thread = Some(unsafe { libc::pthread_self() });
                 run_loop(index, vcpu, buses, &c, &events)
             }),
         )
@@ -183,6 +224,21 @@ impl VcpuHandle {
             control,
             done: Some(done),
         })
+    }
+
+    /// Lets the vCPU thread run on every CPU in `cpus` (its pin, if any, lifted).
+    pub fn unpin(&self, cpus: &libc::cpu_set_t) -> std::io::Result<()> {
+        let mut st = self.control.lock();
+        st.unpinned = true;
+        if let Some(tid) = st.tid.filter(|_| !st.exited) {
+            // SAFETY: `cpus` is a valid cpu_set_t of the size passed; `tid` is the vCPU
+            // thread's, alive while it has not marked itself exited (which needs the lock
+            // held here).
+            if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(cpus), cpus) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
     }
 
     fn set_request(&self, request: Request) {
@@ -471,4 +527,25 @@ fn run_loop(
         pending_io: false,
     }
     .run();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_other_cpus_are_the_allowed_ones_but_one() {
+        let allowed = current_thread_cpus().unwrap();
+        let is_set = |c: usize| {
+            assert!(c < libc::CPU_SETSIZE as usize);
+            // SAFETY: `c` is below CPU_SETSIZE (checked), inside `allowed`.
+            unsafe { libc::CPU_ISSET(c, &allowed) }
+        };
+        let n = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| is_set(c))
+            .count();
+        let others = other_cpus_than_current();
+        assert_eq!(others.len(), n - 1, "{others:?} of {n}");
+        assert!(others.iter().all(|&c| is_set(c)));
+    }
 }
