@@ -200,8 +200,15 @@ def test_logs_and_metrics():
     s = Sandbox.create(TEMPLATE, timeout=120)
     try:
         client = get_api_client(ConnectionConfig())
-        r = get_sandboxes_sandbox_id_logs.sync(s.sandbox_id, client=client)
-        assert isinstance(r, SandboxLogs), r
+        # The VM process logs its restore once its answer is out, off the create's path:
+        # the line may come a moment after the create returned.
+        deadline = time.monotonic() + 5
+        while True:
+            r = get_sandboxes_sandbox_id_logs.sync(s.sandbox_id, client=client)
+            assert isinstance(r, SandboxLogs), r
+            if r.logs or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert r.logs, "the VM's console and log have lines"
         assert len(r.logs) == len(r.log_entries)
         assert all(x.line for x in r.logs)

@@ -18,10 +18,15 @@ pub(crate) fn sync_after_restore(
     let t = Instant::now();
     // A just-restored guest resets the connections it has when it handles the vsock
     // device's transport-reset event, which may come after this connection was made: a
-    // sync cut off that way is done again on a new connection (each step is idempotent).
+    // sync cut off that way (before or after the agent's answer) is done again on a new
+    // connection (each step is idempotent).
     let mut result = sync_once(path, timeout, hostname_suffix);
     for _ in 0..SYNC_ATTEMPTS - 1 {
-        if !matches!(result, Err(Error::AgentDisconnected)) || t.elapsed() >= timeout {
+        let cut = matches!(
+            result,
+            Err(Error::AgentDisconnected | Error::AgentHandshake { .. })
+        );
+        if !cut || t.elapsed() >= timeout {
             break;
         }
         tracing::debug!("agent sync: connection reset by the restored guest, again");
