@@ -84,6 +84,7 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
         kvm,
         cpuids,
         spares,
+        uffd,
         ..
     } = Shell::create(&ShellSpec {
         kvm_device: config.kvm_device.clone(),
@@ -206,6 +207,7 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
         // Booted VMs always log dirty pages (see the shell above).
         dirty_tracking: true,
         spares,
+        unused_uffd: uffd,
         cpuids,
         vcpu_cpus: Vec::new(),
     }))
@@ -241,11 +243,12 @@ pub(crate) struct Identity {
 }
 
 /// The parts of a shell memory goes into: its address range (reserved, or with a fork's
-/// image mapped ahead), the threads kept for a page server, the shell's userfaultfd.
+/// image mapped ahead), the threads kept for a page server, the shell's userfaultfd (taken
+/// by a page server; one left there stays with the VM: see `Vm::unused_uffd`).
 pub(crate) struct MemorySlot<'a> {
     pub(crate) memory: ShellMemory,
     pub(crate) spares: &'a mut Vec<SpareThread>,
-    pub(crate) uffd: Option<PreparedUffd>,
+    pub(crate) uffd: &'a mut Option<PreparedUffd>,
 }
 
 /// A shell for `spec`: `shell` if it fits (else it is dropped, with a warning) or a new one.
@@ -304,13 +307,13 @@ pub(crate) fn from_saved(
         kvm: kvm_sys,
         cpuids,
         mut spares,
-        uffd,
+        mut uffd,
         ..
     } = shell;
     let (ram, page_server) = memory(MemorySlot {
         memory: shell_memory,
         spares: &mut spares,
-        uffd,
+        uffd: &mut uffd,
     })?;
     ram.clear_vmm_dirty();
     steps.done("memory");
@@ -375,6 +378,7 @@ pub(crate) fn from_saved(
         lineage: identity.lineage,
         dirty_tracking: identity.dirty_tracking,
         spares,
+        unused_uffd: uffd,
         cpuids: saved.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
         vcpu_cpus: identity.vcpu_cpus,
     });

@@ -79,8 +79,17 @@ pub struct Vm {
     working_set_saved: bool,
     /// The memory slots log dirty pages (diff snapshots possible).
     dirty_tracking: bool,
-    /// Threads started ahead of time for the vCPUs (from a VM shell).
+    /// Threads started ahead of time (from a VM shell) for the vCPUs, the device loop, a
+    /// page server, a helper. Those left unused stay parked here until the VM ends: a
+    /// thread's end unmaps its stack, which interrupts every VM of the process (each
+    /// one's KVM is told of the unmap, and the other CPUs flush their TLBs), so not while
+    /// a fork's children start.
     spares: Vec<SpareThread>,
+    /// The shell's userfaultfd when no page server took it; closed when the VM ends:
+    /// closing one walks the process's whole address space under its lock, which in a
+    /// process of many VMs (a fork's children) delays every vCPU's page faults.
+    #[allow(dead_code)]
+    unused_uffd: Option<snapshot::page_server::PreparedUffd>,
     /// The CPUID set on each vCPU (saved in snapshots).
     cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
     /// Host CPUs the vCPU threads are pinned to (vCPU `i` on `vcpu_cpus[i % len]`).
@@ -125,14 +134,15 @@ struct RetiredVm {
 }
 
 impl RetiredVm {
-    /// Closes the KVM VM (KVM drops its mappings then, not on a later unmap) and then
-    /// unmaps the memory a few MiB at a time, in a short-lived thread (here if none can
-    /// be started).
+    /// After [`crate::vstate::memory::TEARDOWN_GRACE`], closes the KVM VM (KVM drops its
+    /// mappings then, not on a later unmap) and then unmaps the memory a few MiB at a
+    /// time, in a short-lived thread (here, at once, if none can be started).
     fn tear_down_in_background(self) {
         let tear_down = move || {
             // Only on CPU time nothing else wants: right after a fork the children and the
             // parent need every CPU for their first requests.
             crate::vstate::spare::run_at_idle_priority("tearing down a former KVM VM");
+            std::thread::sleep(crate::vstate::memory::TEARDOWN_GRACE);
             let t = Instant::now();
             let RetiredVm {
                 vcpu_fds,
@@ -178,6 +188,7 @@ pub(crate) struct VmParts {
     pub(crate) lineage: Option<Lineage>,
     pub(crate) dirty_tracking: bool,
     pub(crate) spares: Vec<SpareThread>,
+    pub(crate) unused_uffd: Option<snapshot::page_server::PreparedUffd>,
     pub(crate) cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
     pub(crate) vcpu_cpus: Vec<usize>,
 }
@@ -274,6 +285,7 @@ impl Vm {
             working_set_saved: !served,
             dirty_tracking: p.dirty_tracking,
             spares: p.spares,
+            unused_uffd: p.unused_uffd,
             cpuids: p.cpuids,
             vcpu_cpus: p.vcpu_cpus,
             agent_sync: None,
@@ -311,7 +323,6 @@ impl Vm {
             )?;
             self.vcpus.push(handle);
         }
-        self.spares.clear();
         self.state = RunState::Running;
         Ok(())
     }
@@ -1226,7 +1237,7 @@ impl Vm {
         vsock_bound_ahead: Option<crate::device_manager::BoundAhead>,
         steps: &mut Steps,
     ) -> Result<()> {
-        // The shell's helper spare, if the devices left it (the vCPUs' start drops spares).
+        // The shell's helper spare, if the devices left it.
         let sync_runner = (agent_sync.is_some() && self.config.vsock.is_some())
             .then(|| crate::vstate::spare::runner_for(&mut self.spares, ThreadKind::Helper));
         if start {

@@ -481,7 +481,7 @@ impl PreparedSnapshot {
                                 &[uffd_mapping(&ram, m.mem_bytes)],
                                 ps_options,
                                 runner,
-                                slot.uffd.or(freed),
+                                slot.uffd.take().or(freed),
                             )
                             .map_err(file_err(dir))?;
                             (ram, ps)
