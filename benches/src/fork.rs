@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmm::{ChildSpec, ForkOptions, SerialOutput, Shell};
@@ -59,7 +60,8 @@ pub struct ForkReport {
     pub copy_time: Duration,
     /// The parent's agent round trip before the fork (p50 of a few, one connection).
     pub parent_ping_before_us: f64,
-    /// The parent's first round trip after the fork on that same connection: the guest
+    /// The parent's first round trip after the fork on that same connection, sent once
+    /// every child answered (so that it measures the parent, not the children): the guest
     /// touches its responder's code, stack and queues again, each page a fault now (a
     /// read maps the frozen page, a write copies it).
     pub parent_first_ping: Duration,
@@ -154,6 +156,21 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         .iter()
         .map(|p| vmm::bind_vsock_ahead(&p.with_extension("ahead")))
         .collect::<vmm::Result<Vec<_>>>()?;
+    // The pingers are started before the fork and end after the last answer: a thread's
+    // start and end map and unmap its stack, which in this process (it holds every child)
+    // interrupts each VM in it; the children's readiness is measured, not that.
+    let (answers, answered) = std::sync::mpsc::channel();
+    let release = Arc::new(std::sync::Barrier::new(n + 2));
+    let parent_pinger = Pinger::start(usize::MAX, &answers, &release, move || {
+        parent_conn.ping().map(|_| ()).map_err(Into::into)
+    })?;
+    let pingers = paths
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, p)| Pinger::start(i, &answers, &release, move || crate::guest::probe(&p)))
+        .collect::<Result<Vec<_>>>()?;
+    drop(answers);
     let t0 = Instant::now();
     let (children, report) = vmm::fork_with_report(
         &mut parent,
@@ -172,27 +189,46 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         },
     )?;
     let built = t0.elapsed();
-    let t = Instant::now();
-    parent_conn.ping()?;
-    let parent_first_ping = t.elapsed();
     tracing::debug!(n, ?built, pause = ?report.pause_time, "forked");
-    // Every child answered: pinged in parallel.
-    let handles: Vec<_> = paths
-        .iter()
-        .cloned()
-        .map(|p| {
-            std::thread::spawn(move || -> Result<Duration> {
-                let t = Instant::now();
-                ping_once(&p)?;
-                Ok(t.elapsed())
-            })
-        })
-        .collect();
-    let mut ping_times = Vec::new();
-    for h in handles {
-        ping_times.push(h.join().map_err(|_| Error::ThreadPanicked("ping"))??);
+    // Every child answers, all at once, each on a new connection; then the parent, on the
+    // connection it had before the fork (its first round trip after it, which pays the
+    // parent's first touches of its memory, measured on its own).
+    for p in &pingers {
+        p.go();
     }
-    let all = t0.elapsed();
+    let mut ping_times = vec![Duration::ZERO; n];
+    let mut parent_first_ping = None;
+    let mut first_error = None;
+    let mut all = None;
+    let mut children_answered = 0;
+    for _ in 0..=n {
+        let (i, r) = answered
+            .recv()
+            .map_err(|_| Error::ThreadPanicked("pinger"))?;
+        match (r, i) {
+            (Ok(d), usize::MAX) => parent_first_ping = Some(d),
+            (Ok(d), i) => ping_times[i] = d,
+            (Err(e), _) => {
+                first_error.get_or_insert(e);
+            }
+        }
+        if i != usize::MAX {
+            children_answered += 1;
+            if children_answered == n {
+                all = Some(t0.elapsed());
+                parent_pinger.go();
+            }
+        }
+    }
+    release.wait();
+    for p in std::iter::once(parent_pinger).chain(pingers) {
+        p.join()?;
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let all = all.ok_or(Error::ThreadPanicked("pinger"))?;
+    let parent_first_ping = parent_first_ping.ok_or(Error::ThreadPanicked("pinger"))?;
     // A child's latency: the pause plus its own build, then its first answered ping.
     let mut samples = Samples::new();
     for (b, p) in report.child_times.iter().zip(&ping_times) {
@@ -254,6 +290,50 @@ pub fn fork(guest: &Guest, machine: &Machine, params: &ForkParams) -> Result<For
         without_net,
         noise: crate::HostNoise::measure(crate::noise::NOISE_TRIES),
     })
+}
+
+/// A thread started ahead that, told to go, runs one ping, sends `(its index, the round
+/// trip)` and ends when released (the barrier: every pinger and the benchmark).
+struct Pinger {
+    go: std::sync::mpsc::SyncSender<()>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl Pinger {
+    fn start(
+        index: usize,
+        answers: &std::sync::mpsc::Sender<(usize, Result<Duration>)>,
+        release: &Arc<std::sync::Barrier>,
+        ping: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<Pinger> {
+        let (go, wait) = std::sync::mpsc::sync_channel(1);
+        let (answers, release) = (answers.clone(), Arc::clone(release));
+        let handle = std::thread::Builder::new()
+            .name("bench-pinger".into())
+            .spawn(move || {
+                // Never told to go: the benchmark failed before the fork.
+                if wait.recv().is_err() {
+                    return;
+                }
+                let t = Instant::now();
+                let r = ping().map(|()| t.elapsed());
+                let _ = answers.send((index, r));
+                release.wait();
+            })
+            .context("starting a pinger thread")?;
+        Ok(Pinger { go, handle })
+    }
+
+    fn go(&self) {
+        // The thread waits for this; it cannot have ended before.
+        let _ = self.go.send(());
+    }
+
+    fn join(self) -> Result<()> {
+        self.handle
+            .join()
+            .map_err(|_| Error::ThreadPanicked("pinger"))
+    }
 }
 
 /// Pings of the parent before the fork (their median is what its first ping after the

@@ -214,6 +214,20 @@ pub(crate) fn ping_once(sock: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Connects to the guest behind `sock`, waits for its answer to a ping, and closes, with
+/// no client kept (so no reader thread: [`vmm::agent::probe`]).
+pub(crate) fn probe(sock: &Path) -> Result<()> {
+    vmm::agent::probe(
+        sock,
+        Transport::Vsock {
+            port: AGENT_VSOCK_PORT,
+        },
+        Duration::from_secs(20),
+    )
+    .context_with(|| format!("probing the agent behind {}", sock.display()))?;
+    Ok(())
+}
+
 /// A scratch directory, removed when dropped.
 pub(crate) struct Scratch(pub(crate) PathBuf);
 

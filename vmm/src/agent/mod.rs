@@ -324,6 +324,23 @@ pub fn connect_raw(
     transport::retry(timeout, || transport::open(path, transport, &[]))
 }
 
+/// Connects to the agent at `path`, has it answer a Hello and a Ping (sent together, as
+/// [`Client::connect_and_ping`] does), and closes, retrying for up to `timeout` like it:
+/// whether a guest is ready, without a [`Client`] and so without the connection's reader
+/// thread (starting and ending a thread maps and unmaps its stack, which in a process that
+/// holds many VMs interrupts each of them: a probe of 100 fork children at once is where
+/// that shows).
+pub fn probe(path: impl AsRef<Path>, transport: Transport, timeout: Duration) -> Result<Pong> {
+    let path = path.as_ref();
+    let first = opening(true)?;
+    transport::retry(timeout, || {
+        let t0 = Instant::now();
+        let mut stream = transport::open(path, transport, &first)?;
+        let (_, _, pong) = read_handshake_replies(&mut stream, Some(t0))?;
+        pong.ok_or_else(|| Error::AgentProtocol("no answer to the ping".into()))
+    })
+}
+
 /// A connection to the agent. See the [module documentation](self).
 #[derive(Clone)]
 pub struct Client {
@@ -400,13 +417,7 @@ impl Client {
         if reader.is_none() {
             *reader = Some(PendingReader::start()?);
         }
-        let mut first = hello_frame()?;
-        if ping {
-            first.extend(
-                proto::encode_host(FIRST_PING_ID, &HostMsg::Ping)
-                    .map_err(|e| Error::AgentProtocol(e.to_string()))?,
-            );
-        }
+        let first = opening(ping)?;
         let t0 = Instant::now();
         let stream = transport::open(path, transport, &first)?;
         Self::handshake(path, stream, reader, ping.then_some(t0))
@@ -426,41 +437,7 @@ impl Client {
             path: path.to_path_buf(),
             source: e,
         };
-        let reply = read_handshake_frame(&mut stream, "hello")?;
-        let f =
-            proto::decode_frame(&reply).map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?;
-        let (version, agent_version) = match f.msg {
-            Msg::Agent(AgentMsg::HelloOk {
-                version,
-                agent_version,
-                ..
-            }) if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) => {
-                (version, agent_version)
-            }
-            Msg::Agent(AgentMsg::Error(e)) => return Err(Error::Agent(e)),
-            other => {
-                return Err(Error::AgentProtocol(format!(
-                    "unexpected answer to Hello: {other:?}"
-                )))
-            }
-        };
-        let pong = match ping_sent {
-            None => None,
-            Some(t0) => {
-                let reply = read_handshake_frame(&mut stream, "ping")?;
-                let f = proto::decode_frame(&reply)
-                    .map_err(|e| Error::AgentProtocol(format!("ping: {e}")))?;
-                match f.msg {
-                    Msg::Agent(m) if f.id == FIRST_PING_ID => Some(pong_from(check(m)?, t0)?),
-                    other => {
-                        return Err(Error::AgentProtocol(format!(
-                            "unexpected answer to the first ping (id {}): {other:?}",
-                            f.id
-                        )))
-                    }
-                }
-            }
-        };
+        let (version, agent_version, pong) = read_handshake_replies(&mut stream, ping_sent)?;
         stream.set_read_timeout(None).map_err(io_err)?;
         stream.set_write_timeout(None).map_err(io_err)?;
         let stream_reader = stream.try_clone().map_err(io_err)?;
@@ -879,6 +856,63 @@ fn read_handshake_frame(stream: &mut UnixStream, what: &str) -> Result<Vec<u8>> 
             e => Error::AgentProtocol(format!("{what}: {e}")),
         })?
         .ok_or(Error::AgentDisconnected)
+}
+
+/// Reads the agent's answers to a Hello ([`hello_frame`]) and, when `ping_sent` is set, to
+/// the Ping with id [`FIRST_PING_ID`] sent behind it: the protocol version, the agent's
+/// version and the Pong.
+fn read_handshake_replies(
+    stream: &mut UnixStream,
+    ping_sent: Option<Instant>,
+) -> Result<(u16, String, Option<Pong>)> {
+    let reply = read_handshake_frame(stream, "hello")?;
+    let f = proto::decode_frame(&reply).map_err(|e| Error::AgentProtocol(format!("hello: {e}")))?;
+    let (version, agent_version) = match f.msg {
+        Msg::Agent(AgentMsg::HelloOk {
+            version,
+            agent_version,
+            ..
+        }) if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) => {
+            (version, agent_version)
+        }
+        Msg::Agent(AgentMsg::Error(e)) => return Err(Error::Agent(e)),
+        other => {
+            return Err(Error::AgentProtocol(format!(
+                "unexpected answer to Hello: {other:?}"
+            )))
+        }
+    };
+    let pong = match ping_sent {
+        None => None,
+        Some(t0) => {
+            let reply = read_handshake_frame(stream, "ping")?;
+            let f = proto::decode_frame(&reply)
+                .map_err(|e| Error::AgentProtocol(format!("ping: {e}")))?;
+            match f.msg {
+                Msg::Agent(m) if f.id == FIRST_PING_ID => Some(pong_from(check(m)?, t0)?),
+                other => {
+                    return Err(Error::AgentProtocol(format!(
+                        "unexpected answer to the first ping (id {}): {other:?}",
+                        f.id
+                    )))
+                }
+            }
+        }
+    };
+    Ok((version, agent_version, pong))
+}
+
+/// What a connection opens with: the Hello ([`hello_frame`]), and with `ping` a Ping with
+/// id [`FIRST_PING_ID`] behind it.
+fn opening(ping: bool) -> Result<Vec<u8>> {
+    let mut first = hello_frame()?;
+    if ping {
+        first.extend(
+            proto::encode_host(FIRST_PING_ID, &HostMsg::Ping)
+                .map_err(|e| Error::AgentProtocol(e.to_string()))?,
+        );
+    }
+    Ok(first)
 }
 
 /// The protocol's first frame: Hello, with the versions this client speaks.

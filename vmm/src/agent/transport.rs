@@ -392,6 +392,43 @@ mod tests {
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
+    /// `probe`: the same Hello and Ping in the opening; the Pong is returned and the
+    /// connection closed (the agent reads its end), no client kept. An agent that refuses
+    /// the Hello fails the probe with what it said.
+    #[test]
+    fn a_probe_pings_and_hangs_up() {
+        let (path, muxer) = fake_muxer("probe", |s| {
+            let hello = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(hello, super::super::hello_frame().unwrap());
+            let ping = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            assert_eq!(proto::decode_frame(&ping).unwrap().id, 1);
+            s.write_all(b"OK 1024\n").unwrap();
+            s.write_all(&[hello_ok(), pong(1)].concat()).unwrap();
+            // The probe hangs up after the Pong.
+            assert_eq!(proto::read_frame(s, MAX_FRAME_LEN).unwrap(), None);
+        });
+        let p = super::super::probe(&path, Transport::Vsock { port: 52 }, Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(p.uptime, Duration::from_millis(7));
+        drop(muxer.join().unwrap());
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+
+        let refused = AgentMsg::Error(RemoteError::new(ErrorKind::Unsupported, "no hello"));
+        let (path, muxer) = fake_muxer("probe-refused", move |s| {
+            for _ in 0..2 {
+                proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
+            }
+            s.write_all(b"OK 1024\n").unwrap();
+            s.write_all(&proto::encode_agent(0, &refused).unwrap())
+                .unwrap();
+        });
+        let e = super::super::probe(&path, Transport::Vsock { port: 52 }, Duration::from_secs(5))
+            .unwrap_err();
+        assert!(matches!(e, Error::Agent(_)), "{e}");
+        drop(muxer.join().unwrap());
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
     /// An agent that answers the first ping with something else (here: an error under
     /// the ping's id, then a frame for another id) fails the connection with what it said.
     #[test]
