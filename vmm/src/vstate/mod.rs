@@ -9,3 +9,4 @@ pub(crate) mod shell;
 pub(crate) mod spare;
 pub(crate) mod state;
 pub(crate) mod vcpu;
+pub(crate) mod warmup;

@@ -10,7 +10,8 @@
 //! are cheapest first, see [`kvm::create_irqchip`]). Mapping memory over the reservation
 //! later (`MAP_FIXED`) needs no KVM call: KVM resolves guest pages through the process's
 //! page tables when the guest first touches them (the kernel still tells KVM of the new
-//! mapping, which walks the slot: see [`Reservation`]).
+//! mapping, which walks the slot: see [`Reservation`]). Each vCPU has made its first run
+//! already ([`super::warmup`]), which costs KVM more than any later one.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -101,6 +102,8 @@ impl Shell {
             cpuids.push(c.as_slice().to_vec());
             vcpus.push(fd);
         }
+        // The vCPUs' first run, which KVM makes costly, off a restore's path.
+        let warmed = crate::vstate::warmup::warm_up(&reservation, &mut vcpus)?;
         // One thread per vCPU, one for the device event loop, one for a page server, one
         // helper (the test device's interrupt thread, or a Linux guest's agent sync after
         // a restore), each confined to its kind already (installing a filter costs tens of
@@ -129,7 +132,7 @@ impl Shell {
         crate::vstate::fdtable::reserve_for_another_vm(&vm_fd);
         let build_time = t.elapsed();
         tracing::debug!(
-            "VM shell: {} vCPUs, {} MiB, dirty log {}, built in {build_time:?}",
+            "VM shell: {} vCPUs ({warmed} warmed up), {} MiB, dirty log {}, built in {build_time:?}",
             spec.vcpus,
             spec.mem_bytes >> 20,
             spec.dirty_log
