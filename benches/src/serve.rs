@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::error::{Context, Error, Result};
-use crate::guest::{ping_once, Guest, Scratch};
+use crate::guest::{probe, Guest, Scratch};
 use crate::stats::Samples;
 
 const KEY: &str = "clade-bench";
@@ -300,7 +300,7 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
     for &background in &params.background {
         while paused.len() < background {
             let id = service.create()?;
-            ping_once(&service.vsock(&id)).context("a background sandbox's agent")?;
+            probe(&service.vsock(&id)).context("a background sandbox's agent")?;
             service.pause(&id)?;
             paused.push(id);
         }
@@ -310,13 +310,13 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
             let t = Instant::now();
             let id = service.create()?;
             create_http.push(t.elapsed());
-            ping_once(&service.vsock(&id)).context("a new sandbox's agent")?;
+            probe(&service.vsock(&id)).context("a new sandbox's agent")?;
             create.push(t.elapsed());
             service.kill(&id)?;
         }
         // One sandbox woken n times: each wake is a restore of its latest pause.
         let id = service.create()?;
-        ping_once(&service.vsock(&id)).context("the woken sandbox's agent")?;
+        probe(&service.vsock(&id)).context("the woken sandbox's agent")?;
         let mut wake = Samples::new();
         let mut wake_http = Samples::new();
         for _ in 0..params.n {
@@ -324,7 +324,7 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
             let t = Instant::now();
             service.connect(&id)?;
             wake_http.push(t.elapsed());
-            ping_once(&service.vsock(&id)).context("a woken sandbox's agent")?;
+            probe(&service.vsock(&id)).context("a woken sandbox's agent")?;
             wake.push(t.elapsed());
         }
         service.kill(&id)?;
