@@ -7,69 +7,57 @@
 //! the restored vCPU's first run, before the guest's own first page faults. Done here,
 //! both are paid by the pool that builds shells in the background.
 //!
-//! The warm-up guest is four pages: a page-table chain that maps the first 2 MiB of guest
-//! memory with one large page, and an `out` to port 0x10 (an exit to user space, which
-//! this code takes). The vCPU's registers are put back afterwards and the first 2 MiB of
-//! the shell's address space are dropped again (`MADV_DONTNEED`), so the shell keeps the
-//! promise of [`Reservation`]: no page present (a `uffd` restore relies on it).
+//! The warm-up guest is one page of code in real mode: an `out` to port 0x10 (an exit to
+//! user space, which this code takes), in a loop. Real mode, not long mode: with paging on,
+//! a host without two-dimensional paging (PVM here, or `ept=0`) would build shadow pages
+//! for the warm-up's page tables and keep trusting them after the snapshot's memory is put
+//! behind those guest addresses from user space, which KVM does not see; without paging
+//! its MMU only maps guest-physical addresses directly, and those entries go with the
+//! pages. The vCPU's registers and run state are put back afterwards and the first 2 MiB
+//! of the shell's address space are dropped again (`MADV_DONTNEED`), so the shell keeps
+//! the promise of [`Reservation`]: no page present (a `uffd` restore relies on it).
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
-use crate::arch::layout::PVM_VIF_BASE;
 use crate::error::{Error, Result};
-use crate::vstate::kvm;
 use crate::vstate::memory::Reservation;
 
-/// Where the warm-up's page tables and code live (guest-physical). The PML4's address has
-/// bit 12 clear: PVM reads that bit of CR3 as the guest's privilege level.
-const PML4: u64 = 0x10000;
-const PDPT: u64 = 0x11000;
-const PD: u64 = 0x12000;
+/// Where the warm-up's code lives (guest-physical; the code segment's base, IP 0).
 const CODE: u64 = 0x13000;
-/// `out 0x10, al`, then `ud2`: should the `out` not exit, the `ud2` ends the run (no IDT:
-/// a triple fault, `KVM_EXIT_SHUTDOWN`), so the run ends either way. (PVM lets the guest
-/// write port 0x80, the I/O delay port, without an exit.)
-const PROGRAM: [u8; 4] = [0xe6, 0x10, 0x0f, 0x0b];
+/// `1: out 0x10, al; jmp 1b`: the run ends at the `out` however often it is resumed.
+/// (PVM lets a guest write port 0x80, the I/O delay port, without an exit: not that one.)
+const PROGRAM: [u8; 4] = [0xe6, 0x10, 0xeb, 0xfc];
 /// The port of the program's `out`.
 const PORT: u16 = 0x10;
-/// Everything the warm-up guest can reach: the one 2 MiB page it maps.
+/// Dropped after the runs: the code page and anything near it the hypervisor touched.
 const REACH: usize = 2 << 20;
 
 /// Runs each vCPU of a shell once (see the [module documentation](self)); returns how many
 /// runs ended at the program's `out` (0 for memory too small to hold the program). A vCPU
-/// whose run does not end as expected is logged and left as KVM left it (restores and
-/// boots set every register they need); an error means the shell's memory could not be
-/// put back.
+/// whose run does not end there is logged (its registers are put back all the same, and
+/// restores and boots set every register they need); an error means the shell's memory
+/// could not be put back.
 pub(crate) fn warm_up(res: &Reservation, vcpus: &mut [VcpuFd]) -> Result<usize> {
     let Some(low) = res.ranges().first() else {
         return Ok(0);
     };
-    let vif_end = PVM_VIF_BASE + vcpus.len() as u64 * 0x1000;
-    if low.guest_addr != 0 || low.len < REACH || vif_end > REACH as u64 {
+    if low.guest_addr != 0 || low.len < REACH {
         return Ok(0);
     }
     let base = low.host_addr;
-    let put = |gpa: u64, bytes: &[u8]| {
-        // SAFETY: `gpa + bytes.len()` lies in the reservation's first range (checked
-        // above: it spans at least REACH bytes from guest address 0), which this process
-        // mapped readable and writable and nothing else refers into while a shell is
-        // built.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                (base + gpa as usize) as *mut u8,
-                bytes.len(),
-            )
-        }
+    // SAFETY: CODE + PROGRAM.len() lies in the reservation's first range (checked above:
+    // it spans at least REACH bytes from guest address 0), which this process mapped
+    // readable and writable and nothing else refers into while a shell is built.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            PROGRAM.as_ptr(),
+            (base + CODE as usize) as *mut u8,
+            PROGRAM.len(),
+        )
     };
-    put(PML4, &(PDPT | 0x7).to_le_bytes());
-    put(PDPT, &(PD | 0x7).to_le_bytes());
-    // Present, writable, 2 MiB page at guest-physical 0.
-    put(PD, &0x87u64.to_le_bytes());
-    put(CODE, &PROGRAM);
     let mut warmed = 0;
     for (i, vcpu) in vcpus.iter_mut().enumerate() {
-        match run_once(vcpu, PVM_VIF_BASE + i as u64 * 0x1000) {
+        match run_once(vcpu) {
             Ok(()) => warmed += 1,
             Err(e) => tracing::debug!("VM shell: vCPU {i} warm-up: {e}"),
         }
@@ -85,10 +73,10 @@ pub(crate) fn warm_up(res: &Reservation, vcpus: &mut [VcpuFd]) -> Result<usize> 
     Ok(warmed)
 }
 
-/// One vCPU's run: long mode at [`CODE`], until its `out`; then the I/O completed (a run
+/// One vCPU's run: real mode at [`CODE`], until its `out`; then the I/O completed (a run
 /// with `immediate_exit`, so nothing of it is left for the guest's first real run) and the
-/// registers put back.
-fn run_once(vcpu: &mut VcpuFd, vif_cell: u64) -> Result<()> {
+/// registers and run state put back.
+fn run_once(vcpu: &mut VcpuFd) -> Result<()> {
     let sregs = vcpu.get_sregs().map_err(Error::kvm("KVM_GET_SREGS"))?;
     let regs = vcpu.get_regs().map_err(Error::kvm("KVM_GET_REGS"))?;
     // A vCPU other than the first waits for its INIT and SIPI (a run would block until
@@ -100,14 +88,13 @@ fn run_once(vcpu: &mut VcpuFd, vif_cell: u64) -> Result<()> {
         mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE,
     })
     .map_err(Error::kvm("KVM_SET_MP_STATE"))?;
-    // On PVM the guest runs natively only with its interrupt-flag cell registered (the
-    // VM registers the same cell again); elsewhere there is no such register.
-    kvm::register_pvm_vif(vcpu, vif_cell)?;
-    let mut long = crate::arch::regs::long_mode_sregs(sregs);
-    long.cr3 = PML4;
-    vcpu.set_sregs(&long).map_err(Error::kvm("KVM_SET_SREGS"))?;
+    let mut real = sregs;
+    real.cr0 &= !0x8000_0001; // PG and PE off: real mode (a new vCPU's already).
+    real.cs.base = CODE;
+    real.cs.selector = (CODE >> 4) as u16;
+    vcpu.set_sregs(&real).map_err(Error::kvm("KVM_SET_SREGS"))?;
     let mut r = regs;
-    r.rip = CODE;
+    r.rip = 0;
     r.rflags = 0x2;
     vcpu.set_regs(&r).map_err(Error::kvm("KVM_SET_REGS"))?;
     let exit = match vcpu.run() {
@@ -169,7 +156,7 @@ mod tests {
             .iter()
             .map(|v| (v.get_regs().unwrap(), v.get_sregs().unwrap()))
             .collect();
-        // Run again, now that it is known to work, to count the runs that reached `out`.
+        // Run again, to count the runs that reached the `out`.
         assert_eq!(warm_up(res, &mut shell.vcpus).unwrap(), 2);
         assert_eq!(resident(low, 64 << 20), 0, "the warm-up left pages behind");
         for (v, (regs, sregs)) in shell.vcpus.iter().zip(before) {
