@@ -126,7 +126,9 @@ fn vms_get_networks_of_their_own_that_end_with_them() {
     let mut a = Proc(run_vm(&d.0, "a").spawn().unwrap());
     wait_until("a's network", || tap_attached(1));
     assert_eq!(holder(1), a.0.id().to_string());
-    // The VMM took its TAP as an inherited descriptor.
+    // The VMM took its TAP as an inherited descriptor. (The TAP is attached once the
+    // parent opened it, which can be before its VM process exists.)
+    wait_until("a's VM process", || !vm_cmdline(&d.p("a.api")).is_empty());
     let cmdline = vm_cmdline(&d.p("a.api"));
     assert!(
         cmdline.contains("--net fd=") && cmdline.contains("clade.net="),
