@@ -312,7 +312,8 @@ impl Vm {
         for (index, fd) in self.pending_vcpus.drain(..).enumerate() {
             let cpu =
                 (!self.vcpu_cpus.is_empty()).then(|| self.vcpu_cpus[index % self.vcpu_cpus.len()]);
-            let runner = crate::vstate::spare::runner_for(&mut self.spares, ThreadKind::Vcpu);
+            let runner =
+                crate::vstate::spare::runner_for_on(&mut self.spares, ThreadKind::Vcpu, cpu);
             let handle = VcpuHandle::spawn(
                 index,
                 fd,

@@ -66,9 +66,10 @@ struct State {
     thread: Option<libc::pthread_t>,
     /// Its kernel thread ID, once it started (to change its CPUs from another thread).
     tid: Option<libc::pid_t>,
-    /// Its CPU pin was lifted ([`VcpuHandle::unpin`]); a thread that starts after that
-    /// does not pin itself.
-    unpinned: bool,
+    /// Its CPU pin was lifted ([`VcpuHandle::unpin`]) to these CPUs; a thread that starts
+    /// after that does not pin itself, and takes these CPUs (its runner may have pinned it
+    /// before it ran: `spare::runner_for_on`).
+    unpinned: Option<libc::cpu_set_t>,
     /// The thread is parked (paused, stopped or exited) and not in KVM_RUN.
     parked: bool,
     exited: bool,
@@ -117,6 +118,11 @@ fn install_kick_handler() -> Result<()> {
 
 /// Restricts the calling thread to host CPU `cpu`.
 pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
+    pin_thread(0, cpu)
+}
+
+/// Restricts thread `tid` (0: the calling thread) to host CPU `cpu`.
+pub(crate) fn pin_thread(tid: libc::pid_t, cpu: usize) -> std::io::Result<()> {
     if cpu >= libc::CPU_SETSIZE as usize {
         return Err(std::io::ErrorKind::InvalidInput.into());
     }
@@ -124,8 +130,17 @@ pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `cpu` is below CPU_SETSIZE (checked), so CPU_SET stays inside `set`.
     unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the size passed.
-    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } != 0 {
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; the kernel checks `tid`.
+    if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Lets the calling thread run on the CPUs in `cpus`.
+fn set_current_thread_cpus(cpus: &libc::cpu_set_t) -> std::io::Result<()> {
+    // SAFETY: pid 0 is the calling thread; `cpus` is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(cpus), cpus) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
@@ -183,7 +198,7 @@ impl VcpuHandle {
             state: Mutex::new(State {
                 thread: None,
                 tid: None,
-                unpinned: false,
+                unpinned: None,
                 request: Request::Run,
                 parked: false,
                 exited: false,
@@ -206,10 +221,18 @@ impl VcpuHandle {
                     st.tid = Some(unsafe { libc::gettid() });
                     // Pinned with the state locked: an `unpin` either comes before (and
                     // is seen here) or after (and lifts this pin).
-                    if let Some(cpu) = cpu.filter(|_| !st.unpinned) {
-                        if let Err(e) = pin_current_thread(cpu) {
-                            tracing::warn!("vcpu{index}: cannot pin to CPU {cpu}: {e}");
+                    match (cpu, st.unpinned) {
+                        (Some(cpu), None) => {
+                            if let Err(e) = pin_current_thread(cpu) {
+                                tracing::warn!("vcpu{index}: cannot pin to CPU {cpu}: {e}");
+                            }
                         }
+                        (Some(_), Some(cpus)) => {
+                            if let Err(e) = set_current_thread_cpus(&cpus) {
+                                tracing::warn!("vcpu{index}: cannot lift its CPU pin: {e}");
+                            }
+                        }
+                        (None, _) => {}
                     }
                 }
                 run_loop(index, vcpu, buses, &c, &events)
@@ -229,7 +252,7 @@ impl VcpuHandle {
     /// Lets the vCPU thread run on every CPU in `cpus` (its pin, if any, lifted).
     pub fn unpin(&self, cpus: &libc::cpu_set_t) -> std::io::Result<()> {
         let mut st = self.control.lock();
-        st.unpinned = true;
+        st.unpinned = Some(*cpus);
         if let Some(tid) = st.tid.filter(|_| !st.exited) {
             // SAFETY: `cpus` is a valid cpu_set_t of the size passed; `tid` is the vCPU
             // thread's, alive while it has not marked itself exited (which needs the lock
