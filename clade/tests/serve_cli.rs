@@ -402,6 +402,12 @@ fn build_template(state: &Path) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// The scheduling policy of process `pid`'s main thread.
+fn policy_of(pid: i32) -> i32 {
+    // SAFETY: sched_getscheduler reads the policy of `pid` and has no other effect.
+    unsafe { libc::sched_getscheduler(pid) }
+}
+
 /// `serve --standby 2`: a create takes a VM process that existed before the request, the
 /// pool refills, a service crash ends the unused standbys but not the sandbox, and a
 /// stopped service leaves no standby behind.
@@ -414,6 +420,10 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
     let before = wait_standbys(&state, 2);
     let pids: Vec<i32> = before.iter().map(|s| pid_naming(s).unwrap()).collect();
+    // A ready standby waits at idle priority (its main thread: the one that restores).
+    for &p in &pids {
+        assert_eq!(policy_of(p), libc::SCHED_IDLE, "standby {p}");
+    }
 
     let a = create_from_template(port);
     ping(&state.join("sandboxes").join(&a).join("vm.vsock"));
@@ -430,6 +440,8 @@ fn creates_use_standby_processes_and_the_pool_refills() {
         Some(pids[i]),
         "the VM is the standby process"
     );
+    // Taken, it runs at normal priority.
+    assert_eq!(policy_of(pids[i]), libc::SCHED_OTHER);
     let st = vmm::api::ApiClient::connect(sock)
         .unwrap()
         .call(&vmm::api::Request::Status)

@@ -217,6 +217,7 @@ impl ProcessDriver {
         });
         let fds: Vec<_> = spec.tap.iter().map(|t| t.as_fd()).collect();
         let t = Instant::now();
+        run_at_normal_priority(sb.child.id());
         let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call_with_fds(&req, &fds));
         match answer {
             Ok(r) if r.ok => {
@@ -334,11 +335,51 @@ fn thread_alive(stat: &str, cmdline: &[u8], want: &[u8]) -> bool {
 
 /// Puts the calling thread at idle priority (`SCHED_IDLE`: it runs on CPU time nothing else
 /// wants), for the service's background work (starting standby processes, making
-/// directories ahead). Processes it starts run at normal priority (`SCHED_RESET_ON_FORK`).
+/// directories ahead). Processes it starts run at normal priority (`SCHED_RESET_ON_FORK`)
+/// unless started with [`start_at_idle_priority`].
 pub(crate) fn run_at_idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sets the calling thread's policy; `param` is a valid struct.
     unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE | libc::SCHED_RESET_ON_FORK, &param) };
+}
+
+/// Makes the process `cmd` starts run at idle priority (`SCHED_IDLE`), and the threads it
+/// starts too (those that reset their own policy aside): a standby process builds its VM
+/// shell and opens snapshots on CPU time nothing else wants. Started at normal priority, a
+/// replacement standby building its shell took the CPU the standby serving the next
+/// request was woken on, and that request's restore began ~1 ms late (a scheduler trace
+/// of `clade bench serve`). [`run_at_normal_priority`] lifts it when the process is taken.
+pub(crate) fn start_at_idle_priority(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and makes one
+    // async-signal-safe call (sched_setscheduler on itself), allocating nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            let param = libc::sched_param { sched_priority: 0 };
+            if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+}
+
+/// Puts the main thread of process `pid` (a child of this process, not yet reaped) at
+/// normal priority (`SCHED_OTHER`): a standby taken for a request. Best effort: a refusal
+/// is logged and the request goes on, slower under load.
+pub(crate) fn run_at_normal_priority(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets the policy of thread `pid` (this process's unreaped child, so the ID
+    // cannot name another process); `param` is a valid struct.
+    if unsafe { libc::sched_setscheduler(pid, libc::SCHED_OTHER, &param) } != 0 {
+        tracing::debug!(
+            "standby {pid} stays at idle priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// Makes the process `cmd` starts end (SIGKILL) when this one does, however it ends:

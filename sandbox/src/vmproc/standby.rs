@@ -5,7 +5,9 @@
 //! A [`StandbyPool`] keeps up to `per_shape` ready processes for each VM shape (vCPUs,
 //! memory) it was told about or asked for. A background thread refills it after each take,
 //! a little later ([`REFILL_DELAY`]) so that the new process does not compete for the CPU
-//! with the request that just took one; a request never waits for a standby to start.
+//! with the request that just took one; a request never waits for a standby to start. A
+//! standby runs at idle priority (`SCHED_IDLE`) until a request takes it, so that one
+//! starting meanwhile does not delay the requests that follow either.
 //!
 //! Snapshots opened ahead: each standby of a shape opens the snapshot its creates restore
 //! (a template; `--preload`) while it waits. When a sandbox pauses, one ready standby of
@@ -88,6 +90,8 @@ pub(crate) struct Standby {
 impl Standby {
     /// Ends it (an API shutdown, then SIGKILL) and removes its files.
     pub(crate) fn discard(mut self) {
+        // At idle priority it could take long to end on a busy host.
+        super::run_at_normal_priority(self.child.id());
         let asked = ApiClient::connect(&self.api_sock)
             .and_then(|mut c| c.call(&Request::Shutdown))
             .is_ok_and(|r| r.ok);
@@ -375,7 +379,7 @@ impl Drop for StandbyPool {
 /// should, never sooner than [`REFILL_DELAY`] after a take.
 fn refill(inner: &Inner) {
     // Runs at idle priority: starting a standby must not slow the VMs that serve requests
-    // (the processes it starts run at normal priority).
+    // (and the processes it starts run at idle priority until taken).
     super::run_at_idle_priority();
     let mut st = inner.lock();
     loop {
@@ -482,6 +486,8 @@ fn start_standby(
         // not its business (the parent-death signal is).
         .process_group(0);
     super::end_with_this_process(&mut cmd);
+    // Until a request takes it ([`super::run_at_normal_priority`]).
+    super::start_at_idle_priority(&mut cmd);
     let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
     let t = Instant::now();
     loop {
