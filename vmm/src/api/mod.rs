@@ -509,27 +509,99 @@ impl ApiListener {
 
     /// Serves the socket from a thread of its own from now on (see [`ApiServer`]).
     pub fn serve(self) -> Result<ApiServer> {
+        self.hand_to(ServerAhead::start()?)
+            .map_err(|_| thread_ended())
+    }
+
+    /// Serves the socket from `ahead`'s thread, started earlier (see [`ServerAhead`]); from
+    /// a thread started now if that one has ended.
+    pub fn serve_on(self, ahead: ServerAhead) -> Result<ApiServer> {
+        match self.hand_to(ahead) {
+            Ok(server) => Ok(server),
+            Err(me) => me.serve(),
+        }
+    }
+
+    /// Gives the socket to `ahead`'s thread; back if that thread has ended (only a panic
+    /// ends it early).
+    fn hand_to(self, ahead: ServerAhead) -> std::result::Result<ApiServer, Self> {
         let Self {
             bound,
             listener,
             peers,
         } = self;
+        let ServerAhead {
+            handoff,
+            requests,
+            stop,
+            thread,
+        } = ahead;
+        match handoff.send((listener, peers)) {
+            Ok(()) => Ok(ApiServer {
+                bound,
+                requests,
+                stop,
+                thread: Some(thread),
+            }),
+            Err(mpsc::SendError((listener, peers))) => {
+                let _ = thread.join();
+                Err(Self {
+                    bound,
+                    listener,
+                    peers,
+                })
+            }
+        }
+    }
+}
+
+fn thread_ended() -> Error {
+    Error::Io {
+        context: "handing the API socket to its thread",
+        source: std::io::Error::other("the API thread has ended"),
+    }
+}
+
+/// An [`ApiServer`]'s thread started before its socket is handed to it
+/// ([`ApiListener::serve_on`]): confined to its system-call filter, its first connection
+/// thread started, waiting. A standby process starts one while it waits for its restore
+/// request, so that the restore's answer is not followed by a thread start, its filter's
+/// installation and a connection thread's start (~0.25 ms of CPU in a scheduler trace of a
+/// create, competing with the restored guest's first run and with the service's answer on
+/// a 2-CPU host). Dropped unused, the thread ends.
+pub struct ServerAhead {
+    handoff: mpsc::SyncSender<(UnixListener, PeerCheck)>,
+    requests: Receiver<PendingRequest>,
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl ServerAhead {
+    /// Starts the thread. It runs at normal priority whatever its starter's (a standby
+    /// waits at idle priority; a server must not).
+    pub fn start() -> Result<ServerAhead> {
         let (tx, requests) = mpsc::channel();
+        let (handoff, socket) = mpsc::sync_channel::<(UnixListener, PeerCheck)>(1);
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("api".into())
             .spawn(move || {
+                crate::vstate::spare::run_at_normal_priority();
                 // Connection threads inherit this thread's filters.
                 crate::seccomp::confine_current_thread(crate::seccomp::ThreadKind::Api);
-                accept_loop(listener, tx, &stop2, peers)
+                let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let spare = spare_connection_thread(&tx, &live);
+                if let Ok((listener, peers)) = socket.recv() {
+                    accept_loop(listener, tx, &stop2, peers, live, spare);
+                }
             })
             .map_err(io_err("spawning the API thread"))?;
-        Ok(ApiServer {
-            bound,
+        Ok(ServerAhead {
+            handoff,
             requests,
             stop,
-            thread: Some(thread),
+            thread,
         })
     }
 }
@@ -618,17 +690,18 @@ fn peer_allowed(stream: &UnixStream, peers: PeerCheck) -> bool {
     peer_uid(stream).is_ok_and(|uid| uid == want || uid == 0)
 }
 
+/// Accepts connections until `stop`, each served by a connection thread of its own (at most
+/// [`MAX_CONNECTIONS`] at once, counted in `live`). `spare`: a connection thread started ahead, waiting for its connection: a new
+/// connection is served at once, not after a thread's start (100-200 us here, on the path
+/// of every request of a service that connects per request, such as a standby's restore).
 fn accept_loop(
     listener: UnixListener,
     tx: Sender<PendingRequest>,
     stop: &AtomicBool,
     peers: PeerCheck,
+    live: Arc<std::sync::atomic::AtomicUsize>,
+    mut spare: Option<Sender<UnixStream>>,
 ) {
-    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    // A connection thread started ahead, waiting for its connection: a new connection is
-    // served at once, not after a thread's start (100-200 us here, on the path of every
-    // request of a service that connects per request, such as a standby's restore).
-    let mut spare = spare_connection_thread(&tx, &live);
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((mut stream, _)) => {
@@ -1170,6 +1243,51 @@ mod tests {
         // An unserved listener removes its socket too.
         drop(ApiListener::bind(&path).unwrap());
         assert!(!path.exists());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_server_started_ahead_at_idle_priority_serves_at_normal_priority_once_handed_its_socket() {
+        let d = scratch("ahead");
+        let path = d.join("vm.api");
+        // Started by a thread at idle priority, as a waiting standby's main thread is.
+        let ahead = std::thread::spawn(|| {
+            crate::vstate::spare::run_at_idle_priority("test");
+            ServerAhead::start().unwrap()
+        })
+        .join()
+        .unwrap();
+        let listener = ApiListener::bind(&path).unwrap();
+        // Not handed its socket yet: nobody accepts (the connection waits in the backlog).
+        let mut early = ApiClient::connect(&path).unwrap();
+        let server = listener.serve_on(ahead).unwrap();
+        let owner = std::thread::spawn(move || {
+            let p = server.next_request(Duration::from_secs(5)).unwrap();
+            p.respond(Response::ok(serde_json::json!({"state": "running"})));
+            server
+        });
+        assert_eq!(
+            early.call(&Request::Status).unwrap().fields["state"],
+            "running"
+        );
+        // It served a connection, so it ran past its start: no API thread of this process
+        // (other tests' included) is left at idle priority.
+        let idle: Vec<String> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "api")
+            })
+            .filter_map(|t| t.file_name().to_str()?.parse::<i32>().ok())
+            // SAFETY: sched_getscheduler only reads the policy of the thread with this ID.
+            .filter(|&tid| unsafe { libc::sched_getscheduler(tid) } == libc::SCHED_IDLE)
+            .map(|tid| tid.to_string())
+            .collect();
+        assert!(idle.is_empty(), "API threads at idle priority: {idle:?}");
+        drop(owner.join().unwrap());
+        assert!(!path.exists(), "the socket goes with the server");
+        // One dropped unused ends quietly.
+        drop(ServerAhead::start().unwrap());
         let _ = std::fs::remove_dir_all(&d);
     }
 

@@ -7,7 +7,8 @@
 //! (vCPUs, memory), serves its control API and waits ([`standby`]). It serves that socket
 //! on its main thread, a request per connection ([`ApiListener::next_request`]): the
 //! restore request is read, run and answered without a hand-off between threads, and the
-//! socket's server thread starts once the process holds a VM. One `restore` request
+//! socket's server thread, started and confined ahead ([`ServerAhead`]), is handed the
+//! socket once the process holds a VM. One `restore` request
 //! ([`RestoreRequest`]) then restores a snapshot into that shell, and from then on the
 //! process is an ordinary restored VM (its owner loop, [`super::own`], serves the rest of
 //! its life). A second `restore` is refused, by the owner loop's dispatcher.
@@ -41,7 +42,7 @@ use serde_json::json;
 
 use super::dispatch::{confine, status_fields, Confiner};
 use super::options::OwnerOptions;
-use crate::api::{ApiListener, ApiServer, Request, Response, RestoreRequest};
+use crate::api::{ApiListener, ApiServer, Request, Response, RestoreRequest, ServerAhead};
 use crate::config::{NetConfig, SerialOutput, Tap, TapSource};
 use crate::device_manager::BoundAhead;
 use crate::error::{Error, Result};
@@ -159,6 +160,10 @@ pub fn standby(
     if let Some(p) = ahead.latest() {
         prefill(&mut shell, p, spec);
     }
+    // The API's server thread, for after the restore (a failure leaves its start to then).
+    let mut server = ServerAhead::start()
+        .inspect_err(|e| tracing::debug!("standby: the API thread is not started ahead: {e}"))
+        .ok();
     loop {
         if let Some(flag) = options.stop {
             let signal = flag.load(Ordering::SeqCst);
@@ -218,9 +223,13 @@ pub fn standby(
                         restored.vm.unpin_vcpus();
                         restored.log();
                         let vm = restored.vm;
-                        // Started once the answer is out: its thread is not on the
-                        // request's path. Connections meanwhile wait in the backlog.
-                        let api = api.serve().inspect_err(|e| {
+                        // Handed over once the answer is out. Connections meanwhile wait
+                        // in the backlog.
+                        let api = match server.take() {
+                            Some(ahead) => api.serve_on(ahead),
+                            None => api.serve(),
+                        };
+                        let api = api.inspect_err(|e| {
                             tracing::error!("restored, but the control API cannot be served: {e}")
                         })?;
                         return Ok(StandbyEnd::Restored(Box::new(vm), api));

@@ -41,6 +41,15 @@ pub(crate) fn run_at_idle_priority(what: &str) {
     }
 }
 
+/// Puts the calling thread back at `SCHED_OTHER`: a thread started by one at idle priority
+/// (a pool's refill thread, a standby process waiting) inherits that, and its work (a
+/// vCPU, the device loop, the API server) must not run so.
+pub(crate) fn run_at_normal_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sets the calling thread's scheduling policy; `param` is a valid struct.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+}
+
 impl SpareThread {
     /// Starts a thread that confines itself as a `kind` thread (if the process filter is
     /// on: [`seccomp::confine_current_thread`]) and waits for one body.
@@ -53,11 +62,7 @@ impl SpareThread {
             .spawn(move || {
                 // SAFETY: gettid has no preconditions.
                 own_tid.store(unsafe { libc::gettid() }, Ordering::Release);
-                // Started by a pool's refill thread, which runs at idle priority: the body
-                // (a vCPU, the device loop) must not.
-                let param = libc::sched_param { sched_priority: 0 };
-                // SAFETY: sets the calling thread's policy; `param` is a valid struct.
-                unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+                run_at_normal_priority();
                 seccomp::add_thread_filter(kind);
                 if let Ok((name, body)) = rx.recv() {
                     set_thread_name(&name);
