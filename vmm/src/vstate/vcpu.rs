@@ -130,17 +130,14 @@ pub(crate) fn pin_thread(tid: libc::pid_t, cpu: usize) -> std::io::Result<()> {
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `cpu` is below CPU_SETSIZE (checked), so CPU_SET stays inside `set`.
     unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: `set` is a valid cpu_set_t of the size passed; the kernel checks `tid`.
-    if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    set_thread_cpus(tid, &set)
 }
 
-/// Lets the calling thread run on the CPUs in `cpus`.
-fn set_current_thread_cpus(cpus: &libc::cpu_set_t) -> std::io::Result<()> {
-    // SAFETY: pid 0 is the calling thread; `cpus` is a valid cpu_set_t of the size passed.
-    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(cpus), cpus) } != 0 {
+/// Lets thread `tid` (0: the calling thread) run on the CPUs in `cpus`.
+fn set_thread_cpus(tid: libc::pid_t, cpus: &libc::cpu_set_t) -> std::io::Result<()> {
+    // SAFETY: `cpus` is a valid cpu_set_t of the size passed; the kernel checks `tid` (a
+    // caller passing another thread's ID keeps that thread alive meanwhile).
+    if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(cpus), cpus) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
@@ -228,7 +225,7 @@ impl VcpuHandle {
                             }
                         }
                         (Some(_), Some(cpus)) => {
-                            if let Err(e) = set_current_thread_cpus(&cpus) {
+                            if let Err(e) = set_thread_cpus(0, &cpus) {
                                 tracing::warn!("vcpu{index}: cannot lift its CPU pin: {e}");
                             }
                         }
@@ -253,15 +250,12 @@ impl VcpuHandle {
     pub fn unpin(&self, cpus: &libc::cpu_set_t) -> std::io::Result<()> {
         let mut st = self.control.lock();
         st.unpinned = Some(*cpus);
-        if let Some(tid) = st.tid.filter(|_| !st.exited) {
-            // SAFETY: `cpus` is a valid cpu_set_t of the size passed; `tid` is the vCPU
-            // thread's, alive while it has not marked itself exited (which needs the lock
-            // held here).
-            if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(cpus), cpus) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+        // The vCPU thread's ID, alive while it has not marked itself exited (which needs
+        // the lock held here).
+        match st.tid.filter(|_| !st.exited) {
+            Some(tid) => set_thread_cpus(tid, cpus),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn set_request(&self, request: Request) {
