@@ -691,9 +691,10 @@ fn peer_allowed(stream: &UnixStream, peers: PeerCheck) -> bool {
 }
 
 /// Accepts connections until `stop`, each served by a connection thread of its own (at most
-/// [`MAX_CONNECTIONS`] at once, counted in `live`). `spare`: a connection thread started ahead, waiting for its connection: a new
-/// connection is served at once, not after a thread's start (100-200 us here, on the path
-/// of every request of a service that connects per request, such as a standby's restore).
+/// [`MAX_CONNECTIONS`] at once, counted in `live`). `spare`: a connection thread started
+/// ahead, waiting for its connection, so that a new connection is served at once, not after
+/// a thread's start (100-200 us here, on the path of every request of a service that
+/// connects per request, such as a standby's restore).
 fn accept_loop(
     listener: UnixListener,
     tx: Sender<PendingRequest>,
