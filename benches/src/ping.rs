@@ -20,10 +20,12 @@ const STALL: Duration = Duration::from_secs(25);
 /// Boots the guest's `vsock` step, pings its agent port `warmup` times, then measures `n`
 /// round trips; checks that the guest counted as many. Reported as `agent_ping_rtt`.
 ///
-/// `gap`: how long the client waits before each measured ping. Longer than the guest's
-/// poll window (100 us) and the guest has halted by then: every round trip includes its
-/// wake-up by the device's interrupt, as the first request to an idle guest (a restored
-/// or newly created sandbox's) does. Reported as `agent_ping_rtt_after_<gap>us`.
+/// `gap`: how long the client waits before each measured ping. The guest halts as soon as
+/// it is idle (unless booted with a `poll_us=` window), so every round trip includes its
+/// wake-up by the device's interrupt; a gap longer than the host's halt-polling window
+/// (KVM's `halt_poll_ns`, 200 us by default) also puts the vCPU's thread to sleep in
+/// between, as before the first request to an idle guest (a restored or newly created
+/// sandbox's). Reported as `agent_ping_rtt_after_<gap>us`.
 pub fn ping(
     guest: &Guest,
     machine: &Machine,

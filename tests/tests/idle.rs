@@ -1,7 +1,7 @@
 //! Native KVM tier: the native guest idles like a kernel. Its `vsock` step halts when it has
-//! had nothing to do for a short poll window and is woken by the device's interrupt; these
-//! tests check that an idle guest's vCPU costs (almost) no host CPU, and that no wake-up is
-//! lost when the guest halts between every two requests.
+//! nothing to do (after a poll window, if booted with one) and is woken by the device's
+//! interrupt; these tests check that an idle guest's vCPU costs (almost) no host CPU, with a
+//! poll window, and that no wake-up is lost when the guest halts between every two requests.
 //!
 //! A test binary of its own: the idle test finds the VM's vCPU thread by its name, `vcpu0`,
 //! and no other test's VM may run in this process meanwhile (the tests here take
@@ -94,7 +94,8 @@ fn within<R: Send + 'static>(
 #[test]
 fn an_idle_guest_costs_almost_no_cpu_and_wakes_for_a_ping() {
     let _one = one_vm();
-    let (mut vm, sock) = start("steps=vsock:1", "cpu");
+    // With a poll window: it ends, and the guest halts, while the connection stays open.
+    let (mut vm, sock) = start("steps=vsock:1 poll_us=100", "cpu");
     // An open connection, as a sandbox has between requests: the guest waits on it.
     let client = connect(&vm, &sock);
     client.ping().unwrap();
@@ -140,8 +141,8 @@ fn an_idle_guest_costs_almost_no_cpu_and_wakes_for_a_ping() {
 #[test]
 fn no_wakeup_is_lost_when_the_guest_halts_between_every_request() {
     let _one = one_vm();
-    // poll_us=0: the guest halts whenever its queues are empty, so nearly every request
-    // arrives while it is halted or about to halt.
+    // poll_us=0 (the default): the guest halts whenever its queues are empty, so nearly
+    // every request arrives while it is halted or about to halt.
     let (mut vm, sock) = start("steps=vsock poll_us=0", "lost");
     let clients = [connect(&vm, &sock), connect(&vm, &sock)];
     let pings = 300;

@@ -40,9 +40,10 @@ pub enum BenchCommand {
         /// Pings before measuring (connection warm-up), not counted.
         #[arg(long, default_value_t = 100)]
         warmup: usize,
-        /// Wait this long before each measured ping. Above the guest's 100 us poll window
-        /// the guest halts in between, and each round trip includes its wake-up by the
-        /// device's interrupt (what the first request to an idle sandbox pays).
+        /// Wait this long before each measured ping. Above the host's halt-polling window
+        /// (KVM's halt_poll_ns, 200 us by default) the vCPU's thread sleeps in between,
+        /// and each round trip includes its wake-up by the device's interrupt (what the
+        /// first request to an idle sandbox pays).
         #[arg(long, value_name = "US", default_value_t = 0)]
         gap_us: u64,
         /// Print one JSON object instead of text.

@@ -10,16 +10,20 @@
 //! number of pings the step asked for, in which case we close it.
 //!
 //! Idle like a kernel: while there is work the driver polls the used rings (memory reads,
-//! no exits) with device interrupts suppressed; after [`POLL_WINDOW_US`] without work it
-//! asks the device for interrupts on the rx and event queues, checks the rings once more
-//! (a packet that arrived before the request would raise no interrupt) and halts until the
-//! interrupt comes (see [`crate::interrupts::wait_for_interrupt`] for the race between
-//! enabling interrupts and `hlt`). The poll window is Linux's halt-polling idea: a reply
-//! that follows soon after a request is caught without the cost of a halt and a wake-up.
-//! It applies while a host connection is open (the host's next request comes on it); with
-//! none open the driver halts as soon as it is idle. So a restored or forked guest, whose
-//! connections the transport reset ended, does not spin away the CPU its siblings are
-//! being built and answering on.
+//! no exits) with device interrupts suppressed; once idle (after `poll_us=` without work,
+//! [`POLL_WINDOW_US`] by default) it asks the device for interrupts on the rx and event
+//! queues, checks the rings once more (a packet that arrived before the request would
+//! raise no interrupt) and halts until the interrupt comes (see
+//! [`crate::interrupts::wait_for_interrupt`] for the race between enabling interrupts and
+//! `hlt`). By default it halts as soon as it is idle, as a Linux guest does (its
+//! guest-side poll driver, cpuidle-haltpoll, is used only when the host hints at dedicated
+//! CPUs): the short poll window before sleeping is the host's, KVM's halt-polling, which
+//! keeps a halted vCPU's thread polling for a while (adapted per vCPU) and stops as soon as
+//! another task wants its CPU. A guest-side window (`poll_us=N`) applies while a host
+//! connection is open (the host's next request comes on it); with none open the driver
+//! halts as soon as it is idle, so a restored or forked guest, whose connections the
+//! transport reset ended, does not spin away the CPU its siblings are being built and
+//! answering on.
 //!
 //! Packet header and flow control follow the virtio spec (5.10): every packet we send
 //! carries our receive buffer size (`buf_alloc`) and how many bytes we have consumed of it
@@ -80,10 +84,14 @@ const TX_STALL_MS: u64 = 5000;
 pub const MAX_CONNS: usize = 8;
 
 /// Default time without work before the driver halts while a host connection is open
-/// (command line: `poll_us=`). Measured here: a host client's next request usually follows
-/// a reply within ~40-60 us; waking from a halt costs a few hundred microseconds under the
-/// PVM hypervisor.
-pub const POLL_WINDOW_US: u64 = 100;
+/// (command line: `poll_us=`): none. Measured on a 2-CPU host, `clade bench fork --mem 1G
+/// -n 10` (child first ping p50, 8 alternated runs each, us): halting at once 1401-2363
+/// (median ~1700); a 30 us window 1851-2785; a 100 us window 1543-3932 (median ~2250):
+/// ten children answering at once, each window is CPU time their own host threads (the
+/// device worker, the pinger) wait for. What halting costs instead: an agent ping's round
+/// trip on an open connection, 28 us polling, 47-56 us halting (the host's halt-polling
+/// catches most wake-ups), and a restore's first ping ~45 us more.
+pub const POLL_WINDOW_US: u64 = 0;
 
 /// Interrupt vector of the device's IOAPIC pin (GSI 6 + slot).
 const VEC_VSOCK: u8 = 0x32;
