@@ -990,7 +990,9 @@ fn a_broken_memory_file_under_a_running_vm_ends_it_without_hanging() {
 #[test]
 fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
     let dir = TmpDir::new("cow");
-    let mut c = guest_config("memfill:7:32,memsum,loop:30,memsum,mmio,hlt");
+    // The loop must outlast two snapshots, writes and pauses: 2^30 iterations (~0.3 s
+    // here) once did not, when the snapshots' file writes drew memory slow on first touch.
+    let mut c = guest_config("memfill:7:32,memsum,loop:32,memsum,mmio,hlt");
     c.mem_mib = 128;
     let mut vm = vmm::boot(c).unwrap();
     vm.start().unwrap();
@@ -1043,7 +1045,7 @@ fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
         assert_eq!(page, [page_byte; 4], "{}", snap.display());
         vm.start().unwrap();
         let out = finish(&mut vm, &snap.display().to_string());
-        assert!(out.contains("loop 2^30 done"), "{out}");
+        assert!(out.contains("loop 2^32 done"), "{out}");
         assert_eq!(memsums(&out), vec![sums[1].clone()], "{out}");
     }
 }
