@@ -8,6 +8,8 @@
 //! * [`page_server`]: a userfaultfd (MISSING mode) page server for the `uffd` backend that
 //!   records the fault order on the first resume and prefetches that working set later.
 //! * [`working_set`]: the working-set file the page server records and replays.
+//! * [`fetch`]: memory files whose bytes arrive lazily (a snapshot opened from an object
+//!   store), filled by a fetcher before they are read.
 //!
 //! Every file this crate reads is treated as untrusted: bad input gives an [`Error`],
 //! never a panic and never an allocation sized by an unchecked length.
@@ -20,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod bitmap;
 pub mod cpu;
+pub mod fetch;
 pub mod memory_file;
 pub mod page_server;
 pub mod state_file;
@@ -305,6 +308,18 @@ pub enum Error {
     /// The page server failed while serving pages.
     #[error("page server: {0}")]
     PageServer(String),
+    /// Bytes of a lazily filled memory file could not be fetched.
+    #[error("{path}: bytes {offset}..{end} could not be fetched: {reason}")]
+    Fetch {
+        /// The local file.
+        path: PathBuf,
+        /// First byte.
+        offset: u64,
+        /// End of the range.
+        end: u64,
+        /// Why (names the remote object).
+        reason: String,
+    },
 }
 
 /// Result type of this crate.

@@ -40,6 +40,7 @@ use std::path::{Path, PathBuf};
 
 use crate::bitmap::{words_for, PageBitmap};
 use crate::bytes::{id_at, le_u32, le_u64};
+use crate::fetch::{coalesce, Fetcher};
 use crate::fsutil::{data_extents, is_zero, AtomicFile};
 use crate::state_file;
 use crate::{Error, FileType, Result, SnapshotId, SnapshotKind, PAGE_SIZE, PAGE_SIZE_U64};
@@ -551,11 +552,25 @@ pub struct MemoryFile {
     present: Option<PageBitmap>,
     /// Pages that are not holes in the file (may hold non-zero data).
     data: PageBitmap,
+    /// For a lazily filled file: makes a range present before it is read.
+    fetch: Option<Fetcher>,
 }
 
 impl MemoryFile {
     /// Open and verify the memory file at `path` (header, tables and file length).
     pub fn open(path: &Path) -> Result<MemoryFile> {
+        Self::open_inner(path, None)
+    }
+
+    /// Open a lazily filled memory file (see [`crate::fetch`]): `path` holds the real
+    /// header and tables and is exactly as long as the memory file; its image is filled
+    /// by `fetch` as it is read. `data` says which pages hold data (the rest are zero
+    /// pages): the sparse file cannot tell a zero page from one not fetched yet.
+    pub fn open_fetched(path: &Path, data: PageBitmap, fetch: Fetcher) -> Result<MemoryFile> {
+        Self::open_inner(path, Some((data, fetch)))
+    }
+
+    fn open_inner(path: &Path, fetched: Option<(PageBitmap, Fetcher)>) -> Result<MemoryFile> {
         let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
         let file_len = file
             .metadata()
@@ -589,18 +604,40 @@ impl MemoryFile {
         let (header, present) = parse_tables(header, bitmap_words, &head, &tables)?;
 
         let pages = header.pages();
-        let mut data = PageBitmap::new(pages);
-        let extents = data_extents(
-            &file,
-            header.data_offset,
-            header.data_offset + header.mem_size,
-        )
-        .map_err(|e| Error::io("seek data", path, e))?;
-        for (o, l) in extents {
-            let s = (o - header.data_offset) / PAGE_SIZE_U64;
-            let e = (o - header.data_offset + l).div_ceil(PAGE_SIZE_U64);
-            data.set_range(s, e - s);
-        }
+        let (data, fetch) = match fetched {
+            Some((data, fetch)) => {
+                if data.len() != pages {
+                    return Err(Error::corrupt(
+                        FILE,
+                        format!("data map of {} pages for a {pages}-page image", data.len()),
+                    ));
+                }
+                if let Some(p) = &present {
+                    if data.runs().any(|(s, n)| (s..s + n).any(|i| !p.get(i))) {
+                        return Err(Error::corrupt(
+                            FILE,
+                            "data map names pages the diff does not contain",
+                        ));
+                    }
+                }
+                (data, Some(fetch))
+            }
+            None => {
+                let mut data = PageBitmap::new(pages);
+                let extents = data_extents(
+                    &file,
+                    header.data_offset,
+                    header.data_offset + header.mem_size,
+                )
+                .map_err(|e| Error::io("seek data", path, e))?;
+                for (o, l) in extents {
+                    let s = (o - header.data_offset) / PAGE_SIZE_U64;
+                    let e = (o - header.data_offset + l).div_ceil(PAGE_SIZE_U64);
+                    data.set_range(s, e - s);
+                }
+                (data, None)
+            }
+        };
         tracing::debug!(
             path = %path.display(),
             id = %header.id,
@@ -615,6 +652,7 @@ impl MemoryFile {
             header,
             present,
             data,
+            fetch,
         })
     }
 
@@ -683,9 +721,24 @@ impl MemoryFile {
     }
 
     fn read_run(&self, dst: &mut [u8], first_page: u64) -> Result<()> {
+        let offset = self.header.data_offset + first_page * PAGE_SIZE_U64;
+        if let Some(f) = &self.fetch {
+            f.0.ensure(offset, dst.len() as u64)
+                .map_err(|reason| Error::Fetch {
+                    path: self.path.clone(),
+                    offset,
+                    end: offset + dst.len() as u64,
+                    reason,
+                })?;
+        }
         self.file
-            .read_exact_at(dst, self.header.data_offset + first_page * PAGE_SIZE_U64)
+            .read_exact_at(dst, offset)
             .map_err(|e| Error::io("read memory image", &self.path, e))
+    }
+
+    /// Whether this file is filled lazily (see [`crate::fetch`]).
+    pub fn is_fetched(&self) -> bool {
+        self.fetch.is_some()
     }
 
     /// Load a full memory image into `dst` (exactly the memory size), reading only the
@@ -1072,6 +1125,27 @@ impl MemoryChain {
             i = j;
         }
         Ok(())
+    }
+
+    /// Tell the fetchers of lazily filled layers that `pages` will be read soon, so that
+    /// they fetch them in parallel (see [`crate::fetch::ChunkFetch::prefetch`]); nothing
+    /// for layers on local disk.
+    pub fn prefetch_pages(&self, pages: &[u64]) {
+        if self.layers.iter().all(|l| l.fetch.is_none()) {
+            return;
+        }
+        let mut per_layer: Vec<Vec<(u64, u64)>> = vec![Vec::new(); self.layers.len()];
+        for &p in pages {
+            if let PageLocation::File { layer, offset } = self.locate(p) {
+                per_layer[layer].push((offset, PAGE_SIZE_U64));
+            }
+        }
+        for (l, mut ranges) in self.layers.iter().zip(per_layer) {
+            if let (Some(f), false) = (&l.fetch, ranges.is_empty()) {
+                coalesce(&mut ranges);
+                f.0.prefetch(&ranges);
+            }
+        }
     }
 
     /// Eagerly restore the whole chain into `dst` (the `copy` backend): the base's data

@@ -497,6 +497,8 @@ impl PageServer {
             prefetch_pos: 0,
             fill_pos: None,
         };
+        // A lazily filled chain fetches the whole working set in parallel now.
+        server.chain.prefetch_pages(&server.prefetch);
         if options.prefetch == Prefetch::BeforeStart {
             // Nothing runs yet, so the order does not matter: ascending order lets
             // adjacent pages share one read and one UFFDIO_COPY.

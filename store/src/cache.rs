@@ -1,0 +1,670 @@
+//! The local chunk cache: published snapshots opened on this host, filled lazily.
+//!
+//! Layout under the cache root, one directory per snapshot (a diff and its bases each
+//! have their own):
+//!
+//! ```text
+//! snapshots/<id>/manifest.json   the manifest, as fetched (validated)
+//! snapshots/<id>/state.snap      the state file (verified against the manifest)
+//! snapshots/<id>/working_set.ws  the working set, if published
+//! snapshots/<id>/memory.mem      the memory file: real header, sparse image
+//! snapshots/<id>/memory.present  one byte per chunk of packed data: 1 = in memory.mem
+//! ```
+//!
+//! A chunk is fetched with one range read, checked against its SHA-256, written into
+//! `memory.mem` at the image offsets of its pages, and only then marked present; a VM
+//! process reads `memory.present` to skip asking for chunks already there. Concurrent
+//! misses of one chunk share one fetch. The cache is bounded: adding a chunk past the
+//! limit evicts the least recently used chunks of snapshots no connected VM process has
+//! open (their pages are punched out of `memory.mem`); if everything is in use it is an
+//! error ([`Error::CacheFull`]), never an overwrite. The cache survives a restart: the
+//! chunks marked present are verified again the first time a snapshot is opened after it.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use snapshot::bitmap::PageBitmap;
+use snapshot::fetch::{ChunkFetch, Fetcher};
+use snapshot::memory_file::MemoryFile;
+use snapshot::{state_file, SnapshotId};
+
+use crate::manifest::{self, chunks_for, placements, Manifest, Placement};
+use crate::{sha256_hex, Error, Result, Store};
+
+/// File names inside a snapshot's cache directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The state file.
+pub const STATE_FILE: &str = "state.snap";
+/// The memory file.
+pub const MEMORY_FILE: &str = "memory.mem";
+/// The chunk presence map.
+pub const PRESENT_FILE: &str = "memory.present";
+/// The working set.
+pub const WORKING_SET_FILE: &str = "working_set.ws";
+
+/// Counters of a cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CacheStats {
+    /// Bytes fetched from the store (chunks and whole objects).
+    pub bytes_fetched: u64,
+    /// Requests made to the store.
+    pub requests: u64,
+    /// Chunks fetched.
+    pub chunks_fetched: u64,
+    /// Chunks evicted.
+    pub chunks_evicted: u64,
+    /// Bytes of chunks held now.
+    pub bytes_held: u64,
+}
+
+/// One snapshot's cache directory, loaded.
+pub struct CachedLayer {
+    pub(crate) id: SnapshotId,
+    pub(crate) dir: PathBuf,
+    pub(crate) manifest: Manifest,
+    placements: Vec<Placement>,
+    mem: File,
+    present: File,
+}
+
+type ChunkFuture = Shared<BoxFuture<'static, std::result::Result<(), String>>>;
+
+#[derive(Default)]
+struct Inner {
+    layers: HashMap<SnapshotId, Arc<CachedLayer>>,
+    /// Per layer, per chunk: 0 absent, else the tick of its last use.
+    ticks: HashMap<SnapshotId, Vec<u64>>,
+    /// Layers whose present chunks were verified in this process.
+    verified: HashMap<SnapshotId, bool>,
+    leases: HashMap<SnapshotId, usize>,
+    inflight: HashMap<(SnapshotId, u64), ChunkFuture>,
+    used: u64,
+    tick: u64,
+}
+
+/// The chunk cache of one host (see the [module documentation](self)).
+pub struct ChunkCache {
+    root: PathBuf,
+    store: Store,
+    limit: u64,
+    inner: Mutex<Inner>,
+    bytes_fetched: AtomicU64,
+    requests: AtomicU64,
+    chunks_fetched: AtomicU64,
+    chunks_evicted: AtomicU64,
+    scanned: AtomicBool,
+}
+
+impl std::fmt::Debug for ChunkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkCache")
+            .field("root", &self.root)
+            .field("store", &self.store)
+            .field("limit", &self.limit)
+            .finish()
+    }
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A [`ChunkFetch`] that does nothing: for validating a memory file's header only.
+struct NoFetch;
+impl ChunkFetch for NoFetch {
+    fn ensure(&self, _: u64, _: u64) -> std::result::Result<(), String> {
+        Err("not fetched".into())
+    }
+    fn prefetch(&self, _: &[(u64, u64)]) {}
+}
+
+/// The data pages of a manifest as a bitmap.
+pub fn data_bitmap(m: &Manifest) -> PageBitmap {
+    let mut b = PageBitmap::new(m.pages());
+    for &[s, n] in &m.memory.runs {
+        b.set_range(s, n);
+    }
+    b
+}
+
+impl ChunkCache {
+    /// A cache rooted at `root` (created if missing) for snapshots of `store`, holding at
+    /// most `limit` bytes of chunks.
+    pub fn new(root: &Path, store: Store, limit: u64) -> Result<Arc<ChunkCache>> {
+        std::fs::create_dir_all(root.join("snapshots"))
+            .map_err(|e| Error::io("create cache directory", root, e))?;
+        let cache = Arc::new(ChunkCache {
+            root: root.to_path_buf(),
+            store,
+            limit,
+            inner: Mutex::new(Inner::default()),
+            bytes_fetched: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            chunks_fetched: AtomicU64::new(0),
+            chunks_evicted: AtomicU64::new(0),
+            scanned: AtomicBool::new(false),
+        });
+        cache.scan();
+        Ok(cache)
+    }
+
+    /// The cache root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The store it fetches from.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
+            requests: self.requests.load(Ordering::Relaxed),
+            chunks_fetched: self.chunks_fetched.load(Ordering::Relaxed),
+            chunks_evicted: self.chunks_evicted.load(Ordering::Relaxed),
+            bytes_held: lock(&self.inner).used,
+        }
+    }
+
+    fn snapshot_dir(&self, id: SnapshotId) -> PathBuf {
+        self.root.join("snapshots").join(id.to_string())
+    }
+
+    /// Loads every snapshot directory a previous run left (their chunks count against
+    /// the limit; they are verified when first opened).
+    fn scan(&self) {
+        if self.scanned.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let Ok(rd) = std::fs::read_dir(self.root.join("snapshots")) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with('.') {
+                // A download a previous run did not finish.
+                let _ = std::fs::remove_dir_all(e.path());
+                continue;
+            }
+            let Ok(id) = manifest::parse_snapshot_id(name) else {
+                continue;
+            };
+            match self.load_dir(id, &e.path()) {
+                Ok(()) => {}
+                Err(err) => {
+                    tracing::warn!(dir = %e.path().display(), error = %err,
+                        "dropping an unusable cache directory");
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+
+    /// Loads the cache directory of snapshot `id` (already complete on disk).
+    fn load_dir(&self, id: SnapshotId, dir: &Path) -> Result<()> {
+        let mpath = dir.join(MANIFEST_FILE);
+        let bytes = std::fs::read(&mpath).map_err(|e| Error::io("read", &mpath, e))?;
+        let m = Manifest::parse(&mpath.display().to_string(), &bytes)?;
+        if m.snapshot_id() != id {
+            return Err(Error::BadManifest {
+                key: mpath.display().to_string(),
+                reason: format!("manifest of {}, directory of {id}", m.id),
+            });
+        }
+        let open_rw = |name: &str| {
+            let p = dir.join(name);
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&p)
+                .map_err(|e| Error::io("open", p, e))
+        };
+        let mem = open_rw(MEMORY_FILE)?;
+        let present = open_rw(PRESENT_FILE)?;
+        let n = m.chunk_count() as usize;
+        let mut flags = vec![0u8; n];
+        let got = present
+            .read_at(&mut flags, 0)
+            .map_err(|e| Error::io("read", dir.join(PRESENT_FILE), e))?;
+        flags.truncate(got);
+        flags.resize(n, 0);
+        let mut ticks = vec![0u64; n];
+        let mut used = 0;
+        for (c, f) in flags.iter().enumerate() {
+            if *f == 1 {
+                ticks[c] = 1;
+                let (s, e) = m.chunk_range(c as u64);
+                used += e - s;
+            }
+        }
+        let layer = Arc::new(CachedLayer {
+            id,
+            dir: dir.to_path_buf(),
+            placements: placements(&m),
+            manifest: m,
+            mem,
+            present,
+        });
+        let mut inner = lock(&self.inner);
+        if inner.layers.contains_key(&id) {
+            return Ok(());
+        }
+        inner.layers.insert(id, layer);
+        inner.ticks.insert(id, ticks);
+        inner.used += used;
+        Ok(())
+    }
+
+    /// Makes snapshot `id` and every snapshot below it available locally (manifests,
+    /// state files, memory headers; no memory data) and returns their directories, base
+    /// first. Leases nothing (see [`ChunkCache::lease`]).
+    pub async fn open_snapshot(self: &Arc<Self>, id: SnapshotId) -> Result<Vec<Arc<CachedLayer>>> {
+        let mut chain = Vec::new();
+        let mut next = Some(id);
+        while let Some(id) = next {
+            if chain.len() >= snapshot::memory_file::MAX_CHAIN_LEN {
+                return Err(Error::InvalidInput(format!(
+                    "snapshot {id}: diff chain longer than {}",
+                    snapshot::memory_file::MAX_CHAIN_LEN
+                )));
+            }
+            let layer = self.layer(id).await?;
+            next = layer.manifest.base_id();
+            chain.push(layer);
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+
+    async fn layer(self: &Arc<Self>, id: SnapshotId) -> Result<Arc<CachedLayer>> {
+        let existing = lock(&self.inner).layers.get(&id).cloned();
+        let layer = match existing {
+            Some(l) => l,
+            None => {
+                self.download(id).await?;
+                lock(&self.inner).layers.get(&id).cloned().ok_or_else(|| {
+                    Error::Fetcher(format!("snapshot {id} vanished from the cache"))
+                })?
+            }
+        };
+        let verified = lock(&self.inner)
+            .verified
+            .get(&id)
+            .copied()
+            .unwrap_or(false);
+        if !verified {
+            let this = Arc::clone(self);
+            let l = Arc::clone(&layer);
+            tokio::task::spawn_blocking(move || this.verify_present(&l))
+                .await
+                .map_err(|e| Error::Fetcher(format!("verify task: {e}")))??;
+            lock(&self.inner).verified.insert(id, true);
+        }
+        Ok(layer)
+    }
+
+    /// Verifies the chunks a previous run marked present; a bad one is dropped (fetched
+    /// again when needed).
+    fn verify_present(&self, l: &CachedLayer) -> Result<()> {
+        let present: Vec<u64> = {
+            let inner = lock(&self.inner);
+            inner.ticks.get(&l.id).map_or(Vec::new(), |t| {
+                (0..t.len() as u64)
+                    .filter(|&c| t[c as usize] != 0)
+                    .collect()
+            })
+        };
+        for c in present {
+            let (s, e) = l.manifest.chunk_range(c);
+            let mut buf = vec![0u8; (e - s) as usize];
+            for p in &l.placements {
+                let (ps, pe) = (p.packed.max(s), (p.packed + p.len).min(e));
+                if ps >= pe {
+                    continue;
+                }
+                let off = p.file + (ps - p.packed);
+                l.mem
+                    .read_exact_at(&mut buf[(ps - s) as usize..(pe - s) as usize], off)
+                    .map_err(|e| Error::io("read", l.dir.join(MEMORY_FILE), e))?;
+            }
+            if sha256_hex(&buf) != l.manifest.memory.chunks[c as usize] {
+                tracing::warn!(snapshot = %l.id, chunk = c, "cached chunk fails its checksum: dropped");
+                let mut inner = lock(&self.inner);
+                self.evict_locked(&mut inner, l, c);
+            }
+        }
+        Ok(())
+    }
+
+    async fn get_object(&self, o: &manifest::ObjectRef) -> Result<Bytes> {
+        let key = o.key();
+        let b = self.store.get(&key).await?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes_fetched
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        let got = sha256_hex(&b);
+        if b.len() as u64 != o.size || got != o.sha256 {
+            return Err(Error::Checksum {
+                key: self.store.key(&key),
+                what: format!("the object ({} bytes, manifest says {})", b.len(), o.size),
+                computed: got,
+                expected: o.sha256.clone(),
+            });
+        }
+        Ok(b)
+    }
+
+    /// Fetches snapshot `id`'s manifest and small objects into a new cache directory.
+    async fn download(&self, id: SnapshotId) -> Result<()> {
+        let key = manifest::manifest_key(id);
+        let mbytes = self.store.get(&key).await?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes_fetched
+            .fetch_add(mbytes.len() as u64, Ordering::Relaxed);
+        let m = Manifest::parse(&self.store.key(&key), &mbytes)?;
+        if m.snapshot_id() != id {
+            return Err(Error::BadManifest {
+                key: self.store.key(&key),
+                reason: format!("names snapshot {}", m.id),
+            });
+        }
+        let state = self.get_object(&m.state).await?;
+        let head = self.get_object(&m.memory.head).await?;
+        let ws = match &m.working_set {
+            Some(o) => Some(self.get_object(o).await?),
+            None => None,
+        };
+        let tmp = self.root.join("snapshots").join(format!(
+            ".{id}-{}-{}",
+            std::process::id(),
+            SnapshotId::random()
+        ));
+        let dir = self.snapshot_dir(id);
+        let m2 = m.clone();
+        let tmp2 = tmp.clone();
+        let r = tokio::task::spawn_blocking(move || -> Result<()> {
+            let w = |name: &str, b: &[u8]| {
+                let p = tmp2.join(name);
+                std::fs::write(&p, b).map_err(|e| Error::io("write", p, e))
+            };
+            std::fs::create_dir_all(&tmp2).map_err(|e| Error::io("create", &tmp2, e))?;
+            w(MANIFEST_FILE, &m2.to_bytes())?;
+            w(STATE_FILE, &state)?;
+            let h = state_file::read_header(&tmp2.join(STATE_FILE))?;
+            if h.meta.id != id
+                || h.meta.mem_size != m2.mem_size
+                || h.meta.kind != m2.snapshot_kind()
+            {
+                return Err(Error::BadManifest {
+                    key: id.to_string(),
+                    reason: "state file does not match the manifest (id, kind or size)".into(),
+                });
+            }
+            if let Some(ws) = &ws {
+                w(WORKING_SET_FILE, ws)?;
+            }
+            let mp = tmp2.join(MEMORY_FILE);
+            let f = File::create(&mp).map_err(|e| Error::io("create", &mp, e))?;
+            f.write_all_at(&head, 0)
+                .map_err(|e| Error::io("write", &mp, e))?;
+            f.set_len(m2.memory.head.size + m2.mem_size)
+                .map_err(|e| Error::io("size", &mp, e))?;
+            drop(f);
+            // The header and tables must describe what the manifest says.
+            let mf = MemoryFile::open_fetched(&mp, data_bitmap(&m2), Fetcher(Arc::new(NoFetch)))?;
+            mf.check_state(&h)?;
+            if mf.header().data_offset != m2.memory.head.size {
+                return Err(Error::BadManifest {
+                    key: id.to_string(),
+                    reason: "memory head size is not the file's data offset".into(),
+                });
+            }
+            w(PRESENT_FILE, &vec![0u8; m2.chunk_count() as usize])?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::Fetcher(format!("download task: {e}")))?;
+        if let Err(e) = r {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        match std::fs::rename(&tmp, &dir) {
+            Ok(()) => {}
+            Err(_) if dir.join(PRESENT_FILE).exists() => {
+                // Another download of the same snapshot finished first.
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(Error::io("rename into place", &dir, e));
+            }
+        }
+        self.load_dir(id, &dir)?;
+        lock(&self.inner).verified.insert(id, true);
+        Ok(())
+    }
+
+    /// Takes a lease on layers (held by a connected VM process): their chunks are never
+    /// evicted while it is held.
+    pub fn lease(&self, ids: &[SnapshotId]) {
+        let mut inner = lock(&self.inner);
+        for id in ids {
+            *inner.leases.entry(*id).or_default() += 1;
+        }
+    }
+
+    /// Gives back leases taken with [`ChunkCache::lease`].
+    pub fn release(&self, ids: &[SnapshotId]) {
+        let mut inner = lock(&self.inner);
+        for id in ids {
+            if let Some(n) = inner.leases.get_mut(id) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    inner.leases.remove(id);
+                }
+            }
+        }
+    }
+
+    /// Makes bytes `offset..offset + len` of snapshot `id`'s memory file present.
+    pub async fn ensure(self: &Arc<Self>, id: SnapshotId, offset: u64, len: u64) -> Result<()> {
+        let layer = lock(&self.inner)
+            .layers
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::Fetcher(format!("snapshot {id} is not open")))?;
+        let chunks = chunks_for(
+            &layer.placements,
+            layer.manifest.memory.chunk_size,
+            offset,
+            len,
+        );
+        let futs: Vec<ChunkFuture> = chunks
+            .into_iter()
+            .filter_map(|c| self.chunk_future(&layer, c))
+            .collect();
+        for r in futures::future::join_all(futs).await {
+            r.map_err(Error::Fetcher)?;
+        }
+        Ok(())
+    }
+
+    /// The future that makes chunk `c` present, shared with concurrent misses; `None`
+    /// if it is present already.
+    fn chunk_future(self: &Arc<Self>, layer: &Arc<CachedLayer>, c: u64) -> Option<ChunkFuture> {
+        let mut inner = lock(&self.inner);
+        inner.tick += 1;
+        let tick = inner.tick;
+        let t = inner.ticks.get_mut(&layer.id)?.get_mut(c as usize)?;
+        if *t != 0 {
+            *t = tick;
+            return None;
+        }
+        if let Some(f) = inner.inflight.get(&(layer.id, c)) {
+            return Some(f.clone());
+        }
+        let this = Arc::clone(self);
+        let l = Arc::clone(layer);
+        let fut: BoxFuture<'static, std::result::Result<(), String>> = async move {
+            let r = this.fetch_chunk(&l, c).await.map_err(|e| e.to_string());
+            lock(&this.inner).inflight.remove(&(l.id, c));
+            r
+        }
+        .boxed();
+        let shared = fut.shared();
+        inner.inflight.insert((layer.id, c), shared.clone());
+        Some(shared)
+    }
+
+    async fn fetch_chunk(self: &Arc<Self>, l: &Arc<CachedLayer>, c: u64) -> Result<()> {
+        let (s, e) = l.manifest.chunk_range(c);
+        let key = l.manifest.memory.data.key();
+        let bytes = self.store.get_range(&key, s, e).await?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes_fetched
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let got = sha256_hex(&bytes);
+        let expected = &l.manifest.memory.chunks[c as usize];
+        if &got != expected {
+            return Err(Error::Checksum {
+                key: self.store.key(&key),
+                what: format!("chunk {c} (bytes {s}..{e})"),
+                computed: got,
+                expected: expected.clone(),
+            });
+        }
+        self.reserve(e - s)?;
+        let this = Arc::clone(self);
+        let l2 = Arc::clone(l);
+        tokio::task::spawn_blocking(move || this.store_chunk(&l2, c, &bytes))
+            .await
+            .map_err(|e| Error::Fetcher(format!("write task: {e}")))??;
+        self.chunks_fetched.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes a verified chunk into the memory file, then marks it present.
+    fn store_chunk(&self, l: &CachedLayer, c: u64, bytes: &[u8]) -> Result<()> {
+        let (s, e) = l.manifest.chunk_range(c);
+        let path = || l.dir.join(MEMORY_FILE);
+        for p in &l.placements {
+            let (ps, pe) = (p.packed.max(s), (p.packed + p.len).min(e));
+            if ps >= pe {
+                continue;
+            }
+            l.mem
+                .write_all_at(
+                    &bytes[(ps - s) as usize..(pe - s) as usize],
+                    p.file + (ps - p.packed),
+                )
+                .map_err(|e| Error::io("write chunk", path(), e))?;
+        }
+        l.present
+            .write_all_at(&[1], c)
+            .map_err(|e| Error::io("write", l.dir.join(PRESENT_FILE), e))?;
+        let mut inner = lock(&self.inner);
+        inner.tick += 1;
+        let tick = inner.tick;
+        if let Some(t) = inner
+            .ticks
+            .get_mut(&l.id)
+            .and_then(|t| t.get_mut(c as usize))
+        {
+            *t = tick;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `n` more bytes (evicting) and counts them as used.
+    fn reserve(&self, n: u64) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        while inner.used + n > self.limit {
+            // The least recently used present chunk of a layer nobody leases.
+            let mut best: Option<(u64, SnapshotId, u64)> = None;
+            for (id, ticks) in &inner.ticks {
+                if inner.leases.get(id).copied().unwrap_or(0) > 0 {
+                    continue;
+                }
+                for (c, &t) in ticks.iter().enumerate() {
+                    if t != 0 && best.is_none_or(|(bt, _, _)| t < bt) {
+                        best = Some((t, *id, c as u64));
+                    }
+                }
+            }
+            let Some((_, id, c)) = best else {
+                return Err(Error::CacheFull {
+                    needed: n,
+                    held: inner.used,
+                    limit: self.limit,
+                });
+            };
+            let Some(layer) = inner.layers.get(&id).cloned() else {
+                break;
+            };
+            self.evict_locked(&mut inner, &layer, c);
+        }
+        inner.used += n;
+        Ok(())
+    }
+
+    fn evict_locked(&self, inner: &mut Inner, l: &CachedLayer, c: u64) {
+        let Some(t) = inner
+            .ticks
+            .get_mut(&l.id)
+            .and_then(|t| t.get_mut(c as usize))
+        else {
+            return;
+        };
+        if *t == 0 {
+            return;
+        }
+        *t = 0;
+        // Absent first, then the bytes go: a reader never sees "present" over a hole.
+        let _ = l.present.write_all_at(&[0], c);
+        let (s, e) = l.manifest.chunk_range(c);
+        for p in &l.placements {
+            let (ps, pe) = (p.packed.max(s), (p.packed + p.len).min(e));
+            if ps < pe {
+                punch_hole(&l.mem, p.file + (ps - p.packed), pe - ps);
+            }
+        }
+        inner.used = inner.used.saturating_sub(e - s);
+        self.chunks_evicted.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn punch_hole(f: &File, offset: u64, len: u64) {
+    use nix::fcntl::{fallocate, FallocateFlags};
+    let flags = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
+    if let Err(e) = fallocate(f.as_raw_fd(), flags, offset as i64, len as i64) {
+        tracing::warn!(error = %e, "punching an evicted chunk's pages");
+    }
+}
+
+impl CachedLayer {
+    /// The snapshot's id.
+    pub fn id(&self) -> SnapshotId {
+        self.id
+    }
+
+    /// Its cache directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+}

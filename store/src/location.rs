@@ -1,0 +1,368 @@
+//! Where snapshots are stored: an object store and a key prefix in it, from a URL.
+//!
+//! * `s3://bucket/prefix`: AWS S3 or an S3-compatible server. Credentials and region come
+//!   from the usual AWS environment variables (`AWS_ACCESS_KEY_ID`,
+//!   `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL`);
+//!   [`StoreOptions::endpoint`] names an S3-compatible server (plain `http://` allowed,
+//!   path-style requests).
+//! * `gs://bucket/prefix`, `az://container/prefix`: Google Cloud Storage and Azure Blob
+//!   Storage, configured from their usual environment variables.
+//! * `file:///dir`: a local directory (a shared filesystem between hosts, or tests).
+//! * `memory://`: in this process only (tests).
+//!
+//! Every request is bounded in time ([`StoreOptions::timeout`]): a store that does not
+//! answer gives [`Error::Timeout`] naming the object, never a hang.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+use crate::{Error, Result};
+
+/// How to reach a store.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// An S3-compatible server's endpoint (`http://127.0.0.1:9000`), for `s3://` URLs.
+    pub endpoint: Option<String>,
+    /// The longest one request may take, retries included.
+    pub timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            endpoint: std::env::var("CLADE_STORE_ENDPOINT").ok(),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// An object store and the prefix Clade's objects live under.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    prefix: String,
+    url: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("url", &self.url).finish()
+    }
+}
+
+impl Store {
+    /// The store at `url` (see the [module documentation](self)).
+    pub fn open(url: &str, options: &StoreOptions) -> Result<Store> {
+        let config = |reason: String| Error::Config {
+            url: url.to_string(),
+            reason,
+        };
+        let parsed = url::Url::parse(url).map_err(|e| config(e.to_string()))?;
+        let client = object_store::ClientOptions::new()
+            .with_timeout(options.timeout)
+            .with_connect_timeout(options.timeout.min(Duration::from_secs(10)));
+        let retry = object_store::RetryConfig {
+            max_retries: 3,
+            retry_timeout: options.timeout,
+            ..Default::default()
+        };
+        let bucket_prefix = || parsed.path().trim_matches('/').to_string();
+        let (inner, prefix): (Arc<dyn ObjectStore>, String) = match parsed.scheme() {
+            "s3" => {
+                let bucket = parsed
+                    .host_str()
+                    .filter(|b| !b.is_empty())
+                    .ok_or_else(|| config("no bucket in the URL".into()))?;
+                let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_client_options(client)
+                    .with_retry(retry);
+                if std::env::var_os("AWS_REGION").is_none()
+                    && std::env::var_os("AWS_DEFAULT_REGION").is_none()
+                {
+                    b = b.with_region("us-east-1");
+                }
+                if let Some(ep) = &options.endpoint {
+                    b = b
+                        .with_endpoint(ep)
+                        .with_allow_http(ep.starts_with("http://"))
+                        .with_virtual_hosted_style_request(false);
+                }
+                let s = b.build().map_err(|e| config(e.to_string()))?;
+                (Arc::new(s), bucket_prefix())
+            }
+            "gs" => {
+                let bucket = parsed
+                    .host_str()
+                    .ok_or_else(|| config("no bucket in the URL".into()))?;
+                let s = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_client_options(client)
+                    .with_retry(retry)
+                    .build()
+                    .map_err(|e| config(e.to_string()))?;
+                (Arc::new(s), bucket_prefix())
+            }
+            "az" | "azure" => {
+                let container = parsed
+                    .host_str()
+                    .ok_or_else(|| config("no container in the URL".into()))?;
+                let s = object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_container_name(container)
+                    .with_client_options(client)
+                    .with_retry(retry)
+                    .build()
+                    .map_err(|e| config(e.to_string()))?;
+                (Arc::new(s), bucket_prefix())
+            }
+            "file" => {
+                let dir = parsed
+                    .to_file_path()
+                    .map_err(|_| config("not a local path".into()))?;
+                std::fs::create_dir_all(&dir).map_err(|e| config(e.to_string()))?;
+                let s = object_store::local::LocalFileSystem::new_with_prefix(&dir)
+                    .map_err(|e| config(e.to_string()))?;
+                (Arc::new(s), String::new())
+            }
+            "memory" => (
+                Arc::new(object_store::memory::InMemory::new()),
+                bucket_prefix(),
+            ),
+            other => return Err(config(format!("unsupported scheme {other:?}"))),
+        };
+        Ok(Store {
+            inner,
+            prefix,
+            url: url.to_string(),
+            timeout: options.timeout,
+        })
+    }
+
+    /// A store over an existing `object_store` client (tests, embedding).
+    pub fn from_object_store(inner: Arc<dyn ObjectStore>, prefix: &str) -> Store {
+        Store {
+            inner,
+            prefix: prefix.trim_matches('/').to_string(),
+            url: format!("object-store:{prefix}"),
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// The URL it was opened from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The request time limit.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The full key of `rel` (a key relative to the prefix).
+    pub fn key(&self, rel: &str) -> String {
+        if self.prefix.is_empty() {
+            rel.to_string()
+        } else {
+            format!("{}/{rel}", self.prefix)
+        }
+    }
+
+    fn path(&self, rel: &str) -> ObjectPath {
+        ObjectPath::from(self.key(rel))
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        rel: &str,
+        fut: impl std::future::Future<Output = object_store::Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r.map_err(|e| Error::store(op, &self.key(rel), e)),
+            Err(_) => Err(Error::Timeout {
+                op,
+                key: self.key(rel),
+                secs: self.timeout.as_secs(),
+            }),
+        }
+    }
+
+    /// The whole object `rel`.
+    pub async fn get(&self, rel: &str) -> Result<Bytes> {
+        let path = self.path(rel);
+        self.bounded("get", rel, async {
+            self.inner.get(&path).await?.bytes().await
+        })
+        .await
+    }
+
+    /// Bytes `start..end` of object `rel`, checked to be exactly that long.
+    pub async fn get_range(&self, rel: &str, start: u64, end: u64) -> Result<Bytes> {
+        let path = self.path(rel);
+        let b = self
+            .bounded("get range of", rel, self.inner.get_range(&path, start..end))
+            .await?;
+        if b.len() as u64 != end - start {
+            return Err(Error::BadManifest {
+                key: self.key(rel),
+                reason: format!(
+                    "range {start}..{end} gave {} bytes (object shorter than its manifest says)",
+                    b.len()
+                ),
+            });
+        }
+        Ok(b)
+    }
+
+    /// The size of object `rel`, or `None` if it does not exist.
+    pub async fn size(&self, rel: &str) -> Result<Option<u64>> {
+        let path = self.path(rel);
+        match self.bounded("head", rel, self.inner.head(&path)).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(Error::Missing { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes object `rel` (whole).
+    pub async fn put(&self, rel: &str, bytes: Bytes) -> Result<()> {
+        let path = self.path(rel);
+        self.bounded(
+            "put",
+            rel,
+            self.inner.put(&path, PutPayload::from_bytes(bytes)),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Writes object `rel` only if it does not exist yet: `Ok(false)` if it did (the
+    /// other writer won). Stores without conditional writes fall back to a check first.
+    pub async fn put_if_absent(&self, rel: &str, bytes: Bytes) -> Result<bool> {
+        let path = self.path(rel);
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        let r = tokio::time::timeout(
+            self.timeout,
+            self.inner
+                .put_opts(&path, PutPayload::from_bytes(bytes.clone()), opts),
+        )
+        .await;
+        match r {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(object_store::Error::AlreadyExists { .. }))
+            | Ok(Err(object_store::Error::Precondition { .. })) => Ok(false),
+            Ok(Err(object_store::Error::NotImplemented { .. })) => {
+                if self.size(rel).await?.is_some() {
+                    return Ok(false);
+                }
+                self.put(rel, bytes).await?;
+                Ok(true)
+            }
+            Ok(Err(e)) => Err(Error::store("put", &self.key(rel), e)),
+            Err(_) => Err(Error::Timeout {
+                op: "put",
+                key: self.key(rel),
+                secs: self.timeout.as_secs(),
+            }),
+        }
+    }
+
+    /// A multipart upload of object `rel`.
+    pub(crate) async fn put_multipart(
+        &self,
+        rel: &str,
+    ) -> Result<Box<dyn object_store::MultipartUpload>> {
+        let path = self.path(rel);
+        self.bounded("start upload of", rel, self.inner.put_multipart(&path))
+            .await
+    }
+
+    /// Deletes object `rel` (no error if it is already gone).
+    pub async fn delete(&self, rel: &str) -> Result<()> {
+        let path = self.path(rel);
+        match self.bounded("delete", rel, self.inner.delete(&path)).await {
+            Ok(()) | Err(Error::Missing { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Keys (relative to the prefix) under `rel_dir`.
+    pub async fn list(&self, rel_dir: &str) -> Result<Vec<String>> {
+        use futures::TryStreamExt;
+        let path = self.path(rel_dir);
+        let base = if self.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.prefix)
+        };
+        let metas: Vec<_> = self
+            .bounded(
+                "list",
+                rel_dir,
+                self.inner.list(Some(&path)).try_collect::<Vec<_>>(),
+            )
+            .await?;
+        Ok(metas
+            .into_iter()
+            .map(|m| {
+                let k = m.location.to_string();
+                k.strip_prefix(&base).map(str::to_string).unwrap_or(k)
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked() {
+        let o = StoreOptions::default();
+        assert!(matches!(
+            Store::open("ftp://x/y", &o),
+            Err(Error::Config { .. })
+        ));
+        assert!(matches!(
+            Store::open("not a url", &o),
+            Err(Error::Config { .. })
+        ));
+        let s = Store::open("memory://bucket/some/prefix", &o).unwrap();
+        assert_eq!(s.key("objects/ab"), "some/prefix/objects/ab");
+    }
+
+    #[tokio::test]
+    async fn put_get_range_and_conditional_put() {
+        let s = Store::open("memory://b/p", &StoreOptions::default()).unwrap();
+        s.put("a", Bytes::from_static(b"hello world"))
+            .await
+            .unwrap();
+        assert_eq!(&s.get_range("a", 6, 11).await.unwrap()[..], b"world");
+        assert!(s.get_range("a", 6, 20).await.is_err());
+        assert!(matches!(s.get("nope").await, Err(Error::Missing { .. })));
+        assert!(s
+            .put_if_absent("c", Bytes::from_static(b"1"))
+            .await
+            .unwrap());
+        assert!(!s
+            .put_if_absent("c", Bytes::from_static(b"2"))
+            .await
+            .unwrap());
+        assert_eq!(&s.get("c").await.unwrap()[..], b"1");
+        assert_eq!(s.size("c").await.unwrap(), Some(1));
+        s.delete("c").await.unwrap();
+        s.delete("c").await.unwrap();
+        assert_eq!(s.size("c").await.unwrap(), None);
+        let mut l = s.list("").await.unwrap();
+        l.sort();
+        assert_eq!(l, vec!["a".to_string()]);
+    }
+}

@@ -1,0 +1,460 @@
+//! The manifest of a published snapshot: a small JSON document that names its objects.
+//!
+//! Stored at `snapshots/<snapshot id>.json` under the store's prefix; written last, so a
+//! snapshot whose manifest exists has every object it names. Objects live at
+//! `objects/<sha256>` and are immutable: their key is their content's SHA-256, so two
+//! snapshots (or templates) with the same bytes share one object.
+//!
+//! The memory file is published as three parts: its header and tables (`memory.head`,
+//! the first D bytes of the file), and its data pages packed end to end in image order
+//! (`memory.data`: holes are not uploaded), with `memory.runs` giving which image pages
+//! those are. The packed data is read in chunks of `memory.chunk_size` bytes, each with
+//! its own SHA-256 in `memory.chunks`, so a reader verifies every range it fetches.
+//!
+//! A manifest is untrusted input like every snapshot file: [`Manifest::parse`] bounds its
+//! size and checks every field before anything is fetched.
+
+use serde::{Deserialize, Serialize};
+use snapshot::{SnapshotId, SnapshotKind, PAGE_SIZE_U64};
+
+use crate::{Error, Result};
+
+/// The `format` field of every manifest.
+pub const FORMAT: &str = "clade-snapshot";
+/// The manifest version this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Largest manifest accepted.
+pub const MAX_MANIFEST_BYTES: usize = 16 << 20;
+/// Smallest and largest chunk size.
+pub const MIN_CHUNK: u64 = 64 << 10;
+/// See [`MIN_CHUNK`].
+pub const MAX_CHUNK: u64 = 64 << 20;
+/// The chunk size [`crate::publish`] uses unless told otherwise.
+pub const DEFAULT_CHUNK: u64 = 2 << 20;
+/// Largest whole object fetched in one request (state file, memory head, working set).
+pub const MAX_SMALL_OBJECT: u64 = 256 << 20;
+
+/// One immutable object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRef {
+    /// SHA-256 of the content, lower-case hex; the key is `objects/<sha256>`.
+    pub sha256: String,
+    /// Length in bytes.
+    pub size: u64,
+}
+
+impl ObjectRef {
+    /// The object's key relative to the store's prefix.
+    pub fn key(&self) -> String {
+        object_key(&self.sha256)
+    }
+}
+
+/// The key of the object with this SHA-256.
+pub fn object_key(sha256: &str) -> String {
+    format!("objects/{sha256}")
+}
+
+/// The key of a snapshot's manifest.
+pub fn manifest_key(id: SnapshotId) -> String {
+    format!("snapshots/{id}.json")
+}
+
+/// The memory file, as published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryObjects {
+    /// The file's first `head.size` bytes (header, region table, diff bitmap): the data
+    /// offset D.
+    pub head: ObjectRef,
+    /// The data pages, packed in image order.
+    pub data: ObjectRef,
+    /// `[first page, page count]` of each run of data pages, ascending and disjoint.
+    pub runs: Vec<[u64; 2]>,
+    /// Bytes per chunk of `data` (a page multiple).
+    pub chunk_size: u64,
+    /// SHA-256 of each chunk of `data` (the last may be short).
+    pub chunks: Vec<String>,
+}
+
+/// A published snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// The snapshot's id (its state and memory files carry it).
+    pub id: String,
+    /// `full` or `diff`.
+    pub kind: String,
+    /// For a diff: the id of the snapshot below it, published before it.
+    pub base: Option<String>,
+    /// Guest memory size in bytes.
+    pub mem_size: u64,
+    /// The state file.
+    pub state: ObjectRef,
+    /// The memory file.
+    pub memory: MemoryObjects,
+    /// The working-set file, if the snapshot had one.
+    pub working_set: Option<ObjectRef>,
+}
+
+fn parse_id(s: &str) -> Option<SnapshotId> {
+    if s.len() != 32 {
+        return None;
+    }
+    let mut b = [0u8; 16];
+    for (i, out) in b.iter_mut().enumerate() {
+        *out = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    let id = SnapshotId(b);
+    (!id.is_none()).then_some(id)
+}
+
+/// Parses a snapshot id written as 32 hex digits.
+pub fn parse_snapshot_id(s: &str) -> Result<SnapshotId> {
+    parse_id(s)
+        .ok_or_else(|| Error::InvalidInput(format!("{s:?} is not a snapshot id (32 hex digits)")))
+}
+
+fn is_sha256(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+}
+
+impl Manifest {
+    /// Parses and validates a manifest read from `key`.
+    pub fn parse(key: &str, bytes: &[u8]) -> Result<Manifest> {
+        let bad = |reason: String| Error::BadManifest {
+            key: key.to_string(),
+            reason,
+        };
+        if bytes.len() > MAX_MANIFEST_BYTES {
+            return Err(bad(format!(
+                "{} bytes, more than the {MAX_MANIFEST_BYTES}-byte limit",
+                bytes.len()
+            )));
+        }
+        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        m.validate().map_err(bad)?;
+        Ok(m)
+    }
+
+    /// The snapshot's id.
+    pub fn snapshot_id(&self) -> SnapshotId {
+        // `validate` checked it.
+        parse_id(&self.id).unwrap_or(SnapshotId::NONE)
+    }
+
+    /// The base snapshot's id, for a diff.
+    pub fn base_id(&self) -> Option<SnapshotId> {
+        self.base.as_deref().and_then(parse_id)
+    }
+
+    /// Full or diff.
+    pub fn snapshot_kind(&self) -> SnapshotKind {
+        if self.kind == "diff" {
+            SnapshotKind::Diff
+        } else {
+            SnapshotKind::Full
+        }
+    }
+
+    /// Image pages.
+    pub fn pages(&self) -> u64 {
+        self.mem_size / PAGE_SIZE_U64
+    }
+
+    /// Every object the manifest names (for deleting and reference counting).
+    pub fn objects(&self) -> Vec<&ObjectRef> {
+        let mut v = vec![&self.state, &self.memory.head, &self.memory.data];
+        v.extend(self.working_set.as_ref());
+        v
+    }
+
+    /// The chunk `i`'s byte range in the packed data.
+    pub fn chunk_range(&self, i: u64) -> (u64, u64) {
+        let c = self.memory.chunk_size;
+        let start = i * c;
+        (start, (start + c).min(self.memory.data.size))
+    }
+
+    /// Number of chunks of the packed data.
+    pub fn chunk_count(&self) -> u64 {
+        self.memory.data.size.div_ceil(self.memory.chunk_size)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        if self.format != FORMAT {
+            return Err(format!("format {:?}, expected {FORMAT:?}", self.format));
+        }
+        if self.version != VERSION {
+            return Err(format!(
+                "version {}, this build reads version {VERSION}",
+                self.version
+            ));
+        }
+        if parse_id(&self.id).is_none() {
+            return Err(format!("id {:?} is not a snapshot id", self.id));
+        }
+        match (self.kind.as_str(), &self.base) {
+            ("full", None) => {}
+            ("diff", Some(b)) if parse_id(b).is_some() && *b != self.id => {}
+            ("full", Some(_)) => return Err("a full snapshot with a base".into()),
+            ("diff", _) => return Err("a diff snapshot without a valid base".into()),
+            (k, _) => return Err(format!("unknown kind {k:?}")),
+        }
+        if self.mem_size == 0
+            || !self.mem_size.is_multiple_of(PAGE_SIZE_U64)
+            || self.mem_size > snapshot::memory_file::MAX_MEM_SIZE
+        {
+            return Err(format!("memory size {} is not valid", self.mem_size));
+        }
+        for o in self.objects() {
+            if !is_sha256(&o.sha256) {
+                return Err(format!("object checksum {:?} is not a SHA-256", o.sha256));
+            }
+        }
+        for (what, o) in [
+            ("state", Some(&self.state)),
+            ("memory head", Some(&self.memory.head)),
+            ("working set", self.working_set.as_ref()),
+        ] {
+            if let Some(o) = o {
+                if o.size > MAX_SMALL_OBJECT {
+                    return Err(format!("{what} object of {} bytes", o.size));
+                }
+            }
+        }
+        let m = &self.memory;
+        if m.head.size < snapshot::memory_file::FIXED_HEADER_LEN as u64
+            || !m.head.size.is_multiple_of(PAGE_SIZE_U64)
+        {
+            return Err(format!("memory head of {} bytes", m.head.size));
+        }
+        if m.chunk_size < MIN_CHUNK
+            || m.chunk_size > MAX_CHUNK
+            || !m.chunk_size.is_multiple_of(PAGE_SIZE_U64)
+        {
+            return Err(format!("chunk size {}", m.chunk_size));
+        }
+        let pages = self.pages();
+        let mut next = 0u64;
+        let mut total = 0u64;
+        for &[first, n] in &m.runs {
+            if n == 0 || first < next || first.checked_add(n).is_none_or(|e| e > pages) {
+                return Err(format!(
+                    "data run [{first}, {n}] out of order or out of range"
+                ));
+            }
+            next = first + n;
+            total += n;
+        }
+        if total * PAGE_SIZE_U64 != m.data.size {
+            return Err(format!(
+                "runs hold {total} pages, data object is {} bytes",
+                m.data.size
+            ));
+        }
+        if m.chunks.len() as u64 != m.data.size.div_ceil(m.chunk_size) {
+            return Err(format!(
+                "{} chunk checksums for {} bytes in chunks of {}",
+                m.chunks.len(),
+                m.data.size,
+                m.chunk_size
+            ));
+        }
+        if let Some(c) = m.chunks.iter().find(|c| !is_sha256(c)) {
+            return Err(format!("chunk checksum {c:?} is not a SHA-256"));
+        }
+        Ok(())
+    }
+
+    /// Serialised, as stored.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // Serialising plain strings and integers cannot fail.
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Where a run of packed data lands in the memory file: `len` bytes of the packed data
+/// at `packed` go to file offset `file`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Offset in the packed data.
+    pub packed: u64,
+    /// Offset in the local memory file.
+    pub file: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The runs of a manifest as placements: packed offset → file offset.
+pub fn placements(m: &Manifest) -> Vec<Placement> {
+    let d = m.memory.head.size;
+    let mut packed = 0;
+    m.memory
+        .runs
+        .iter()
+        .map(|&[first, n]| {
+            let p = Placement {
+                packed,
+                file: d + first * PAGE_SIZE_U64,
+                len: n * PAGE_SIZE_U64,
+            };
+            packed += p.len;
+            p
+        })
+        .collect()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Manifest {
+        let z = "0".repeat(64);
+        Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            id: "0123456789abcdef0123456789abcdef".into(),
+            kind: "full".into(),
+            base: None,
+            mem_size: 1 << 20,
+            state: ObjectRef {
+                sha256: z.clone(),
+                size: 10,
+            },
+            memory: MemoryObjects {
+                head: ObjectRef {
+                    sha256: z.clone(),
+                    size: 4096,
+                },
+                data: ObjectRef {
+                    sha256: z.clone(),
+                    size: 3 * 4096,
+                },
+                runs: vec![[0, 1], [10, 2]],
+                chunk_size: MIN_CHUNK,
+                chunks: vec![z],
+            },
+            working_set: None,
+        }
+    }
+
+    #[test]
+    fn valid_manifest_round_trips() {
+        let m = sample();
+        let back = Manifest::parse("k", &m.to_bytes()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.chunk_count(), 1);
+        let p = placements(&back);
+        assert_eq!(
+            p[1],
+            Placement {
+                packed: 4096,
+                file: 4096 + 10 * 4096,
+                len: 8192
+            }
+        );
+    }
+
+    #[test]
+    fn bad_manifests_are_refused() {
+        type Edit = Box<dyn Fn(&mut Manifest)>;
+        let cases: Vec<Edit> = vec![
+            Box::new(|m| m.format = "x".into()),
+            Box::new(|m| m.version = 2),
+            Box::new(|m| m.id = "zz".into()),
+            Box::new(|m| m.kind = "diff".into()),
+            Box::new(|m| m.base = Some(m.id.clone())),
+            Box::new(|m| m.mem_size = 4095),
+            Box::new(|m| m.memory.runs = vec![[10, 2], [0, 1]]),
+            Box::new(|m| m.memory.runs = vec![[0, 1], [255, 2]]),
+            Box::new(|m| m.memory.runs.push([20, 1])),
+            Box::new(|m| m.memory.chunk_size = 4096),
+            Box::new(|m| m.memory.chunks.push("0".repeat(64))),
+            Box::new(|m| m.memory.chunks[0] = "../../etc".into()),
+            Box::new(|m| m.state.sha256 = "../x".into()),
+            Box::new(|m| m.memory.head.size = 100),
+            Box::new(|m| m.state.size = u64::MAX),
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut m = sample();
+            f(&mut m);
+            assert!(
+                matches!(
+                    Manifest::parse("k", &m.to_bytes()),
+                    Err(Error::BadManifest { .. })
+                ),
+                "case {i} accepted"
+            );
+        }
+        assert!(Manifest::parse("k", b"{").is_err());
+        assert!(Manifest::parse("k", &vec![b' '; MAX_MANIFEST_BYTES + 1]).is_err());
+    }
+
+    #[test]
+    fn snapshot_ids_parse() {
+        assert!(parse_snapshot_id("00000000000000000000000000000000").is_err());
+        assert!(parse_snapshot_id("xyz").is_err());
+        let id = SnapshotId::random();
+        assert_eq!(parse_snapshot_id(&id.to_string()).unwrap(), id);
+    }
+}
+
+/// The chunks of the packed data that hold bytes `offset..offset + len` of the local
+/// memory file (`placements` from [`placements`]), as an ascending list without
+/// duplicates. Ranges in holes (zero pages) need no chunk.
+pub fn chunks_for(placements: &[Placement], chunk_size: u64, offset: u64, len: u64) -> Vec<u64> {
+    let end = offset.saturating_add(len);
+    let mut out: Vec<u64> = Vec::new();
+    // The first placement that ends after `offset`.
+    let first = placements.partition_point(|p| p.file + p.len <= offset);
+    for p in &placements[first..] {
+        if p.file >= end {
+            break;
+        }
+        let s = offset.max(p.file);
+        let e = end.min(p.file + p.len);
+        let ps = p.packed + (s - p.file);
+        let pe = p.packed + (e - p.file);
+        for c in ps / chunk_size..pe.div_ceil(chunk_size) {
+            if out.last() != Some(&c) {
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    #[test]
+    fn chunks_for_maps_file_ranges_to_packed_chunks() {
+        // Pages 0..16 and 100..132 hold data; chunks of 16 pages.
+        let p = vec![
+            Placement {
+                packed: 0,
+                file: 4096,
+                len: 16 * 4096,
+            },
+            Placement {
+                packed: 16 * 4096,
+                file: 4096 + 100 * 4096,
+                len: 32 * 4096,
+            },
+        ];
+        let c = 16 * 4096;
+        assert_eq!(chunks_for(&p, c, 4096, 4096), vec![0]);
+        assert_eq!(chunks_for(&p, c, 0, 4096), Vec::<u64>::new());
+        assert_eq!(chunks_for(&p, c, 4096 + 50 * 4096, 4096), Vec::<u64>::new());
+        assert_eq!(chunks_for(&p, c, 4096 + 100 * 4096, 4096), vec![1]);
+        assert_eq!(chunks_for(&p, c, 4096 + 131 * 4096, 4096), vec![2]);
+        assert_eq!(chunks_for(&p, c, 0, 1 << 30), vec![0, 1, 2]);
+        assert_eq!(chunks_for(&p, c, u64::MAX - 5, 100), Vec::<u64>::new());
+    }
+}

@@ -1,0 +1,359 @@
+//! Publishing a snapshot: its objects, then its manifest.
+//!
+//! Every object is named by its content's SHA-256 and uploaded only if the store does not
+//! have it yet; the manifest goes last, with a conditional write, so a snapshot is either
+//! published whole or not at all, and publishing the same snapshot twice is harmless. The
+//! memory file's data pages are read twice: once to checksum them (the object's name and
+//! each chunk's checksum), once to upload them in parallel parts.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use snapshot::memory_file::MemoryFile;
+use snapshot::working_set::WorkingSet;
+use snapshot::{state_file, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
+
+use crate::manifest::{self, Manifest, MemoryObjects, ObjectRef, DEFAULT_CHUNK};
+use crate::{hex, sha256_hex, Error, Result, Store};
+
+/// The files of one snapshot.
+#[derive(Debug, Clone)]
+pub struct SnapshotFiles {
+    /// The state file.
+    pub state: PathBuf,
+    /// The memory file.
+    pub memory: PathBuf,
+    /// The working-set file, if there is one (absent or unusable: not published).
+    pub working_set: Option<PathBuf>,
+}
+
+/// How to publish.
+#[derive(Debug, Clone)]
+pub struct PublishOptions {
+    /// Chunk size of the packed memory data (a page multiple within the manifest's limits).
+    pub chunk_size: u64,
+    /// Size of one part of a multipart upload.
+    pub part_size: usize,
+    /// Parts uploaded at once.
+    pub concurrency: usize,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        PublishOptions {
+            chunk_size: DEFAULT_CHUNK,
+            part_size: 16 << 20,
+            concurrency: 8,
+        }
+    }
+}
+
+/// What [`publish`] did.
+#[derive(Debug, Clone)]
+pub struct PublishReport {
+    /// The snapshot published.
+    pub id: SnapshotId,
+    /// Objects uploaded.
+    pub objects_uploaded: u64,
+    /// Objects the store already had.
+    pub objects_reused: u64,
+    /// Bytes uploaded (objects and manifest).
+    pub bytes_uploaded: u64,
+    /// Bytes of packed memory data (uploaded or not).
+    pub data_bytes: u64,
+    /// Time checksumming.
+    pub checksum_time: Duration,
+    /// Time uploading.
+    pub upload_time: Duration,
+}
+
+/// Publishes the snapshot in `files`; a diff's base must have been published before.
+/// Returns its manifest and what was uploaded.
+pub async fn publish(
+    store: &Store,
+    files: &SnapshotFiles,
+    options: &PublishOptions,
+) -> Result<(Manifest, PublishReport)> {
+    if options.chunk_size < manifest::MIN_CHUNK
+        || options.chunk_size > manifest::MAX_CHUNK
+        || !options.chunk_size.is_multiple_of(PAGE_SIZE_U64)
+    {
+        return Err(Error::InvalidInput(format!(
+            "chunk size {} (a page multiple from {} to {})",
+            options.chunk_size,
+            manifest::MIN_CHUNK,
+            manifest::MAX_CHUNK
+        )));
+    }
+    let t0 = Instant::now();
+    let header = state_file::read_header(&files.state)?;
+    let meta = header.meta;
+    let state_bytes = read_all(&files.state)?;
+    let mem = MemoryFile::open(&files.memory)?;
+    mem.check_state(&header)?;
+    let base = match meta.kind {
+        SnapshotKind::Full => None,
+        SnapshotKind::Diff => {
+            let base = meta
+                .base
+                .ok_or_else(|| Error::InvalidInput("a diff snapshot without a base id".into()))?;
+            if store.size(&manifest::manifest_key(base)).await?.is_none() {
+                return Err(Error::InvalidInput(format!(
+                    "diff snapshot {} needs its base {base} published first",
+                    meta.id
+                )));
+            }
+            Some(base.to_string())
+        }
+    };
+    let d = mem.header().data_offset;
+    let mut head = vec![0u8; d as usize];
+    mem.file()
+        .read_exact_at(&mut head, 0)
+        .map_err(|e| Error::io("read memory head", &files.memory, e))?;
+    let runs: Vec<[u64; 2]> = mem.data_pages().runs().map(|(s, n)| [s, n]).collect();
+    let (data_sha, chunks, data_size) = checksum_data(&mem, &runs, d, options.chunk_size)?;
+    let working_set = match &files.working_set {
+        Some(p) => match WorkingSet::load(p, meta.id, mem.header().pages()) {
+            Ok(_) => Some(read_all(p)?),
+            Err(e) => {
+                tracing::warn!(path = %p.display(), error = %e, "working set not published");
+                None
+            }
+        },
+        None => None,
+    };
+    let checksum_time = t0.elapsed();
+
+    let t1 = Instant::now();
+    let mut report = PublishReport {
+        id: meta.id,
+        objects_uploaded: 0,
+        objects_reused: 0,
+        bytes_uploaded: 0,
+        data_bytes: data_size,
+        checksum_time,
+        upload_time: Duration::ZERO,
+    };
+    let state = put_small(store, Bytes::from(state_bytes), &mut report).await?;
+    let head = put_small(store, Bytes::from(head), &mut report).await?;
+    let working_set = match working_set {
+        Some(ws) => Some(put_small(store, Bytes::from(ws), &mut report).await?),
+        None => None,
+    };
+    let data = ObjectRef {
+        sha256: data_sha,
+        size: data_size,
+    };
+    if store.size(&data.key()).await? == Some(data_size) {
+        report.objects_reused += 1;
+    } else {
+        upload_data(store, &mem, &runs, d, &data, options).await?;
+        report.objects_uploaded += 1;
+        report.bytes_uploaded += data_size;
+    }
+    let m = Manifest {
+        format: manifest::FORMAT.into(),
+        version: manifest::VERSION,
+        id: meta.id.to_string(),
+        kind: meta.kind.to_string(),
+        base,
+        mem_size: meta.mem_size,
+        state,
+        memory: MemoryObjects {
+            head,
+            data,
+            runs,
+            chunk_size: options.chunk_size,
+            chunks,
+        },
+        working_set,
+    };
+    let key = manifest::manifest_key(meta.id);
+    let bytes = m.to_bytes();
+    report.bytes_uploaded += bytes.len() as u64;
+    if !store.put_if_absent(&key, Bytes::from(bytes)).await? {
+        let existing = Manifest::parse(&store.key(&key), &store.get(&key).await?)?;
+        // A second publish of the same snapshot names the same memory and state; only
+        // the working set may differ (recorded later). The first manifest stays.
+        if existing.state != m.state || existing.memory != m.memory {
+            return Err(Error::BadManifest {
+                key: store.key(&key),
+                reason: "a different snapshot with this id is already published".into(),
+            });
+        }
+    }
+    report.upload_time = t1.elapsed();
+    tracing::info!(id = %meta.id, uploaded = report.bytes_uploaded,
+        reused = report.objects_reused, "snapshot published");
+    Ok((m, report))
+}
+
+fn read_all(path: &Path) -> Result<Vec<u8>> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| Error::io("stat", path, e))?
+        .len();
+    if len > manifest::MAX_SMALL_OBJECT {
+        return Err(Error::InvalidInput(format!(
+            "{}: {len} bytes, more than a snapshot file may have",
+            path.display()
+        )));
+    }
+    std::fs::read(path).map_err(|e| Error::io("read", path, e))
+}
+
+async fn put_small(store: &Store, bytes: Bytes, report: &mut PublishReport) -> Result<ObjectRef> {
+    let r = ObjectRef {
+        sha256: sha256_hex(&bytes),
+        size: bytes.len() as u64,
+    };
+    if store.size(&r.key()).await? == Some(r.size) {
+        report.objects_reused += 1;
+    } else {
+        report.bytes_uploaded += r.size;
+        report.objects_uploaded += 1;
+        store.put(&r.key(), bytes).await?;
+    }
+    Ok(r)
+}
+
+/// Reads the packed data in pieces of at most `piece` bytes, in order, giving each to `f`.
+fn for_each_piece(
+    mem: &MemoryFile,
+    runs: &[[u64; 2]],
+    data_offset: u64,
+    piece: u64,
+    mut f: impl FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut buf = vec![0u8; piece as usize];
+    let mut fill = 0usize;
+    for &[first, n] in runs {
+        let mut off = data_offset + first * PAGE_SIZE_U64;
+        let mut left = n * PAGE_SIZE_U64;
+        while left > 0 {
+            let take = left.min((piece as usize - fill) as u64) as usize;
+            mem.file()
+                .read_exact_at(&mut buf[fill..fill + take], off)
+                .map_err(|e| Error::io("read memory image", mem.path(), e))?;
+            fill += take;
+            off += take as u64;
+            left -= take as u64;
+            if fill == piece as usize {
+                f(&buf)?;
+                fill = 0;
+            }
+        }
+    }
+    if fill > 0 {
+        f(&buf[..fill])?;
+    }
+    Ok(())
+}
+
+fn checksum_data(
+    mem: &MemoryFile,
+    runs: &[[u64; 2]],
+    d: u64,
+    chunk: u64,
+) -> Result<(String, Vec<String>, u64)> {
+    let mut whole = Sha256::new();
+    let mut chunks = Vec::new();
+    let mut size = 0u64;
+    for_each_piece(mem, runs, d, chunk, |b| {
+        whole.update(b);
+        chunks.push(hex(&Sha256::digest(b)));
+        size += b.len() as u64;
+        Ok(())
+    })?;
+    Ok((hex(&whole.finalize()), chunks, size))
+}
+
+async fn upload_data(
+    store: &Store,
+    mem: &MemoryFile,
+    runs: &[[u64; 2]],
+    d: u64,
+    data: &ObjectRef,
+    options: &PublishOptions,
+) -> Result<()> {
+    let key = data.key();
+    if data.size <= options.part_size as u64 {
+        let mut all = Vec::with_capacity(data.size as usize);
+        for_each_piece(mem, runs, d, options.part_size as u64, |b| {
+            all.extend_from_slice(b);
+            Ok(())
+        })?;
+        return store.put(&key, Bytes::from(all)).await;
+    }
+    let upload = store.put_multipart(&key).await?;
+    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
+    // Reading is synchronous and fast (local file); the parts upload while it goes on.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
+    let mem_path = mem.path().to_path_buf();
+    let runs = runs.to_vec();
+    let part = options.part_size as u64;
+    let reader = tokio::task::spawn_blocking(move || {
+        let mem = match MemoryFile::open(&mem_path) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e.into()));
+                return;
+            }
+        };
+        let r = for_each_piece(&mem, &runs, d, part, |b| {
+            tx.blocking_send(Ok(b.to_vec()))
+                .map_err(|_| Error::Fetcher("upload ended".into()))
+        });
+        if let Err(e) = r {
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    let mut sent = 0u64;
+    while let Some(piece) = rx.recv().await {
+        let piece = match piece {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = w.abort().await;
+                return Err(e);
+            }
+        };
+        let timeout = store.timeout();
+        if tokio::time::timeout(timeout, w.wait_for_capacity(options.concurrency))
+            .await
+            .map_err(|_| Error::Timeout {
+                op: "upload part of",
+                key: store.key(&key),
+                secs: timeout.as_secs(),
+            })?
+            .is_err()
+        {
+            // The failed part's error comes from `finish` below.
+            break;
+        }
+        sent += piece.len() as u64;
+        w.write(&piece);
+    }
+    let _ = reader.await;
+    if sent != data.size {
+        let _ = w.abort().await;
+        return Err(Error::Fetcher(format!(
+            "upload of {} stopped after {sent} of {} bytes",
+            store.key(&key),
+            data.size
+        )));
+    }
+    let timeout = store.timeout() * 4;
+    match tokio::time::timeout(timeout, w.finish()).await {
+        Ok(r) => r
+            .map(|_| ())
+            .map_err(|e| Error::store("upload", &store.key(&key), e)),
+        Err(_) => Err(Error::Timeout {
+            op: "finish upload of",
+            key: store.key(&key),
+            secs: timeout.as_secs(),
+        }),
+    }
+}

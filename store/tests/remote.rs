@@ -1,0 +1,414 @@
+//! Publishing snapshots and reading them back lazily through a fetcher, on the in-memory
+//! and local-directory backends; the faults: tampered, truncated and missing objects, a
+//! store that does not answer, a full cache, eviction, a restart.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use snapshot::memory_file::{self, GuestRegion, MemoryChain, RegionData};
+use snapshot::state_file::{self, SnapshotMeta};
+use snapshot::SnapshotId;
+use store::cache::ChunkCache;
+use store::fetcher::{FetchClient, FetcherThread};
+use store::location::StoreOptions;
+use store::manifest::{self, Manifest};
+use store::publish::{publish, PublishOptions, SnapshotFiles};
+use store::Store;
+
+const PAGES: usize = 1024; // 4 MiB
+const PAGE: usize = 4096;
+const CHUNK: u64 = 64 << 10; // 16 pages
+
+/// An image where about a third of the pages are zero, the rest distinct.
+fn image(seed: u64) -> Vec<u8> {
+    let mut img = vec![0u8; PAGES * PAGE];
+    let mut x = seed | 1;
+    for p in 0..PAGES {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if x % 3 == 0 {
+            continue;
+        }
+        for (i, b) in img[p * PAGE..(p + 1) * PAGE].iter_mut().enumerate() {
+            *b = (x as usize).wrapping_add(i * 31) as u8;
+        }
+        img[p * PAGE..p * PAGE + 8].copy_from_slice(&(p as u64 ^ seed).to_le_bytes());
+    }
+    img
+}
+
+struct Snap {
+    files: SnapshotFiles,
+    id: SnapshotId,
+    img: Vec<u8>,
+}
+
+fn write_full(dir: &Path, seed: u64) -> Snap {
+    std::fs::create_dir_all(dir).unwrap();
+    let img = image(seed);
+    let id = SnapshotId::random();
+    let mem = dir.join("memory.mem");
+    memory_file::write_full(
+        &mem,
+        id,
+        &[GuestRegion {
+            guest_addr: 0,
+            data: RegionData::Slice(&img),
+        }],
+    )
+    .unwrap();
+    let state = dir.join("state.snap");
+    state_file::write(
+        &state,
+        &SnapshotMeta::full(id, img.len() as u64),
+        &vec![seed; 10],
+    )
+    .unwrap();
+    Snap {
+        files: SnapshotFiles {
+            state,
+            memory: mem,
+            working_set: None,
+        },
+        id,
+        img,
+    }
+}
+
+fn write_diff(dir: &Path, base: &Snap) -> Snap {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut img = base.img.clone();
+    let mut dirty = vec![0u64; PAGES / 64];
+    for p in (0..PAGES).step_by(7) {
+        dirty[p / 64] |= 1 << (p % 64);
+        let fill = if p % 2 == 0 { 0 } else { 0xa5 };
+        img[p * PAGE..(p + 1) * PAGE].fill(fill);
+    }
+    let id = SnapshotId::random();
+    let mem = dir.join("memory.mem");
+    memory_file::write_diff(
+        &mem,
+        id,
+        base.id,
+        &[GuestRegion {
+            guest_addr: 0,
+            data: RegionData::Slice(&img),
+        }],
+        &[&dirty],
+    )
+    .unwrap();
+    let state = dir.join("state.snap");
+    state_file::write(
+        &state,
+        &SnapshotMeta::diff(id, base.id, img.len() as u64),
+        &vec![1u8; 3],
+    )
+    .unwrap();
+    Snap {
+        files: SnapshotFiles {
+            state,
+            memory: mem,
+            working_set: None,
+        },
+        id,
+        img,
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("clade-store-{name}-{}", SnapshotId::random()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn opts() -> PublishOptions {
+    PublishOptions {
+        chunk_size: CHUNK,
+        ..Default::default()
+    }
+}
+
+fn read_all(client: &Arc<FetchClient>, id: SnapshotId) -> store::Result<Vec<u8>> {
+    let remote = client.open(id)?;
+    let chain = MemoryChain::new(remote.memory_files()?)?;
+    let mut buf = vec![0u8; PAGES * PAGE];
+    chain.read_pages(0, &mut buf)?;
+    Ok(buf)
+}
+
+fn fetcher(root: &Path, store: &Store, limit: u64) -> FetcherThread {
+    let cache = ChunkCache::new(&root.join("cache"), store.clone(), limit).unwrap();
+    FetcherThread::start(
+        &root.join(format!("f-{}.sock", SnapshotId::random())),
+        cache,
+    )
+    .unwrap()
+}
+
+fn client(f: &FetcherThread) -> Arc<FetchClient> {
+    FetchClient::connect(f.socket(), Duration::from_secs(20)).unwrap()
+}
+
+#[test]
+fn full_and_diff_are_read_back_exactly_and_lazily() {
+    let dir = tmp("roundtrip");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let base = write_full(&dir.join("base"), 7);
+    let diff = write_diff(&dir.join("diff"), &base);
+    let rt = rt();
+    assert!(
+        rt.block_on(publish(&store, &diff.files, &opts())).is_err(),
+        "a diff is published only after its base"
+    );
+    let (m, r) = rt.block_on(publish(&store, &base.files, &opts())).unwrap();
+    assert_eq!(r.objects_uploaded, 3);
+    // Only data pages are uploaded (about two thirds of the image).
+    assert!(
+        m.memory.data.size < (PAGES * PAGE) as u64 * 3 / 4,
+        "{}",
+        m.memory.data.size
+    );
+    let (_, r2) = rt.block_on(publish(&store, &base.files, &opts())).unwrap();
+    assert_eq!(
+        (r2.objects_uploaded, r2.objects_reused),
+        (0, 3),
+        "publishing again reuses"
+    );
+    rt.block_on(publish(&store, &diff.files, &opts())).unwrap();
+
+    let f = fetcher(&dir, &store, 1 << 30);
+    let c = client(&f);
+    // One page: one chunk fetched, not the image.
+    let remote = c.open(base.id).unwrap();
+    let chain = MemoryChain::new(remote.memory_files().unwrap()).unwrap();
+    let before = c.stats().unwrap();
+    let mut page = vec![0u8; PAGE];
+    let p = (0..PAGES).find(|&p| base.img[p * PAGE] != 0).unwrap() as u64;
+    chain.read_pages(p, &mut page).unwrap();
+    assert_eq!(
+        &page[..],
+        &base.img[p as usize * PAGE..(p as usize + 1) * PAGE]
+    );
+    let after = c.stats().unwrap();
+    assert_eq!(after.chunks_fetched - before.chunks_fetched, 1);
+    assert!(after.bytes_fetched - before.bytes_fetched <= CHUNK);
+
+    assert!(read_all(&c, base.id).unwrap() == base.img, "base differs");
+    assert!(
+        read_all(&c, diff.id).unwrap() == diff.img,
+        "diff chain differs"
+    );
+    // Everything is local now: reading again fetches nothing.
+    let s1 = c.stats().unwrap();
+    assert!(read_all(&client(&f), diff.id).unwrap() == diff.img);
+    assert_eq!(c.stats().unwrap().bytes_fetched, s1.bytes_fetched);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tampered_truncated_and_missing_objects_are_errors_naming_the_object() {
+    let dir = tmp("faults");
+    let store = Store::open("memory://b/p", &StoreOptions::default()).unwrap();
+    let s = write_full(&dir.join("s"), 3);
+    let rt = rt();
+    let (m, _) = rt.block_on(publish(&store, &s.files, &opts())).unwrap();
+    let data_key = m.memory.data.key();
+    let good = rt.block_on(store.get(&data_key)).unwrap();
+
+    // One flipped byte in the second chunk.
+    let mut bad = good.to_vec();
+    bad[CHUNK as usize + 5] ^= 1;
+    rt.block_on(store.put(&data_key, Bytes::from(bad))).unwrap();
+    let f = fetcher(&dir, &store, 1 << 30);
+    let err = read_all(&client(&f), s.id).unwrap_err().to_string();
+    assert!(
+        err.contains(&store.key(&data_key)) && err.contains("checksum"),
+        "{err}"
+    );
+    drop(f);
+
+    // Truncated.
+    rt.block_on(store.put(&data_key, good.slice(..good.len() - 4096)))
+        .unwrap();
+    let f = fetcher(&tmp("faults2"), &store, 1 << 30);
+    let err = read_all(&client(&f), s.id).unwrap_err().to_string();
+    assert!(err.contains(&store.key(&data_key)), "{err}");
+    drop(f);
+
+    // Missing.
+    rt.block_on(store.delete(&data_key)).unwrap();
+    let f = fetcher(&tmp("faults3"), &store, 1 << 30);
+    let err = read_all(&client(&f), s.id).unwrap_err().to_string();
+    assert!(
+        err.contains(&store.key(&data_key)) && err.contains("does not exist"),
+        "{err}"
+    );
+    drop(f);
+
+    // A missing state object fails the open.
+    rt.block_on(store.delete(&m.state.key())).unwrap();
+    let f = fetcher(&tmp("faults4"), &store, 1 << 30);
+    let err = client(&f).open(s.id).unwrap_err().to_string();
+    assert!(err.contains(&store.key(&m.state.key())), "{err}");
+    // An unknown snapshot.
+    let err = client(&f)
+        .open(SnapshotId::random())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+    // A tampered manifest.
+    let mk = manifest::manifest_key(s.id);
+    let mut mm: Manifest = serde_json::from_slice(&rt.block_on(store.get(&mk)).unwrap()).unwrap();
+    mm.memory.runs.push([PAGES as u64 + 5, 1]);
+    rt.block_on(store.put(&mk, Bytes::from(serde_json::to_vec(&mm).unwrap())))
+        .unwrap();
+    let err = client(&f).open(s.id).unwrap_err().to_string();
+    assert!(err.contains("manifest"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_store_that_does_not_answer_is_an_error_in_bounded_time() {
+    // A loopback server that accepts and never answers.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let _held = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        for c in l.incoming().flatten() {
+            conns.push(c);
+        }
+    });
+    // SAFETY-free: these tests set the same values everywhere; explicit credentials keep
+    // the S3 client from looking for instance credentials off this machine.
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "testsecret");
+    let store = Store::open(
+        "s3://bucket/prefix",
+        &StoreOptions {
+            endpoint: Some(format!("http://127.0.0.1:{port}")),
+            timeout: Duration::from_secs(2),
+        },
+    )
+    .unwrap();
+    let dir = tmp("silent");
+    let f = fetcher(&dir, &store, 1 << 30);
+    let t = Instant::now();
+    let err = client(&f)
+        .open(SnapshotId::random())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        err.contains("no answer within") || err.contains("timed out") || err.contains("imeout"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cache_evicts_least_recently_used_refuses_when_full_and_survives_restart() {
+    let dir = tmp("cache");
+    let store = Store::open("memory://b/c", &StoreOptions::default()).unwrap();
+    let a = write_full(&dir.join("a"), 11);
+    let b = write_full(&dir.join("b"), 12);
+    let rt = rt();
+    let (ma, _) = rt.block_on(publish(&store, &a.files, &opts())).unwrap();
+    rt.block_on(publish(&store, &b.files, &opts())).unwrap();
+    let limit = ma.memory.data.size + CHUNK; // room for one snapshot and a bit
+    let f = fetcher(&dir, &store, limit);
+
+    // A held open, fully read; B cannot fit while A is in use.
+    let ca = client(&f);
+    let ra = ca.open(a.id).unwrap();
+    let chain_a = MemoryChain::new(ra.memory_files().unwrap()).unwrap();
+    let mut buf = vec![0u8; PAGES * PAGE];
+    chain_a.read_pages(0, &mut buf).unwrap();
+    assert!(buf == a.img);
+    let err = read_all(&client(&f), b.id).unwrap_err().to_string();
+    assert!(err.contains("cache is full"), "{err}");
+
+    // Once A's user is gone, B evicts A's least recently used chunks.
+    drop(chain_a);
+    drop(ra);
+    drop(ca);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(read_all(&client(&f), b.id).unwrap() == b.img);
+    let st = f.cache().stats();
+    assert!(st.chunks_evicted > 0 && st.bytes_held <= limit, "{st:?}");
+    // A is fetched again where it was evicted, exactly.
+    assert!(read_all(&client(&f), a.id).unwrap() == a.img);
+    drop(f);
+
+    // A restart keeps what is cached; a chunk damaged on disk is dropped and fetched again.
+    let memfile = dir
+        .join("cache/snapshots")
+        .join(a.id.to_string())
+        .join("memory.mem");
+    let head = ma.memory.head.size;
+    let first_data = ma.memory.runs[0][0] * PAGE as u64;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&memfile)
+            .unwrap();
+        f.write_all_at(&[0xff; 16], head + first_data + 100)
+            .unwrap();
+    }
+    let cache = ChunkCache::new(&dir.join("cache"), store.clone(), limit).unwrap();
+    let held = cache.stats().bytes_held;
+    assert!(
+        held > 0,
+        "the restarted cache holds what was fetched before"
+    );
+    let f = FetcherThread::start(&dir.join("f2.sock"), cache).unwrap();
+    assert!(read_all(&client(&f), a.id).unwrap() == a.img);
+    let st = f.cache().stats();
+    assert!(st.chunks_fetched >= 1, "{st:?}");
+    assert!(
+        st.bytes_fetched < ma.memory.data.size,
+        "only the damaged chunk again: {st:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn concurrent_misses_of_one_chunk_fetch_it_once() {
+    let dir = tmp("dedup");
+    let store = Store::open("memory://b/d", &StoreOptions::default()).unwrap();
+    let s = write_full(&dir.join("s"), 5);
+    let rt = rt();
+    let (m, _) = rt.block_on(publish(&store, &s.files, &opts())).unwrap();
+    let f = fetcher(&dir, &store, 1 << 30);
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let c = client(&f);
+            let id = s.id;
+            std::thread::spawn(move || read_all(&c, id).unwrap())
+        })
+        .collect();
+    for t in threads {
+        assert!(t.join().unwrap() == s.img);
+    }
+    let st = f.cache().stats();
+    assert_eq!(st.chunks_fetched, m.chunk_count(), "{st:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
