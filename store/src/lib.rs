@@ -18,6 +18,8 @@
 //!   VM process's side: a VM process never opens a network socket; it asks the fetcher and
 //!   reads the cache files read-only.
 //!
+//! * [`s3server`]: a real S3-compatible server on loopback for tests and benchmarks.
+//!
 //! The layout of the store is documented in `snapshot/FORMAT.md` ("Snapshots in object
 //! storage").
 
@@ -26,6 +28,7 @@ pub mod fetcher;
 pub mod location;
 pub mod manifest;
 pub mod publish;
+pub mod s3server;
 
 use std::path::PathBuf;
 

@@ -41,6 +41,9 @@ impl Default for StoreOptions {
 }
 
 /// An object store and the prefix Clade's objects live under.
+///
+/// Use one per tokio runtime: an HTTP store's pooled connections belong to the runtime
+/// that opened them, and fail when driven from another.
 #[derive(Clone)]
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
@@ -139,6 +142,49 @@ impl Store {
             inner,
             prefix,
             url: url.to_string(),
+            timeout: options.timeout,
+        })
+    }
+
+    /// An S3 store on `bucket/prefix` with these credentials (not the environment's):
+    /// for a server this process started ([`crate::s3server`]).
+    pub fn open_s3_with_keys(
+        bucket: &str,
+        prefix: &str,
+        options: &StoreOptions,
+        access_key: &str,
+        secret_key: &str,
+    ) -> Result<Store> {
+        let url = format!("s3://{bucket}/{prefix}");
+        let mut b = object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_region("us-east-1")
+            .with_access_key_id(access_key)
+            .with_secret_access_key(secret_key)
+            .with_client_options(
+                object_store::ClientOptions::new()
+                    .with_timeout(options.timeout)
+                    .with_connect_timeout(options.timeout.min(Duration::from_secs(10))),
+            )
+            .with_retry(object_store::RetryConfig {
+                max_retries: 3,
+                retry_timeout: options.timeout,
+                ..Default::default()
+            });
+        if let Some(ep) = &options.endpoint {
+            b = b
+                .with_endpoint(ep)
+                .with_allow_http(ep.starts_with("http://"))
+                .with_virtual_hosted_style_request(false);
+        }
+        let s = b.build().map_err(|e| Error::Config {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(Store {
+            inner: Arc::new(s),
+            prefix: prefix.trim_matches('/').to_string(),
+            url,
             timeout: options.timeout,
         })
     }

@@ -1049,3 +1049,107 @@ fn copy_on_write_full_snapshots_hold_exactly_their_instant() {
         assert_eq!(memsums(&out), vec![sums[1].clone()], "{out}");
     }
 }
+
+/// A snapshot published to a real S3 server (s3s-fs on loopback), its host files deleted,
+/// then restored on "another host" (a fresh chunk cache and fetcher) with its memory
+/// fetched lazily: the memory is exactly the snapshot's and the guest continues; the file
+/// backend (a mapping of a file still being filled) is refused; a restore after the
+/// server is gone fails with an error naming the object instead of running on zeros.
+#[test]
+fn published_snapshot_restores_exactly_from_s3_after_the_host_files_are_gone() {
+    use store::cache::ChunkCache;
+    use store::fetcher::{FetchClient, FetcherThread};
+    use store::publish::{publish, PublishOptions, SnapshotFiles};
+    use store::s3server::S3Server;
+
+    let dir = TmpDir::new("published");
+    let snap = dir.0.join("snap");
+    let (sum, memsum) = snapshot_mid_loop(&snap);
+    let mut server = S3Server::start(&dir.0.join("s3"), "clade").unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (manifest, report) = rt
+        .block_on(async {
+            let s = server.store("clade", "host-a", T).unwrap();
+            let files = SnapshotFiles {
+                state: snap.join(STATE_FILE),
+                memory: snap.join(MEMORY_FILE),
+                working_set: None,
+            };
+            publish(&s, &files, &PublishOptions::default()).await
+        })
+        .unwrap();
+    let id = manifest.snapshot_id();
+    println!(
+        "published {id}: {} bytes uploaded, {} bytes of memory data",
+        report.bytes_uploaded, report.data_bytes
+    );
+    // The host that took it is gone.
+    std::fs::remove_dir_all(&snap).unwrap();
+
+    let cache = ChunkCache::new(
+        &dir.0.join("host-b-cache"),
+        server.store("clade", "host-a", T).unwrap(),
+        1 << 30,
+    )
+    .unwrap();
+    let fetcher = FetcherThread::start(&dir.0.join("fetch.sock"), cache).unwrap();
+    let open = || {
+        let client = FetchClient::connect(fetcher.socket(), T).unwrap();
+        let remote = client.open(id).unwrap();
+        let layers = remote
+            .layers
+            .iter()
+            .map(|l| (l.dir.clone(), l.memory_file().unwrap()))
+            .collect();
+        vmm::PreparedSnapshot::open_with_layers(remote.dir(), vmm::CpuCheck::default(), layers)
+            .unwrap()
+    };
+    let err = match open().restore(MemoryBackend::File, options()) {
+        Ok(_) => panic!("the file backend restored a lazily fetched snapshot"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("fetched lazily"), "{err}");
+    for backend in [MemoryBackend::Uffd, MemoryBackend::Copy] {
+        let mut vm = open()
+            .restore(
+                backend,
+                RestoreOptions {
+                    start: false,
+                    ..options()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+        assert_eq!(checksum(&vm), sum, "{backend:?}: memory differs");
+        vm.start().unwrap();
+        let out = finish(&mut vm, &format!("{backend:?} from S3"));
+        assert_eq!(memsums(&out), vec![memsum.clone()], "{backend:?}: {out}");
+    }
+    let stats = fetcher.cache().stats();
+    println!("fetched: {stats:?}");
+    assert!(
+        stats.bytes_fetched >= manifest.memory.data.size,
+        "{stats:?}"
+    );
+    assert!(
+        stats.bytes_fetched < manifest.memory.data.size + (4 << 20),
+        "every chunk once: {stats:?}"
+    );
+
+    // A third host, after the store is gone: the restore fails, naming the object.
+    server.kill();
+    let cache = ChunkCache::new(
+        &dir.0.join("host-c-cache"),
+        server
+            .store("clade", "host-a", Duration::from_secs(2))
+            .unwrap(),
+        1 << 30,
+    )
+    .unwrap();
+    let fetcher = FetcherThread::start(&dir.0.join("fetch-c.sock"), cache).unwrap();
+    let client = FetchClient::connect(fetcher.socket(), T).unwrap();
+    let err = client.open(id).unwrap_err().to_string();
+    assert!(err.contains("host-a/snapshots/"), "{err}");
+}

@@ -10,6 +10,7 @@ mod ownnet;
 mod run;
 mod serve;
 mod snapshot;
+mod store;
 
 use std::path::PathBuf;
 
@@ -82,6 +83,13 @@ enum Command {
         #[command(subcommand)]
         which: serve::TemplateCommand,
     },
+    /// Snapshots in object storage: publish, list, and the fetcher that fills a host's
+    /// chunk cache (`clade restore --store URL ID` resumes a published snapshot on any
+    /// host; see snapshot/FORMAT.md).
+    Store {
+        #[command(subcommand)]
+        which: store::StoreCommand,
+    },
     /// Internal: one child of `clade fork` (started by the parent VM process).
     #[command(hide = true)]
     ForkChild(fork::ForkChildArgs),
@@ -140,6 +148,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::ForkChild(args) => fork::fork_child(args),
         Command::Serve(args) => serve::serve_cmd(args),
         Command::Template { which } => serve::template(which),
+        Command::Store { which } => store::store(which),
     }
 }
 

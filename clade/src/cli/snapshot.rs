@@ -11,6 +11,7 @@ use vmm::{MemoryBackend, NetConfig, ShellSpec};
 use super::jail::JailArgs;
 use super::ownnet::{parse_net_arg, run_with_own_network, NetArg, OwnNetArgs};
 use super::run::{check_jailed_net, own_vm, owner_options, parse_net};
+use super::store::{default_cache_dir, open_published, FetcherChild, StoreArgs};
 
 /// `--net` checked when parsed, kept as written: the restore request carries it as text.
 fn parse_net_spec(spec: &str) -> Result<String, String> {
@@ -136,11 +137,27 @@ pub struct RestoreArgs {
     own_net: OwnNetArgs,
     #[command(flatten)]
     jail: JailArgs,
+    /// Restore a snapshot published to this object store (the positional argument is
+    /// then its id): its memory is fetched lazily, chunk by chunk, by a fetcher process
+    /// into the local chunk cache (see `clade store`).
+    #[command(flatten)]
+    store: StoreArgs,
+    /// With --store: the chunk cache's directory (default: $CLADE_CACHE_DIR,
+    /// /var/cache/clade/store for root, ~/.cache/clade/store).
+    #[arg(long, value_name = "DIR")]
+    cache: Option<PathBuf>,
+    /// With --store: use the fetcher serving this socket (`clade store fetcher`) rather
+    /// than starting one.
+    #[arg(long, value_name = "PATH")]
+    fetcher: Option<PathBuf>,
 }
 
 pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if args.standby {
         return standby(args);
+    }
+    if args.store.store.is_some() || args.fetcher.is_some() {
+        return restore_published(args);
     }
     args.jail.absolute(
         args.dir
@@ -226,6 +243,64 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         &mut None,
         None,
         &vmm::host::Ahead::default(),
+        &mut vmm::host::MadeAhead::default(),
+    )?;
+    restored.log();
+    own_vm(restored.vm, api, &owner)
+}
+
+/// `clade restore --store URL ID`: a published snapshot restored here, its memory fetched
+/// lazily by a fetcher process (started now, or the one at --fetcher).
+fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
+    if args.jail.jailed() {
+        bail!("--jail with --store is not supported yet: restore without --jail");
+    }
+    if args.net.is_some() {
+        bail!("--net with --store is not supported yet");
+    }
+    let Some(id) = args.dir.take() else {
+        bail!("give the published snapshot's id");
+    };
+    let id = id.to_string_lossy().into_owned();
+    let _child;
+    let socket = match &args.fetcher {
+        Some(s) => s.clone(),
+        None => {
+            let cache = args.cache.clone().unwrap_or_else(default_cache_dir);
+            _child = FetcherChild::start(&args.store, &cache)?;
+            _child.socket().to_path_buf()
+        }
+    };
+    let t = std::time::Instant::now();
+    let (dir, prepared, _client) = open_published(&socket, &id)?;
+    tracing::info!(id, dir = %dir.display(), open_us = t.elapsed().as_micros() as u64,
+        "published snapshot opened");
+    let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
+    if !args.no_seccomp {
+        vmm::seccomp::install()?;
+    }
+    let owner = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
+    let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
+    let request = RestoreRequest {
+        snapshot: dir,
+        backend: Some(args.backend.name().into()),
+        vsock: args.vsock,
+        serial_file: args.serial_file,
+        disk_overlay: args.disk_overlay,
+        log: None,
+        agent_sync: !args.no_agent_sync,
+        agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
+        working_set: !args.no_working_set,
+        net: None,
+        tap_passed: false,
+    };
+    let restored = vmm::host::restore_request(
+        &request,
+        Vec::new(),
+        &args.kvm_device,
+        &mut None,
+        None,
+        &ahead,
         &mut vmm::host::MadeAhead::default(),
     )?;
     restored.log();

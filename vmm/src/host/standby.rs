@@ -118,6 +118,19 @@ impl Preloaded {
         })
     }
 
+    /// Holds a snapshot the caller opened (e.g. from an object store, with
+    /// [`PreparedSnapshot::open_with_layers`]) as the one in `dir`.
+    pub fn from_prepared(dir: &Path, snapshot: PreparedSnapshot) -> Result<Preloaded> {
+        let stamp = file_stamp(&dir.join(crate::STATE_FILE))
+            .ok_or_else(|| Error::Snapshot(format!("{}: no readable state file", dir.display())))?;
+        snapshot.load_working_set();
+        Ok(Preloaded {
+            dir: dir.to_path_buf(),
+            snapshot,
+            stamp,
+        })
+    }
+
     /// The snapshot, if `dir` names it and its state file is the one opened.
     fn for_dir(&self, dir: &Path) -> Option<&PreparedSnapshot> {
         (dir == self.dir && file_stamp(&dir.join(crate::STATE_FILE)) == Some(self.stamp))
@@ -371,6 +384,14 @@ pub struct Ahead {
 }
 
 impl Ahead {
+    /// Holds `snapshot`: a restore request for its directory uses it as opened.
+    pub fn holding(snapshot: Preloaded) -> Ahead {
+        Ahead {
+            initial: Some(snapshot),
+            asked: VecDeque::new(),
+        }
+    }
+
     /// The snapshot in `dir`, if one held is that one, unchanged.
     fn find(&self, dir: &Path) -> Option<&PreparedSnapshot> {
         self.initial

@@ -135,6 +135,64 @@ impl std::fmt::Debug for PreparedSnapshot {
 impl PreparedSnapshot {
     /// Reads and checks the snapshot in `dir`; nothing is created or written.
     pub fn open(dir: &Path, cpu_check: CpuCheck) -> Result<PreparedSnapshot> {
+        let (header, state) = Self::read_state(dir, cpu_check)?;
+        let meta = header.meta;
+        let mut layers = Vec::with_capacity(state.chain.len() + 1);
+        for (i, base_dir) in state.chain.iter().enumerate() {
+            let path = base_dir.join(MEMORY_FILE);
+            let f = MemoryFile::open(&path).map_err(|e| match e {
+                snapshot::Error::Io { source, .. }
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    Error::Snapshot(format!(
+                        "{}: this diff snapshot needs its base snapshot {} at {}, which is missing",
+                        dir.display(),
+                        if i + 1 == state.chain.len() {
+                            meta.base.map(|b| b.to_string()).unwrap_or_default()
+                        } else {
+                            "(an earlier one in its chain)".into()
+                        },
+                        base_dir.display()
+                    ))
+                }
+                other => Error::SnapshotFile {
+                    dir: base_dir.clone(),
+                    source: other,
+                },
+            })?;
+            layers.push(f);
+        }
+        layers.push(MemoryFile::open(&dir.join(MEMORY_FILE)).map_err(file_err(dir))?);
+        Self::assemble(dir, header, state, layers)
+    }
+
+    /// Reads and checks a snapshot whose memory files were opened by the caller: `dir`
+    /// holds its state file (and working set), `layers` are its memory files with the
+    /// directory of each, base first, the snapshot's own last. For a snapshot opened from
+    /// an object store, whose memory is filled lazily ([`snapshot::fetch`]) and whose
+    /// bases live elsewhere than the directories its state file names: the restored VM's
+    /// lineage (for its diff snapshots) is these directories.
+    pub fn open_with_layers(
+        dir: &Path,
+        cpu_check: CpuCheck,
+        layers: Vec<(PathBuf, MemoryFile)>,
+    ) -> Result<PreparedSnapshot> {
+        let (header, mut state) = Self::read_state(dir, cpu_check)?;
+        if layers.len() != state.chain.len() + 1 {
+            return Err(Error::Snapshot(format!(
+                "{}: a chain of {} snapshots, {} memory files given",
+                dir.display(),
+                state.chain.len() + 1,
+                layers.len()
+            )));
+        }
+        let (dirs, files): (Vec<PathBuf>, Vec<MemoryFile>) = layers.into_iter().unzip();
+        state.chain = dirs[..dirs.len() - 1].to_vec();
+        Self::assemble(dir, header, state, files)
+    }
+
+    /// Reads and checks the state file in `dir` and what it says of the machine.
+    fn read_state(dir: &Path, cpu_check: CpuCheck) -> Result<(state_file::Header, StatePayload)> {
         // 1. Read and check everything before touching KVM.
         let expect = Expect {
             cpu_check,
@@ -183,32 +241,18 @@ impl PreparedSnapshot {
                 state.chain.len() + 1
             )));
         }
-        let mut layers = Vec::with_capacity(state.chain.len() + 1);
-        for (i, base_dir) in state.chain.iter().enumerate() {
-            let path = base_dir.join(MEMORY_FILE);
-            let f = MemoryFile::open(&path).map_err(|e| match e {
-                snapshot::Error::Io { source, .. }
-                    if source.kind() == std::io::ErrorKind::NotFound =>
-                {
-                    Error::Snapshot(format!(
-                        "{}: this diff snapshot needs its base snapshot {} at {}, which is missing",
-                        dir.display(),
-                        if i + 1 == state.chain.len() {
-                            meta.base.map(|b| b.to_string()).unwrap_or_default()
-                        } else {
-                            "(an earlier one in its chain)".into()
-                        },
-                        base_dir.display()
-                    ))
-                }
-                other => Error::SnapshotFile {
-                    dir: base_dir.clone(),
-                    source: other,
-                },
-            })?;
-            layers.push(f);
-        }
-        layers.push(MemoryFile::open(&dir.join(MEMORY_FILE)).map_err(file_err(dir))?);
+        Ok((header, state))
+    }
+
+    /// Checks the memory files against the state and each other.
+    fn assemble(
+        dir: &Path,
+        header: state_file::Header,
+        state: StatePayload,
+        layers: Vec<MemoryFile>,
+    ) -> Result<PreparedSnapshot> {
+        let meta = header.meta;
+        let m = &state.saved.machine;
         let chain = MemoryChain::new(layers).map_err(file_err(dir))?;
         chain.check_state(&header).map_err(file_err(dir))?;
         if let (Some(base), Some(below)) = (meta.base, chain.layers().iter().rev().nth(1)) {
@@ -374,6 +418,13 @@ impl PreparedSnapshot {
         mut options: RestoreOptions,
         read: Option<Duration>,
     ) -> Result<Vm> {
+        if backend == MemoryBackend::File && self.chain.layers().iter().any(|l| l.is_fetched()) {
+            // A private mapping of a file still being filled would read its holes as zero.
+            return Err(Error::Snapshot(format!(
+                "{}: the file backend maps the memory file, which is fetched lazily here: use uffd or copy",
+                self.dir.display()
+            )));
+        }
         let t0 = Instant::now();
         let mut steps = Steps::new();
         let dir = &self.dir;

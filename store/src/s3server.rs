@@ -1,0 +1,140 @@
+//! A real S3-compatible server on loopback, for tests and benchmarks that have no bucket
+//! of their own: `s3s-fs` (from crates.io; `scripts/setup.sh` builds it into
+//! `build/tools/bin`), started as a child process on a free port with its data in a
+//! directory of its own, and stopped (its data removed) when dropped.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::location::StoreOptions;
+use crate::{Error, Result, Store};
+
+/// Access key the server is started with.
+pub const ACCESS_KEY: &str = "clade-test";
+/// Secret key the server is started with.
+pub const SECRET_KEY: &str = "clade-test-secret";
+
+/// A running S3 server.
+#[derive(Debug)]
+pub struct S3Server {
+    child: Child,
+    root: PathBuf,
+    port: u16,
+}
+
+/// Where the server binary is: `$CLADE_S3_SERVER`, else `build/tools/bin/s3s-fs` above
+/// the current directory or the running executable, else `s3s-fs` on the PATH.
+pub fn server_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CLADE_S3_SERVER") {
+        return Some(PathBuf::from(p));
+    }
+    let mut starts: Vec<PathBuf> = Vec::new();
+    starts.extend(std::env::current_dir().ok());
+    starts.extend(std::env::current_exe().ok());
+    starts.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    for s in starts {
+        for dir in s.ancestors() {
+            let p = dir.join("build/tools/bin/s3s-fs");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|d| d.join("s3s-fs"))
+            .find(|p| p.is_file())
+    })
+}
+
+impl S3Server {
+    /// Starts a server with its data under `root` (created; removed on drop) and one
+    /// bucket, `bucket`.
+    pub fn start(root: &Path, bucket: &str) -> Result<S3Server> {
+        let bin = server_binary().ok_or_else(|| Error::Config {
+            url: "s3s-fs".into(),
+            reason: "no S3 server binary: run scripts/setup.sh (builds build/tools/bin/s3s-fs) or set CLADE_S3_SERVER".into(),
+        })?;
+        std::fs::create_dir_all(root.join(bucket)).map_err(|e| Error::io("create", root, e))?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| Error::io("pick a port", root, e))?
+            .port();
+        let child = Command::new(&bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .arg(root)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| Error::io("start", &bin, e))?;
+        let mut server = S3Server {
+            child,
+            root: root.to_path_buf(),
+            port,
+        };
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                return Err(Error::Config {
+                    url: server.endpoint(),
+                    reason: format!("{} exited at start: {status}", bin.display()),
+                });
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                return Err(Error::Config {
+                    url: server.endpoint(),
+                    reason: "the S3 server did not listen within 20 s".into(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+
+    /// Its endpoint URL.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The environment a client needs (credentials and region), as pairs.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY.to_string()),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY.to_string()),
+            ("AWS_REGION", "us-east-1".to_string()),
+            ("CLADE_STORE_ENDPOINT", self.endpoint()),
+        ]
+    }
+
+    /// A [`Store`] on `bucket/prefix` of this server, with explicit credentials (no
+    /// environment needed).
+    pub fn store(&self, bucket: &str, prefix: &str, timeout: Duration) -> Result<Store> {
+        Store::open_s3_with_keys(
+            bucket,
+            prefix,
+            &StoreOptions {
+                endpoint: Some(self.endpoint()),
+                timeout,
+            },
+            ACCESS_KEY,
+            SECRET_KEY,
+        )
+    }
+
+    /// Stops the server (as a crash would: SIGKILL), keeping its data.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
