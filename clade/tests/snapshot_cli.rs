@@ -425,3 +425,105 @@ fn the_file_size_limit_gives_an_error_not_a_signal() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("too large"), "{err}");
 }
+
+/// `clade store publish` to a real S3 server, the snapshot's files deleted, then `clade
+/// restore --store` (a fetcher child, the VM process under its system-call filter): the
+/// guest continues with its memory exactly as it was (its own checksum, `memsum`).
+#[test]
+fn a_published_snapshot_restores_through_the_store_after_its_files_are_gone() {
+    let d = Dir::new("store");
+    let (api_sock, serial) = (d.p("a.api"), d.p("a.serial"));
+    let mut vm = Proc(
+        clade()
+            .arg("run")
+            .arg("--kernel")
+            .arg(native_guest())
+            .args(["--test-device", "--mem", "128", "--cmdline"])
+            .arg("steps=memfill:9:32,memsum,loop:32,memsum")
+            .arg("--api-sock")
+            .arg(&api_sock)
+            .arg("--serial-file")
+            .arg(&serial)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&api_sock);
+    wait_for_text(&serial, "step memsum ok");
+    let o = clade()
+        .arg("snapshot")
+        .arg(&api_sock)
+        .arg(d.p("snap"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let _ = vm.0.kill();
+    let _ = vm.0.wait();
+    let before = std::fs::read_to_string(&serial).unwrap();
+    let memsum = before
+        .lines()
+        .find(|l| l.starts_with("memsum "))
+        .unwrap()
+        .to_string();
+
+    let server = store::s3server::S3Server::start(&d.p("s3"), "clade").unwrap();
+    let with_store = |c: &mut Command| {
+        c.envs(server.env())
+            .args(["--store", "s3://clade/sandboxes"]);
+    };
+    let mut publish = clade();
+    publish
+        .args(["store", "publish", "--json"])
+        .arg(d.p("snap"));
+    with_store(&mut publish);
+    let o = publish.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let id = j["id"].as_str().unwrap().to_string();
+    assert!(j["bytes_uploaded"].as_u64().unwrap() > 32 << 20, "{j}");
+    std::fs::remove_dir_all(d.p("snap")).unwrap();
+
+    let mut ls = clade();
+    ls.args(["store", "ls"]);
+    with_store(&mut ls);
+    let o = ls.output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(&id),
+        "{}",
+        text(&o)
+    );
+
+    let mut restore = clade();
+    restore
+        .args(["restore", &id, "--no-agent-sync", "--cache"])
+        .arg(d.p("cache"))
+        .arg("--serial-file")
+        .arg(d.p("b.serial"))
+        .stderr(Stdio::piped());
+    with_store(&mut restore);
+    let mut p = Proc(restore.spawn().unwrap());
+    let code = wait_exit(&mut p);
+    let mut err = String::new();
+    if let Some(mut e) = p.0.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    let after = std::fs::read_to_string(d.p("b.serial")).unwrap_or_default();
+    assert_eq!(code, 0, "{after}\n{err}");
+    let sums: Vec<&str> = after.lines().filter(|l| l.starts_with("memsum ")).collect();
+    assert_eq!(sums, vec![memsum.as_str()], "{after}");
+    assert!(after.contains("loop 2^32 done"), "{after}");
+
+    // An unknown id is a one-line error, and nothing is left running.
+    let mut bad = clade();
+    bad.args(["restore", "0123456789abcdef0123456789abcdef", "--cache"])
+        .arg(d.p("cache"));
+    with_store(&mut bad);
+    let o = bad.output().unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("does not exist"),
+        "{}",
+        text(&o)
+    );
+}

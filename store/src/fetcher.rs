@@ -290,8 +290,10 @@ impl Drop for FetcherThread {
 /// A VM process's connection to a fetcher (see the [module documentation](self)).
 pub struct FetchClient {
     socket: PathBuf,
-    /// `None` once a message was cut short (the stream is out of step).
-    conn: Mutex<Option<UnixStream>>,
+    /// The connected socket, used through `read(2)`/`write(2)` (a `File`): the threads
+    /// that fault pages in are confined to those calls, not `sendto`/`recvfrom`, which
+    /// `UnixStream` uses. `None` once a message was cut short (the stream is out of step).
+    conn: Mutex<Option<File>>,
 }
 
 impl std::fmt::Debug for FetchClient {
@@ -312,7 +314,7 @@ impl FetchClient {
             .map_err(|e| Error::io("set timeouts", socket, e))?;
         Ok(Arc::new(FetchClient {
             socket: socket.to_path_buf(),
-            conn: Mutex::new(Some(s)),
+            conn: Mutex::new(Some(File::from(std::os::fd::OwnedFd::from(s)))),
         }))
     }
 
