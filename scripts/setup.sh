@@ -19,12 +19,18 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null || { echo "[setup] cargo not found: install a Rust toolchain (rustup)" >&2; exit 1; }
 
-# The S3-compatible server the object-store tests and `clade bench restore --store` start
-# on loopback (s3s-fs from crates.io: a small real S3 server; 0.14 is the last line this
-# toolchain builds). Built once into build/tools.
-S3S_VERSION=0.14.1
-S3S_BIN="$REPO_ROOT/build/tools/bin/s3s-fs"
-if ! "$S3S_BIN" --version 2>/dev/null | grep -q "$S3S_VERSION"; then
-    echo "[setup] building s3s-fs $S3S_VERSION (S3 server for tests) into build/tools" >&2
-    cargo install s3s-fs --version "=$S3S_VERSION" --features binary --root "$REPO_ROOT/build/tools" --quiet >&2
+# The S3-compatible server the object-store tests and `clade bench restore|pause --store`
+# start on loopback: tests/s3-server (the s3s-fs crate's S3 implementation with
+# TCP_NODELAY on its connections; 0.14 is the last line this toolchain builds), built once
+# into build/tools/bin.
+S3_BIN="$REPO_ROOT/build/tools/bin/clade-test-s3"
+S3_SRC="$REPO_ROOT/tests/s3-server"
+S3_STAMP="$(cat "$S3_SRC/Cargo.toml" "$S3_SRC/Cargo.lock" "$S3_SRC/src/main.rs" | sha256sum | cut -c1-16)"
+if [ "$(cat "$S3_BIN.stamp" 2>/dev/null)" != "$S3_STAMP" ] || [ ! -x "$S3_BIN" ]; then
+    echo "[setup] building the test S3 server (tests/s3-server) into build/tools" >&2
+    CARGO_TARGET_DIR="$REPO_ROOT/build/s3-server" cargo build --release --locked --quiet \
+        --manifest-path "$S3_SRC/Cargo.toml" >&2
+    mkdir -p "$(dirname "$S3_BIN")"
+    cp "$REPO_ROOT/build/s3-server/release/clade-test-s3" "$S3_BIN"
+    echo "$S3_STAMP" > "$S3_BIN.stamp"
 fi

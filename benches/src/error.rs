@@ -53,6 +53,9 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The object store or its fetcher failed.
+    #[error(transparent)]
+    Store(#[from] store::Error),
     /// A measuring thread panicked.
     #[error("the {0} thread panicked")]
     ThreadPanicked(&'static str),
@@ -89,6 +92,15 @@ impl<T> Context<T> for std::result::Result<T, std::io::Error> {
         self.map_err(|source| Error::Io {
             what: what(),
             source,
+        })
+    }
+}
+
+impl<T> Context<T> for std::result::Result<T, store::Error> {
+    fn context_with(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Context {
+            what: what(),
+            source: Box::new(Error::Store(source)),
         })
     }
 }

@@ -19,6 +19,7 @@ mod restore;
 mod serve;
 mod snapshot;
 mod stats;
+mod store;
 
 pub use boot::boot;
 pub use error::{Error, Result};
@@ -33,6 +34,10 @@ pub use restore::{restore, BackendRun, RestoreParams, RestoreReport};
 pub use serve::{serve, ServeParams, ServeReport, ServeRun};
 pub use snapshot::{snapshot, SnapshotParams, SnapshotReport, SnapshotRuns};
 pub use stats::{pct_u64, Samples, StepTimes, Summary};
+pub use store::{
+    pause_store, restore_store, StorePauseParams, StorePauseReport, StoreRestoreParams,
+    StoreRestoreReport, StoreTarget,
+};
 
 /// Guest memory below this is the image, boot structures and the VMM's tables; the
 /// native guest's memfill/memchurn steps work above it.

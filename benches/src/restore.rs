@@ -118,7 +118,7 @@ const STEP_ORDER: &[&str] = &[
 /// Pins this thread (and so every VMM thread it starts from now on) to host CPU 0 and
 /// returns the CPUs left for vCPUs: the native guest busy-polls, and a VMM thread queued
 /// behind a spinning vCPU on a 2-CPU host waits out a scheduler time slice (~3 ms).
-fn pin_vmm_threads() -> Result<Vec<usize>> {
+pub(crate) fn pin_vmm_threads() -> Result<Vec<usize>> {
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     if cpus < 2 {
         return Ok(Vec::new());
@@ -128,7 +128,7 @@ fn pin_vmm_threads() -> Result<Vec<usize>> {
 }
 
 impl BackendRun {
-    fn new(backend: MemoryBackend) -> Self {
+    pub(crate) fn new(backend: MemoryBackend) -> Self {
         BackendRun {
             backend,
             samples: Samples::new(),
@@ -143,14 +143,14 @@ impl BackendRun {
 }
 
 /// What one resume needs besides its round number.
-struct Resume<'a> {
-    snap: &'a PreparedSnapshot,
-    sock: &'a Path,
-    backend: MemoryBackend,
-    pool: Option<&'a ShellPool>,
-    prefill: bool,
-    vcpu_cpus: &'a [usize],
-    net: Option<&'a vmm::NetConfig>,
+pub(crate) struct Resume<'a> {
+    pub(crate) snap: &'a PreparedSnapshot,
+    pub(crate) sock: &'a Path,
+    pub(crate) backend: MemoryBackend,
+    pub(crate) pool: Option<&'a ShellPool>,
+    pub(crate) prefill: bool,
+    pub(crate) vcpu_cpus: &'a [usize],
+    pub(crate) net: Option<&'a vmm::NetConfig>,
 }
 
 impl Resume<'_> {
@@ -162,7 +162,7 @@ impl Resume<'_> {
 
     /// Resume round `i`: from the call to `PreparedSnapshot::restore` until the guest
     /// answered a ping through vsock, into `run`.
-    fn once(&self, i: usize, run: &mut BackendRun) -> Result<()> {
+    pub(crate) fn once(&self, i: usize, run: &mut BackendRun) -> Result<()> {
         let backend = self.backend;
         if let Some(p) = self.pool {
             // Resumes spaced so the pool is full again (its refill is not measured).

@@ -379,12 +379,18 @@ impl ChunkCache {
                 reason: format!("names snapshot {}", m.id),
             });
         }
-        let state = self.get_object(&m.state).await?;
-        let head = self.get_object(&m.memory.head).await?;
-        let ws = match &m.working_set {
-            Some(o) => Some(self.get_object(o).await?),
-            None => None,
+        // The three small objects at once: one round trip, not three.
+        let ws_fut = async {
+            match &m.working_set {
+                Some(o) => self.get_object(o).await.map(Some),
+                None => Ok(None),
+            }
         };
+        let (state, head, ws) = futures::try_join!(
+            self.get_object(&m.state),
+            self.get_object(&m.memory.head),
+            ws_fut
+        )?;
         let tmp = self.root.join("snapshots").join(format!(
             ".{id}-{}-{}",
             std::process::id(),

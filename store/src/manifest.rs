@@ -68,7 +68,10 @@ pub struct MemoryObjects {
     pub head: ObjectRef,
     /// The data pages, packed in image order.
     pub data: ObjectRef,
-    /// `[first page, page count]` of each run of data pages, ascending and disjoint.
+    /// `[first page, page count]` of each run of data pages, disjoint, in the order
+    /// their bytes follow each other in `data`: the recorded working set first (in the
+    /// order it was touched), then the other data pages in image order, so a restore
+    /// fetches its working set in the first chunks and little else.
     pub runs: Vec<[u64; 2]>,
     /// Bytes per chunk of `data` (a page multiple).
     pub chunk_size: u64,
@@ -240,16 +243,17 @@ impl Manifest {
             return Err(format!("chunk size {}", m.chunk_size));
         }
         let pages = self.pages();
-        let mut next = 0u64;
         let mut total = 0u64;
         for &[first, n] in &m.runs {
-            if n == 0 || first < next || first.checked_add(n).is_none_or(|e| e > pages) {
-                return Err(format!(
-                    "data run [{first}, {n}] out of order or out of range"
-                ));
+            if n == 0 || first.checked_add(n).is_none_or(|e| e > pages) {
+                return Err(format!("data run [{first}, {n}] out of range"));
             }
-            next = first + n;
             total += n;
+        }
+        let mut sorted = m.runs.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0][0] + w[0][1] > w[1][0]) {
+            return Err(format!("data runs {:?} and {:?} overlap", w[0], w[1]));
         }
         if total * PAGE_SIZE_U64 != m.data.size {
             return Err(format!(
@@ -290,11 +294,13 @@ pub struct Placement {
     pub len: u64,
 }
 
-/// The runs of a manifest as placements: packed offset → file offset.
+/// The runs of a manifest as placements (packed offset → file offset), sorted by file
+/// offset.
 pub fn placements(m: &Manifest) -> Vec<Placement> {
     let d = m.memory.head.size;
     let mut packed = 0;
-    m.memory
+    let mut v: Vec<Placement> = m
+        .memory
         .runs
         .iter()
         .map(|&[first, n]| {
@@ -306,7 +312,9 @@ pub fn placements(m: &Manifest) -> Vec<Placement> {
             packed += p.len;
             p
         })
-        .collect()
+        .collect();
+    v.sort_unstable_by_key(|p| p.file);
+    v
 }
 
 #[cfg(test)]
@@ -344,6 +352,32 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn runs_in_working_set_order_place_by_file_offset() {
+        let mut m = sample();
+        m.memory.runs = vec![[10, 2], [0, 1]];
+        let back = Manifest::parse("k", &m.to_bytes()).unwrap();
+        let p = placements(&back);
+        assert_eq!(
+            p[0],
+            Placement {
+                packed: 8192,
+                file: 4096,
+                len: 4096
+            }
+        );
+        assert_eq!(
+            p[1],
+            Placement {
+                packed: 0,
+                file: 4096 + 10 * 4096,
+                len: 8192
+            }
+        );
+        assert_eq!(chunks_for(&p, 4096, 4096 + 10 * 4096, 4096), vec![0]);
+        assert_eq!(chunks_for(&p, 4096, 4096, 4096), vec![2]);
+    }
+
+    #[test]
     fn valid_manifest_round_trips() {
         let m = sample();
         let back = Manifest::parse("k", &m.to_bytes()).unwrap();
@@ -370,7 +404,7 @@ pub(crate) mod tests {
             Box::new(|m| m.kind = "diff".into()),
             Box::new(|m| m.base = Some(m.id.clone())),
             Box::new(|m| m.mem_size = 4095),
-            Box::new(|m| m.memory.runs = vec![[10, 2], [0, 1]]),
+            Box::new(|m| m.memory.runs = vec![[10, 2], [11, 1]]),
             Box::new(|m| m.memory.runs = vec![[0, 1], [255, 2]]),
             Box::new(|m| m.memory.runs.push([20, 1])),
             Box::new(|m| m.memory.chunk_size = 4096),

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
+use snapshot::bitmap::PageBitmap;
 use snapshot::memory_file::MemoryFile;
 use snapshot::working_set::WorkingSet;
 use snapshot::{state_file, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
@@ -114,18 +115,18 @@ pub async fn publish(
     mem.file()
         .read_exact_at(&mut head, 0)
         .map_err(|e| Error::io("read memory head", &files.memory, e))?;
-    let runs: Vec<[u64; 2]> = mem.data_pages().runs().map(|(s, n)| [s, n]).collect();
-    let (data_sha, chunks, data_size) = checksum_data(&mem, &runs, d, options.chunk_size)?;
-    let working_set = match &files.working_set {
+    let (working_set, ws_pages) = match &files.working_set {
         Some(p) => match WorkingSet::load(p, meta.id, mem.header().pages()) {
-            Ok(_) => Some(read_all(p)?),
+            Ok(ws) => (Some(read_all(p)?), ws.pages),
             Err(e) => {
                 tracing::warn!(path = %p.display(), error = %e, "working set not published");
-                None
+                (None, Vec::new())
             }
         },
-        None => None,
+        None => (None, Vec::new()),
     };
+    let runs = packed_order(mem.data_pages(), &ws_pages);
+    let (data_sha, chunks, data_size) = checksum_data(&mem, &runs, d, options.chunk_size)?;
     let checksum_time = t0.elapsed();
 
     let t1 = Instant::now();
@@ -190,6 +191,39 @@ pub async fn publish(
     tracing::info!(id = %meta.id, uploaded = report.bytes_uploaded,
         reused = report.objects_reused, "snapshot published");
     Ok((m, report))
+}
+
+/// The order data pages are packed in: the working set's data pages first, in the order
+/// they were touched (consecutive pages as one run), then every other data page in image
+/// order.
+fn packed_order(data: &PageBitmap, working_set: &[u64]) -> Vec<[u64; 2]> {
+    let mut taken = PageBitmap::new(data.len());
+    let mut runs: Vec<[u64; 2]> = Vec::new();
+    for &p in working_set {
+        if p >= data.len() || !data.get(p) || taken.get(p) {
+            continue;
+        }
+        taken.set(p);
+        match runs.last_mut() {
+            Some([first, n]) if *first + *n == p => *n += 1,
+            _ => runs.push([p, 1]),
+        }
+    }
+    for (s, n) in data.runs() {
+        let mut p = s;
+        while p < s + n {
+            if taken.get(p) {
+                p += 1;
+                continue;
+            }
+            let start = p;
+            while p < s + n && !taken.get(p) {
+                p += 1;
+            }
+            runs.push([start, p - start]);
+        }
+    }
+    runs
 }
 
 fn read_all(path: &Path) -> Result<Vec<u8>> {
@@ -355,5 +389,60 @@ async fn upload_data(
             key: store.key(&key),
             secs: timeout.as_secs(),
         }),
+    }
+}
+
+/// Uploads `data` as object `rel` the way [`publish`] uploads memory data (parts of
+/// `options.part_size`, `options.concurrency` at once): the raw throughput a publish is
+/// compared with.
+pub async fn upload_bytes(
+    store: &Store,
+    rel: &str,
+    data: Bytes,
+    options: &PublishOptions,
+) -> Result<()> {
+    if data.len() <= options.part_size {
+        return store.put(rel, data).await;
+    }
+    let upload = store.put_multipart(rel).await?;
+    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
+    for piece in data.chunks(options.part_size) {
+        if w.wait_for_capacity(options.concurrency).await.is_err() {
+            break;
+        }
+        w.write(piece);
+    }
+    w.finish()
+        .await
+        .map(|_| ())
+        .map_err(|e| Error::store("upload", &store.key(rel), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_working_set_is_packed_first() {
+        let mut data = PageBitmap::new(32);
+        data.set_range(0, 4);
+        data.set_range(10, 6);
+        // 20 is not a data page (a zero page: nothing to fetch); 11 twice.
+        let order = packed_order(&data, &[12, 13, 2, 20, 11, 11, 14]);
+        assert_eq!(
+            order,
+            vec![
+                [12, 2],
+                [2, 1],
+                [11, 1],
+                [14, 1],
+                [0, 2],
+                [3, 1],
+                [10, 1],
+                [15, 1]
+            ]
+        );
+        let total: u64 = order.iter().map(|r| r[1]).sum();
+        assert_eq!(total, data.count_ones());
     }
 }

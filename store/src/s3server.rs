@@ -1,7 +1,8 @@
 //! A real S3-compatible server on loopback, for tests and benchmarks that have no bucket
-//! of their own: `s3s-fs` (from crates.io; `scripts/setup.sh` builds it into
-//! `build/tools/bin`), started as a child process on a free port with its data in a
-//! directory of its own, and stopped (its data removed) when dropped.
+//! of their own: `tests/s3-server` (the `s3s-fs` crate's S3 implementation, served with
+//! TCP_NODELAY; `scripts/setup.sh` builds it into `build/tools/bin/clade-test-s3`),
+//! started as a child process on a free port with its data in a directory of its own,
+//! and stopped (its data removed) when dropped.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -24,8 +25,8 @@ pub struct S3Server {
     port: u16,
 }
 
-/// Where the server binary is: `$CLADE_S3_SERVER`, else `build/tools/bin/s3s-fs` above
-/// the current directory or the running executable, else `s3s-fs` on the PATH.
+/// Where the server binary is: `$CLADE_S3_SERVER`, else `build/tools/bin/clade-test-s3`
+/// above the current directory or the running executable.
 pub fn server_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CLADE_S3_SERVER") {
         return Some(PathBuf::from(p));
@@ -36,17 +37,13 @@ pub fn server_binary() -> Option<PathBuf> {
     starts.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     for s in starts {
         for dir in s.ancestors() {
-            let p = dir.join("build/tools/bin/s3s-fs");
+            let p = dir.join("build/tools/bin/clade-test-s3");
             if p.is_file() {
                 return Some(p);
             }
         }
     }
-    std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|d| d.join("s3s-fs"))
-            .find(|p| p.is_file())
-    })
+    None
 }
 
 impl S3Server {
@@ -54,8 +51,8 @@ impl S3Server {
     /// bucket, `bucket`.
     pub fn start(root: &Path, bucket: &str) -> Result<S3Server> {
         let bin = server_binary().ok_or_else(|| Error::Config {
-            url: "s3s-fs".into(),
-            reason: "no S3 server binary: run scripts/setup.sh (builds build/tools/bin/s3s-fs) or set CLADE_S3_SERVER".into(),
+            url: "clade-test-s3".into(),
+            reason: "no S3 server binary: run scripts/setup.sh (builds build/tools/bin/clade-test-s3) or set CLADE_S3_SERVER".into(),
         })?;
         std::fs::create_dir_all(root.join(bucket)).map_err(|e| Error::io("create", root, e))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -316,10 +316,9 @@ fn a_store_that_does_not_answer_is_an_error_in_bounded_time() {
         "took {:?}",
         t.elapsed()
     );
-    assert!(
-        err.contains("no answer within") || err.contains("timed out") || err.contains("imeout"),
-        "{err}"
-    );
+    // The error names the object asked for (whether the client's own time limit or the
+    // crate's bound fired first).
+    assert!(err.contains("prefix/snapshots/"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

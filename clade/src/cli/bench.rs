@@ -4,7 +4,10 @@
 use std::fmt::Display;
 use std::path::PathBuf;
 
-use clade_bench::{ForkParams, Guest, Machine, RestoreParams, SnapshotParams};
+use clade_bench::{
+    ForkParams, Guest, Machine, RestoreParams, SnapshotParams, StorePauseParams,
+    StoreRestoreParams, StoreTarget,
+};
 use clap::Subcommand;
 
 use super::MachineArgs;
@@ -92,6 +95,36 @@ pub enum BenchCommand {
         /// the same run, and making a namespace is timed apart. Root only.
         #[arg(long)]
         net: bool,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Measure restores from an object store instead: the snapshot (with its working
+        /// set) published, then round by round a local restore, a remote one with a cold
+        /// cache and one with a warm cache, each from opening to the first ping. `s3`:
+        /// start the S3 server the tests use (s3s-fs on loopback); or a store URL.
+        #[arg(long, value_name = "s3|URL")]
+        store: Option<String>,
+        /// With --store: chunk size of the published memory data (KiB).
+        #[arg(long, value_name = "KIB", default_value_t = 2048, requires = "store")]
+        chunk_kib: u64,
+        #[command(flatten)]
+        machine: MachineArgs,
+    },
+    /// Pause until durable: snapshot and publish to an object store (--store), per MiB,
+    /// against uploading as many bytes straight to the same store in the same run.
+    Pause {
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
+        /// `s3`: start the S3 server the tests use (s3s-fs on loopback); or a store URL.
+        #[arg(long, value_name = "s3|URL", default_value = "s3")]
+        store: String,
+        /// Rounds.
+        #[arg(short, long, default_value_t = 5)]
+        n: usize,
+        /// Percentage of the guest memory above 64 MiB that the guest fills.
+        #[arg(long, default_value_t = 100)]
+        fill: u32,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -224,8 +257,21 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             no_pin,
             net,
             json,
+            store,
+            chunk_kib,
             machine,
         } => {
+            if let Some(target) = store {
+                let params = StoreRestoreParams {
+                    target: StoreTarget::parse(&target),
+                    n,
+                    fill_pct: fill,
+                    chunk_size: chunk_kib.saturating_mul(1024),
+                };
+                let r = clade_bench::restore_store(&load(guest)?, &machine.into(), &params)?;
+                print(json, r.to_json(), r);
+                return Ok(0);
+            }
             let params = RestoreParams {
                 backend,
                 n,
@@ -237,6 +283,22 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 net,
             };
             let r = clade_bench::restore(&load(guest)?, &machine.into(), &params)?;
+            print(json, r.to_json(), r);
+        }
+        BenchCommand::Pause {
+            guest,
+            store,
+            n,
+            fill,
+            json,
+            machine,
+        } => {
+            let params = StorePauseParams {
+                target: StoreTarget::parse(&store),
+                n,
+                fill_pct: fill,
+            };
+            let r = clade_bench::pause_store(&load(guest)?, &machine.into(), &params)?;
             print(json, r.to_json(), r);
         }
         BenchCommand::Snapshot {
