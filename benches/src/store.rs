@@ -163,6 +163,21 @@ fn open_remote(socket: &Path, id: vmm::SnapshotId) -> Result<(PreparedSnapshot, 
     Ok((snap, client))
 }
 
+/// Drops the snapshot from a cache, once the last client's lease is given back (the
+/// fetcher sees its connection close a moment after the client is dropped).
+fn forget(cache: &Arc<ChunkCache>, id: vmm::SnapshotId) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        match cache.forget(id) {
+            Ok(_) => return Ok(()),
+            Err(_) if t.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Boots the guest, snapshots it, records its working set, publishes it, and measures
 /// local, cold and warm restores round by round.
 pub fn restore_store(
@@ -249,6 +264,14 @@ pub fn restore_store(
         let (snap, _c) = open_remote(warm_fetcher.socket(), id)?;
         resume(&snap, 1, &mut BackendRun::new(MemoryBackend::Uffd))?;
     }
+    let cold_fetcher = FetcherThread::start(
+        &scratch.0.join("cold.sock"),
+        ChunkCache::new(
+            &scratch.0.join("cold-cache"),
+            rs.open("snapshots")?,
+            1 << 40,
+        )?,
+    )?;
     let (mut local, mut cold, mut warm, mut cold_open) = (
         Samples::new(),
         Samples::new(),
@@ -266,25 +289,22 @@ pub fn restore_store(
         local.push(opened + Duration::from_secs_f64(run.samples.values()[0] / 1e6));
         drop(snap);
 
-        // Cold: a cache and fetcher of this round's own (another host, say).
-        let cache_dir = scratch.0.join(format!("cold-{i}"));
-        let fetcher = FetcherThread::start(
-            &scratch.0.join(format!("cold-{i}.sock")),
-            ChunkCache::new(&cache_dir, rs.open("snapshots")?, 1 << 40)?,
-        )?;
+        // Cold: nothing of the snapshot in the cache (dropped after the last round), a
+        // fetcher that has been running (its connections to the store open, as a host's).
+        forget(cold_fetcher.cache(), id)?;
+        let before = cold_fetcher.cache().stats();
         let mut run = BackendRun::new(MemoryBackend::Uffd);
         let t = Instant::now();
-        let (snap, client) =
-            open_remote(fetcher.socket(), id).context_with(|| format!("cold remote open {i}"))?;
+        let (snap, client) = open_remote(cold_fetcher.socket(), id)
+            .context_with(|| format!("cold remote open {i}"))?;
         let opened = t.elapsed();
         resume(&snap, i + 1, &mut run).context_with(|| format!("cold remote restore {i}"))?;
         cold.push(opened + Duration::from_secs_f64(run.samples.values()[0] / 1e6));
         cold_open.push(opened);
-        let st = fetcher.cache().stats();
-        cold_bytes.push(st.bytes_fetched);
-        cold_requests.push(st.requests);
-        drop((snap, client, fetcher));
-        let _ = std::fs::remove_dir_all(&cache_dir);
+        let st = cold_fetcher.cache().stats();
+        cold_bytes.push(st.bytes_fetched - before.bytes_fetched);
+        cold_requests.push(st.requests - before.requests);
+        drop((snap, client));
 
         // Warm.
         let mut run = BackendRun::new(MemoryBackend::Uffd);

@@ -349,10 +349,26 @@ impl ChunkCache {
 
     async fn get_object(&self, o: &manifest::ObjectRef) -> Result<Bytes> {
         let key = o.key();
-        let b = self.store.get(&key).await?;
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.bytes_fetched
-            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        let b = match &o.inline {
+            Some(text) => {
+                use base64::Engine;
+                Bytes::from(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(text)
+                        .map_err(|e| Error::BadManifest {
+                            key: self.store.key(&key),
+                            reason: format!("inline object: {e}"),
+                        })?,
+                )
+            }
+            None => {
+                let b = self.store.get(&key).await?;
+                self.requests.fetch_add(1, Ordering::Relaxed);
+                self.bytes_fetched
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                b
+            }
+        };
         let got = sha256_hex(&b);
         if b.len() as u64 != o.size || got != o.sha256 {
             return Err(Error::Checksum {
@@ -366,7 +382,8 @@ impl ChunkCache {
     }
 
     /// Fetches snapshot `id`'s manifest and small objects into a new cache directory.
-    async fn download(&self, id: SnapshotId) -> Result<()> {
+    async fn download(self: &Arc<Self>, id: SnapshotId) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let key = manifest::manifest_key(id);
         let mbytes = self.store.get(&key).await?;
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -379,18 +396,27 @@ impl ChunkCache {
                 reason: format!("names snapshot {}", m.id),
             });
         }
-        // The three small objects at once: one round trip, not three.
+        // The three small objects and the chunks holding the working set at once: one
+        // round trip, not four.
         let ws_fut = async {
             match &m.working_set {
                 Some(o) => self.get_object(o).await.map(Some),
                 None => Ok(None),
             }
         };
-        let (state, head, ws) = futures::try_join!(
+        let ws_chunks = m.memory.working_set_bytes.div_ceil(m.memory.chunk_size);
+        let mref = &m;
+        let chunks_fut =
+            futures::future::try_join_all((0..ws_chunks).map(|c| async move {
+                Ok::<_, Error>((c, self.fetch_chunk_bytes(mref, c).await?))
+            }));
+        let (state, head, ws, early) = futures::try_join!(
             self.get_object(&m.state),
             self.get_object(&m.memory.head),
-            ws_fut
+            ws_fut,
+            chunks_fut
         )?;
+        let fetched_us = t0.elapsed().as_micros() as u64;
         let tmp = self.root.join("snapshots").join(format!(
             ".{id}-{}-{}",
             std::process::id(),
@@ -405,7 +431,7 @@ impl ChunkCache {
                 std::fs::write(&p, b).map_err(|e| Error::io("write", p, e))
             };
             std::fs::create_dir_all(&tmp2).map_err(|e| Error::io("create", &tmp2, e))?;
-            w(MANIFEST_FILE, &m2.to_bytes())?;
+            w(MANIFEST_FILE, &mbytes)?;
             w(STATE_FILE, &state)?;
             let h = state_file::read_header(&tmp2.join(STATE_FILE))?;
             if h.meta.id != id
@@ -458,7 +484,41 @@ impl ChunkCache {
         }
         self.load_dir(id, &dir)?;
         lock(&self.inner).verified.insert(id, true);
+        let layer = lock(&self.inner).layers.get(&id).cloned();
+        if let Some(layer) = layer {
+            for (c, bytes) in early {
+                self.install_chunk(&layer, c, bytes).await?;
+            }
+        }
+        tracing::debug!(snapshot = %id, fetched_us, total_us = t0.elapsed().as_micros() as u64,
+            "snapshot opened into the cache");
         Ok(())
+    }
+
+    /// Drops snapshot `id` from the cache (its directory and chunks), unless a connected
+    /// VM process has it open. Returns whether it was cached.
+    pub fn forget(&self, id: SnapshotId) -> Result<bool> {
+        let mut inner = lock(&self.inner);
+        if inner.leases.get(&id).copied().unwrap_or(0) > 0 {
+            return Err(Error::InvalidInput(format!("snapshot {id} is in use")));
+        }
+        let Some(layer) = inner.layers.remove(&id) else {
+            return Ok(false);
+        };
+        if let Some(ticks) = inner.ticks.remove(&id) {
+            let held: u64 = (0..ticks.len() as u64)
+                .filter(|&c| ticks[c as usize] != 0)
+                .map(|c| {
+                    let (s, e) = layer.manifest.chunk_range(c);
+                    e - s
+                })
+                .sum();
+            inner.used = inner.used.saturating_sub(held);
+        }
+        inner.verified.remove(&id);
+        drop(inner);
+        std::fs::remove_dir_all(&layer.dir).map_err(|e| Error::io("remove", &layer.dir, e))?;
+        Ok(true)
     }
 
     /// Takes a lease on layers (held by a connected VM process): their chunks are never
@@ -534,14 +594,20 @@ impl ChunkCache {
     }
 
     async fn fetch_chunk(self: &Arc<Self>, l: &Arc<CachedLayer>, c: u64) -> Result<()> {
-        let (s, e) = l.manifest.chunk_range(c);
-        let key = l.manifest.memory.data.key();
+        let bytes = self.fetch_chunk_bytes(&l.manifest, c).await?;
+        self.install_chunk(l, c, bytes).await
+    }
+
+    /// Chunk `c` of a snapshot's memory data, fetched and verified.
+    async fn fetch_chunk_bytes(&self, m: &Manifest, c: u64) -> Result<Bytes> {
+        let (s, e) = m.chunk_range(c);
+        let key = m.memory.data.key();
         let bytes = self.store.get_range(&key, s, e).await?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.bytes_fetched
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         let got = sha256_hex(&bytes);
-        let expected = &l.manifest.memory.chunks[c as usize];
+        let expected = &m.memory.chunks[c as usize];
         if &got != expected {
             return Err(Error::Checksum {
                 key: self.store.key(&key),
@@ -550,7 +616,25 @@ impl ChunkCache {
                 expected: expected.clone(),
             });
         }
-        self.reserve(e - s)?;
+        Ok(bytes)
+    }
+
+    /// Writes a verified chunk into the cache (making room first), unless it is there.
+    async fn install_chunk(
+        self: &Arc<Self>,
+        l: &Arc<CachedLayer>,
+        c: u64,
+        bytes: Bytes,
+    ) -> Result<()> {
+        let present = lock(&self.inner)
+            .ticks
+            .get(&l.id)
+            .and_then(|t| t.get(c as usize))
+            .is_some_and(|&t| t != 0);
+        if present {
+            return Ok(());
+        }
+        self.reserve(bytes.len() as u64)?;
         let this = Arc::clone(self);
         let l2 = Arc::clone(l);
         tokio::task::spawn_blocking(move || this.store_chunk(&l2, c, &bytes))

@@ -33,6 +33,8 @@ pub const MAX_CHUNK: u64 = 64 << 20;
 pub const DEFAULT_CHUNK: u64 = 2 << 20;
 /// Largest whole object fetched in one request (state file, memory head, working set).
 pub const MAX_SMALL_OBJECT: u64 = 256 << 20;
+/// Largest object written into the manifest itself.
+pub const MAX_INLINE: u64 = 64 << 10;
 
 /// One immutable object.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +43,10 @@ pub struct ObjectRef {
     pub sha256: String,
     /// Length in bytes.
     pub size: u64,
+    /// The content itself (base64), for an object of at most [`MAX_INLINE`] bytes: it is
+    /// then not stored apart, and opening the snapshot costs no request for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<String>,
 }
 
 impl ObjectRef {
@@ -77,6 +83,10 @@ pub struct MemoryObjects {
     pub chunk_size: u64,
     /// SHA-256 of each chunk of `data` (the last may be short).
     pub chunks: Vec<String>,
+    /// Bytes at the start of `data` that hold the recorded working set (0: none): a
+    /// host opening the snapshot fetches the chunks holding them at once.
+    #[serde(default)]
+    pub working_set_bytes: u64,
 }
 
 /// A published snapshot.
@@ -218,6 +228,12 @@ impl Manifest {
             if !is_sha256(&o.sha256) {
                 return Err(format!("object checksum {:?} is not a SHA-256", o.sha256));
             }
+            if o.inline.is_some() && o.size > MAX_INLINE {
+                return Err(format!("an inline object of {} bytes", o.size));
+            }
+        }
+        if self.memory.data.inline.is_some() {
+            return Err("memory data inline".into());
         }
         for (what, o) in [
             ("state", Some(&self.state)),
@@ -267,6 +283,12 @@ impl Manifest {
                 m.chunks.len(),
                 m.data.size,
                 m.chunk_size
+            ));
+        }
+        if m.working_set_bytes > m.data.size {
+            return Err(format!(
+                "working set of {} bytes in {} bytes of data",
+                m.working_set_bytes, m.data.size
             ));
         }
         if let Some(c) = m.chunks.iter().find(|c| !is_sha256(c)) {
@@ -333,19 +355,23 @@ pub(crate) mod tests {
             state: ObjectRef {
                 sha256: z.clone(),
                 size: 10,
+                inline: None,
             },
             memory: MemoryObjects {
                 head: ObjectRef {
                     sha256: z.clone(),
                     size: 4096,
+                    inline: None,
                 },
                 data: ObjectRef {
                     sha256: z.clone(),
                     size: 3 * 4096,
+                    inline: None,
                 },
                 runs: vec![[0, 1], [10, 2]],
                 chunk_size: MIN_CHUNK,
                 chunks: vec![z],
+                working_set_bytes: 4096,
             },
             working_set: None,
         }
@@ -375,6 +401,8 @@ pub(crate) mod tests {
         );
         assert_eq!(chunks_for(&p, 4096, 4096 + 10 * 4096, 4096), vec![0]);
         assert_eq!(chunks_for(&p, 4096, 4096, 4096), vec![2]);
+        // A range over both runs: the chunks ascending, each once.
+        assert_eq!(chunks_for(&p, 4096, 0, 1 << 20), vec![0, 1, 2]);
     }
 
     #[test]
@@ -413,6 +441,8 @@ pub(crate) mod tests {
             Box::new(|m| m.state.sha256 = "../x".into()),
             Box::new(|m| m.memory.head.size = 100),
             Box::new(|m| m.state.size = u64::MAX),
+            Box::new(|m| m.memory.working_set_bytes = 1 << 20),
+            Box::new(|m| m.memory.data.inline = Some(String::new())),
         ];
         for (i, f) in cases.iter().enumerate() {
             let mut m = sample();
@@ -454,12 +484,11 @@ pub fn chunks_for(placements: &[Placement], chunk_size: u64, offset: u64, len: u
         let e = end.min(p.file + p.len);
         let ps = p.packed + (s - p.file);
         let pe = p.packed + (e - p.file);
-        for c in ps / chunk_size..pe.div_ceil(chunk_size) {
-            if out.last() != Some(&c) {
-                out.push(c);
-            }
-        }
+        out.extend(ps / chunk_size..pe.div_ceil(chunk_size));
     }
+    // Runs are packed in working-set order, not file order: chunks come in any order.
+    out.sort_unstable();
+    out.dedup();
     out
 }
 

@@ -125,7 +125,8 @@ pub async fn publish(
         },
         None => (None, Vec::new()),
     };
-    let runs = packed_order(mem.data_pages(), &ws_pages);
+    let (runs, ws_runs) = packed_order(mem.data_pages(), &ws_pages);
+    let working_set_bytes = runs[..ws_runs].iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
     let (data_sha, chunks, data_size) = checksum_data(&mem, &runs, d, options.chunk_size)?;
     let checksum_time = t0.elapsed();
 
@@ -148,6 +149,7 @@ pub async fn publish(
     let data = ObjectRef {
         sha256: data_sha,
         size: data_size,
+        inline: None,
     };
     if store.size(&data.key()).await? == Some(data_size) {
         report.objects_reused += 1;
@@ -170,6 +172,7 @@ pub async fn publish(
             runs,
             chunk_size: options.chunk_size,
             chunks,
+            working_set_bytes,
         },
         working_set,
     };
@@ -195,8 +198,8 @@ pub async fn publish(
 
 /// The order data pages are packed in: the working set's data pages first, in the order
 /// they were touched (consecutive pages as one run), then every other data page in image
-/// order.
-fn packed_order(data: &PageBitmap, working_set: &[u64]) -> Vec<[u64; 2]> {
+/// order. Returns the runs and how many of them are the working set's.
+fn packed_order(data: &PageBitmap, working_set: &[u64]) -> (Vec<[u64; 2]>, usize) {
     let mut taken = PageBitmap::new(data.len());
     let mut runs: Vec<[u64; 2]> = Vec::new();
     for &p in working_set {
@@ -209,6 +212,7 @@ fn packed_order(data: &PageBitmap, working_set: &[u64]) -> Vec<[u64; 2]> {
             _ => runs.push([p, 1]),
         }
     }
+    let ws_runs = runs.len();
     for (s, n) in data.runs() {
         let mut p = s;
         while p < s + n {
@@ -223,7 +227,7 @@ fn packed_order(data: &PageBitmap, working_set: &[u64]) -> Vec<[u64; 2]> {
             runs.push([start, p - start]);
         }
     }
-    runs
+    (runs, ws_runs)
 }
 
 fn read_all(path: &Path) -> Result<Vec<u8>> {
@@ -240,10 +244,16 @@ fn read_all(path: &Path) -> Result<Vec<u8>> {
 }
 
 async fn put_small(store: &Store, bytes: Bytes, report: &mut PublishReport) -> Result<ObjectRef> {
-    let r = ObjectRef {
+    use base64::Engine;
+    let mut r = ObjectRef {
         sha256: sha256_hex(&bytes),
         size: bytes.len() as u64,
+        inline: None,
     };
+    if r.size <= manifest::MAX_INLINE {
+        r.inline = Some(base64::engine::general_purpose::STANDARD.encode(&bytes));
+        return Ok(r);
+    }
     if store.size(&r.key()).await? == Some(r.size) {
         report.objects_reused += 1;
     } else {
@@ -428,7 +438,8 @@ mod tests {
         data.set_range(0, 4);
         data.set_range(10, 6);
         // 20 is not a data page (a zero page: nothing to fetch); 11 twice.
-        let order = packed_order(&data, &[12, 13, 2, 20, 11, 11, 14]);
+        let (order, ws_runs) = packed_order(&data, &[12, 13, 2, 20, 11, 11, 14]);
+        assert_eq!(ws_runs, 4);
         assert_eq!(
             order,
             vec![

@@ -175,7 +175,9 @@ fn full_and_diff_are_read_back_exactly_and_lazily() {
         "a diff is published only after its base"
     );
     let (m, r) = rt.block_on(publish(&store, &base.files, &opts())).unwrap();
-    assert_eq!(r.objects_uploaded, 3);
+    // The memory data; the state file and memory header are small: in the manifest.
+    assert_eq!(r.objects_uploaded, 1);
+    assert!(m.state.inline.is_some() && m.memory.head.inline.is_some());
     // Only data pages are uploaded (about two thirds of the image).
     assert!(
         m.memory.data.size < (PAGES * PAGE) as u64 * 3 / 4,
@@ -185,7 +187,7 @@ fn full_and_diff_are_read_back_exactly_and_lazily() {
     let (_, r2) = rt.block_on(publish(&store, &base.files, &opts())).unwrap();
     assert_eq!(
         (r2.objects_uploaded, r2.objects_reused),
-        (0, 3),
+        (0, 1),
         "publishing again reuses"
     );
     rt.block_on(publish(&store, &diff.files, &opts())).unwrap();
@@ -259,11 +261,22 @@ fn tampered_truncated_and_missing_objects_are_errors_naming_the_object() {
     );
     drop(f);
 
-    // A missing state object fails the open.
-    rt.block_on(store.delete(&m.state.key())).unwrap();
+    // A state file altered inside the manifest fails the open.
+    let mk = manifest::manifest_key(s.id);
+    let mut mm: Manifest = serde_json::from_slice(&rt.block_on(store.get(&mk)).unwrap()).unwrap();
+    let mut text = mm.state.inline.clone().unwrap().into_bytes();
+    text[10] = if text[10] == b'A' { b'B' } else { b'A' };
+    mm.state.inline = Some(String::from_utf8(text).unwrap());
+    rt.block_on(store.put(&mk, Bytes::from(serde_json::to_vec(&mm).unwrap())))
+        .unwrap();
     let f = fetcher(&tmp("faults4"), &store, 1 << 30);
     let err = client(&f).open(s.id).unwrap_err().to_string();
-    assert!(err.contains(&store.key(&m.state.key())), "{err}");
+    assert!(
+        err.contains(&store.key(&m.state.key())) && err.contains("checksum"),
+        "{err}"
+    );
+    rt.block_on(store.put(&mk, Bytes::from(m.to_bytes())))
+        .unwrap();
     // An unknown snapshot.
     let err = client(&f)
         .open(SnapshotId::random())
