@@ -127,11 +127,7 @@ impl ChunkFetch for NoFetch {
 
 /// The data pages of a manifest as a bitmap.
 pub fn data_bitmap(m: &Manifest) -> PageBitmap {
-    let mut b = PageBitmap::new(m.pages());
-    for &[s, n] in &m.memory.runs {
-        b.set_range(s, n);
-    }
-    b
+    manifest::Layout::of(m).data_bitmap()
 }
 
 impl ChunkCache {
@@ -389,6 +385,7 @@ impl ChunkCache {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.bytes_fetched
             .fetch_add(mbytes.len() as u64, Ordering::Relaxed);
+        let manifest_us = t0.elapsed().as_micros() as u64;
         let m = Manifest::parse(&self.store.key(&key), &mbytes)?;
         if m.snapshot_id() != id {
             return Err(Error::BadManifest {
@@ -396,6 +393,7 @@ impl ChunkCache {
                 reason: format!("names snapshot {}", m.id),
             });
         }
+        let parsed_us = t0.elapsed().as_micros() as u64;
         // The three small objects and the chunks holding the working set at once: one
         // round trip, not four.
         let ws_fut = async {
@@ -490,7 +488,7 @@ impl ChunkCache {
                 self.install_chunk(&layer, c, bytes).await?;
             }
         }
-        tracing::debug!(snapshot = %id, fetched_us, total_us = t0.elapsed().as_micros() as u64,
+        tracing::debug!(snapshot = %id, manifest_us, parsed_us, fetched_us, total_us = t0.elapsed().as_micros() as u64,
             "snapshot opened into the cache");
         Ok(())
     }

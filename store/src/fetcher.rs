@@ -27,7 +27,7 @@ use snapshot::SnapshotId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::cache::{self, CacheStats, ChunkCache};
-use crate::manifest::{self, chunks_for, placements, Manifest, Placement};
+use crate::manifest::{self, chunks_for, layout_placements, Layout, Placement};
 use crate::{Error, Result};
 
 /// Largest message accepted either way.
@@ -70,9 +70,9 @@ pub struct Response {
     /// Why not.
     #[serde(default)]
     pub error: Option<String>,
-    /// For `open`: the layers, base first, as `[id, cache directory]`.
+    /// For `open`: the layers, base first: id, cache directory, layout.
     #[serde(default)]
-    pub layers: Vec<(String, PathBuf)>,
+    pub layers: Vec<(String, PathBuf, Layout)>,
     /// For `stats`.
     #[serde(default)]
     pub stats: Option<CacheStats>,
@@ -172,7 +172,13 @@ async fn handle(cache: &Arc<ChunkCache>, req: Request, leased: &mut Vec<Snapshot
                         ok: true,
                         layers: chain
                             .iter()
-                            .map(|l| (l.id().to_string(), l.dir().to_path_buf()))
+                            .map(|l| {
+                                (
+                                    l.id().to_string(),
+                                    l.dir().to_path_buf(),
+                                    Layout::of(l.manifest()),
+                                )
+                            })
                             .collect(),
                         ..Default::default()
                     }
@@ -381,30 +387,22 @@ impl FetchClient {
     pub fn open(self: &Arc<Self>, id: SnapshotId) -> Result<RemoteSnapshot> {
         let resp = self.call(&Request::Open { id: id.to_string() })?;
         let mut layers = Vec::with_capacity(resp.layers.len());
-        for (lid, dir) in resp.layers {
+        for (lid, dir, layout) in resp.layers {
             let lid = manifest::parse_snapshot_id(&lid)?;
-            let mpath = dir.join(cache::MANIFEST_FILE);
-            let bytes = std::fs::read(&mpath).map_err(|e| Error::io("read", &mpath, e))?;
-            let m = Manifest::parse(&mpath.display().to_string(), &bytes)?;
-            if m.snapshot_id() != lid {
-                return Err(Error::Fetcher(format!(
-                    "{}: not snapshot {lid}",
-                    mpath.display()
-                )));
-            }
+            layout.check()?;
             let ppath = dir.join(cache::PRESENT_FILE);
             let present = File::open(&ppath).map_err(|e| Error::io("open", &ppath, e))?;
             let fetch = Arc::new(LayerFetch {
                 client: Arc::clone(self),
                 id: lid,
-                placements: placements(&m),
-                chunk_size: m.memory.chunk_size,
+                placements: layout_placements(&layout),
+                chunk_size: layout.chunk_size,
                 present,
             });
             layers.push(RemoteLayer {
                 id: lid,
                 dir,
-                manifest: m,
+                layout,
                 fetch,
             });
         }
@@ -443,7 +441,7 @@ impl RemoteSnapshot {
         if !p.exists() {
             return Ok(0);
         }
-        let ws = snapshot::working_set::WorkingSet::load(&p, top.id, top.manifest.pages())?;
+        let ws = snapshot::working_set::WorkingSet::load(&p, top.id, top.layout.pages())?;
         Ok(ws.pages.len() as u64)
     }
 }
@@ -454,8 +452,8 @@ pub struct RemoteLayer {
     pub id: SnapshotId,
     /// Its cache directory.
     pub dir: PathBuf,
-    /// Its manifest.
-    pub manifest: Manifest,
+    /// Where its data pages are.
+    pub layout: Layout,
     fetch: Arc<LayerFetch>,
 }
 
@@ -473,7 +471,7 @@ impl RemoteLayer {
     pub fn memory_file(&self) -> Result<MemoryFile> {
         Ok(MemoryFile::open_fetched(
             &self.dir.join(cache::MEMORY_FILE),
-            cache::data_bitmap(&self.manifest),
+            self.layout.data_bitmap(),
             Fetcher(self.fetch.clone()),
         )?)
     }

@@ -316,13 +316,73 @@ pub struct Placement {
     pub len: u64,
 }
 
+/// Where a snapshot's data pages are: what a reader of its memory file needs of the
+/// manifest (the fetcher hands it to VM processes, which need not read the manifest's
+/// chunk checksums).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Guest memory size.
+    pub mem_size: u64,
+    /// The memory file's data offset (the head's size).
+    pub head_size: u64,
+    /// Bytes per chunk of packed data.
+    pub chunk_size: u64,
+    /// The data runs, in packed order.
+    pub runs: Vec<[u64; 2]>,
+}
+
+impl Layout {
+    /// A manifest's layout.
+    pub fn of(m: &Manifest) -> Layout {
+        Layout {
+            mem_size: m.mem_size,
+            head_size: m.memory.head.size,
+            chunk_size: m.memory.chunk_size,
+            runs: m.memory.runs.clone(),
+        }
+    }
+
+    /// Checks what a reader relies on (from another process: not trusted blindly).
+    pub fn check(&self) -> Result<()> {
+        let pages = self.mem_size / PAGE_SIZE_U64;
+        let bad = self.mem_size > snapshot::memory_file::MAX_MEM_SIZE
+            || self.chunk_size < PAGE_SIZE_U64
+            || self
+                .runs
+                .iter()
+                .any(|&[f, n]| n == 0 || f.checked_add(n).is_none_or(|e| e > pages));
+        if bad {
+            return Err(Error::Fetcher("the fetcher gave an invalid layout".into()));
+        }
+        Ok(())
+    }
+
+    /// Image pages.
+    pub fn pages(&self) -> u64 {
+        self.mem_size / PAGE_SIZE_U64
+    }
+
+    /// The data pages as a bitmap.
+    pub fn data_bitmap(&self) -> snapshot::bitmap::PageBitmap {
+        let mut b = snapshot::bitmap::PageBitmap::new(self.pages());
+        for &[s, n] in &self.runs {
+            b.set_range(s, n);
+        }
+        b
+    }
+}
+
 /// The runs of a manifest as placements (packed offset → file offset), sorted by file
 /// offset.
 pub fn placements(m: &Manifest) -> Vec<Placement> {
-    let d = m.memory.head.size;
+    layout_placements(&Layout::of(m))
+}
+
+/// A layout's runs as placements, sorted by file offset.
+pub fn layout_placements(l: &Layout) -> Vec<Placement> {
+    let d = l.head_size;
     let mut packed = 0;
-    let mut v: Vec<Placement> = m
-        .memory
+    let mut v: Vec<Placement> = l
         .runs
         .iter()
         .map(|&[first, n]| {
