@@ -47,13 +47,25 @@ pub struct ObjectRef {
     /// then not stored apart, and opening the snapshot costs no request for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inline: Option<String>,
+    /// The key, when the object is named by a unique id rather than by its content:
+    /// `data/<snapshot id>` for memory data, whose checksums are computed while it
+    /// uploads (a name by content would need a pass over the data first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ObjectRef {
     /// The object's key relative to the store's prefix.
     pub fn key(&self) -> String {
-        object_key(&self.sha256)
+        self.name
+            .clone()
+            .unwrap_or_else(|| object_key(&self.sha256))
     }
+}
+
+/// The key of a snapshot's memory data.
+pub fn data_key(id: SnapshotId) -> String {
+    format!("data/{id}")
 }
 
 /// The key of the object with this SHA-256.
@@ -230,6 +242,14 @@ impl Manifest {
             }
             if o.inline.is_some() && o.size > MAX_INLINE {
                 return Err(format!("an inline object of {} bytes", o.size));
+            }
+            if let Some(n) = &o.name {
+                let ok = n
+                    .strip_prefix("data/")
+                    .is_some_and(|id| parse_id(id).is_some());
+                if !ok {
+                    return Err(format!("object name {n:?} is not data/<snapshot id>"));
+                }
             }
         }
         if self.memory.data.inline.is_some() {
@@ -416,17 +436,20 @@ pub(crate) mod tests {
                 sha256: z.clone(),
                 size: 10,
                 inline: None,
+                name: None,
             },
             memory: MemoryObjects {
                 head: ObjectRef {
                     sha256: z.clone(),
                     size: 4096,
                     inline: None,
+                    name: None,
                 },
                 data: ObjectRef {
                     sha256: z.clone(),
                     size: 3 * 4096,
                     inline: None,
+                    name: Some("data/0123456789abcdef0123456789abcdef".into()),
                 },
                 runs: vec![[0, 1], [10, 2]],
                 chunk_size: MIN_CHUNK,
@@ -503,6 +526,7 @@ pub(crate) mod tests {
             Box::new(|m| m.state.size = u64::MAX),
             Box::new(|m| m.memory.working_set_bytes = 1 << 20),
             Box::new(|m| m.memory.data.inline = Some(String::new())),
+            Box::new(|m| m.memory.data.name = Some("../../etc/passwd".into())),
         ];
         for (i, f) in cases.iter().enumerate() {
             let mut m = sample();

@@ -127,8 +127,8 @@ pub async fn publish(
     };
     let (runs, ws_runs) = packed_order(mem.data_pages(), &ws_pages);
     let working_set_bytes = runs[..ws_runs].iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
-    let (data_sha, chunks, data_size) = checksum_data(&mem, &runs, d, options.chunk_size)?;
-    let checksum_time = t0.elapsed();
+    let data_size = runs.iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
+    let data_key = manifest::data_key(meta.id);
 
     let t1 = Instant::now();
     let mut report = PublishReport {
@@ -137,7 +137,7 @@ pub async fn publish(
         objects_reused: 0,
         bytes_uploaded: 0,
         data_bytes: data_size,
-        checksum_time,
+        checksum_time: t0.elapsed(),
         upload_time: Duration::ZERO,
     };
     let state = put_small(store, Bytes::from(state_bytes), &mut report).await?;
@@ -146,18 +146,29 @@ pub async fn publish(
         Some(ws) => Some(put_small(store, Bytes::from(ws), &mut report).await?),
         None => None,
     };
+    // Checksummed while it uploads; published before (the same snapshot again): only read.
+    let (data_sha, chunks) = if store.size(&data_key).await? == Some(data_size) {
+        report.objects_reused += 1;
+        let t = Instant::now();
+        let mut h = ChunkHasher::new(options.chunk_size);
+        for_each_piece(&mem, &runs, d, options.chunk_size, |b| {
+            h.update(b);
+            Ok(())
+        })?;
+        report.checksum_time += t.elapsed();
+        h.finish()
+    } else {
+        let r = upload_data(store, &mem, &runs, d, &data_key, data_size, options).await?;
+        report.objects_uploaded += 1;
+        report.bytes_uploaded += data_size;
+        r
+    };
     let data = ObjectRef {
         sha256: data_sha,
         size: data_size,
         inline: None,
+        name: Some(data_key),
     };
-    if store.size(&data.key()).await? == Some(data_size) {
-        report.objects_reused += 1;
-    } else {
-        upload_data(store, &mem, &runs, d, &data, options).await?;
-        report.objects_uploaded += 1;
-        report.bytes_uploaded += data_size;
-    }
     let m = Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
@@ -249,6 +260,7 @@ async fn put_small(store: &Store, bytes: Bytes, report: &mut PublishReport) -> R
         sha256: sha256_hex(&bytes),
         size: bytes.len() as u64,
         inline: None,
+        name: None,
     };
     if r.size <= manifest::MAX_INLINE {
         r.inline = Some(base64::engine::general_purpose::STANDARD.encode(&bytes));
@@ -297,62 +309,99 @@ fn for_each_piece(
     Ok(())
 }
 
-fn checksum_data(
-    mem: &MemoryFile,
-    runs: &[[u64; 2]],
-    d: u64,
+/// SHA-256 of each chunk and of the whole, fed piece by piece.
+struct ChunkHasher {
     chunk: u64,
-) -> Result<(String, Vec<String>, u64)> {
-    let mut whole = Sha256::new();
-    let mut chunks = Vec::new();
-    let mut size = 0u64;
-    for_each_piece(mem, runs, d, chunk, |b| {
-        whole.update(b);
-        chunks.push(hex(&Sha256::digest(b)));
-        size += b.len() as u64;
-        Ok(())
-    })?;
-    Ok((hex(&whole.finalize()), chunks, size))
+    cur: Sha256,
+    filled: u64,
+    whole: Sha256,
+    chunks: Vec<String>,
 }
 
+impl ChunkHasher {
+    fn new(chunk: u64) -> ChunkHasher {
+        ChunkHasher {
+            chunk,
+            cur: Sha256::new(),
+            filled: 0,
+            whole: Sha256::new(),
+            chunks: Vec::new(),
+        }
+    }
+
+    fn update(&mut self, mut b: &[u8]) {
+        self.whole.update(b);
+        while !b.is_empty() {
+            let take = ((self.chunk - self.filled) as usize).min(b.len());
+            self.cur.update(&b[..take]);
+            self.filled += take as u64;
+            b = &b[take..];
+            if self.filled == self.chunk {
+                let done = std::mem::take(&mut self.cur);
+                self.chunks.push(hex(&done.finalize()));
+                self.filled = 0;
+            }
+        }
+    }
+
+    fn finish(mut self) -> (String, Vec<String>) {
+        if self.filled > 0 {
+            self.chunks.push(hex(&self.cur.finalize()));
+        }
+        (hex(&self.whole.finalize()), self.chunks)
+    }
+}
+
+/// Uploads the packed data as `key`, checksumming it as it goes (on the reading thread,
+/// while earlier parts upload). Returns the whole data's and each chunk's SHA-256.
 async fn upload_data(
     store: &Store,
     mem: &MemoryFile,
     runs: &[[u64; 2]],
     d: u64,
-    data: &ObjectRef,
+    key: &str,
+    size: u64,
     options: &PublishOptions,
-) -> Result<()> {
-    let key = data.key();
-    if data.size <= options.part_size as u64 {
-        let mut all = Vec::with_capacity(data.size as usize);
+) -> Result<(String, Vec<String>)> {
+    if size <= options.part_size as u64 {
+        let mut all = Vec::with_capacity(size as usize);
+        let mut h = ChunkHasher::new(options.chunk_size);
         for_each_piece(mem, runs, d, options.part_size as u64, |b| {
+            h.update(b);
             all.extend_from_slice(b);
             Ok(())
         })?;
-        return store.put(&key, Bytes::from(all)).await;
+        store.put(key, Bytes::from(all)).await?;
+        return Ok(h.finish());
     }
-    let upload = store.put_multipart(&key).await?;
+    let upload = store.put_multipart(key).await?;
     let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
-    // Reading is synchronous and fast (local file); the parts upload while it goes on.
+    // Reading and hashing are synchronous (local file); the parts upload meanwhile.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
     let mem_path = mem.path().to_path_buf();
     let runs = runs.to_vec();
     let part = options.part_size as u64;
+    let chunk = options.chunk_size;
     let reader = tokio::task::spawn_blocking(move || {
         let mem = match MemoryFile::open(&mem_path) {
             Ok(m) => m,
             Err(e) => {
                 let _ = tx.blocking_send(Err(e.into()));
-                return;
+                return None;
             }
         };
+        let mut h = ChunkHasher::new(chunk);
         let r = for_each_piece(&mem, &runs, d, part, |b| {
+            h.update(b);
             tx.blocking_send(Ok(b.to_vec()))
                 .map_err(|_| Error::Fetcher("upload ended".into()))
         });
-        if let Err(e) = r {
-            let _ = tx.blocking_send(Err(e));
+        match r {
+            Ok(()) => Some(h.finish()),
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                None
+            }
         }
     });
     let mut sent = 0u64;
@@ -369,7 +418,7 @@ async fn upload_data(
             .await
             .map_err(|_| Error::Timeout {
                 op: "upload part of",
-                key: store.key(&key),
+                key: store.key(key),
                 secs: timeout.as_secs(),
             })?
             .is_err()
@@ -380,23 +429,22 @@ async fn upload_data(
         sent += piece.len() as u64;
         w.write(&piece);
     }
-    let _ = reader.await;
-    if sent != data.size {
+    let sums = reader.await.ok().flatten();
+    let Some(sums) = sums.filter(|_| sent == size) else {
         let _ = w.abort().await;
         return Err(Error::Fetcher(format!(
-            "upload of {} stopped after {sent} of {} bytes",
-            store.key(&key),
-            data.size
+            "upload of {} stopped after {sent} of {size} bytes",
+            store.key(key)
         )));
-    }
+    };
     let timeout = store.timeout() * 4;
     match tokio::time::timeout(timeout, w.finish()).await {
         Ok(r) => r
-            .map(|_| ())
-            .map_err(|e| Error::store("upload", &store.key(&key), e)),
+            .map(|_| sums)
+            .map_err(|e| Error::store("upload", &store.key(key), e)),
         Err(_) => Err(Error::Timeout {
             op: "finish upload of",
-            key: store.key(&key),
+            key: store.key(key),
             secs: timeout.as_secs(),
         }),
     }
@@ -455,5 +503,27 @@ mod tests {
         );
         let total: u64 = order.iter().map(|r| r[1]).sum();
         assert_eq!(total, data.count_ones());
+    }
+}
+
+#[cfg(test)]
+mod hasher_tests {
+    use super::*;
+
+    #[test]
+    fn chunk_hashes_do_not_depend_on_how_the_data_is_cut() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let mut a = ChunkHasher::new(4096);
+        a.update(&data);
+        let mut b = ChunkHasher::new(4096);
+        for piece in data.chunks(1000) {
+            b.update(piece);
+        }
+        let (wa, ca) = a.finish();
+        let (wb, cb) = b.finish();
+        assert_eq!((&wa, &ca), (&wb, &cb));
+        assert_eq!(ca.len(), 3);
+        assert_eq!(ca[2], hex(&Sha256::digest(&data[8192..])));
+        assert_eq!(wa, hex(&Sha256::digest(&data)));
     }
 }
