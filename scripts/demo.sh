@@ -55,6 +55,9 @@ else
     tests/e2b/run_nested.sh --standalone --session
 fi
 
+echo "== a sandbox moves hosts through object storage (native tier, scripts/move-host.sh)"
+CLADE="$CLADE" "$REPO_ROOT/scripts/move-host.sh"
+
 echo "== latencies (native tier: the bare-metal test guest embedded in clade, on this host's KVM)"
 "$CLADE" bench boot -n 20
 # The agent protocol's round trip over virtio-vsock (the test guest's responder).
@@ -70,3 +73,8 @@ timeout 300 "$CLADE" bench fork-processes -n 3 --rounds 20
 # The sandbox host as the e2b SDK sees it: clade serve over HTTP, create and wake of a
 # sandbox until its agent answers, with 1 and with 100 paused sandboxes on the host.
 timeout 300 "$CLADE" bench serve -n 30 --background 100
+# Snapshots in object storage (the test S3 server on loopback): restore from the store with
+# a cold and a warm cache against a local restore of the same snapshot; pause until durable
+# against the raw upload throughput to the same server.
+timeout 300 "$CLADE" bench restore --store s3 -n 20
+timeout 300 "$CLADE" bench pause --store s3 -n 3

@@ -105,7 +105,7 @@ pub enum BenchCommand {
         #[arg(long, value_name = "s3|URL")]
         store: Option<String>,
         /// With --store: chunk size of the published memory data (KiB).
-        #[arg(long, value_name = "KIB", default_value_t = 2048, requires = "store")]
+        #[arg(long, value_name = "KIB", default_value_t = 128, requires = "store")]
         chunk_kib: u64,
         #[command(flatten)]
         machine: MachineArgs,

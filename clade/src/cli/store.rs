@@ -88,7 +88,7 @@ pub enum StoreCommand {
         #[command(flatten)]
         store: StoreArgs,
         /// Chunk size of the memory data, in KiB (64 to 65536).
-        #[arg(long, value_name = "KIB", default_value_t = 2048)]
+        #[arg(long, value_name = "KIB", default_value_t = 128)]
         chunk_kib: u64,
         /// Print one JSON object.
         #[arg(long)]

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# move-host.sh: a sandbox moves hosts through object storage, on the native tier.
+#
+# "Host A" runs the bare-metal test guest (it fills 32 MiB of memory, prints its checksum,
+# and counts to 2^32), snapshots it mid-loop, publishes the snapshot to an S3 server and is
+# wiped: its VM killed and its snapshot directory deleted. "Host B" (its own chunk cache,
+# nothing of the snapshot on it) resumes the published snapshot with `clade restore --store`:
+# the guest finishes its loop and prints the same memory checksum. The S3 server is the one
+# the tests use (build/tools/bin/clade-test-s3 on loopback); with CLADE_STORE (and AWS
+# credentials, CLADE_STORE_ENDPOINT for an S3-compatible server) set, that store is used.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CLADE="${CLADE:-$REPO_ROOT/target/release/clade}"
+D=$(mktemp -d /tmp/clade-move.XXXXXX)
+S3_PID=""
+VM_PID=""
+cleanup() {
+    [ -n "$VM_PID" ] && kill -9 "$VM_PID" 2>/dev/null || true
+    [ -n "$S3_PID" ] && kill "$S3_PID" 2>/dev/null || true
+    rm -rf "$D"
+}
+trap cleanup EXIT
+
+(cd "$REPO_ROOT/tests/native-guest" && env -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
+    CARGO_TARGET_DIR="$REPO_ROOT/target/native-guest" cargo build --release --quiet)
+GUEST="$REPO_ROOT/target/native-guest/release/native-guest"
+
+if [ -z "${CLADE_STORE:-}" ]; then
+    PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    mkdir -p "$D/s3/clade"
+    "$REPO_ROOT/build/tools/bin/clade-test-s3" --host 127.0.0.1 --port "$PORT" \
+        --access-key demo --secret-key demo-secret "$D/s3" &
+    S3_PID=$!
+    export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo-secret AWS_REGION=us-east-1
+    export CLADE_STORE="s3://clade/sandboxes" CLADE_STORE_ENDPOINT="http://127.0.0.1:$PORT"
+    for _ in $(seq 100); do
+        python3 -c "import socket; socket.create_connection(('127.0.0.1', $PORT))" 2>/dev/null && break
+        sleep 0.05
+    done
+    echo "== object store: S3 server on 127.0.0.1:$PORT (tests/s3-server), bucket 'clade'"
+else
+    echo "== object store: $CLADE_STORE"
+fi
+
+echo "== host A: the sandbox runs, is snapshotted mid-computation and published"
+"$CLADE" run --kernel "$GUEST" --test-device --mem 128 \
+    --cmdline "steps=memfill:9:32,memsum,loop:32,memsum" \
+    --api-sock "$D/a.api" --serial-file "$D/a.serial" 2>/dev/null &
+VM_PID=$!
+for _ in $(seq 400); do grep -q "step memsum ok" "$D/a.serial" 2>/dev/null && break; sleep 0.05; done
+"$CLADE" snapshot "$D/a.api" "$D/host-a/snap"
+kill -9 "$VM_PID"
+wait "$VM_PID" 2>/dev/null || true
+VM_PID=""
+BEFORE=$(grep -m1 '^memsum ' "$D/a.serial")
+ID=$("$CLADE" store publish "$D/host-a/snap")
+echo "published snapshot $ID; guest memory before: $BEFORE"
+rm -rf "$D/host-a"
+echo "== host A is gone (its VM killed, its snapshot deleted)"
+
+echo "== host B: resumes the sandbox from the store (empty cache; memory fetched lazily)"
+START=$(date +%s%N)
+CLADE_LOG=info "$CLADE" restore "$ID" --cache "$D/host-b-cache" --no-agent-sync \
+    --serial-file "$D/b.serial" 2>"$D/b.log"
+END=$(date +%s%N)
+AFTER=$(grep -m1 '^memsum ' "$D/b.serial" || true)
+grep -o 'published snapshot opened.*' "$D/b.log" | sed 's/\x1b\[[0-9;]*m//g' || true
+echo "guest memory after:  $AFTER  (loop finished: $(grep -c 'loop 2^32 done' "$D/b.serial"))"
+echo "host B: restore, rest of the 2^32 loop and exit: $(( (END - START) / 1000000 )) ms"
+if [ "$BEFORE" != "$AFTER" ]; then
+    echo "MOVE-HOST: FAIL (memory differs)"
+    exit 1
+fi
+echo "MOVE-HOST: PASS (the sandbox continued on host B with its memory exactly as on host A)"
