@@ -514,6 +514,22 @@ fn a_published_snapshot_restores_through_the_store_after_its_files_are_gone() {
     assert_eq!(sums, vec![memsum.as_str()], "{after}");
     assert!(after.contains("loop 2^32 done"), "{after}");
 
+    // Deleted from the store: gone from its listing, and a restore says so.
+    let mut rm = clade();
+    rm.args(["store", "rm", &id]);
+    with_store(&mut rm);
+    let o = rm.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut ls = clade();
+    ls.args(["store", "ls"]);
+    with_store(&mut ls);
+    let o = ls.output().unwrap();
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).contains(&id),
+        "{}",
+        text(&o)
+    );
+
     // An unknown id is a one-line error, and nothing is left running.
     let mut bad = clade();
     bad.args(["restore", "0123456789abcdef0123456789abcdef", "--cache"])

@@ -527,3 +527,71 @@ mod hasher_tests {
         assert_eq!(wa, hex(&Sha256::digest(&data)));
     }
 }
+
+/// What [`delete`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeleteReport {
+    /// Objects deleted (the manifest included).
+    pub objects_deleted: u64,
+    /// Objects kept because another snapshot names them too.
+    pub objects_kept: u64,
+}
+
+/// Deletes published snapshot `id`: its manifest, then every object no other snapshot's
+/// manifest names. Refused while a diff is published on top of it. Readers that opened it
+/// before get an error naming the missing object on their next fetch, never other bytes.
+pub async fn delete(store: &Store, id: SnapshotId) -> Result<DeleteReport> {
+    let key = manifest::manifest_key(id);
+    let bytes = store.get(&key).await?;
+    let target = Manifest::parse(&store.key(&key), &bytes)?;
+    let mut others = Vec::new();
+    for k in store.list("snapshots").await? {
+        if k == key || !k.ends_with(".json") {
+            continue;
+        }
+        let b = match store.get(&k).await {
+            Ok(b) => b,
+            // Deleted meanwhile.
+            Err(Error::Missing { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        match Manifest::parse(&store.key(&k), &b) {
+            Ok(m) => others.push(m),
+            Err(e) => {
+                // An unreadable manifest might name our objects: keep them all.
+                return Err(Error::BadManifest {
+                    key: store.key(&k),
+                    reason: format!("cannot tell what it refers to, nothing deleted: {e}"),
+                });
+            }
+        }
+    }
+    if let Some(child) = others.iter().find(|m| m.base_id() == Some(id)) {
+        return Err(Error::InvalidInput(format!(
+            "snapshot {id} is the base of snapshot {}: delete that first",
+            child.id
+        )));
+    }
+    let mut report = DeleteReport::default();
+    store.delete(&key).await?;
+    report.objects_deleted += 1;
+    for o in target.objects() {
+        if o.inline.is_some() {
+            continue;
+        }
+        let k = o.key();
+        if others.iter().any(|m| {
+            m.objects()
+                .iter()
+                .any(|x| x.inline.is_none() && x.key() == k)
+        }) {
+            report.objects_kept += 1;
+        } else {
+            store.delete(&k).await?;
+            report.objects_deleted += 1;
+        }
+    }
+    tracing::info!(snapshot = %id, deleted = report.objects_deleted, kept = report.objects_kept,
+        "published snapshot deleted");
+    Ok(report)
+}

@@ -468,3 +468,37 @@ fn s3_server_round_trip_and_a_server_that_goes_away() {
     assert!(err.contains(&store.key(&mb.memory.data.key())), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn deleting_keeps_what_others_need_and_leaves_nothing_behind() {
+    use store::publish::delete;
+    let dir = tmp("delete");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let base = write_full(&dir.join("base"), 31);
+    let diff = write_diff(&dir.join("diff"), &base);
+    let rt = rt();
+    rt.block_on(publish(&store, &base.files, &opts())).unwrap();
+    rt.block_on(publish(&store, &diff.files, &opts())).unwrap();
+    let err = rt
+        .block_on(delete(&store, base.id))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("is the base of"), "{err}");
+    rt.block_on(delete(&store, diff.id)).unwrap();
+    // The base is whole and restorable.
+    let f = fetcher(&dir, &store, 1 << 30);
+    assert!(read_all(&client(&f), base.id).unwrap() == base.img);
+    assert!(client(&f).open(diff.id).is_err());
+    drop(f);
+    rt.block_on(delete(&store, base.id)).unwrap();
+    assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
+    assert!(matches!(
+        rt.block_on(delete(&store, base.id)),
+        Err(store::Error::Missing { .. })
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -94,6 +94,14 @@ pub enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Delete a published snapshot: its manifest and every object no other snapshot
+    /// names (refused while a diff is published on top of it).
+    Rm {
+        /// The snapshot's id.
+        id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
     /// List the snapshots published in the store.
     Ls {
         #[command(flatten)]
@@ -127,6 +135,20 @@ pub fn store(cmd: StoreCommand) -> anyhow::Result<u8> {
             chunk_kib,
             json,
         } => publish(&dir, &store, chunk_kib, json),
+        StoreCommand::Rm { id, store } => {
+            let id = store::manifest::parse_snapshot_id(&id)?;
+            let rt = runtime()?;
+            let s = {
+                let _g = rt.enter();
+                store.open()?
+            };
+            let r = rt.block_on(store::publish::delete(&s, id))?;
+            eprintln!(
+                "deleted {id}: {} objects removed, {} kept (named by other snapshots)",
+                r.objects_deleted, r.objects_kept
+            );
+            Ok(0)
+        }
         StoreCommand::Ls { store } => {
             let s = store.open()?;
             let rt = runtime()?;
