@@ -259,6 +259,19 @@ impl Resume<'_> {
     }
 }
 
+/// The guest's steps for a snapshot of a machine that has touched some memory: fill
+/// `fill_pct` percent of the memory above [`FILL_BASE_MIB`], then serve the agent on
+/// vsock. Returns the MiB filled and the steps.
+pub(crate) fn filled_then_serving(machine: &Machine, fill_pct: u32) -> (u64, String) {
+    let fill_mib = machine.mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(fill_pct) / 100;
+    let steps = if fill_mib > 0 {
+        format!("memfill:5:{fill_mib},vsock")
+    } else {
+        "vsock".to_string()
+    };
+    (fill_mib, steps)
+}
+
 /// Boots the guest (filling `fill_pct` of its memory, then waiting in its `vsock` step),
 /// snapshots it, and restores that snapshot `n` times with `backend`, then with the copy
 /// backend as the baseline.
@@ -279,12 +292,7 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
     let scratch = Scratch::new("resume")?;
     let dir = scratch.0.join("snap");
     let sock = scratch.0.join("v.sock");
-    let fill_mib = machine.mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100;
-    let steps = if fill_mib > 0 {
-        format!("memfill:5:{fill_mib},vsock")
-    } else {
-        "vsock".to_string()
-    };
+    let (fill_mib, steps) = filled_then_serving(machine, params.fill_pct);
     // --net: the sandbox network the restored VMs attach to (one, made before: a
     // service's pool makes them off the path), in a range and with names of this run's own.
     let sandbox_net = if params.net {

@@ -32,9 +32,8 @@ use vmm::{MemoryBackend, PreparedSnapshot, ShellPool, SnapshotKind};
 use crate::error::{Context, Error, Result};
 use crate::guest::{boot_until, Guest, Machine, Scratch};
 use crate::noise::{HostNoise, NOISE_TRIES};
-use crate::restore::{pin_vmm_threads, BackendRun, Resume};
+use crate::restore::{filled_then_serving, pin_vmm_threads, BackendRun, Resume};
 use crate::stats::{pct_u64, r1, Samples};
-use crate::FILL_BASE_MIB;
 
 /// Where the benchmark's store is.
 #[derive(Debug, Clone)]
@@ -156,12 +155,11 @@ pub struct StoreRestoreReport {
 fn open_remote(socket: &Path, id: vmm::SnapshotId) -> Result<(PreparedSnapshot, Arc<FetchClient>)> {
     let client = FetchClient::connect(socket, Duration::from_secs(60))?;
     let remote = client.open(id)?;
-    let layers = remote
-        .layers
-        .iter()
-        .map(|l| Ok((l.dir.clone(), l.memory_file()?)))
-        .collect::<Result<Vec<_>>>()?;
-    let snap = PreparedSnapshot::open_with_layers(remote.dir(), Default::default(), layers)?;
+    let snap = PreparedSnapshot::open_with_layers(
+        remote.dir(),
+        Default::default(),
+        remote.memory_layers()?,
+    )?;
     Ok((snap, client))
 }
 
@@ -209,12 +207,7 @@ pub fn restore_store(
     let vcpu_cpus = pin_vmm_threads()?;
     let dir = scratch.0.join("snap");
     let sock = scratch.0.join("v.sock");
-    let fill_mib = machine.mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100;
-    let steps = if fill_mib > 0 {
-        format!("memfill:5:{fill_mib},vsock")
-    } else {
-        "vsock".to_string()
-    };
+    let (_, steps) = filled_then_serving(machine, params.fill_pct);
     let mut vm = boot_until(guest, machine, &steps, Some(&sock), "serving agent port")?;
     vmm::snapshot(&mut vm, &dir, SnapshotKind::Full)?;
     vm.shutdown();
@@ -452,12 +445,7 @@ pub fn pause_store(
     }
     let scratch = Scratch::new("pause-store")?;
     let sock = scratch.0.join("v.sock");
-    let fill_mib = machine.mem_mib.saturating_sub(FILL_BASE_MIB) * u64::from(params.fill_pct) / 100;
-    let steps = if fill_mib > 0 {
-        format!("memfill:5:{fill_mib},vsock")
-    } else {
-        "vsock".to_string()
-    };
+    let (_, steps) = filled_then_serving(machine, params.fill_pct);
     let mut vm = boot_until(guest, machine, &steps, Some(&sock), "serving agent port")?;
     let rs = RunStore::new(&params.target, &scratch.0)?;
     let rt = runtime()?;

@@ -434,6 +434,15 @@ impl RemoteSnapshot {
         self.layers.iter().map(RemoteLayer::memory_file).collect()
     }
 
+    /// The memory files with each layer's cache directory, base first: what a VMM
+    /// restores the snapshot from (`vmm::PreparedSnapshot::open_with_layers`).
+    pub fn memory_layers(&self) -> Result<Vec<(PathBuf, MemoryFile)>> {
+        self.layers
+            .iter()
+            .map(|l| Ok((l.dir.clone(), l.memory_file()?)))
+            .collect()
+    }
+
     /// Bytes of the recorded working set's data pages (0 without one).
     pub fn working_set_pages(&self) -> Result<u64> {
         let top = &self.layers[self.layers.len() - 1];

@@ -40,6 +40,40 @@ impl Default for StoreOptions {
     }
 }
 
+fn client_options(options: &StoreOptions) -> object_store::ClientOptions {
+    object_store::ClientOptions::new()
+        .with_timeout(options.timeout)
+        .with_connect_timeout(options.timeout.min(Duration::from_secs(10)))
+}
+
+fn retry_config(options: &StoreOptions) -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        max_retries: 3,
+        retry_timeout: options.timeout,
+        ..Default::default()
+    }
+}
+
+/// The bucket, time limits and endpoint (path-style requests, plain HTTP allowed) of an
+/// S3 client.
+fn s3_options(
+    b: object_store::aws::AmazonS3Builder,
+    bucket: &str,
+    options: &StoreOptions,
+) -> object_store::aws::AmazonS3Builder {
+    let b = b
+        .with_bucket_name(bucket)
+        .with_client_options(client_options(options))
+        .with_retry(retry_config(options));
+    match &options.endpoint {
+        Some(ep) => b
+            .with_endpoint(ep)
+            .with_allow_http(ep.starts_with("http://"))
+            .with_virtual_hosted_style_request(false),
+        None => b,
+    }
+}
+
 /// An object store and the prefix Clade's objects live under.
 ///
 /// Use one per tokio runtime: an HTTP store's pooled connections belong to the runtime
@@ -66,14 +100,7 @@ impl Store {
             reason,
         };
         let parsed = url::Url::parse(url).map_err(|e| config(e.to_string()))?;
-        let client = object_store::ClientOptions::new()
-            .with_timeout(options.timeout)
-            .with_connect_timeout(options.timeout.min(Duration::from_secs(10)));
-        let retry = object_store::RetryConfig {
-            max_retries: 3,
-            retry_timeout: options.timeout,
-            ..Default::default()
-        };
+        let (client, retry) = (client_options(options), retry_config(options));
         let bucket_prefix = || parsed.path().trim_matches('/').to_string();
         let (inner, prefix): (Arc<dyn ObjectStore>, String) = match parsed.scheme() {
             "s3" => {
@@ -81,22 +108,15 @@ impl Store {
                     .host_str()
                     .filter(|b| !b.is_empty())
                     .ok_or_else(|| config("no bucket in the URL".into()))?;
-                let mut b = object_store::aws::AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .with_client_options(client)
-                    .with_retry(retry);
+                let mut b = object_store::aws::AmazonS3Builder::from_env();
                 if std::env::var_os("AWS_REGION").is_none()
                     && std::env::var_os("AWS_DEFAULT_REGION").is_none()
                 {
                     b = b.with_region("us-east-1");
                 }
-                if let Some(ep) = &options.endpoint {
-                    b = b
-                        .with_endpoint(ep)
-                        .with_allow_http(ep.starts_with("http://"))
-                        .with_virtual_hosted_style_request(false);
-                }
-                let s = b.build().map_err(|e| config(e.to_string()))?;
+                let s = s3_options(b, bucket, options)
+                    .build()
+                    .map_err(|e| config(e.to_string()))?;
                 (Arc::new(s), bucket_prefix())
             }
             "gs" => {
@@ -156,27 +176,11 @@ impl Store {
         secret_key: &str,
     ) -> Result<Store> {
         let url = format!("s3://{bucket}/{prefix}");
-        let mut b = object_store::aws::AmazonS3Builder::new()
-            .with_bucket_name(bucket)
+        let b = object_store::aws::AmazonS3Builder::new()
             .with_region("us-east-1")
             .with_access_key_id(access_key)
-            .with_secret_access_key(secret_key)
-            .with_client_options(
-                object_store::ClientOptions::new()
-                    .with_timeout(options.timeout)
-                    .with_connect_timeout(options.timeout.min(Duration::from_secs(10))),
-            )
-            .with_retry(object_store::RetryConfig {
-                max_retries: 3,
-                retry_timeout: options.timeout,
-                ..Default::default()
-            });
-        if let Some(ep) = &options.endpoint {
-            b = b
-                .with_endpoint(ep)
-                .with_allow_http(ep.starts_with("http://"))
-                .with_virtual_hosted_style_request(false);
-        }
+            .with_secret_access_key(secret_key);
+        let b = s3_options(b, bucket, options);
         let s = b.build().map_err(|e| Error::Config {
             url: url.clone(),
             reason: e.to_string(),

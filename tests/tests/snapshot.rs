@@ -1099,11 +1099,7 @@ fn published_snapshot_restores_exactly_from_s3_after_the_host_files_are_gone() {
     let open = || {
         let client = FetchClient::connect(fetcher.socket(), T).unwrap();
         let remote = client.open(id).unwrap();
-        let layers = remote
-            .layers
-            .iter()
-            .map(|l| (l.dir.clone(), l.memory_file().unwrap()))
-            .collect();
+        let layers = remote.memory_layers().unwrap();
         vmm::PreparedSnapshot::open_with_layers(remote.dir(), vmm::CpuCheck::default(), layers)
             .unwrap()
     };

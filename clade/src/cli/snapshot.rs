@@ -216,13 +216,23 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if let Some(code) = jailed {
         return Ok(code);
     }
+    restore_and_own(args, dir, net_spec, &vmm::host::Ahead::default())
+}
+
+/// Confines this process, restores the snapshot in `dir` (from `ahead` when it holds it)
+/// with the request a standby process would get through its API, and runs the VM.
+fn restore_and_own(
+    args: RestoreArgs,
+    dir: PathBuf,
+    net_spec: Option<String>,
+    ahead: &vmm::host::Ahead,
+) -> anyhow::Result<u8> {
     // The process filter before any VM thread exists, so each can narrow it to its kind.
     if !args.no_seccomp {
         vmm::seccomp::install()?;
     }
     let owner = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
     let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
-    // The same request a standby process gets through its API, from this command line.
     let request = RestoreRequest {
         snapshot: dir,
         backend: Some(args.backend.name().into()),
@@ -242,7 +252,7 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         &args.kvm_device,
         &mut None,
         None,
-        &vmm::host::Ahead::default(),
+        ahead,
         &mut vmm::host::MadeAhead::default(),
     )?;
     restored.log();
@@ -276,35 +286,7 @@ fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
     tracing::info!(id, dir = %dir.display(), open_us = t.elapsed().as_micros() as u64,
         "published snapshot opened");
     let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
-    if !args.no_seccomp {
-        vmm::seccomp::install()?;
-    }
-    let owner = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
-    let api = args.api_sock.as_deref().map(ApiServer::bind).transpose()?;
-    let request = RestoreRequest {
-        snapshot: dir,
-        backend: Some(args.backend.name().into()),
-        vsock: args.vsock,
-        serial_file: args.serial_file,
-        disk_overlay: args.disk_overlay,
-        log: None,
-        agent_sync: !args.no_agent_sync,
-        agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
-        working_set: !args.no_working_set,
-        net: None,
-        tap_passed: false,
-    };
-    let restored = vmm::host::restore_request(
-        &request,
-        Vec::new(),
-        &args.kvm_device,
-        &mut None,
-        None,
-        &ahead,
-        &mut vmm::host::MadeAhead::default(),
-    )?;
-    restored.log();
-    own_vm(restored.vm, api, &owner)
+    restore_and_own(args, dir, None, &ahead)
 }
 
 /// `clade restore --standby`: a confined process with a pre-built VM shell that waits for

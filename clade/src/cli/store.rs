@@ -337,12 +337,11 @@ pub fn open_published(
     let id = store::manifest::parse_snapshot_id(id)?;
     let client = FetchClient::connect(fetcher, Duration::from_secs(120))?;
     let remote = client.open(id)?;
-    let layers = remote
-        .layers
-        .iter()
-        .map(|l| Ok((l.dir.clone(), l.memory_file()?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
     let dir = remote.dir().to_path_buf();
-    let prepared = vmm::PreparedSnapshot::open_with_layers(&dir, vmm::CpuCheck::default(), layers)?;
+    let prepared = vmm::PreparedSnapshot::open_with_layers(
+        &dir,
+        vmm::CpuCheck::default(),
+        remote.memory_layers()?,
+    )?;
     Ok((dir, prepared, client))
 }
