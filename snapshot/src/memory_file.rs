@@ -1148,9 +1148,26 @@ impl MemoryChain {
         }
     }
 
+    /// Tell the fetchers of lazily filled layers that every data page will be read (an
+    /// eager restore, or filling what a guest never touched): they fetch in parallel.
+    pub fn prefetch_all(&self) {
+        for l in &self.layers {
+            if let Some(f) = &l.fetch {
+                let d = l.header.data_offset;
+                let ranges: Vec<(u64, u64)> = l
+                    .data
+                    .runs()
+                    .map(|(s, n)| (d + s * PAGE_SIZE_U64, n * PAGE_SIZE_U64))
+                    .collect();
+                f.0.prefetch(&ranges);
+            }
+        }
+    }
+
     /// Eagerly restore the whole chain into `dst` (the `copy` backend): the base's data
     /// extents, then each diff's pages. Everything is verified before `dst` is touched.
     pub fn restore_into(&self, dst: &mut [u8], fill: HoleFill) -> Result<u64> {
+        self.prefetch_all();
         let mut n = self.layers[0].read_into(dst, fill)?;
         n += self.overlay_diffs_into(dst)?;
         Ok(n)

@@ -773,6 +773,8 @@ impl Server {
                 return Ok(());
             }
             if control == FILL && self.fill_pos.is_none() {
+                // A lazily filled chain fetches what is still missing in parallel now.
+                self.chain.prefetch_all();
                 self.fill_pos = Some(0);
             }
             let background = self.prefetch_pos < self.prefetch.len() || self.fill_pos.is_some();

@@ -100,7 +100,12 @@ pub struct ChunkCache {
     chunks_fetched: AtomicU64,
     chunks_evicted: AtomicU64,
     scanned: AtomicBool,
+    /// Range reads in flight at once (a prefetch of a whole image asks for every chunk).
+    fetch_slots: tokio::sync::Semaphore,
 }
+
+/// Most range reads one cache has in flight.
+pub const MAX_CONCURRENT_FETCHES: usize = 16;
 
 impl std::fmt::Debug for ChunkCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,6 +151,7 @@ impl ChunkCache {
             chunks_fetched: AtomicU64::new(0),
             chunks_evicted: AtomicU64::new(0),
             scanned: AtomicBool::new(false),
+            fetch_slots: tokio::sync::Semaphore::new(MAX_CONCURRENT_FETCHES),
         });
         cache.scan();
         Ok(cache)
@@ -196,7 +202,7 @@ impl ChunkCache {
             let Ok(id) = manifest::parse_snapshot_id(name) else {
                 continue;
             };
-            match self.load_dir(id, &e.path()) {
+            match self.load_dir(id, &e.path(), None) {
                 Ok(()) => {}
                 Err(err) => {
                     tracing::warn!(dir = %e.path().display(), error = %err,
@@ -208,10 +214,15 @@ impl ChunkCache {
     }
 
     /// Loads the cache directory of snapshot `id` (already complete on disk).
-    fn load_dir(&self, id: SnapshotId, dir: &Path) -> Result<()> {
+    fn load_dir(&self, id: SnapshotId, dir: &Path, parsed: Option<Manifest>) -> Result<()> {
         let mpath = dir.join(MANIFEST_FILE);
-        let bytes = std::fs::read(&mpath).map_err(|e| Error::io("read", &mpath, e))?;
-        let m = Manifest::parse(&mpath.display().to_string(), &bytes)?;
+        let m = match parsed {
+            Some(m) => m,
+            None => {
+                let bytes = std::fs::read(&mpath).map_err(|e| Error::io("read", &mpath, e))?;
+                Manifest::parse(&mpath.display().to_string(), &bytes)?
+            }
+        };
         if m.snapshot_id() != id {
             return Err(Error::BadManifest {
                 key: mpath.display().to_string(),
@@ -480,7 +491,7 @@ impl ChunkCache {
                 return Err(Error::io("rename into place", &dir, e));
             }
         }
-        self.load_dir(id, &dir)?;
+        self.load_dir(id, &dir, Some(m))?;
         lock(&self.inner).verified.insert(id, true);
         let layer = lock(&self.inner).layers.get(&id).cloned();
         if let Some(layer) = layer {
@@ -600,6 +611,11 @@ impl ChunkCache {
     async fn fetch_chunk_bytes(&self, m: &Manifest, c: u64) -> Result<Bytes> {
         let (s, e) = m.chunk_range(c);
         let key = m.memory.data.key();
+        let _slot = self
+            .fetch_slots
+            .acquire()
+            .await
+            .map_err(|_| Error::Fetcher("the cache is closing".into()))?;
         let bytes = self.store.get_range(&key, s, e).await?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.bytes_fetched
