@@ -103,6 +103,11 @@ impl RunStore {
     }
 }
 
+/// A ratio rounded to two decimals.
+fn ratio2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -354,11 +359,11 @@ impl StoreRestoreReport {
             "remote_warm_open_p50_us": r1(self.warm_open.summary("open").p50_us),
             "remote_warm_p50_us": r1(w.p50_us),
             "remote_warm_p99_us": r1(w.p99_us),
-            "cold_over_local_p50": r1(c.p50_us / l.p50_us * 100.0) / 100.0,
-            "warm_over_local_p50": r1(w.p50_us / l.p50_us * 100.0) / 100.0,
+            "cold_over_local_p50": ratio2(c.p50_us / l.p50_us),
+            "warm_over_local_p50": ratio2(w.p50_us / l.p50_us),
             "cold_bytes_fetched_p50": pct_u64(&self.cold_bytes, 50.0),
             "cold_requests_p50": pct_u64(&self.cold_requests, 50.0),
-            "cold_bytes_over_working_set": r1(pct_u64(&self.cold_bytes, 50.0) as f64 / self.working_set_bytes.max(1) as f64 * 100.0) / 100.0,
+            "cold_bytes_over_working_set": ratio2(pct_u64(&self.cold_bytes, 50.0) as f64 / self.working_set_bytes.max(1) as f64),
             "noise": self.noise.to_json(),
         })
         .to_string()
@@ -506,7 +511,7 @@ impl StorePauseReport {
             "raw_upload_p50_us": r1(self.raw.summary("r").p50_us),
             "durable_mib_per_s": r1(durable),
             "raw_upload_mib_per_s": r1(raw),
-            "durable_over_raw": r1(durable / raw * 100.0) / 100.0,
+            "durable_over_raw": ratio2(durable / raw),
         })
         .to_string()
     }
