@@ -65,6 +65,15 @@ fn start_serve(state: &Path, port: u16) -> Proc {
 }
 
 fn start_serve_with(state: &Path, port: u16, extra: &[&str]) -> Proc {
+    start_serve_env(state, port, extra, &[])
+}
+
+fn start_serve_env(
+    state: &Path,
+    port: u16,
+    extra: &[&str],
+    env: &[(&'static str, String)],
+) -> Proc {
     let p = Proc(
         clade()
             .args([
@@ -77,6 +86,7 @@ fn start_serve_with(state: &Path, port: u16, extra: &[&str]) -> Proc {
             .arg("--state-dir")
             .arg(state)
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
@@ -914,4 +924,121 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
     let range =
         hostnet::NetRange::new(hostnet::parse_cidr(&range).unwrap(), &name, &name[..2]).unwrap();
     hostnet::HostNet::init(&range).unwrap().remove().unwrap();
+}
+
+/// Polls sandbox `id`'s info on `port` until `done` says yes (or panics after `secs`).
+fn info_until(port: u16, id: &str, secs: u64, done: impl Fn(&Value) -> bool) -> Value {
+    let t = Instant::now();
+    loop {
+        let (s, v) = http(port, "GET", &format!("/sandboxes/{id}"), Some("k"), "");
+        if s == 200 && done(&v) {
+            return v;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "sandbox {id} on :{port}: {s} {v}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `clade serve --store`: a sandbox paused on one service becomes durable in the S3
+/// server, its host's whole state directory is deleted, and a second service (its own
+/// state directory, no templates) resumes it from the store with its VM running on;
+/// a third service asking for the same pause is refused (one host wins); its next pause
+/// there is durable again, and a kill removes its objects from the store.
+#[test]
+fn a_paused_sandbox_moves_to_another_service_through_the_store() {
+    let d = Dir::new("serve-store");
+    let mut s3 = store::s3server::S3Server::start(&d.p("s3"), "clade").expect("S3 server");
+    let env = s3.env();
+    let store_args = ["--store", "s3://clade/sandboxes"];
+    let state_a = d.p("a");
+    build_template(&state_a);
+    let (pa, pb, pc) = (free_port(), free_port(), free_port());
+    let mut a = start_serve_env(&state_a, pa, &store_args, &env);
+    let id = create_from_template(pa);
+    ping(&state_a.join("sandboxes").join(&id).join("vm.vsock"));
+    let (s, v) = http(pa, "POST", &format!("/sandboxes/{id}/pause"), Some("k"), "");
+    assert_eq!(s, 204, "{v}");
+    let v = info_until(pa, &id, 60, |v| v["durableAt"].is_string());
+    assert_eq!(v["state"], "paused", "{v}");
+    assert!(v.get("uploadError").is_none(), "{v}");
+
+    // Host A is lost: its service and every file of its state.
+    let _ = a.0.kill();
+    let _ = a.0.wait();
+    std::fs::remove_dir_all(&state_a).unwrap();
+
+    let state_b = d.p("b");
+    let mut b = start_serve_env(&state_b, pb, &store_args, &env);
+    // Seen through the store before anyone resumes it.
+    let v = info_until(pb, &id, 10, |_| true);
+    assert_eq!(
+        (v["state"].as_str(), v["templateID"].as_str()),
+        (Some("paused"), Some("t")),
+        "{v}"
+    );
+    let (s, v) = http(
+        pb,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "resume on B: {v}");
+    // The agent of the VM as it was paused answers on host B.
+    ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
+    let v = info_until(pb, &id, 5, |_| true);
+    assert_eq!(v["state"], "running", "{v}");
+
+    // A third host asking for the same pause: refused, B's sandbox unharmed.
+    let state_c = d.p("c");
+    let mut c = start_serve_env(&state_c, pc, &store_args, &env);
+    let (s, v) = http(
+        pc,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 409, "a second resume of the same pause: {v}");
+    assert!(
+        v["message"].as_str().unwrap_or("").contains("another host"),
+        "{v}"
+    );
+    ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
+
+    // Paused on B (a full snapshot: its memory came from the store), durable again, and
+    // resumable on C; then killed there, which removes it from the store.
+    let (s, v) = http(pb, "POST", &format!("/sandboxes/{id}/pause"), Some("k"), "");
+    assert_eq!(s, 204, "{v}");
+    info_until(pb, &id, 60, |v| v["durableAt"].is_string());
+    let _ = b.0.kill();
+    let _ = b.0.wait();
+    let (s, v) = http(
+        pc,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "resume on C: {v}");
+    ping(&state_c.join("sandboxes").join(&id).join("vm.vsock"));
+    let (s, v) = http(pc, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "");
+    assert_eq!(s, 204, "{v}");
+    let bucket = d.p("s3").join("clade").join("sandboxes");
+    assert!(!bucket.join("sandboxes").join(format!("{id}.json")).exists());
+    let state_d = d.p("d");
+    let pd = free_port();
+    let mut e = start_serve_env(&state_d, pd, &store_args, &env);
+    assert_eq!(
+        http(pd, "GET", &format!("/sandboxes/{id}"), Some("k"), "").0,
+        404
+    );
+    for p in [&mut c, &mut e] {
+        let _ = p.0.kill();
+        let _ = p.0.wait();
+    }
+    s3.kill();
 }

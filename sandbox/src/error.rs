@@ -67,6 +67,9 @@ pub enum Error {
     /// A sandbox network could not be made, changed or removed (or networking is off).
     #[error("network: {0}")]
     Network(String),
+    /// The object store (`clade serve --store`) failed or holds something unusable.
+    #[error("object store: {0}")]
+    Store(String),
 }
 
 impl Error {

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::durable::{Durable, SandboxObject};
 use crate::error::{Error, Result};
 use crate::ids;
 use crate::net::Networks;
@@ -151,6 +152,10 @@ pub struct Host {
     networks: std::result::Result<Arc<Networks>, String>,
     /// Empty sandbox directories made ahead (see `host::dirs`).
     dirs: dirs::DirsAhead,
+    /// The object store sandboxes are kept durable in (`clade serve --store`).
+    durable: Option<Arc<Durable>>,
+    /// The uploader's queue (sandbox ids whose pause to publish).
+    uploads: Mutex<Option<std::sync::mpsc::Sender<String>>>,
 }
 
 impl Host {
@@ -171,7 +176,226 @@ impl Host {
             cpu_samples: Mutex::new(HashMap::new()),
             networks: Err("networking is off (clade serve --no-net, or a library user)".into()),
             dirs: dirs::DirsAhead::start(&sandboxes),
+            durable: None,
+            uploads: Mutex::new(None),
         })
+    }
+
+    /// Keeps paused sandboxes durable in `d`'s store (before [`Host::recover`]; start its
+    /// uploader with [`Host::start_uploads`]).
+    pub fn set_store(&mut self, d: Arc<Durable>) {
+        self.durable = Some(d);
+    }
+
+    /// The object store, if the host has one.
+    pub fn durable(&self) -> Option<&Arc<Durable>> {
+        self.durable.as_ref()
+    }
+
+    /// Starts the uploader (with a store): every pause is published after it returns, and
+    /// the paused sandboxes whose pause is not published yet are queued now.
+    pub fn start_uploads(self: &Arc<Self>) -> Result<()> {
+        if self.durable.is_none() {
+            return Ok(());
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let host = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("clade-uploader".into())
+            .spawn(move || uploader(host, rx))
+            .map_err(Error::io("starting the uploader", &self.cfg.state_dir))?;
+        for r in self.reg().all()? {
+            if r.state == State::Paused && r.remote.is_none() && !r.durable() {
+                let _ = tx.send(r.id);
+            }
+        }
+        *self.uploads.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        Ok(())
+    }
+
+    fn queue_upload(&self, id: &str) {
+        if let Some(tx) = &*self.uploads.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = tx.send(id.to_string());
+        }
+    }
+
+    /// Publishes the pause of sandbox `id` (if it is still paused at a pause not published
+    /// yet): its snapshot chain, then its sandbox object, then its record says so.
+    fn publish_pause(&self, d: &Durable, id: &str) -> Result<()> {
+        let Some(rec) = self.reg().get(id)? else {
+            return Ok(());
+        };
+        if rec.state != State::Paused || rec.remote.is_some() || rec.durable() {
+            return Ok(());
+        }
+        let Some(dir) = rec.snapshot.clone() else {
+            return Ok(());
+        };
+        let template = self.sandbox_template(&rec)?;
+        let t = Instant::now();
+        let prepared = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())
+            .map_err(|e| Error::Vm(format!("{}: {e}", dir.display())))?;
+        let mut dirs = prepared.chain_dirs().to_vec();
+        dirs.push(dir.clone());
+        let disk = prepared.disk().map(|d| (d.layer.clone(), d.read_only));
+        drop(prepared);
+        let files: Vec<store::publish::SnapshotFiles> = dirs
+            .iter()
+            .map(|d| snapshot_files(d, disk.clone()))
+            .collect();
+        let (manifest, report) = d
+            .block_on(store::publish::publish_chain(
+                d.store(),
+                &files,
+                &store::publish::PublishOptions::default(),
+            ))
+            .map_err(crate::durable::store_err)?;
+        // This sandbox's own snapshots: those in its directory (not its template's).
+        let mut own: Vec<String> = d
+            .sandbox_object(id)?
+            .map(|o| o.own_snapshots)
+            .unwrap_or_default();
+        for (dir, f) in dirs.iter().zip(&files) {
+            if dir.starts_with(&rec.dir) {
+                let sid = snapshot::state_file::read_header(&f.state)
+                    .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
+                    .meta
+                    .id
+                    .to_string();
+                if !own.contains(&sid) {
+                    own.push(sid);
+                }
+            }
+        }
+        let now = ids::now_ms();
+        let object = SandboxObject {
+            format: crate::durable::SANDBOX_FORMAT.into(),
+            version: crate::durable::SANDBOX_VERSION,
+            id: rec.id.clone(),
+            snapshot: manifest.id.clone(),
+            pause: rec.pauses,
+            own_snapshots: own,
+            template,
+            started_ms: rec.started_ms,
+            auto_pause: rec.auto_pause,
+            metadata: rec.metadata.clone(),
+            env_vars: rec.env_vars.clone(),
+            egress: rec.egress.clone(),
+            parent: rec.parent.clone(),
+            published_ms: now,
+            host: d.host_id().to_string(),
+        };
+        // The object only while the sandbox is still paused at this pause (a resume of a
+        // pause whose object exists claims it first; one that came before did not).
+        let lock = self.lock_of(id);
+        let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let now_rec = self.reg().get(id)?;
+        match now_rec {
+            Some(mut r) if r.state == State::Paused && r.pauses == rec.pauses => {
+                d.put_sandbox_object(&object)?;
+                r.published_pause = Some(rec.pauses);
+                r.published_ms = Some(now);
+                self.reg().update(&r)?;
+                tracing::info!(sandbox = %id, snapshot = %manifest.id, pause = rec.pauses,
+                    uploaded = report.bytes_uploaded, elapsed = ?t.elapsed(), "durable");
+            }
+            Some(_) => {
+                tracing::debug!(sandbox = %id, pause = rec.pauses, "resumed before its upload finished");
+            }
+            None => {
+                // Killed meanwhile: what was just published is no one's.
+                for sid in report.published.iter().rev() {
+                    let _ = d.block_on(store::publish::delete(d.store(), *sid));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The template a sandbox runs: its template here, or the copy a sandbox taken over
+    /// from another host brought along.
+    fn sandbox_template(&self, rec: &Record) -> Result<Template> {
+        let copy = rec.dir.join(template::TEMPLATE_FILE);
+        if rec.remote.is_some() || copy.exists() {
+            let text = std::fs::read_to_string(&copy).map_err(Error::io("reading", &copy))?;
+            return serde_json::from_str(&text)
+                .map_err(|e| Error::Corrupt(format!("{}: {e}", copy.display())));
+        }
+        self.template(&rec.template)
+    }
+
+    /// Takes over sandbox `id` from the object store (a host that paused it published
+    /// it): claims its pause, then records it here as paused, to resume from the store.
+    fn adopt(&self, id: &str) -> Result<Record> {
+        let Some(d) = &self.durable else {
+            return Err(Error::NotFound(id.to_string()));
+        };
+        if !ids::valid_sandbox_id(id) {
+            return Err(Error::NotFound(id.to_string()));
+        }
+        let Some(mut o) = d.sandbox_object(id)? else {
+            return Err(Error::NotFound(id.to_string()));
+        };
+        d.claim(id, o.pause)?;
+        // Ours now: a kill on the host it came from no longer removes its objects.
+        o.host = d.host_id().to_string();
+        d.put_sandbox_object(&o)?;
+        let dir = self.sandboxes_dir().join(id);
+        self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
+        let copy = dir.join(template::TEMPLATE_FILE);
+        let text =
+            serde_json::to_string_pretty(&o.template).map_err(|e| Error::Corrupt(e.to_string()))?;
+        std::fs::write(&copy, text).map_err(Error::io("writing", &copy))?;
+        let mut rec = self.record_of(o.clone());
+        rec.end_ms = ids::now_ms();
+        let policy = policy_of(&rec)?;
+        rec.net = self.acquire_net(&o.template, &policy)?;
+        if let Err(e) = self.reg().insert(&rec) {
+            self.release_net(rec.net);
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+        tracing::info!(sandbox = %id, snapshot = ?rec.remote, pause = rec.pauses,
+            from = %d.store().url(), "taken over from the store");
+        Ok(rec)
+    }
+
+    /// A paused sandbox as the store's object describes it (to resume from the store).
+    fn record_of(&self, o: SandboxObject) -> Record {
+        Record {
+            dir: self.sandboxes_dir().join(&o.id),
+            id: o.id,
+            template: o.template.name.clone(),
+            state: State::Paused,
+            pid: None,
+            api_sock: None,
+            vsock: None,
+            snapshot: None,
+            pauses: o.pause,
+            started_ms: o.started_ms,
+            end_ms: o.published_ms,
+            auto_pause: o.auto_pause,
+            metadata: o.metadata,
+            env_vars: o.env_vars,
+            vcpus: o.template.vcpus,
+            mem_mib: o.template.mem_mib,
+            disk: None,
+            crash: None,
+            parent: o.parent,
+            net: None,
+            egress: o.egress,
+            remote: Some(o.snapshot),
+            published_pause: Some(o.pause),
+            published_ms: Some(o.published_ms),
+        }
+    }
+
+    /// A sandbox to resume: this host's, or one taken over from the store.
+    fn load_or_adopt(&self, id: &str) -> Result<Record> {
+        match self.load_usable(id) {
+            Err(Error::NotFound(_)) if self.durable.is_some() => self.adopt(id),
+            r => r,
+        }
     }
 
     /// Gives the host its sandbox networks (`Ok`), or says why it has none (`Err`: set-up
@@ -312,17 +536,11 @@ impl Host {
 
     /// The template of a sandbox (a built template, or a snapshot, deleted or not).
     pub fn template(&self, name: &str) -> Result<Template> {
-        Ok(self.template_of(name)?.0)
-    }
-
-    /// A sandbox's template `name` and the snapshot directory it restores.
-    fn template_of(&self, name: &str) -> Result<(Template, PathBuf)> {
-        let store = if self.reg().get_snapshot(name)?.is_some() {
-            &self.snapshots
+        if self.reg().get_snapshot(name)?.is_some() {
+            self.snapshots.get(name)
         } else {
-            &self.templates
-        };
-        Ok((store.get(name)?, store.snapshot_dir(name)?))
+            self.templates.get(name)
+        }
     }
 
     /// What a create request's `templateID` means: a live snapshot (by id or name), else a
@@ -383,6 +601,9 @@ impl Host {
             parent: None,
             net: None,
             egress: None,
+            remote: None,
+            published_pause: None,
+            published_ms: None,
         };
         let t_start = std::time::Instant::now();
         let started = self.acquire_net(&template, &req.egress).and_then(|net| {
@@ -426,6 +647,17 @@ impl Host {
             .then(|| rec.dir.join(format!("disk-r{}.cdsk", rec.pauses)));
         let spec = StartSpec {
             snapshot: snapshot.to_path_buf(),
+            fetcher: match (&rec.remote, &self.durable) {
+                (Some(_), Some(d)) => Some(d.fetcher_socket().to_path_buf()),
+                (Some(id), None) => {
+                    return Err(Error::Store(format!(
+                        "sandbox {} resumes from published snapshot {id}, but this host has no \
+                         store (clade serve --store)",
+                        rec.id
+                    )))
+                }
+                (None, _) => None,
+            },
             snapshot_reused: reused,
             api_sock: api.clone(),
             vsock: vsock.clone(),
@@ -497,9 +729,19 @@ impl Host {
         Ok(rec)
     }
 
-    /// One sandbox (crashed ones too: the caller decides how to show them).
+    /// One sandbox (crashed ones too: the caller decides how to show them). With a
+    /// store, a sandbox another host published is shown as it is there (paused), without
+    /// taking it over.
     pub fn get(&self, id: &str) -> Result<Record> {
-        self.load(id)
+        match (self.load(id), &self.durable) {
+            (Err(Error::NotFound(_)), Some(d)) if ids::valid_sandbox_id(id) => {
+                let o = d
+                    .sandbox_object(id)?
+                    .ok_or_else(|| Error::NotFound(id.to_string()))?;
+                Ok(self.record_of(o))
+            }
+            (r, _) => r,
+        }
     }
 
     /// Sandboxes matching `q` (running ones checked for life first), and whether there are
@@ -540,7 +782,25 @@ impl Host {
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
         tracing::info!(sandbox = %id, kept_for_snapshots = held, "killed");
+        if let Some(d) = &self.durable {
+            self.delete_published(d, id);
+        }
         self.collect_garbage_locked()
+    }
+
+    /// Removes what the store holds of a killed sandbox, if this host owns it there (one
+    /// taken over by another host is that host's now).
+    fn delete_published(&self, d: &Durable, id: &str) {
+        let r = d.sandbox_object(id).and_then(|o| match o {
+            Some(o) if o.host != d.host_id() => {
+                tracing::info!(sandbox = %id, owner = %o.host, "kept in the store: another host took it over");
+                Ok(())
+            }
+            _ => d.delete_sandbox(id),
+        });
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %id, "removing its objects from the store: {e}");
+        }
     }
 
     /// Takes a persistent snapshot of a sandbox, which runs on (or stays paused): a new
@@ -563,7 +823,7 @@ impl Host {
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
         let rec = self.load_usable(id)?;
         let _snapshots = self.snapshot_guard();
-        let (template, _) = self.template_of(&rec.template)?;
+        let template = self.sandbox_template(&rec)?;
         let sid = format!("snap-{}", ids::random_string(16));
         let dir = self.snapshots.prepare(&sid, false)?;
         let t = Instant::now();
@@ -796,8 +1056,11 @@ impl Host {
         rec.vsock = None;
         rec.snapshot = Some(dir);
         rec.pauses += 1;
+        // Its memory is local again (a sandbox taken over resumed from the store).
+        rec.remote = None;
         self.reg().update(&rec)?;
         tracing::info!(sandbox = %rec.id, kind, elapsed = ?t.elapsed(), "paused");
+        self.queue_upload(&rec.id);
         // Its wake will restore this snapshot: a ready VM process may open it now.
         if let Some(snapshot) = &rec.snapshot {
             self.driver.open_ahead(rec.vcpus, rec.mem_mib, snapshot);
@@ -814,7 +1077,7 @@ impl Host {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let rec = self.load_usable(id)?;
+        let rec = self.load_or_adopt(id)?;
         if rec.state == State::Running {
             return Err(Error::Conflict(format!("sandbox {id} is already running")));
         }
@@ -827,7 +1090,7 @@ impl Host {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_usable(id)?;
+        let mut rec = self.load_or_adopt(id)?;
         if rec.state == State::Running {
             rec.end_ms = rec.end_ms.max(ids::now_ms() + (timeout_s as i64) * 1000);
             self.reg().update(&rec)?;
@@ -837,11 +1100,21 @@ impl Host {
     }
 
     fn resume_locked(&self, mut rec: Record, timeout_s: u64) -> Result<Record> {
-        let (template, _) = self.template_of(&rec.template)?;
-        let snapshot = rec
-            .snapshot
-            .clone()
-            .ok_or_else(|| Error::Corrupt(format!("paused sandbox {} has no snapshot", rec.id)))?;
+        let template = self.sandbox_template(&rec)?;
+        // A pause another host may take over is resumed by one host only.
+        if let (true, Some(d)) = (rec.durable(), &self.durable) {
+            d.claim(&rec.id, rec.pauses)?;
+        }
+        let snapshot = match (&rec.remote, &rec.snapshot) {
+            (Some(id), _) => PathBuf::from(id),
+            (None, Some(s)) => s.clone(),
+            (None, None) => {
+                return Err(Error::Corrupt(format!(
+                    "paused sandbox {} has no snapshot",
+                    rec.id
+                )))
+            }
+        };
         let t = std::time::Instant::now();
         self.start_vm(&mut rec, &template, &snapshot, false)?;
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
@@ -874,7 +1147,7 @@ impl Host {
                 "sandbox {id} is paused: connect to it before forking"
             )));
         };
-        let (template, _) = self.template_of(&parent.template)?;
+        let template = self.sandbox_template(&parent)?;
         // Short: the children's Unix sockets are named inside it (at most 107 bytes).
         let prefix = self
             .sandboxes_dir()
@@ -949,6 +1222,9 @@ impl Host {
             parent: Some(parent.id.clone()),
             net: None,
             egress: parent.egress.clone(),
+            remote: None,
+            published_pause: None,
+            published_ms: None,
         };
         let mut out = Vec::new();
         match live {
@@ -1120,6 +1396,42 @@ impl Host {
     /// How many sandboxes use template `name`.
     pub fn template_users(&self, name: &str) -> Result<usize> {
         self.reg().count_template(name)
+    }
+}
+
+/// The uploader: publishes the pauses queued, one at a time, retrying a failed one with
+/// backoff while its sandbox stays paused at that pause (its local copy stays meanwhile).
+fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<String>) {
+    while let Ok(id) = rx.recv() {
+        let mut attempt = 0u32;
+        loop {
+            let Some(h) = host.upgrade() else { return };
+            let Some(d) = h.durable.clone() else { return };
+            match h.publish_pause(&d, &id) {
+                Ok(()) => {
+                    d.set_failure(&id, None);
+                    break;
+                }
+                Err(e) => {
+                    let wait = crate::durable::backoff(attempt);
+                    tracing::warn!(sandbox = %id, attempt, retry_in = ?wait, "upload failed: {e}");
+                    d.set_failure(&id, Some(e.to_string()));
+                    attempt += 1;
+                    drop(h);
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+    }
+}
+
+/// The files of the snapshot in `dir` (with its saved disk, if it has one).
+fn snapshot_files(dir: &Path, _disk: Option<(PathBuf, bool)>) -> store::publish::SnapshotFiles {
+    let ws = dir.join(vmm::WORKING_SET_FILE);
+    store::publish::SnapshotFiles {
+        state: dir.join(vmm::STATE_FILE),
+        memory: dir.join(vmm::MEMORY_FILE),
+        working_set: ws.exists().then_some(ws),
     }
 }
 

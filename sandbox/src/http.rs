@@ -491,7 +491,13 @@ async fn list_v2(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiRe
 }
 
 async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    let rec = blocking(&st, move |h| h.get(&id)).await?;
+    let (rec, upload_error) = blocking(&st, move |h| {
+        h.get(&id).map(|r| {
+            let e = h.durable().and_then(|d| d.failure(&r.id));
+            (r, e)
+        })
+    })
+    .await?;
     if rec.state == State::Crashed {
         return Err(Error::Crashed {
             id: rec.id,
@@ -499,7 +505,16 @@ async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResu
         }
         .into());
     }
-    Ok(Json(listed(&rec, true)).into_response())
+    let mut v = listed(&rec, true);
+    // Clade's own (with `clade serve --store`): when its pause reached the object store
+    // (another host may then resume it), and why the upload is being retried.
+    if rec.durable() {
+        v["durableAt"] = json!(rec.published_ms.map(ids::rfc3339));
+    }
+    if let Some(e) = upload_error {
+        v["uploadError"] = json!(e);
+    }
+    Ok(Json(v).into_response())
 }
 
 async fn kill(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {

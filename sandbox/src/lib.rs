@@ -12,11 +12,13 @@
 //! | [`template`] | templates on disk (a snapshot plus its metadata) |
 //! | [`registry`] | the SQLite registry of sandboxes |
 //! | [`vmproc`] | starting, asking and stopping VM processes |
+//! | [`durable`] | what an object store keeps of sandboxes (`--store`): uploads, claims |
 //! | [`net`] | sandbox networks (namespaces, NAT, egress policy: the `hostnet` crate) |
 //! | [`host`] | the lifecycle |
 //! | [`http`] | the E2B control API |
 //! | [`envd`] | the E2B data plane (envd's protocol, translated to the agent's) |
 
+pub mod durable;
 pub mod envd;
 pub mod error;
 pub mod host;

@@ -100,6 +100,22 @@ pub struct Record {
     pub net: Option<u32>,
     /// Its egress policy (`hostnet::EgressPolicy`, as JSON; `None`: allow all).
     pub egress: Option<String>,
+    /// A sandbox moved here from another host through the object store: the published
+    /// snapshot (id) it resumes from, until its first pause here (see `host::durable`).
+    pub remote: Option<String>,
+    /// The latest of its pauses published to the object store (its number, `pauses` at
+    /// that pause); `None`: none was. A paused sandbox is durable when this is `pauses`.
+    pub published_pause: Option<u32>,
+    /// When that pause was published (ms since the epoch).
+    pub published_ms: Option<i64>,
+}
+
+impl Record {
+    /// Paused, and its pause is in the object store: another host may resume it.
+    pub fn durable(&self) -> bool {
+        self.state == State::Paused
+            && (self.remote.is_some() || self.published_pause == Some(self.pauses))
+    }
 }
 
 /// Filters and paging for [`Registry::list`].
@@ -152,12 +168,21 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     crash TEXT,
     parent TEXT,
     net INTEGER,
-    egress TEXT
+    egress TEXT,
+    remote TEXT,
+    published_pause INTEGER,
+    published_ms INTEGER
 );
 ";
 
 /// Columns added since the first schema: (name, type), added to an older registry on open.
-const ADDED_COLUMNS: &[(&str, &str)] = &[("net", "INTEGER"), ("egress", "TEXT")];
+const ADDED_COLUMNS: &[(&str, &str)] = &[
+    ("net", "INTEGER"),
+    ("egress", "TEXT"),
+    ("remote", "TEXT"),
+    ("published_pause", "INTEGER"),
+    ("published_ms", "INTEGER"),
+];
 
 const SNAPSHOT_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -223,7 +248,8 @@ fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
 
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
-    end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress";
+    end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress, \
+    remote, published_pause, published_ms";
 
 fn path_text(p: &Option<PathBuf>) -> Option<String> {
     p.as_ref().map(|p| p.to_string_lossy().into_owned())
@@ -259,6 +285,9 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<(Record, String, String, String)>
         parent: row.get(18)?,
         net: row.get(19)?,
         egress: row.get(20)?,
+        remote: row.get(21)?,
+        published_pause: row.get(22)?,
+        published_ms: row.get(23)?,
     };
     Ok((r, row.get(2)?, row.get(12)?, row.get(13)?))
 }
@@ -336,7 +365,7 @@ impl Registry {
     fn write(&self, verb: &str, r: &Record) -> Result<()> {
         let sql = format!(
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
-             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)"
+             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)"
         );
         // Cached: a create or a wake writes its row on the request's path, and parsing
         // this statement each time was a measurable part of that write.
@@ -363,6 +392,9 @@ impl Registry {
                 r.parent,
                 r.net,
                 r.egress,
+                r.remote,
+                r.published_pause,
+                r.published_ms,
             ])
         });
         // After the write: whoever read the counter before reading a row sees it change.
@@ -591,6 +623,9 @@ pub(crate) mod tests {
             parent: None,
             net: None,
             egress: None,
+            remote: None,
+            published_pause: None,
+            published_ms: None,
         }
     }
 

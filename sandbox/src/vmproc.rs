@@ -32,8 +32,10 @@ pub use standby::{Shape, StandbyConfig, StandbyPool};
 /// What a new VM process starts from and where its files go.
 #[derive(Debug, Clone)]
 pub struct StartSpec {
-    /// The snapshot to restore.
+    /// The snapshot to restore: its directory, or with `fetcher`, a published snapshot's id.
     pub snapshot: PathBuf,
+    /// Restore a published snapshot through the host's fetcher at this socket.
+    pub fetcher: Option<PathBuf>,
     /// Later starts will likely restore the same snapshot (a template's, or one that
     /// sandboxes are created from): standby processes may open it ahead.
     pub snapshot_reused: bool,
@@ -426,8 +428,10 @@ pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 
 impl VmDriver for ProcessDriver {
     fn start(&self, spec: &StartSpec) -> Result<Started> {
-        if let Some(started) = self.start_standby(spec)? {
-            return Ok(started);
+        if spec.fetcher.is_none() {
+            if let Some(started) = self.start_standby(spec)? {
+                return Ok(started);
+            }
         }
         // Appended: the log of a sandbox's earlier runs (before a pause) stays readable.
         let log = File::options()
@@ -448,6 +452,9 @@ impl VmDriver for ProcessDriver {
             .arg(&spec.files_root);
         if let Some(d) = &spec.disk_overlay {
             cmd.arg("--disk-overlay").arg(d);
+        }
+        if let Some(f) = &spec.fetcher {
+            cmd.arg("--fetcher").arg(f);
         }
         match (&spec.tap, &spec.net) {
             (Some(tap), _) => {
@@ -737,6 +744,7 @@ mod tests {
         let driver = ProcessDriver::new(PathBuf::from("false"));
         let spec = StartSpec {
             snapshot: d.join("nosnap"),
+            fetcher: None,
             snapshot_reused: false,
             api_sock: d.join("vm.api"),
             vsock: d.join("vm.vsock"),

@@ -476,6 +476,44 @@ pub async fn upload_bytes(
         .map_err(|e| Error::store("upload", &store.key(rel), e))
 }
 
+/// Publishes a snapshot and the chain below it (`chain`: base first, the snapshot last),
+/// skipping the snapshots the store has already. Returns the snapshot's manifest and
+/// what this call uploaded.
+pub async fn publish_chain(
+    store: &Store,
+    chain: &[SnapshotFiles],
+    options: &PublishOptions,
+) -> Result<(Manifest, ChainReport)> {
+    let mut report = ChainReport::default();
+    let mut top = None;
+    for files in chain {
+        let id = state_file::read_header(&files.state)?.meta.id;
+        let key = manifest::manifest_key(id);
+        if store.size(&key).await?.is_some() {
+            top = Some(Manifest::parse(&store.key(&key), &store.get(&key).await?)?);
+            report.already_published.push(id);
+            continue;
+        }
+        let (m, r) = publish(store, files, options).await?;
+        report.bytes_uploaded += r.bytes_uploaded;
+        report.published.push(id);
+        top = Some(m);
+    }
+    let top = top.ok_or_else(|| Error::InvalidInput("an empty snapshot chain".into()))?;
+    Ok((top, report))
+}
+
+/// What [`publish_chain`] did.
+#[derive(Debug, Clone, Default)]
+pub struct ChainReport {
+    /// Snapshots published now, base first.
+    pub published: Vec<SnapshotId>,
+    /// Snapshots the store had already.
+    pub already_published: Vec<SnapshotId>,
+    /// Bytes uploaded.
+    pub bytes_uploaded: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

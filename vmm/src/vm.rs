@@ -1040,9 +1040,10 @@ impl Vm {
             Backing::Anonymous | Backing::FilePrivate => {
                 let Some(lineage) = &self.lineage else {
                     return Err(Error::Snapshot(
-                        "this VM's memory comes from a snapshot, but which pages were written \
-                         since is no longer known (a fork or a failed snapshot consumed the \
-                         dirty log): take a full snapshot and restore it to fork"
+                        "this VM's memory comes from a snapshot that cannot be the base of a \
+                         diff (fetched from a store, or which pages were written since is no \
+                         longer known: a fork or a failed snapshot consumed the dirty log): \
+                         take a full snapshot and restore it to fork"
                             .into(),
                     ));
                 };

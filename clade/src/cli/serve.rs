@@ -30,6 +30,18 @@ pub struct ServeArgs {
     /// The host's state: registry.sqlite, templates/, sandboxes/ (created if needed).
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
+    /// Keep paused sandboxes durable in this object store (each pause is published after
+    /// it returns; another `clade serve` on the same store may resume them). Without it,
+    /// sandboxes live in the state directory only.
+    #[command(flatten)]
+    store: super::store::StoreArgs,
+    /// With --store: the chunk cache of what this host fetches (default
+    /// `<state dir>/store-cache`).
+    #[arg(long, value_name = "DIR")]
+    store_cache: Option<PathBuf>,
+    /// With --store: the chunk cache's size limit (MiB).
+    #[arg(long, value_name = "MIB", default_value_t = 16384)]
+    store_cache_max: u64,
     /// The API key clients must send in X-API-KEY (E2B_API_KEY for the SDK).
     #[arg(
         long,
@@ -194,9 +206,26 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             }
         }
     });
+    if let Some(url) = &args.store.store {
+        let cache_dir = args
+            .store_cache
+            .clone()
+            .unwrap_or_else(|| state_dir.join("store-cache"));
+        let d = sandbox::durable::Durable::open(
+            &sandbox::durable::StoreConfig {
+                url: url.clone(),
+                options: args.store.options(),
+                cache_dir,
+                cache_limit: args.store_cache_max.saturating_mul(1 << 20),
+            },
+            &state_dir,
+        )?;
+        host.set_store(Arc::new(d));
+    }
     let (running, paused, crashed) = host.recover()?;
     tracing::info!(running, paused, crashed, "registry loaded");
     let host = Arc::new(host);
+    host.start_uploads()?;
     let kept = Arc::clone(&host);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

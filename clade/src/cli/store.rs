@@ -41,7 +41,7 @@ impl StoreArgs {
         Ok(Store::open(url, &self.options())?)
     }
 
-    fn options(&self) -> StoreOptions {
+    pub(crate) fn options(&self) -> StoreOptions {
         StoreOptions {
             endpoint: self.store_endpoint.clone(),
             timeout: Duration::from_secs(self.store_timeout.max(1)),

@@ -551,7 +551,10 @@ impl PreparedSnapshot {
             kvm_device: options.kvm_device.clone(),
             dirty_tracking: options.dirty_tracking,
             vcpu_cpus: options.vcpu_cpus.clone(),
-            lineage: Some(Lineage {
+            // A chain fetched from a store lives in a cache that fills lazily and may be
+            // evicted: no later diff may name it as its base (its pages would be read
+            // back from a sparse file as zeros). Such a VM's next snapshot is a full one.
+            lineage: (!self.chain.layers().iter().any(|l| l.is_fetched())).then(|| Lineage {
                 id: meta.id,
                 dir: dir.clone(),
                 chain: self.state.chain.clone(),

@@ -1,0 +1,419 @@
+//! Durable sandboxes: what `clade serve --store URL` keeps in an object store so that a
+//! paused sandbox outlives the host it slept on (the lifecycle's use of it is in `host`).
+//!
+//! - Its **pause snapshot**, published (with the chain below it: earlier pauses, the
+//!   template) by an uploader thread after the pause returned: a pause costs the client
+//!   what it cost before, and the local copy stays.
+//! - A **sandbox object** `sandboxes/<id>.json` ([`SandboxObject`]), written once its
+//!   pause is published: what another host needs to take the sandbox over (the snapshot
+//!   to resume, its template's shape, metadata, env vars, egress policy), and the pause
+//!   snapshots that are the sandbox's own (deleted with it).
+//! - **Claims** `claims/<id>/<pause>`: every resume of a pause a store has seen first
+//!   writes this object if absent. Exactly one host's write succeeds, so one pause is
+//!   resumed once, whichever hosts try.
+//!
+//! A host that takes a sandbox over restores its snapshot lazily through the host's
+//! fetcher (the store crate's chunk cache, shared with the VM processes read-only; the VM
+//! process itself opens no network socket).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use store::cache::ChunkCache;
+use store::fetcher::FetcherThread;
+use store::location::StoreOptions;
+use store::Store;
+
+use crate::error::{Error, Result};
+use crate::template::Template;
+
+/// Where the store is and how the host caches what it fetches.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///dir`, `memory://…`.
+    pub url: String,
+    /// Endpoint and time limits.
+    pub options: StoreOptions,
+    /// The chunk cache's directory.
+    pub cache_dir: PathBuf,
+    /// The chunk cache's size limit (bytes).
+    pub cache_limit: u64,
+}
+
+/// The sandbox object's format name.
+pub const SANDBOX_FORMAT: &str = "clade-sandbox";
+/// Its version.
+pub const SANDBOX_VERSION: u32 = 1;
+
+/// What the store keeps of a sandbox: `sandboxes/<id>.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxObject {
+    /// [`SANDBOX_FORMAT`].
+    pub format: String,
+    /// [`SANDBOX_VERSION`].
+    pub version: u32,
+    /// The sandbox's id.
+    pub id: String,
+    /// The published snapshot it resumes from.
+    pub snapshot: String,
+    /// The pause that snapshot is (its claim is `claims/<id>/<pause>`).
+    pub pause: u32,
+    /// Published snapshots that are this sandbox's own pauses (deleted with it), oldest
+    /// first.
+    pub own_snapshots: Vec<String>,
+    /// Its template's shape (the resuming host need not have the template).
+    pub template: Template,
+    /// When it was created (ms).
+    pub started_ms: i64,
+    /// Pause instead of kill on timeout.
+    pub auto_pause: bool,
+    /// User metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Environment variables.
+    pub env_vars: BTreeMap<String, String>,
+    /// Its egress policy (JSON), `None`: allow all.
+    pub egress: Option<String>,
+    /// The sandbox it was forked from.
+    pub parent: Option<String>,
+    /// When it was published (ms).
+    pub published_ms: i64,
+    /// The host that published it.
+    pub host: String,
+}
+
+impl SandboxObject {
+    /// Parses and checks a sandbox object read from the store (untrusted).
+    pub fn parse(id: &str, bytes: &[u8]) -> Result<SandboxObject> {
+        let bad = |why: String| Error::Store(format!("{}: {why}", sandbox_key(id)));
+        let o: SandboxObject =
+            serde_json::from_slice(bytes).map_err(|e| bad(format!("not a sandbox object: {e}")))?;
+        if o.format != SANDBOX_FORMAT || o.version != SANDBOX_VERSION {
+            return Err(bad(format!(
+                "format {} version {} (this host reads {SANDBOX_FORMAT} {SANDBOX_VERSION})",
+                o.format, o.version
+            )));
+        }
+        if o.id != id {
+            return Err(bad(format!("it names sandbox {}", o.id)));
+        }
+        for s in std::iter::once(&o.snapshot).chain(&o.own_snapshots) {
+            store::manifest::parse_snapshot_id(s).map_err(|e| bad(e.to_string()))?;
+        }
+        if !crate::template::valid_name(&o.template.name)
+            || o.template.vcpus == 0
+            || o.template.mem_mib == 0
+        {
+            return Err(bad("its template is not a valid one".into()));
+        }
+        Ok(o)
+    }
+}
+
+/// The key of sandbox `id`'s object.
+pub fn sandbox_key(id: &str) -> String {
+    format!("sandboxes/{id}.json")
+}
+
+/// The key of the claim on pause `pause` of sandbox `id`.
+pub fn claim_key(id: &str, pause: u32) -> String {
+    format!("claims/{id}/{pause}")
+}
+
+/// The host's connection to its store: a runtime of its own for the store's calls (a
+/// store's pooled connections belong to one runtime) and the fetcher its VM processes use.
+pub struct Durable {
+    rt: tokio::runtime::Runtime,
+    store: Store,
+    fetcher: FetcherThread,
+    host_id: String,
+    /// The last upload failure of each sandbox whose upload is being retried.
+    failures: Mutex<BTreeMap<String, String>>,
+}
+
+impl std::fmt::Debug for Durable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Durable")
+            .field("store", &self.store)
+            .field("host", &self.host_id)
+            .finish()
+    }
+}
+
+impl Durable {
+    /// Opens the store, and starts the fetcher on `<state dir>/fetcher.sock`. The host's
+    /// id (named in its claims) is kept in `<state dir>/host-id`.
+    pub fn open(cfg: &StoreConfig, state_dir: &Path) -> Result<Durable> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("clade-store")
+            .enable_all()
+            .build()
+            .map_err(Error::io("starting the store runtime", state_dir))?;
+        let store = {
+            let _g = rt.enter();
+            Store::open(&cfg.url, &cfg.options).map_err(store_err)?
+        };
+        // The fetcher's runtime is its own: it gets its own store.
+        let fetch_store = Store::open(&cfg.url, &cfg.options).map_err(store_err)?;
+        let cache =
+            ChunkCache::new(&cfg.cache_dir, fetch_store, cfg.cache_limit).map_err(store_err)?;
+        let fetcher =
+            FetcherThread::start(&state_dir.join("fetcher.sock"), cache).map_err(store_err)?;
+        let host_id = host_id(state_dir)?;
+        tracing::info!(store = %store.url(), host = %host_id, "object store open");
+        Ok(Durable {
+            rt,
+            store,
+            fetcher,
+            host_id,
+            failures: Mutex::default(),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The fetcher's socket (VM processes restore published snapshots through it).
+    pub fn fetcher_socket(&self) -> &Path {
+        self.fetcher.socket()
+    }
+
+    /// This host's id.
+    pub fn host_id(&self) -> &str {
+        &self.host_id
+    }
+
+    /// Runs a store call on the store's runtime.
+    pub fn block_on<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        self.rt.block_on(f)
+    }
+
+    /// Claims pause `pause` of sandbox `id` for this host: `Ok` if this host holds the
+    /// claim (now or from before), [`Error::Conflict`] if another host does.
+    pub fn claim(&self, id: &str, pause: u32) -> Result<()> {
+        let key = claim_key(id, pause);
+        let me = Bytes::from(self.host_id.clone().into_bytes());
+        if self
+            .block_on(self.store.put_if_absent(&key, me))
+            .map_err(store_err)?
+        {
+            tracing::info!(sandbox = %id, pause, "claimed");
+            return Ok(());
+        }
+        let holder = self.block_on(self.store.get(&key)).map_err(store_err)?;
+        if holder.as_ref() == self.host_id.as_bytes() {
+            return Ok(());
+        }
+        Err(Error::Conflict(format!(
+            "sandbox {id} was resumed by another host ({}; claim {})",
+            String::from_utf8_lossy(&holder[..holder.len().min(64)]),
+            self.store.key(&key)
+        )))
+    }
+
+    /// The store's object of sandbox `id` (`None`: there is none).
+    pub fn sandbox_object(&self, id: &str) -> Result<Option<SandboxObject>> {
+        let key = sandbox_key(id);
+        if self
+            .block_on(self.store.size(&key))
+            .map_err(store_err)?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        let bytes = self.block_on(self.store.get(&key)).map_err(store_err)?;
+        SandboxObject::parse(id, &bytes).map(Some)
+    }
+
+    /// Writes sandbox `o`'s object (replacing the one before).
+    pub fn put_sandbox_object(&self, o: &SandboxObject) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(o).map_err(|e| Error::Corrupt(e.to_string()))?;
+        self.block_on(self.store.put(&sandbox_key(&o.id), Bytes::from(bytes)))
+            .map_err(store_err)
+    }
+
+    /// Removes what the store holds of sandbox `id`: its object, its own snapshots (those
+    /// nothing else builds on) and its claims.
+    pub fn delete_sandbox(&self, id: &str) -> Result<()> {
+        let Some(o) = self.sandbox_object(id)? else {
+            return self.delete_claims(id);
+        };
+        // The object first: from then on no host takes the sandbox over.
+        self.block_on(self.store.delete(&sandbox_key(id)))
+            .map_err(store_err)?;
+        for s in o.own_snapshots.iter().rev() {
+            let sid = store::manifest::parse_snapshot_id(s).map_err(store_err)?;
+            match self.block_on(store::publish::delete(&self.store, sid)) {
+                Ok(r) => {
+                    tracing::debug!(sandbox = %id, snapshot = %s, ?r, "published snapshot deleted")
+                }
+                Err(e) => tracing::warn!(sandbox = %id, snapshot = %s, "kept in the store: {e}"),
+            }
+        }
+        self.delete_claims(id)
+    }
+
+    fn delete_claims(&self, id: &str) -> Result<()> {
+        let keys = self
+            .block_on(self.store.list(&format!("claims/{id}")))
+            .map_err(store_err)?;
+        for k in keys {
+            self.block_on(self.store.delete(&k)).map_err(store_err)?;
+        }
+        Ok(())
+    }
+
+    /// Records that `id`'s upload failed with `why` (shown in its info until it succeeds).
+    pub fn set_failure(&self, id: &str, why: Option<String>) {
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        match why {
+            Some(w) => f.insert(id.to_string(), w),
+            None => f.remove(id),
+        };
+    }
+
+    /// The last upload failure of `id`, while it is retried.
+    pub fn failure(&self, id: &str) -> Option<String> {
+        self.failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+}
+
+/// The store's errors, as the service's.
+pub fn store_err(e: store::Error) -> Error {
+    Error::Store(e.to_string())
+}
+
+/// This host's id: made once, kept in `<state dir>/host-id`.
+fn host_id(state_dir: &Path) -> Result<String> {
+    let p = state_dir.join("host-id");
+    match std::fs::read_to_string(&p) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("reading", &p)(e)),
+    }
+    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    let id = format!(
+        "{}-{}",
+        host.trim()
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .take(32)
+            .collect::<String>(),
+        crate::ids::random_string(12)
+    );
+    std::fs::write(&p, &id).map_err(Error::io("writing", &p))?;
+    Ok(id)
+}
+
+/// How long the uploader waits before retry `n` (1 s doubling, at most a minute).
+pub fn backoff(n: u32) -> Duration {
+    Duration::from_secs(1u64 << n.min(6)).min(Duration::from_secs(60))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object() -> SandboxObject {
+        SandboxObject {
+            format: SANDBOX_FORMAT.into(),
+            version: SANDBOX_VERSION,
+            id: "iabc".into(),
+            snapshot: "00112233445566778899aabbccddeeff".into(),
+            pause: 2,
+            own_snapshots: vec!["00112233445566778899aabbccddeeff".into()],
+            template: Template {
+                name: "base".into(),
+                vcpus: 1,
+                mem_mib: 64,
+                disk: false,
+                test_guest: true,
+                created_ms: 1,
+                setup: vec![],
+                net: false,
+            },
+            started_ms: 1,
+            auto_pause: false,
+            metadata: BTreeMap::new(),
+            env_vars: BTreeMap::new(),
+            egress: None,
+            parent: None,
+            published_ms: 2,
+            host: "h".into(),
+        }
+    }
+
+    #[test]
+    fn sandbox_objects_read_back_and_bad_ones_are_errors() {
+        let o = object();
+        let b = serde_json::to_vec(&o).unwrap();
+        assert_eq!(SandboxObject::parse("iabc", &b).unwrap(), o);
+        // Another sandbox's object under this id, garbage, a bad snapshot id, a template
+        // name that could name a path: refused.
+        assert!(SandboxObject::parse("iother", &b).is_err());
+        assert!(SandboxObject::parse("iabc", b"{").is_err());
+        let mut bad = o.clone();
+        bad.snapshot = "../x".into();
+        assert!(SandboxObject::parse("iabc", &serde_json::to_vec(&bad).unwrap()).is_err());
+        let mut bad = o.clone();
+        bad.template.name = "../../etc".into();
+        assert!(SandboxObject::parse("iabc", &serde_json::to_vec(&bad).unwrap()).is_err());
+        let mut bad = o;
+        bad.version = 9;
+        assert!(SandboxObject::parse("iabc", &serde_json::to_vec(&bad).unwrap()).is_err());
+    }
+
+    #[test]
+    fn claims_let_exactly_one_host_resume_a_pause() {
+        let dir = std::env::temp_dir().join(format!("sandbox-claims-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("file://{}", dir.join("store").display());
+        std::fs::create_dir_all(dir.join("store")).unwrap();
+        let open = |n: &str| {
+            let state = dir.join(n);
+            std::fs::create_dir_all(&state).unwrap();
+            Durable::open(
+                &StoreConfig {
+                    url: url.clone(),
+                    options: StoreOptions::default(),
+                    cache_dir: state.join("cache"),
+                    cache_limit: 1 << 30,
+                },
+                &state,
+            )
+            .unwrap()
+        };
+        let (a, b) = (open("a"), open("b"));
+        assert_ne!(a.host_id(), b.host_id());
+        a.claim("isb", 1).unwrap();
+        // Again by the same host: still its claim.
+        a.claim("isb", 1).unwrap();
+        assert!(matches!(b.claim("isb", 1), Err(Error::Conflict(_))));
+        // The next pause is a new claim.
+        b.claim("isb", 2).unwrap();
+        assert!(matches!(a.claim("isb", 2), Err(Error::Conflict(_))));
+        a.put_sandbox_object(&SandboxObject {
+            id: "isb".into(),
+            ..object()
+        })
+        .unwrap();
+        assert_eq!(b.sandbox_object("isb").unwrap().unwrap().id, "isb");
+        b.delete_sandbox("isb").unwrap();
+        assert!(a.sandbox_object("isb").unwrap().is_none());
+        // Its claims went with it.
+        a.claim("isb", 1).unwrap();
+        drop((a, b));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
