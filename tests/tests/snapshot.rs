@@ -1077,6 +1077,7 @@ fn published_snapshot_restores_exactly_from_s3_after_the_host_files_are_gone() {
                 state: snap.join(STATE_FILE),
                 memory: snap.join(MEMORY_FILE),
                 working_set: None,
+                disk: None,
             };
             publish(&s, &files, &PublishOptions::default()).await
         })
