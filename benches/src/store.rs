@@ -121,6 +121,7 @@ fn files(dir: &Path) -> SnapshotFiles {
         state: dir.join(vmm::STATE_FILE),
         memory: dir.join(vmm::MEMORY_FILE),
         working_set: ws.exists().then_some(ws),
+        disk: None,
     }
 }
 

@@ -543,3 +543,125 @@ fn a_published_snapshot_restores_through_the_store_after_its_files_are_gone() {
         text(&o)
     );
 }
+
+/// `clade store publish` of a snapshot of a VM with a disk (a frozen base with content
+/// under the VM's overlay) to a local-directory store, every file of the publishing host
+/// deleted (snapshot and disk layers), then `clade restore --store`: the VM runs to its end
+/// on its own overlay, whose chain is the downloaded layers and reads the disk as it was.
+/// `--net auto` is refused with `--store`.
+#[test]
+fn a_published_snapshot_with_a_disk_restores_through_the_store_after_its_files_are_gone() {
+    let d = Dir::new("store-disk");
+    let host_a = d.p("host-a");
+    std::fs::create_dir_all(&host_a).unwrap();
+    let mut raw: Vec<u8> = (0..(4u32 << 20)).map(|i| (i % 251) as u8).collect();
+    raw[..24].copy_from_slice(b"the disk before snapshot");
+    std::fs::write(host_a.join("base.raw"), &raw).unwrap();
+    let base = host_a.join("base.cdsk");
+    disk::ops::import_raw(&host_a.join("base.raw"), &base, None).unwrap();
+    let top = host_a.join("vm.cdsk");
+    disk::ops::create(
+        &top,
+        &disk::ops::CreateOptions {
+            parent: Some(base.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (api_sock, serial) = (d.p("a.api"), d.p("a.serial"));
+    let mut vm = Proc(
+        clade()
+            .arg("run")
+            .arg("--kernel")
+            .arg(native_guest())
+            .args(["--test-device", "--mem", "128", "--cmdline"])
+            .arg("steps=memfill:9:32,memsum,loop:32,memsum")
+            .arg("--disk")
+            .arg(&top)
+            .arg("--api-sock")
+            .arg(&api_sock)
+            .arg("--serial-file")
+            .arg(&serial)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&api_sock);
+    wait_for_text(&serial, "step memsum ok");
+    let snap = host_a.join("snap");
+    let o = clade()
+        .arg("snapshot")
+        .arg(&api_sock)
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let _ = vm.0.kill();
+    let _ = vm.0.wait();
+
+    let url = format!("file://{}", d.p("store").display());
+    let mut publish = clade();
+    publish
+        .args(["store", "publish", "--json", "--store", &url])
+        .arg(&snap);
+    let o = publish.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let id = j["id"].as_str().unwrap().to_string();
+    std::fs::remove_dir_all(&host_a).unwrap();
+
+    let o = clade()
+        .args(["restore", &id, "--store", &url, "--net", "auto"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--net auto"),
+        "{}",
+        text(&o)
+    );
+
+    let overlay = d.p("own.cdsk");
+    let mut restore = clade();
+    restore
+        .args([
+            "restore",
+            &id,
+            "--no-agent-sync",
+            "--store",
+            &url,
+            "--cache",
+        ])
+        .arg(d.p("cache"))
+        .arg("--disk-overlay")
+        .arg(&overlay)
+        .arg("--serial-file")
+        .arg(d.p("b.serial"))
+        .stderr(Stdio::piped());
+    let mut p = Proc(restore.spawn().unwrap());
+    let code = wait_exit(&mut p);
+    let mut err = String::new();
+    if let Some(mut e) = p.0.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    let after = std::fs::read_to_string(d.p("b.serial")).unwrap_or_default();
+    assert_eq!(code, 0, "{after}\n{err}");
+    assert!(after.contains("loop 2^32 done"), "{after}");
+    let chain = disk::ops::info(&overlay).unwrap();
+    assert_eq!(chain.len(), 3, "overlay, the VM's frozen layer, the base");
+    let layers = d.p("cache").join("layers");
+    for l in &chain[1..] {
+        assert_eq!(
+            l.path.canonicalize().unwrap(),
+            layers
+                .join(format!("{}.cdsk", disk::id_hex(&l.header.layer_id)))
+                .canonicalize()
+                .unwrap()
+        );
+    }
+    let disk = disk::Disk::open(&overlay, disk::OpenOptions { read_only: true }).unwrap();
+    let mut buf = vec![0u8; raw.len()];
+    disk.read_at(0, &mut buf).unwrap();
+    assert!(buf == raw, "the restored disk differs");
+}

@@ -74,6 +74,16 @@ impl Layer {
     /// Opens and validates a layer. `writable` opens it read-write with an exclusive lock
     /// and refuses a frozen layer; otherwise read-only with a shared lock.
     pub fn open(path: &Path, writable: bool) -> Result<Self> {
+        Self::open_with(path, writable, false)
+    }
+
+    /// Opens a layer read-write with an exclusive lock, frozen or not, for a rewrite of
+    /// its header only (never of its table or data: a frozen layer's content is fixed).
+    pub(crate) fn open_for_header_rewrite(path: &Path) -> Result<Self> {
+        Self::open_with(path, true, true)
+    }
+
+    fn open_with(path: &Path, writable: bool, allow_frozen: bool) -> Result<Self> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(writable)
@@ -89,13 +99,13 @@ impl Layer {
         };
         if let Err(e) = lock(&file, path, writable) {
             // A frozen layer has readers: say why it cannot be written rather than "in use".
-            if writable && matches!(read_header(), Ok((_, h, _)) if h.frozen()) {
+            if writable && !allow_frozen && matches!(read_header(), Ok((_, h, _)) if h.frozen()) {
                 return Err(Error::Frozen(path.to_path_buf()));
             }
             return Err(e);
         }
         let (len, header, header_slot) = read_header()?;
-        if writable && header.frozen() {
+        if writable && !allow_frozen && header.frozen() {
             return Err(Error::Frozen(path.to_path_buf()));
         }
         let corrupt = |what: String| Error::Corrupt {
@@ -286,7 +296,7 @@ pub fn random_id() -> LayerId {
 
 /// How a child at `child` refers to its parent at `parent`: by file name when both are in
 /// the same directory (the pair can then be moved together), else by absolute path.
-fn stored_parent_path(parent: &Path, child: &Path) -> Result<PathBuf> {
+pub(crate) fn stored_parent_path(parent: &Path, child: &Path) -> Result<PathBuf> {
     let parent_abs = parent
         .canonicalize()
         .map_err(Error::io(parent, "resolve path"))?;

@@ -1,4 +1,5 @@
-//! Offline operations on layer files: create, import, flatten, freeze, info.
+//! Offline operations on layer files: create, import, flatten, freeze, info, and moving a
+//! parent ([`set_parent_path`]).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -8,8 +9,8 @@ use crate::chain::{open_parents, Disk, OpenOptions};
 use crate::header::{Header, DEFAULT_BLOCK_SIZE, SECTOR_SIZE};
 pub use crate::layer::random_id;
 use crate::layer::{
-    create_file, encode_entries, file_len, lock, parent_ref_for, write_new_layer, Layer,
-    RemoveOnError,
+    create_file, encode_entries, file_len, lock, parent_ref_for, stored_parent_path,
+    write_new_layer, Layer, RemoveOnError,
 };
 use crate::{Error, Result};
 
@@ -74,6 +75,53 @@ pub fn freeze(path: &Path) -> Result<()> {
     let mut layer = Layer::open(path, true)?;
     open_parents(&layer)?;
     layer.freeze_in_place()
+}
+
+/// Records `parent` as where the parent of the layer at `layer` now is (its file was moved
+/// or copied there): by file name when both are in one directory, else by absolute path.
+/// Nothing else in the header changes (layer id, flags, table checksum, the parent's id,
+/// size and checksum), so a frozen layer stays frozen and its children still match it.
+///
+/// Why: a layer chain copied to another host (a published snapshot's disk) has its files
+/// under other names; each child must name its parent's new file. The layer must have a
+/// parent, no process may have it open, and `parent` must open as the parent recorded
+/// (same id, frozen, same size, block size and table checksum) with its own chain intact;
+/// otherwise nothing is written. The rewrite is crash-safe like a freeze's (the header
+/// slot not in use, then `fdatasync`; version 1 layers are rewritten in place).
+pub fn set_parent_path(layer: &Path, parent: &Path) -> Result<()> {
+    let mut l = Layer::open_for_header_rewrite(layer)?;
+    let Some(pref) = l.header.parent.clone() else {
+        return Err(Error::Invalid(format!(
+            "{}: the layer has no parent to move",
+            layer.display()
+        )));
+    };
+    let stored = stored_parent_path(parent, layer)?;
+    if stored.as_os_str().len() > crate::MAX_PARENT_PATH {
+        return Err(Error::Invalid(format!(
+            "{}: parent path {} is longer than {} bytes",
+            layer.display(),
+            stored.display(),
+            crate::MAX_PARENT_PATH
+        )));
+    }
+    let saved = l.header.clone();
+    l.header.parent = Some(crate::ParentRef {
+        path: stored.clone(),
+        ..pref
+    });
+    // The whole chain below, as the new path finds it, must be the one recorded.
+    if let Err(e) = open_parents(&l) {
+        l.header = saved;
+        return Err(e);
+    }
+    l.write_header()?;
+    tracing::debug!(
+        "{}: parent now recorded as {}",
+        layer.display(),
+        stored.display()
+    );
+    Ok(())
 }
 
 /// Block counts of an import or flatten.

@@ -723,3 +723,152 @@ fn version_1_layers_still_open_write_freeze_and_parent() {
     d.write_at(MIB, b"child").unwrap();
     assert_eq!(read(&d, MIB, 5), b"child");
 }
+
+/// A frozen chain base ← mid ← top in `t` with distinct content per layer; returns the
+/// three paths (top first) and the chain's content.
+fn frozen_chain(t: &TempDir) -> ([PathBuf; 3], Vec<u8>) {
+    let (base, _) = make_base(t);
+    let mid = overlay(t, &base, "mid.cdsk");
+    {
+        let mut d = Disk::open(&mid, rw()).unwrap();
+        d.write_at(5 * BS + 100, &pattern(50, 70_000)).unwrap();
+    }
+    ops::freeze(&mid).unwrap();
+    let top = overlay(t, &mid, "top.cdsk");
+    {
+        let mut d = Disk::open(&top, rw()).unwrap();
+        d.write_at(200, &pattern(51, 3000)).unwrap();
+        d.write_at(40 * BS, &pattern(52, 2 * BS as usize)).unwrap();
+    }
+    ops::freeze(&top).unwrap();
+    let d = Disk::open(&top, ro()).unwrap();
+    let content = read(&d, 0, d.virtual_size() as usize);
+    ([top, mid, base], content)
+}
+
+#[test]
+fn a_moved_chain_opens_again_once_each_child_names_its_parent_anew() {
+    let t = TempDir::new();
+    let ([top, mid, base], content) = frozen_chain(&t);
+    let other = TempDir::new();
+    let (top2, mid2, base2) = (other.p("t.cdsk"), other.p("m.cdsk"), other.p("b.cdsk"));
+    for (from, to) in [(&top, &top2), (&mid, &mid2), (&base, &base2)] {
+        std::fs::copy(from, to).unwrap();
+    }
+    // Under the new names the recorded parents (`mid.cdsk`, `base.cdsk`) are not there.
+    assert!(matches!(
+        Disk::open(&top2, ro()),
+        Err(Error::ParentMismatch { .. })
+    ));
+    let before = Disk::open(&top, ro()).unwrap().layers()[0].header().clone();
+    // Bottom up: a child is checked against its parent's whole chain.
+    assert!(matches!(
+        ops::set_parent_path(&top2, &mid2),
+        Err(Error::ParentMismatch { .. })
+    ));
+    ops::set_parent_path(&mid2, &base2).unwrap();
+    ops::set_parent_path(&top2, &mid2).unwrap();
+    let d = Disk::open(&top2, ro()).unwrap();
+    assert_eq!(read(&d, 0, content.len()), content);
+    let after = d.layers()[0].header().clone();
+    assert!(after.frozen());
+    assert_eq!(after.layer_id, before.layer_id);
+    assert_eq!(after.table_crc, before.table_crc);
+    assert_eq!(after.sequence, before.sequence + 1);
+    let (pb, pa) = (before.parent.unwrap(), after.parent.unwrap());
+    assert_eq!(
+        (pa.id, pa.virtual_size, pa.table_crc),
+        (pb.id, pb.virtual_size, pb.table_crc)
+    );
+    assert_eq!(
+        pa.path,
+        PathBuf::from("m.cdsk"),
+        "same directory: by file name"
+    );
+    drop(d);
+    // Overlays still go on the moved layer, and the original chain is untouched.
+    let c = overlay(&other, &top2, "c.cdsk");
+    assert_eq!(
+        read(&Disk::open(&c, ro()).unwrap(), 0, content.len()),
+        content
+    );
+    assert_eq!(
+        read(&Disk::open(&top, ro()).unwrap(), 0, content.len()),
+        content
+    );
+    // A parent in another directory is recorded by absolute path.
+    ops::set_parent_path(&top2, &mid).unwrap();
+    let d = Disk::open(&top2, ro()).unwrap();
+    assert_eq!(
+        d.layers()[0].header().parent.as_ref().unwrap().path,
+        mid.canonicalize().unwrap()
+    );
+    assert_eq!(read(&d, 0, content.len()), content);
+}
+
+#[test]
+fn a_parent_path_is_only_set_to_the_parent_recorded() {
+    let t = TempDir::new();
+    let ([top, mid, base], content) = frozen_chain(&t);
+    let bytes = std::fs::read(&top).unwrap();
+    let err = |r: disk::Result<()>| r.unwrap_err().to_string();
+    // Another layer (the grandparent): refused, naming the mismatch; nothing written.
+    let e = err(ops::set_parent_path(&top, &base));
+    assert!(e.contains("does not match"), "{e}");
+    let e = err(ops::set_parent_path(&top, &t.p("missing.cdsk")));
+    assert!(e.contains("missing.cdsk"), "{e}");
+    // A copy of the parent with a changed table: same id, other content.
+    let forged = t.p("forged.cdsk");
+    let mut f = std::fs::read(&mid).unwrap();
+    let last = f.len() - 1;
+    f[last] ^= 1;
+    std::fs::write(&forged, &f).unwrap();
+    // (the data changed, not the table: the header and table still match, as they should
+    // for a byte-identical layer; a forged table is refused)
+    ops::set_parent_path(&top, &forged).unwrap();
+    ops::set_parent_path(&top, &mid).unwrap();
+    let mut f = std::fs::read(&mid).unwrap();
+    let table = disk::table_offset_for(disk::VERSION) as usize;
+    f[table] ^= 0x40;
+    std::fs::write(&forged, &f).unwrap();
+    assert!(ops::set_parent_path(&top, &forged).is_err());
+    // A base has no parent to move.
+    let e = err(ops::set_parent_path(&base, &mid));
+    assert!(e.contains("no parent"), "{e}");
+    // A layer in use is not rewritten.
+    let d = Disk::open(&top, ro()).unwrap();
+    assert!(matches!(
+        ops::set_parent_path(&top, &mid),
+        Err(Error::InUse(_))
+    ));
+    drop(d);
+    let now = std::fs::read(&top).unwrap();
+    // Only the header slots changed (two successful rewrites), never table or data.
+    assert_eq!(bytes[8192..], now[8192..]);
+    assert_eq!(
+        read(&Disk::open(&top, ro()).unwrap(), 0, content.len()),
+        content
+    );
+}
+
+#[test]
+fn a_parent_path_rewrite_writes_only_the_header_slot_not_in_use() {
+    let t = TempDir::new();
+    let ([top, mid, _], _) = frozen_chain(&t);
+    let before = std::fs::read(&top).unwrap();
+    let seq = |p: &Path| Disk::open(p, ro()).unwrap().layers()[0].header().sequence;
+    let s0 = seq(&top);
+    ops::set_parent_path(&top, &mid).unwrap();
+    let after = std::fs::read(&top).unwrap();
+    assert_eq!(seq(&top), s0 + 1);
+    // The freeze wrote slot 1; this rewrite goes to slot 0, and slot 1 stays valid.
+    assert_ne!(before[..4096], after[..4096]);
+    assert_eq!(before[4096..], after[4096..]);
+    // A torn write of slot 0 (garbage in it) leaves the layer as it was.
+    let mut torn = after.clone();
+    torn[100..300].fill(0xa5);
+    let p = t.p("torn.cdsk");
+    std::fs::write(&p, &torn).unwrap();
+    let d = Disk::open(&p, ro()).unwrap();
+    assert_eq!(d.layers()[0].header().sequence, s0);
+}

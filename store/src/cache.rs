@@ -19,6 +19,22 @@
 //! open (their pages are punched out of `memory.mem`); if everything is in use it is an
 //! error ([`Error::CacheFull`]), never an overwrite. The cache survives a restart: the
 //! chunks marked present are verified again the first time a snapshot is opened after it.
+//!
+//! A snapshot with a disk also has its disk's layer files here, shared by every snapshot
+//! whose chain holds them:
+//!
+//! ```text
+//! layers/<layer id>.cdsk        one frozen layer file, downloaded whole
+//! ```
+//!
+//! A layer is downloaded into a temporary file in `layers/`, checked against its
+//! manifest's SHA-256, linked to its parent by the parent's file name
+//! (`<parent id>.cdsk`, with [`disk::ops::set_parent_path`]: the path recorded on the
+//! publishing host means nothing here), synced, and only then renamed into place, so a
+//! layer file present under its final name is complete and opens as the chain it was
+//! published as. Layer files are not counted against the chunk limit and are never
+//! evicted (a VM's overlay is stacked on them for as long as it runs, which no lease
+//! outlives): removing them is left to whoever removes the cache.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -49,6 +65,33 @@ pub const PRESENT_FILE: &str = "memory.present";
 /// The working set.
 pub const WORKING_SET_FILE: &str = "working_set.ws";
 
+/// The directory of disk layer files under the cache root.
+pub const LAYERS_DIR: &str = "layers";
+
+/// Size of the range reads a disk layer is downloaded with.
+const LAYER_PIECE: u64 = 8 << 20;
+/// Range reads of one layer download in flight at once.
+const LAYER_READS: usize = 4;
+
+/// A snapshot opened in the cache ([`ChunkCache::open_snapshot`]).
+#[derive(Debug)]
+pub struct OpenedSnapshot {
+    /// Its memory layers, base first; the last is the snapshot itself.
+    pub layers: Vec<Arc<CachedLayer>>,
+    /// Its disk, materialized under [`LAYERS_DIR`], if it has one.
+    pub disk: Option<CachedDisk>,
+}
+
+/// A published snapshot's disk in the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedDisk {
+    /// The top layer's file (`layers/<id>.cdsk`, absolute if the cache root is); its
+    /// parents are beside it.
+    pub layer: PathBuf,
+    /// The disk was read-only.
+    pub read_only: bool,
+}
+
 /// Counters of a cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheStats {
@@ -65,6 +108,7 @@ pub struct CacheStats {
 }
 
 /// One snapshot's cache directory, loaded.
+#[derive(Debug)]
 pub struct CachedLayer {
     pub(crate) id: SnapshotId,
     pub(crate) dir: PathBuf,
@@ -102,6 +146,8 @@ pub struct ChunkCache {
     scanned: AtomicBool,
     /// Range reads in flight at once (a prefetch of a whole image asks for every chunk).
     fetch_slots: tokio::sync::Semaphore,
+    /// One download at a time per disk layer (by id).
+    layer_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// Most range reads one cache has in flight.
@@ -152,6 +198,7 @@ impl ChunkCache {
             chunks_evicted: AtomicU64::new(0),
             scanned: AtomicBool::new(false),
             fetch_slots: tokio::sync::Semaphore::new(MAX_CONCURRENT_FETCHES),
+            layer_locks: Mutex::new(HashMap::new()),
         });
         cache.scan();
         Ok(cache)
@@ -187,6 +234,14 @@ impl ChunkCache {
     fn scan(&self) {
         if self.scanned.swap(true, Ordering::SeqCst) {
             return;
+        }
+        if let Ok(rd) = std::fs::read_dir(self.root.join(LAYERS_DIR)) {
+            for e in rd.flatten() {
+                if e.file_name().to_str().is_some_and(|n| n.starts_with('.')) {
+                    // A layer download a previous run did not finish.
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
         }
         let Ok(rd) = std::fs::read_dir(self.root.join("snapshots")) else {
             return;
@@ -275,8 +330,9 @@ impl ChunkCache {
 
     /// Makes snapshot `id` and every snapshot below it available locally (manifests,
     /// state files, memory headers; no memory data) and returns their directories, base
-    /// first. Leases nothing (see [`ChunkCache::lease`]).
-    pub async fn open_snapshot(self: &Arc<Self>, id: SnapshotId) -> Result<Vec<Arc<CachedLayer>>> {
+    /// first, with the snapshot's disk layers, downloaded whole if they are not here yet.
+    /// Leases nothing (see [`ChunkCache::lease`]).
+    pub async fn open_snapshot(self: &Arc<Self>, id: SnapshotId) -> Result<OpenedSnapshot> {
         let mut chain = Vec::new();
         let mut next = Some(id);
         while let Some(id) = next {
@@ -290,8 +346,145 @@ impl ChunkCache {
             next = layer.manifest.base_id();
             chain.push(layer);
         }
+        let disk = match chain.first() {
+            Some(top) => self.open_disk(&top.manifest).await?,
+            None => None,
+        };
         chain.reverse();
-        Ok(chain)
+        Ok(OpenedSnapshot {
+            layers: chain,
+            disk,
+        })
+    }
+
+    /// Materializes the disk layers of the snapshot with manifest `m` (see the [module
+    /// documentation](self)), base first, so that each child is linked to a parent in
+    /// place.
+    async fn open_disk(&self, m: &Manifest) -> Result<Option<CachedDisk>> {
+        let Some(d) = &m.disk else {
+            return Ok(None);
+        };
+        let dir = self.root.join(LAYERS_DIR);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io("create", &dir, e))?;
+        let mkey = self.store.key(&manifest::manifest_key(m.snapshot_id()));
+        for (i, l) in d.layers.iter().enumerate().rev() {
+            let parent = d.layers.get(i + 1).map(|p| p.id.as_str());
+            let lock = {
+                let mut locks = self.layer_locks.lock().unwrap_or_else(|p| p.into_inner());
+                Arc::clone(locks.entry(l.id.clone()).or_default())
+            };
+            let _held = lock.lock().await;
+            self.materialize_layer(&dir, &mkey, l, parent).await?;
+        }
+        let top = d.layers.first().ok_or_else(|| Error::BadManifest {
+            key: mkey.clone(),
+            reason: "a disk without layers".into(),
+        })?;
+        Ok(Some(CachedDisk {
+            layer: dir.join(layer_file(&top.id)),
+            read_only: d.read_only,
+        }))
+    }
+
+    /// Makes `layers/<id>.cdsk` the layer `l`, linked to `parent` (the id of the layer
+    /// below it in the manifest), unless it is there already.
+    async fn materialize_layer(
+        &self,
+        dir: &Path,
+        mkey: &str,
+        l: &manifest::DiskLayer,
+        parent: Option<&str>,
+    ) -> Result<()> {
+        let path = dir.join(layer_file(&l.id));
+        if path.exists() {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let tmp = dir.join(format!(
+            ".{}-{}-{}.tmp",
+            l.id,
+            std::process::id(),
+            SnapshotId::random()
+        ));
+        let r = async {
+            self.download_layer(&tmp, l).await?;
+            let (tmp2, dir2, mkey2) = (tmp.clone(), dir.to_path_buf(), mkey.to_string());
+            let (id, parent) = (l.id.clone(), parent.map(str::to_string));
+            tokio::task::spawn_blocking(move || link_layer(&tmp2, &dir2, &mkey2, &id, parent))
+                .await
+                .map_err(|e| Error::Fetcher(format!("link task: {e}")))??;
+            std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename into place", &path, e))?;
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| Error::io("fsync", dir, e))
+        }
+        .await;
+        if let Err(e) = r {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        tracing::info!(layer = %l.id, bytes = l.object.size, ms = t0.elapsed().as_millis() as u64,
+            "disk layer downloaded into the cache");
+        Ok(())
+    }
+
+    /// Downloads layer object `l` into the new file `tmp` (range reads, each bounded in
+    /// time like every store call), checks its SHA-256 and syncs it.
+    async fn download_layer(&self, tmp: &Path, l: &manifest::DiskLayer) -> Result<()> {
+        use futures::StreamExt;
+        use sha2::Digest;
+        use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+        let key = l.object.key();
+        let size = l.object.size;
+        let mut f = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(tmp)
+            .await
+            .map_err(|e| Error::io("create", tmp, e))?;
+        let mut h = sha2::Sha256::new();
+        let key_ref = &key;
+        let mut pieces = futures::stream::iter(0..size.div_ceil(LAYER_PIECE))
+            .map(|i| async move {
+                let (s, e) = (i * LAYER_PIECE, ((i + 1) * LAYER_PIECE).min(size));
+                let _slot = self
+                    .fetch_slots
+                    .acquire()
+                    .await
+                    .map_err(|_| Error::Fetcher("the cache is closing".into()))?;
+                let b = self.store.get_range(key_ref, s, e).await?;
+                self.requests.fetch_add(1, Ordering::Relaxed);
+                self.bytes_fetched
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                Ok::<_, Error>((s, b))
+            })
+            .buffered(LAYER_READS);
+        while let Some(piece) = pieces.next().await {
+            let (s, b) = piece?;
+            h.update(&b);
+            // Zero pieces stay holes (a layer's table and unused space are sparse).
+            if b.iter().any(|&x| x != 0) {
+                f.seek(std::io::SeekFrom::Start(s))
+                    .await
+                    .map_err(|e| Error::io("seek", tmp, e))?;
+                f.write_all(&b)
+                    .await
+                    .map_err(|e| Error::io("write", tmp, e))?;
+            }
+        }
+        let got = crate::hex(&h.finalize());
+        if got != l.object.sha256 {
+            return Err(Error::Checksum {
+                key: self.store.key(&key),
+                what: format!("disk layer {}", l.id),
+                computed: got,
+                expected: l.object.sha256.clone(),
+            });
+        }
+        f.set_len(size)
+            .await
+            .map_err(|e| Error::io("size", tmp, e))?;
+        f.sync_all().await.map_err(|e| Error::io("fsync", tmp, e))
     }
 
     async fn layer(self: &Arc<Self>, id: SnapshotId) -> Result<Arc<CachedLayer>> {
@@ -745,6 +938,48 @@ impl ChunkCache {
         }
         inner.used = inner.used.saturating_sub(e - s);
         self.chunks_evicted.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The file name of disk layer `id` (hex) in [`LAYERS_DIR`].
+pub fn layer_file(id: &str) -> String {
+    format!("{id}.cdsk")
+}
+
+/// Checks that the downloaded layer at `tmp` is layer `id` with the parent the manifest
+/// gives (`parent`, whose file is in `dir` already), and records that file as its parent.
+fn link_layer(tmp: &Path, dir: &Path, mkey: &str, id: &str, parent: Option<String>) -> Result<()> {
+    let derr = |source| Error::Disk {
+        path: tmp.to_path_buf(),
+        source,
+    };
+    let bad = |reason: String| Error::BadManifest {
+        key: mkey.to_string(),
+        reason: format!("disk layer {id}: {reason}"),
+    };
+    let h = disk::Layer::open(tmp, false)
+        .map_err(derr)?
+        .header()
+        .clone();
+    if disk::id_hex(&h.layer_id) != id {
+        return Err(bad(format!(
+            "the object is layer {}",
+            disk::id_hex(&h.layer_id)
+        )));
+    }
+    if !h.frozen() {
+        return Err(bad("the object is not a frozen layer".into()));
+    }
+    match (h.parent.map(|p| disk::id_hex(&p.id)), parent) {
+        (None, None) => Ok(()),
+        (Some(recorded), Some(listed)) if recorded == listed => {
+            disk::ops::set_parent_path(tmp, &dir.join(layer_file(&listed))).map_err(derr)
+        }
+        (recorded, listed) => Err(bad(format!(
+            "its parent is {}, the manifest lists {} below it",
+            recorded.as_deref().unwrap_or("none"),
+            listed.as_deref().unwrap_or("none")
+        ))),
     }
 }
 

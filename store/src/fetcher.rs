@@ -76,6 +76,20 @@ pub struct Response {
     /// For `stats`.
     #[serde(default)]
     pub stats: Option<CacheStats>,
+    /// For `open` of a snapshot with a disk: its top layer in the fetcher's cache (absent
+    /// from fetchers of older builds, and for snapshots without a disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<RemoteDisk>,
+}
+
+/// The disk of a snapshot opened through a fetcher: the layer files are in the fetcher's
+/// cache (`layers/`), complete and linked to each other; a VM's overlay goes on `layer`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteDisk {
+    /// The top layer's file (absolute).
+    pub layer: PathBuf,
+    /// The disk was read-only.
+    pub read_only: bool,
 }
 
 impl Response {
@@ -164,7 +178,8 @@ async fn handle(cache: &Arc<ChunkCache>, req: Request, leased: &mut Vec<Snapshot
                 Err(e) => return Response::err(e),
             };
             match cache.open_snapshot(id).await {
-                Ok(chain) => {
+                Ok(opened) => {
+                    let chain = opened.layers;
                     let ids: Vec<SnapshotId> = chain.iter().map(|l| l.id()).collect();
                     cache.lease(&ids);
                     leased.extend(&ids);
@@ -180,6 +195,10 @@ async fn handle(cache: &Arc<ChunkCache>, req: Request, leased: &mut Vec<Snapshot
                                 )
                             })
                             .collect(),
+                        disk: opened.disk.map(|d| RemoteDisk {
+                            layer: std::path::absolute(&d.layer).unwrap_or(d.layer),
+                            read_only: d.read_only,
+                        }),
                         ..Default::default()
                     }
                 }
@@ -411,7 +430,16 @@ impl FetchClient {
                 "open of {id} answered another chain"
             )));
         }
-        Ok(RemoteSnapshot { layers })
+        if let Some(d) = resp.disk.as_ref().filter(|d| !d.layer.is_absolute()) {
+            return Err(Error::Fetcher(format!(
+                "open of {id} answered a relative disk layer path {}",
+                d.layer.display()
+            )));
+        }
+        Ok(RemoteSnapshot {
+            layers,
+            disk: resp.disk,
+        })
     }
 }
 
@@ -420,6 +448,9 @@ impl FetchClient {
 pub struct RemoteSnapshot {
     /// Its layers, base first; the last is the snapshot itself.
     pub layers: Vec<RemoteLayer>,
+    /// Its disk, if it has one: where the VM's disk is now, in place of the path its
+    /// saved state records (`vmm::PreparedSnapshot::relocate_disk`).
+    pub disk: Option<RemoteDisk>,
 }
 
 impl RemoteSnapshot {

@@ -106,6 +106,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A disk layer file could not be used.
+    #[error("disk layer {}: {source}", path.display())]
+    Disk {
+        /// The layer concerned.
+        path: PathBuf,
+        /// The disk crate's error.
+        #[source]
+        source: disk::Error,
+    },
     /// A snapshot file failed its own checks.
     #[error("{0}")]
     Snapshot(#[from] snapshot::Error),

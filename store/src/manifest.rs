@@ -11,6 +11,12 @@
 //! those are. The packed data is read in chunks of `memory.chunk_size` bytes, each with
 //! its own SHA-256 in `memory.chunks`, so a reader verifies every range it fetches.
 //!
+//! A snapshot with a disk also names its disk's layer files (`disk`): the frozen layer
+//! the snapshot saved and every layer below it, top first, each one whole object named by
+//! its content. The layers are immutable (frozen), so the same base layer under many
+//! snapshots is one object; a host opening the snapshot downloads each layer once and
+//! links them again by their layer ids (`cache`).
+//!
 //! A manifest is untrusted input like every snapshot file: [`Manifest::parse`] bounds its
 //! size and checks every field before anything is fetched.
 
@@ -36,6 +42,9 @@ pub const MAX_CHUNK: u64 = 64 << 20;
 pub const DEFAULT_CHUNK: u64 = 128 << 10;
 /// Largest whole object fetched in one request (state file, memory head, working set).
 pub const MAX_SMALL_OBJECT: u64 = 256 << 20;
+/// Largest disk layer object: a layer of the largest virtual size the disk format allows
+/// (2^24 blocks of 2 MiB) with its header and table.
+pub const MAX_DISK_LAYER: u64 = (1 << 45) + (1 << 28);
 /// Largest object written into the manifest itself.
 pub const MAX_INLINE: u64 = 64 << 10;
 
@@ -104,6 +113,43 @@ pub struct MemoryObjects {
     pub working_set_bytes: u64,
 }
 
+/// One layer file of a snapshot's disk, as published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskLayer {
+    /// The layer's id from its header (32 lower-case hex digits): how its child names it,
+    /// and the name of its file in a cache (`layers/<id>.cdsk`).
+    pub id: String,
+    /// The layer file, whole (`objects/<sha256>`; never inline or named).
+    pub object: ObjectRef,
+}
+
+/// A snapshot's disk, as published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskObjects {
+    /// The disk was read-only (restored VMs share the top layer read-only; otherwise each
+    /// gets its own overlay on it).
+    pub read_only: bool,
+    /// The layer chain, top first: the frozen layer the snapshot saved, then its parent,
+    /// and so on down to the base. At most [`disk::MAX_CHAIN_DEPTH`] layers.
+    pub layers: Vec<DiskLayer>,
+}
+
+/// Parses a disk layer id written as 32 hex digits (never all zeros).
+pub fn parse_layer_id(s: &str) -> Option<disk::LayerId> {
+    if s.len() != 32
+        || !s
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    {
+        return None;
+    }
+    let mut b = [0u8; 16];
+    for (i, out) in b.iter_mut().enumerate() {
+        *out = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    (b != [0u8; 16]).then_some(b)
+}
+
 /// A published snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -125,6 +171,10 @@ pub struct Manifest {
     pub memory: MemoryObjects,
     /// The working-set file, if the snapshot had one.
     pub working_set: Option<ObjectRef>,
+    /// The snapshot's disk, if it had one (absent in manifests of snapshots without one,
+    /// and in those older builds wrote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskObjects>,
 }
 
 fn parse_id(s: &str) -> Option<SnapshotId> {
@@ -198,6 +248,9 @@ impl Manifest {
     pub fn objects(&self) -> Vec<&ObjectRef> {
         let mut v = vec![&self.state, &self.memory.head, &self.memory.data];
         v.extend(self.working_set.as_ref());
+        if let Some(d) = &self.disk {
+            v.extend(d.layers.iter().map(|l| &l.object));
+        }
         v
     }
 
@@ -317,6 +370,9 @@ impl Manifest {
         if let Some(c) = m.chunks.iter().find(|c| !is_sha256(c)) {
             return Err(format!("chunk checksum {c:?} is not a SHA-256"));
         }
+        if let Some(d) = &self.disk {
+            validate_disk(d)?;
+        }
         Ok(())
     }
 
@@ -325,6 +381,33 @@ impl Manifest {
         // Serialising plain strings and integers cannot fail.
         serde_json::to_vec_pretty(self).unwrap_or_default()
     }
+}
+
+fn validate_disk(d: &DiskObjects) -> std::result::Result<(), String> {
+    if d.layers.is_empty() || d.layers.len() > disk::MAX_CHAIN_DEPTH {
+        return Err(format!(
+            "a disk of {} layers (1 to {})",
+            d.layers.len(),
+            disk::MAX_CHAIN_DEPTH
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for l in &d.layers {
+        if parse_layer_id(&l.id).is_none() {
+            return Err(format!("disk layer id {:?} is not 32 hex digits", l.id));
+        }
+        if !seen.insert(l.id.as_str()) {
+            return Err(format!("disk layer {} twice in the chain", l.id));
+        }
+        let o = &l.object;
+        if o.inline.is_some() || o.name.is_some() {
+            return Err(format!("disk layer {} is not a plain object", l.id));
+        }
+        if o.size < disk::HEADER_SIZE || o.size > MAX_DISK_LAYER {
+            return Err(format!("disk layer {} of {} bytes", l.id, o.size));
+        }
+    }
+    Ok(())
 }
 
 /// Where a run of packed data lands in the memory file: `len` bytes of the packed data
@@ -460,6 +543,76 @@ pub(crate) mod tests {
                 working_set_bytes: 4096,
             },
             working_set: None,
+            disk: None,
+        }
+    }
+
+    pub(crate) fn sample_disk() -> DiskObjects {
+        let layer = |id: &str, sha: char| DiskLayer {
+            id: id.repeat(16),
+            object: ObjectRef {
+                sha256: sha.to_string().repeat(64),
+                size: 1 << 20,
+                inline: None,
+                name: None,
+            },
+        };
+        DiskObjects {
+            read_only: false,
+            layers: vec![layer("a1", 'a'), layer("b2", 'b')],
+        }
+    }
+
+    #[test]
+    fn a_disk_round_trips_and_old_manifests_have_none() {
+        let mut m = sample();
+        m.disk = Some(sample_disk());
+        let back = Manifest::parse("k", &m.to_bytes()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.objects().len(), 5);
+        // A manifest written before disks were published: no `disk` field at all.
+        let old = sample().to_bytes();
+        assert!(!String::from_utf8_lossy(&old).contains("disk"));
+        assert_eq!(Manifest::parse("k", &old).unwrap().disk, None);
+    }
+
+    #[test]
+    fn bad_disks_are_refused() {
+        type Edit = Box<dyn Fn(&mut DiskObjects)>;
+        let cases: Vec<Edit> = vec![
+            Box::new(|d| d.layers.clear()),
+            Box::new(|d| d.layers[0].id = "a1".into()),
+            Box::new(|d| d.layers[0].id = "0".repeat(32)),
+            Box::new(|d| d.layers[0].id = "A1".repeat(16)),
+            Box::new(|d| d.layers[0].id = "../".repeat(11)[..32].to_string()),
+            Box::new(|d| d.layers[1].id = d.layers[0].id.clone()),
+            Box::new(|d| d.layers[0].object.sha256 = "../x".into()),
+            Box::new(|d| d.layers[0].object.size = 10),
+            Box::new(|d| d.layers[0].object.size = u64::MAX),
+            Box::new(|d| d.layers[0].object.inline = Some(String::new())),
+            Box::new(|d| d.layers[0].object.name = Some("data/x".into())),
+            Box::new(|d| {
+                let l = d.layers[0].clone();
+                d.layers = (0..=disk::MAX_CHAIN_DEPTH)
+                    .map(|i| DiskLayer {
+                        id: format!("{:032x}", i + 1),
+                        ..l.clone()
+                    })
+                    .collect();
+            }),
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut m = sample();
+            let mut d = sample_disk();
+            f(&mut d);
+            m.disk = Some(d);
+            assert!(
+                matches!(
+                    Manifest::parse("k", &m.to_bytes()),
+                    Err(Error::BadManifest { .. })
+                ),
+                "case {i} accepted"
+            );
         }
     }
 

@@ -5,6 +5,10 @@
 //! published whole or not at all, and publishing the same snapshot twice is harmless. The
 //! memory file's data pages are read twice: once to checksum them (the object's name and
 //! each chunk's checksum), once to upload them in parallel parts.
+//!
+//! A snapshot's disk is published as its layer files, whole, one object each (see
+//! [`publish_disk`]): every layer must be frozen, since only then can its bytes not change
+//! between the checksum, the upload and a restore on another host.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -17,7 +21,7 @@ use snapshot::memory_file::MemoryFile;
 use snapshot::working_set::WorkingSet;
 use snapshot::{state_file, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
 
-use crate::manifest::{self, Manifest, MemoryObjects, ObjectRef, DEFAULT_CHUNK};
+use crate::manifest::{self, DiskObjects, Manifest, MemoryObjects, ObjectRef, DEFAULT_CHUNK};
 use crate::{hex, sha256_hex, Error, Result, Store};
 
 /// The files of one snapshot.
@@ -29,6 +33,17 @@ pub struct SnapshotFiles {
     pub memory: PathBuf,
     /// The working-set file, if there is one (absent or unusable: not published).
     pub working_set: Option<PathBuf>,
+    /// The snapshot's disk, if it has one.
+    pub disk: Option<SnapshotDisk>,
+}
+
+/// The disk of a snapshot, as its saved state records it.
+#[derive(Debug, Clone)]
+pub struct SnapshotDisk {
+    /// The frozen top layer of the disk's chain (the layer the snapshot saved).
+    pub layer: PathBuf,
+    /// The disk was read-only.
+    pub read_only: bool,
 }
 
 /// How to publish.
@@ -65,6 +80,8 @@ pub struct PublishReport {
     pub bytes_uploaded: u64,
     /// Bytes of packed memory data (uploaded or not).
     pub data_bytes: u64,
+    /// Bytes of disk layer files (uploaded or not).
+    pub disk_bytes: u64,
     /// Time checksumming.
     pub checksum_time: Duration,
     /// Time uploading.
@@ -137,6 +154,7 @@ pub async fn publish(
         objects_reused: 0,
         bytes_uploaded: 0,
         data_bytes: data_size,
+        disk_bytes: 0,
         checksum_time: t0.elapsed(),
         upload_time: Duration::ZERO,
     };
@@ -163,6 +181,10 @@ pub async fn publish(
         report.bytes_uploaded += data_size;
         r
     };
+    let disk = match &files.disk {
+        Some(d) => Some(publish_disk(store, d, base.as_deref(), options, &mut report).await?),
+        None => None,
+    };
     let data = ObjectRef {
         sha256: data_sha,
         size: data_size,
@@ -186,6 +208,7 @@ pub async fn publish(
             working_set_bytes,
         },
         working_set,
+        disk,
     };
     let key = manifest::manifest_key(meta.id);
     let bytes = m.to_bytes();
@@ -194,7 +217,18 @@ pub async fn publish(
         let existing = Manifest::parse(&store.key(&key), &store.get(&key).await?)?;
         // A second publish of the same snapshot names the same memory and state; only
         // the working set may differ (recorded later). The first manifest stays.
-        if existing.state != m.state || existing.memory != m.memory {
+        let layer_ids = |m: &Manifest| {
+            m.disk.as_ref().map(|d| {
+                (
+                    d.read_only,
+                    d.layers.iter().map(|l| l.id.clone()).collect::<Vec<_>>(),
+                )
+            })
+        };
+        if existing.state != m.state
+            || existing.memory != m.memory
+            || layer_ids(&existing) != layer_ids(&m)
+        {
             return Err(Error::BadManifest {
                 key: store.key(&key),
                 reason: "a different snapshot with this id is already published".into(),
@@ -205,6 +239,217 @@ pub async fn publish(
     tracing::info!(id = %meta.id, uploaded = report.bytes_uploaded,
         reused = report.objects_reused, "snapshot published");
     Ok((m, report))
+}
+
+/// Publishes the layer chain of a snapshot's disk: each layer file whole as
+/// `objects/<sha256>`, uploaded unless the store has it. A layer the base snapshot's
+/// manifest (`base`, already published) lists with the same id and size is not read again:
+/// frozen layers never change, so its object is this layer's too.
+async fn publish_disk(
+    store: &Store,
+    d: &SnapshotDisk,
+    base: Option<&str>,
+    options: &PublishOptions,
+    report: &mut PublishReport,
+) -> Result<DiskObjects> {
+    let top = d.layer.clone();
+    let chain = tokio::task::spawn_blocking(move || disk::ops::info(&top))
+        .await
+        .map_err(|e| Error::Fetcher(format!("disk info task: {e}")))?
+        .map_err(|e| Error::Disk {
+            path: d.layer.clone(),
+            source: e,
+        })?;
+    if let Some(l) = chain.iter().find(|l| !l.header.frozen()) {
+        return Err(Error::InvalidInput(format!(
+            "disk layer {} is not frozen: only frozen layers can be published (freeze it \
+             with `clade disk freeze` while no VM uses it)",
+            l.path.display()
+        )));
+    }
+    let mut known: Vec<manifest::DiskLayer> = Vec::new();
+    if let Some(base) = base {
+        let key = manifest::manifest_key(manifest::parse_snapshot_id(base)?);
+        let bm = Manifest::parse(&store.key(&key), &store.get(&key).await?)?;
+        known.extend(bm.disk.into_iter().flat_map(|d| d.layers));
+    }
+    let mut layers = Vec::with_capacity(chain.len());
+    for l in &chain {
+        let id = disk::id_hex(&l.header.layer_id);
+        report.disk_bytes += l.file_len;
+        if let Some(k) = known
+            .iter()
+            .find(|k| k.id == id && k.object.size == l.file_len)
+        {
+            report.objects_reused += 1;
+            layers.push(k.clone());
+            continue;
+        }
+        let t = Instant::now();
+        let path = l.path.clone();
+        let (sha256, size) = tokio::task::spawn_blocking(move || hash_file(&path))
+            .await
+            .map_err(|e| Error::Fetcher(format!("checksum task: {e}")))??;
+        report.checksum_time += t.elapsed();
+        let object = ObjectRef {
+            sha256,
+            size,
+            inline: None,
+            name: None,
+        };
+        if store.size(&object.key()).await? == Some(size) {
+            report.objects_reused += 1;
+        } else {
+            upload_file(store, &l.path, &object, options).await?;
+            report.objects_uploaded += 1;
+            report.bytes_uploaded += size;
+        }
+        tracing::debug!(layer = %id, path = %l.path.display(), size, "disk layer published");
+        layers.push(manifest::DiskLayer { id, object });
+    }
+    Ok(DiskObjects {
+        read_only: d.read_only,
+        layers,
+    })
+}
+
+/// Size of the pieces a file is read in (checksum, upload).
+const FILE_PIECE: usize = 8 << 20;
+
+/// SHA-256 and length of a file, read piece by piece.
+fn hash_file(path: &Path) -> Result<(String, u64)> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; FILE_PIECE];
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io("read", path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((hex(&h.finalize()), total))
+}
+
+/// Uploads the file at `path` as `object` (parts of `options.part_size`, at most
+/// `options.concurrency` in flight), checking that what was sent is what was checksummed.
+async fn upload_file(
+    store: &Store,
+    path: &Path,
+    object: &ObjectRef,
+    options: &PublishOptions,
+) -> Result<()> {
+    let key = object.key();
+    let changed = || {
+        Error::InvalidInput(format!(
+            "{}: the file changed while it was published",
+            path.display()
+        ))
+    };
+    if object.size <= options.part_size as u64 {
+        let bytes = read_all_bounded(path, options.part_size as u64)?;
+        if bytes.len() as u64 != object.size || sha256_hex(&bytes) != object.sha256 {
+            return Err(changed());
+        }
+        return store.put(&key, Bytes::from(bytes)).await;
+    }
+    let upload = store.put_multipart(&key).await?;
+    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
+    let p = path.to_path_buf();
+    let piece = options.part_size;
+    let reader = tokio::task::spawn_blocking(move || -> Option<(String, u64)> {
+        use std::io::Read;
+        let r = (|| -> Result<(String, u64)> {
+            let mut f = std::fs::File::open(&p).map_err(|e| Error::io("open", &p, e))?;
+            let mut h = Sha256::new();
+            let mut total = 0u64;
+            loop {
+                let mut buf = vec![0u8; piece];
+                let mut fill = 0;
+                while fill < piece {
+                    let n = f
+                        .read(&mut buf[fill..])
+                        .map_err(|e| Error::io("read", &p, e))?;
+                    if n == 0 {
+                        break;
+                    }
+                    fill += n;
+                }
+                if fill == 0 {
+                    return Ok((hex(&h.finalize()), total));
+                }
+                buf.truncate(fill);
+                h.update(&buf);
+                total += fill as u64;
+                tx.blocking_send(Ok(buf))
+                    .map_err(|_| Error::Fetcher("upload ended".into()))?;
+            }
+        })();
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                None
+            }
+        }
+    });
+    let mut part_failed = false;
+    while let Some(piece) = rx.recv().await {
+        let piece = match piece {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = w.abort().await;
+                return Err(e);
+            }
+        };
+        let timeout = store.timeout();
+        if tokio::time::timeout(timeout, w.wait_for_capacity(options.concurrency))
+            .await
+            .map_err(|_| Error::Timeout {
+                op: "upload part of",
+                key: store.key(&key),
+                secs: timeout.as_secs(),
+            })?
+            .is_err()
+        {
+            // The failed part's error comes from `finish` below.
+            part_failed = true;
+            break;
+        }
+        w.write(&piece);
+    }
+    // The reader stops at its next piece.
+    drop(rx);
+    let sent = reader.await.ok().flatten();
+    if !part_failed && sent != Some((object.sha256.clone(), object.size)) {
+        let _ = w.abort().await;
+        return Err(changed());
+    }
+    let timeout = store.timeout() * 4;
+    match tokio::time::timeout(timeout, w.finish()).await {
+        Ok(r) => r
+            .map(|_| ())
+            .map_err(|e| Error::store("upload", &store.key(&key), e)),
+        Err(_) => Err(Error::Timeout {
+            op: "finish upload of",
+            key: store.key(&key),
+            secs: timeout.as_secs(),
+        }),
+    }
+}
+
+fn read_all_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut v = Vec::new();
+    f.take(limit + 1)
+        .read_to_end(&mut v)
+        .map_err(|e| Error::io("read", path, e))?;
+    Ok(v)
 }
 
 /// The order data pages are packed in: the working set's data pages first, in the order

@@ -14,7 +14,7 @@ use store::cache::ChunkCache;
 use store::fetcher::{FetchClient, FetcherThread};
 use store::location::StoreOptions;
 use store::manifest::{self, Manifest};
-use store::publish::{publish, PublishOptions, SnapshotFiles};
+use store::publish::{publish, PublishOptions, SnapshotDisk, SnapshotFiles};
 use store::Store;
 
 const PAGES: usize = 1024; // 4 MiB
@@ -72,6 +72,7 @@ fn write_full(dir: &Path, seed: u64) -> Snap {
             state,
             memory: mem,
             working_set: None,
+            disk: None,
         },
         id,
         img,
@@ -112,6 +113,7 @@ fn write_diff(dir: &Path, base: &Snap) -> Snap {
             state,
             memory: mem,
             working_set: None,
+            disk: None,
         },
         id,
         img,
@@ -500,5 +502,224 @@ fn deleting_keeps_what_others_need_and_leaves_nothing_behind() {
         rt.block_on(delete(&store, base.id)),
         Err(store::Error::Missing { .. })
     ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A frozen disk chain in `dir`: a 12 MiB base imported from a raw image, a middle layer
+/// and a top layer, each with writes of its own. Returns the layers (top first) and the
+/// disk's content.
+fn disk_chain(dir: &Path) -> (Vec<PathBuf>, Vec<u8>) {
+    use disk::ops::{self, CreateOptions};
+    std::fs::create_dir_all(dir).unwrap();
+    let mut raw = image(11);
+    raw.extend(image(12));
+    raw.extend(image(13));
+    std::fs::write(dir.join("base.raw"), &raw).unwrap();
+    let base = dir.join("base.cdsk");
+    ops::import_raw(&dir.join("base.raw"), &base, None).unwrap();
+    let mut below = base.clone();
+    let mut layers = vec![base];
+    for (name, seed) in [("mid.cdsk", 21u8), ("top.cdsk", 22u8)] {
+        let p = dir.join(name);
+        ops::create(
+            &p,
+            &CreateOptions {
+                parent: Some(below.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        {
+            let mut d = disk::Disk::open(&p, disk::OpenOptions::default()).unwrap();
+            d.write_at(u64::from(seed) * 100_003, &vec![seed; 300_000])
+                .unwrap();
+            d.flush().unwrap();
+        }
+        ops::freeze(&p).unwrap();
+        layers.push(p.clone());
+        below = p;
+    }
+    layers.reverse();
+    (layers.clone(), disk_content(&layers[0]))
+}
+
+fn disk_content(top: &Path) -> Vec<u8> {
+    let d = disk::Disk::open(top, disk::OpenOptions { read_only: true }).unwrap();
+    let mut buf = vec![0u8; d.virtual_size() as usize];
+    d.read_at(0, &mut buf).unwrap();
+    buf
+}
+
+fn with_disk(mut s: Snap, layer: &Path) -> Snap {
+    s.files.disk = Some(SnapshotDisk {
+        layer: layer.to_path_buf(),
+        read_only: false,
+    });
+    s
+}
+
+#[test]
+fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
+    let dir = tmp("disk");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let host_a = dir.join("host-a");
+    let (layers, content) = disk_chain(&host_a.join("disk"));
+    let mid_content = disk_content(&layers[1]);
+    // The base snapshot saved the middle layer; the diff on it the top one.
+    let base = with_disk(write_full(&host_a.join("base"), 5), &layers[1]);
+    let diff = with_disk(write_diff(&host_a.join("diff"), &base), &layers[0]);
+    // Small parts: the base layer (12 MiB) goes up in several.
+    let o = PublishOptions {
+        part_size: 1 << 20,
+        ..opts()
+    };
+    let rt = rt();
+    let (bm, br) = rt.block_on(publish(&store, &base.files, &o)).unwrap();
+    let bd = bm.disk.clone().unwrap();
+    assert_eq!(bd.layers.len(), 2);
+    assert_eq!(br.objects_uploaded, 3, "memory data and two layers");
+    let (dm, dr) = rt.block_on(publish(&store, &diff.files, &o)).unwrap();
+    let dd = dm.disk.clone().unwrap();
+    assert_eq!(dd.layers.len(), 3);
+    assert_eq!(
+        dd.layers[1..],
+        bd.layers[..],
+        "the base's layers are reused"
+    );
+    assert_eq!(dr.objects_uploaded, 2, "memory data and the top layer");
+    assert!(dr.objects_reused >= 2);
+    for l in &dd.layers {
+        let size = rt.block_on(store.size(&l.object.key())).unwrap();
+        assert_eq!(size, Some(l.object.size));
+    }
+    // A layer that is not frozen is not published.
+    let open_top = host_a.join("disk").join("open.cdsk");
+    disk::ops::create(
+        &open_top,
+        &disk::ops::CreateOptions {
+            parent: Some(layers[0].clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let other = with_disk(write_full(&host_a.join("other"), 6), &open_top);
+    let err = rt
+        .block_on(publish(&store, &other.files, &o))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not frozen") && err.contains("open.cdsk"),
+        "{err}"
+    );
+
+    // The host that took them is gone.
+    std::fs::remove_dir_all(&host_a).unwrap();
+    let f = fetcher(&dir.join("host-b"), &store, 1 << 30);
+    let c = client(&f);
+    let remote = c.open(diff.id).unwrap();
+    let rd = remote.disk.clone().unwrap();
+    assert!(!rd.read_only && rd.layer.is_absolute());
+    assert_eq!(
+        rd.layer,
+        std::path::absolute(dir.join("host-b/cache/layers"))
+            .unwrap()
+            .join(format!("{}.cdsk", dd.layers[0].id))
+    );
+    assert!(disk_content(&rd.layer) == content, "disk content differs");
+    let d = disk::Disk::open(&rd.layer, disk::OpenOptions { read_only: true }).unwrap();
+    let ids: Vec<String> = d
+        .layers()
+        .iter()
+        .map(|l| disk::id_hex(&l.header().layer_id))
+        .collect();
+    let want: Vec<String> = dd.layers.iter().map(|l| l.id.clone()).collect();
+    assert_eq!(ids, want);
+    assert!(d.layers().iter().all(|l| l.header().frozen()));
+    // Each child names its parent by file name, beside it.
+    let pref = d.layers()[0].header().parent.clone().unwrap();
+    assert_eq!(pref.path, PathBuf::from(format!("{}.cdsk", want[1])));
+    drop(d);
+    assert!(read_all(&c, diff.id).unwrap() == diff.img);
+    // The base snapshot's disk is the middle layer, already here: nothing downloaded.
+    let before = c.stats().unwrap();
+    let remote = c.open(base.id).unwrap();
+    let after = c.stats().unwrap();
+    assert_eq!(after.bytes_fetched, before.bytes_fetched);
+    let rb = remote.disk.unwrap();
+    assert!(disk_content(&rb.layer) == mid_content);
+    // Overlays go on the cached layer as on any frozen layer.
+    let ov = dir.join("overlay.cdsk");
+    disk::ops::create(
+        &ov,
+        &disk::ops::CreateOptions {
+            parent: Some(rd.layer.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(disk_content(&ov) == content);
+    // Nothing half-downloaded is left.
+    let names: Vec<String> = std::fs::read_dir(dir.join("host-b/cache/layers"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_tampered_disk_layer_is_an_error_naming_it() {
+    let dir = tmp("disk-faults");
+    let store = Store::open("memory://b/disk", &StoreOptions::default()).unwrap();
+    let (layers, _) = disk_chain(&dir.join("disk"));
+    let s = with_disk(write_full(&dir.join("s"), 9), &layers[0]);
+    let rt = rt();
+    let (m, _) = rt.block_on(publish(&store, &s.files, &opts())).unwrap();
+    let d = m.disk.clone().unwrap();
+    let key = d.layers[0].object.key();
+    let good = rt.block_on(store.get(&key)).unwrap();
+    let mut bad = good.to_vec();
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    rt.block_on(store.put(&key, Bytes::from(bad))).unwrap();
+    let f = fetcher(&dir.join("h1"), &store, 1 << 30);
+    let err = client(&f).open(s.id).unwrap_err().to_string();
+    assert!(
+        err.contains(&store.key(&key)) && err.contains("checksum") && err.contains(&d.layers[0].id),
+        "{err}"
+    );
+    // Neither the layer nor its download is left in the cache; its parents are (verified).
+    let layers_dir = dir.join("h1/cache/layers");
+    let mut names: Vec<String> = std::fs::read_dir(&layers_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let mut want = vec![
+        format!("{}.cdsk", d.layers[1].id),
+        format!("{}.cdsk", d.layers[2].id),
+    ];
+    want.sort();
+    assert_eq!(names, want);
+    // Repaired in the store: the same cache completes the chain.
+    rt.block_on(store.put(&key, good)).unwrap();
+    let remote = client(&f).open(s.id).unwrap();
+    assert!(remote.disk.is_some());
+    drop(f);
+
+    // A manifest whose chain is not the layers' own (parent and grandparent swapped) is
+    // refused when the layers are linked.
+    let mk = manifest::manifest_key(s.id);
+    let mut mm = m.clone();
+    mm.disk.as_mut().unwrap().layers.swap(1, 2);
+    rt.block_on(store.put(&mk, Bytes::from(mm.to_bytes())))
+        .unwrap();
+    let f = fetcher(&dir.join("h2"), &store, 1 << 30);
+    let err = client(&f).open(s.id).unwrap_err().to_string();
+    assert!(err.contains("parent"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

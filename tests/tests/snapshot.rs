@@ -900,6 +900,139 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     }
 }
 
+/// A VM with a writable disk, snapshotted (full, then a diff), published with its disk
+/// layers, and every file of the host that took it deleted (snapshots and disk): on
+/// "another host" (a fresh cache and fetcher) each restores with its disk exactly as it was
+/// at its snapshot, on the restored VM's own overlay of the downloaded layers. (Host level:
+/// the native guest has no virtio-blk driver.)
+#[test]
+fn a_published_snapshot_with_a_disk_restores_its_disk_after_the_host_files_are_gone() {
+    use store::cache::ChunkCache;
+    use store::fetcher::{FetchClient, FetcherThread};
+    use store::publish::{publish, PublishOptions, SnapshotDisk, SnapshotFiles};
+
+    let dir = TmpDir::new("published-disk");
+    let host_a = dir.0.join("host-a");
+    std::fs::create_dir_all(&host_a).unwrap();
+    let top = host_a.join("vm.cdsk");
+    disk::ops::create(
+        &top,
+        &disk::ops::CreateOptions {
+            virtual_size: Some(16 << 20),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut c = guest_config("loop:33");
+    c.disk = Some(vmm::BlockConfig {
+        path: top.clone(),
+        read_only: false,
+        serial: None,
+    });
+    let mut vm = vmm::boot(c).unwrap();
+    vm.start().unwrap();
+    const BEFORE: &[u8] = b"written before the full snapshot";
+    const AFTER: &[u8] = b"written before the diff snapshot";
+    disk_write(&vm, BEFORE);
+    let (snap, diff) = (host_a.join("snap"), host_a.join("diff"));
+    vmm::snapshot(&mut vm, &snap, SnapshotKind::Full).unwrap();
+    disk_write(&vm, AFTER);
+    vmm::snapshot(&mut vm, &diff, SnapshotKind::Diff).unwrap();
+    vm.shutdown();
+    drop(vm);
+
+    let store = store::Store::open(
+        &format!("file://{}/store", dir.0.display()),
+        &store::location::StoreOptions::default(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut ids = Vec::new();
+    for d in [&snap, &diff] {
+        let saved = vmm::PreparedSnapshot::open(d, vmm::CpuCheck::default())
+            .unwrap()
+            .disk()
+            .cloned()
+            .expect("the snapshot has a disk");
+        let files = SnapshotFiles {
+            state: d.join(STATE_FILE),
+            memory: d.join(MEMORY_FILE),
+            working_set: None,
+            disk: Some(SnapshotDisk {
+                layer: saved.layer,
+                read_only: saved.read_only,
+            }),
+        };
+        let (m, r) = rt
+            .block_on(publish(&store, &files, &PublishOptions::default()))
+            .unwrap();
+        println!(
+            "published {}: {} disk layers, {} bytes uploaded, {} reused",
+            m.id,
+            m.disk.as_ref().unwrap().layers.len(),
+            r.bytes_uploaded,
+            r.objects_reused
+        );
+        ids.push(m.snapshot_id());
+    }
+    // The host that took them is gone: snapshots and disk layers.
+    std::fs::remove_dir_all(&host_a).unwrap();
+
+    let cache = ChunkCache::new(&dir.0.join("host-b"), store, 1 << 30).unwrap();
+    let fetcher = FetcherThread::start(&dir.0.join("fetch.sock"), cache).unwrap();
+    let client = FetchClient::connect(fetcher.socket(), T).unwrap();
+    let open = |id| {
+        let remote = client.open(id).unwrap();
+        let p = vmm::PreparedSnapshot::open_with_layers(
+            remote.dir(),
+            vmm::CpuCheck::default(),
+            remote.memory_layers().unwrap(),
+        )
+        .unwrap();
+        (p, remote.disk.expect("the fetcher gives the disk"))
+    };
+    // Without relocating, the saved disk path is the gone host's.
+    let (p, _) = open(ids[1]);
+    assert!(p.restore(MemoryBackend::Copy, options()).is_err());
+    let mut vms = Vec::new();
+    for (id, want, layers) in [(ids[0], BEFORE, 2), (ids[1], AFTER, 3)] {
+        let (mut p, remote_disk) = open(id);
+        p.relocate_disk(remote_disk.layer.clone()).unwrap();
+        let own = dir.0.join(format!("own-{id}.cdsk"));
+        let r = p
+            .restore(
+                MemoryBackend::Uffd,
+                RestoreOptions {
+                    disk_overlay: Some(own.clone()),
+                    ..options()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{id}: {e}"));
+        assert_eq!(disk_top(&r), own);
+        let chain = disk_layers(&r);
+        assert_eq!(chain.len(), layers, "{chain:?}");
+        assert_eq!(chain[1], remote_disk.layer);
+        assert_eq!(disk_bytes(&r, want.len()), want, "{id}: the disk differs");
+        // The restored VM writes to its own overlay only.
+        disk_write(&r, b"mine");
+        assert_eq!(disk_bytes(&r, 4), b"mine");
+        assert_eq!(r.state_name(), "running");
+        vms.push(r);
+    }
+    for mut v in vms {
+        v.shutdown();
+    }
+    // The cached layers are intact: a disk reads them as the snapshots saved them.
+    let (_, remote_disk) = open(ids[1]);
+    let d = disk::Disk::open(&remote_disk.layer, disk::OpenOptions { read_only: true }).unwrap();
+    let mut buf = vec![0u8; AFTER.len()];
+    d.read_at(0, &mut buf).unwrap();
+    assert_eq!(buf, AFTER);
+}
+
 /// Resuming a snapshot without a writable disk with a disk overlay is refused.
 #[test]
 fn a_disk_overlay_for_a_snapshot_without_a_disk_is_refused() {
@@ -1077,6 +1210,7 @@ fn published_snapshot_restores_exactly_from_s3_after_the_host_files_are_gone() {
                 state: snap.join(STATE_FILE),
                 memory: snap.join(MEMORY_FILE),
                 working_set: None,
+                disk: None,
             };
             publish(&s, &files, &PublishOptions::default()).await
         })

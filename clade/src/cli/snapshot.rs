@@ -265,8 +265,14 @@ fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
     if args.jail.jailed() {
         bail!("--jail with --store is not supported yet: restore without --jail");
     }
-    if args.net.is_some() {
-        bail!("--net with --store is not supported yet");
+    // A TAP given as it is (`fd=N`, `tap=NAME`) works as for a local snapshot; a network
+    // of the VM's own would have to start the fetcher in the child it re-runs.
+    if matches!(args.net, Some(NetArg::Auto)) {
+        bail!("--net auto with --store is not supported yet: give a TAP (--net tap=NAME or fd=N)");
+    }
+    let net_spec = args.net.take().and_then(NetArg::given);
+    if let Some(spec) = &net_spec {
+        NetConfig::parse(spec)?;
     }
     let Some(id) = args.dir.take() else {
         bail!("give the published snapshot's id");
@@ -286,7 +292,7 @@ fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
     tracing::info!(id, dir = %dir.display(), open_us = t.elapsed().as_micros() as u64,
         "published snapshot opened");
     let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
-    restore_and_own(args, dir, None, &ahead)
+    restore_and_own(args, dir, net_spec, &ahead)
 }
 
 /// `clade restore --standby`: a confined process with a pre-built VM shell that waits for

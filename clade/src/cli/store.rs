@@ -14,7 +14,7 @@ use clap::{Args, Subcommand};
 use store::cache::ChunkCache;
 use store::fetcher::FetchClient;
 use store::location::StoreOptions;
-use store::publish::{PublishOptions, SnapshotFiles};
+use store::publish::{PublishOptions, SnapshotDisk, SnapshotFiles};
 use store::Store;
 
 /// Where the store is.
@@ -208,24 +208,22 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// The files of the snapshot in `dir`.
-pub fn snapshot_files(dir: &Path) -> SnapshotFiles {
+/// The files of the snapshot in `dir`, whose saved state records `disk`.
+pub fn snapshot_files(dir: &Path, disk: Option<&vmm::SavedDisk>) -> SnapshotFiles {
     let ws = dir.join(vmm::WORKING_SET_FILE);
     SnapshotFiles {
         state: dir.join(vmm::STATE_FILE),
         memory: dir.join(vmm::MEMORY_FILE),
         working_set: ws.exists().then_some(ws),
+        disk: disk.map(|d| SnapshotDisk {
+            layer: d.layer.clone(),
+            read_only: d.read_only,
+        }),
     }
 }
 
 fn publish(dir: &Path, store: &StoreArgs, chunk_kib: u64, json: bool) -> anyhow::Result<u8> {
     let prepared = vmm::PreparedSnapshot::open(dir, vmm::CpuCheck::default())?;
-    if prepared.disk().is_some() {
-        bail!(
-            "{}: the snapshot has a disk; publishing disk layers is not supported yet",
-            dir.display()
-        );
-    }
     let rt = runtime()?;
     let s = {
         let _g = rt.enter();
@@ -240,8 +238,18 @@ fn publish(dir: &Path, store: &StoreArgs, chunk_kib: u64, json: bool) -> anyhow:
     let mut dirs: Vec<PathBuf> = prepared.chain_dirs().to_vec();
     dirs.push(dir.to_path_buf());
     let mut last = None;
-    for d in &dirs {
-        let (m, r) = rt.block_on(store::publish::publish(&s, &snapshot_files(d), &options))?;
+    for (i, d) in dirs.iter().enumerate() {
+        // Each snapshot of the chain is published with its own disk (a base's layers are
+        // then in the store when the diff's chain names them again).
+        let disk = if i + 1 == dirs.len() {
+            prepared.disk().cloned()
+        } else {
+            vmm::PreparedSnapshot::open(d, vmm::CpuCheck::default())?
+                .disk()
+                .cloned()
+        };
+        let files = snapshot_files(d, disk.as_ref());
+        let (m, r) = rt.block_on(store::publish::publish(&s, &files, &options))?;
         uploaded += r.bytes_uploaded;
         last = Some((m, r));
     }
@@ -338,10 +346,21 @@ pub fn open_published(
     let client = FetchClient::connect(fetcher, Duration::from_secs(120))?;
     let remote = client.open(id)?;
     let dir = remote.dir().to_path_buf();
-    let prepared = vmm::PreparedSnapshot::open_with_layers(
+    let mut prepared = vmm::PreparedSnapshot::open_with_layers(
         &dir,
         vmm::CpuCheck::default(),
         remote.memory_layers()?,
     )?;
+    // The saved state names the disk layer where the publishing host had it; here the
+    // chain is in the fetcher's cache.
+    match (&remote.disk, prepared.disk().is_some()) {
+        (Some(d), true) => prepared.relocate_disk(d.layer.clone())?,
+        (None, true) => bail!(
+            "snapshot {id} has a disk, but the fetcher did not provide its layers \
+             (a fetcher of an older build?)"
+        ),
+        (Some(_), false) => bail!("the fetcher gave a disk for snapshot {id}, which has none"),
+        (None, false) => {}
+    }
     Ok((dir, prepared, client))
 }

@@ -314,6 +314,37 @@ impl PreparedSnapshot {
         self.state.saved.disk.as_ref()
     }
 
+    /// Points the snapshot's disk at `layer` instead of the path its saved state records:
+    /// the same layer chain, found elsewhere (a published snapshot restored on another
+    /// host has its layers in the fetcher's cache). The chain at `layer` must open whole,
+    /// and its top must be frozen (each restored VM stacks its overlay on it) unless the
+    /// disk was read-only. Nothing on disk changes; the state file keeps its path.
+    pub fn relocate_disk(&mut self, layer: PathBuf) -> Result<()> {
+        let Some(saved) = self.state.saved.disk.as_mut() else {
+            return Err(Error::Config(format!(
+                "{}: the snapshot has no disk to relocate",
+                self.dir.display()
+            )));
+        };
+        let layer = std::path::absolute(&layer).unwrap_or(layer);
+        let d = disk::Disk::open(&layer, disk::OpenOptions { read_only: true })?;
+        let frozen = d.layers().first().is_some_and(|l| l.header().frozen());
+        drop(d);
+        if !saved.read_only && !frozen {
+            return Err(Error::Config(format!(
+                "{}: not a frozen layer, so it cannot be the snapshot's disk",
+                layer.display()
+            )));
+        }
+        tracing::debug!(
+            "snapshot disk relocated from {} to {}",
+            saved.layer.display(),
+            layer.display()
+        );
+        saved.layer = layer;
+        Ok(())
+    }
+
     /// The directories of the snapshots below this diff snapshot, base first (empty for a
     /// full snapshot): their memory files are read too.
     pub fn chain_dirs(&self) -> &[PathBuf] {
