@@ -233,16 +233,7 @@ impl Host {
         };
         let template = self.sandbox_template(&rec)?;
         let t = Instant::now();
-        let prepared = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())
-            .map_err(|e| Error::Vm(format!("{}: {e}", dir.display())))?;
-        let mut dirs = prepared.chain_dirs().to_vec();
-        dirs.push(dir.clone());
-        let disk = prepared.disk().map(|d| (d.layer.clone(), d.read_only));
-        drop(prepared);
-        let files: Vec<store::publish::SnapshotFiles> = dirs
-            .iter()
-            .map(|d| snapshot_files(d, disk.clone()))
-            .collect();
+        let files = store::publish::chain_files(&dir).map_err(crate::durable::store_err)?;
         let (manifest, report) = d
             .block_on(store::publish::publish_chain(
                 d.store(),
@@ -255,8 +246,8 @@ impl Host {
             .sandbox_object(id)?
             .map(|o| o.own_snapshots)
             .unwrap_or_default();
-        for (dir, f) in dirs.iter().zip(&files) {
-            if dir.starts_with(&rec.dir) {
+        for f in &files {
+            if f.state.starts_with(&rec.dir) {
                 let sid = snapshot::state_file::read_header(&f.state)
                     .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
                     .meta
@@ -1422,16 +1413,6 @@ fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<String>) 
                 }
             }
         }
-    }
-}
-
-/// The files of the snapshot in `dir` (with its saved disk, if it has one).
-fn snapshot_files(dir: &Path, _disk: Option<(PathBuf, bool)>) -> store::publish::SnapshotFiles {
-    let ws = dir.join(vmm::WORKING_SET_FILE);
-    store::publish::SnapshotFiles {
-        state: dir.join(vmm::STATE_FILE),
-        memory: dir.join(vmm::MEMORY_FILE),
-        working_set: ws.exists().then_some(ws),
     }
 }
 

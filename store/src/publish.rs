@@ -721,6 +721,36 @@ pub async fn upload_bytes(
         .map_err(|e| Error::store("upload", &store.key(rel), e))
 }
 
+/// The files of the snapshot in directory `dir` and of the chain below it, base first
+/// (each with its own frozen disk layer): what [`publish_chain`] publishes.
+pub fn chain_files(dir: &Path) -> Result<Vec<SnapshotFiles>> {
+    let open = |d: &Path| {
+        vmm::PreparedSnapshot::open(d, vmm::CpuCheck::default())
+            .map_err(|e| Error::InvalidInput(format!("{}: {e}", d.display())))
+    };
+    let top = open(dir)?;
+    let mut out = Vec::new();
+    for d in top.chain_dirs() {
+        out.push(snapshot_files(d, open(d)?.disk()));
+    }
+    out.push(snapshot_files(dir, top.disk()));
+    Ok(out)
+}
+
+/// The files of the snapshot in `dir`, whose saved disk is `disk`.
+pub fn snapshot_files(dir: &Path, disk: Option<&vmm::SavedDisk>) -> SnapshotFiles {
+    let ws = dir.join(vmm::WORKING_SET_FILE);
+    SnapshotFiles {
+        state: dir.join(vmm::STATE_FILE),
+        memory: dir.join(vmm::MEMORY_FILE),
+        working_set: ws.exists().then_some(ws),
+        disk: disk.map(|d| SnapshotDisk {
+            layer: d.layer.clone(),
+            read_only: d.read_only,
+        }),
+    }
+}
+
 /// Publishes a snapshot and the chain below it (`chain`: base first, the snapshot last),
 /// skipping the snapshots the store has already. Returns the snapshot's manifest and
 /// what this call uploaded.

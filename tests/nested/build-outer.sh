@@ -88,6 +88,15 @@ if [ -n "${NESTED_L1_BINS:-}" ]; then
     done
     log "L1 programs: ${l1_bins[*]}"
 fi
+# The tests' S3 server (scripts/setup.sh builds it), as /usr/bin/clade-test-s3: the object
+# store of durable sandboxes in the sdk scenario.
+S3_SERVER="$REPO_ROOT/build/tools/bin/clade-test-s3"
+if [ -x "$S3_SERVER" ]; then
+    stage_program "$S3_SERVER"
+    mkdir -p "$ROOT/usr/bin"
+    mv "$ROOT$S3_SERVER" "$ROOT/usr/bin/clade-test-s3"
+    log "L1 S3 server: /usr/bin/clade-test-s3"
+fi
 cp "$KVMLINUZ" "$ROOT/guest/vmlinuz"
 cp "$GUEST_CPIO" "$ROOT/guest/initrd.cpio"
 

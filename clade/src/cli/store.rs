@@ -14,7 +14,7 @@ use clap::{Args, Subcommand};
 use store::cache::ChunkCache;
 use store::fetcher::FetchClient;
 use store::location::StoreOptions;
-use store::publish::{PublishOptions, SnapshotDisk, SnapshotFiles};
+use store::publish::PublishOptions;
 use store::Store;
 
 /// Where the store is.
@@ -208,22 +208,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// The files of the snapshot in `dir`, whose saved state records `disk`.
-pub fn snapshot_files(dir: &Path, disk: Option<&vmm::SavedDisk>) -> SnapshotFiles {
-    let ws = dir.join(vmm::WORKING_SET_FILE);
-    SnapshotFiles {
-        state: dir.join(vmm::STATE_FILE),
-        memory: dir.join(vmm::MEMORY_FILE),
-        working_set: ws.exists().then_some(ws),
-        disk: disk.map(|d| SnapshotDisk {
-            layer: d.layer.clone(),
-            read_only: d.read_only,
-        }),
-    }
-}
-
 fn publish(dir: &Path, store: &StoreArgs, chunk_kib: u64, json: bool) -> anyhow::Result<u8> {
-    let prepared = vmm::PreparedSnapshot::open(dir, vmm::CpuCheck::default())?;
     let rt = runtime()?;
     let s = {
         let _g = rt.enter();
@@ -234,47 +219,30 @@ fn publish(dir: &Path, store: &StoreArgs, chunk_kib: u64, json: bool) -> anyhow:
         ..Default::default()
     };
     let t = Instant::now();
-    let mut uploaded = 0;
-    let mut dirs: Vec<PathBuf> = prepared.chain_dirs().to_vec();
-    dirs.push(dir.to_path_buf());
-    let mut last = None;
-    for (i, d) in dirs.iter().enumerate() {
-        // Each snapshot of the chain is published with its own disk (a base's layers are
-        // then in the store when the diff's chain names them again).
-        let disk = if i + 1 == dirs.len() {
-            prepared.disk().cloned()
-        } else {
-            vmm::PreparedSnapshot::open(d, vmm::CpuCheck::default())?
-                .disk()
-                .cloned()
-        };
-        let files = snapshot_files(d, disk.as_ref());
-        let (m, r) = rt.block_on(store::publish::publish(&s, &files, &options))?;
-        uploaded += r.bytes_uploaded;
-        last = Some((m, r));
-    }
-    let Some((m, r)) = last else {
-        bail!("nothing published");
-    };
+    let files = store::publish::chain_files(dir)?;
+    let (m, r) = rt.block_on(store::publish::publish_chain(&s, &files, &options))?;
     if json {
         println!(
             "{}",
             serde_json::json!({
                 "id": m.id,
-                "manifest": s.key(&store::manifest::manifest_key(r.id)),
-                "layers": dirs.len(),
-                "bytes_uploaded": uploaded,
-                "data_bytes": r.data_bytes,
+                "manifest": s.key(&store::manifest::manifest_key(m.snapshot_id())),
+                "layers": files.len(),
+                "published_now": r.published.len(),
+                "bytes_uploaded": r.bytes_uploaded,
+                "data_bytes": m.memory.data.size,
                 "total_us": t.elapsed().as_micros() as u64,
             })
         );
     } else {
         println!("{}", m.id);
         eprintln!(
-            "published {} ({} layer(s)): {uploaded} bytes uploaded, {} bytes of memory data, {:.1} ms",
-            s.key(&store::manifest::manifest_key(r.id)),
-            dirs.len(),
-            r.data_bytes,
+            "published {} ({} layer(s), {} published now): {} bytes uploaded, {} bytes of memory data, {:.1} ms",
+            s.key(&store::manifest::manifest_key(m.snapshot_id())),
+            files.len(),
+            r.published.len(),
+            r.bytes_uploaded,
+            m.memory.data.size,
             t.elapsed().as_secs_f64() * 1e3
         );
     }

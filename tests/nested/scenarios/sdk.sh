@@ -17,12 +17,18 @@
 # `clade serve` on 0.0.0.0:8080, print `NESTED-E2B-READY`, then obey one-line commands on
 # the control port 8081 (each a new TCP connection):
 #   restart       stop the service (SIGTERM) and start it again on the same state dir
+#   lose-host     the first service's "host" is lost: the service and its VM processes are
+#                 SIGKILLed and its whole state directory deleted (print SDK-HOST-LOST);
+#                 its durable sandboxes live on in the object store
 #   netns TAG     print `SDK-NETNS TAG <namespaces> <host veths>` (the service's)
 #   kill-vmm ID   SIGKILL sandbox ID's VM process (the one with its files open), print
 #                 `SDK-VMM-KILLED ID <count>`
 #   done pass|fail  the host's verdict: end with it
 # After the verdict the service stops; then no sandbox network may be left but those of
 # sandboxes still in the registry (the suite kills its sandboxes: none).
+# Both services keep paused sandboxes durable in an object store: the tests' S3 server
+# (/usr/bin/clade-test-s3) on 127.0.0.1:9000 in this machine. A second service ("host B":
+# its own state directory, no templates) listens on port 8082, the same store behind it.
 # Prints SDK-SCENARIO-PASS or SDK-SCENARIO-FAIL; every VM is killed before it ends.
 # scenario-timeout: 1500
 
@@ -34,12 +40,22 @@ CTL=8081
 KEY=nested-sdk-key
 LOG=/tmp/sdk-serve.log
 SERVE=""
+STATE_B=/tmp/sdk-state-b
+PORT_B=8082
+LOG_B=/tmp/sdk-serve-b.log
+SERVE_B=""
+S3=""
+S3_PORT=9000
+# The store both services share (the S3 server's credentials: store/src/s3server.rs).
+export AWS_ACCESS_KEY_ID=clade-test AWS_SECRET_ACCESS_KEY=clade-test-secret AWS_REGION=us-east-1
+STORE_ARGS="--store s3://clade/sdk --store-endpoint http://127.0.0.1:$S3_PORT"
 
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
-# vm_pids: the clade processes of this scenario's sandboxes and template build.
+# vm_pids [DIR]: the clade processes of this scenario's sandboxes and template build (of
+# DIR's: a state directory, by default both services').
 vm_pids() {
     for d in /proc/[0-9]*; do
-        grep -q "$STATE" "$d/cmdline" 2>/dev/null && echo "${d#/proc/}"
+        grep -q "${1:-/tmp/sdk-state}" "$d/cmdline" 2>/dev/null && echo "${d#/proc/}"
     done
 }
 # sandbox_vm_pids ID: the VM process of sandbox ID (it holds files of its directory open;
@@ -51,14 +67,16 @@ sandbox_vm_pids() {
     done
 }
 # The service's sandbox networks: namespaces (/run/netns/clade-<i>) and host veth ends.
-netns_count() { ls /run/netns 2>/dev/null | grep -c '^clade-'; }
-veth_count() { ls /sys/class/net | grep -c '^clh[0-9]'; }
+netns_count() { ls /run/netns 2>/dev/null | grep -c -E '^(clade|cb)-'; }
+veth_count() { ls /sys/class/net | grep -c -E '^(cl|cb)h[0-9]'; }
 IP=/usr/sbin/ip   # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
 WORLD=""
 WORLD_DNS=""
 cleanup() {
     [ -n "$SERVE" ] && kill "$SERVE" 2>/dev/null
+    [ -n "$SERVE_B" ] && kill "$SERVE_B" 2>/dev/null
     sleep 1
+    [ -n "$S3" ] && kill "$S3" 2>/dev/null
     for p in $(vm_pids); do kill -9 "$p" 2>/dev/null; done
     [ -n "$WORLD" ] && kill "$WORLD" 2>/dev/null
     [ -n "$WORLD_DNS" ] && kill "$WORLD_DNS" 2>/dev/null
@@ -76,6 +94,7 @@ fail() {
     echo "SDK-SCENARIO-FAIL $*"
     dump_threads
     [ -f "$LOG" ] && { echo "---- $LOG (tail) ----"; tail -n 40 "$LOG"; }
+    [ -f "$LOG_B" ] && { echo "---- $LOG_B (tail) ----"; tail -n 40 "$LOG_B"; }
     for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
         "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log; do
         [ -f "$f" ] && { echo "---- $f (tail) ----"; tail -n 12 "$f"; }
@@ -83,18 +102,25 @@ fail() {
     cleanup
     exit 1
 }
-start_serve() {
-    echo "---- serve started at $(uptime_s) ----" >>"$LOG"
-    $CLADE serve --listen 0.0.0.0:$PORT --state-dir "$STATE" --api-key "$KEY" \
-        --max-timeout 3600 --net-dns 10.99.0.4 >>"$LOG" 2>&1 &
-    SERVE=$!
+# serve_on PORT STATE LOG [ARGS]: starts a service (with the store), waits until it
+# listens; its pid in SERVED.
+serve_on() {
+    echo "---- serve started at $(uptime_s) ----" >>"$3"
+    # shellcheck disable=SC2086
+    $CLADE serve --listen 0.0.0.0:"$1" --state-dir "$2" --api-key "$KEY" \
+        --max-timeout 3600 --net-dns 10.99.0.4 $STORE_ARGS $4 >>"$3" 2>&1 &
+    SERVED=$!
     i=0
-    until grep -q listening "$LOG"; do
+    until [ "$(grep -c listening "$3")" -ge "$(grep -c '^---- serve started' "$3")" ]; do
         i=$((i + 1))
-        [ "$i" -gt 300 ] && fail "clade serve did not start"
-        kill -0 "$SERVE" 2>/dev/null || fail "clade serve exited"
+        [ "$i" -gt 300 ] && fail "clade serve on :$1 did not start"
+        kill -0 "$SERVED" 2>/dev/null || fail "clade serve on :$1 exited"
         sleep 0.1
     done
+}
+start_serve() {
+    serve_on "$PORT" "$STATE" "$LOG"
+    SERVE=$SERVED
 }
 trap 'fail "interrupted"' INT TERM
 # A trap runs only once the shell's foreground command has ended: every step that waits on
@@ -191,8 +217,21 @@ throughput() {
 ip link set lo up || fail "lo up"
 ip link set eth0 up || fail "eth0 up (run.sh --forward gives L1 a NIC)"
 ip addr add 10.0.2.15/24 dev eth0 || fail "eth0 address"
-rm -rf "$STATE" "$LOG"
-mkdir -p "$STATE"
+rm -rf "$STATE" "$LOG" "$STATE_B" "$LOG_B" /tmp/s3
+mkdir -p "$STATE" "$STATE_B" /tmp/s3/clade
+
+[ -x /usr/bin/clade-test-s3 ] || fail "no /usr/bin/clade-test-s3 (scripts/setup.sh builds it; build-outer.sh stages it)"
+/usr/bin/clade-test-s3 --host 127.0.0.1 --port "$S3_PORT" --access-key "$AWS_ACCESS_KEY_ID" \
+    --secret-key "$AWS_SECRET_ACCESS_KEY" /tmp/s3 >/tmp/s3.log 2>&1 &
+S3=$!
+i=0
+until nc -z 127.0.0.1 "$S3_PORT" 2>/dev/null; do
+    i=$((i + 1))
+    [ "$i" -gt 600 ] && fail "the S3 server did not listen"
+    kill -0 "$S3" 2>/dev/null || { cat /tmp/s3.log; fail "the S3 server exited"; }
+    sleep 0.1
+done
+echo "SDK-S3 127.0.0.1:$S3_PORT"
 
 # The world: its own namespace, a veth to this machine, two addresses, one HTTP server.
 [ -x "$IP" ] && [ -x /usr/sbin/nft ] || fail "no $IP or /usr/sbin/nft (NESTED_L1_BINS)"
@@ -232,6 +271,10 @@ echo "SDK-TEMPLATE debian built in $(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { 
 
 : >"$LOG"
 start_serve
+: >"$LOG_B"
+# Its sandbox networks: names and addresses of its own (`cb-<i>`, `cbh<i>`).
+serve_on "$PORT_B" "$STATE_B" "$LOG_B" "--net on --net-name cb --net-range 10.201.0.0/16"
+SERVE_B=$SERVED
 throughput || fail "throughput"
 echo "NESTED-E2B-READY port=$PORT control=$CTL"
 verdict=""
@@ -246,6 +289,20 @@ while [ -z "$verdict" ]; do
         echo "SDK-SERVE-RESTARTED"
         ;;
     "netns "*) echo "SDK-NETNS ${cmd#netns } $(netns_count) $(veth_count)" ;;
+    lose-host)
+        kill -9 "$SERVE" 2>/dev/null
+        wait "$SERVE" 2>/dev/null
+        for p in $(vm_pids "$STATE/"); do kill -9 "$p" 2>/dev/null; done
+        sleep 1
+        # A lost host's sandbox networks are gone with it; here they are this machine's
+        # (the second service's have names of their own), so they go now.
+        for n in $(ls /run/netns 2>/dev/null | grep '^clade-'); do $IP netns del "$n"; done
+        for v in $(ls /sys/class/net | grep '^clh[0-9]'); do $IP link del "$v" 2>/dev/null; done
+        /usr/sbin/nft delete table ip clade 2>/dev/null
+        rm -rf "$STATE"
+        SERVE=""
+        echo "SDK-HOST-LOST"
+        ;;
     "kill-vmm "*)
         n=0
         for p in $(sandbox_vm_pids "${cmd#kill-vmm }"); do kill -9 "$p" 2>/dev/null && n=$((n + 1)); done
@@ -256,14 +313,24 @@ while [ -z "$verdict" ]; do
     *) echo "SDK-CONTROL ignored: '$cmd'" ;;
     esac
 done
-kill -TERM "$SERVE"
-wait "$SERVE"
-rc=$?
-SERVE=""
+rc=0
+if [ -n "$SERVE" ]; then
+    kill -TERM "$SERVE"
+    wait "$SERVE"
+    rc=$?
+    SERVE=""
+fi
+kill -TERM "$SERVE_B"
+wait "$SERVE_B"
+rc_b=$?
+SERVE_B=""
 echo "---- $LOG (tail) ----"
 tail -n 15 "$LOG"
+echo "---- $LOG_B (tail) ----"
+tail -n 15 "$LOG_B"
 [ "$verdict" = pass ] || fail "the host's SDK suite failed"
 [ "$rc" = 0 ] || fail "clade serve exited $rc on SIGTERM"
+[ "$rc_b" = 0 ] || fail "the second clade serve exited $rc_b on SIGTERM"
 # Every sandbox was killed by the suite, and the pool goes with the service.
 left=$(netns_count)
 [ "$left" = 0 ] || { ls /run/netns; fail "$left sandbox network namespaces left"; }

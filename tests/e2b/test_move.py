@@ -1,0 +1,71 @@
+"""A Linux sandbox outlives its host (tests/nested/scenarios/sdk.sh, run last by
+tests/e2b/run_nested.sh): paused through the e2b SDK on the first `clade serve`, it becomes
+durable in the object store both services share; that service's host is then lost (the
+service and its VMs killed, its whole state directory deleted), and the second service
+(its own state directory, without the template) resumes it: its file is there and its
+process runs on, counting from where it was."""
+
+import json
+import os
+import time
+import urllib.request
+
+from e2b import Sandbox
+from test_linux import SLOW, console_count, control, create, run
+
+URL_A = os.environ.get("E2B_API_URL", "http://127.0.0.1:39481")
+URL_B = os.environ.get("CLADE_NESTED_URL_B", "http://127.0.0.1:39483")
+KEY = os.environ.get("E2B_API_KEY", "nested-sdk-key")
+
+
+def info(url, sandbox_id):
+    req = urllib.request.Request(f"{url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": KEY})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
+    s = create(metadata={"suite": "move"})
+    run(s, "echo written-on-host-a > /root/moved.txt && sync")
+    h = s.commands.run(
+        "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",
+        background=True,
+        timeout=0,
+        request_timeout=300,
+    )
+    time.sleep(2)
+    before = int(run(s, "cat /root/count").stdout)
+    s.pause(**SLOW)
+    # Durable once its pause (memory diff, disk layers, the template below them) is in
+    # the store: uploaded in the background after the pause returned.
+    deadline = time.monotonic() + 900
+    while True:
+        v = info(URL_A, s.sandbox_id)
+        if v.get("durableAt"):
+            break
+        assert time.monotonic() < deadline, f"never durable: {v}"
+        time.sleep(2)
+    assert v["state"] == "paused"
+
+    before_lost = console_count("SDK-HOST-LOST")
+    control("lose-host")
+    deadline = time.monotonic() + 120
+    while console_count("SDK-HOST-LOST") == before_lost:
+        assert time.monotonic() < deadline, "the host was not lost"
+        time.sleep(0.5)
+
+    # Host B has never seen it: it finds it in the store.
+    assert info(URL_B, s.sandbox_id)["state"] == "paused"
+    b = Sandbox.connect(s.sandbox_id, timeout=1800, api_url=URL_B, sandbox_url=URL_B, **SLOW)
+    try:
+        assert run(b, "cat /root/moved.txt").stdout == "written-on-host-a\n"
+        assert h.pid in [p.pid for p in b.commands.list(request_timeout=300)]
+        after = int(run(b, "cat /root/count").stdout)
+        assert after >= before
+        deadline = time.monotonic() + 120
+        while int(run(b, "cat /root/count").stdout) <= after:
+            assert time.monotonic() < deadline, "the moved process does not run on"
+            time.sleep(0.5)
+        assert info(URL_B, s.sandbox_id)["state"] == "running"
+    finally:
+        Sandbox.kill(s.sandbox_id, api_url=URL_B, sandbox_url=URL_B)
