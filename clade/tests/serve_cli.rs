@@ -943,10 +943,12 @@ fn info_until(port: u16, id: &str, secs: u64, done: impl Fn(&Value) -> bool) -> 
 }
 
 /// `clade serve --store`: a sandbox paused on one service becomes durable in the S3
-/// server, its host's whole state directory is deleted, and a second service (its own
-/// state directory, no templates) resumes it from the store with its VM running on;
-/// a third service asking for the same pause is refused (one host wins); its next pause
-/// there is durable again, and a kill removes its objects from the store.
+/// server (an upload that fails while the server is down is retried and reported, the
+/// sandbox resumable meanwhile), its host's whole state directory is deleted, and a second
+/// service (its own state directory, no templates) resumes it from the store with its VM
+/// running on, and creates sandboxes of the template the first one published; a third
+/// service asking for the same pause is refused (one host wins); its next pause there is
+/// durable again, and a kill removes its objects from the store.
 #[test]
 fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     let d = Dir::new("serve-store");
@@ -959,9 +961,27 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     let mut a = start_serve_env(&state_a, pa, &store_args, &env);
     let id = create_from_template(pa);
     ping(&state_a.join("sandboxes").join(&id).join("vm.vsock"));
+    // The store goes away: the pause is local, its upload fails and is retried.
+    s3.kill();
     let (s, v) = http(pa, "POST", &format!("/sandboxes/{id}/pause"), Some("k"), "");
     assert_eq!(s, 204, "{v}");
-    let v = info_until(pa, &id, 60, |v| v["durableAt"].is_string());
+    let v = info_until(pa, &id, 120, |v| v["uploadError"].is_string());
+    assert!(v.get("durableAt").is_none(), "{v}");
+    // Not durable: it resumes here without the store, and pauses again.
+    let (s, v) = http(
+        pa,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "resume while the store is down: {v}");
+    ping(&state_a.join("sandboxes").join(&id).join("vm.vsock"));
+    let (s, v) = http(pa, "POST", &format!("/sandboxes/{id}/pause"), Some("k"), "");
+    assert_eq!(s, 204, "{v}");
+    s3.restart().expect("S3 server back");
+    let v = info_until(pa, &id, 120, |v| v["durableAt"].is_string());
+    assert!(v.get("uploadError").is_none(), "{v}");
     assert_eq!(v["state"], "paused", "{v}");
     assert!(v.get("uploadError").is_none(), "{v}");
 
@@ -991,6 +1011,15 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
     let v = info_until(pb, &id, 5, |_| true);
     assert_eq!(v["state"], "running", "{v}");
+
+    // B has no templates of its own: it creates sandboxes of the one A published.
+    assert!(!state_b.join("templates").join("t").exists());
+    let other = create_from_template(pb);
+    ping(&state_b.join("sandboxes").join(&other).join("vm.vsock"));
+    assert_eq!(
+        http(pb, "DELETE", &format!("/sandboxes/{other}"), Some("k"), "").0,
+        204
+    );
 
     // A third host asking for the same pause: refused, B's sandbox unharmed.
     let state_c = d.p("c");

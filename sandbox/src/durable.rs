@@ -113,6 +113,49 @@ impl SandboxObject {
     }
 }
 
+/// The template object's format name.
+pub const TEMPLATE_FORMAT: &str = "clade-template";
+
+/// What the store keeps of a built template: `templates/<name>.json`. Another host creates
+/// sandboxes of it from the store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateObject {
+    /// [`TEMPLATE_FORMAT`].
+    pub format: String,
+    /// [`SANDBOX_VERSION`].
+    pub version: u32,
+    /// Its published snapshot.
+    pub snapshot: String,
+    /// The template.
+    pub template: Template,
+    /// When it was published (ms).
+    pub published_ms: i64,
+    /// The host that published it.
+    pub host: String,
+}
+
+impl TemplateObject {
+    /// Parses and checks a template object read from the store (untrusted).
+    pub fn parse(name: &str, bytes: &[u8]) -> Result<TemplateObject> {
+        let bad = |why: String| Error::Store(format!("{}: {why}", template_key(name)));
+        let o: TemplateObject = serde_json::from_slice(bytes)
+            .map_err(|e| bad(format!("not a template object: {e}")))?;
+        if o.format != TEMPLATE_FORMAT || o.version != SANDBOX_VERSION {
+            return Err(bad(format!("format {} version {}", o.format, o.version)));
+        }
+        if o.template.name != name || o.template.vcpus == 0 || o.template.mem_mib == 0 {
+            return Err(bad(format!("it describes template '{}'", o.template.name)));
+        }
+        store::manifest::parse_snapshot_id(&o.snapshot).map_err(|e| bad(e.to_string()))?;
+        Ok(o)
+    }
+}
+
+/// The key of template `name`'s object.
+pub fn template_key(name: &str) -> String {
+    format!("templates/{name}.json")
+}
+
 /// The key of sandbox `id`'s object.
 pub fn sandbox_key(id: &str) -> String {
     format!("sandboxes/{id}.json")
@@ -229,6 +272,30 @@ impl Durable {
         }
         let bytes = self.block_on(self.store.get(&key)).map_err(store_err)?;
         SandboxObject::parse(id, &bytes).map(Some)
+    }
+
+    /// The store's object of template `name` (`None`: there is none).
+    pub fn template_object(&self, name: &str) -> Result<Option<TemplateObject>> {
+        let key = template_key(name);
+        if self
+            .block_on(self.store.size(&key))
+            .map_err(store_err)?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        let bytes = self.block_on(self.store.get(&key)).map_err(store_err)?;
+        TemplateObject::parse(name, &bytes).map(Some)
+    }
+
+    /// Writes template object `o` (replacing the one before).
+    pub fn put_template_object(&self, o: &TemplateObject) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(o).map_err(|e| Error::Corrupt(e.to_string()))?;
+        self.block_on(
+            self.store
+                .put(&template_key(&o.template.name), Bytes::from(bytes)),
+        )
+        .map_err(store_err)
     }
 
     /// Writes sandbox `o`'s object (replacing the one before).

@@ -154,8 +154,8 @@ pub struct Host {
     dirs: dirs::DirsAhead,
     /// The object store sandboxes are kept durable in (`clade serve --store`).
     durable: Option<Arc<Durable>>,
-    /// The uploader's queue (sandbox ids whose pause to publish).
-    uploads: Mutex<Option<std::sync::mpsc::Sender<String>>>,
+    /// The uploader's queue.
+    uploads: Mutex<Option<std::sync::mpsc::Sender<Upload>>>,
 }
 
 impl Host {
@@ -192,21 +192,25 @@ impl Host {
         self.durable.as_ref()
     }
 
-    /// Starts the uploader (with a store): every pause is published after it returns, and
+    /// Starts the uploader (with a store): the host's templates are published now (so
+    /// that other hosts can create sandboxes of them), every pause after it returns, and
     /// the paused sandboxes whose pause is not published yet are queued now.
     pub fn start_uploads(self: &Arc<Self>) -> Result<()> {
         if self.durable.is_none() {
             return Ok(());
         }
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let (tx, rx) = std::sync::mpsc::channel::<Upload>();
         let host = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("clade-uploader".into())
             .spawn(move || uploader(host, rx))
             .map_err(Error::io("starting the uploader", &self.cfg.state_dir))?;
+        for t in self.templates.list()? {
+            let _ = tx.send(Upload::Template(t.name));
+        }
         for r in self.reg().all()? {
             if r.state == State::Paused && r.remote.is_none() && !r.durable() {
-                let _ = tx.send(r.id);
+                let _ = tx.send(Upload::Pause(r.id));
             }
         }
         *self.uploads.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
@@ -215,8 +219,45 @@ impl Host {
 
     fn queue_upload(&self, id: &str) {
         if let Some(tx) = &*self.uploads.lock().unwrap_or_else(|p| p.into_inner()) {
-            let _ = tx.send(id.to_string());
+            let _ = tx.send(Upload::Pause(id.to_string()));
         }
+    }
+
+    /// Publishes built template `name`: its snapshot (with its disk), then its template
+    /// object.
+    fn publish_template(&self, d: &Durable, name: &str) -> Result<()> {
+        let template = match self.templates.get(name) {
+            Ok(t) => t,
+            // Removed since: nothing to publish.
+            Err(Error::TemplateNotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if let Some(o) = d.template_object(name)? {
+            if o.template == template {
+                return Ok(());
+            }
+        }
+        let t = Instant::now();
+        let files = store::publish::chain_files(&self.templates.snapshot_dir(name)?)
+            .map_err(crate::durable::store_err)?;
+        let (manifest, report) = d
+            .block_on(store::publish::publish_chain(
+                d.store(),
+                &files,
+                &store::publish::PublishOptions::default(),
+            ))
+            .map_err(crate::durable::store_err)?;
+        d.put_template_object(&crate::durable::TemplateObject {
+            format: crate::durable::TEMPLATE_FORMAT.into(),
+            version: crate::durable::SANDBOX_VERSION,
+            snapshot: manifest.id.clone(),
+            template,
+            published_ms: ids::now_ms(),
+            host: d.host_id().to_string(),
+        })?;
+        tracing::info!(template = %name, snapshot = %manifest.id,
+            uploaded = report.bytes_uploaded, elapsed = ?t.elapsed(), "template published");
+        Ok(())
     }
 
     /// Publishes the pause of sandbox `id` (if it is still paused at a pause not published
@@ -233,6 +274,11 @@ impl Host {
         };
         let template = self.sandbox_template(&rec)?;
         let t = Instant::now();
+        // Its template first (a sandbox of a built template), so that the host taking it
+        // over can also create sandboxes of that template.
+        if rec.remote.is_none() && !rec.dir.join(template::TEMPLATE_FILE).exists() {
+            self.publish_template(d, &rec.template)?;
+        }
         let files = store::publish::chain_files(&dir).map_err(crate::durable::store_err)?;
         let (manifest, report) = d
             .block_on(store::publish::publish_chain(
@@ -333,10 +379,7 @@ impl Host {
         d.put_sandbox_object(&o)?;
         let dir = self.sandboxes_dir().join(id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
-        let copy = dir.join(template::TEMPLATE_FILE);
-        let text =
-            serde_json::to_string_pretty(&o.template).map_err(|e| Error::Corrupt(e.to_string()))?;
-        std::fs::write(&copy, text).map_err(Error::io("writing", &copy))?;
+        write_template_copy(&dir, &o.template)?;
         let mut rec = self.record_of(o.clone());
         rec.end_ms = ids::now_ms();
         let policy = policy_of(&rec)?;
@@ -349,6 +392,14 @@ impl Host {
         tracing::info!(sandbox = %id, snapshot = ?rec.remote, pause = rec.pauses,
             from = %d.store().url(), "taken over from the store");
         Ok(rec)
+    }
+
+    /// A template another host published, if the host has a store and it has one.
+    fn store_template(&self, name: &str) -> Result<Option<crate::durable::TemplateObject>> {
+        match &self.durable {
+            Some(d) if template::valid_name(name) => d.template_object(name),
+            _ => Ok(None),
+        }
     }
 
     /// A paused sandbox as the store's object describes it (to resume from the store).
@@ -565,10 +616,26 @@ impl Host {
             .resolve_snapshot(strip_tag(&req.template)?)?
             .is_some();
         let _snapshots = from_snapshot.then(|| self.snapshot_guard());
-        let (template, snapshot) = self.resolve_template(&req.template)?;
+        // Not here: a template another host published (restored from the store).
+        let (template, snapshot, remote) = match self.resolve_template(&req.template) {
+            Ok((t, s)) => (t, s, None),
+            Err(e @ Error::BadRequest(_)) => {
+                match self.store_template(strip_tag(&req.template)?)? {
+                    Some(o) => (o.template, PathBuf::from(&o.snapshot), Some(o.snapshot)),
+                    None => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         let id = ids::new_sandbox_id();
         let dir = self.sandboxes_dir().join(&id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
+        if remote.is_some() {
+            if let Err(e) = write_template_copy(&dir, &template) {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        }
         let now = ids::now_ms();
         let mut rec = Record {
             id: id.clone(),
@@ -592,7 +659,7 @@ impl Host {
             parent: None,
             net: None,
             egress: None,
-            remote: None,
+            remote,
             published_pause: None,
             published_ms: None,
         };
@@ -1390,30 +1457,65 @@ impl Host {
     }
 }
 
-/// The uploader: publishes the pauses queued, one at a time, retrying a failed one with
-/// backoff while its sandbox stays paused at that pause (its local copy stays meanwhile).
-fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<String>) {
-    while let Ok(id) = rx.recv() {
-        let mut attempt = 0u32;
-        loop {
+/// What the uploader publishes.
+#[derive(Debug)]
+enum Upload {
+    /// A sandbox's latest pause.
+    Pause(String),
+    /// A built template.
+    Template(String),
+}
+
+/// The uploader: publishes what is queued, one job at a time; a job that fails is tried
+/// again later with backoff (its sandbox's local copy stays meanwhile), while the others
+/// go on. A pause job ends once its sandbox is no longer paused at that pause.
+fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<Upload>) {
+    use std::sync::mpsc::RecvTimeoutError;
+    // (when due, failures so far, job)
+    let mut pending: Vec<(Instant, u32, Upload)> = Vec::new();
+    loop {
+        let got = match pending.iter().map(|p| p.0).min() {
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(due) => rx.recv_timeout(due.saturating_duration_since(Instant::now())),
+        };
+        match got {
+            Ok(job) => pending.push((Instant::now(), 0, job)),
+            Err(RecvTimeoutError::Timeout) => {}
+            // The host is gone.
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        while let Ok(job) = rx.try_recv() {
+            pending.push((Instant::now(), 0, job));
+        }
+        let now = Instant::now();
+        let (due, later): (Vec<_>, Vec<_>) = pending.into_iter().partition(|p| p.0 <= now);
+        pending = later;
+        for (_, attempt, job) in due {
             let Some(h) = host.upgrade() else { return };
             let Some(d) = h.durable.clone() else { return };
-            match h.publish_pause(&d, &id) {
-                Ok(()) => {
-                    d.set_failure(&id, None);
-                    break;
-                }
+            let (id, done) = match &job {
+                Upload::Pause(id) => (id, h.publish_pause(&d, id)),
+                Upload::Template(name) => (name, h.publish_template(&d, name)),
+            };
+            match done {
+                Ok(()) => d.set_failure(id, None),
                 Err(e) => {
                     let wait = crate::durable::backoff(attempt);
-                    tracing::warn!(sandbox = %id, attempt, retry_in = ?wait, "upload failed: {e}");
-                    d.set_failure(&id, Some(e.to_string()));
-                    attempt += 1;
-                    drop(h);
-                    std::thread::sleep(wait);
+                    tracing::warn!(?job, attempt, retry_in = ?wait, "upload failed: {e}");
+                    d.set_failure(id, Some(e.to_string()));
+                    pending.push((Instant::now() + wait, attempt + 1, job));
                 }
             }
         }
     }
+}
+
+/// Keeps a copy of `t` in sandbox directory `dir`: the template of a sandbox whose
+/// template is not one of this host's ([`Host::sandbox_template`]).
+fn write_template_copy(dir: &Path, t: &Template) -> Result<()> {
+    let copy = dir.join(template::TEMPLATE_FILE);
+    let text = serde_json::to_string_pretty(t).map_err(|e| Error::Corrupt(e.to_string()))?;
+    std::fs::write(&copy, text).map_err(Error::io("writing", &copy))
 }
 
 /// The registry's form of an egress policy (`None`: allow all, the default).

@@ -25,6 +25,23 @@ pub struct S3Server {
     port: u16,
 }
 
+/// Starts the server binary on `port` with its data under `root`.
+fn spawn(root: &Path, port: u16) -> Result<Child> {
+    let bin = server_binary().ok_or_else(|| Error::Config {
+        url: "clade-test-s3".into(),
+        reason: "no S3 server binary: run scripts/setup.sh (builds build/tools/bin/clade-test-s3) or set CLADE_S3_SERVER".into(),
+    })?;
+    Command::new(&bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+        .arg(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| Error::io("start", &bin, e))
+}
+
 /// Where the server binary is: `$CLADE_S3_SERVER`, else `build/tools/bin/clade-test-s3`
 /// above the current directory or the running executable.
 pub fn server_binary() -> Option<PathBuf> {
@@ -50,46 +67,46 @@ impl S3Server {
     /// Starts a server with its data under `root` (created; removed on drop) and one
     /// bucket, `bucket`.
     pub fn start(root: &Path, bucket: &str) -> Result<S3Server> {
-        let bin = server_binary().ok_or_else(|| Error::Config {
-            url: "clade-test-s3".into(),
-            reason: "no S3 server binary: run scripts/setup.sh (builds build/tools/bin/clade-test-s3) or set CLADE_S3_SERVER".into(),
-        })?;
         std::fs::create_dir_all(root.join(bucket)).map_err(|e| Error::io("create", root, e))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| Error::io("pick a port", root, e))?
             .port();
-        let child = Command::new(&bin)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-            .arg(root)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| Error::io("start", &bin, e))?;
+        let child = spawn(root, port)?;
         let mut server = S3Server {
             child,
             root: root.to_path_buf(),
             port,
         };
+        server.wait_listening()?;
+        Ok(server)
+    }
+
+    /// Starts the server again after [`S3Server::kill`]: the same data, the same port.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        self.child = spawn(&self.root, self.port)?;
+        self.wait_listening()
+    }
+
+    fn wait_listening(&mut self) -> Result<()> {
         let t = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = server.child.try_wait() {
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(Error::Config {
-                    url: server.endpoint(),
-                    reason: format!("{} exited at start: {status}", bin.display()),
+                    url: self.endpoint(),
+                    reason: format!("the S3 server exited at start: {status}"),
                 });
             }
             if t.elapsed() > Duration::from_secs(20) {
                 return Err(Error::Config {
-                    url: server.endpoint(),
+                    url: self.endpoint(),
                     reason: "the S3 server did not listen within 20 s".into(),
                 });
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(server)
+        Ok(())
     }
 
     /// Its endpoint URL.
