@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # move-host.sh: a sandbox moves hosts through object storage, on the native tier.
 #
+# Part 1, the library and CLI:
 # "Host A" runs the bare-metal test guest (it fills 32 MiB of memory, prints its checksum,
 # and counts to 2^32), snapshots it mid-loop, publishes the snapshot to an S3 server and is
 # wiped: its VM killed and its snapshot directory deleted. "Host B" (its own chunk cache,
@@ -8,12 +9,19 @@
 # the guest finishes its loop and prints the same memory checksum. The S3 server is the one
 # the tests use (build/tools/bin/clade-test-s3 on loopback); with CLADE_STORE (and AWS
 # credentials, CLADE_STORE_ENDPOINT for an S3-compatible server) set, that store is used.
+#
+# Part 2, the service: `clade serve --store` on host A creates a sandbox of a template,
+# pauses it (the pause is uploaded in the background; the sandbox's info says when it is
+# durable), and host A is lost (service killed, state directory deleted); `clade serve` on
+# host B (its own state directory, no templates, the same store) resumes it through the
+# same HTTP API the e2b SDK uses, and its agent answers.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLADE="${CLADE:-$REPO_ROOT/target/release/clade}"
 D=$(mktemp -d /tmp/clade-move.XXXXXX)
 S3_PID=""
 VM_PID=""
+SERVES=""
 cleanup() {
     [ -n "$VM_PID" ] && kill -9 "$VM_PID" 2>/dev/null || true
     [ -n "$S3_PID" ] && kill "$S3_PID" 2>/dev/null || true
@@ -72,3 +80,45 @@ if [ "$BEFORE" != "$AFTER" ]; then
     exit 1
 fi
 echo "MOVE-HOST: PASS (the sandbox continued on host B with its memory exactly as on host A)"
+
+echo "== part 2: clade serve --store on host A and on host B"
+"$CLADE" template build t --test-device --mem 64 --kernel "$GUEST" --cmdline steps=vsock \
+    --state-dir "$D/state-a" >/dev/null
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# serve NAME: starts `clade serve --store` with state dir $D/state-NAME; its port in PORT.
+serve() {
+    PORT=$(free_port)
+    CLADE_LOG=info "$CLADE" serve --listen "127.0.0.1:$PORT" --api-key demo \
+        --state-dir "$D/state-$1" >"$D/serve-$1.log" 2>&1 &
+    SERVE_PID=$!
+    SERVES="$SERVES $SERVE_PID"
+    for _ in $(seq 200); do grep -q listening "$D/serve-$1.log" && return; sleep 0.05; done
+    echo "clade serve ($1) did not start"; cat "$D/serve-$1.log"; exit 1
+}
+api() { curl -sS -X "$1" -H 'X-API-KEY: demo' -H 'Content-Type: application/json' \
+    ${3:+--data "$3"} "http://127.0.0.1:$PORT$2"; }
+field() { python3 -c "import json,sys; print(json.load(sys.stdin).get('$1') or '')"; }
+serve a
+ID=$(api POST /sandboxes '{"templateID":"t","timeout":300}' | field sandboxID)
+"$CLADE" ping "$D/state-a/sandboxes/$ID/vm.vsock" >/dev/null
+api POST "/sandboxes/$ID/pause" >/dev/null
+T0=$(date +%s%N)
+until [ -n "$(api GET "/sandboxes/$ID" | field durableAt)" ]; do
+    [ $(( ($(date +%s%N) - T0) / 1000000000 )) -lt 60 ] || { echo "never durable"; exit 1; }
+    sleep 0.02
+done
+echo "host A: sandbox $ID paused; durable $(( ($(date +%s%N) - T0) / 1000000 )) ms after the pause returned"
+{ kill -9 "$SERVE_PID"; wait "$SERVE_PID"; } 2>/dev/null || true
+pkill -9 -f "$D/state-a/" 2>/dev/null || true
+rm -rf "$D/state-a"
+echo "host A is gone (its service and VMs killed, its state directory deleted)"
+serve b
+echo "host B sees it in the store: $(api GET "/sandboxes/$ID" | field state)"
+T0=$(date +%s%N)
+STATUS=$(api POST "/sandboxes/$ID/connect" '{"timeout":300}' | field sandboxID)
+T1=$(date +%s%N)
+[ "$STATUS" = "$ID" ] || { echo "resume on host B failed"; tail "$D/serve-b.log"; exit 1; }
+"$CLADE" ping "$D/state-b/sandboxes/$ID/vm.vsock" >/dev/null
+echo "host B: resumed it from the store in $(( (T1 - T0) / 1000000 )) ms (claim, take over, lazy restore); its agent answers"
+api DELETE "/sandboxes/$ID" >/dev/null
+echo "MOVE-HOST-SERVICE: PASS (paused on host A, resumed on host B through the store)"
