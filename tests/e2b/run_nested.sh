@@ -32,6 +32,7 @@ case "${1:-}" in
     shift
     tests/nested/build-rootfs.sh
     LOG=build/nested/nested.log
+    mkdir -p build/nested
     rm -f "$LOG"
     NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --disk build/rootfs/base.cdsk \
         --forward "$PORT:8080" --forward "$CTL:8081" --forward "$PORT_B:8082" \
