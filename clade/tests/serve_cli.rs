@@ -1065,9 +1065,29 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
         http(pd, "GET", &format!("/sandboxes/{id}"), Some("k"), "").0,
         404
     );
-    for p in [&mut c, &mut e] {
-        let _ = p.0.kill();
-        let _ = p.0.wait();
-    }
+    // A sandbox paused on C, whose host is then lost, is killed from D: gone from the store.
+    let id2 = create_from_template(pc);
+    let (s, v) = http(
+        pc,
+        "POST",
+        &format!("/sandboxes/{id2}/pause"),
+        Some("k"),
+        "",
+    );
+    assert_eq!(s, 204, "{v}");
+    info_until(pc, &id2, 60, |v| v["durableAt"].is_string());
+    let _ = c.0.kill();
+    let _ = c.0.wait();
+    let info_d = |id: &str| http(pd, "GET", &format!("/sandboxes/{id}"), Some("k"), "").0;
+    assert_eq!(info_d(&id2), 200);
+    let (s, v) = http(pd, "DELETE", &format!("/sandboxes/{id2}"), Some("k"), "");
+    assert_eq!(s, 204, "{v}");
+    assert_eq!(info_d(&id2), 404);
+    assert!(!bucket
+        .join("sandboxes")
+        .join(format!("{id2}.json"))
+        .exists());
+    let _ = e.0.kill();
+    let _ = e.0.wait();
     s3.kill();
 }

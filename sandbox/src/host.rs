@@ -813,7 +813,20 @@ impl Host {
     pub fn kill(&self, id: &str) -> Result<()> {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let rec = self.load(id)?;
+        let rec = match (self.load(id), &self.durable) {
+            // Only in the store (paused on a host that may be gone): claimed like a resume,
+            // so that one running elsewhere is not deleted under it, then removed.
+            (Err(Error::NotFound(_)), Some(d)) if ids::valid_sandbox_id(id) => {
+                let o = d
+                    .sandbox_object(id)?
+                    .ok_or_else(|| Error::NotFound(id.to_string()))?;
+                d.claim(id, o.pause)?;
+                d.delete_sandbox(id)?;
+                tracing::info!(sandbox = %id, "killed (in the store only)");
+                return Ok(());
+            }
+            (r, _) => r?,
+        };
         if let (State::Running, Some(pid), Some(api)) = (rec.state, rec.pid, &rec.api_sock) {
             self.driver.stop(pid, api)?;
         }
