@@ -225,9 +225,11 @@ mkdir -p "$STATE" "$STATE_B" /tmp/s3/clade
     --secret-key "$AWS_SECRET_ACCESS_KEY" /tmp/s3 >/tmp/s3.log 2>&1 &
 S3=$!
 i=0
-until nc -z 127.0.0.1 "$S3_PORT" 2>/dev/null; do
+# (busybox nc has no -z: the listening socket is looked for in /proc/net/tcp, state 0A.)
+s3_port_hex=$(printf '%04X' "$S3_PORT")
+until awk -v p=":$s3_port_hex" '$4 == "0A" && substr($2, length($2) - 4) == p { f = 1 } END { exit !f }' /proc/net/tcp; do
     i=$((i + 1))
-    [ "$i" -gt 600 ] && fail "the S3 server did not listen"
+    [ "$i" -gt 600 ] && { cat /tmp/s3.log; fail "the S3 server did not listen"; }
     kill -0 "$S3" 2>/dev/null || { cat /tmp/s3.log; fail "the S3 server exited"; }
     sleep 0.1
 done
