@@ -723,3 +723,41 @@ fn a_tampered_disk_layer_is_an_error_naming_it() {
     assert!(err.contains("parent"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A write-if-absent is atomic on the S3 server: of many hosts writing the same claim at
+/// once, exactly one succeeds (what `clade serve --store` relies on so that a paused
+/// sandbox is resumed once).
+#[test]
+fn of_concurrent_writes_if_absent_exactly_one_succeeds() {
+    let dir = tmp("claims");
+    let mut server = store::s3server::S3Server::start(&dir.join("s3"), "clade").unwrap();
+    for round in 0..5 {
+        let key = format!("claims/sandbox/{round}");
+        let winners: Vec<bool> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|i| {
+                    let (server, key) = (&server, &key);
+                    s.spawn(move || {
+                        let rt = rt();
+                        let store = {
+                            let _g = rt.enter();
+                            server
+                                .store("clade", "p", std::time::Duration::from_secs(10))
+                                .unwrap()
+                        };
+                        rt.block_on(store.put_if_absent(key, format!("host-{i}").into()))
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            winners.iter().filter(|w| **w).count(),
+            1,
+            "round {round}: {winners:?}"
+        );
+    }
+    server.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

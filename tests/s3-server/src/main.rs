@@ -6,9 +6,16 @@
 //! 256 KiB took ~44 ms instead of ~2 ms, which is that server's artifact, not what an S3
 //! service costs.
 //!
+//! It also makes conditional writes atomic. `s3s-fs` checks `If-None-Match: *` (create
+//! only if absent) and `If-Match` by looking at the file, then writes it: two requests at
+//! once can both pass the check, where S3 lets exactly one succeed. Clade relies on that
+//! (`clade serve --store` claims a paused sandbox's pause with a create-if-absent, so that
+//! one host resumes it), so this server runs conditional writes one at a time.
+//!
 //! Usage: clade-test-s3 --host H --port P --access-key K --secret-key S ROOT
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder as ConnBuilder;
@@ -83,12 +90,31 @@ async fn main() {
         }
     };
     let http = ConnBuilder::new(TokioExecutor::new());
+    // Conditional writes (a PUT, or a multipart upload's completing POST, with If-Match or
+    // If-None-Match), one at a time.
+    let conditional = Arc::new(tokio::sync::Mutex::new(()));
     loop {
         tokio::select! {
             r = listener.accept() => {
                 let Ok((socket, _)) = r else { continue };
                 let _ = socket.set_nodelay(true);
-                let conn = http.serve_connection(TokioIo::new(socket), service.clone()).into_owned();
+                let (service, conditional) = (service.clone(), Arc::clone(&conditional));
+                let serve = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let (service, conditional) = (service.clone(), Arc::clone(&conditional));
+                    async move {
+                        let is_write = matches!(*req.method(), hyper::Method::PUT | hyper::Method::POST);
+                        let h = req.headers();
+                        let _one_at_a_time = if is_write
+                            && (h.contains_key(hyper::header::IF_NONE_MATCH) || h.contains_key(hyper::header::IF_MATCH))
+                        {
+                            Some(conditional.lock_owned().await)
+                        } else {
+                            None
+                        };
+                        hyper::service::Service::call(&service, req).await
+                    }
+                });
+                let conn = http.serve_connection(TokioIo::new(socket), serve).into_owned();
                 tokio::spawn(async move {
                     let _ = conn.await;
                 });
