@@ -262,30 +262,45 @@ impl Durable {
 
     /// The store's object of sandbox `id` (`None`: there is none).
     pub fn sandbox_object(&self, id: &str) -> Result<Option<SandboxObject>> {
-        let key = sandbox_key(id);
-        if self
-            .block_on(self.store.size(&key))
-            .map_err(store_err)?
-            .is_none()
-        {
-            return Ok(None);
-        }
-        let bytes = self.block_on(self.store.get(&key)).map_err(store_err)?;
-        SandboxObject::parse(id, &bytes).map(Some)
+        self.get_if_there(&sandbox_key(id))?
+            .map(|b| SandboxObject::parse(id, &b))
+            .transpose()
     }
 
     /// The store's object of template `name` (`None`: there is none).
     pub fn template_object(&self, name: &str) -> Result<Option<TemplateObject>> {
-        let key = template_key(name);
+        self.get_if_there(&template_key(name))?
+            .map(|b| TemplateObject::parse(name, &b))
+            .transpose()
+    }
+
+    /// Object `key`'s bytes, or `None` if there is no such object.
+    fn get_if_there(&self, key: &str) -> Result<Option<Bytes>> {
         if self
-            .block_on(self.store.size(&key))
+            .block_on(self.store.size(key))
             .map_err(store_err)?
             .is_none()
         {
             return Ok(None);
         }
-        let bytes = self.block_on(self.store.get(&key)).map_err(store_err)?;
-        TemplateObject::parse(name, &bytes).map(Some)
+        self.block_on(self.store.get(key))
+            .map(Some)
+            .map_err(store_err)
+    }
+
+    /// Publishes a snapshot and the chain below it (`chain`, base first: see
+    /// [`store::publish::chain_files`]); what the store has already is skipped. Returns its
+    /// manifest and what was uploaded.
+    pub fn publish_chain(
+        &self,
+        chain: &[store::publish::SnapshotFiles],
+    ) -> Result<(store::Manifest, store::publish::ChainReport)> {
+        self.block_on(store::publish::publish_chain(
+            &self.store,
+            chain,
+            &store::publish::PublishOptions::default(),
+        ))
+        .map_err(store_err)
     }
 
     /// Writes template object `o` (replacing the one before).

@@ -240,13 +240,7 @@ impl Host {
         let t = Instant::now();
         let files = store::publish::chain_files(&self.templates.snapshot_dir(name)?)
             .map_err(crate::durable::store_err)?;
-        let (manifest, report) = d
-            .block_on(store::publish::publish_chain(
-                d.store(),
-                &files,
-                &store::publish::PublishOptions::default(),
-            ))
-            .map_err(crate::durable::store_err)?;
+        let (manifest, report) = d.publish_chain(&files)?;
         d.put_template_object(&crate::durable::TemplateObject {
             format: crate::durable::TEMPLATE_FORMAT.into(),
             version: crate::durable::SANDBOX_VERSION,
@@ -280,28 +274,20 @@ impl Host {
             self.publish_template(d, &rec.template)?;
         }
         let files = store::publish::chain_files(&dir).map_err(crate::durable::store_err)?;
-        let (manifest, report) = d
-            .block_on(store::publish::publish_chain(
-                d.store(),
-                &files,
-                &store::publish::PublishOptions::default(),
-            ))
-            .map_err(crate::durable::store_err)?;
+        let (manifest, report) = d.publish_chain(&files)?;
         // This sandbox's own snapshots: those in its directory (not its template's).
         let mut own: Vec<String> = d
             .sandbox_object(id)?
             .map(|o| o.own_snapshots)
             .unwrap_or_default();
-        for f in &files {
-            if f.state.starts_with(&rec.dir) {
-                let sid = snapshot::state_file::read_header(&f.state)
-                    .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
-                    .meta
-                    .id
-                    .to_string();
-                if !own.contains(&sid) {
-                    own.push(sid);
-                }
+        for f in files.iter().filter(|f| f.state.starts_with(&rec.dir)) {
+            let sid = snapshot::state_file::read_header(&f.state)
+                .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
+                .meta
+                .id
+                .to_string();
+            if !own.contains(&sid) {
+                own.push(sid);
             }
         }
         let now = ids::now_ms();
