@@ -74,6 +74,21 @@ fn s3_options(
     }
 }
 
+/// Why a cloud store's client could not be made. The HTTP client loads the host's CA
+/// certificates even for an `http://` endpoint: without any it fails with only "builder
+/// error", which is said here in words.
+fn build_error(e: object_store::Error) -> String {
+    let s = e.to_string();
+    if s.contains("builder error") {
+        format!(
+            "{s} (the HTTP client could not be set up: is a CA certificate bundle installed, \
+             e.g. /etc/ssl/certs/ca-certificates.crt? it is needed for http:// endpoints too)"
+        )
+    } else {
+        s
+    }
+}
+
 /// An object store and the prefix Clade's objects live under.
 ///
 /// Use one per tokio runtime: an HTTP store's pooled connections belong to the runtime
@@ -116,7 +131,7 @@ impl Store {
                 }
                 let s = s3_options(b, bucket, options)
                     .build()
-                    .map_err(|e| config(e.to_string()))?;
+                    .map_err(|e| config(build_error(e)))?;
                 (Arc::new(s), bucket_prefix())
             }
             "gs" => {
@@ -128,7 +143,7 @@ impl Store {
                     .with_client_options(client)
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| config(e.to_string()))?;
+                    .map_err(|e| config(build_error(e)))?;
                 (Arc::new(s), bucket_prefix())
             }
             "az" | "azure" => {
@@ -140,7 +155,7 @@ impl Store {
                     .with_client_options(client)
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| config(e.to_string()))?;
+                    .map_err(|e| config(build_error(e)))?;
                 (Arc::new(s), bucket_prefix())
             }
             "file" => {
@@ -183,7 +198,7 @@ impl Store {
         let b = s3_options(b, bucket, options);
         let s = b.build().map_err(|e| Error::Config {
             url: url.clone(),
-            reason: e.to_string(),
+            reason: build_error(e),
         })?;
         Ok(Store {
             inner: Arc::new(s),

@@ -90,6 +90,12 @@ if [ -n "${NESTED_L1_BINS:-}" ]; then
 fi
 # The tests' S3 server (scripts/setup.sh builds it), as /usr/bin/clade-test-s3: the object
 # store of durable sandboxes in the sdk scenario.
+# CA certificates, as a real host has them: the object store's HTTP client loads them even
+# for the plain-http S3 server.
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    mkdir -p "$ROOT/etc/ssl/certs"
+    cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/"
+fi
 S3_SERVER="$REPO_ROOT/build/tools/bin/clade-test-s3"
 if [ -x "$S3_SERVER" ]; then
     stage_program "$S3_SERVER"
