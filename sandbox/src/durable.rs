@@ -44,6 +44,10 @@ pub struct StoreConfig {
     pub cache_limit: u64,
 }
 
+/// The longest [`Durable::prepare`] may take (each store request in it is bounded by the
+/// store's own timeout; a multi-GiB disk layer is many of them).
+pub const PREPARE_TIMEOUT: Duration = Duration::from_secs(1800);
+
 /// The sandbox object's format name.
 pub const SANDBOX_FORMAT: &str = "clade-sandbox";
 /// Its version.
@@ -225,6 +229,21 @@ impl Durable {
     /// The fetcher's socket (VM processes restore published snapshots through it).
     pub fn fetcher_socket(&self) -> &Path {
         self.fetcher.socket()
+    }
+
+    /// Brings published snapshot `id` into the host's cache (through the fetcher): its
+    /// manifest, small objects, working-set chunks and disk layers, so that the VM process
+    /// started on it next finds all it needs before its first fault. Whatever takes long
+    /// (a big disk layer not cached yet) happens here, bounded by the store's limits,
+    /// rather than in the VM process's start.
+    pub fn prepare(&self, id: &str) -> Result<()> {
+        let sid = store::manifest::parse_snapshot_id(id).map_err(store_err)?;
+        let t = std::time::Instant::now();
+        let client = store::fetcher::FetchClient::connect(self.fetcher.socket(), PREPARE_TIMEOUT)
+            .map_err(store_err)?;
+        client.open(sid).map_err(store_err)?;
+        tracing::info!(snapshot = %id, elapsed = ?t.elapsed(), "published snapshot prepared");
+        Ok(())
     }
 
     /// This host's id.

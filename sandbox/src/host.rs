@@ -692,7 +692,10 @@ impl Host {
         let spec = StartSpec {
             snapshot: snapshot.to_path_buf(),
             fetcher: match (&rec.remote, &self.durable) {
-                (Some(_), Some(d)) => Some(d.fetcher_socket().to_path_buf()),
+                (Some(id), Some(d)) => {
+                    d.prepare(id)?;
+                    Some(d.fetcher_socket().to_path_buf())
+                }
                 (Some(id), None) => {
                     return Err(Error::Store(format!(
                         "sandbox {} resumes from published snapshot {id}, but this host has no \

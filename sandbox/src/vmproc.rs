@@ -485,6 +485,13 @@ impl VmDriver for ProcessDriver {
             .map_err(Error::io("starting", &self.clade))?;
         let pid = child.id() as i32;
         let t = Instant::now();
+        // From a store: its chunks come through the fetcher (whose requests each have
+        // their own limit), which may be slow on a loaded host.
+        let limit = if spec.fetcher.is_some() {
+            START_TIMEOUT * 4
+        } else {
+            START_TIMEOUT
+        };
         loop {
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(Error::Vm(format!(
@@ -500,13 +507,13 @@ impl VmDriver for ProcessDriver {
                     }
                 }
             }
-            if t.elapsed() > START_TIMEOUT {
+            if t.elapsed() > limit {
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(Error::Vm(format!(
                     "clade restore {}: API not answering after {:?}: {}",
                     spec.snapshot.display(),
-                    START_TIMEOUT,
+                    limit,
                     log_tail(&spec.log)
                 )));
             }

@@ -75,9 +75,37 @@ impl ObjectRef {
     }
 }
 
-/// The key of a snapshot's memory data.
-pub fn data_key(id: SnapshotId) -> String {
-    format!("data/{id}")
+/// The key of a snapshot's memory data packed in the order `runs`:
+/// `data/<snapshot id>-<first 16 hex digits of the SHA-256 of the runs>`. The order depends
+/// on the working set recorded when it was published, which a later restore may record
+/// anew: a snapshot published again in another order is another object, never one whose
+/// bytes no longer match the chunk checksums of the manifest naming it.
+pub fn data_key(id: SnapshotId, runs: &[[u64; 2]]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for r in runs {
+        h.update(r[0].to_le_bytes());
+        h.update(r[1].to_le_bytes());
+    }
+    format!("data/{id}-{}", &crate::hex(&h.finalize())[..16])
+}
+
+/// Whether `name` is a memory data object's name: `data/<snapshot id>` (older manifests)
+/// or `data/<snapshot id>-<16 hex digits>`.
+fn is_data_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("data/") else {
+        return false;
+    };
+    match rest.split_once('-') {
+        None => parse_id(rest).is_some(),
+        Some((id, order)) => {
+            parse_id(id).is_some()
+                && order.len() == 16
+                && order
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        }
+    }
 }
 
 /// The key of the object with this SHA-256.
@@ -300,10 +328,7 @@ impl Manifest {
                 return Err(format!("an inline object of {} bytes", o.size));
             }
             if let Some(n) = &o.name {
-                let ok = n
-                    .strip_prefix("data/")
-                    .is_some_and(|id| parse_id(id).is_some());
-                if !ok {
+                if !is_data_name(n) {
                     return Err(format!("object name {n:?} is not data/<snapshot id>"));
                 }
             }

@@ -145,7 +145,7 @@ pub async fn publish(
     let (runs, ws_runs) = packed_order(mem.data_pages(), &ws_pages);
     let working_set_bytes = runs[..ws_runs].iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
     let data_size = runs.iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
-    let data_key = manifest::data_key(meta.id);
+    let data_key = manifest::data_key(meta.id, &runs);
 
     let t1 = Instant::now();
     let mut report = PublishReport {
@@ -164,7 +164,8 @@ pub async fn publish(
         Some(ws) => Some(put_small(store, Bytes::from(ws), &mut report).await?),
         None => None,
     };
-    // Checksummed while it uploads; published before (the same snapshot again): only read.
+    // Checksummed while it uploads; published before (the same snapshot in the same
+    // order again): only read.
     let (data_sha, chunks) = if store.size(&data_key).await? == Some(data_size) {
         report.objects_reused += 1;
         let t = Instant::now();
