@@ -13,8 +13,9 @@
 #       as above, but run tests/e2b/sdk_session.py (scripts/demo.sh's SDK session) instead
 #       of the pytest suite.
 #
-# Env: CLADE_E2B_PORT (39481), CLADE_E2B_CTL_PORT (39482) and CLADE_E2B_PORT_B (39483: the
-# second service, another "host" on the same object store): the host ends of the forwards;
+# Env: CLADE_E2B_PORT (39481), CLADE_E2B_CTL_PORT (39482), CLADE_E2B_PORT_A (39483) and
+# CLADE_E2B_PORT_B (39484: two more services, "hosts" A and B on one object store): the
+# host ends of the forwards;
 # CLADE_E2B_READY_TIMEOUT (2400 s): how long to wait for the service in the nested machine;
 # CLADE_NESTED_PID: with --log, the process running the nested machine (stop waiting if it
 # ends).
@@ -22,7 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PORT=${CLADE_E2B_PORT:-39481}
 CTL=${CLADE_E2B_CTL_PORT:-39482}
-PORT_B=${CLADE_E2B_PORT_B:-39483}
+PORT_A=${CLADE_E2B_PORT_A:-39483}
+PORT_B=${CLADE_E2B_PORT_B:-39484}
 READY_TIMEOUT=${CLADE_E2B_READY_TIMEOUT:-2400}
 LOG=""
 NESTED_PID=""
@@ -35,7 +37,7 @@ case "${1:-}" in
     mkdir -p build/nested
     rm -f "$LOG"
     NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --disk build/rootfs/base.cdsk \
-        --forward "$PORT:8080" --forward "$CTL:8081" --forward "$PORT_B:8082" \
+        --forward "$PORT:8080" --forward "$CTL:8081" --forward "$PORT_A:8082" --forward "$PORT_B:8083" \
         --l1-test tests/nested/scenarios/sdk.sh --expect SDK-SCENARIO-PASS \
         --expect '^CLADE-EXIT 0$' >build/nested/run-sdk.out 2>&1 &
     NESTED_PID=$!
@@ -76,13 +78,12 @@ echo "clade serve is up in the nested machine after $((SECONDS - t0)) s"
 rc=0
 export E2B_API_URL=http://127.0.0.1:$PORT E2B_SANDBOX_URL=http://127.0.0.1:$PORT \
     E2B_API_KEY=nested-sdk-key CLADE_NESTED_CTL=127.0.0.1:$CTL CLADE_NESTED_LOG=$LOG \
-    CLADE_NESTED_URL_B=http://127.0.0.1:$PORT_B
+    CLADE_NESTED_URL_A=http://127.0.0.1:$PORT_A CLADE_NESTED_URL_B=http://127.0.0.1:$PORT_B
 if [ "$SESSION" = 1 ]; then
     "$VENV/bin/python" tests/e2b/sdk_session.py || rc=$?
 else
     # test_linux.py, and the data plane's whole suite (test_dataplane.py) on Linux
     # sandboxes too: template "debian", its scratch directory inside the guest.
-    # test_move.py last: it ends the first service's "host" for good.
     # CLADE_NESTED_TESTS: other test files (e.g. only tests/e2b/test_move.py).
     # shellcheck disable=SC2086
     CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \

@@ -1,9 +1,8 @@
-"""A Linux sandbox outlives its host (tests/nested/scenarios/sdk.sh, run last by
-tests/e2b/run_nested.sh): paused through the e2b SDK on the first `clade serve`, it becomes
-durable in the object store both services share; that service's host is then lost (the
-service and its VMs killed, its whole state directory deleted), and the second service
-(its own state directory, without the template) resumes it: its file is there and its
-process runs on, counting from where it was."""
+"""A Linux sandbox outlives its host (tests/nested/scenarios/sdk.sh's hosts A and B, two
+`clade serve` on one object store): paused through the e2b SDK on host A, it becomes
+durable in the store; host A is then lost (its service and VMs killed, its whole state
+directory deleted), and host B (its own state directory, without the template) resumes
+it: its file is there and its process runs on, counting from where it was."""
 
 import json
 import os
@@ -13,8 +12,8 @@ import urllib.request
 from e2b import Sandbox
 from test_linux import SLOW, console_count, control, create, run
 
-URL_A = os.environ.get("E2B_API_URL", "http://127.0.0.1:39481")
-URL_B = os.environ.get("CLADE_NESTED_URL_B", "http://127.0.0.1:39483")
+URL_A = os.environ.get("CLADE_NESTED_URL_A", "http://127.0.0.1:39483")
+URL_B = os.environ.get("CLADE_NESTED_URL_B", "http://127.0.0.1:39484")
 KEY = os.environ.get("E2B_API_KEY", "nested-sdk-key")
 
 
@@ -25,7 +24,7 @@ def info(url, sandbox_id):
 
 
 def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
-    s = create(metadata={"suite": "move"})
+    s = create(metadata={"suite": "move"}, api_url=URL_A, sandbox_url=URL_A)
     run(s, "echo written-on-host-a > /root/moved.txt && sync")
     h = s.commands.run(
         "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",

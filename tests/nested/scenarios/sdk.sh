@@ -17,18 +17,20 @@
 # `clade serve` on 0.0.0.0:8080, print `NESTED-E2B-READY`, then obey one-line commands on
 # the control port 8081 (each a new TCP connection):
 #   restart       stop the service (SIGTERM) and start it again on the same state dir
-#   lose-host     the first service's "host" is lost: the service and its VM processes are
-#                 SIGKILLed and its whole state directory deleted (print SDK-HOST-LOST);
-#                 its durable sandboxes live on in the object store
+#   lose-host     host A is lost: its service and VM processes are SIGKILLed, its
+#                 networks removed and its whole state directory deleted (print
+#                 SDK-HOST-LOST); its durable sandboxes live on in the object store
 #   netns TAG     print `SDK-NETNS TAG <namespaces> <host veths>` (the service's)
 #   kill-vmm ID   SIGKILL sandbox ID's VM process (the one with its files open), print
 #                 `SDK-VMM-KILLED ID <count>`
 #   done pass|fail  the host's verdict: end with it
 # After the verdict the service stops; then no sandbox network may be left but those of
 # sandboxes still in the registry (the suite kills its sandboxes: none).
-# Both services keep paused sandboxes durable in an object store: the tests' S3 server
-# (/usr/bin/clade-test-s3) on 127.0.0.1:9000 in this machine. A second service ("host B":
-# its own state directory, no templates) listens on port 8082, the same store behind it.
+# Two more services stand for two hosts that keep paused sandboxes durable in one object
+# store (the tests' S3 server, /usr/bin/clade-test-s3, on 127.0.0.1:9000 in this machine):
+# "host A" on port 8082 (its own state directory, the debian template linked in) and
+# "host B" on port 8083 (its own state directory, no templates); each has sandbox networks
+# of its own names and addresses. The first service, the suite's, has no store.
 # Prints SDK-SCENARIO-PASS or SDK-SCENARIO-FAIL; every VM is killed before it ends.
 # scenario-timeout: 1500
 
@@ -40,8 +42,12 @@ CTL=8081
 KEY=nested-sdk-key
 LOG=/tmp/sdk-serve.log
 SERVE=""
+STATE_A=/tmp/sdk-state-a
+PORT_A=8082
+LOG_A=/tmp/sdk-serve-a.log
+SERVE_A=""
 STATE_B=/tmp/sdk-state-b
-PORT_B=8082
+PORT_B=8083
 LOG_B=/tmp/sdk-serve-b.log
 SERVE_B=""
 S3=""
@@ -67,13 +73,14 @@ sandbox_vm_pids() {
     done
 }
 # The service's sandbox networks: namespaces (/run/netns/clade-<i>) and host veth ends.
-netns_count() { ls /run/netns 2>/dev/null | grep -c -E '^(clade|cb)-'; }
-veth_count() { ls /sys/class/net | grep -c -E '^(cl|cb)h[0-9]'; }
+netns_count() { ls /run/netns 2>/dev/null | grep -c -E '^(clade|ca|cb)-'; }
+veth_count() { ls /sys/class/net | grep -c -E '^(cl|ca|cb)h[0-9]'; }
 IP=/usr/sbin/ip   # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
 WORLD=""
 WORLD_DNS=""
 cleanup() {
     [ -n "$SERVE" ] && kill "$SERVE" 2>/dev/null
+    [ -n "$SERVE_A" ] && kill "$SERVE_A" 2>/dev/null
     [ -n "$SERVE_B" ] && kill "$SERVE_B" 2>/dev/null
     sleep 1
     [ -n "$S3" ] && kill "$S3" 2>/dev/null
@@ -94,6 +101,7 @@ fail() {
     echo "SDK-SCENARIO-FAIL $*"
     dump_threads
     [ -f "$LOG" ] && { echo "---- $LOG (tail) ----"; tail -n 40 "$LOG"; }
+    [ -f "$LOG_A" ] && { echo "---- $LOG_A (tail) ----"; tail -n 40 "$LOG_A"; }
     [ -f "$LOG_B" ] && { echo "---- $LOG_B (tail) ----"; tail -n 40 "$LOG_B"; }
     for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
         "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log; do
@@ -102,13 +110,13 @@ fail() {
     cleanup
     exit 1
 }
-# serve_on PORT STATE LOG [ARGS]: starts a service (with the store), waits until it
-# listens; its pid in SERVED.
+# serve_on PORT STATE LOG [ARGS]: starts a service, waits until it listens; its pid in
+# SERVED.
 serve_on() {
     echo "---- serve started at $(uptime_s) ----" >>"$3"
     # shellcheck disable=SC2086
     $CLADE serve --listen 0.0.0.0:"$1" --state-dir "$2" --api-key "$KEY" \
-        --max-timeout 3600 --net-dns 10.99.0.4 $STORE_ARGS $4 >>"$3" 2>&1 &
+        --max-timeout 3600 --net-dns 10.99.0.4 $4 >>"$3" 2>&1 &
     SERVED=$!
     i=0
     until [ "$(grep -c listening "$3")" -ge "$(grep -c '^---- serve started' "$3")" ]; do
@@ -217,8 +225,8 @@ throughput() {
 ip link set lo up || fail "lo up"
 ip link set eth0 up || fail "eth0 up (run.sh --forward gives L1 a NIC)"
 ip addr add 10.0.2.15/24 dev eth0 || fail "eth0 address"
-rm -rf "$STATE" "$LOG" "$STATE_B" "$LOG_B" /tmp/s3
-mkdir -p "$STATE" "$STATE_B" /tmp/s3/clade
+rm -rf "$STATE" "$LOG" "$STATE_A" "$LOG_A" "$STATE_B" "$LOG_B" /tmp/s3
+mkdir -p "$STATE" "$STATE_A/templates" "$STATE_B" /tmp/s3/clade
 
 [ -x /usr/bin/clade-test-s3 ] || fail "no /usr/bin/clade-test-s3 (scripts/setup.sh builds it; build-outer.sh stages it)"
 /usr/bin/clade-test-s3 --host 127.0.0.1 --port "$S3_PORT" --access-key "$AWS_ACCESS_KEY_ID" \
@@ -273,9 +281,13 @@ echo "SDK-TEMPLATE debian built in $(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { 
 
 : >"$LOG"
 start_serve
+# Hosts A and B: the same store, networks of their own (`ca-<i>`/`cah<i>`, `cb-`/`cbh`).
+ln -s "$STATE/templates/debian" "$STATE_A/templates/debian"
+: >"$LOG_A"
+serve_on "$PORT_A" "$STATE_A" "$LOG_A" "$STORE_ARGS --net on --net-name ca --net-range 10.201.0.0/16"
+SERVE_A=$SERVED
 : >"$LOG_B"
-# Its sandbox networks: names and addresses of its own (`cb-<i>`, `cbh<i>`).
-serve_on "$PORT_B" "$STATE_B" "$LOG_B" "--net on --net-name cb --net-range 10.201.0.0/16"
+serve_on "$PORT_B" "$STATE_B" "$LOG_B" "$STORE_ARGS --net on --net-name cb --net-range 10.202.0.0/16"
 SERVE_B=$SERVED
 throughput || fail "throughput"
 echo "NESTED-E2B-READY port=$PORT control=$CTL"
@@ -292,17 +304,17 @@ while [ -z "$verdict" ]; do
         ;;
     "netns "*) echo "SDK-NETNS ${cmd#netns } $(netns_count) $(veth_count)" ;;
     lose-host)
-        kill -9 "$SERVE" 2>/dev/null
-        wait "$SERVE" 2>/dev/null
-        for p in $(vm_pids "$STATE/"); do kill -9 "$p" 2>/dev/null; done
+        kill -9 "$SERVE_A" 2>/dev/null
+        wait "$SERVE_A" 2>/dev/null
+        SERVE_A=""
+        for p in $(vm_pids "$STATE_A/"); do kill -9 "$p" 2>/dev/null; done
         sleep 1
-        # A lost host's sandbox networks are gone with it; here they are this machine's
-        # (the second service's have names of their own), so they go now.
-        for n in $(ls /run/netns 2>/dev/null | grep '^clade-'); do $IP netns del "$n"; done
-        for v in $(ls /sys/class/net | grep '^clh[0-9]'); do $IP link del "$v" 2>/dev/null; done
-        /usr/sbin/nft delete table ip clade 2>/dev/null
-        rm -rf "$STATE"
-        SERVE=""
+        # A lost host's sandbox networks are gone with it; here they are this machine's,
+        # so they go now.
+        for n in $(ls /run/netns 2>/dev/null | grep '^ca-'); do $IP netns del "$n"; done
+        for v in $(ls /sys/class/net | grep '^cah[0-9]'); do $IP link del "$v" 2>/dev/null; done
+        /usr/sbin/nft delete table ip ca 2>/dev/null
+        rm -rf "$STATE_A"
         echo "SDK-HOST-LOST"
         ;;
     "kill-vmm "*)
@@ -315,24 +327,29 @@ while [ -z "$verdict" ]; do
     *) echo "SDK-CONTROL ignored: '$cmd'" ;;
     esac
 done
-rc=0
-if [ -n "$SERVE" ]; then
-    kill -TERM "$SERVE"
-    wait "$SERVE"
-    rc=$?
-    SERVE=""
+kill -TERM "$SERVE"
+wait "$SERVE"
+rc=$?
+SERVE=""
+rc_a=0
+if [ -n "$SERVE_A" ]; then
+    kill -TERM "$SERVE_A"
+    wait "$SERVE_A"
+    rc_a=$?
+    SERVE_A=""
 fi
 kill -TERM "$SERVE_B"
 wait "$SERVE_B"
 rc_b=$?
 SERVE_B=""
-echo "---- $LOG (tail) ----"
-tail -n 15 "$LOG"
-echo "---- $LOG_B (tail) ----"
-tail -n 15 "$LOG_B"
+for l in "$LOG" "$LOG_A" "$LOG_B"; do
+    echo "---- $l (tail) ----"
+    tail -n 15 "$l"
+done
 [ "$verdict" = pass ] || fail "the host's SDK suite failed"
 [ "$rc" = 0 ] || fail "clade serve exited $rc on SIGTERM"
-[ "$rc_b" = 0 ] || fail "the second clade serve exited $rc_b on SIGTERM"
+[ "$rc_a" = 0 ] || fail "host A's clade serve exited $rc_a on SIGTERM"
+[ "$rc_b" = 0 ] || fail "host B's clade serve exited $rc_b on SIGTERM"
 # Every sandbox was killed by the suite, and the pool goes with the service.
 left=$(netns_count)
 [ "$left" = 0 ] || { ls /run/netns; fail "$left sandbox network namespaces left"; }
