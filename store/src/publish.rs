@@ -357,40 +357,67 @@ async fn upload_file(
         }
         return store.put(&key, Bytes::from(bytes)).await;
     }
-    let upload = store.put_multipart(&key).await?;
-    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
     let p = path.to_path_buf();
     let piece = options.part_size;
-    let reader = tokio::task::spawn_blocking(move || -> Option<(String, u64)> {
+    let read = move |send: &mut dyn FnMut(Vec<u8>) -> Result<()>| {
         use std::io::Read;
-        let r = (|| -> Result<(String, u64)> {
-            let mut f = std::fs::File::open(&p).map_err(|e| Error::io("open", &p, e))?;
-            let mut h = Sha256::new();
-            let mut total = 0u64;
-            loop {
-                let mut buf = vec![0u8; piece];
-                let mut fill = 0;
-                while fill < piece {
-                    let n = f
-                        .read(&mut buf[fill..])
-                        .map_err(|e| Error::io("read", &p, e))?;
-                    if n == 0 {
-                        break;
-                    }
-                    fill += n;
+        let mut f = std::fs::File::open(&p).map_err(|e| Error::io("open", &p, e))?;
+        let mut h = Sha256::new();
+        let mut total = 0u64;
+        loop {
+            let mut buf = vec![0u8; piece];
+            let mut fill = 0;
+            while fill < piece {
+                let n = f
+                    .read(&mut buf[fill..])
+                    .map_err(|e| Error::io("read", &p, e))?;
+                if n == 0 {
+                    break;
                 }
-                if fill == 0 {
-                    return Ok((hex(&h.finalize()), total));
-                }
-                buf.truncate(fill);
-                h.update(&buf);
-                total += fill as u64;
-                tx.blocking_send(Ok(buf))
-                    .map_err(|_| Error::Fetcher("upload ended".into()))?;
+                fill += n;
             }
-        })();
-        match r {
+            if fill == 0 {
+                return Ok((hex(&h.finalize()), total));
+            }
+            buf.truncate(fill);
+            h.update(&buf);
+            total += fill as u64;
+            send(buf)?;
+        }
+    };
+    let want = (object.sha256.clone(), object.size);
+    upload_pieces(store, &key, options, read, |got| {
+        if *got == want {
+            Ok(())
+        } else {
+            Err(changed())
+        }
+    })
+    .await
+    .map(|_| ())
+}
+
+/// Uploads as object `key`, in parts of `options.part_size` (`options.concurrency` at
+/// once), the pieces `read` sends. `read` runs on a blocking thread (reading and
+/// checksumming a local file while earlier parts upload); what it returns (its checksums)
+/// is returned once the upload is finished. The upload is aborted, the object never
+/// written, if `read` fails or `check` (given what `read` returned) refuses it.
+async fn upload_pieces<T: Send + 'static>(
+    store: &Store,
+    key: &str,
+    options: &PublishOptions,
+    read: impl FnOnce(&mut dyn FnMut(Vec<u8>) -> Result<()>) -> Result<T> + Send + 'static,
+    check: impl FnOnce(&T) -> Result<()>,
+) -> Result<T> {
+    let upload = store.put_multipart(key).await?;
+    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut send = |b: Vec<u8>| {
+            tx.blocking_send(Ok(b))
+                .map_err(|_| Error::Fetcher("upload ended".into()))
+        };
+        match read(&mut send) {
             Ok(v) => Some(v),
             Err(e) => {
                 let _ = tx.blocking_send(Err(e));
@@ -399,6 +426,7 @@ async fn upload_file(
         }
     });
     let mut part_failed = false;
+    let mut sent = 0u64;
     while let Some(piece) = rx.recv().await {
         let piece = match piece {
             Ok(p) => p,
@@ -408,36 +436,60 @@ async fn upload_file(
             }
         };
         let timeout = store.timeout();
-        if tokio::time::timeout(timeout, w.wait_for_capacity(options.concurrency))
-            .await
-            .map_err(|_| Error::Timeout {
-                op: "upload part of",
-                key: store.key(&key),
-                secs: timeout.as_secs(),
-            })?
-            .is_err()
-        {
+        let room = tokio::time::timeout(timeout, w.wait_for_capacity(options.concurrency)).await;
+        match room {
+            Ok(Ok(())) => {}
             // The failed part's error comes from `finish` below.
-            part_failed = true;
-            break;
+            Ok(Err(_)) => {
+                part_failed = true;
+                break;
+            }
+            Err(_) => {
+                let _ = w.abort().await;
+                return Err(Error::Timeout {
+                    op: "upload part of",
+                    key: store.key(key),
+                    secs: timeout.as_secs(),
+                });
+            }
         }
+        sent += piece.len() as u64;
         w.write(&piece);
     }
-    // The reader stops at its next piece.
+    // The reader stops at its next piece (it must not wait on a full channel).
     drop(rx);
-    let sent = reader.await.ok().flatten();
-    if !part_failed && sent != Some((object.sha256.clone(), object.size)) {
+    let got = reader.await.ok().flatten();
+    let got = match got {
+        Some(v) if !part_failed => v,
+        _ if part_failed => {
+            // `finish` reports the part that failed.
+            let e = w.finish().await.err();
+            return Err(match e {
+                Some(e) => Error::store("upload", &store.key(key), e),
+                None => Error::Fetcher(format!("upload of {} failed", store.key(key))),
+            });
+        }
+        _ => {
+            let _ = w.abort().await;
+            return Err(Error::Fetcher(format!(
+                "upload of {} stopped after {sent} bytes",
+                store.key(key)
+            )));
+        }
+    };
+    // Before the object exists: a content-named object must hold that content.
+    if let Err(e) = check(&got) {
         let _ = w.abort().await;
-        return Err(changed());
+        return Err(e);
     }
     let timeout = store.timeout() * 4;
     match tokio::time::timeout(timeout, w.finish()).await {
         Ok(r) => r
-            .map(|_| ())
-            .map_err(|e| Error::store("upload", &store.key(&key), e)),
+            .map(|_| got)
+            .map_err(|e| Error::store("upload", &store.key(key), e)),
         Err(_) => Err(Error::Timeout {
             op: "finish upload of",
-            key: store.key(&key),
+            key: store.key(key),
             secs: timeout.as_secs(),
         }),
     }
@@ -620,80 +672,33 @@ async fn upload_data(
         store.put(key, Bytes::from(all)).await?;
         return Ok(h.finish());
     }
-    let upload = store.put_multipart(key).await?;
-    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, options.part_size);
-    // Reading and hashing are synchronous (local file); the parts upload meanwhile.
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2);
     let mem_path = mem.path().to_path_buf();
     let runs = runs.to_vec();
-    let part = options.part_size as u64;
-    let chunk = options.chunk_size;
-    let reader = tokio::task::spawn_blocking(move || {
-        let mem = match MemoryFile::open(&mem_path) {
-            Ok(m) => m,
-            Err(e) => {
-                let _ = tx.blocking_send(Err(e.into()));
-                return None;
-            }
-        };
+    let (part, chunk) = (options.part_size as u64, options.chunk_size);
+    let read = move |send: &mut dyn FnMut(Vec<u8>) -> Result<()>| {
+        let mem = MemoryFile::open(&mem_path)?;
         let mut h = ChunkHasher::new(chunk);
-        let r = for_each_piece(&mem, &runs, d, part, |b| {
+        let mut read = 0u64;
+        for_each_piece(&mem, &runs, d, part, |b| {
             h.update(b);
-            tx.blocking_send(Ok(b.to_vec()))
-                .map_err(|_| Error::Fetcher("upload ended".into()))
-        });
-        match r {
-            Ok(()) => Some(h.finish()),
-            Err(e) => {
-                let _ = tx.blocking_send(Err(e));
-                None
-            }
-        }
-    });
-    let mut sent = 0u64;
-    while let Some(piece) = rx.recv().await {
-        let piece = match piece {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = w.abort().await;
-                return Err(e);
-            }
-        };
-        let timeout = store.timeout();
-        if tokio::time::timeout(timeout, w.wait_for_capacity(options.concurrency))
-            .await
-            .map_err(|_| Error::Timeout {
-                op: "upload part of",
-                key: store.key(key),
-                secs: timeout.as_secs(),
-            })?
-            .is_err()
-        {
-            // The failed part's error comes from `finish` below.
-            break;
-        }
-        sent += piece.len() as u64;
-        w.write(&piece);
-    }
-    let sums = reader.await.ok().flatten();
-    let Some(sums) = sums.filter(|_| sent == size) else {
-        let _ = w.abort().await;
-        return Err(Error::Fetcher(format!(
-            "upload of {} stopped after {sent} of {size} bytes",
-            store.key(key)
-        )));
+            read += b.len() as u64;
+            send(b.to_vec())
+        })?;
+        Ok((h.finish(), read))
     };
-    let timeout = store.timeout() * 4;
-    match tokio::time::timeout(timeout, w.finish()).await {
-        Ok(r) => r
-            .map(|_| sums)
-            .map_err(|e| Error::store("upload", &store.key(key), e)),
-        Err(_) => Err(Error::Timeout {
-            op: "finish upload of",
-            key: store.key(key),
-            secs: timeout.as_secs(),
-        }),
-    }
+    let path = mem.path().to_path_buf();
+    let (sums, _) = upload_pieces(store, key, options, read, |(_, read)| {
+        if *read == size {
+            Ok(())
+        } else {
+            Err(Error::InvalidInput(format!(
+                "{}: {read} bytes of data pages, {size} expected",
+                path.display()
+            )))
+        }
+    })
+    .await?;
+    Ok(sums)
 }
 
 /// Uploads `data` as object `rel` the way [`publish`] uploads memory data (parts of
