@@ -257,8 +257,8 @@ impl ChunkCache {
             let Ok(id) = manifest::parse_snapshot_id(name) else {
                 continue;
             };
-            match self.load_dir(id, &e.path(), None) {
-                Ok(()) => {}
+            match self.load_dir(id, &e.path(), None, 0) {
+                Ok(_) => {}
                 Err(err) => {
                     tracing::warn!(dir = %e.path().display(), error = %err,
                         "dropping an unusable cache directory");
@@ -269,7 +269,15 @@ impl ChunkCache {
     }
 
     /// Loads the cache directory of snapshot `id` (already complete on disk).
-    fn load_dir(&self, id: SnapshotId, dir: &Path, parsed: Option<Manifest>) -> Result<()> {
+    /// `counted`: bytes of its present chunks already counted as used (reserved by the
+    /// download that wrote them). Returns whether it was loaded now (not there before).
+    fn load_dir(
+        &self,
+        id: SnapshotId,
+        dir: &Path,
+        parsed: Option<Manifest>,
+        counted: u64,
+    ) -> Result<bool> {
         let mpath = dir.join(MANIFEST_FILE);
         let m = match parsed {
             Some(m) => m,
@@ -320,12 +328,12 @@ impl ChunkCache {
         });
         let mut inner = lock(&self.inner);
         if inner.layers.contains_key(&id) {
-            return Ok(());
+            return Ok(false);
         }
         inner.layers.insert(id, layer);
         inner.ticks.insert(id, ticks);
-        inner.used += used;
-        Ok(())
+        inner.used += used.saturating_sub(counted);
+        Ok(true)
     }
 
     /// Makes snapshot `id` and every snapshot below it available locally (manifests,
@@ -581,60 +589,186 @@ impl ChunkCache {
         Ok(b)
     }
 
-    /// Fetches snapshot `id`'s manifest and small objects into a new cache directory.
+    /// Fetches snapshot `id`'s manifest, small objects and lead object (its working set's
+    /// chunks) into a new cache directory: one round trip to the store when the lead
+    /// object is good, whose key, like the manifest's, follows from the id.
     async fn download(self: &Arc<Self>, id: SnapshotId) -> Result<()> {
         let t0 = std::time::Instant::now();
         let key = manifest::manifest_key(id);
-        let mbytes = self.store.get(&key).await?;
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        let lead_key = manifest::lead_key(id);
+        // The new directory's files are created while the store answers.
+        let tmp = self.root.join("snapshots").join(format!(
+            ".{id}-{}-{}",
+            std::process::id(),
+            SnapshotId::random()
+        ));
+        let prep = {
+            let tmp = tmp.clone();
+            tokio::task::spawn_blocking(move || NewDir::create(&tmp))
+        };
+        let fetched = self.fetch_opening(id, &key, &lead_key).await;
+        let files = prep
+            .await
+            .map_err(|e| Error::Fetcher(format!("download task: {e}")))
+            .and_then(|r| r);
+        let r = match (fetched, files) {
+            (Ok(f), Ok(files)) => self.write_opening(id, &tmp, files, f).await,
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        let (m, early_bytes, written) = r?;
+        let written_us = t0.elapsed().as_micros() as u64;
+        // Reserved for chunks that did not pass.
+        self.unreserve(early_bytes - written);
+        let dir = self.snapshot_dir(id);
+        let ours = match std::fs::rename(&tmp, &dir) {
+            Ok(()) => true,
+            Err(_) if dir.join(PRESENT_FILE).exists() => {
+                // Another download of the same snapshot finished first.
+                let _ = std::fs::remove_dir_all(&tmp);
+                false
+            }
+            Err(e) => {
+                self.unreserve(written);
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(Error::io("rename into place", &dir, e));
+            }
+        };
+        let counted = if ours { written } else { 0 };
+        if !ours {
+            self.unreserve(written);
+        }
+        if !self.load_dir(id, &dir, Some(m), counted)? {
+            self.unreserve(counted);
+        }
+        let loaded_us = t0.elapsed().as_micros() as u64;
+        lock(&self.inner).verified.insert(id, true);
+        // Chunks of the working set the lead object did not bring: from the data object.
+        let missing = {
+            let inner = lock(&self.inner);
+            let ws = inner
+                .layers
+                .get(&id)
+                .map_or(0, |l| l.manifest.working_set_chunks());
+            inner.ticks.get(&id).map_or(Vec::new(), |t| {
+                (0..ws)
+                    .filter(|&c| t.get(c as usize) == Some(&0))
+                    .collect::<Vec<u64>>()
+            })
+        };
+        if !missing.is_empty() {
+            let layer = lock(&self.inner).layers.get(&id).cloned();
+            if let Some(layer) = layer {
+                let futs: Vec<ChunkFuture> = missing
+                    .into_iter()
+                    .filter_map(|c| self.chunk_future(&layer, c))
+                    .collect();
+                for r in futures::future::join_all(futs).await {
+                    r.map_err(Error::Fetcher)?;
+                }
+            }
+        }
+        tracing::debug!(snapshot = %id, written_us, loaded_us,
+            total_us = t0.elapsed().as_micros() as u64, "snapshot opened into the cache");
+        Ok(())
+    }
+
+    /// What opening snapshot `id` needs from the store: its manifest and lead object at
+    /// once, then any object too large for the manifest.
+    async fn fetch_opening(&self, id: SnapshotId, key: &str, lead_key: &str) -> Result<Opening> {
+        let (mbytes, lead) = futures::join!(self.store.get(key), self.store.get(lead_key));
+        self.requests.fetch_add(2, Ordering::Relaxed);
+        let mbytes = mbytes?;
+        let lead = match lead {
+            Ok(b) => Some(b),
+            Err(Error::Missing { .. }) => None,
+            Err(e) => {
+                // Only an accelerator: the chunks are read from the data object instead,
+                // where a store that fails fails the open.
+                tracing::debug!(snapshot = %id, error = %e, "lead object not read");
+                None
+            }
+        };
+        let lead_len = lead.as_ref().map_or(0, |b| b.len() as u64);
         self.bytes_fetched
-            .fetch_add(mbytes.len() as u64, Ordering::Relaxed);
-        let manifest_us = t0.elapsed().as_micros() as u64;
-        let m = Manifest::parse(&self.store.key(&key), &mbytes)?;
+            .fetch_add(mbytes.len() as u64 + lead_len, Ordering::Relaxed);
+        let m = Manifest::parse(&self.store.key(key), &mbytes)?;
         if m.snapshot_id() != id {
             return Err(Error::BadManifest {
-                key: self.store.key(&key),
+                key: self.store.key(key),
                 reason: format!("names snapshot {}", m.id),
             });
         }
-        let parsed_us = t0.elapsed().as_micros() as u64;
-        // The three small objects and the chunks holding the working set at once: one
-        // round trip, not four.
+        // The lead object's chunks, if it is the one the manifest names (each is checked
+        // against its checksum as it is written).
+        let lead = lead.filter(|b| {
+            let ok = m
+                .memory
+                .lead
+                .as_ref()
+                .is_some_and(|l| l.size == b.len() as u64);
+            if !ok {
+                tracing::warn!(snapshot = %id, bytes = b.len(),
+                    "lead object does not match the manifest: ignored");
+            }
+            ok
+        });
+        let early: Vec<(u64, Bytes)> = match &lead {
+            Some(b) => (0..m.working_set_chunks())
+                .map(|c| {
+                    let (s, e) = m.chunk_range(c);
+                    (c, b.slice(s as usize..e as usize))
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        // Objects too large for the manifest, if any: a second round trip.
         let ws_fut = async {
             match &m.working_set {
                 Some(o) => self.get_object(o).await.map(Some),
                 None => Ok(None),
             }
         };
-        let ws_chunks = m.memory.working_set_bytes.div_ceil(m.memory.chunk_size);
-        let mref = &m;
-        let chunks_fut =
-            futures::future::try_join_all((0..ws_chunks).map(|c| async move {
-                Ok::<_, Error>((c, self.fetch_chunk_bytes(mref, c).await?))
-            }));
-        let (state, head, ws, early) = futures::try_join!(
+        let (state, head, ws) = futures::try_join!(
             self.get_object(&m.state),
             self.get_object(&m.memory.head),
             ws_fut,
-            chunks_fut
         )?;
-        let fetched_us = t0.elapsed().as_micros() as u64;
-        let tmp = self.root.join("snapshots").join(format!(
-            ".{id}-{}-{}",
-            std::process::id(),
-            SnapshotId::random()
-        ));
-        let dir = self.snapshot_dir(id);
-        let m2 = m.clone();
-        let tmp2 = tmp.clone();
-        let r = tokio::task::spawn_blocking(move || -> Result<()> {
-            let w = |name: &str, b: &[u8]| {
-                let p = tmp2.join(name);
-                std::fs::write(&p, b).map_err(|e| Error::io("write", p, e))
+        Ok(Opening {
+            mbytes,
+            m,
+            state,
+            head,
+            ws,
+            early,
+        })
+    }
+
+    /// Writes what [`ChunkCache::fetch_opening`] fetched into the new directory `tmp`
+    /// (its files created by [`NewDir::create`]), checking it against the manifest, with
+    /// the lead object's chunks that pass their checksums marked present. Returns the
+    /// manifest, the bytes reserved for chunks and the bytes of those written.
+    async fn write_opening(
+        &self,
+        id: SnapshotId,
+        tmp: &Path,
+        files: NewDir,
+        o: Opening,
+    ) -> Result<(Manifest, u64, u64)> {
+        let early_bytes: u64 = o.early.iter().map(|(_, b)| b.len() as u64).sum();
+        self.reserve(early_bytes)?;
+        let m2 = o.m.clone();
+        let tmp2 = tmp.to_path_buf();
+        let r = blocking(move || -> Result<u64> {
+            let m2 = &o.m;
+            let w = |f: &File, name: &str, b: &[u8]| {
+                f.write_all_at(b, 0)
+                    .map_err(|e| Error::io("write", tmp2.join(name), e))
             };
-            std::fs::create_dir_all(&tmp2).map_err(|e| Error::io("create", &tmp2, e))?;
-            w(MANIFEST_FILE, &mbytes)?;
-            w(STATE_FILE, &state)?;
+            w(&files.manifest, MANIFEST_FILE, &o.mbytes)?;
+            w(&files.state, STATE_FILE, &o.state)?;
             let h = state_file::read_header(&tmp2.join(STATE_FILE))?;
             if h.meta.id != id
                 || h.meta.mem_size != m2.mem_size
@@ -645,18 +779,18 @@ impl ChunkCache {
                     reason: "state file does not match the manifest (id, kind or size)".into(),
                 });
             }
-            if let Some(ws) = &ws {
-                w(WORKING_SET_FILE, ws)?;
+            if let Some(ws) = &o.ws {
+                let p = tmp2.join(WORKING_SET_FILE);
+                std::fs::write(&p, ws).map_err(|e| Error::io("write", p, e))?;
             }
             let mp = tmp2.join(MEMORY_FILE);
-            let f = File::create(&mp).map_err(|e| Error::io("create", &mp, e))?;
-            f.write_all_at(&head, 0)
+            let f = &files.memory;
+            f.write_all_at(&o.head, 0)
                 .map_err(|e| Error::io("write", &mp, e))?;
             f.set_len(m2.memory.head.size + m2.mem_size)
                 .map_err(|e| Error::io("size", &mp, e))?;
-            drop(f);
             // The header and tables must describe what the manifest says.
-            let mf = MemoryFile::open_fetched(&mp, data_bitmap(&m2), Fetcher(Arc::new(NoFetch)))?;
+            let mf = MemoryFile::open_fetched(&mp, data_bitmap(m2), Fetcher(Arc::new(NoFetch)))?;
             mf.check_state(&h)?;
             if mf.header().data_offset != m2.memory.head.size {
                 return Err(Error::BadManifest {
@@ -664,37 +798,35 @@ impl ChunkCache {
                     reason: "memory head size is not the file's data offset".into(),
                 });
             }
-            w(PRESENT_FILE, &vec![0u8; m2.chunk_count() as usize])?;
-            Ok(())
+            drop(mf);
+            // The lead object's chunks that pass their checksums are in the directory
+            // from the start.
+            let mut present = vec![0u8; m2.chunk_count() as usize];
+            let mut written = 0;
+            let places = placements(m2);
+            for (c, bytes) in &o.early {
+                if sha256_hex(bytes) != m2.memory.chunks[*c as usize] {
+                    tracing::warn!(snapshot = %id, chunk = c,
+                        "lead object chunk fails its checksum: read from the data object");
+                    continue;
+                }
+                write_chunk(f, &places, m2.chunk_range(*c), bytes)
+                    .map_err(|e| Error::io("write chunk", &mp, e))?;
+                present[*c as usize] = 1;
+                written += bytes.len() as u64;
+            }
+            w(&files.present, PRESENT_FILE, &present)?;
+            Ok(written)
         })
         .await
-        .map_err(|e| Error::Fetcher(format!("download task: {e}")))?;
-        if let Err(e) = r {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-        match std::fs::rename(&tmp, &dir) {
-            Ok(()) => {}
-            Err(_) if dir.join(PRESENT_FILE).exists() => {
-                // Another download of the same snapshot finished first.
-                let _ = std::fs::remove_dir_all(&tmp);
-            }
+        .and_then(|r| r);
+        match r {
+            Ok(written) => Ok((m2, early_bytes, written)),
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&tmp);
-                return Err(Error::io("rename into place", &dir, e));
+                self.unreserve(early_bytes);
+                Err(e)
             }
         }
-        self.load_dir(id, &dir, Some(m))?;
-        lock(&self.inner).verified.insert(id, true);
-        let layer = lock(&self.inner).layers.get(&id).cloned();
-        if let Some(layer) = layer {
-            for (c, bytes) in early {
-                self.install_chunk(&layer, c, bytes).await?;
-            }
-        }
-        tracing::debug!(snapshot = %id, manifest_us, parsed_us, fetched_us, total_us = t0.elapsed().as_micros() as u64,
-            "snapshot opened into the cache");
-        Ok(())
     }
 
     /// Drops snapshot `id` from the cache (its directory and chunks), unless a connected
@@ -853,20 +985,8 @@ impl ChunkCache {
 
     /// Writes a verified chunk into the memory file, then marks it present.
     fn store_chunk(&self, l: &CachedLayer, c: u64, bytes: &[u8]) -> Result<()> {
-        let (s, e) = l.manifest.chunk_range(c);
-        let path = || l.dir.join(MEMORY_FILE);
-        for p in &l.placements {
-            let (ps, pe) = (p.packed.max(s), (p.packed + p.len).min(e));
-            if ps >= pe {
-                continue;
-            }
-            l.mem
-                .write_all_at(
-                    &bytes[(ps - s) as usize..(pe - s) as usize],
-                    p.file + (ps - p.packed),
-                )
-                .map_err(|e| Error::io("write chunk", path(), e))?;
-        }
+        write_chunk(&l.mem, &l.placements, l.manifest.chunk_range(c), bytes)
+            .map_err(|e| Error::io("write chunk", l.dir.join(MEMORY_FILE), e))?;
         l.present
             .write_all_at(&[1], c)
             .map_err(|e| Error::io("write", l.dir.join(PRESENT_FILE), e))?;
@@ -881,6 +1001,12 @@ impl ChunkCache {
             *t = tick;
         }
         Ok(())
+    }
+
+    /// Gives back `n` bytes [`ChunkCache::reserve`] counted and nothing used.
+    fn unreserve(&self, n: u64) {
+        let mut inner = lock(&self.inner);
+        inner.used = inner.used.saturating_sub(n);
     }
 
     /// Makes room for `n` more bytes (evicting) and counts them as used.
@@ -939,6 +1065,80 @@ impl ChunkCache {
         inner.used = inner.used.saturating_sub(e - s);
         self.chunks_evicted.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// What [`ChunkCache::fetch_opening`] brings from the store.
+struct Opening {
+    mbytes: Bytes,
+    m: Manifest,
+    state: Bytes,
+    head: Bytes,
+    ws: Option<Bytes>,
+    /// The working set's chunks from the lead object, not checked yet.
+    early: Vec<(u64, Bytes)>,
+}
+
+/// A new snapshot directory's files, created before their content is known.
+struct NewDir {
+    manifest: File,
+    state: File,
+    memory: File,
+    present: File,
+}
+
+impl NewDir {
+    fn create(dir: &Path) -> Result<NewDir> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
+        let new = |name: &str| {
+            let p = dir.join(name);
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&p)
+                .map_err(|e| Error::io("create", p, e))
+        };
+        Ok(NewDir {
+            manifest: new(MANIFEST_FILE)?,
+            state: new(STATE_FILE)?,
+            memory: new(MEMORY_FILE)?,
+            present: new(PRESENT_FILE)?,
+        })
+    }
+}
+
+/// Runs blocking file work: in place on a multi-threaded runtime's worker (no hand-over
+/// to another thread, which costs a wake-up), else on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
+        Ok(tokio::task::block_in_place(f))
+    } else {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| Error::Fetcher(format!("file task: {e}")))
+    }
+}
+
+/// Writes the bytes of the chunk at `range` of the packed data to the memory file `f`,
+/// at the file offsets of its pages.
+fn write_chunk(
+    f: &File,
+    places: &[Placement],
+    (s, e): (u64, u64),
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    for p in places {
+        let (ps, pe) = (p.packed.max(s), (p.packed + p.len).min(e));
+        if ps >= pe {
+            continue;
+        }
+        f.write_all_at(
+            &bytes[(ps - s) as usize..(pe - s) as usize],
+            p.file + (ps - p.packed),
+        )?;
+    }
+    Ok(())
 }
 
 /// The file name of disk layer `id` (hex) in [`LAYERS_DIR`].

@@ -273,10 +273,11 @@ impl FetcherThread {
             .name("clade-fetcher".into())
             .spawn(move || {
                 rt.block_on(async move {
-                    tokio::select! {
-                        _ = serve(listener, c) => {}
-                        _ = rx => {}
-                    }
+                    // On a worker, whose tasks spawned for connections then start on it
+                    // without waking another thread.
+                    let server = tokio::spawn(serve(listener, c));
+                    let _ = rx.await;
+                    server.abort();
                 });
                 rt.shutdown_timeout(Duration::from_secs(1));
             })

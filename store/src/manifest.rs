@@ -60,8 +60,9 @@ pub struct ObjectRef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inline: Option<String>,
     /// The key, when the object is named by a unique id rather than by its content:
-    /// `data/<snapshot id>` for memory data, whose checksums are computed while it
-    /// uploads (a name by content would need a pass over the data first).
+    /// `data/<snapshot id>-<order>` for memory data, whose checksums are computed while
+    /// it uploads (a name by content would need a pass over the data first), and
+    /// `lead/<snapshot id>` for the lead object, whose key a reader derives from the id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
 }
@@ -88,6 +89,14 @@ pub fn data_key(id: SnapshotId, runs: &[[u64; 2]]) -> String {
         h.update(r[1].to_le_bytes());
     }
     format!("data/{id}-{}", &crate::hex(&h.finalize())[..16])
+}
+
+/// The key of a snapshot's lead object: `lead/<snapshot id>`, a copy of the first
+/// chunks of its memory data (those holding the recorded working set). A host opening the
+/// snapshot asks for it together with the manifest, whose key it can also derive from the
+/// id alone, so a cold open costs one round trip to the store rather than two.
+pub fn lead_key(id: SnapshotId) -> String {
+    format!("lead/{id}")
 }
 
 /// Whether `name` is a memory data object's name: `data/<snapshot id>` (older manifests)
@@ -139,6 +148,12 @@ pub struct MemoryObjects {
     /// host opening the snapshot fetches the chunks holding them at once.
     #[serde(default)]
     pub working_set_bytes: u64,
+    /// The lead object ([`lead_key`]): the first `lead.size` bytes of `data`, which are
+    /// the chunks holding the working set, whole. Absent without a working set (and in
+    /// manifests older builds wrote). A reader checks each of its chunks against
+    /// `chunks` and, on any mismatch, ignores it and reads `data` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lead: Option<ObjectRef>,
 }
 
 /// One layer file of a snapshot's disk, as published.
@@ -275,6 +290,7 @@ impl Manifest {
     /// Every object the manifest names (for deleting and reference counting).
     pub fn objects(&self) -> Vec<&ObjectRef> {
         let mut v = vec![&self.state, &self.memory.head, &self.memory.data];
+        v.extend(self.memory.lead.as_ref());
         v.extend(self.working_set.as_ref());
         if let Some(d) = &self.disk {
             v.extend(d.layers.iter().map(|l| &l.object));
@@ -292,6 +308,22 @@ impl Manifest {
     /// Number of chunks of the packed data.
     pub fn chunk_count(&self) -> u64 {
         self.memory.data.size.div_ceil(self.memory.chunk_size)
+    }
+
+    /// The chunks holding the recorded working set: `0..n`.
+    pub fn working_set_chunks(&self) -> u64 {
+        self.memory
+            .working_set_bytes
+            .div_ceil(self.memory.chunk_size)
+    }
+
+    /// Bytes of the lead object of this manifest's snapshot: the working set's chunks,
+    /// whole (0 without a working set).
+    pub fn lead_size(&self) -> u64 {
+        match self.working_set_chunks() {
+            0 => 0,
+            n => self.chunk_range(n - 1).1,
+        }
     }
 
     fn validate(&self) -> std::result::Result<(), String> {
@@ -328,13 +360,31 @@ impl Manifest {
                 return Err(format!("an inline object of {} bytes", o.size));
             }
             if let Some(n) = &o.name {
-                if !is_data_name(n) {
+                if !is_data_name(n)
+                    && !self
+                        .memory
+                        .lead
+                        .as_ref()
+                        .is_some_and(|l| std::ptr::eq(l, o))
+                {
                     return Err(format!("object name {n:?} is not data/<snapshot id>"));
                 }
             }
         }
         if self.memory.data.inline.is_some() {
             return Err("memory data inline".into());
+        }
+        if let Some(l) = &self.memory.lead {
+            let want = lead_key(self.snapshot_id());
+            if l.name.as_deref() != Some(want.as_str()) || l.inline.is_some() {
+                return Err(format!("the lead object is not {want}"));
+            }
+            if l.size == 0 || l.size != self.lead_size() {
+                return Err(format!(
+                    "a lead object of {} bytes for {} bytes of working set in chunks of {}",
+                    l.size, self.memory.working_set_bytes, self.memory.chunk_size
+                ));
+            }
         }
         for (what, o) in [
             ("state", Some(&self.state)),
@@ -403,8 +453,9 @@ impl Manifest {
 
     /// Serialised, as stored.
     pub fn to_bytes(&self) -> Vec<u8> {
-        // Serialising plain strings and integers cannot fail.
-        serde_json::to_vec_pretty(self).unwrap_or_default()
+        // Serialising plain strings and integers cannot fail. Compact: a cold open waits
+        // for every byte of it.
+        serde_json::to_vec(self).unwrap_or_default()
     }
 }
 
@@ -566,10 +617,48 @@ pub(crate) mod tests {
                 chunk_size: MIN_CHUNK,
                 chunks: vec![z],
                 working_set_bytes: 4096,
+                lead: None,
             },
             working_set: None,
             disk: None,
         }
+    }
+
+    #[test]
+    fn a_lead_object_must_be_the_working_sets_chunks_under_its_key() {
+        let mut m = sample();
+        let lead = |size: u64, name: &str| ObjectRef {
+            sha256: "1".repeat(64),
+            size,
+            inline: None,
+            name: Some(name.into()),
+        };
+        let key = lead_key(m.snapshot_id());
+        // One chunk of MIN_CHUNK holds the 4096-byte working set; the data is 3 pages.
+        m.memory.lead = Some(lead(3 * 4096, &key));
+        let back = Manifest::parse("k", &m.to_bytes()).unwrap();
+        assert_eq!(back, m);
+        assert!(back.objects().iter().any(|o| o.key() == key));
+        for bad in [
+            lead(4096, &key),
+            lead(3 * 4096, "lead/00000000000000000000000000000001"),
+            lead(3 * 4096, "data/0123456789abcdef0123456789abcdef"),
+        ] {
+            m.memory.lead = Some(bad.clone());
+            assert!(
+                Manifest::parse("k", &m.to_bytes()).is_err(),
+                "{bad:?} accepted"
+            );
+        }
+        // No working set, no lead.
+        m.memory.working_set_bytes = 0;
+        m.memory.lead = Some(lead(3 * 4096, &key));
+        assert!(Manifest::parse("k", &m.to_bytes()).is_err());
+        // Another object may not take the lead's name.
+        m.memory.working_set_bytes = 4096;
+        m.memory.lead = None;
+        m.state.name = Some(key);
+        assert!(Manifest::parse("k", &m.to_bytes()).is_err());
     }
 
     pub(crate) fn sample_disk() -> DiskObjects {

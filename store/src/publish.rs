@@ -192,7 +192,7 @@ pub async fn publish(
         inline: None,
         name: Some(data_key),
     };
-    let m = Manifest {
+    let mut m = Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
         id: meta.id.to_string(),
@@ -207,11 +207,32 @@ pub async fn publish(
             chunk_size: options.chunk_size,
             chunks,
             working_set_bytes,
+            lead: None,
         },
         working_set,
         disk,
     };
+    // The lead object: the working set's chunks again, under a key a reader derives from
+    // the id, so that it asks for them together with the manifest. Overwritten by a
+    // publish retried before its manifest was written (the order may have changed
+    // since); a reader checks it against the manifest's chunk checksums and ignores a
+    // copy that does not match, so it never has to be right, only fast.
     let key = manifest::manifest_key(meta.id);
+    let lead_size = m.lead_size();
+    if lead_size > 0 && store.size(&key).await?.is_none() {
+        let lead = packed_prefix(&mem, &m.memory.runs, d, lead_size)?;
+        let lead = Bytes::from(lead);
+        let r = ObjectRef {
+            sha256: sha256_hex(&lead),
+            size: lead_size,
+            inline: None,
+            name: Some(manifest::lead_key(meta.id)),
+        };
+        store.put(&r.key(), lead).await?;
+        report.objects_uploaded += 1;
+        report.bytes_uploaded += lead_size;
+        m.memory.lead = Some(r);
+    }
     let bytes = m.to_bytes();
     report.bytes_uploaded += bytes.len() as u64;
     if !store.put_if_absent(&key, Bytes::from(bytes)).await? {
@@ -226,8 +247,12 @@ pub async fn publish(
                 )
             })
         };
+        let memory = |m: &Manifest| MemoryObjects {
+            lead: None,
+            ..m.memory.clone()
+        };
         if existing.state != m.state
-            || existing.memory != m.memory
+            || memory(&existing) != memory(&m)
             || layer_ids(&existing) != layer_ids(&m)
         {
             return Err(Error::BadManifest {
@@ -572,6 +597,36 @@ async fn put_small(store: &Store, bytes: Bytes, report: &mut PublishReport) -> R
         store.put(&r.key(), bytes).await?;
     }
     Ok(r)
+}
+
+/// The first `len` bytes of the packed data.
+fn packed_prefix(
+    mem: &MemoryFile,
+    runs: &[[u64; 2]],
+    data_offset: u64,
+    len: u64,
+) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(len as usize);
+    for &[first, n] in runs {
+        let left = len - out.len() as u64;
+        if left == 0 {
+            break;
+        }
+        let take = (n * PAGE_SIZE_U64).min(left) as usize;
+        let at = out.len();
+        out.resize(at + take, 0);
+        mem.file()
+            .read_exact_at(&mut out[at..], data_offset + first * PAGE_SIZE_U64)
+            .map_err(|e| Error::io("read memory image", mem.path(), e))?;
+    }
+    if out.len() as u64 != len {
+        return Err(Error::InvalidInput(format!(
+            "{}: {} bytes of data, {len} expected",
+            mem.path().display(),
+            out.len()
+        )));
+    }
+    Ok(out)
 }
 
 /// Reads the packed data in pieces of at most `piece` bytes, in order, giving each to `f`.

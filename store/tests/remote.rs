@@ -802,3 +802,93 @@ fn a_publish_retried_after_the_working_set_changed_reads_back_exactly() {
     assert!(read_all(&client(&f), snap.id).unwrap() == snap.img);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A snapshot with a working set is opened in one round trip: its manifest and its lead
+/// object (the working set's chunks) at once, those chunks present from the start. A lead
+/// object that is missing, tampered with or of another packing order costs only speed:
+/// the chunks come from the data object and memory reads back exactly.
+#[test]
+fn the_lead_object_opens_in_one_round_trip_and_a_bad_one_only_costs_speed() {
+    let dir = tmp("lead");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let mut snap = write_full(&dir.join("s"), 41);
+    let pages = (snap.img.len() / PAGE) as u64;
+    let ws_path = dir.join("s").join("working_set.ws");
+    snapshot::working_set::WorkingSet {
+        id: snap.id,
+        page_count: pages,
+        // 40 pages, about 27 of them data: two chunks of 16 pages.
+        pages: (0..pages).step_by(25).collect(),
+    }
+    .save(&ws_path)
+    .unwrap();
+    snap.files.working_set = Some(ws_path);
+    let rt = rt();
+    let (m, _) = rt.block_on(publish(&store, &snap.files, &opts())).unwrap();
+    let lead = m.memory.lead.clone().expect("a lead object");
+    assert_eq!(lead.key(), manifest::lead_key(snap.id));
+    let ws_chunks = m.working_set_chunks();
+    assert!(ws_chunks >= 2, "{ws_chunks}");
+    assert_eq!(lead.size, m.chunk_range(ws_chunks - 1).1);
+
+    // Good: two requests (manifest and lead), the working set's chunks present.
+    let open = |name: &str| {
+        let f = fetcher(&dir.join(name), &store, 1 << 30);
+        let c = client(&f);
+        let r = c.open(snap.id).unwrap();
+        let st = c.stats().unwrap();
+        drop(r);
+        let present = std::fs::read(
+            dir.join(name)
+                .join("cache/snapshots")
+                .join(snap.id.to_string())
+                .join(store::cache::PRESENT_FILE),
+        )
+        .unwrap();
+        let img = read_all(&c, snap.id).unwrap();
+        (st, present, img)
+    };
+    let (st, present, img) = open("good");
+    assert_eq!(st.requests, 2, "{st:?}");
+    assert!(
+        present[..ws_chunks as usize].iter().all(|&p| p == 1),
+        "{present:?}"
+    );
+    assert!(present[ws_chunks as usize..].iter().all(|&p| p == 0));
+    assert!(img == snap.img);
+
+    // Tampered (same size, one byte changed): ignored, the chunks read from the data.
+    let key = lead.key();
+    let mut bytes = rt.block_on(store.get(&key)).unwrap().to_vec();
+    bytes[100] ^= 0xff;
+    rt.block_on(store.put(&key, Bytes::from(bytes))).unwrap();
+    let (st, present, img) = open("tampered");
+    assert!(st.requests > 2, "{st:?}");
+    assert!(present[..ws_chunks as usize].iter().all(|&p| p == 1));
+    assert!(img == snap.img);
+
+    // Truncated: ignored likewise.
+    let b = rt.block_on(store.get(&key)).unwrap();
+    rt.block_on(store.put(&key, b.slice(..b.len() / 2)))
+        .unwrap();
+    let (_, _, img) = open("truncated");
+    assert!(img == snap.img);
+
+    // Missing.
+    rt.block_on(store.delete(&key)).unwrap();
+    let (_, present, img) = open("missing");
+    assert!(present[..ws_chunks as usize].iter().all(|&p| p == 1));
+    assert!(img == snap.img);
+
+    // Deleting the snapshot deletes its lead object too.
+    rt.block_on(store.put(&key, Bytes::from_static(b"lead")))
+        .unwrap();
+    rt.block_on(store::publish::delete(&store, snap.id))
+        .unwrap();
+    assert!(rt.block_on(store.size(&key)).unwrap().is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
