@@ -992,13 +992,32 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
 
     let state_b = d.p("b");
     let mut b = start_serve_env(&state_b, pb, &store_args, &env);
-    // Seen through the store before anyone resumes it.
+    // Seen through the store before anyone resumes it: by id, and in lists.
     let v = info_until(pb, &id, 10, |_| true);
     assert_eq!(
         (v["state"].as_str(), v["templateID"].as_str()),
         (Some("paused"), Some("t")),
         "{v}"
     );
+    let listed = |port: u16, query: &str| -> Vec<(String, String)> {
+        let (s, v) = http(port, "GET", &format!("/v2/sandboxes{query}"), Some("k"), "");
+        assert_eq!(s, 200, "{v}");
+        v.as_array()
+            .expect("a list")
+            .iter()
+            .map(|x| {
+                (
+                    x["sandboxID"].as_str().unwrap_or("").to_string(),
+                    x["state"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        listed(pb, "?state=paused"),
+        vec![(id.clone(), "paused".into())]
+    );
+    assert!(listed(pb, "?state=running").is_empty());
     let (s, v) = http(
         pb,
         "POST",
@@ -1011,6 +1030,8 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
     let v = info_until(pb, &id, 5, |_| true);
     assert_eq!(v["state"], "running", "{v}");
+    // Listed once, as this host's now.
+    assert_eq!(listed(pb, ""), vec![(id.clone(), "running".into())]);
 
     // B has no templates of its own: it creates sandboxes of the one A published.
     assert!(!state_b.join("templates").join("t").exists());
@@ -1080,9 +1101,11 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     let _ = c.0.wait();
     let info_d = |id: &str| http(pd, "GET", &format!("/sandboxes/{id}"), Some("k"), "").0;
     assert_eq!(info_d(&id2), 200);
+    assert_eq!(listed(pd, ""), vec![(id2.clone(), "paused".into())]);
     let (s, v) = http(pd, "DELETE", &format!("/sandboxes/{id2}"), Some("k"), "");
     assert_eq!(s, 204, "{v}");
     assert_eq!(info_d(&id2), 404);
+    assert!(listed(pd, "").is_empty());
     assert!(!bucket
         .join("sandboxes")
         .join(format!("{id2}.json"))

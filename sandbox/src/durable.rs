@@ -179,7 +179,23 @@ pub struct Durable {
     host_id: String,
     /// The last upload failure of each sandbox whose upload is being retried.
     failures: Mutex<BTreeMap<String, String>>,
+    /// The sandbox objects last listed ([`Durable::sandbox_objects`]).
+    listed: Mutex<Listed>,
 }
+
+/// The store's sandbox objects as last listed, by key.
+#[derive(Default)]
+struct Listed {
+    at: Option<std::time::Instant>,
+    objects: BTreeMap<String, SandboxObject>,
+}
+
+/// How long a listing of the store's sandbox objects is reused: a list of sandboxes costs
+/// at most one store listing per this interval (plus one read per object not seen before).
+pub const LIST_REFRESH: Duration = Duration::from_secs(2);
+
+/// Sandbox objects read at once when listing.
+const LIST_READS: usize = 8;
 
 impl std::fmt::Debug for Durable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -218,6 +234,7 @@ impl Durable {
             fetcher,
             host_id,
             failures: Mutex::default(),
+            listed: Mutex::default(),
         })
     }
 
@@ -286,6 +303,56 @@ impl Durable {
             .transpose()
     }
 
+    /// Every sandbox object in the store (sandboxes paused on any host sharing it): listed
+    /// again at most every [`LIST_REFRESH`], each object read once (what a list shows of
+    /// it, its template, metadata and start, does not change with later pauses). An
+    /// object that cannot be read or parsed is left out, with a warning.
+    pub fn sandbox_objects(&self) -> Result<Vec<SandboxObject>> {
+        use futures_util::StreamExt;
+        let mut listed = self.listed.lock().unwrap_or_else(|p| p.into_inner());
+        if listed.at.is_none_or(|t| t.elapsed() >= LIST_REFRESH) {
+            let keys = self
+                .block_on(self.store.list("sandboxes"))
+                .map_err(store_err)?;
+            let keys: std::collections::BTreeSet<String> =
+                keys.into_iter().filter(|k| k.ends_with(".json")).collect();
+            listed.objects.retain(|k, _| keys.contains(k));
+            let new: Vec<&String> = keys
+                .iter()
+                .filter(|k| !listed.objects.contains_key(*k))
+                .collect();
+            let store = &self.store;
+            let read = self.block_on(
+                futures_util::stream::iter(new)
+                    .map(|k| async move { (k.clone(), store.get(k).await) })
+                    .buffer_unordered(LIST_READS)
+                    .collect::<Vec<_>>(),
+            );
+            for (k, r) in read {
+                let id = k
+                    .strip_prefix("sandboxes/")
+                    .and_then(|k| k.strip_suffix(".json"))
+                    .unwrap_or_default();
+                let parsed = match r {
+                    // Deleted since it was listed.
+                    Err(store::Error::Missing { .. }) => continue,
+                    Err(e) => Err(store_err(e)),
+                    Ok(b) => SandboxObject::parse(id, &b),
+                };
+                match parsed {
+                    Ok(o) => {
+                        listed.objects.insert(k, o);
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %k, error = %e, "sandbox object left out of lists")
+                    }
+                }
+            }
+            listed.at = Some(std::time::Instant::now());
+        }
+        Ok(listed.objects.values().cloned().collect())
+    }
+
     /// The store's object of template `name` (`None`: there is none).
     pub fn template_object(&self, name: &str) -> Result<Option<TemplateObject>> {
         self.get_if_there(&template_key(name))?
@@ -348,6 +415,11 @@ impl Durable {
         // The object first: from then on no host takes the sandbox over.
         self.block_on(self.store.delete(&sandbox_key(id)))
             .map_err(store_err)?;
+        self.listed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .objects
+            .remove(&sandbox_key(id));
         for s in o.own_snapshots.iter().rev() {
             let sid = store::manifest::parse_snapshot_id(s).map_err(store_err)?;
             match self.block_on(store::publish::delete(&self.store, sid)) {

@@ -793,9 +793,31 @@ impl Host {
 
     /// Sandboxes matching `q` (running ones checked for life first), and whether there are
     /// more.
+    ///
+    /// With a store, sandboxes paused on other hosts (or on this one before its state was
+    /// lost) that only the store has are listed too, as paused. A store that cannot be
+    /// listed leaves them out (with a warning) rather than failing the list.
     pub fn list(&self, q: &Query) -> Result<(Vec<Record>, bool)> {
         self.reap()?;
-        self.reg().list(q)
+        let Some(d) = &self.durable else {
+            return self.reg().list(q);
+        };
+        let mut all = self.reg().all()?;
+        match d.sandbox_objects() {
+            Ok(objects) => {
+                let here: std::collections::HashSet<String> =
+                    all.iter().map(|r| r.id.clone()).collect();
+                all.extend(
+                    objects
+                        .into_iter()
+                        .filter(|o| !here.contains(&o.id) && ids::valid_sandbox_id(&o.id))
+                        .map(|o| self.record_of(o)),
+                );
+                all.sort_by(|a, b| (a.started_ms, &a.id).cmp(&(b.started_ms, &b.id)));
+            }
+            Err(e) => tracing::warn!(error = %e, "sandboxes in the store not listed"),
+        }
+        Ok(q.select(all))
     }
 
     /// Kills a sandbox: its process stops and its files go. A crashed one is removed too.

@@ -138,6 +138,45 @@ pub struct Query {
     pub limit: usize,
 }
 
+impl Query {
+    /// The sandboxes of `all` (oldest first) matching this query, in its order, and
+    /// whether more match after them.
+    pub fn select(&self, mut all: Vec<Record>) -> (Vec<Record>, bool) {
+        let q = self;
+        if q.descending {
+            all.reverse();
+        }
+        let after = |r: &Record| match &q.after {
+            None => true,
+            Some((ms, id)) => {
+                let here = (r.started_ms, r.id.as_str());
+                let there = (*ms, id.as_str());
+                if q.descending {
+                    here < there
+                } else {
+                    here > there
+                }
+            }
+        };
+        let mut matching = all.into_iter().filter(|r| {
+            (if q.states.is_empty() {
+                r.state != State::Crashed
+            } else {
+                q.states.contains(&r.state)
+            }) && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
+                && q.template.as_ref().is_none_or(|t| &r.template == t)
+                && q.started_after.is_none_or(|t| r.started_ms >= t)
+                && after(r)
+        });
+        let mut page: Vec<Record> = matching.by_ref().collect();
+        let more = q.limit > 0 && page.len() > q.limit;
+        if q.limit > 0 {
+            page.truncate(q.limit);
+        }
+        (page, more)
+    }
+}
+
 /// The registry database.
 pub struct Registry {
     db: Connection,
@@ -437,38 +476,7 @@ impl Registry {
 
     /// The sandboxes matching `q`, and whether more match after them.
     pub fn list(&self, q: &Query) -> Result<(Vec<Record>, bool)> {
-        let mut all = self.all()?;
-        if q.descending {
-            all.reverse();
-        }
-        let after = |r: &Record| match &q.after {
-            None => true,
-            Some((ms, id)) => {
-                let here = (r.started_ms, r.id.as_str());
-                let there = (*ms, id.as_str());
-                if q.descending {
-                    here < there
-                } else {
-                    here > there
-                }
-            }
-        };
-        let mut matching = all.into_iter().filter(|r| {
-            (if q.states.is_empty() {
-                r.state != State::Crashed
-            } else {
-                q.states.contains(&r.state)
-            }) && q.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v))
-                && q.template.as_ref().is_none_or(|t| &r.template == t)
-                && q.started_after.is_none_or(|t| r.started_ms >= t)
-                && after(r)
-        });
-        let mut page: Vec<Record> = matching.by_ref().collect();
-        let more = q.limit > 0 && page.len() > q.limit;
-        if q.limit > 0 {
-            page.truncate(q.limit);
-        }
-        Ok((page, more))
+        Ok(q.select(self.all()?))
     }
 
     /// How many sandboxes and snapshots use template `name` (a snapshot builds on its
