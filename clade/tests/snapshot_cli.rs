@@ -660,8 +660,26 @@ fn a_published_snapshot_with_a_disk_restores_through_the_store_after_its_files_a
                 .unwrap()
         );
     }
-    let disk = disk::Disk::open(&overlay, disk::OpenOptions { read_only: true }).unwrap();
+    // The layers are read lazily: their data only through a fetcher of that cache.
     let mut buf = vec![0u8; raw.len()];
+    let disk = disk::Disk::open(&overlay, disk::OpenOptions { read_only: true }).unwrap();
+    let e = disk.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, disk::Error::Unfilled { .. }), "{e}");
+    drop(disk);
+    let cache = store::cache::ChunkCache::new(
+        &d.p("cache"),
+        store::Store::open(&url, &Default::default()).unwrap(),
+        1 << 30,
+    )
+    .unwrap();
+    let f = store::fetcher::FetcherThread::start(&d.p("f.sock"), cache).unwrap();
+    let c = store::fetcher::FetchClient::connect(f.socket(), Duration::from_secs(60)).unwrap();
+    let disk = disk::Disk::open_with_sources(
+        &overlay,
+        disk::OpenOptions { read_only: true },
+        Some(&store::fetcher::FetcherLayers::sources(c)),
+    )
+    .unwrap();
     disk.read_at(0, &mut buf).unwrap();
     assert!(buf == raw, "the restored disk differs");
 }

@@ -116,8 +116,38 @@ pub(crate) fn open_parents(top: &Layer) -> Result<Vec<Layer>> {
 impl Disk {
     /// Opens the chain whose top layer is `path`.
     pub fn open(path: &Path, opts: OpenOptions) -> Result<Self> {
-        let top = Layer::open(path, !opts.read_only)?;
-        let parents = open_parents(&top)?;
+        Self::open_with_sources(path, opts, None)
+    }
+
+    /// Opens the chain whose top layer is `path`, the layers in it that are filled on
+    /// demand ([`crate::remote`]) through their sources from `sources`; with `sources`,
+    /// such a layer it has no source for is an error here, before any read (without,
+    /// reading its data is).
+    pub fn open_with_sources(
+        path: &Path,
+        opts: OpenOptions,
+        sources: Option<&crate::remote::Sources>,
+    ) -> Result<Self> {
+        let mut top = Layer::open(path, !opts.read_only)?;
+        let mut parents = open_parents(&top)?;
+        for l in std::iter::once(&mut top).chain(parents.iter_mut()) {
+            if !l.on_demand {
+                continue;
+            }
+            let Some(sources) = sources else {
+                // Reading its data is the error (see `Layer::read_block`).
+                continue;
+            };
+            l.source = sources.0.source(&l.path, &l.header.layer_id);
+            if l.source.is_none() {
+                return Err(Error::Unfilled {
+                    path: l.path.clone(),
+                    what: "its data is filled on demand by a fetcher (a `.present` marker \
+                           beside it), and none was given for it"
+                        .into(),
+                });
+            }
+        }
         let block_size = u64::from(top.header.block_size);
         let virtual_size = top.header.virtual_size;
         let mut disk = Self {

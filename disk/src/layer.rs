@@ -23,6 +23,9 @@ pub struct Layer {
     pub(crate) table: Vec<u64>,
     pub(crate) file_len: u64,
     pub(crate) writable: bool,
+    /// Filled on demand (`remote`): its source, once the chain opening it found one.
+    pub(crate) on_demand: bool,
+    pub(crate) source: Option<std::sync::Arc<dyn crate::remote::BlockSource>>,
 }
 
 /// How long to wait for a conflicting lock to go away. A process that forks (to exec a helper)
@@ -162,6 +165,8 @@ impl Layer {
             table,
             file_len: len,
             writable,
+            on_demand: !writable && crate::remote::is_filled_on_demand(path),
+            source: None,
         };
         if layer.header.frozen() && layer.table_crc() != layer.header.table_crc {
             return Err(corrupt(format!(
@@ -217,6 +222,21 @@ impl Layer {
         let Some(off) = self.block_offset(idx) else {
             return Ok(false);
         };
+        if self.on_demand {
+            let unfilled = |what: String| Error::Unfilled {
+                path: self.path.clone(),
+                what,
+            };
+            let Some(src) = &self.source else {
+                return Err(unfilled(
+                    "its data is filled on demand by a fetcher (a `.present` marker beside it); \
+                     open it through one"
+                        .into(),
+                ));
+            };
+            src.ensure(off + within, buf.len() as u64)
+                .map_err(|e| unfilled(format!("block {idx} could not be fetched: {e}")))?;
+        }
         self.file
             .read_exact_at(buf, off + within)
             .map_err(Error::io(&self.path, "read data block"))?;

@@ -30,6 +30,7 @@ mod chain;
 mod header;
 mod layer;
 pub mod ops;
+pub mod remote;
 
 use std::path::PathBuf;
 
@@ -91,6 +92,9 @@ pub enum Error {
     /// An argument to an operation is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// A layer filled on demand could not be filled, or was opened without its source.
+    #[error("{}: {what}", path.display())]
+    Unfilled { path: PathBuf, what: String },
 }
 
 impl Error {

@@ -248,6 +248,44 @@ impl Durable {
         self.fetcher.socket()
     }
 
+    /// Makes the disk layers read lazily from the store in the chain below `top` (a VM's
+    /// overlay) whole, through the fetcher: a VM process forking starts children that
+    /// open the chain anew, which only a fetcher's own connection could fill.
+    pub fn complete_disk(&self, top: &Path) -> Result<()> {
+        let derr = |e: String| Error::Store(format!("{}: {e}", top.display()));
+        // The overlay is the VM's, locked for writing: its header only, read as it is.
+        let mut head = vec![0u8; (disk::HEADER_SLOTS * disk::HEADER_SIZE) as usize];
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::File::open(top).map_err(|e| derr(e.to_string()))?;
+            let n = f.read_at(&mut head, 0).map_err(|e| derr(e.to_string()))?;
+            head.truncate(n);
+        }
+        let (h, _) = disk::decode_slots(top, &head).map_err(|e| derr(e.to_string()))?;
+        let Some(parent) = h.parent else {
+            return Ok(());
+        };
+        let ppath = match top.parent() {
+            Some(d) if parent.path.is_relative() => d.join(&parent.path),
+            _ => parent.path.clone(),
+        };
+        let chain = disk::ops::info(&ppath).map_err(|e| derr(e.to_string()))?;
+        let lazy: Vec<String> = chain
+            .iter()
+            .filter(|l| disk::remote::is_filled_on_demand(&l.path))
+            .map(|l| disk::id_hex(&l.header.layer_id))
+            .collect();
+        if lazy.is_empty() {
+            return Ok(());
+        }
+        let client = store::fetcher::FetchClient::connect(self.fetcher.socket(), PREPARE_TIMEOUT)
+            .map_err(store_err)?;
+        for id in lazy {
+            client.complete_layer(&id).map_err(store_err)?;
+        }
+        Ok(())
+    }
+
     /// Brings published snapshot `id` into the host's cache (through the fetcher): its
     /// manifest, small objects, working-set chunks and disk layers, so that the VM process
     /// started on it next finds all it needs before its first fault. Whatever takes long

@@ -705,6 +705,12 @@ impl Host {
                 }
                 (None, _) => None,
             },
+            // A sandbox taken over from the store (or of a template from it) stands on disk
+            // layers the fetcher reads lazily, whatever snapshot of it is restored.
+            layer_fetcher: match (&rec.remote, &self.durable) {
+                (None, Some(d)) if from_store(&rec.dir) => Some(d.fetcher_socket().to_path_buf()),
+                _ => None,
+            },
             snapshot_reused: reused,
             api_sock: api.clone(),
             vsock: vsock.clone(),
@@ -1266,6 +1272,14 @@ impl Host {
             }
             Err(_) => Vec::new(),
         };
+        // Children open the parent's disk chain anew: layers read lazily from the store
+        // are made whole first.
+        if let (true, Some(d), Some(top)) = (from_store(&parent.dir), &self.durable, &parent.disk) {
+            if let Err(e) = d.complete_disk(top) {
+                release_all(&mut nets);
+                return Err(e);
+            }
+        }
         let live = match self
             .driver
             .fork(&api, count, &prefix, !template.test_guest, &specs)
@@ -1315,6 +1329,9 @@ impl Host {
                     let cid = ids::new_sandbox_id();
                     let dir = self.sandboxes_dir().join(&cid);
                     self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
+                    if from_store(&parent.dir) {
+                        write_template_copy(&dir, &template)?;
+                    }
                     let mut rec = new_child(cid, dir);
                     rec.net = nets.next();
                     rec.state = State::Running;
@@ -1343,6 +1360,9 @@ impl Host {
                     let cid = ids::new_sandbox_id();
                     let dir = self.sandboxes_dir().join(&cid);
                     self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
+                    if from_store(&parent.dir) {
+                        write_template_copy(&dir, &template)?;
+                    }
                     let mut rec = new_child(cid, dir);
                     rec.net = nets.next();
                     if let Err(e) = self.start_vm(&mut rec, &template, &base, false) {
@@ -1536,6 +1556,12 @@ fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<Upload>) 
 
 /// Keeps a copy of `t` in sandbox directory `dir`: the template of a sandbox whose
 /// template is not one of this host's ([`Host::sandbox_template`]).
+/// Whether the sandbox in `dir` came from the store (taken over from another host, or of
+/// a template it has from there): it keeps a copy of its template.
+fn from_store(dir: &Path) -> bool {
+    dir.join(template::TEMPLATE_FILE).exists()
+}
+
 fn write_template_copy(dir: &Path, t: &Template) -> Result<()> {
     let copy = dir.join(template::TEMPLATE_FILE);
     let text = serde_json::to_string_pretty(t).map_err(|e| Error::Corrupt(e.to_string()))?;

@@ -36,6 +36,9 @@ pub struct StartSpec {
     pub snapshot: PathBuf,
     /// Restore a published snapshot through the host's fetcher at this socket.
     pub fetcher: Option<PathBuf>,
+    /// A local snapshot whose disk stands on layers read lazily from the store: the
+    /// host's fetcher at this socket fills them.
+    pub layer_fetcher: Option<PathBuf>,
     /// Later starts will likely restore the same snapshot (a template's, or one that
     /// sandboxes are created from): standby processes may open it ahead.
     pub snapshot_reused: bool,
@@ -428,7 +431,7 @@ pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 
 impl VmDriver for ProcessDriver {
     fn start(&self, spec: &StartSpec) -> Result<Started> {
-        if spec.fetcher.is_none() {
+        if spec.fetcher.is_none() && spec.layer_fetcher.is_none() {
             if let Some(started) = self.start_standby(spec)? {
                 return Ok(started);
             }
@@ -455,6 +458,9 @@ impl VmDriver for ProcessDriver {
         }
         if let Some(f) = &spec.fetcher {
             cmd.arg("--fetcher").arg(f);
+        }
+        if let Some(f) = &spec.layer_fetcher {
+            cmd.arg("--layer-fetcher").arg(f);
         }
         match (&spec.tap, &spec.net) {
             (Some(tap), _) => {
@@ -752,6 +758,7 @@ mod tests {
         let spec = StartSpec {
             snapshot: d.join("nosnap"),
             fetcher: None,
+            layer_fetcher: None,
             snapshot_reused: false,
             api_sock: d.join("vm.api"),
             vsock: d.join("vm.vsock"),

@@ -148,6 +148,26 @@ pub struct ChunkCache {
     fetch_slots: tokio::sync::Semaphore,
     /// One download at a time per disk layer (by id).
     layer_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Disk layers read lazily, opened for filling (by id), and their chunks in flight.
+    lazy: Mutex<LazyLayers>,
+}
+
+/// The disk layers of a cache that are read lazily (see the [module documentation](self)).
+#[derive(Default)]
+struct LazyLayers {
+    open: HashMap<String, Arc<LazyLayer>>,
+    inflight: HashMap<(String, u64), ChunkFuture>,
+}
+
+/// A disk layer file filled chunk by chunk.
+struct LazyLayer {
+    id: String,
+    path: PathBuf,
+    file: File,
+    present: File,
+    entry: manifest::DiskLayer,
+    chunk_size: u64,
+    digests: Vec<[u8; 32]>,
 }
 
 /// Most range reads one cache has in flight.
@@ -199,6 +219,7 @@ impl ChunkCache {
             scanned: AtomicBool::new(false),
             fetch_slots: tokio::sync::Semaphore::new(MAX_CONCURRENT_FETCHES),
             layer_locks: Mutex::new(HashMap::new()),
+            lazy: Mutex::default(),
         });
         cache.scan();
         Ok(cache)
@@ -415,12 +436,30 @@ impl ChunkCache {
             SnapshotId::random()
         ));
         let r = async {
-            self.download_layer(&tmp, l).await?;
+            let present = match &l.chunks {
+                Some(c) => Some(self.download_layer_head(&tmp, l, c).await?),
+                None => {
+                    self.download_layer(&tmp, l).await?;
+                    None
+                }
+            };
             let (tmp2, dir2, mkey2) = (tmp.clone(), dir.to_path_buf(), mkey.to_string());
             let (id, parent) = (l.id.clone(), parent.map(str::to_string));
             tokio::task::spawn_blocking(move || link_layer(&tmp2, &dir2, &mkey2, &id, parent))
                 .await
                 .map_err(|e| Error::Fetcher(format!("link task: {e}")))??;
+            if let Some((present, digests)) = present {
+                // The layer's chunk state beside it, before the layer itself is there.
+                let side = |ext: &str| sidecar(&path, ext);
+                let entry = serde_json::to_vec(l).unwrap_or_default();
+                for (p, b) in [
+                    (side("json"), &entry[..]),
+                    (side("chunks"), &digests[..]),
+                    (disk::remote::present_path(&path), &present[..]),
+                ] {
+                    std::fs::write(&p, b).map_err(|e| Error::io("write", &p, e))?;
+                }
+            }
             std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename into place", &path, e))?;
             File::open(dir)
                 .and_then(|d| d.sync_all())
@@ -493,6 +532,273 @@ impl ChunkCache {
             .await
             .map_err(|e| Error::io("size", tmp, e))?;
         f.sync_all().await.map_err(|e| Error::io("fsync", tmp, e))
+    }
+
+    /// Starts a lazily read layer file in the new file `tmp`: its chunk checksums, and
+    /// the chunks holding its header slots and allocation table (all a disk opening it
+    /// reads before its data), each verified; the rest of the file is a hole. Returns the
+    /// presence map (one byte per chunk) and the checksums, as stored beside the layer.
+    async fn download_layer_head(
+        &self,
+        tmp: &Path,
+        l: &manifest::DiskLayer,
+        c: &manifest::LayerChunks,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let table = self.get_object(&c.table).await?;
+        let digests = digests_of(&table);
+        let size = l.object.size;
+        let first = self.fetch_layer_chunk(l, c.chunk_size, &digests, 0).await?;
+        let head_len = (disk::HEADER_SLOTS as usize * disk::HEADER_SIZE as usize).min(first.len());
+        let (h, _) = disk::decode_slots(tmp, &first[..head_len]).map_err(|e| Error::Disk {
+            path: tmp.to_path_buf(),
+            source: e,
+        })?;
+        let table_end = h.table_offset.saturating_add(h.table_bytes());
+        if table_end > size {
+            return Err(Error::BadManifest {
+                key: self.store.key(&l.object.key()),
+                reason: format!("disk layer {}: its table ends past the object", l.id),
+            });
+        }
+        let mut want: Vec<u64> = Vec::new();
+        if h.table_bytes() > 0 {
+            want.extend(h.table_offset / c.chunk_size..=(table_end - 1) / c.chunk_size);
+        }
+        want.retain(|&i| i != 0);
+        let rest =
+            futures::future::try_join_all(
+                want.iter().map(|&i| {
+                    let d = &digests;
+                    async move {
+                        Ok::<_, Error>((i, self.fetch_layer_chunk(l, c.chunk_size, d, i).await?))
+                    }
+                }),
+            )
+            .await?;
+        let mut present = vec![0u8; digests.len()];
+        let f = File::options()
+            .write(true)
+            .create_new(true)
+            .open(tmp)
+            .map_err(|e| Error::io("create", tmp, e))?;
+        f.set_len(size).map_err(|e| Error::io("size", tmp, e))?;
+        for (i, b) in std::iter::once((0, first)).chain(rest) {
+            f.write_all_at(&b, i * c.chunk_size)
+                .map_err(|e| Error::io("write", tmp, e))?;
+            present[i as usize] = 1;
+        }
+        f.sync_all().map_err(|e| Error::io("fsync", tmp, e))?;
+        Ok((present, table.to_vec()))
+    }
+
+    /// Chunk `i` of disk layer `l`'s object, fetched with one range read and verified.
+    async fn fetch_layer_chunk(
+        &self,
+        l: &manifest::DiskLayer,
+        chunk_size: u64,
+        digests: &[[u8; 32]],
+        i: u64,
+    ) -> Result<Bytes> {
+        let key = l.object.key();
+        let (s, e) = (i * chunk_size, ((i + 1) * chunk_size).min(l.object.size));
+        let want = digests.get(i as usize).ok_or_else(|| Error::BadManifest {
+            key: self.store.key(&key),
+            reason: format!("disk layer {}: no checksum for chunk {i}", l.id),
+        })?;
+        let _slot = self
+            .fetch_slots
+            .acquire()
+            .await
+            .map_err(|_| Error::Fetcher("the cache is closing".into()))?;
+        let b = self.store.get_range(&key, s, e).await?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes_fetched
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        let got = sha256_hex(&b);
+        if got != crate::hex(want) {
+            return Err(Error::Checksum {
+                key: self.store.key(&key),
+                what: format!("disk layer {} chunk {i} (bytes {s}..{e})", l.id),
+                computed: got,
+                expected: crate::hex(want),
+            });
+        }
+        Ok(b)
+    }
+
+    /// The lazily read layer `id` of this cache, opened for filling.
+    fn lazy_layer(&self, id: &str) -> Result<Arc<LazyLayer>> {
+        if manifest::parse_layer_id(id).is_none() {
+            return Err(Error::InvalidInput(format!(
+                "{id:?} is not a disk layer id"
+            )));
+        }
+        if let Some(l) = self
+            .lazy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .open
+            .get(id)
+        {
+            return Ok(Arc::clone(l));
+        }
+        let path = self.root.join(LAYERS_DIR).join(layer_file(id));
+        let rw = |p: &Path| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .map_err(|e| Error::io("open", p, e))
+        };
+        let file = rw(&path)?;
+        let ppath = disk::remote::present_path(&path);
+        let present = rw(&ppath)?;
+        let entry = cached_layer_entry(&path, id)?.ok_or_else(|| {
+            Error::Fetcher(format!("{}: not a layer read lazily", path.display()))
+        })?;
+        let chunks = entry.chunks.clone().ok_or_else(|| {
+            Error::Fetcher(format!(
+                "{}: its entry has no chunk checksums",
+                path.display()
+            ))
+        })?;
+        let cpath = sidecar(&path, "chunks");
+        let table = std::fs::read(&cpath).map_err(|e| Error::io("read", &cpath, e))?;
+        if sha256_hex(&table) != chunks.table.sha256
+            || table.len() as u64 != 32 * chunks.count(entry.object.size)
+        {
+            return Err(Error::Fetcher(format!(
+                "{}: does not match its entry",
+                cpath.display()
+            )));
+        }
+        let l = Arc::new(LazyLayer {
+            id: id.to_string(),
+            path,
+            file,
+            present,
+            chunk_size: chunks.chunk_size,
+            digests: digests_of(&table),
+            entry,
+        });
+        let mut lazy = self.lazy.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(Arc::clone(lazy.open.entry(id.to_string()).or_insert(l)))
+    }
+
+    /// Makes bytes `offset..offset + len` of lazily read disk layer `id` present in its
+    /// file (fetching the chunks that are not; concurrent misses of one chunk share one
+    /// fetch). Layer files are not counted against the cache's limit.
+    pub async fn ensure_layer(self: &Arc<Self>, id: &str, offset: u64, len: u64) -> Result<()> {
+        let l = self.lazy_layer(id)?;
+        let size = l.entry.object.size;
+        if len == 0 || offset >= size {
+            return Ok(());
+        }
+        let end = offset.saturating_add(len).min(size);
+        let (first, last) = (offset / l.chunk_size, (end - 1) / l.chunk_size);
+        let mut flags = vec![0u8; (last - first + 1) as usize];
+        l.present
+            .read_exact_at(&mut flags, first)
+            .map_err(|e| Error::io("read", disk::remote::present_path(&l.path), e))?;
+        let futs: Vec<ChunkFuture> = (first..=last)
+            .filter(|&c| flags[(c - first) as usize] != 1)
+            .map(|c| {
+                let mut lazy = self.lazy.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(f) = lazy.inflight.get(&(l.id.clone(), c)) {
+                    return f.clone();
+                }
+                let this = Arc::clone(self);
+                let l2 = Arc::clone(&l);
+                let fut: BoxFuture<'static, std::result::Result<(), String>> = async move {
+                    let r = this
+                        .fill_layer_chunk(&l2, c)
+                        .await
+                        .map_err(|e| e.to_string());
+                    this.lazy
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .inflight
+                        .remove(&(l2.id.clone(), c));
+                    r
+                }
+                .boxed();
+                let shared = fut.shared();
+                lazy.inflight.insert((l.id.clone(), c), shared.clone());
+                shared
+            })
+            .collect();
+        for r in futures::future::join_all(futs).await {
+            r.map_err(Error::Fetcher)?;
+        }
+        Ok(())
+    }
+
+    /// Fetches every chunk of lazily read disk layer `id` not there yet, then removes its
+    /// presence map: the file is an ordinary layer file from then on (what the store has
+    /// of it, its entry, stays beside it for publishing). A layer that is not read lazily
+    /// (whole already) is left as it is.
+    pub async fn complete_layer(self: &Arc<Self>, id: &str) -> Result<()> {
+        if manifest::parse_layer_id(id).is_none() {
+            return Err(Error::InvalidInput(format!(
+                "{id:?} is not a disk layer id"
+            )));
+        }
+        let path = self.root.join(LAYERS_DIR).join(layer_file(id));
+        if !disk::remote::is_filled_on_demand(&path) {
+            return Ok(());
+        }
+        let l = self.lazy_layer(id)?;
+        self.ensure_layer(id, 0, l.entry.object.size).await?;
+        let mut flags = vec![0u8; l.digests.len()];
+        l.present
+            .read_exact_at(&mut flags, 0)
+            .map_err(|e| Error::io("read", disk::remote::present_path(&l.path), e))?;
+        if flags.iter().any(|&f| f != 1) {
+            return Err(Error::Fetcher(format!(
+                "{}: chunks still missing",
+                path.display()
+            )));
+        }
+        let p = disk::remote::present_path(&path);
+        std::fs::remove_file(&p).map_err(|e| Error::io("remove", &p, e))?;
+        self.lazy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .open
+            .remove(id);
+        tracing::info!(layer = %id, "disk layer complete in the cache");
+        Ok(())
+    }
+
+    /// Fetches chunk `c` of a lazily read layer into its file: written and synced, then
+    /// marked present.
+    async fn fill_layer_chunk(&self, l: &Arc<LazyLayer>, c: u64) -> Result<()> {
+        let mut flag = [0u8; 1];
+        let ppath = || disk::remote::present_path(&l.path);
+        l.present
+            .read_exact_at(&mut flag, c)
+            .map_err(|e| Error::io("read", ppath(), e))?;
+        if flag[0] == 1 {
+            return Ok(());
+        }
+        let b = self
+            .fetch_layer_chunk(&l.entry, l.chunk_size, &l.digests, c)
+            .await?;
+        let l2 = Arc::clone(l);
+        blocking(move || -> Result<()> {
+            l2.file
+                .write_all_at(&b, c * l2.chunk_size)
+                .map_err(|e| Error::io("write", &l2.path, e))?;
+            l2.file
+                .sync_data()
+                .map_err(|e| Error::io("fsync", &l2.path, e))?;
+            l2.present
+                .write_all_at(&[1], c)
+                .map_err(|e| Error::io("write", disk::remote::present_path(&l2.path), e))
+        })
+        .await??;
+        self.chunks_fetched.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     async fn layer(self: &Arc<Self>, id: SnapshotId) -> Result<Arc<CachedLayer>> {
@@ -1139,6 +1445,51 @@ fn write_chunk(
         )?;
     }
     Ok(())
+}
+
+/// A file beside layer file `layer`: `<layer file name>.<ext>`.
+fn sidecar(layer: &Path, ext: &str) -> PathBuf {
+    let mut name = layer.file_name().unwrap_or_default().to_os_string();
+    name.push(".");
+    name.push(ext);
+    layer.with_file_name(name)
+}
+
+/// 32-byte checksums stored end to end.
+fn digests_of(table: &[u8]) -> Vec<[u8; 32]> {
+    table
+        .chunks_exact(32)
+        .map(|d| {
+            let mut a = [0u8; 32];
+            a.copy_from_slice(d);
+            a
+        })
+        .collect()
+}
+
+/// The store's entry of a disk layer file a cache read lazily (`Some`: the file at
+/// `layer` is one, its entry kept beside it, even once complete: its header was relinked
+/// here, so its bytes are no longer the object's), checked to be layer `id`. A layer
+/// file filled on demand whose entry is missing or unreadable is an error: its bytes are
+/// not all there, so it cannot be hashed or uploaded as it is.
+pub fn cached_layer_entry(layer: &Path, id: &str) -> Result<Option<manifest::DiskLayer>> {
+    let p = sidecar(layer, "json");
+    if !disk::remote::is_filled_on_demand(layer) && !p.exists() {
+        return Ok(None);
+    }
+    let bad = |why: String| {
+        Error::InvalidInput(format!(
+            "{}: a disk layer read lazily from a store, {why}",
+            layer.display()
+        ))
+    };
+    let b = std::fs::read(&p).map_err(|e| bad(format!("and its entry {}: {e}", p.display())))?;
+    let e: manifest::DiskLayer =
+        serde_json::from_slice(&b).map_err(|e| bad(format!("and its entry is bad: {e}")))?;
+    if e.id != id {
+        return Err(bad(format!("whose entry names layer {}", e.id)));
+    }
+    Ok(Some(e))
 }
 
 /// The file name of disk layer `id` (hex) in [`LAYERS_DIR`].

@@ -58,6 +58,22 @@ pub enum Request {
         /// `[offset, len]` pairs.
         ranges: Vec<[u64; 2]>,
     },
+    /// Make bytes of a disk layer file that is read lazily present (`layers/<id>.cdsk`).
+    EnsureLayer {
+        /// The disk layer (32 hex digits).
+        layer: String,
+        /// First byte of the file.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Fetch every chunk of a disk layer file that is read lazily, then make it an
+    /// ordinary layer file (its presence map removed): for what needs the whole file (a
+    /// VM process that forks starts children that open it anew).
+    CompleteLayer {
+        /// The disk layer (32 hex digits).
+        layer: String,
+    },
     /// The cache's counters.
     Stats,
 }
@@ -236,6 +252,22 @@ async fn handle(cache: &Arc<ChunkCache>, req: Request, leased: &mut Vec<Snapshot
                 ..Default::default()
             }
         }
+        Request::EnsureLayer { layer, offset, len } => {
+            match cache.ensure_layer(&layer, offset, len).await {
+                Ok(()) => Response {
+                    ok: true,
+                    ..Default::default()
+                },
+                Err(e) => Response::err(e),
+            }
+        }
+        Request::CompleteLayer { layer } => match cache.complete_layer(&layer).await {
+            Ok(()) => Response {
+                ok: true,
+                ..Default::default()
+            },
+            Err(e) => Response::err(e),
+        },
         Request::Stats => Response {
             ok: true,
             stats: Some(cache.stats()),
@@ -394,6 +426,15 @@ impl FetchClient {
                 resp.error.unwrap_or_else(|| "failed".into()),
             ))
         }
+    }
+
+    /// Makes the lazily read disk layer `layer` (hex id) of the fetcher's cache whole: an
+    /// ordinary layer file from then on.
+    pub fn complete_layer(&self, layer: &str) -> Result<()> {
+        self.call(&Request::CompleteLayer {
+            layer: layer.to_string(),
+        })
+        .map(|_| ())
     }
 
     /// The fetcher's cache counters.
@@ -572,5 +613,103 @@ impl ChunkFetch for LayerFetch {
         }) {
             tracing::warn!(snapshot = %self.id, error = %e, "prefetch request");
         }
+    }
+}
+
+/// The disk layers a fetcher reads lazily, as a VM process reads them: a layer file in a
+/// fetcher's cache (`layers/<id>.cdsk` with its presence map beside it) is filled through
+/// the fetcher this client is connected to.
+#[derive(Debug)]
+pub struct FetcherLayers {
+    client: Arc<FetchClient>,
+}
+
+impl FetcherLayers {
+    /// The layers `client`'s fetcher fills.
+    pub fn sources(client: Arc<FetchClient>) -> disk::remote::Sources {
+        disk::remote::Sources(Arc::new(FetcherLayers { client }))
+    }
+}
+
+impl disk::remote::LayerSources for FetcherLayers {
+    fn source(
+        &self,
+        path: &Path,
+        id: &disk::LayerId,
+    ) -> Option<Arc<dyn disk::remote::BlockSource>> {
+        let id = disk::id_hex(id);
+        if path.file_name()?.to_str()? != cache::layer_file(&id) {
+            return None;
+        }
+        let entry = match cache::cached_layer_entry(path, &id) {
+            Ok(Some(e)) => e,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(layer = %path.display(), error = %e, "no source for a disk layer");
+                return None;
+            }
+        };
+        let chunk_size = entry.chunks.as_ref()?.chunk_size;
+        let ppath = disk::remote::present_path(path);
+        let present = File::open(&ppath).ok()?;
+        Some(Arc::new(FetchedLayer {
+            client: Arc::clone(&self.client),
+            path: path.to_path_buf(),
+            id,
+            size: entry.object.size,
+            chunk_size,
+            present,
+        }))
+    }
+}
+
+/// One lazily read disk layer file, filled through the fetcher.
+#[derive(Debug)]
+struct FetchedLayer {
+    client: Arc<FetchClient>,
+    path: PathBuf,
+    id: String,
+    size: u64,
+    chunk_size: u64,
+    present: File,
+}
+
+impl FetchedLayer {
+    fn all_present(&self, offset: u64, len: u64) -> std::result::Result<bool, String> {
+        let end = offset.saturating_add(len).min(self.size);
+        if len == 0 || offset >= end {
+            return Ok(true);
+        }
+        let (first, last) = (offset / self.chunk_size, (end - 1) / self.chunk_size);
+        let mut flags = vec![0u8; (last - first + 1) as usize];
+        self.present
+            .read_exact_at(&mut flags, first)
+            .map_err(|e| format!("{}: {e}", disk::remote::present_path(&self.path).display()))?;
+        Ok(flags.iter().all(|&f| f == 1))
+    }
+}
+
+impl disk::remote::BlockSource for FetchedLayer {
+    fn ensure(&self, offset: u64, len: u64) -> std::result::Result<(), String> {
+        if self.all_present(offset, len)? {
+            return Ok(());
+        }
+        self.client
+            .call(&Request::EnsureLayer {
+                layer: self.id.clone(),
+                offset,
+                len,
+            })
+            .map_err(|e| e.to_string())?;
+        // The fetcher filled its cache's file: it must be this one.
+        if !self.all_present(offset, len)? {
+            return Err(format!(
+                "the fetcher at {} filled layer {} in another cache than {}",
+                self.client.socket.display(),
+                self.id,
+                self.path.display()
+            ));
+        }
+        Ok(())
     }
 }

@@ -164,6 +164,30 @@ pub struct DiskLayer {
     pub id: String,
     /// The layer file, whole (`objects/<sha256>`; never inline or named).
     pub object: ObjectRef,
+    /// The SHA-256 of each chunk of the layer file, so that a host reads it lazily, chunk
+    /// by chunk (absent in manifests older builds wrote: such a layer is downloaded whole).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<LayerChunks>,
+}
+
+/// A layer file's chunk checksums: `table` is an object holding the 32-byte SHA-256 of
+/// each `chunk_size` piece of the file, end to end (the last piece may be short).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerChunks {
+    /// Bytes per chunk (a multiple of 64 KiB, 64 KiB to 64 MiB).
+    pub chunk_size: u64,
+    /// The checksums (`objects/<sha256>`; never inline or named).
+    pub table: ObjectRef,
+}
+
+/// Bytes per chunk of a disk layer read lazily.
+pub const LAYER_CHUNK: u64 = 512 << 10;
+
+impl LayerChunks {
+    /// Number of chunks of a layer file of `size` bytes.
+    pub fn count(&self, size: u64) -> u64 {
+        size.div_ceil(self.chunk_size)
+    }
 }
 
 /// A snapshot's disk, as published.
@@ -293,7 +317,10 @@ impl Manifest {
         v.extend(self.memory.lead.as_ref());
         v.extend(self.working_set.as_ref());
         if let Some(d) = &self.disk {
-            v.extend(d.layers.iter().map(|l| &l.object));
+            for l in &d.layers {
+                v.push(&l.object);
+                v.extend(l.chunks.as_ref().map(|c| &c.table));
+            }
         }
         v
     }
@@ -481,6 +508,30 @@ fn validate_disk(d: &DiskObjects) -> std::result::Result<(), String> {
         }
         if o.size < disk::HEADER_SIZE || o.size > MAX_DISK_LAYER {
             return Err(format!("disk layer {} of {} bytes", l.id, o.size));
+        }
+        if let Some(c) = &l.chunks {
+            let t = &c.table;
+            if c.chunk_size < MIN_CHUNK
+                || c.chunk_size > MAX_CHUNK
+                || !c.chunk_size.is_multiple_of(MIN_CHUNK)
+                || c.chunk_size < 2 * disk::HEADER_SIZE
+            {
+                return Err(format!("disk layer {}: chunk size {}", l.id, c.chunk_size));
+            }
+            if t.inline.is_some() || t.name.is_some() || !is_sha256(&t.sha256) {
+                return Err(format!(
+                    "disk layer {}: chunk table is not a plain object",
+                    l.id
+                ));
+            }
+            if t.size != 32 * c.count(o.size) || t.size > MAX_SMALL_OBJECT {
+                return Err(format!(
+                    "disk layer {}: a chunk table of {} bytes for {} chunks",
+                    l.id,
+                    t.size,
+                    c.count(o.size)
+                ));
+            }
         }
     }
     Ok(())
@@ -670,6 +721,7 @@ pub(crate) mod tests {
                 inline: None,
                 name: None,
             },
+            chunks: None,
         };
         DiskObjects {
             read_only: false,

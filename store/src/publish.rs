@@ -311,11 +311,19 @@ async fn publish_disk(
             layers.push(k.clone());
             continue;
         }
+        // A layer this host's cache has from the store (read lazily: the file may be
+        // partly holes): what the store has is its entry, never the file's hash.
+        if let Some(k) = crate::cache::cached_layer_entry(&l.path, &id)? {
+            report.objects_reused += 1;
+            layers.push(k);
+            continue;
+        }
         let t = Instant::now();
         let path = l.path.clone();
-        let (sha256, size) = tokio::task::spawn_blocking(move || hash_file(&path))
-            .await
-            .map_err(|e| Error::Fetcher(format!("checksum task: {e}")))??;
+        let (sha256, size, digests) =
+            tokio::task::spawn_blocking(move || hash_file(&path, manifest::LAYER_CHUNK))
+                .await
+                .map_err(|e| Error::Fetcher(format!("checksum task: {e}")))??;
         report.checksum_time += t.elapsed();
         let object = ObjectRef {
             sha256,
@@ -323,6 +331,21 @@ async fn publish_disk(
             inline: None,
             name: None,
         };
+        let table = Bytes::from(digests);
+        let chunks = manifest::LayerChunks {
+            chunk_size: manifest::LAYER_CHUNK,
+            table: ObjectRef {
+                sha256: sha256_hex(&table),
+                size: table.len() as u64,
+                inline: None,
+                name: None,
+            },
+        };
+        if store.size(&chunks.table.key()).await? != Some(chunks.table.size) {
+            report.bytes_uploaded += chunks.table.size;
+            report.objects_uploaded += 1;
+            store.put(&chunks.table.key(), table).await?;
+        }
         if store.size(&object.key()).await? == Some(size) {
             report.objects_reused += 1;
         } else {
@@ -331,7 +354,11 @@ async fn publish_disk(
             report.bytes_uploaded += size;
         }
         tracing::debug!(layer = %id, path = %l.path.display(), size, "disk layer published");
-        layers.push(manifest::DiskLayer { id, object });
+        layers.push(manifest::DiskLayer {
+            id,
+            object,
+            chunks: Some(chunks),
+        });
     }
     Ok(DiskObjects {
         read_only: d.read_only,
@@ -343,10 +370,15 @@ async fn publish_disk(
 const FILE_PIECE: usize = 8 << 20;
 
 /// SHA-256 and length of a file, read piece by piece.
-fn hash_file(path: &Path) -> Result<(String, u64)> {
+/// SHA-256 and length of a file, and the 32-byte SHA-256 of each `chunk`-byte piece of it
+/// end to end (`chunk` divides the read size).
+fn hash_file(path: &Path, chunk: u64) -> Result<(String, u64, Vec<u8>)> {
     use std::io::Read;
     let mut f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
     let mut h = Sha256::new();
+    let mut piece = Sha256::new();
+    let mut in_piece = 0u64;
+    let mut digests = Vec::new();
     let mut buf = vec![0u8; FILE_PIECE];
     let mut total = 0u64;
     loop {
@@ -355,9 +387,23 @@ fn hash_file(path: &Path) -> Result<(String, u64)> {
             break;
         }
         h.update(&buf[..n]);
+        let mut rest = &buf[..n];
+        while !rest.is_empty() {
+            let take = ((chunk - in_piece) as usize).min(rest.len());
+            piece.update(&rest[..take]);
+            in_piece += take as u64;
+            rest = &rest[take..];
+            if in_piece == chunk {
+                digests.extend_from_slice(&std::mem::take(&mut piece).finalize());
+                in_piece = 0;
+            }
+        }
         total += n as u64;
     }
-    Ok((hex(&h.finalize()), total))
+    if in_piece > 0 {
+        digests.extend_from_slice(&piece.finalize());
+    }
+    Ok((hex(&h.finalize()), total, digests))
 }
 
 /// Uploads the file at `path` as `object` (parts of `options.part_size`, at most

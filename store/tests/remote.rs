@@ -544,10 +544,26 @@ fn disk_chain(dir: &Path) -> (Vec<PathBuf>, Vec<u8>) {
 }
 
 fn disk_content(top: &Path) -> Vec<u8> {
-    let d = disk::Disk::open(top, disk::OpenOptions { read_only: true }).unwrap();
+    read_disk(top, None).unwrap()
+}
+
+/// A disk's whole content, its layers read lazily through `sources`.
+fn read_disk(top: &Path, sources: Option<&disk::remote::Sources>) -> disk::Result<Vec<u8>> {
+    let d = disk::Disk::open_with_sources(top, disk::OpenOptions { read_only: true }, sources)?;
     let mut buf = vec![0u8; d.virtual_size() as usize];
-    d.read_at(0, &mut buf).unwrap();
-    buf
+    d.read_at(0, &mut buf)?;
+    Ok(buf)
+}
+
+/// The names in a cache's `layers/` ending in `ext`, sorted.
+fn layer_files(dir: &Path, ext: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(ext))
+        .collect();
+    names.sort();
+    names
 }
 
 fn with_disk(mut s: Snap, layer: &Path) -> Snap {
@@ -581,7 +597,11 @@ fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
     let (bm, br) = rt.block_on(publish(&store, &base.files, &o)).unwrap();
     let bd = bm.disk.clone().unwrap();
     assert_eq!(bd.layers.len(), 2);
-    assert_eq!(br.objects_uploaded, 3, "memory data and two layers");
+    assert_eq!(
+        br.objects_uploaded, 5,
+        "memory data, two layers and their chunk checksums"
+    );
+    assert!(bd.layers.iter().all(|l| l.chunks.is_some()));
     let (dm, dr) = rt.block_on(publish(&store, &diff.files, &o)).unwrap();
     let dd = dm.disk.clone().unwrap();
     assert_eq!(dd.layers.len(), 3);
@@ -590,7 +610,10 @@ fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
         bd.layers[..],
         "the base's layers are reused"
     );
-    assert_eq!(dr.objects_uploaded, 2, "memory data and the top layer");
+    assert_eq!(
+        dr.objects_uploaded, 3,
+        "memory data, the top layer and its chunk checksums"
+    );
     assert!(dr.objects_reused >= 2);
     for l in &dd.layers {
         let size = rt.block_on(store.size(&l.object.key())).unwrap();
@@ -629,7 +652,27 @@ fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
             .unwrap()
             .join(format!("{}.cdsk", dd.layers[0].id))
     );
-    assert!(disk_content(&rd.layer) == content, "disk content differs");
+    // Read lazily: the open brought each layer's header and table, not its data (the
+    // base alone is 12 MiB).
+    let opened = c.stats().unwrap();
+    assert!(
+        opened.bytes_fetched < 4 << 20,
+        "{} bytes fetched by the open",
+        opened.bytes_fetched
+    );
+    assert!(disk::remote::is_filled_on_demand(&rd.layer));
+    // Without the fetcher, its data cannot be read (never the zeros of holes).
+    let e = read_disk(&rd.layer, None).unwrap_err();
+    assert!(matches!(e, disk::Error::Unfilled { .. }), "{e}");
+    let sources = store::fetcher::FetcherLayers::sources(Arc::clone(&c));
+    assert!(
+        read_disk(&rd.layer, Some(&sources)).unwrap() == content,
+        "disk content differs"
+    );
+    // Read again: all there, nothing fetched.
+    let before = c.stats().unwrap();
+    assert!(read_disk(&rd.layer, Some(&sources)).unwrap() == content);
+    assert_eq!(c.stats().unwrap().bytes_fetched, before.bytes_fetched);
     let d = disk::Disk::open(&rd.layer, disk::OpenOptions { read_only: true }).unwrap();
     let ids: Vec<String> = d
         .layers()
@@ -650,7 +693,7 @@ fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
     let after = c.stats().unwrap();
     assert_eq!(after.bytes_fetched, before.bytes_fetched);
     let rb = remote.disk.unwrap();
-    assert!(disk_content(&rb.layer) == mid_content);
+    assert!(read_disk(&rb.layer, Some(&sources)).unwrap() == mid_content);
     // Overlays go on the cached layer as on any frozen layer.
     let ov = dir.join("overlay.cdsk");
     disk::ops::create(
@@ -661,13 +704,42 @@ fn a_snapshot_with_a_disk_is_restored_elsewhere_with_its_layer_chain() {
         },
     )
     .unwrap();
-    assert!(disk_content(&ov) == content);
-    // Nothing half-downloaded is left.
-    let names: Vec<String> = std::fs::read_dir(dir.join("host-b/cache/layers"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(read_disk(&ov, Some(&sources)).unwrap() == content);
+    // Nothing half-downloaded is left: three layers, each with its entry, checksums and
+    // presence map.
+    let ldir = dir.join("host-b/cache/layers");
+    assert_eq!(
+        layer_files(&ldir, "").len(),
+        12,
+        "{:?}",
+        layer_files(&ldir, "")
+    );
+    assert_eq!(layer_files(&ldir, ".cdsk").len(), 3);
+
+    // A snapshot made on this host on the cached layers is published from their entries
+    // (their files here are not the objects: relinked, and read lazily).
+    {
+        let mut d =
+            disk::Disk::open_with_sources(&ov, disk::OpenOptions::default(), Some(&sources))
+                .unwrap();
+        d.write_at(7, b"host b").unwrap();
+        d.flush().unwrap();
+    }
+    disk::ops::freeze(&ov).unwrap();
+    let again = with_disk(write_full(&dir.join("b-snap"), 8), &ov);
+    let (am, ar) = rt.block_on(publish(&store, &again.files, &o)).unwrap();
+    let ad = am.disk.unwrap();
+    assert_eq!(ad.layers[1..], dd.layers[..]);
+    assert_eq!(
+        ar.objects_uploaded, 3,
+        "memory data, the new layer and its checksums"
+    );
+
+    // Made whole: an ordinary layer file from then on, still published from its entry.
+    let mid = ldir.join(format!("{}.cdsk", dd.layers[1].id));
+    c.complete_layer(&dd.layers[1].id).unwrap();
+    assert!(!disk::remote::is_filled_on_demand(&mid));
+    assert!(read_disk(&mid, Some(&sources)).unwrap() == mid_content);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -682,9 +754,9 @@ fn a_tampered_disk_layer_is_an_error_naming_it() {
     let d = m.disk.clone().unwrap();
     let key = d.layers[0].object.key();
     let good = rt.block_on(store.get(&key)).unwrap();
+    // Its header tampered with: the open fails, naming the object and the layer.
     let mut bad = good.to_vec();
-    let last = bad.len() - 1;
-    bad[last] ^= 1;
+    bad[100] ^= 1;
     rt.block_on(store.put(&key, Bytes::from(bad))).unwrap();
     let f = fetcher(&dir.join("h1"), &store, 1 << 30);
     let err = client(&f).open(s.id).unwrap_err().to_string();
@@ -694,21 +766,35 @@ fn a_tampered_disk_layer_is_an_error_naming_it() {
     );
     // Neither the layer nor its download is left in the cache; its parents are (verified).
     let layers_dir = dir.join("h1/cache/layers");
-    let mut names: Vec<String> = std::fs::read_dir(&layers_dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
     let mut want = vec![
         format!("{}.cdsk", d.layers[1].id),
         format!("{}.cdsk", d.layers[2].id),
     ];
     want.sort();
-    assert_eq!(names, want);
+    assert_eq!(layer_files(&layers_dir, ".cdsk"), want);
+    assert!(layer_files(&layers_dir, ".tmp").is_empty());
     // Repaired in the store: the same cache completes the chain.
     rt.block_on(store.put(&key, good)).unwrap();
-    let remote = client(&f).open(s.id).unwrap();
-    assert!(remote.disk.is_some());
+    let c = client(&f);
+    let remote = c.open(s.id).unwrap();
+    let top = remote.disk.unwrap().layer;
+    // The base's data (12 MiB, not read yet) tampered with at its end: reading that data
+    // is an error naming the object, never other bytes.
+    let bkey = d.layers[2].object.key();
+    let bgood = rt.block_on(store.get(&bkey)).unwrap();
+    let mut bad = bgood.to_vec();
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    rt.block_on(store.put(&bkey, Bytes::from(bad))).unwrap();
+    let sources = store::fetcher::FetcherLayers::sources(Arc::clone(&c));
+    let err = read_disk(&top, Some(&sources)).unwrap_err().to_string();
+    assert!(
+        err.contains(&store.key(&bkey)) && err.contains("checksum"),
+        "{err}"
+    );
+    // Repaired: the same cache reads it all.
+    rt.block_on(store.put(&bkey, bgood)).unwrap();
+    assert!(read_disk(&top, Some(&sources)).unwrap() == disk_content(&layers[0]));
     drop(f);
 
     // A manifest whose chain is not the layers' own (parent and grandparent swapped) is

@@ -803,6 +803,7 @@ fn a_vm_with_a_disk_resumes_on_its_own_overlay_of_the_frozen_disk() {
     .unwrap();
     let mut c = guest_config("loop:33");
     c.disk = Some(vmm::BlockConfig {
+        sources: None,
         path: top.clone(),
         read_only: false,
         serial: None,
@@ -925,6 +926,7 @@ fn a_published_snapshot_with_a_disk_restores_its_disk_after_the_host_files_are_g
     .unwrap();
     let mut c = guest_config("loop:33");
     c.disk = Some(vmm::BlockConfig {
+        sources: None,
         path: top.clone(),
         read_only: false,
         serial: None,
@@ -1000,7 +1002,11 @@ fn a_published_snapshot_with_a_disk_restores_its_disk_after_the_host_files_are_g
     let mut vms = Vec::new();
     for (id, want, layers) in [(ids[0], BEFORE, 2), (ids[1], AFTER, 3)] {
         let (mut p, remote_disk) = open(id);
-        p.relocate_disk(remote_disk.layer.clone()).unwrap();
+        p.relocate_disk(
+            remote_disk.layer.clone(),
+            Some(store::fetcher::FetcherLayers::sources(client.clone())),
+        )
+        .unwrap();
         let own = dir.0.join(format!("own-{id}.cdsk"));
         let r = p
             .restore(
@@ -1025,10 +1031,20 @@ fn a_published_snapshot_with_a_disk_restores_its_disk_after_the_host_files_are_g
     for mut v in vms {
         v.shutdown();
     }
-    // The cached layers are intact: a disk reads them as the snapshots saved them.
+    // The cached layers are read lazily: only through a fetcher; through one, a disk
+    // reads them as the snapshots saved them.
     let (_, remote_disk) = open(ids[1]);
-    let d = disk::Disk::open(&remote_disk.layer, disk::OpenOptions { read_only: true }).unwrap();
+    assert!(disk::remote::is_filled_on_demand(&remote_disk.layer));
     let mut buf = vec![0u8; AFTER.len()];
+    let d = disk::Disk::open(&remote_disk.layer, disk::OpenOptions { read_only: true }).unwrap();
+    let e = d.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, disk::Error::Unfilled { .. }), "{e}");
+    let d = disk::Disk::open_with_sources(
+        &remote_disk.layer,
+        disk::OpenOptions { read_only: true },
+        Some(&store::fetcher::FetcherLayers::sources(client.clone())),
+    )
+    .unwrap();
     d.read_at(0, &mut buf).unwrap();
     assert_eq!(buf, AFTER);
 }

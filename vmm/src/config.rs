@@ -42,6 +42,10 @@ pub struct BlockConfig {
     pub read_only: bool,
     /// The disk's serial (virtio-blk GET_ID, at most 20 bytes); default: from the layer id.
     pub serial: Option<String>,
+    /// What fills the layers of its chain that are filled on demand (`disk::remote`: a
+    /// published layer restored through a fetcher); a chain with such a layer and no
+    /// source for it is refused when the VM is built.
+    pub sources: Option<disk::remote::Sources>,
 }
 
 /// Where a virtio-net device's TAP comes from.

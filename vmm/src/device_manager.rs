@@ -610,12 +610,7 @@ impl DeviceManager {
                                     "the saved VM has more than one virtio-blk disk".into(),
                                 ));
                             }
-                            let image = disk::Disk::open(
-                                &cfg.path,
-                                disk::OpenOptions {
-                                    read_only: cfg.read_only,
-                                },
-                            )?;
+                            let image = open_disk(cfg)?;
                             let lp = match event_loop.take() {
                                 Some(lp) => lp,
                                 None => start_loop()?,
@@ -814,12 +809,7 @@ impl DeviceManager {
         mem: &GuestMemory,
         cfg: &BlockConfig,
     ) -> Result<Arc<Mutex<disk::Disk>>> {
-        let image = disk::Disk::open(
-            &cfg.path,
-            disk::OpenOptions {
-                read_only: cfg.read_only,
-            },
-        )?;
+        let image = open_disk(cfg)?;
         let serial = cfg.serial.clone().unwrap_or_else(|| {
             let mut id = disk::id_hex(&image.layers()[0].header().layer_id);
             id.truncate(devices::virtio::block::ID_BYTES);
@@ -951,6 +941,23 @@ impl DeviceManager {
     pub fn serial_tap(&self) -> &SerialTap {
         &self.serial_tap
     }
+}
+
+/// Opens a VM's disk chain, its layers filled on demand through `cfg.sources`: one
+/// without a source is refused here, not found by the guest as an I/O error later.
+fn open_disk(cfg: &BlockConfig) -> Result<disk::Disk> {
+    let opts = disk::OpenOptions {
+        read_only: cfg.read_only,
+    };
+    let sources = match &cfg.sources {
+        Some(s) => s.clone(),
+        None => disk::remote::Sources(std::sync::Arc::new(disk::remote::NoSources)),
+    };
+    Ok(disk::Disk::open_with_sources(
+        &cfg.path,
+        opts,
+        Some(&sources),
+    )?)
 }
 
 #[cfg(test)]

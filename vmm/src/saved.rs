@@ -62,6 +62,10 @@ pub struct SavedDisk {
     pub read_only: bool,
     /// The configured serial.
     pub serial: Option<String>,
+    /// What fills the chain's layers that are filled on demand (`disk::remote`), for the
+    /// VMs built from it here; never saved (a restore gives its own).
+    #[serde(skip)]
+    pub sources: Option<disk::remote::Sources>,
 }
 
 impl SavedDisk {
@@ -98,6 +102,7 @@ impl SavedDisk {
             path,
             read_only: self.read_only,
             serial: self.serial.clone(),
+            sources: self.sources.clone(),
         })
     }
 }

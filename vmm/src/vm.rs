@@ -740,6 +740,7 @@ impl Vm {
                 layer: absolute(cfg.path),
                 read_only: true,
                 serial: cfg.serial,
+                sources: cfg.sources,
             }));
         }
         let mut d = disk.lock().unwrap_or_else(|e| e.into_inner());
@@ -753,6 +754,7 @@ impl Vm {
             layer: frozen,
             read_only: false,
             serial: cfg.serial,
+            sources: cfg.sources,
         }))
     }
 

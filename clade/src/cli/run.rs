@@ -143,6 +143,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
             path,
             read_only: false,
             serial: None,
+            sources: None,
         }),
         net,
     };

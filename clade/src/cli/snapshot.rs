@@ -150,6 +150,11 @@ pub struct RestoreArgs {
     /// than starting one.
     #[arg(long, value_name = "PATH")]
     fetcher: Option<PathBuf>,
+    /// A local snapshot whose disk stands on layers read lazily from a store (a snapshot
+    /// made on this host of a VM restored from one): the fetcher serving this socket
+    /// fills them.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["fetcher", "store"])]
+    layer_fetcher: Option<PathBuf>,
 }
 
 pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
@@ -215,6 +220,17 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
     })?;
     if let Some(code) = jailed {
         return Ok(code);
+    }
+    if let Some(sock) = args.layer_fetcher.clone() {
+        if args.jail.jailed() {
+            bail!("--layer-fetcher with --jail is not supported yet");
+        }
+        let client =
+            store::fetcher::FetchClient::connect(&sock, std::time::Duration::from_secs(120))?;
+        let mut prepared = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())?;
+        prepared.set_disk_sources(store::fetcher::FetcherLayers::sources(client));
+        let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
+        return restore_and_own(args, dir, net_spec, &ahead);
     }
     restore_and_own(args, dir, net_spec, &vmm::host::Ahead::default())
 }

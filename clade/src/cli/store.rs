@@ -322,7 +322,10 @@ pub fn open_published(
     // The saved state names the disk layer where the publishing host had it; here the
     // chain is in the fetcher's cache.
     match (&remote.disk, prepared.disk().is_some()) {
-        (Some(d), true) => prepared.relocate_disk(d.layer.clone())?,
+        (Some(d), true) => prepared.relocate_disk(
+            d.layer.clone(),
+            Some(store::fetcher::FetcherLayers::sources(Arc::clone(&client))),
+        )?,
         (None, true) => bail!(
             "snapshot {id} has a disk, but the fetcher did not provide its layers \
              (a fetcher of an older build?)"

@@ -319,7 +319,14 @@ impl PreparedSnapshot {
     /// host has its layers in the fetcher's cache). The chain at `layer` must open whole,
     /// and its top must be frozen (each restored VM stacks its overlay on it) unless the
     /// disk was read-only. Nothing on disk changes; the state file keeps its path.
-    pub fn relocate_disk(&mut self, layer: PathBuf) -> Result<()> {
+    ///
+    /// `sources` fills the chain's layers that are filled on demand (`disk::remote`); the
+    /// VMs restored from this snapshot read them through it.
+    pub fn relocate_disk(
+        &mut self,
+        layer: PathBuf,
+        sources: Option<disk::remote::Sources>,
+    ) -> Result<()> {
         let Some(saved) = self.state.saved.disk.as_mut() else {
             return Err(Error::Config(format!(
                 "{}: the snapshot has no disk to relocate",
@@ -327,7 +334,12 @@ impl PreparedSnapshot {
             )));
         };
         let layer = std::path::absolute(&layer).unwrap_or(layer);
-        let d = disk::Disk::open(&layer, disk::OpenOptions { read_only: true })?;
+        let d = disk::Disk::open_with_sources(
+            &layer,
+            disk::OpenOptions { read_only: true },
+            sources.as_ref(),
+        )?;
+        saved.sources = sources;
         let frozen = d.layers().first().is_some_and(|l| l.header().frozen());
         drop(d);
         if !saved.read_only && !frozen {
@@ -343,6 +355,16 @@ impl PreparedSnapshot {
         );
         saved.layer = layer;
         Ok(())
+    }
+
+    /// Gives the snapshot's disk chain what fills its layers that are filled on demand
+    /// (`disk::remote`: a layer restored from a store through a fetcher, which a snapshot
+    /// made later on this host still stands on). Without, such a chain is refused when
+    /// the VM is built.
+    pub fn set_disk_sources(&mut self, sources: disk::remote::Sources) {
+        if let Some(saved) = self.state.saved.disk.as_mut() {
+            saved.sources = Some(sources);
+        }
     }
 
     /// The directories of the snapshots below this diff snapshot, base first (empty for a
