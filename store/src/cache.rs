@@ -24,17 +24,25 @@
 //! whose chain holds them:
 //!
 //! ```text
-//! layers/<layer id>.cdsk        one frozen layer file, downloaded whole
+//! layers/<layer id>.cdsk          one frozen layer file (its data possibly holes)
+//! layers/<layer id>.cdsk.json     the manifest's entry of it
+//! layers/<layer id>.cdsk.chunks   its chunk checksums (32 bytes each)
+//! layers/<layer id>.cdsk.present  one byte per chunk: 1 = in the file (while read lazily)
 //! ```
 //!
-//! A layer is downloaded into a temporary file in `layers/`, checked against its
-//! manifest's SHA-256, linked to its parent by the parent's file name
-//! (`<parent id>.cdsk`, with [`disk::ops::set_parent_path`]: the path recorded on the
-//! publishing host means nothing here), synced, and only then renamed into place, so a
-//! layer file present under its final name is complete and opens as the chain it was
-//! published as. Layer files are not counted against the chunk limit and are never
-//! evicted (a VM's overlay is stacked on them for as long as it runs, which no lease
-//! outlives): removing them is left to whoever removes the cache.
+//! A layer is read lazily: at open, the chunks holding its header and allocation table
+//! are fetched (each checked against its checksum) into a temporary file in `layers/` as
+//! long as the object, linked to its parent by the parent's file name (`<parent
+//! id>.cdsk`, with [`disk::ops::set_parent_path`]: the path recorded on the publishing
+//! host means nothing here), its entry, checksums and presence map written beside it,
+//! synced, and only then renamed into place, so a layer file present under its final name
+//! opens as the chain it was published as. Every other chunk is fetched when a VM process
+//! first reads it ([`ChunkCache::ensure_layer`], asked through the fetcher by
+//! [`crate::fetcher::FetcherLayers`]): written and synced, then marked present.
+//! [`ChunkCache::complete_layer`] makes one whole. A layer published by an older build
+//! (no chunk checksums) is downloaded whole. Layer files are not counted against the
+//! chunk limit and are never evicted (a VM's overlay is stacked on them for as long as it
+//! runs, which no lease outlives): removing them is left to whoever removes the cache.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -359,7 +367,8 @@ impl ChunkCache {
 
     /// Makes snapshot `id` and every snapshot below it available locally (manifests,
     /// state files, memory headers; no memory data) and returns their directories, base
-    /// first, with the snapshot's disk layers, downloaded whole if they are not here yet.
+    /// first, with the snapshot's disk layers (their headers and tables; their data is read
+    /// lazily).
     /// Leases nothing (see [`ChunkCache::lease`]).
     pub async fn open_snapshot(self: &Arc<Self>, id: SnapshotId) -> Result<OpenedSnapshot> {
         let mut chain = Vec::new();

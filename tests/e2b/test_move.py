@@ -10,11 +10,15 @@ import time
 import urllib.request
 
 from e2b import Sandbox
+from e2b.api.client.models.sandbox_state import SandboxState
+from e2b.sandbox.sandbox_api import SandboxQuery
 from test_linux import SLOW, console_count, control, create, run
 
 URL_A = os.environ.get("CLADE_NESTED_URL_A", "http://127.0.0.1:39483")
 URL_B = os.environ.get("CLADE_NESTED_URL_B", "http://127.0.0.1:39484")
 KEY = os.environ.get("E2B_API_KEY", "nested-sdk-key")
+# Programs of the Debian root, summed on host A and again on host B.
+PROGRAMS = "/usr/bin/perl /usr/bin/python3.* /usr/bin/apt-get 2>/dev/null"
 
 
 def info(url, sandbox_id):
@@ -26,6 +30,8 @@ def info(url, sandbox_id):
 def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
     s = create(metadata={"suite": "move"}, api_url=URL_A, sandbox_url=URL_A)
     run(s, "echo written-on-host-a > /root/moved.txt && sync")
+    sums = run(s, f"md5sum {PROGRAMS} | sort").stdout
+    assert len(sums.splitlines()) >= 2, sums
     h = s.commands.run(
         "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",
         background=True,
@@ -53,11 +59,21 @@ def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
         assert time.monotonic() < deadline, "the host was not lost"
         time.sleep(0.5)
 
-    # Host B has never seen it: it finds it in the store.
+    # Host B has never seen it: it finds it in the store, by id and in its list.
     assert info(URL_B, s.sandbox_id)["state"] == "paused"
+    query = SandboxQuery(metadata={"suite": "move"}, state=[SandboxState.PAUSED])
+    paginator = Sandbox.list(query=query, api_url=URL_B)
+    listed = []
+    while paginator.has_next:
+        listed.extend(x.sandbox_id for x in paginator.next_items())
+    assert s.sandbox_id in listed, listed
     b = Sandbox.connect(s.sandbox_id, timeout=1800, api_url=URL_B, sandbox_url=URL_B, **SLOW)
     try:
         assert run(b, "cat /root/moved.txt").stdout == "written-on-host-a\n"
+        # Its disk layers are read lazily on B: whole programs, read from the disk again
+        # (the guest's page cache dropped), are what they were on A.
+        run(b, "echo 3 > /proc/sys/vm/drop_caches", user="root")
+        assert run(b, f"md5sum {PROGRAMS} | sort").stdout == sums
         assert h.pid in [p.pid for p in b.commands.list(request_timeout=300)]
         after = int(run(b, "cat /root/count").stdout)
         assert after >= before
@@ -66,5 +82,15 @@ def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
             assert time.monotonic() < deadline, "the moved process does not run on"
             time.sleep(0.5)
         assert info(URL_B, s.sandbox_id)["state"] == "running"
+        # Paused and resumed on B (its own snapshot now, on the layers B reads lazily).
+        run(b, "echo written-on-host-b > /root/b.txt && sync")
+        b.pause(**SLOW)
+        b = Sandbox.connect(s.sandbox_id, timeout=1800, api_url=URL_B, sandbox_url=URL_B, **SLOW)
+        assert run(b, "cat /root/moved.txt /root/b.txt").stdout == (
+            "written-on-host-a\nwritten-on-host-b\n"
+        )
+        run(b, "echo 3 > /proc/sys/vm/drop_caches", user="root")
+        assert run(b, f"md5sum {PROGRAMS} | sort").stdout == sums
+        assert run(b, "ls /usr/lib/python3*/ | wc -l").stdout.strip() != "0"
     finally:
         Sandbox.kill(s.sandbox_id, api_url=URL_B, sandbox_url=URL_B)
