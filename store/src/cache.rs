@@ -584,19 +584,24 @@ impl ChunkCache {
                 }),
             )
             .await?;
-        let mut present = vec![0u8; digests.len()];
-        let f = File::options()
-            .write(true)
-            .create_new(true)
-            .open(tmp)
-            .map_err(|e| Error::io("create", tmp, e))?;
-        f.set_len(size).map_err(|e| Error::io("size", tmp, e))?;
-        for (i, b) in std::iter::once((0, first)).chain(rest) {
-            f.write_all_at(&b, i * c.chunk_size)
-                .map_err(|e| Error::io("write", tmp, e))?;
-            present[i as usize] = 1;
-        }
-        f.sync_all().map_err(|e| Error::io("fsync", tmp, e))?;
+        let (tmp, chunk_size, count) = (tmp.to_path_buf(), c.chunk_size, digests.len());
+        let present = blocking(move || -> Result<Vec<u8>> {
+            let mut present = vec![0u8; count];
+            let f = File::options()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| Error::io("create", &tmp, e))?;
+            f.set_len(size).map_err(|e| Error::io("size", &tmp, e))?;
+            for (i, b) in std::iter::once((0, first)).chain(rest) {
+                f.write_all_at(&b, i * chunk_size)
+                    .map_err(|e| Error::io("write", &tmp, e))?;
+                present[i as usize] = 1;
+            }
+            f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
+            Ok(present)
+        })
+        .await??;
         Ok((present, table.to_vec()))
     }
 
