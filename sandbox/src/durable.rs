@@ -75,6 +75,9 @@ pub struct SandboxObject {
     pub started_ms: i64,
     /// Pause instead of kill on timeout.
     pub auto_pause: bool,
+    /// Woken by a request while paused (objects published before it existed: no).
+    #[serde(default)]
+    pub auto_resume: bool,
     /// User metadata.
     pub metadata: BTreeMap<String, String>,
     /// Environment variables.
@@ -556,6 +559,7 @@ mod tests {
             },
             started_ms: 1,
             auto_pause: false,
+            auto_resume: false,
             metadata: BTreeMap::new(),
             env_vars: BTreeMap::new(),
             egress: None,

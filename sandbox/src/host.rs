@@ -87,6 +87,8 @@ pub struct CreateRequest {
     pub timeout_s: u64,
     /// Pause instead of kill on timeout.
     pub auto_pause: bool,
+    /// Wake it for a request that comes while it is paused (needs `auto_pause`).
+    pub auto_resume: bool,
     /// User metadata.
     pub metadata: BTreeMap<String, String>,
     /// Environment variables for its processes.
@@ -145,6 +147,8 @@ pub struct Host {
     snapshot_lock: Mutex<()>,
     /// The last CPU sample of each VM process (for a recent CPU figure).
     cpu_samples: Mutex<HashMap<i32, usage::CpuSample>>,
+    /// Each sandbox's metrics over time (sampled by [`Host::sample_metrics`]).
+    history: usage::History,
     /// The registry's write counter ([`Registry::changes`]), read without its lock.
     changes: Arc<std::sync::atomic::AtomicU64>,
     /// Sandbox networks, or why there are none (sandboxes of a template with a network
@@ -174,6 +178,7 @@ impl Host {
             locks: Mutex::new(HashMap::new()),
             snapshot_lock: Mutex::new(()),
             cpu_samples: Mutex::new(HashMap::new()),
+            history: usage::History::default(),
             networks: Err("networking is off (clade serve --no-net, or a library user)".into()),
             dirs: dirs::DirsAhead::start(&sandboxes),
             durable: None,
@@ -301,6 +306,7 @@ impl Host {
             template,
             started_ms: rec.started_ms,
             auto_pause: rec.auto_pause,
+            auto_resume: rec.auto_resume,
             metadata: rec.metadata.clone(),
             env_vars: rec.env_vars.clone(),
             egress: rec.egress.clone(),
@@ -403,6 +409,7 @@ impl Host {
             started_ms: o.started_ms,
             end_ms: o.published_ms,
             auto_pause: o.auto_pause,
+            auto_resume: o.auto_resume,
             metadata: o.metadata,
             env_vars: o.env_vars,
             vcpus: o.template.vcpus,
@@ -595,6 +602,11 @@ impl Host {
         self.check_timeout(req.timeout_s)?;
         self.check_map("metadata", &req.metadata)?;
         self.check_map("envVars", &req.env_vars)?;
+        if req.auto_resume && !req.auto_pause {
+            return Err(Error::BadRequest(
+                "auto-resume needs a timeout that pauses (auto-pause)".into(),
+            ));
+        }
         // From a snapshot: held until the new sandbox is in the registry, so that a
         // snapshot deleted meanwhile keeps its files for it.
         let from_snapshot = self
@@ -636,6 +648,7 @@ impl Host {
             started_ms: now,
             end_ms: now + (req.timeout_s as i64) * 1000,
             auto_pause: req.auto_pause,
+            auto_resume: req.auto_resume,
             metadata: req.metadata,
             env_vars: req.env_vars,
             vcpus: template.vcpus,
@@ -849,6 +862,7 @@ impl Host {
         }
         let _snapshots = self.snapshot_guard();
         self.reg().delete(id)?;
+        self.history.forget(id);
         self.release_net(rec.net);
         // A snapshot of it may build on its files: then only its sockets go now.
         let held = self
@@ -1064,15 +1078,39 @@ impl Host {
         Ok(logs::read(&rec.dir))
     }
 
-    /// Sets the time left to `timeout_s` from now.
-    pub fn set_timeout(&self, id: &str, timeout_s: u64) -> Result<Record> {
+    /// Sets the time left to `timeout_s` from now. 0 times a running sandbox out now: it
+    /// is paused (auto-pause) or killed before this returns, as E2B does; `None` then
+    /// means it was killed.
+    pub fn set_timeout(&self, id: &str, timeout_s: u64) -> Result<Option<Record>> {
+        if timeout_s == 0 {
+            return self.time_out_now(id);
+        }
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.load_usable(id)?;
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
         self.reg().update(&rec)?;
-        Ok(rec)
+        Ok(Some(rec))
+    }
+
+    /// The timeout's action, now ([`Host::set_timeout`] with 0). A paused sandbox has
+    /// nothing left to time out: it stays as it is.
+    fn time_out_now(&self, id: &str) -> Result<Option<Record>> {
+        let lock = self.lock_of(id);
+        let g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rec = self.load_usable(id)?;
+        if rec.state != State::Running {
+            return Ok(Some(rec));
+        }
+        if rec.auto_pause {
+            rec.end_ms = ids::now_ms();
+            tracing::info!(sandbox = %id, "timeout set to 0: pausing");
+            return self.pause_locked(rec).map(Some);
+        }
+        drop(g);
+        tracing::info!(sandbox = %id, "timeout set to 0: killing");
+        self.kill(id).map(|()| None)
     }
 
     /// Keeps the sandbox alive at least `duration_s` more (never shortens it).
@@ -1309,6 +1347,7 @@ impl Host {
             started_ms: now,
             end_ms: now + (timeout_s as i64) * 1000,
             auto_pause: parent.auto_pause,
+            auto_resume: parent.auto_resume,
             metadata: parent.metadata.clone(),
             env_vars: parent.env_vars.clone(),
             vcpus: parent.vcpus,
@@ -1385,17 +1424,80 @@ impl Host {
         Ok(out)
     }
 
-    /// Resource use of a running sandbox (empty for a paused one). The CPU figure covers
-    /// the time since the previous call for this VM (at least [`usage::MIN_INTERVAL`] ago),
+    /// A sandbox's metrics taken in `[from_ms, to_ms]`, oldest first: the samples taken
+    /// every [`usage::SAMPLE_INTERVAL`] while it ran ([`Host::sample_metrics`]), and, when
+    /// it runs and the range holds now, one taken now. That one's CPU figure covers the
+    /// time since the previous sample of this VM (at least [`usage::MIN_INTERVAL`] ago),
     /// or else a short window measured now.
-    pub fn metrics(&self, id: &str) -> Result<Vec<Metrics>> {
+    pub fn metrics(&self, id: &str, from_ms: i64, to_ms: i64) -> Result<Vec<Metrics>> {
+        if to_ms < from_ms {
+            return Err(Error::BadRequest(format!(
+                "the metrics range ends ({to_ms} ms) before it starts ({from_ms} ms)"
+            )));
+        }
         let rec = self.load_usable(id)?;
-        let Some(pid) = rec.pid.filter(|_| rec.state == State::Running) else {
-            return Ok(Vec::new());
-        };
-        let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
+        let mut out = self.history.range(&rec.id, from_ms, to_ms);
+        let now = ids::now_ms();
+        if let (Some(pid), true) = (
+            rec.pid.filter(|_| rec.state == State::Running),
+            (from_ms..=to_ms).contains(&now),
+        ) {
+            let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
+            out.push(self.measure(&rec, pid, cpu));
+        }
+        Ok(out)
+    }
+
+    /// The newest metrics of each of `ids` that exists (E2B's `GET /sandboxes/metrics`):
+    /// its last sample, or one taken now for a running sandbox not sampled yet.
+    pub fn latest_metrics(&self, ids: &[String]) -> Result<Vec<(String, Metrics)>> {
+        let mut out = Vec::new();
+        for id in ids {
+            let rec = match self.load_usable(id) {
+                Ok(r) => r,
+                Err(Error::NotFound(_)) => continue,
+                Err(e) => return Err(e),
+            };
+            let m = match (self.history.latest(&rec.id), rec.pid) {
+                (Some(m), _) => Some(m),
+                (None, Some(pid)) if rec.state == State::Running => {
+                    let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
+                    Some(self.measure(&rec, pid, cpu))
+                }
+                _ => None,
+            };
+            if let Some(m) = m {
+                out.push((rec.id, m));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Takes a sample of every running sandbox's metrics when one is due (every
+    /// [`usage::SAMPLE_INTERVAL`]; the service's ticker calls this). A VM first seen now
+    /// gets its CPU baseline and its first sample at the next round.
+    pub fn sample_metrics(&self) -> Result<()> {
+        if !self.history.due() {
+            return Ok(());
+        }
+        let all = self.reg().all()?;
+        let mut round = Vec::new();
+        for rec in all.iter().filter(|r| r.state == State::Running) {
+            let Some(pid) = rec.pid else { continue };
+            if let Some(cpu) = usage::cpu_since(&self.cpu_samples, pid, false) {
+                round.push((rec.id.clone(), self.measure(rec, pid, cpu)));
+            }
+        }
+        let exists: std::collections::HashSet<&str> = all.iter().map(|r| r.id.as_str()).collect();
+        self.history.record(round, |id| exists.contains(id));
+        Ok(())
+    }
+
+    /// A metrics sample of a running sandbox's VM process `pid` now, with its CPU use
+    /// (percent of one host CPU) measured by the caller.
+    fn measure(&self, rec: &Record, pid: i32, cpu: f64) -> Metrics {
         let (disk_used, disk_total) = usage::disk(&rec.dir);
-        Ok(vec![Metrics {
+        Metrics {
             at_ms: ids::now_ms(),
             cpu_count: rec.vcpus,
             cpu_used_pct: (cpu / rec.vcpus.max(1) as f64).min(100.0),
@@ -1403,7 +1505,7 @@ impl Host {
             mem_total: rec.mem_mib * 1024 * 1024,
             disk_used,
             disk_total,
-        }])
+        }
     }
 
     /// Marks running sandboxes whose VM process ended as crashed.

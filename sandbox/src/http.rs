@@ -164,14 +164,58 @@ struct NewSandbox {
     template_id: String,
     timeout: Option<i64>,
     auto_pause: Option<bool>,
+    /// What a timeout's pause keeps: `false` asks for a filesystem-only pause.
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResume>,
     metadata: Option<Value>,
     env_vars: Option<Value>,
     /// `false`: deny all egress (E2B's shorthand for `denyOut: ["0.0.0.0/0"]`).
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     network: Option<NetworkBody>,
-    // Accepted, not acted on (see docs/e2b-compat.md): autoPauseMemory, autoResume,
-    // secure, mcp, iam, volumeMounts.
+    // Accepted, not acted on (see docs/e2b-compat.md): secure, mcp, iam, volumeMounts.
+}
+
+/// E2B's `autoResume` of a create: `{"enabled": bool}`.
+#[derive(Deserialize)]
+struct AutoResume {
+    enabled: bool,
+}
+
+/// The lifecycle a create asks for, checked as E2B checks it: (auto-pause, auto-resume).
+fn lifecycle_of(b: &NewSandbox) -> ApiResult<(bool, bool)> {
+    let auto_pause = b.auto_pause.unwrap_or(false);
+    let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled);
+    if b.auto_pause_memory.is_some() && !auto_pause {
+        return Err(ApiError::bad(
+            "autoPauseMemory applies only when the timeout pauses (autoPause: true)",
+        ));
+    }
+    if auto_resume && !auto_pause {
+        return Err(ApiError::bad(
+            "autoResume can be enabled only when the timeout pauses (autoPause: true)",
+        ));
+    }
+    if b.auto_pause_memory == Some(false) {
+        if auto_resume {
+            return Err(ApiError::bad(
+                "autoResume cannot be combined with a filesystem-only pause \
+                 (autoPauseMemory: false): such a sandbox must be resumed with connect",
+            ));
+        }
+        return Err(filesystem_pause_refused());
+    }
+    Ok((auto_pause, auto_resume))
+}
+
+/// A filesystem-only pause (memory dropped, the disk kept, the next connect a cold boot)
+/// is not something this host can do yet: refused, never turned into a full pause.
+fn filesystem_pause_refused() -> ApiError {
+    ApiError::bad(
+        "dropping a sandbox's memory (a filesystem-only pause, memory: false, or a reboot on \
+         resume) is not supported by this host: pause and resume with memory \
+         (see docs/e2b-compat.md)",
+    )
 }
 
 /// E2B's `network` of a create, and the body of `PUT /sandboxes/{id}/network` (which
@@ -229,6 +273,14 @@ impl NetworkBody {
 #[derive(Deserialize, Default)]
 struct TimeoutBody {
     timeout: Option<i64>,
+    /// Of a connect or resume: `false` asks to reboot from the disk, memory dropped.
+    memory: Option<bool>,
+}
+
+/// The body of a pause: `memory: false` asks for a filesystem-only pause.
+#[derive(Deserialize, Default)]
+struct PauseBody {
+    memory: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -293,7 +345,7 @@ fn listed(r: &Record, detail: bool) -> Value {
     if detail {
         v["domain"] = Value::Null;
         v["lifecycle"] = json!({
-            "autoResume": false,
+            "autoResume": r.auto_resume,
             "onTimeout": if r.auto_pause { "pause" } else { "kill" },
         });
         if r.state == State::Paused {
@@ -321,6 +373,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/network", put(update_network))
+        .route("/sandboxes/metrics", get(many_metrics))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
@@ -369,10 +422,12 @@ async fn update_network(
 
 async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Response> {
     let b: NewSandbox = body(&bytes)?;
+    let (auto_pause, auto_resume) = lifecycle_of(&b)?;
     let req = CreateRequest {
         template: b.template_id,
         timeout_s: timeout_of(b.timeout)?,
-        auto_pause: b.auto_pause.unwrap_or(false),
+        auto_pause,
+        auto_resume,
         metadata: string_map(b.metadata, "metadata")?,
         env_vars: string_map(b.env_vars, "envVars")?,
         egress: b
@@ -408,6 +463,8 @@ fn parse_query(q: &Option<String>, v2: bool) -> ApiResult<Query> {
     let mut out = Query {
         limit: if v2 { DEFAULT_PAGE } else { 0 },
         states: if v2 { vec![] } else { vec![State::Running] },
+        // Newest first, as E2B lists (`order=asc` for oldest first).
+        descending: true,
         ..Query::default()
     };
     for (k, v) in query_pairs(q) {
@@ -552,8 +609,11 @@ async fn pause(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> ApiResult<StatusCode> {
-    // {"memory": bool, "requireHealthyGuest": bool}: a pause here always keeps memory.
-    let _: Value = body(&bytes)?;
+    // {"memory": bool, "requireHealthyGuest": bool}: a pause here keeps memory.
+    let b: PauseBody = body(&bytes)?;
+    if b.memory == Some(false) {
+        return Err(filesystem_pause_refused());
+    }
     blocking(&st, move |h| h.pause(&id)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -564,6 +624,9 @@ async fn resume(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: TimeoutBody = body(&bytes)?;
+    if b.memory == Some(false) {
+        return Err(filesystem_pause_refused());
+    }
     let t = timeout_of(b.timeout)?;
     let rec = blocking(&st, move |h| h.resume(&id, t)).await?;
     Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())
@@ -575,6 +638,9 @@ async fn connect(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: TimeoutBody = body(&bytes)?;
+    if b.memory == Some(false) {
+        return Err(filesystem_pause_refused());
+    }
     let t = timeout_of(b.timeout)?;
     let (rec, resumed) = blocking(&st, move |h| h.connect(&id, t)).await?;
     let status = if resumed {
@@ -603,25 +669,80 @@ async fn fork(
     Ok((StatusCode::CREATED, Json(out)).into_response())
 }
 
-async fn metrics(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    let ms = blocking(&st, move |h| h.metrics(&id)).await?;
-    let out: Vec<Value> = ms
+/// `SandboxMetric` of the spec.
+fn metric_json(m: &crate::host::Metrics) -> Value {
+    json!({
+        "timestamp": ids::rfc3339(m.at_ms),
+        "timestampUnix": m.at_ms / 1000,
+        "cpuCount": m.cpu_count,
+        "cpuUsedPct": m.cpu_used_pct,
+        "memUsed": m.mem_used,
+        "memTotal": m.mem_total,
+        "memCache": 0,
+        "diskUsed": m.disk_used,
+        "diskTotal": m.disk_total,
+    })
+}
+
+/// `GET /sandboxes/{id}/metrics?start=&end=`: the sandbox's samples in that range (unix
+/// seconds, both ends included; either left out: unbounded), oldest first.
+async fn metrics(
+    AxState(st): AxState<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (mut from_ms, mut to_ms) = (i64::MIN, i64::MAX);
+    for (k, v) in query_pairs(&q) {
+        let secs = || {
+            v.parse::<i64>()
+                .ok()
+                .filter(|s| s.unsigned_abs() < 1 << 40)
+                .ok_or_else(|| ApiError::bad(format!("{k}: not a time in unix seconds: {v}")))
+        };
+        match k.as_str() {
+            "start" => from_ms = secs()? * 1000,
+            "end" => to_ms = secs()? * 1000 + 999,
+            _ => {}
+        }
+    }
+    if to_ms < from_ms {
+        return Err(ApiError::bad("end must not be before start"));
+    }
+    let ms = blocking(&st, move |h| h.metrics(&id, from_ms, to_ms)).await?;
+    Ok(Json(ms.iter().map(metric_json).collect::<Vec<_>>()).into_response())
+}
+
+/// Sandboxes one `GET /sandboxes/metrics` may ask about.
+const MAX_METRICS_IDS: usize = 100;
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the newest metrics of each sandbox named that
+/// exists, as `{"sandboxes": {id: SandboxMetric}}`.
+async fn many_metrics(
+    AxState(st): AxState<AppState>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let mut wanted: Vec<String> = Vec::new();
+    for (k, v) in query_pairs(&q) {
+        if k == "sandbox_ids" {
+            wanted.extend(v.split(',').filter(|s| !s.is_empty()).map(str::to_string));
+        }
+    }
+    if wanted.is_empty() {
+        return Err(ApiError::bad("sandbox_ids is required"));
+    }
+    if wanted.len() > MAX_METRICS_IDS {
+        return Err(ApiError::bad(format!(
+            "sandbox_ids: at most {MAX_METRICS_IDS} sandboxes"
+        )));
+    }
+    wanted.sort();
+    wanted.dedup();
+    let ms = blocking(&st, move |h| h.latest_metrics(&wanted)).await?;
+    let map: serde_json::Map<String, Value> = ms
         .iter()
-        .map(|m| {
-            json!({
-                "timestamp": ids::rfc3339(m.at_ms),
-                "timestampUnix": m.at_ms / 1000,
-                "cpuCount": m.cpu_count,
-                "cpuUsedPct": m.cpu_used_pct,
-                "memUsed": m.mem_used,
-                "memTotal": m.mem_total,
-                "memCache": 0,
-                "diskUsed": m.disk_used,
-                "diskTotal": m.disk_total,
-            })
-        })
+        .map(|(id, m)| (id.clone(), metric_json(m)))
         .collect();
-    Ok(Json(out).into_response())
+    Ok(Json(json!({ "sandboxes": map })).into_response())
 }
 
 /// `SnapshotInfo` of the spec: the id with its tag, and its names (this host has no team
@@ -842,7 +963,8 @@ pub async fn serve(
             let h = host.clone();
             let r = tokio::task::spawn_blocking(move || {
                 h.expire(ids::now_ms())?;
-                h.reap()
+                h.reap()?;
+                h.sample_metrics()
             })
             .await;
             match r {

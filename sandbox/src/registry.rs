@@ -81,6 +81,9 @@ pub struct Record {
     pub end_ms: i64,
     /// Pause instead of kill on timeout.
     pub auto_pause: bool,
+    /// A request for it while it is paused wakes it (E2B's `autoResume`); without, such
+    /// a request gets the answer for a sandbox that is not running.
+    pub auto_resume: bool,
     /// User metadata (E2B `metadata`).
     pub metadata: BTreeMap<String, String>,
     /// Environment variables asked for at creation (E2B `envVars`).
@@ -210,7 +213,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     egress TEXT,
     remote TEXT,
     published_pause INTEGER,
-    published_ms INTEGER
+    published_ms INTEGER,
+    auto_resume INTEGER
 );
 ";
 
@@ -221,6 +225,7 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("remote", "TEXT"),
     ("published_pause", "INTEGER"),
     ("published_ms", "INTEGER"),
+    ("auto_resume", "INTEGER"),
 ];
 
 const SNAPSHOT_SCHEMA: &str = "
@@ -288,7 +293,7 @@ fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
     end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress, \
-    remote, published_pause, published_ms";
+    remote, published_pause, published_ms, auto_resume";
 
 fn path_text(p: &Option<PathBuf>) -> Option<String> {
     p.as_ref().map(|p| p.to_string_lossy().into_owned())
@@ -327,6 +332,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<(Record, String, String, String)>
         remote: row.get(21)?,
         published_pause: row.get(22)?,
         published_ms: row.get(23)?,
+        auto_resume: row.get::<_, Option<i64>>(24)?.unwrap_or(0) != 0,
     };
     Ok((r, row.get(2)?, row.get(12)?, row.get(13)?))
 }
@@ -404,7 +410,7 @@ impl Registry {
     fn write(&self, verb: &str, r: &Record) -> Result<()> {
         let sql = format!(
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
-             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)"
+             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)"
         );
         // Cached: a create or a wake writes its row on the request's path, and parsing
         // this statement each time was a measurable part of that write.
@@ -434,6 +440,7 @@ impl Registry {
                 r.remote,
                 r.published_pause,
                 r.published_ms,
+                r.auto_resume as i64,
             ])
         });
         // After the write: whoever read the counter before reading a row sees it change.
@@ -622,6 +629,7 @@ pub(crate) mod tests {
             started_ms,
             end_ms: started_ms + 15_000,
             auto_pause: false,
+            auto_resume: false,
             metadata: BTreeMap::new(),
             env_vars: BTreeMap::new(),
             vcpus: 1,

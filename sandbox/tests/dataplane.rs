@@ -51,6 +51,12 @@ struct Env {
 }
 
 fn setup(name: &str) -> Env {
+    setup_with(name, false)
+}
+
+/// With `auto_resume`: created with a timeout that pauses and auto-resume on, so that a
+/// data-plane request wakes it from a pause.
+fn setup_with(name: &str, auto_resume: bool) -> Env {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dataplane-{name}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("scratch")).unwrap();
@@ -65,6 +71,8 @@ fn setup(name: &str) -> Env {
             template: TEMPLATE.into(),
             timeout_s: 300,
             env_vars: [("SB_VAR".to_string(), "from-create".to_string())].into(),
+            auto_pause: auto_resume,
+            auto_resume,
             ..Default::default()
         })
         .unwrap();
@@ -912,8 +920,46 @@ fn listed(v: &Value, pid: u64) -> Option<Value> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_paused_sandbox_without_auto_resume_stays_paused() {
+    let env = setup("paused-is-paused");
+    let (s, _, _) = env.send(env.req("GET", "/health", None, vec![])).await;
+    assert!(s.is_success(), "running: {s}");
+    let host = env.host.clone();
+    let id = env.id.clone();
+    tokio::task::spawn_blocking(move || host.pause(&id).unwrap())
+        .await
+        .unwrap();
+    // Every data-plane request gets the answer for a sandbox that is not running (the
+    // SDK's is_running() is false), and none of them wakes it.
+    for _ in 0..3 {
+        let (s, _, b) = env.send(env.req("GET", "/health", None, vec![])).await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY);
+        let text = String::from_utf8_lossy(&b);
+        assert!(
+            text.contains("was not found") && text.contains("paused"),
+            "{text}"
+        );
+        let (s, v) = env.unary("process.Process/List", json!({})).await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY, "{v}");
+    }
+    assert_eq!(
+        env.host.get(&env.id).unwrap().state,
+        sandbox::State::Paused,
+        "a request woke a sandbox without auto-resume"
+    );
+    // connect wakes it; requests are served again.
+    let host = env.host.clone();
+    let id = env.id.clone();
+    tokio::task::spawn_blocking(move || host.connect(&id, 60).unwrap())
+        .await
+        .unwrap();
+    let (s, v) = env.unary("process.Process/List", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn background_processes_survive_pause_resume_and_a_service_restart() {
-    let env = setup("survive");
+    let env = setup_with("survive", true);
     let script = "i=0; while :; do i=$((i+1)); echo tick-$i; sleep 0.1; done";
     let body = serde_json::to_vec(&json!({
         "process": {"cmd": "/bin/sh", "args": ["-c", script], "envs": {"MINE": "1"}, "cwd": "/tmp"},

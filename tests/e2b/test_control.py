@@ -221,15 +221,134 @@ def test_logs_and_metrics():
         assert r.status_code == 404
 
         first = s.get_metrics()
-        assert len(first) == 1
-        m = first[0]
+        assert len(first) >= 1
+        m = first[-1]
         assert m.cpu_count == 1
         assert 0 <= m.cpu_used_pct <= 100
         assert m.mem_total == 64 * 1024 * 1024
         assert m.mem_used > 0
         time.sleep(0.3)
         # Recent, not a lifetime average: an idle guest's figure stays low.
-        again = s.get_metrics()[0]
+        again = s.get_metrics()[-1]
         assert 0 <= again.cpu_used_pct <= 100
     finally:
         s.kill()
+
+
+def test_a_paused_sandbox_is_paused_unless_it_auto_resumes():
+    s = Sandbox.create(TEMPLATE, timeout=120, lifecycle={"on_timeout": "pause"})
+    try:
+        assert s.is_running() is True
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        s.pause()
+        # Not running, and asking does not wake it.
+        for _ in range(3):
+            assert s.is_running() is False
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        Sandbox.connect(s.sandbox_id, timeout=60)
+        assert s.is_running() is True
+    finally:
+        s.kill()
+    a = Sandbox.create(
+        TEMPLATE, timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True}
+    )
+    try:
+        assert a.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        a.pause()
+        assert Sandbox.get_info(a.sandbox_id).state == SandboxState.PAUSED
+        # Any request for it wakes it first.
+        assert a.is_running() is True
+        assert Sandbox.get_info(a.sandbox_id).state == SandboxState.RUNNING
+    finally:
+        a.kill()
+
+
+def test_lifecycle_combinations_e2b_refuses_are_refused():
+    from e2b.api.client.api.sandboxes import post_sandboxes
+    from e2b.api.client.models import NewSandbox
+    from e2b.connection_config import ConnectionConfig
+    from e2b.sandbox_sync.paginator import get_api_client
+
+    client = get_api_client(ConnectionConfig())
+    for extra in (
+        {"autoResume": {"enabled": True}},
+        {"autoPause": True, "autoPauseMemory": False, "autoResume": {"enabled": True}},
+        {"autoPause": False, "autoPauseMemory": True},
+    ):
+        body = NewSandbox.from_dict({"templateID": TEMPLATE, **extra})
+        r = post_sandboxes.sync_detailed(client=client, body=body)
+        assert r.status_code == 400, (extra, r.content)
+    # The SDK refuses them itself too.
+    with pytest.raises(Exception):
+        Sandbox.create(TEMPLATE, lifecycle={"on_timeout": "kill", "auto_resume": True})
+
+
+def test_timeout_zero_applies_the_timeout_action_now():
+    p = Sandbox.create(TEMPLATE, timeout=120, lifecycle={"on_timeout": "pause"})
+    k = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        p.set_timeout(0)
+        assert Sandbox.get_info(p.sandbox_id).state == SandboxState.PAUSED
+        k.set_timeout(0)
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(k.sandbox_id)
+        assert k.is_running() is False
+    finally:
+        for s in (p, k):
+            try:
+                Sandbox.kill(s.sandbox_id)
+            except Exception:
+                pass
+
+
+def test_lists_are_newest_first():
+    older = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "order"})
+    time.sleep(0.01)
+    newer = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "order"})
+    try:
+        got = [x.sandbox_id for x in listed(SandboxQuery(metadata={"suite": "order"}))]
+        assert got == [newer.sandbox_id, older.sandbox_id]
+    finally:
+        older.kill()
+        newer.kill()
+
+
+def test_metrics_are_a_time_series():
+    import datetime
+
+    from e2b.api.client.api.sandboxes import get_sandboxes_metrics
+    from e2b.connection_config import ConnectionConfig
+    from e2b.sandbox_sync.paginator import get_api_client
+
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    other = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        created = datetime.datetime.now(datetime.timezone.utc)
+        # The service samples every 5 s; a VM's series starts at its second round.
+        deadline = time.monotonic() + 30
+        while len(series := s.get_metrics()) < 3:
+            assert time.monotonic() < deadline, f"no series: {series}"
+            time.sleep(1)
+        stamps = [m.timestamp for m in series]
+        assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+        assert all(m.mem_total == 64 * 1024 * 1024 for m in series)
+        # A range before the sandbox existed holds nothing.
+        before = created - datetime.timedelta(hours=1)
+        assert s.get_metrics(start=before - datetime.timedelta(minutes=5), end=before) == []
+        # A range in its past holds only what was sampled then.
+        first = series[0].timestamp
+        early = s.get_metrics(start=first, end=first)
+        assert early and all(abs((m.timestamp - first).total_seconds()) < 1 for m in early)
+        with pytest.raises(Exception):
+            s.get_metrics(start=created, end=before)
+        client = get_api_client(ConnectionConfig())
+        r = get_sandboxes_metrics.sync_detailed(
+            client=client, sandbox_ids=[s.sandbox_id, other.sandbox_id, "doesnotexist00000000"]
+        )
+        assert r.status_code == 200, r.content
+        many = r.parsed.sandboxes
+        assert set(many) == {s.sandbox_id, other.sandbox_id}, many
+        assert many[s.sandbox_id]["memTotal"] == 64 * 1024 * 1024
+    finally:
+        s.kill()
+        other.kill()

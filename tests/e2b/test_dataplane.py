@@ -23,7 +23,10 @@ SCRATCH = os.environ.get("CLADE_DP_SCRATCH", "/tmp/clade-dp-scratch")
 
 @pytest.fixture(scope="module")
 def sb():
-    s = Sandbox.create(TEMPLATE, timeout=600)
+    # Auto-resume: a request wakes it from a pause (test_exposed_port_reached_...).
+    s = Sandbox.create(
+        TEMPLATE, timeout=600, lifecycle={"on_timeout": "pause", "auto_resume": True}
+    )
     yield s
     try:
         s.kill()
@@ -166,13 +169,40 @@ def test_missing_paths(sb, d):
 
 
 def test_pause_then_auto_resume():
-    s = Sandbox.create(TEMPLATE, timeout=120)
+    s = Sandbox.create(
+        TEMPLATE, timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True}
+    )
     try:
         s.commands.run(f"mkdir -p {SCRATCH} && echo kept > {SCRATCH}/pause.txt")
         s.pause()
-        # A data-plane request for a paused sandbox resumes it first.
+        # A data-plane request for a paused sandbox with auto-resume resumes it first.
         assert s.commands.run(f"cat {SCRATCH}/pause.txt").stdout == "kept\n"
         assert s.get_info().state.value == "running"
+    finally:
+        s.kill()
+
+
+def test_a_paused_sandbox_is_not_running():
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        s.commands.run(f"mkdir -p {SCRATCH} && echo kept > {SCRATCH}/paused.txt")
+        s.pause()
+        assert s.is_running() is False
+        with pytest.raises(SandboxException) as e:
+            s.commands.run("true")
+        assert "not running" in str(e.value) or "was not found" in str(e.value), e.value
+        with pytest.raises(SandboxException):
+            s.files.read(f"{SCRATCH}/paused.txt")
+        # Its exposed ports too.
+        import httpx
+
+        port = httpx.get(
+            os.environ["E2B_SANDBOX_URL"], headers={"Host": s.get_host(8000)}, timeout=10
+        )
+        assert port.status_code == 502 and "was not found" in port.json()["message"]
+        assert s.get_info().state.value == "paused", "a request woke it"
+        s2 = Sandbox.connect(s.sandbox_id, timeout=120)
+        assert s2.files.read(f"{SCRATCH}/paused.txt") == "kept\n"
     finally:
         s.kill()
 
@@ -418,7 +448,8 @@ def test_exposed_port_reached_through_the_service(sb, d):
             f"{base}/", headers={"Host": f"{port}-nosuchsandbox.example.org"}, timeout=10
         )
         assert unknown.status_code == 502
-        # Wake on request: the server is part of the paused sandbox, and comes back with it.
+        # Wake on request (the sandbox has auto-resume): the server is part of the paused
+        # sandbox, and comes back with it.
         sb.pause()
         woken = httpx.get(f"{base}/hello.txt", headers={"Host": host}, timeout=60)
         assert woken.status_code == 200 and woken.text == r.text

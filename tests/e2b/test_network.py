@@ -152,12 +152,16 @@ def test_domains_are_allowed_through_dns_and_cannot_be_denied():
 
 
 def test_network_survives_pause_resume_and_each_fork_child_has_its_own():
-    s = create(network={"deny_out": [f"{WORLD_B}/32"]})
+    s = create(
+        network={"deny_out": [f"{WORLD_B}/32"]},
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+    )
     kids = []
     try:
         assert reaches(s, WORLD_A)
         s.pause()
-        # Resumed by the command: same address inside, new VM process on the same TAP.
+        # Resumed by the command (auto-resume): same address inside, new VM process on the
+        # same TAP.
         assert reaches(s, WORLD_A)
         assert not reaches(s, WORLD_B), "the policy survives a pause"
         kids = s.fork(count=3, timeout=1800, **SLOW)

@@ -19,9 +19,11 @@
 //! watchers (`files`) hold an agent connection each, with their events in a bounded
 //! queue; they do not survive a pause or a restart. See docs/e2b-compat.md.
 //!
-//! A request for a paused sandbox resumes it first (auto-resume); an unknown, killed or
-//! crashed sandbox gets E2B's proxy answer, 502 "... was not found", which the SDK turns
-//! into `SandboxNotRunningException`.
+//! A request for a paused sandbox resumes it first when it was created with auto-resume
+//! (E2B's `lifecycle.auto_resume`); without, a paused sandbox is not running, and it gets
+//! the answer an unknown, killed or crashed one gets: E2B's proxy answer, 502 "... was
+//! not found", which the SDK turns into `SandboxNotRunningException` (and `is_running()`
+//! into false).
 
 pub mod connect;
 mod files;
@@ -361,7 +363,7 @@ impl DataPlane {
         })
     }
 
-    /// The sandbox `t` names, resumed if it was paused.
+    /// The sandbox `t` names, resumed if it was paused with auto-resume.
     pub(crate) async fn sandbox(
         self: &Arc<Self>,
         t: &Target,
@@ -406,8 +408,8 @@ impl DataPlane {
         Ok(c)
     }
 
-    /// The running sandbox `id` (resumed first if it was paused), or E2B's proxy answer
-    /// for one that is not there.
+    /// The running sandbox `id` (resumed first if it was paused with auto-resume), or
+    /// E2B's proxy answer for one that is not running.
     async fn record(self: &Arc<Self>, id: &str) -> Result<crate::registry::Record, Response> {
         let host = self.host.clone();
         let owned = id.to_string();
@@ -415,6 +417,14 @@ impl DataPlane {
         // start): done inline, it saves a hop to the blocking pool on every request.
         // Only a resume goes there.
         let rec = match host.get(id) {
+            // Paused is paused: only a sandbox created with auto-resume is woken by a
+            // request. The rest get E2B's answer for a sandbox that is not running (the
+            // SDK's `is_running()` is false, its calls raise "not running").
+            Ok(rec) if rec.state == SbState::Paused && !rec.auto_resume => {
+                return Err(proxy_error(format!(
+                    "The sandbox {owned} was not found: it is paused (connect or resume wakes it)"
+                )));
+            }
             Ok(rec) if rec.state == SbState::Paused => crate::run_blocking(move || {
                 tracing::info!(sandbox = %owned, "auto-resume for a data-plane request");
                 host.connect(&owned, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)

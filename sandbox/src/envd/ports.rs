@@ -1,7 +1,8 @@
 //! Exposed ports: a request for a sandbox port other than envd's (`E2b-Sandbox-Port: P`, or
 //! the host name `P-<id>.<domain>` that the SDK's `get_host(P)` gives) is forwarded over
 //! HTTP/1.1 to port P of the guest, the way E2B's proxy reaches a server a process started
-//! in the sandbox. A paused sandbox is resumed first (wake on request).
+//! in the sandbox. A paused sandbox is resumed first when it was created with auto-resume
+//! (wake on request); otherwise the request gets the answer for a sandbox not running.
 //!
 //! The guest is reached at its sandbox's outer address: each sandbox's network namespace
 //! maps that address onto the guest (see the `hostnet` crate), so the forward is a plain

@@ -259,7 +259,16 @@ fn bad_requests_are_refused_before_anything_starts() {
     let s = h.create(req(10)).unwrap();
     assert!(matches!(h.fork(&s.id, 0, 10), Err(Error::BadRequest(_))));
     assert!(matches!(h.fork(&s.id, 17, 10), Err(Error::BadRequest(_))));
-    assert!(matches!(h.set_timeout(&s.id, 0), Err(Error::BadRequest(_))));
+    assert!(matches!(
+        h.set_timeout(&s.id, 10 * 86400),
+        Err(Error::BadRequest(_))
+    ));
+    let mut r = req(10);
+    r.auto_resume = true;
+    assert!(
+        matches!(h.create(r), Err(Error::BadRequest(m)) if m.contains("auto-pause")),
+        "auto-resume without auto-pause is refused"
+    );
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -286,6 +295,18 @@ fn timeouts_kill_or_pause() {
     let before = h.get(&lives.id).unwrap().end_ms;
     h.refresh(&lives.id, 1).unwrap();
     assert_eq!(h.get(&lives.id).unwrap().end_ms, before);
+    // A timeout of 0 is the timeout's action now: pause for an auto-pausing sandbox (a
+    // paused one stays paused), kill for the rest.
+    let mut ap = req(100);
+    ap.auto_pause = true;
+    let pauses_now = h.create(ap).unwrap();
+    let p = h.set_timeout(&pauses_now.id, 0).unwrap().unwrap();
+    assert_eq!(p.state, State::Paused);
+    assert_eq!(h.get(&pauses_now.id).unwrap().state, State::Paused);
+    let again = h.set_timeout(&pauses_now.id, 0).unwrap().unwrap();
+    assert_eq!(again.state, State::Paused);
+    assert!(h.set_timeout(&lives.id, 0).unwrap().is_none());
+    assert!(matches!(h.get(&lives.id), Err(Error::NotFound(_))));
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }

@@ -58,6 +58,12 @@ fn pct(a: CpuSample, b: CpuSample) -> f64 {
 /// Recent CPU use of `pid` in percent of one CPU (see the module docs); records the sample
 /// for the next call.
 pub fn recent_cpu(samples: &Mutex<HashMap<i32, CpuSample>>, pid: i32) -> Option<f64> {
+    cpu_since(samples, pid, true)
+}
+
+/// As [`recent_cpu`]; without a usable previous sample and without `wait`, records this
+/// one and says nothing (None) rather than measure a window now.
+pub fn cpu_since(samples: &Mutex<HashMap<i32, CpuSample>>, pid: i32, wait: bool) -> Option<f64> {
     let now = CpuSample {
         at: Instant::now(),
         cpu_ns: cpu_ns(pid)?,
@@ -73,6 +79,13 @@ pub fn recent_cpu(samples: &Mutex<HashMap<i32, CpuSample>>, pid: i32) -> Option<
         });
     let (from, to) = match prev {
         Some(p) => (p, now),
+        None if !wait => {
+            samples
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(pid, now);
+            return None;
+        }
         None => {
             std::thread::sleep(WINDOW);
             let later = CpuSample {
@@ -134,6 +147,72 @@ pub fn disk(dir: &Path) -> (u64, u64) {
     (used, total)
 }
 
+/// How often the service samples every running sandbox's metrics (E2B's interval).
+pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(5);
+/// Samples kept per sandbox: the last hour.
+pub const SAMPLES_KEPT: usize = 720;
+
+/// The metrics samples of each sandbox, oldest first, at most [`SAMPLES_KEPT`] each: the
+/// time series `GET /sandboxes/{id}/metrics` answers from. Kept in memory (a service
+/// restart starts them again), for as long as the sandbox exists.
+#[derive(Default)]
+pub struct History {
+    samples: Mutex<HashMap<String, std::collections::VecDeque<super::Metrics>>>,
+    last: Mutex<Option<Instant>>,
+}
+
+impl History {
+    /// Whether a sampling round is due (and if so, marks it started).
+    pub fn due(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|t| t.elapsed() < SAMPLE_INTERVAL) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
+
+    /// Adds a round's samples; forgets the sandboxes `exists` says are gone.
+    pub fn record(&self, round: Vec<(String, super::Metrics)>, exists: impl Fn(&str) -> bool) {
+        let mut all = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|id, _| exists(id));
+        for (id, m) in round {
+            let q = all.entry(id).or_default();
+            q.push_back(m);
+            while q.len() > SAMPLES_KEPT {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// The samples of `id` taken in `[from_ms, to_ms]`, oldest first.
+    pub fn range(&self, id: &str, from_ms: i64, to_ms: i64) -> Vec<super::Metrics> {
+        let all = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        all.get(id)
+            .map(|q| {
+                q.iter()
+                    .filter(|m| (from_ms..=to_ms).contains(&m.at_ms))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Its newest sample.
+    pub fn latest(&self, id: &str) -> Option<super::Metrics> {
+        let all = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        all.get(id).and_then(|q| q.back().cloned())
+    }
+
+    /// Forgets `id` (killed).
+    pub fn forget(&self, id: &str) {
+        self.samples
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+    }
+}
+
 /// The virtual size recorded in a disk layer's header.
 fn disk_size(layer: &Path) -> Option<u64> {
     use std::io::Read;
@@ -185,6 +264,54 @@ mod tests {
         assert!(idle < 5.0, "idle interval measured {idle}%");
         assert!(memory(std::process::id() as i32).unwrap() > 0);
         assert!(recent_cpu(&samples, -5).is_none());
+    }
+
+    fn m(at_ms: i64) -> super::super::Metrics {
+        super::super::Metrics {
+            at_ms,
+            cpu_count: 1,
+            cpu_used_pct: 0.0,
+            mem_used: 1,
+            mem_total: 2,
+            disk_used: 0,
+            disk_total: 0,
+        }
+    }
+
+    #[test]
+    fn history_keeps_a_bounded_series_per_sandbox() {
+        let h = History::default();
+        assert!(h.due());
+        assert!(!h.due(), "not again within the interval");
+        for i in 0..(SAMPLES_KEPT as i64 + 10) {
+            h.record(vec![("a".into(), m(i * 1000)), ("b".into(), m(i))], |_| {
+                true
+            });
+        }
+        let all = h.range("a", i64::MIN, i64::MAX);
+        assert_eq!(all.len(), SAMPLES_KEPT, "the oldest go");
+        assert_eq!(all[0].at_ms, 10_000);
+        assert_eq!(h.range("a", 20_000, 22_000).len(), 3, "inclusive range");
+        assert!(h.range("a", 0, 5_000).is_empty(), "before anything kept");
+        assert!(h.range("nope", i64::MIN, i64::MAX).is_empty());
+        assert_eq!(h.latest("b").unwrap().at_ms, SAMPLES_KEPT as i64 + 9);
+        // A round forgets sandboxes that are gone.
+        h.record(vec![], |id| id == "a");
+        assert!(h.latest("b").is_none());
+        h.forget("a");
+        assert!(h.latest("a").is_none());
+    }
+
+    #[test]
+    fn cpu_without_a_previous_sample_waits_only_when_asked() {
+        let samples = Mutex::new(HashMap::new());
+        let me = std::process::id() as i32;
+        assert!(
+            cpu_since(&samples, me, false).is_none(),
+            "first: a baseline only"
+        );
+        std::thread::sleep(MIN_INTERVAL + Duration::from_millis(20));
+        assert!(cpu_since(&samples, me, false).is_some(), "then a figure");
     }
 
     #[test]

@@ -235,6 +235,141 @@ async fn bad_input_gets_400_with_a_message() {
 }
 
 #[tokio::test]
+async fn lifecycle_as_e2b_has_it() {
+    let (app, d) = app("lifecycle");
+    // What E2B refuses: auto-resume without a pausing timeout, a filesystem-only pause
+    // with auto-resume, autoPauseMemory with a killing timeout. A filesystem-only pause
+    // this host cannot do: refused, never quietly made a full one.
+    for body in [
+        r#"{"templateID":"t","autoResume":{"enabled":true}}"#,
+        r#"{"templateID":"t","autoPause":false,"autoResume":{"enabled":true}}"#,
+        r#"{"templateID":"t","autoPause":true,"autoPauseMemory":false,"autoResume":{"enabled":true}}"#,
+        r#"{"templateID":"t","autoPause":false,"autoPauseMemory":true}"#,
+        r#"{"templateID":"t","autoPause":true,"autoPauseMemory":false}"#,
+        r#"{"templateID":"t","autoPause":true,"autoResume":true}"#,
+    ] {
+        let (s, _, v) = call(&app, "POST", "/v2/sandboxes", Some(body)).await;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert!(!v["message"].as_str().unwrap().is_empty());
+    }
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"t","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true}}"#),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let (_, _, v) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(
+        v["lifecycle"],
+        json!({"autoResume": true, "onTimeout": "pause"})
+    );
+    // A pause or a resume that drops memory is refused; the sandbox is untouched.
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/pause"),
+        Some(r#"{"memory":false}"#),
+    )
+    .await;
+    assert_eq!(s, 400);
+    let (_, _, v) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(v["state"], "running");
+    // A timeout of 0 applies the timeout's action now: this one pauses.
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/timeout"),
+        Some(r#"{"timeout":0}"#),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let (_, _, v) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(v["state"], "paused");
+    assert_eq!(v["pauseMode"], "full");
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":30,"memory":false}"#),
+    )
+    .await;
+    assert_eq!(s, 400, "a reboot on resume is refused");
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":30,"memory":true}"#),
+    )
+    .await;
+    assert_eq!(s, 201);
+    // And a sandbox that is killed on timeout is gone.
+    let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    let k = v["sandboxID"].as_str().unwrap().to_string();
+    let (_, _, v) = call(&app, "GET", &format!("/sandboxes/{k}"), None).await;
+    assert_eq!(
+        v["lifecycle"],
+        json!({"autoResume": false, "onTimeout": "kill"})
+    );
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{k}/timeout"),
+        Some(r#"{"timeout":0}"#),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let (s, _, _) = call(&app, "GET", &format!("/sandboxes/{k}"), None).await;
+    assert_eq!(s, 404);
+    drop(app); // its host stops making directories ahead in `d` first
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
+async fn lists_are_newest_first_unless_asked() {
+    let (app, d) = app("newest");
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+        made.push(v["sandboxID"].as_str().unwrap().to_string());
+        // Creation times a few ms apart: the order is by time, not by id.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let ids = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["sandboxID"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let newest_first: Vec<String> = made.iter().rev().cloned().collect();
+    for uri in ["/v2/sandboxes", "/sandboxes", "/v2/sandboxes?order=desc"] {
+        let (s, _, v) = call(&app, "GET", uri, None).await;
+        assert_eq!(s, 200);
+        assert_eq!(ids(&v), newest_first, "{uri}");
+    }
+    let (_, _, v) = call(&app, "GET", "/v2/sandboxes?order=asc", None).await;
+    assert_eq!(ids(&v), made);
+    // Pages keep that order.
+    let (_, h, first) = call(&app, "GET", "/v2/sandboxes?limit=3", None).await;
+    let token = h["x-next-token"].to_str().unwrap().to_string();
+    let (_, _, second) = call(
+        &app,
+        "GET",
+        &format!("/v2/sandboxes?limit=3&nextToken={token}"),
+        None,
+    )
+    .await;
+    let mut paged = ids(&first);
+    paged.extend(ids(&second));
+    assert_eq!(paged, newest_first);
+    drop(app); // its host stops making directories ahead in `d` first
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
 async fn lists_filter_by_metadata_and_page() {
     let (app, d) = app("pages");
     for i in 0..5 {
@@ -283,10 +418,10 @@ async fn pages_stay_stable_when_sandboxes_come_and_go() {
         let (_, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
         made.push(v["sandboxID"].as_str().unwrap().to_string());
     }
-    let (_, h, first) = call(&app, "GET", "/v2/sandboxes?limit=2", None).await;
+    let (_, h, first) = call(&app, "GET", "/v2/sandboxes?order=asc&limit=2", None).await;
     let token = h["x-next-token"].to_str().unwrap().to_string();
-    // A sandbox of the first page is killed, a new one is created: the second page still
-    // starts after the first page's last row.
+    // Oldest first: a sandbox of the first page is killed, a new one is created: the
+    // second page still starts after the first page's last row (and ends with the new one).
     let gone = first[0]["sandboxID"].as_str().unwrap().to_string();
     let (s, _, _) = call(&app, "DELETE", &format!("/sandboxes/{gone}"), None).await;
     assert_eq!(s, 204);
@@ -295,7 +430,7 @@ async fn pages_stay_stable_when_sandboxes_come_and_go() {
     let (_, _, second) = call(
         &app,
         "GET",
-        &format!("/v2/sandboxes?limit=10&nextToken={token}"),
+        &format!("/v2/sandboxes?order=asc&limit=10&nextToken={token}"),
         None,
     )
     .await;
