@@ -149,12 +149,18 @@ def test_list_stat_mkdir_rename_remove(sb, d):
     assert deep == [f"{d}/sub", f"{d}/sub/deeper", f"{d}/sub/f.txt"]
     info = sb.files.get_info(f"{d}/sub/f.txt")
     assert info.size == 5 and info.type.value == "file" and info.permissions == "-rw-r--r--"
-    assert sb.files.get_info(f"{d}/sub").type.value == "dir"
+    assert info.mode == 0o644
+    sb.commands.run(f"chmod 755 {d}/sub")
+    sub = sb.files.get_info(f"{d}/sub")
+    assert sub.type.value == "dir" and sub.mode == 493, "permission bits, as E2B"
     moved = sb.files.rename(f"{d}/sub/f.txt", f"{d}/g.txt")
     assert moved.path == f"{d}/g.txt"
     assert sb.files.exists(f"{d}/g.txt") and not sb.files.exists(f"{d}/sub/f.txt")
     sb.files.remove(f"{d}/sub")
     assert not sb.files.exists(f"{d}/sub")
+    # Removing what is not there is not an error (envd's RemoveAll).
+    sb.files.remove(f"{d}/sub")
+    sb.files.remove(f"{d}/never/was")
 
 
 def test_missing_paths(sb, d):
@@ -456,3 +462,24 @@ def test_exposed_port_reached_through_the_service(sb, d):
         assert sb.get_info().state.value == "running"
     finally:
         h.kill()
+
+
+def test_a_command_streaming_when_its_sandbox_is_killed_ends_as_killed():
+    import threading
+
+    from e2b.exceptions import SandboxNotRunningException
+
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        h = s.commands.run("echo started; sleep 60", background=True)
+        killer = threading.Timer(1.0, lambda: Sandbox.kill(s.sandbox_id))
+        killer.start()
+        with pytest.raises(SandboxNotRunningException) as e:
+            h.wait()
+        killer.join()
+        assert "killed or reached its end of life" in str(e.value), e.value
+    finally:
+        try:
+            s.kill()
+        except Exception:
+            pass

@@ -88,13 +88,9 @@ fn entry(
         r#type: ty as i32,
         path: path.to_string_lossy().into_owned(),
         size: shown.size.min(i64::MAX as u64) as i64,
-        mode: st.mode
-            | match st.kind {
-                // Go's os.ModeDir / os.ModeSymlink bits, as envd sends them.
-                FileKind::Dir => 1 << 31,
-                FileKind::Symlink => 1 << 27,
-                _ => 0,
-            },
+        // The permission bits, as E2B reports them (a 0755 directory is 493); the type
+        // is in `type` and `permissions`.
+        mode: st.mode & 0o777,
         permissions: permissions(st.kind, st.mode),
         owner,
         group,
@@ -320,8 +316,11 @@ fn fs_call(
             let r: pb::PathRequest = codec.decode(body)?;
             check_path(&r.path)?;
             let p = user.resolve(&r.path);
-            sb.with_user(user, |c| c.remove(&p, true))
-                .map_err(|e| missing(e, &p))?;
+            // As envd (Go's os.RemoveAll): a path that is not there is already removed.
+            match sb.with_user(user, |c| c.remove(&p, true)) {
+                Err(e) if e.code == Code::NotFound => {}
+                r => r?,
+            }
             Ok(connect::unary_ok(codec, &pb::Empty {}))
         }
     }
