@@ -976,6 +976,7 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
         r#"{"timeout":300}"#,
     );
     assert_eq!(s, 201, "resume while the store is down: {v}");
+    let token = v["envdAccessToken"].as_str().expect("secured").to_string();
     ping(&state_a.join("sandboxes").join(&id).join("vm.vsock"));
     let (s, v) = http(pa, "POST", &format!("/sandboxes/{id}/pause"), Some("k"), "");
     assert_eq!(s, 204, "{v}");
@@ -1026,6 +1027,11 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
         r#"{"timeout":300}"#,
     );
     assert_eq!(s, 201, "resume on B: {v}");
+    assert_eq!(
+        v["envdAccessToken"],
+        token.as_str(),
+        "its token moved with it"
+    );
     // The agent of the VM as it was paused answers on host B.
     ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
     let v = info_until(pb, &id, 5, |_| true);

@@ -78,6 +78,13 @@ pub struct SandboxObject {
     /// Woken by a request while paused (objects published before it existed: no).
     #[serde(default)]
     pub auto_resume: bool,
+    /// Its access tokens and Host mask (see [`crate::Record`]): the same on any host.
+    #[serde(default)]
+    pub envd_token: Option<String>,
+    #[serde(default)]
+    pub traffic_token: Option<String>,
+    #[serde(default)]
+    pub mask_host: Option<String>,
     /// User metadata.
     pub metadata: BTreeMap<String, String>,
     /// Environment variables.
@@ -560,6 +567,9 @@ mod tests {
             started_ms: 1,
             auto_pause: false,
             auto_resume: false,
+            envd_token: None,
+            traffic_token: None,
+            mask_host: None,
             metadata: BTreeMap::new(),
             env_vars: BTreeMap::new(),
             egress: None,

@@ -78,6 +78,9 @@ impl HostConfig {
     }
 }
 
+/// A fork child's (envd, traffic) access tokens.
+type ChildTokens = (Option<String>, Option<String>);
+
 /// What a create request asks for.
 #[derive(Debug, Clone, Default)]
 pub struct CreateRequest {
@@ -89,6 +92,12 @@ pub struct CreateRequest {
     pub auto_pause: bool,
     /// Wake it for a request that comes while it is paused (needs `auto_pause`).
     pub auto_resume: bool,
+    /// Give it an envd access token that every data-plane request must carry.
+    pub secure: bool,
+    /// Its exposed ports need its traffic access token (E2B `allowPublicTraffic: false`).
+    pub private_traffic: bool,
+    /// The Host header its exposed ports see (`${PORT}` replaced).
+    pub mask_host: Option<String>,
     /// User metadata.
     pub metadata: BTreeMap<String, String>,
     /// Environment variables for its processes.
@@ -307,6 +316,9 @@ impl Host {
             started_ms: rec.started_ms,
             auto_pause: rec.auto_pause,
             auto_resume: rec.auto_resume,
+            envd_token: rec.envd_token.clone(),
+            traffic_token: rec.traffic_token.clone(),
+            mask_host: rec.mask_host.clone(),
             metadata: rec.metadata.clone(),
             env_vars: rec.env_vars.clone(),
             egress: rec.egress.clone(),
@@ -410,6 +422,9 @@ impl Host {
             end_ms: o.published_ms,
             auto_pause: o.auto_pause,
             auto_resume: o.auto_resume,
+            envd_token: o.envd_token,
+            traffic_token: o.traffic_token,
+            mask_host: o.mask_host,
             metadata: o.metadata,
             env_vars: o.env_vars,
             vcpus: o.template.vcpus,
@@ -625,6 +640,13 @@ impl Host {
             }
             Err(e) => return Err(e),
         };
+        let token = |wanted: bool| {
+            wanted
+                .then(ids::new_token)
+                .transpose()
+                .map_err(Error::io("making an access token in", self.sandboxes_dir()))
+        };
+        let (envd_token, traffic_token) = (token(req.secure)?, token(req.private_traffic)?);
         let id = ids::new_sandbox_id();
         let dir = self.sandboxes_dir().join(&id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
@@ -649,6 +671,9 @@ impl Host {
             end_ms: now + (req.timeout_s as i64) * 1000,
             auto_pause: req.auto_pause,
             auto_resume: req.auto_resume,
+            envd_token,
+            traffic_token,
+            mask_host: req.mask_host.clone(),
             metadata: req.metadata,
             env_vars: req.env_vars,
             vcpus: template.vcpus,
@@ -1264,6 +1289,23 @@ impl Host {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
         let parent = self.load_usable(id)?;
+        // Children are secured as their parent, each with tokens of its own: made before
+        // anything starts, so that a failing random source leaves nothing half-forked.
+        let mut tokens = (0..count)
+            .map(|_| -> Result<ChildTokens> {
+                let token = |has: bool| {
+                    has.then(ids::new_token).transpose().map_err(Error::io(
+                        "making an access token for a child of",
+                        &parent.dir,
+                    ))
+                };
+                Ok((
+                    token(parent.envd_token.is_some())?,
+                    token(parent.traffic_token.is_some())?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
         let Some(api) = parent
             .api_sock
             .clone()
@@ -1334,33 +1376,37 @@ impl Host {
         };
         let mut nets = nets.into_iter();
         let now = ids::now_ms();
-        let new_child = |cid: String, dir: PathBuf| Record {
-            id: cid,
-            template: parent.template.clone(),
-            state: State::Paused,
-            pid: None,
-            api_sock: None,
-            vsock: None,
-            dir,
-            snapshot: None,
-            pauses: 0,
-            started_ms: now,
-            end_ms: now + (timeout_s as i64) * 1000,
-            auto_pause: parent.auto_pause,
-            auto_resume: parent.auto_resume,
-            metadata: parent.metadata.clone(),
-            env_vars: parent.env_vars.clone(),
-            vcpus: parent.vcpus,
-            mem_mib: parent.mem_mib,
-            disk: None,
-            crash: None,
-            parent: Some(parent.id.clone()),
-            net: None,
-            egress: parent.egress.clone(),
-            remote: None,
-            published_pause: None,
-            published_ms: None,
-        };
+        let new_child =
+            |cid: String, dir: PathBuf, (envd_token, traffic_token): ChildTokens| Record {
+                id: cid,
+                template: parent.template.clone(),
+                state: State::Paused,
+                pid: None,
+                api_sock: None,
+                vsock: None,
+                dir,
+                snapshot: None,
+                pauses: 0,
+                started_ms: now,
+                end_ms: now + (timeout_s as i64) * 1000,
+                auto_pause: parent.auto_pause,
+                auto_resume: parent.auto_resume,
+                envd_token,
+                traffic_token,
+                mask_host: parent.mask_host.clone(),
+                metadata: parent.metadata.clone(),
+                env_vars: parent.env_vars.clone(),
+                vcpus: parent.vcpus,
+                mem_mib: parent.mem_mib,
+                disk: None,
+                crash: None,
+                parent: Some(parent.id.clone()),
+                net: None,
+                egress: parent.egress.clone(),
+                remote: None,
+                published_pause: None,
+                published_ms: None,
+            };
         let mut out = Vec::new();
         match live {
             Some(children) => {
@@ -1371,7 +1417,7 @@ impl Host {
                     if from_store(&parent.dir) {
                         write_template_copy(&dir, &template)?;
                     }
-                    let mut rec = new_child(cid, dir);
+                    let mut rec = new_child(cid, dir, tokens.next().unwrap_or_default());
                     rec.net = nets.next();
                     rec.state = State::Running;
                     rec.pid = Some(c.pid);
@@ -1402,7 +1448,7 @@ impl Host {
                     if from_store(&parent.dir) {
                         write_template_copy(&dir, &template)?;
                     }
-                    let mut rec = new_child(cid, dir);
+                    let mut rec = new_child(cid, dir, tokens.next().unwrap_or_default());
                     rec.net = nets.next();
                     if let Err(e) = self.start_vm(&mut rec, &template, &base, false) {
                         self.release_net(rec.net);

@@ -173,7 +173,10 @@ struct NewSandbox {
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     network: Option<NetworkBody>,
-    // Accepted, not acted on (see docs/e2b-compat.md): secure, mcp, iam, volumeMounts.
+    /// E2B's old switch for an envd access token: on unless `false` (the SDK no longer
+    /// sends it: every E2B sandbox is secured).
+    secure: Option<bool>,
+    // Accepted, not acted on (see docs/e2b-compat.md): mcp, iam, volumeMounts.
 }
 
 /// E2B's `autoResume` of a create: `{"enabled": bool}`.
@@ -231,7 +234,10 @@ struct NetworkBody {
     egress_proxy: Option<Value>,
     rules: Option<Value>,
     https_ports: Option<Vec<Value>>,
-    // Accepted, not acted on: allowPublicTraffic (the data plane needs no token), maskRequestHost.
+    /// `false`: its exposed ports need its traffic access token (creation only).
+    allow_public_traffic: Option<bool>,
+    /// The Host header its exposed ports see, `${PORT}` replaced (creation only).
+    mask_request_host: Option<String>,
 }
 
 impl NetworkBody {
@@ -313,6 +319,12 @@ struct SandboxOut {
     client_id: &'static str,
     envd_version: &'static str,
     domain: Option<String>,
+    /// What every data-plane request for it must carry (`X-Access-Token`); left out for
+    /// a sandbox that is not secured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    envd_access_token: Option<String>,
+    /// What requests for its exposed ports must carry (`e2b-traffic-access-token`).
+    traffic_access_token: Option<String>,
 }
 
 fn sandbox_out(r: &Record) -> SandboxOut {
@@ -323,6 +335,8 @@ fn sandbox_out(r: &Record) -> SandboxOut {
         client_id: CLIENT_ID,
         envd_version: ENVD_VERSION,
         domain: None,
+        envd_access_token: r.envd_token.clone(),
+        traffic_access_token: r.traffic_token.clone(),
     }
 }
 
@@ -357,8 +371,8 @@ fn listed(r: &Record, detail: bool) -> Value {
 
 /// The router with every endpoint, behind the API-key check; requests addressed to a
 /// sandbox (`E2b-Sandbox-Id`, or a `<port>-<id>.<domain>` host) go to the data plane
-/// ([`crate::envd`]) instead, which needs no API key (like E2B's envd without an access
-/// token: the sandbox id is the capability).
+/// ([`crate::envd`]) instead, which needs no API key but the sandbox's own access token
+/// ([`crate::envd::access`]).
 pub fn router(state: AppState) -> Router {
     let data = crate::envd::Routes::new(crate::envd::DataPlane::new(state.host.clone()));
     Router::new()
@@ -415,6 +429,11 @@ async fn update_network(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: NetworkBody = body(&bytes)?;
+    if b.allow_public_traffic.is_some() || b.mask_request_host.is_some() {
+        return Err(ApiError::bad(
+            "allowPublicTraffic and maskRequestHost are set when a sandbox is created, not changed",
+        ));
+    }
     let policy = b.policy(None)?;
     blocking(&st, move |h| h.set_egress(&id, &policy)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
@@ -423,17 +442,25 @@ async fn update_network(
 async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Response> {
     let b: NewSandbox = body(&bytes)?;
     let (auto_pause, auto_resume) = lifecycle_of(&b)?;
+    let network = b.network.unwrap_or_default();
+    if let Some(m) = &network.mask_request_host {
+        if !crate::envd::access::valid_mask(m) {
+            return Err(ApiError::bad(format!(
+                "network.maskRequestHost: not a host name (with ${{PORT}} for the port): {m:?}"
+            )));
+        }
+    }
     let req = CreateRequest {
+        secure: b.secure.unwrap_or(true),
+        private_traffic: network.allow_public_traffic == Some(false),
+        mask_host: network.mask_request_host.clone(),
         template: b.template_id,
         timeout_s: timeout_of(b.timeout)?,
         auto_pause,
         auto_resume,
         metadata: string_map(b.metadata, "metadata")?,
         env_vars: string_map(b.env_vars, "envVars")?,
-        egress: b
-            .network
-            .unwrap_or_default()
-            .policy(b.allow_internet_access)?,
+        egress: network.policy(b.allow_internet_access)?,
     };
     let rec = blocking(&st, move |h| h.create(req)).await?;
     Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())

@@ -34,6 +34,15 @@ pub fn random_string(n: usize) -> String {
         .collect()
 }
 
+/// A new secret token (a sandbox's envd or traffic access token): 32 bytes from the OS
+/// random source, as hex. No fallback: a token that could be guessed is worse than none.
+pub fn new_token() -> std::io::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| std::io::Error::other(format!("random source: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Whether `s` could be a sandbox id this host issued (used to reject path tricks early).
 pub fn valid_sandbox_id(s: &str) -> bool {
     !s.is_empty()

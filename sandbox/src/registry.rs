@@ -84,6 +84,15 @@ pub struct Record {
     /// A request for it while it is paused wakes it (E2B's `autoResume`); without, such
     /// a request gets the answer for a sandbox that is not running.
     pub auto_resume: bool,
+    /// Its envd access token (E2B's `envdAccessToken`): every data-plane request for it
+    /// must carry it (`X-Access-Token`) or a URL signed with it. `None`: not secured.
+    pub envd_token: Option<String>,
+    /// Its traffic access token (E2B's `trafficAccessToken`, with `allowPublicTraffic:
+    /// false`): requests for its exposed ports must carry it. `None`: public.
+    pub traffic_token: Option<String>,
+    /// The Host header its exposed ports are sent (E2B's `maskRequestHost`, `${PORT}`
+    /// replaced by the port). `None`: the request's own.
+    pub mask_host: Option<String>,
     /// User metadata (E2B `metadata`).
     pub metadata: BTreeMap<String, String>,
     /// Environment variables asked for at creation (E2B `envVars`).
@@ -214,7 +223,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     remote TEXT,
     published_pause INTEGER,
     published_ms INTEGER,
-    auto_resume INTEGER
+    auto_resume INTEGER,
+    envd_token TEXT,
+    traffic_token TEXT,
+    mask_host TEXT
 );
 ";
 
@@ -226,6 +238,9 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("published_pause", "INTEGER"),
     ("published_ms", "INTEGER"),
     ("auto_resume", "INTEGER"),
+    ("envd_token", "TEXT"),
+    ("traffic_token", "TEXT"),
+    ("mask_host", "TEXT"),
 ];
 
 const SNAPSHOT_SCHEMA: &str = "
@@ -293,7 +308,7 @@ fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
     end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress, \
-    remote, published_pause, published_ms, auto_resume";
+    remote, published_pause, published_ms, auto_resume, envd_token, traffic_token, mask_host";
 
 fn path_text(p: &Option<PathBuf>) -> Option<String> {
     p.as_ref().map(|p| p.to_string_lossy().into_owned())
@@ -333,6 +348,9 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<(Record, String, String, String)>
         published_pause: row.get(22)?,
         published_ms: row.get(23)?,
         auto_resume: row.get::<_, Option<i64>>(24)?.unwrap_or(0) != 0,
+        envd_token: row.get(25)?,
+        traffic_token: row.get(26)?,
+        mask_host: row.get(27)?,
     };
     Ok((r, row.get(2)?, row.get(12)?, row.get(13)?))
 }
@@ -410,7 +428,7 @@ impl Registry {
     fn write(&self, verb: &str, r: &Record) -> Result<()> {
         let sql = format!(
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
-             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)"
+             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28)"
         );
         // Cached: a create or a wake writes its row on the request's path, and parsing
         // this statement each time was a measurable part of that write.
@@ -441,6 +459,9 @@ impl Registry {
                 r.published_pause,
                 r.published_ms,
                 r.auto_resume as i64,
+                r.envd_token,
+                r.traffic_token,
+                r.mask_host,
             ])
         });
         // After the write: whoever read the counter before reading a row sees it change.
@@ -630,6 +651,9 @@ pub(crate) mod tests {
             end_ms: started_ms + 15_000,
             auto_pause: false,
             auto_resume: false,
+            envd_token: Some("t0k".into()),
+            traffic_token: None,
+            mask_host: Some("${PORT}-x.example.org".into()),
             metadata: BTreeMap::new(),
             env_vars: BTreeMap::new(),
             vcpus: 1,

@@ -57,6 +57,14 @@ fn setup(name: &str) -> Env {
 /// With `auto_resume`: created with a timeout that pauses and auto-resume on, so that a
 /// data-plane request wakes it from a pause.
 fn setup_with(name: &str, auto_resume: bool) -> Env {
+    setup_req(name, |r| {
+        r.auto_pause = auto_resume;
+        r.auto_resume = auto_resume;
+    })
+}
+
+/// A sandbox of a create request that `f` adjusts.
+fn setup_req(name: &str, f: impl FnOnce(&mut CreateRequest)) -> Env {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("dataplane-{name}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("scratch")).unwrap();
@@ -66,16 +74,14 @@ fn setup_with(name: &str, auto_resume: bool) -> Env {
         Arc::new(HostAgentDriver::new(agent_bin().to_path_buf())),
     )
     .unwrap();
-    let rec = host
-        .create(CreateRequest {
-            template: TEMPLATE.into(),
-            timeout_s: 300,
-            env_vars: [("SB_VAR".to_string(), "from-create".to_string())].into(),
-            auto_pause: auto_resume,
-            auto_resume,
-            ..Default::default()
-        })
-        .unwrap();
+    let mut req = CreateRequest {
+        template: TEMPLATE.into(),
+        timeout_s: 300,
+        env_vars: [("SB_VAR".to_string(), "from-create".to_string())].into(),
+        ..Default::default()
+    };
+    f(&mut req);
+    let rec = host.create(req).unwrap();
     let host = Arc::new(host);
     let app = router(AppState {
         host: host.clone(),
@@ -588,7 +594,11 @@ async fn files_round_trip_and_filesystem_calls() {
             json!({"path": format!("{d}/k")}),
         )
         .await;
-    assert_eq!(s, StatusCode::OK, "removing what is not there succeeds, as envd's");
+    assert_eq!(
+        s,
+        StatusCode::OK,
+        "removing what is not there succeeds, as envd's"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -917,6 +927,76 @@ fn listed(v: &Value, pid: u64) -> Option<Value> {
     v["processes"]
         .as_array()
         .and_then(|a| a.iter().find(|p| p["pid"] == pid).cloned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_secured_sandbox_needs_its_token_or_a_signed_url() {
+    use sandbox::envd::access::signature;
+    let env = setup_req("secured", |r| r.secure = true);
+    let token = env.host.get(&env.id).unwrap().envd_token.expect("a token");
+    let with = |mut r: Request<Body>, t: &str| {
+        r.headers_mut().insert("x-access-token", t.parse().unwrap());
+        r
+    };
+    let list = || {
+        env.req(
+            "POST",
+            "/process.Process/List",
+            Some("application/json"),
+            b"{}".to_vec(),
+        )
+    };
+    // The health probe needs nothing; the rest needs the token.
+    let (s, _, _) = env.send(env.req("GET", "/health", None, vec![])).await;
+    assert!(s.is_success(), "{s}");
+    let (s, _, _) = env.send(list()).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = env.send(with(list(), "wrong")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = env.send(with(list(), &token)).await;
+    assert_eq!(s, StatusCode::OK);
+    // Upload with the token, then download through signed URLs without it.
+    let d = env.dir.display().to_string();
+    let file = format!("{d}/signed.txt");
+    let q = |op: &str, exp: Option<i64>, t: &str| {
+        let mut s = form_urlencoded::Serializer::new(String::new());
+        s.append_pair("path", &file)
+            .append_pair("username", "root")
+            .append_pair("signature", &signature(&file, op, "root", t, exp));
+        if let Some(e) = exp {
+            s.append_pair("signature_expiration", &e.to_string());
+        }
+        format!("/files?{}", s.finish())
+    };
+    let up = env.req(
+        "POST",
+        &q("write", None, &token),
+        Some("application/octet-stream"),
+        b"signed bytes".to_vec(),
+    );
+    let (s, _, b) = env.send(up).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let (s, _, b) = env
+        .send(env.req("GET", &q("read", Some(now + 60), &token), None, vec![]))
+        .await;
+    assert_eq!((s, b.as_slice()), (StatusCode::OK, &b"signed bytes"[..]));
+    for (uri, why) in [
+        (q("read", Some(now - 1), &token), "expired"),
+        (q("read", None, "another sandbox's token"), "another token"),
+        (q("write", None, &token), "a write URL read"),
+        (
+            q("read", Some(now + 60), &token).replace("signed.txt", "other.txt"),
+            "altered path",
+        ),
+        (format!("/files?path={file}&username=root"), "unsigned"),
+    ] {
+        let (s, _, _) = env.send(env.req("GET", &uri, None, vec![])).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{why}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

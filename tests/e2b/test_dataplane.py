@@ -483,3 +483,90 @@ def test_a_command_streaming_when_its_sandbox_is_killed_ends_as_killed():
             s.kill()
         except Exception:
             pass
+
+
+def test_secured_sandbox_tokens_and_signed_urls(sb, d):
+    import httpx
+
+    base = os.environ["E2B_SANDBOX_URL"]
+    token = sb._envd_access_token
+    assert token, "every sandbox is secured, as E2B's"
+    route = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    json_body = {"path": d}
+    for headers, want in (
+        ({}, 401),
+        ({"X-Access-Token": "not-the-token"}, 401),
+        ({"X-Access-Token": token}, 200),
+    ):
+        r = httpx.post(
+            f"{base}/filesystem.Filesystem/Stat",
+            json=json_body,
+            headers={**route, "Content-Type": "application/json", **headers},
+            timeout=30,
+        )
+        assert r.status_code == want, (headers, r.text)
+    # The health probe needs no token.
+    assert httpx.get(f"{base}/health", headers=route, timeout=30).status_code == 204
+
+    # Signed URLs work without the token, for what they were signed for.
+    up = sb.upload_url(f"{d}/signed.txt")
+    assert "signature=" in up
+    r = httpx.post(up, files={"file": ("signed.txt", b"signed upload\n")}, headers=route, timeout=30)
+    assert r.status_code == 200, r.text
+    down = sb.download_url(f"{d}/signed.txt", use_signature_expiration=120)
+    r = httpx.get(down, headers=route, timeout=30)
+    assert (r.status_code, r.text) == (200, "signed upload\n")
+    expired = sb.download_url(f"{d}/signed.txt", use_signature_expiration=-10)
+    assert httpx.get(expired, headers=route, timeout=30).status_code == 401
+    altered = down.replace("signed.txt", "other.txt")
+    assert httpx.get(altered, headers=route, timeout=30).status_code == 401
+    longer = down.replace("signature_expiration=", "signature_expiration=9")
+    assert httpx.get(longer, headers=route, timeout=30).status_code == 401
+    # A URL signed with another sandbox's token is refused.
+    other = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        foreign = other.download_url(f"{d}/signed.txt")
+        assert httpx.get(foreign, headers=route, timeout=30).status_code == 401
+    finally:
+        other.kill()
+
+
+def test_private_traffic_needs_the_traffic_token_and_a_mask_sets_the_host(d):
+    import httpx
+
+    base = os.environ["E2B_SANDBOX_URL"]
+    s = Sandbox.create(
+        TEMPLATE,
+        timeout=120,
+        network={"allow_public_traffic": False, "mask_request_host": "${PORT}-masked.example.org"},
+    )
+    port = 20000 + (os.getpid() + 7) % 20000
+    server = (
+        "import http.server\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        b = self.headers.get('Host', '').encode()\n"
+        "        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers(); self.wfile.write(b)\n"
+        f"http.server.HTTPServer(('0.0.0.0', {port}), H).serve_forever()\n"
+    )
+    try:
+        token = s.traffic_access_token
+        assert token
+        s.files.write(f"{d}/host_echo.py", server)
+        h = s.commands.run(f"exec python3 {d}/host_echo.py", background=True)
+        host = s.get_host(port)
+        r = httpx.get(f"{base}/", headers={"Host": host}, timeout=10)
+        assert r.status_code == 403, r.text
+        assert "e2b-traffic-access-token" in r.json()["message"]
+        bad = httpx.get(f"{base}/", headers={"Host": host, "e2b-traffic-access-token": "x"}, timeout=10)
+        assert bad.status_code == 403
+        deadline = time.time() + 30
+        while True:
+            r = httpx.get(f"{base}/", headers={"Host": host, "e2b-traffic-access-token": token}, timeout=10)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert (r.status_code, r.text) == (200, f"{port}-masked.example.org")
+        h.kill()
+    finally:
+        s.kill()

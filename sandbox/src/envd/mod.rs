@@ -25,6 +25,7 @@
 //! not found", which the SDK turns into `SandboxNotRunningException` (and `is_running()`
 //! into false).
 
+pub mod access;
 pub mod connect;
 mod files;
 pub mod pb;
@@ -150,6 +151,8 @@ pub(crate) struct SandboxConn {
     pub vsock: PathBuf,
     /// Environment variables given at create time (every process gets them).
     pub env: BTreeMap<String, String>,
+    /// Its envd access token ([`access`]); `None`: not secured.
+    pub envd_token: Option<String>,
     client: Mutex<Option<Client>>,
     /// File-operation connections of non-root users (AsUser), by uid.
     user_clients: Mutex<HashMap<u32, Client>>,
@@ -398,6 +401,7 @@ impl DataPlane {
             id: rec.id.clone(),
             vsock,
             env: rec.env_vars.clone(),
+            envd_token: rec.envd_token.clone(),
             client: Mutex::new(None),
             user_clients: Mutex::new(HashMap::new()),
             users: Mutex::new(None),
@@ -539,6 +543,25 @@ pub async fn dispatch(State(data): State<Routes>, mut req: Request, next: Next) 
     match route(req.headers()) {
         Some(t) if t.port != ENVD_PORT => ports::forward(data.dp, t, req).await,
         Some(t) => {
+            // A secured sandbox's token (or a signed URL) first (see `access`).
+            let sb = match data.dp.sandbox(&t).await {
+                Ok(sb) => sb,
+                Err(r) => return r,
+            };
+            if let Some(token) = &sb.envd_token {
+                let now_s = crate::ids::now_ms().div_euclid(1000);
+                let uri = req.uri();
+                if let Err(r) = access::check_envd(
+                    token,
+                    req.method(),
+                    uri.path(),
+                    uri.query(),
+                    req.headers(),
+                    now_s,
+                ) {
+                    return r.into_response();
+                }
+            }
             req.extensions_mut().insert(t);
             match data.envd.oneshot(req).await {
                 Ok(r) => r,

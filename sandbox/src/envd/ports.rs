@@ -23,7 +23,7 @@ use axum::http::{header, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 
-use super::{proxy_error, DataPlane, Target};
+use super::{access, proxy_error, DataPlane, Target};
 
 /// How long connecting to the guest's port may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -67,10 +67,22 @@ fn port_closed(t: &Target, why: impl std::fmt::Display) -> Response {
 
 /// Forwards `req` to port `t.port` of `t.sandbox`.
 pub(crate) async fn forward(dp: Arc<DataPlane>, t: Target, mut req: Request) -> Response {
-    let ip = match dp.guest_ip(&t).await {
-        Ok(ip) => ip,
+    let (ip, rec) = match dp.guest_ip(&t).await {
+        Ok(x) => x,
         Err(r) => return r,
     };
+    if let Some(token) = &rec.traffic_token {
+        if let Err(r) = access::check_traffic(&rec.id, token, req.headers()) {
+            return r.into_response();
+        }
+    }
+    req.headers_mut().remove(access::TRAFFIC_TOKEN_HEADER);
+    // E2B's maskRequestHost: the guest's server sees this Host, not the request's.
+    if let Some(mask) = &rec.mask_host {
+        if let Ok(v) = header::HeaderValue::from_str(&access::masked_host(mask, t.port)) {
+            req.headers_mut().insert(header::HOST, v);
+        }
+    }
     let addr = SocketAddr::new(ip, t.port);
     let stream =
         match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
@@ -176,14 +188,19 @@ fn strip_hop_by_hop(h: &mut axum::http::HeaderMap, upgrade: bool) {
 
 impl DataPlane {
     /// The address the guest of `t`'s sandbox is reached at, resumed if it was paused.
-    async fn guest_ip(self: &Arc<Self>, t: &Target) -> Result<IpAddr, Response> {
+    /// The guest's address for a forward to sandbox `t`, with its record.
+    async fn guest_ip(
+        self: &Arc<Self>,
+        t: &Target,
+    ) -> Result<(IpAddr, crate::registry::Record), Response> {
         let rec = self.record(&t.sandbox).await?;
-        self.host.guest_ip(&rec).ok_or_else(|| {
+        let ip = self.host.guest_ip(&rec).ok_or_else(|| {
             port_closed(
                 t,
                 "the sandbox has no network: its template was built without one",
             )
-        })
+        })?;
+        Ok((ip, rec))
     }
 }
 

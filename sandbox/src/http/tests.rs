@@ -328,6 +328,86 @@ async fn lifecycle_as_e2b_has_it() {
 }
 
 #[tokio::test]
+async fn sandboxes_are_secured_with_tokens_of_their_own() {
+    let (app, d) = app("tokens");
+    let (s, _, v) = call(&app, "POST", "/v2/sandboxes", Some(r#"{"templateID":"t"}"#)).await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let token = v["envdAccessToken"]
+        .as_str()
+        .expect("secured by default")
+        .to_string();
+    assert_eq!(token.len(), 64);
+    assert_eq!(v["trafficAccessToken"], Value::Null, "public ports");
+    // Connect and resume answer the same token; info does not show it.
+    let (_, _, c) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":30}"#),
+    )
+    .await;
+    assert_eq!(c["envdAccessToken"], token.as_str());
+    let (_, _, i) = call(&app, "GET", &format!("/sandboxes/{id}"), None).await;
+    assert!(i.get("envdAccessToken").is_none(), "{i}");
+    // Fork children: secured, each with its own.
+    let (_, _, kids) = call(
+        &app,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(r#"{"count":2}"#),
+    )
+    .await;
+    let kid_tokens: Vec<&str> = kids
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["sandbox"]["envdAccessToken"].as_str().unwrap())
+        .collect();
+    assert_eq!(kid_tokens.len(), 2);
+    assert!(kid_tokens.iter().all(|t| *t != token && t.len() == 64));
+    assert_ne!(kid_tokens[0], kid_tokens[1]);
+    // Opting out; private traffic; a Host mask.
+    let (_, _, v) = call(
+        &app,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"t","secure":false}"#),
+    )
+    .await;
+    assert!(v.get("envdAccessToken").is_none(), "{v}");
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"t","network":{"allowPublicTraffic":false,"maskRequestHost":"${PORT}-app.example.org"}}"#),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let private = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(v["trafficAccessToken"].as_str().unwrap().len(), 64);
+    for bad in [
+        r#"{"templateID":"t","network":{"maskRequestHost":"a b"}}"#,
+        r#"{"templateID":"t","network":{"maskRequestHost":"x
+Injected: 1"}}"#,
+        r#"{"templateID":"t","secure":"yes"}"#,
+    ] {
+        let (s, _, v) = call(&app, "POST", "/v2/sandboxes", Some(bad)).await;
+        assert_eq!(s, 400, "{bad}: {v}");
+    }
+    let (s, _, _) = call(
+        &app,
+        "PUT",
+        &format!("/sandboxes/{private}/network"),
+        Some(r#"{"allowPublicTraffic":true}"#),
+    )
+    .await;
+    assert_eq!(s, 400, "set at creation only");
+    drop(app); // its host stops making directories ahead in `d` first
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[tokio::test]
 async fn lists_are_newest_first_unless_asked() {
     let (app, d) = app("newest");
     let mut made = Vec::new();

@@ -173,6 +173,9 @@ throughput() {
         --post-data '{"templateID":"debian","timeout":900}' "http://127.0.0.1:$PORT/sandboxes") ||
         { echo "create: no answer"; return 1; }
     id=$(echo "$out" | sed -n 's/.*"sandboxID":"\([^"]*\)".*/\1/p')
+    # Secured, as every E2B sandbox: data-plane requests carry its envd access token.
+    token=$(echo "$out" | sed -n 's/.*"envdAccessToken":"\([^"]*\)".*/\1/p')
+    [ -n "$token" ] || { echo "create: no envdAccessToken in $out"; return 1; }
     vs="$STATE/sandboxes/$id/vm.vsock"
     head -c "$n" /dev/urandom >/tmp/blob
     want=$(sha256sum /tmp/blob | cut -d' ' -f1)
@@ -180,8 +183,8 @@ throughput() {
     t0=$(uptime_s)
     timeout -s KILL "$STEP_LIMIT" $CLADE cp /tmp/blob "$vs:/root/blob-cp" || { echo "clade cp failed"; return 1; }
     t1=$(uptime_s)
-    printf 'POST /files?path=/root/blob-dp&username=root HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/octet-stream\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
-        "$id" "$n" >/tmp/up.req
+    printf 'POST /files?path=/root/blob-dp&username=root HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nX-Access-Token: %s\r\nContent-Type: application/octet-stream\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
+        "$id" "$token" "$n" >/tmp/up.req
     cat /tmp/blob >>/tmp/up.req
     t2=$(uptime_s)
     http_raw /tmp/up.req /tmp/up.resp || return 1
@@ -199,8 +202,8 @@ throughput() {
     inner_len=$((2 + 7 + 2 + 2 + 2 + ${#cmd}))
     msg_len=$((2 + inner_len))
     {
-        printf 'POST /process.Process/Start HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nContent-Type: application/connect+proto\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
-            "$id" $((5 + msg_len))
+        printf 'POST /process.Process/Start HTTP/1.1\r\nHost: sdk\r\nE2b-Sandbox-Id: %s\r\nX-Access-Token: %s\r\nContent-Type: application/connect+proto\r\nContent-Length: %s\r\nConnection: close\r\n\r\n' \
+            "$id" "$token" $((5 + msg_len))
         printf "$(octal 0)$(octal 0)$(octal 0)$(octal 0)$(octal "$msg_len")"
         printf "$(octal 10)$(octal "$inner_len")$(octal 10)$(octal 7)/bin/sh$(octal 18)$(octal 2)-c$(octal 18)$(octal ${#cmd})"
         printf '%s' "$cmd"
