@@ -43,6 +43,13 @@ pub const MAX_TAG_LEN: usize = 256;
 /// Most supplementary groups an AsUser may carry (NGROUPS is far larger; no sandbox user
 /// needs more).
 pub const MAX_GROUPS: usize = 64;
+/// Most paths one GetXattrs may ask about (a directory listing's worth at a time).
+pub const MAX_XATTR_PATHS: usize = 4096;
+/// Most extended attributes one SetXattrs sets, or one path reports.
+pub const MAX_XATTRS: usize = 256;
+
+/// A file's extended attributes: (full name, value) pairs.
+pub type XattrList = Vec<(String, Vec<u8>)>;
 /// Longest `meta` of a Spawn (opaque to the agent, returned by ListProcs).
 pub const MAX_META_LEN: usize = 64 * 1024;
 
@@ -472,6 +479,21 @@ pub enum HostMsg {
     ReadLink {
         path: PathBuf,
     },
+    /// The extended attributes under `prefix` (a `user.` name prefix) of each of `paths`
+    /// (at most [`MAX_XATTR_PATHS`]): one list per path, in order; a path that is gone or
+    /// whose attributes cannot be read has an empty one.
+    GetXattrs {
+        paths: Vec<PathBuf>,
+        prefix: String,
+    },
+    /// Makes the extended attributes under `prefix` (a `user.` name prefix) of `path`
+    /// exactly `set` (full names, each under `prefix`; at most [`MAX_XATTRS`]): the others
+    /// under it are removed.
+    SetXattrs {
+        path: PathBuf,
+        prefix: String,
+        set: XattrList,
+    },
     /// File operations on this connection from now on run with these filesystem
     /// credentials (fsuid, fsgid, supplementary groups: at most [`MAX_GROUPS`]), so the
     /// kernel checks the user's permissions and what is created is the user's. The
@@ -558,6 +580,8 @@ pub enum AgentMsg {
     LinkTarget {
         target: PathBuf,
     },
+    /// Reply to GetXattrs: one list of (name, value) per path asked about, in order.
+    Xattrs(Vec<XattrList>),
 }
 
 /// Either direction.
@@ -604,6 +628,8 @@ mod tag {
     pub const UNWATCH: u8 = 0x19;
     pub const READ_LINK: u8 = 0x1a;
     pub const AS_USER: u8 = 0x1b;
+    pub const GET_XATTRS: u8 = 0x1c;
+    pub const SET_XATTRS: u8 = 0x1d;
 
     pub const HELLO_OK: u8 = 0x80;
     pub const OK: u8 = 0x81;
@@ -621,6 +647,7 @@ mod tag {
     pub const PROC_LIST: u8 = 0x8d;
     pub const WATCH_EVENT: u8 = 0x90;
     pub const LINK_TARGET: u8 = 0x91;
+    pub const XATTRS: u8 = 0x92;
 }
 
 // ----------------------------------------------------------------------------- encoding
@@ -767,6 +794,13 @@ impl Enc {
     }
     fn count(&mut self, n: usize) {
         self.u32(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    fn xattr_list(&mut self, l: &[(String, Vec<u8>)]) {
+        self.count(l.len());
+        for (name, value) in l {
+            self.str(name);
+            self.bytes(value);
+        }
     }
     fn finish(mut self) -> Result<Vec<u8>, Error> {
         let len = self.buf.len() - 4;
@@ -915,6 +949,22 @@ pub fn encode_host(id: u32, msg: &HostMsg) -> Result<Vec<u8>, Error> {
             e.os(path.as_os_str());
             e
         }
+        HostMsg::GetXattrs { paths, prefix } => {
+            let mut e = Enc::new(tag::GET_XATTRS, id);
+            e.count(paths.len());
+            for p in paths {
+                e.os(p.as_os_str());
+            }
+            e.str(prefix);
+            e
+        }
+        HostMsg::SetXattrs { path, prefix, set } => {
+            let mut e = Enc::new(tag::SET_XATTRS, id);
+            e.os(path.as_os_str());
+            e.str(prefix);
+            e.xattr_list(set);
+            e
+        }
         HostMsg::AsUser { uid, gid, groups } => {
             let mut e = Enc::new(tag::AS_USER, id);
             e.u32(*uid);
@@ -1044,6 +1094,14 @@ pub fn encode_agent(id: u32, msg: &AgentMsg) -> Result<Vec<u8>, Error> {
         AgentMsg::LinkTarget { target } => {
             let mut e = Enc::new(tag::LINK_TARGET, id);
             e.os(target.as_os_str());
+            e
+        }
+        AgentMsg::Xattrs(lists) => {
+            let mut e = Enc::new(tag::XATTRS, id);
+            e.count(lists.len());
+            for l in lists {
+                e.xattr_list(l);
+            }
             e
         }
     };
@@ -1249,6 +1307,17 @@ impl<'a> Dec<'a> {
     }
     /// A list count, checked against the bytes left (each item takes at least `min_item`
     /// bytes), so a lying count cannot make us allocate.
+    fn xattr_list(&mut self) -> Result<XattrList, Error> {
+        let n = self.count(8, "xattrs")?;
+        if n > MAX_XATTRS {
+            return Err(Error::Invalid("xattrs (more than MAX_XATTRS)"));
+        }
+        let mut l = Vec::with_capacity(n);
+        for _ in 0..n {
+            l.push((self.string("xattr name")?, self.bytes("xattr value")?));
+        }
+        Ok(l)
+    }
     fn count(&mut self, min_item: usize, what: &'static str) -> Result<usize, Error> {
         let n = self.u32(what)? as usize;
         if n.saturating_mul(min_item) > self.remaining() {
@@ -1386,6 +1455,25 @@ fn decode_host(t: u8, d: &mut Dec<'_>) -> Result<HostMsg, Error> {
         tag::READ_LINK => HostMsg::ReadLink {
             path: d.path("path")?,
         },
+        tag::GET_XATTRS => {
+            let n = d.count(4, "paths")?;
+            if n > MAX_XATTR_PATHS {
+                return Err(Error::Invalid("paths (more than MAX_XATTR_PATHS)"));
+            }
+            let mut paths = Vec::with_capacity(n);
+            for _ in 0..n {
+                paths.push(d.path("path")?);
+            }
+            HostMsg::GetXattrs {
+                paths,
+                prefix: d.string("prefix")?,
+            }
+        }
+        tag::SET_XATTRS => HostMsg::SetXattrs {
+            path: d.path("path")?,
+            prefix: d.string("prefix")?,
+            set: d.xattr_list()?,
+        },
         tag::AS_USER => {
             let uid = d.u32("uid")?;
             let gid = d.u32("gid")?;
@@ -1466,6 +1554,17 @@ fn decode_agent(t: u8, d: &mut Dec<'_>) -> Result<AgentMsg, Error> {
         tag::LINK_TARGET => AgentMsg::LinkTarget {
             target: d.path("target")?,
         },
+        tag::XATTRS => {
+            let n = d.count(4, "xattr lists")?;
+            if n > MAX_XATTR_PATHS {
+                return Err(Error::Invalid("xattr lists (more than MAX_XATTR_PATHS)"));
+            }
+            let mut lists = Vec::with_capacity(n);
+            for _ in 0..n {
+                lists.push(d.xattr_list()?);
+            }
+            AgentMsg::Xattrs(lists)
+        }
         other => return Err(Error::UnknownTag(other)),
     })
 }
@@ -1641,6 +1740,22 @@ mod tests {
                 gid: 0,
                 groups: vec![],
             },
+            HostMsg::GetXattrs {
+                paths: vec!["/a".into(), "/b c".into()],
+                prefix: "user.e2b.".into(),
+            },
+            HostMsg::GetXattrs {
+                paths: vec![],
+                prefix: String::new(),
+            },
+            HostMsg::SetXattrs {
+                path: "/a".into(),
+                prefix: "user.e2b.".into(),
+                set: vec![
+                    ("user.e2b.k".into(), b"v".to_vec()),
+                    ("user.e2b.e".into(), vec![]),
+                ],
+            },
         ]
     }
 
@@ -1727,6 +1842,7 @@ mod tests {
             AgentMsg::LinkTarget {
                 target: PathBuf::from(OsString::from_vec(vec![b'.', b'/', 0xfe])),
             },
+            AgentMsg::Xattrs(vec![vec![], vec![("user.e2b.x".into(), vec![0, 255])]]),
         ]
     }
 

@@ -570,3 +570,54 @@ def test_private_traffic_needs_the_traffic_token_and_a_mask_sets_the_host(d):
         h.kill()
     finally:
         s.kill()
+
+
+def test_file_metadata_is_kept_as_envd_keeps_it(sb, d):
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    w = sb.files.write(f"{d}/m.txt", "with metadata\n", metadata={"Owner": "ann", "stage": "1"})
+    assert w.metadata == {"owner": "ann", "stage": "1"}, "keys lowercased"
+    assert sb.files.get_info(f"{d}/m.txt").metadata == {"owner": "ann", "stage": "1"}
+    # Several files at once: the same map on each.
+    many = sb.files.write_files(
+        [WriteEntry(path=f"{d}/x.txt", data="x"), WriteEntry(path=f"{d}/y.txt", data="y")],
+        metadata={"batch": "7"},
+    )
+    assert [m.metadata for m in many] == [{"batch": "7"}, {"batch": "7"}]
+    listed = {e.name: e.metadata for e in sb.files.list(d)}
+    assert listed["x.txt"] == {"batch": "7"} and listed["m.txt"] == {"owner": "ann", "stage": "1"}
+    # It moves with the file.
+    moved = sb.files.rename(f"{d}/m.txt", f"{d}/n.txt")
+    assert moved.metadata == {"owner": "ann", "stage": "1"}
+    # Overwritten without it: cleared.
+    sb.files.write(f"{d}/n.txt", "no metadata now\n")
+    assert not sb.files.get_info(f"{d}/n.txt").metadata
+    # Set by a program through the same extended attributes envd uses.
+    sb.commands.run(
+        f"python3 -c \"import os; os.setxattr('{d}/x.txt', 'user.e2b.by', b'program')\""
+    )
+    assert sb.files.get_info(f"{d}/x.txt").metadata == {"batch": "7", "by": "program"}
+    # Other user attributes are not metadata.
+    sb.commands.run(
+        f"python3 -c \"import os; os.setxattr('{d}/y.txt', 'user.other', b'z')\""
+    )
+    assert sb.files.get_info(f"{d}/y.txt").metadata == {"batch": "7"}
+
+
+def test_watch_events_carry_entries_when_asked(sb, d):
+    h = sb.files.watch_dir(d, include_entry=True)
+    sb.files.write(f"{d}/e.txt", "entry\n", metadata={"k": "v"})
+    sb.commands.run(f"rm {d}/e.txt")
+    deadline = time.time() + 20
+    events = []
+    while time.time() < deadline and not any(e.type.value == "remove" for e in events):
+        events.extend(h.get_new_events())
+        time.sleep(0.1)
+    h.stop()
+    created = [e for e in events if e.name == "e.txt" and e.type.value == "create"]
+    assert created, events
+    removed = [e for e in events if e.type.value == "remove"]
+    assert removed and removed[0].entry is None
+    with_entry = [e for e in events if e.entry is not None]
+    assert with_entry, events
+    assert all(e.entry.name == "e.txt" and e.entry.path == f"{d}/e.txt" for e in with_entry)

@@ -311,3 +311,15 @@ def test_a_command_streaming_when_its_sandbox_is_killed_ends_as_killed():
             Sandbox.kill(s.sandbox_id)
         except Exception:
             pass
+
+
+def test_file_metadata_on_the_guests_disk():
+    s = create(metadata={"suite": "linux-metadata"})
+    try:
+        w = s.files.write("/root/meta.txt", "m\n", metadata={"Kind": "report"}, **SLOW)
+        assert w.metadata == {"kind": "report"}
+        run(s, "python3 -c \"import os; os.setxattr('/root/meta.txt', 'user.e2b.by', b'guest')\"")
+        assert s.files.get_info("/root/meta.txt", **SLOW).metadata == {"kind": "report", "by": "guest"}
+        assert s.files.get_info("/root", **SLOW).mode == 0o700
+    finally:
+        Sandbox.kill(s.sandbox_id)

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::conn::Conn;
 use crate::proto::{
-    dir_entry_wire_len, AgentMsg, DirEntry, ErrorKind, FileKind, FileStat, RemoteError, CHUNK_LEN,
-    MAX_FRAME_LEN,
+    dir_entry_wire_len, AgentMsg, DirEntry, ErrorKind, FileKind, FileStat, RemoteError, XattrList,
+    CHUNK_LEN, MAX_FRAME_LEN, MAX_XATTRS,
 };
 
 fn io_err(e: &io::Error, op: &str, path: &Path) -> RemoteError {
@@ -263,6 +263,134 @@ pub(crate) fn read_link(path: &Path) -> Result<std::path::PathBuf, RemoteError> 
     fs::read_link(path).map_err(|e| io_err(&e, "readlink", path))
 }
 
+/// Whether `prefix` names user attributes only (the agent touches no other namespace:
+/// `security.`, `trusted.` and `system.` attributes are not the host's to set).
+fn user_prefix(prefix: &str) -> Result<(), RemoteError> {
+    if prefix.starts_with("user.") && !prefix.contains('\0') {
+        Ok(())
+    } else {
+        Err(RemoteError::new(
+            ErrorKind::InvalidArgument,
+            format!("xattr prefix {prefix:?}: only user. attributes"),
+        ))
+    }
+}
+
+/// The extended attributes under `prefix` of `path` (following a symlink).
+fn xattrs_of(path: &Path, prefix: &str) -> io::Result<XattrList> {
+    let mut out = Vec::new();
+    for name in xattr::list_deref(path)? {
+        let Some(name) = name.to_str().filter(|n| n.starts_with(prefix)) else {
+            continue;
+        };
+        if out.len() == MAX_XATTRS {
+            break;
+        }
+        // Removed between the list and the read: not there.
+        if let Some(value) = xattr::get_deref(path, name)? {
+            out.push((name.to_string(), value));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// GetXattrs: the attributes under `prefix` of each path (empty where they cannot be
+/// read: gone, or a filesystem without them).
+pub(crate) fn get_xattrs(paths: &[PathBuf], prefix: &str) -> Result<Vec<XattrList>, RemoteError> {
+    user_prefix(prefix)?;
+    Ok(paths
+        .iter()
+        .map(|p| xattrs_of(p, prefix).unwrap_or_default())
+        .collect())
+}
+
+/// SetXattrs: the attributes under `prefix` of `path` become exactly `set`.
+pub(crate) fn set_xattrs(
+    path: &Path,
+    prefix: &str,
+    set: &[(String, Vec<u8>)],
+) -> Result<(), RemoteError> {
+    user_prefix(prefix)?;
+    if let Some((bad, _)) = set
+        .iter()
+        .find(|(n, _)| !n.starts_with(prefix) || n.len() == prefix.len())
+    {
+        return Err(RemoteError::new(
+            ErrorKind::InvalidArgument,
+            format!("xattr {bad:?} is not a name under {prefix:?}"),
+        ));
+    }
+    let err = |e: io::Error| io_err(&e, "setting extended attributes of", path);
+    for (name, _) in xattrs_of(path, prefix).map_err(err)? {
+        if !set.iter().any(|(n, _)| *n == name) {
+            xattr::remove_deref(path, &name).map_err(err)?;
+        }
+    }
+    for (name, value) in set {
+        xattr::set_deref(path, name, value).map_err(err)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn rename(from: &Path, to: &Path) -> Result<(), RemoteError> {
     fs::rename(from, to).map_err(|e| io_err(&e, &format!("rename to {}:", to.display()), from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xattrs_under_a_user_prefix_are_read_and_made_exact() {
+        let dir = std::env::temp_dir().join(format!("agent-xattr-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("f");
+        fs::write(&f, b"x").unwrap();
+        let p = "user.e2b.";
+        let set = |l: &[(&str, &str)]| {
+            set_xattrs(
+                &f,
+                p,
+                &l.iter()
+                    .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        if let Err(e) = set(&[("user.e2b.a", "1")]) {
+            // A filesystem without user attributes (some tmpfs): nothing to test here.
+            eprintln!("skipped: {}", e.message);
+            return;
+        }
+        set(&[("user.e2b.b", "2"), ("user.e2b.c", "")]).unwrap();
+        xattr::set(&f, "user.other", b"kept").unwrap();
+        let got = get_xattrs(&[f.clone(), dir.join("gone")], p).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                vec![
+                    ("user.e2b.b".to_string(), b"2".to_vec()),
+                    ("user.e2b.c".to_string(), vec![]),
+                ],
+                vec![],
+            ],
+            "exactly the set given; a missing path has none"
+        );
+        assert_eq!(
+            xattr::get(&f, "user.other").unwrap().as_deref(),
+            Some(&b"kept"[..])
+        );
+        set(&[]).unwrap();
+        assert_eq!(
+            get_xattrs(std::slice::from_ref(&f), p).unwrap(),
+            vec![vec![]]
+        );
+        // Only user attributes, only names under the prefix.
+        assert!(get_xattrs(std::slice::from_ref(&f), "security.").is_err());
+        assert!(set_xattrs(&f, "trusted.", &[]).is_err());
+        assert!(set_xattrs(&f, p, &[("user.other".into(), vec![])]).is_err());
+        assert!(set_xattrs(&f, p, &[("user.e2b.".into(), vec![])]).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }

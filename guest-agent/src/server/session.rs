@@ -310,6 +310,17 @@ impl Session {
             HostMsg::Rename { from, to } => {
                 reply_unit(conn, id, files::rename(&from, &to));
             }
+            HostMsg::GetXattrs { paths, prefix } => match files::get_xattrs(&paths, &prefix) {
+                Ok(lists) => {
+                    conn.send(id, &AgentMsg::Xattrs(lists));
+                }
+                Err(e) => {
+                    conn.send_err(id, e);
+                }
+            },
+            HostMsg::SetXattrs { path, prefix, set } => {
+                reply_unit(conn, id, files::set_xattrs(&path, &prefix, &set));
+            }
             HostMsg::ReadLink { path } => match files::read_link(&path) {
                 Ok(target) => {
                     conn.send(id, &AgentMsg::LinkTarget { target });

@@ -16,8 +16,12 @@
 //! or into the watcher's queue (bounded: [`MAX_WATCHER_EVENTS`]). Lost events (a queue
 //! overflow) end the watch with an error, as envd's fsnotify watcher does.
 //!
-//! Not served yet: extended-attribute metadata, `include_entry` (envd 0.6.3; the SDK does
-//! not ask an envd 0.5.7 for it).
+//! File metadata (envd 0.6.2) is the guest's extended attributes `user.e2b.<key>`: an
+//! upload's `X-Metadata-<key>` headers become exactly the file's set (an upload without
+//! them clears it), and every `EntryInfo` (Stat, ListDir, Move, watch events) shows them,
+//! whoever set them (a program in the guest too). A watch with `include_entry` (envd
+//! 0.6.3) carries each event's entry as it is when the event is read (none for a
+//! removal). Not served: `allow_network_mounts` (0.6.4; the SDK refuses it client-side).
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -120,6 +124,74 @@ fn link_target(sb: &SandboxConn, user: &User, path: &FsPath, st: &FileStat) -> O
     Some(t.to_string_lossy().into_owned())
 }
 
+/// The extended-attribute namespace of file metadata (envd's): `user.e2b.<key>`.
+pub(crate) const META_PREFIX: &str = "user.e2b.";
+/// Paths asked about in one GetXattrs.
+const META_BATCH: usize = 256;
+/// Most metadata entries one upload may set.
+const MAX_META: usize = 64;
+
+/// Metadata as `EntryInfo` shows it: the keys without the prefix.
+fn meta_map(l: Vec<(String, Vec<u8>)>) -> HashMap<String, String> {
+    l.into_iter()
+        .filter_map(|(k, v)| {
+            let key = k.strip_prefix(META_PREFIX)?.to_string();
+            Some((key, String::from_utf8_lossy(&v).into_owned()))
+        })
+        .collect()
+}
+
+/// Fills the metadata of `entries` (one GetXattrs per [`META_BATCH`] of them). A guest
+/// agent older than the operation, or a filesystem without extended attributes, leaves
+/// them without any.
+fn fill_metadata(sb: &SandboxConn, user: &User, entries: &mut [pb::EntryInfo]) {
+    for chunk in entries.chunks_mut(META_BATCH) {
+        let paths: Vec<std::path::PathBuf> = chunk.iter().map(|e| e.path.clone().into()).collect();
+        match sb.with_user(user, |c| c.get_xattrs(&paths, META_PREFIX)) {
+            Ok(lists) => {
+                for (e, l) in chunk.iter_mut().zip(lists) {
+                    e.metadata = meta_map(l);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(sandbox = %sb.id, "file metadata not read: {}", e.message);
+                return;
+            }
+        }
+    }
+}
+
+/// The metadata an upload sets (`X-Metadata-<key>: value`, keys lowercased), as full
+/// attribute names, or why it cannot be set.
+pub(crate) fn upload_metadata(h: &HeaderMap) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let mut out = Vec::new();
+    for (name, value) in h {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        if key.is_empty() || key.len() > 200 {
+            return Err(format!("metadata key {key:?}: 1 to 200 characters"));
+        }
+        let v = value
+            .to_str()
+            .ok()
+            .filter(|v| v.len() <= 4096 && v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| {
+                format!("metadata {key:?}: the value must be printable ASCII, at most 4096 bytes")
+            })?;
+        out.push((
+            format!("{META_PREFIX}{}", key.to_ascii_lowercase()),
+            v.as_bytes().to_vec(),
+        ));
+    }
+    if out.len() > MAX_META {
+        return Err(format!("at most {MAX_META} metadata entries per upload"));
+    }
+    out.sort();
+    out.dedup_by(|a, b| a.0 == b.0);
+    Ok(out)
+}
+
 /// lstat, and for a symlink also the target's stat (if it resolves).
 fn stat_entry(sb: &SandboxConn, user: &User, path: &FsPath) -> Result<pb::EntryInfo, RpcError> {
     let st = sb
@@ -130,7 +202,10 @@ fn stat_entry(sb: &SandboxConn, user: &User, path: &FsPath) -> Result<pb::EntryI
     } else {
         None
     };
-    Ok(entry(sb, user, path, &st, target.as_ref()))
+    let mut e = [entry(sb, user, path, &st, target.as_ref())];
+    fill_metadata(sb, user, &mut e);
+    let [e] = e;
+    Ok(e)
 }
 
 fn missing(mut e: RpcError, path: &FsPath) -> RpcError {
@@ -198,7 +273,7 @@ pub(crate) async fn dispatch(
 }
 
 fn fs_call(
-    sb: &SandboxConn,
+    sb: &Arc<SandboxConn>,
     user: &User,
     codec: Codec,
     method: &str,
@@ -259,6 +334,7 @@ fn fs_call(
                     break;
                 }
             }
+            fill_metadata(sb, user, &mut entries);
             Ok(connect::unary_ok(codec, &pb::ListDirResponse { entries }))
         }
         "MakeDir" => {
@@ -450,6 +526,31 @@ fn fs_event(ev: WatchEvent) -> Result<Option<pb::FilesystemEvent>, RpcError> {
     }))
 }
 
+/// What a watch with `include_entry` (envd 0.6.3) adds to an event: the entry's info as
+/// it is now (none for a removal, or for an entry gone again).
+struct EventEntries {
+    sb: Arc<SandboxConn>,
+    user: User,
+    dir: std::path::PathBuf,
+}
+
+impl EventEntries {
+    fn of(sb: &Arc<SandboxConn>, user: &User, r: &pb::WatchRequest) -> Option<Self> {
+        r.include_entry.then(|| EventEntries {
+            sb: sb.clone(),
+            user: user.clone(),
+            dir: user.resolve(&r.path),
+        })
+    }
+
+    fn add(this: &Option<Self>, e: &mut pb::FilesystemEvent) {
+        let Some(x) = this else { return };
+        if e.r#type != pb::EventType::Remove as i32 {
+            e.entry = stat_entry(&x.sb, &x.user, &x.dir.join(&e.name)).ok();
+        }
+    }
+}
+
 /// How a watch's event stream ended, as an error to report (`None`: stopped).
 fn ended(r: vmm::Result<Option<WatchEvent>>) -> Option<RpcError> {
     match r {
@@ -461,7 +562,11 @@ fn ended(r: vmm::Result<Option<WatchEvent>>) -> Option<RpcError> {
     }
 }
 
-fn create_watcher(sb: &SandboxConn, user: &User, r: &pb::WatchRequest) -> Result<String, RpcError> {
+fn create_watcher(
+    sb: &Arc<SandboxConn>,
+    user: &User,
+    r: &pb::WatchRequest,
+) -> Result<String, RpcError> {
     let full = || {
         RpcError::new(
             Code::ResourceExhausted,
@@ -472,6 +577,7 @@ fn create_watcher(sb: &SandboxConn, user: &User, r: &pb::WatchRequest) -> Result
         return Err(full());
     }
     let (client, mut watch) = open_watch(sb, user, r)?;
+    let entries = EventEntries::of(sb, user, r);
     let w = Arc::new(Watcher {
         state: Mutex::new(WatcherState::default()),
         stopper: watch.stopper(),
@@ -495,7 +601,8 @@ fn create_watcher(sb: &SandboxConn, user: &User, r: &pb::WatchRequest) -> Result
                 let r = watch.next_event();
                 match r {
                     Ok(Some(ev)) => match fs_event(ev) {
-                        Ok(Some(e)) => {
+                        Ok(Some(mut e)) => {
+                            EventEntries::add(&entries, &mut e);
                             let mut st = lock(&w.state);
                             if st.events.len() >= MAX_WATCHER_EVENTS {
                                 break Some(RpcError::new(
@@ -577,11 +684,12 @@ async fn watch_dir(dp: Arc<DataPlane>, req: Request) -> Response {
     };
     let opened = tokio::task::spawn_blocking(move || {
         let user = sb.user(user_name.as_deref())?;
-        open_watch(&sb, &user, &msg)
+        let entries = EventEntries::of(&sb, &user, &msg);
+        open_watch(&sb, &user, &msg).map(|(c, w)| (c, w, entries))
     })
     .await
     .unwrap_or_else(|e| Err(RpcError::new(Code::Internal, format!("worker: {e}"))));
-    let (client, mut watch) = match opened {
+    let (client, mut watch, entries) = match opened {
         Ok(x) => x,
         Err(e) => return connect::stream_error(codec, &e),
     };
@@ -596,7 +704,10 @@ async fn watch_dir(dp: Arc<DataPlane>, req: Request) -> Response {
                 let r = watch.next_event();
                 let item = match r {
                     Ok(Some(ev)) => match fs_event(ev) {
-                        Ok(Some(e)) => Ok(e),
+                        Ok(Some(mut e)) => {
+                            EventEntries::add(&entries, &mut e);
+                            Ok(e)
+                        }
                         Ok(None) => continue,
                         Err(e) => Err(e),
                     },
@@ -901,6 +1012,7 @@ fn write_one(
     path: &FsPath,
     rx: mpsc::Receiver<Result<Bytes, String>>,
     gzip: bool,
+    meta: &[(String, Vec<u8>)],
 ) -> Result<pb::EntryInfo, RpcError> {
     if let Some(parent) = path.parent() {
         client
@@ -924,7 +1036,28 @@ fn write_one(
             }
             e => RpcError::from(e),
         })?;
-    let _ = (sb, user);
+    // The file's metadata becomes what this upload gave (none: cleared, as envd does
+    // for a file overwritten without it).
+    match client.set_xattrs(path, META_PREFIX, meta.to_vec()) {
+        Ok(()) => {}
+        // Nothing to set: an agent without the operation, or a filesystem without
+        // extended attributes, has nothing to clear either.
+        Err(e) if meta.is_empty() => {
+            tracing::debug!(sandbox = %sb.id, "file metadata not cleared: {e}");
+        }
+        Err(vmm::Error::Agent(e)) if e.kind == vmm::agent::ErrorKind::UnknownMessage => {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                "file metadata needs a newer guest agent: rebuild this sandbox's template",
+            ))
+        }
+        Err(e) => {
+            let mut e = RpcError::from(e);
+            e.message = format!("file metadata of {}: {}", path.display(), e.message);
+            return Err(e);
+        }
+    }
+    let _ = user;
     Ok(pb::EntryInfo {
         name: path
             .file_name()
@@ -932,13 +1065,18 @@ fn write_one(
             .unwrap_or_default(),
         r#type: pb::FileType::File as i32,
         path: path.to_string_lossy().into_owned(),
+        metadata: meta_map(meta.to_vec()),
         ..Default::default()
     })
 }
 
 /// `WriteInfo` of the `/files` answer.
 fn write_info(e: &pb::EntryInfo) -> serde_json::Value {
-    serde_json::json!({"name": e.name, "type": "file", "path": e.path})
+    let mut v = serde_json::json!({"name": e.name, "type": "file", "path": e.path});
+    if !e.metadata.is_empty() {
+        v["metadata"] = serde_json::json!(e.metadata);
+    }
+    v
 }
 
 /// `POST /files?path=…&username=…`: multipart (`file` parts, each named by its
@@ -968,6 +1106,10 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
             return drained(req, rpc_to_http(e)).await;
         }
     }
+    let meta = match upload_metadata(req.headers()) {
+        Ok(m) => Arc::new(m),
+        Err(e) => return drained(req, http_error(StatusCode::BAD_REQUEST, e)).await,
+    };
     let sb2 = sb.clone();
     let setup = tokio::task::spawn_blocking(move || {
         let user = sb2.user(user_name.as_deref())?;
@@ -1010,8 +1152,9 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
             let path = user.resolve(&target);
             let (tx, rx) = mpsc::channel(8);
             let (sb3, c3, u3, p3) = (sb.clone(), client.clone(), user.clone(), path.clone());
+            let m3 = meta.clone();
             let job =
-                tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, false));
+                tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, false, &m3));
             let mut feed_err = None;
             loop {
                 match field.chunk().await {
@@ -1048,7 +1191,9 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
         let path = user.resolve(&target);
         let (tx, rx) = mpsc::channel(8);
         let (sb3, c3, u3, p3) = (sb.clone(), client.clone(), user.clone(), path.clone());
-        let job = tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, gzip));
+        let m3 = meta.clone();
+        let job =
+            tokio::task::spawn_blocking(move || write_one(&sb3, &c3, &u3, &p3, rx, gzip, &m3));
         let mut stream = req.into_body().into_data_stream();
         while let Some(chunk) = stream.next().await {
             let r = chunk.map_err(|e| e.to_string());

@@ -52,11 +52,12 @@ use crate::registry::State as SbState;
 use connect::{Code, RpcError};
 
 /// The envd version reported for every sandbox (control plane `envdVersion`). The SDK
-/// enables features by it: 0.5.7 means default user chosen by the server (>= 0.4.0),
+/// enables features by it: 0.6.3 means default user chosen by the server (>= 0.4.0),
 /// stdin control and `CloseStdin` (>= 0.3.0, 0.5.2), octet-stream and gzip uploads
-/// (>= 0.5.7), recursive watches (>= 0.1.4). File metadata (0.6.2) and entries in watch
-/// events (0.6.3) are not served, so the SDK refuses them client-side.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// (>= 0.5.7), recursive watches (>= 0.1.4), file metadata (>= 0.6.2) and entries in watch
+/// events (>= 0.6.3). Watches of network mounts (0.6.4) are not served, so the SDK
+/// refuses them client-side.
+pub const ENVD_VERSION: &str = "0.6.3";
 /// envd's port: the only sandbox port served.
 pub const ENVD_PORT: u16 = 49983;
 /// How long connecting to a sandbox's agent may take.

@@ -761,6 +761,40 @@ impl Client {
         }
     }
 
+    /// The extended attributes under `prefix` (a `user.` prefix) of each of `paths`, one
+    /// list of (name, value) per path, in order (empty where none can be read). An agent
+    /// older than the operation answers `Error(UnknownMessage)`.
+    pub fn get_xattrs(
+        &self,
+        paths: &[std::path::PathBuf],
+        prefix: &str,
+    ) -> Result<Vec<guest_agent::proto::XattrList>> {
+        match self.call(&HostMsg::GetXattrs {
+            paths: paths.to_vec(),
+            prefix: prefix.to_string(),
+        })? {
+            AgentMsg::Xattrs(lists) if lists.len() == paths.len() => Ok(lists),
+            m => Err(unexpected("get_xattrs", &m)),
+        }
+    }
+
+    /// Makes the extended attributes under `prefix` of `path` exactly `set` (full names).
+    pub fn set_xattrs(
+        &self,
+        path: impl AsRef<Path>,
+        prefix: &str,
+        set: Vec<(String, Vec<u8>)>,
+    ) -> Result<()> {
+        self.call_ok(
+            "set_xattrs",
+            &HostMsg::SetXattrs {
+                path: path.as_ref().to_path_buf(),
+                prefix: prefix.to_string(),
+                set,
+            },
+        )
+    }
+
     /// Renames `from` to `to` (rename(2): same filesystem, replaces a file at `to`).
     pub fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> Result<()> {
         self.call_ok(
