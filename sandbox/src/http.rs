@@ -47,6 +47,9 @@ pub struct AppState {
     pub host: Arc<Host>,
     /// The API key every request must carry.
     pub api_key: Arc<String>,
+    /// The domain sandboxes are reached under (`clade serve --domain`): answered as each
+    /// sandbox's `domain`, so that the SDK builds `<port>-<id>.<domain>` host names.
+    pub domain: Option<Arc<String>>,
 }
 
 /// An error answer: status plus E2B's error body.
@@ -327,14 +330,14 @@ struct SandboxOut {
     traffic_access_token: Option<String>,
 }
 
-fn sandbox_out(r: &Record) -> SandboxOut {
+fn sandbox_out(st: &AppState, r: &Record) -> SandboxOut {
     SandboxOut {
         template_id: r.template.clone(),
         sandbox_id: r.id.clone(),
         alias: r.template.clone(),
         client_id: CLIENT_ID,
         envd_version: ENVD_VERSION,
-        domain: None,
+        domain: st.domain.as_deref().cloned(),
         envd_access_token: r.envd_token.clone(),
         traffic_access_token: r.traffic_token.clone(),
     }
@@ -463,7 +466,7 @@ async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Respo
         egress: network.policy(b.allow_internet_access)?,
     };
     let rec = blocking(&st, move |h| h.create(req)).await?;
-    Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())
+    Ok((StatusCode::CREATED, Json(sandbox_out(&st, &rec))).into_response())
 }
 
 /// The query string's pairs (one level of URL decoding).
@@ -590,6 +593,7 @@ async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResu
         .into());
     }
     let mut v = listed(&rec, true);
+    v["domain"] = json!(st.domain.as_deref());
     // Clade's own (with `clade serve --store`): when its pause reached the object store
     // (another host may then resume it), and why the upload is being retried.
     if rec.durable() {
@@ -656,7 +660,7 @@ async fn resume(
     }
     let t = timeout_of(b.timeout)?;
     let rec = blocking(&st, move |h| h.resume(&id, t)).await?;
-    Ok((StatusCode::CREATED, Json(sandbox_out(&rec))).into_response())
+    Ok((StatusCode::CREATED, Json(sandbox_out(&st, &rec))).into_response())
 }
 
 async fn connect(
@@ -675,7 +679,7 @@ async fn connect(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(sandbox_out(&rec))).into_response())
+    Ok((status, Json(sandbox_out(&st, &rec))).into_response())
 }
 
 async fn fork(
@@ -691,7 +695,7 @@ async fn fork(
     let recs = blocking(&st, move |h| h.fork(&id, count, t)).await?;
     let out: Vec<Value> = recs
         .iter()
-        .map(|r| json!({"sandbox": sandbox_out(r)}))
+        .map(|r| json!({"sandbox": sandbox_out(&st, r)}))
         .collect();
     Ok((StatusCode::CREATED, Json(out)).into_response())
 }
@@ -976,7 +980,7 @@ async fn logs_v2(
 /// Serves the API on `listener` until `shutdown` resolves; applies timeouts and notices
 /// crashed VMs every `tick`.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listen: Listen,
     state: AppState,
     tick: std::time::Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -1008,34 +1012,67 @@ pub async fn serve(
         shutdown.await;
         let _ = fired_tx.send(());
     };
-    // TCP_NODELAY on every connection: a streamed answer (a command's output, a PTY) goes
-    // out chunk by chunk, not held back until the client acknowledges the previous one
-    // (Nagle's algorithm, against a client's delayed acknowledgement: up to 40 ms a chunk).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY on a connection: {e}");
+    let app = router(state);
+    let r = match listen {
+        // TCP_NODELAY on every connection: a streamed answer (a command's output, a PTY)
+        // goes out chunk by chunk, not held back until the client acknowledges the
+        // previous one (Nagle's algorithm, against a client's delayed acknowledgement: up
+        // to 40 ms a chunk). The TLS listener sets it too.
+        Listen::Http(l) => {
+            let l = axum::serve::ListenerExt::tap_io(l, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!("TCP_NODELAY on a connection: {e}");
+                }
+            });
+            run_until(l, app, shutdown, fired_rx).await
         }
-    });
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown);
-    let grace = async move {
-        match fired_rx.await {
-            Ok(()) => tokio::time::sleep(SHUTDOWN_GRACE).await,
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    let r = tokio::select! {
-        r = std::future::IntoFuture::into_future(server) => r,
-        _ = grace => {
-            tracing::warn!("requests still open {SHUTDOWN_GRACE:?} after the stop signal: stopping anyway");
-            Ok(())
+        Listen::Https(l, cfg) => {
+            run_until(tls::TlsListener::new(l, cfg)?, app, shutdown, fired_rx).await
         }
     };
     ticker.abort();
     r
 }
 
+/// Where the service listens: plain HTTP, or HTTPS with this TLS configuration
+/// ([`tls::server_config`]).
+pub enum Listen {
+    Http(tokio::net::TcpListener),
+    Https(tokio::net::TcpListener, Arc<tls::ServerConfig>),
+}
+
+/// Serves `app` on `listener` until `shutdown`, then at most [`SHUTDOWN_GRACE`] more
+/// (`fired` says when the signal came).
+async fn run_until<L>(
+    listener: L,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    fired_rx: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let grace = async move {
+        match fired_rx.await {
+            Ok(()) => tokio::time::sleep(SHUTDOWN_GRACE).await,
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        r = std::future::IntoFuture::into_future(server) => r,
+        _ = grace => {
+            tracing::warn!("requests still open {SHUTDOWN_GRACE:?} after the stop signal: stopping anyway");
+            Ok(())
+        }
+    }
+}
+
 /// How long requests in progress may run on after the service was told to stop.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+pub mod tls;
 
 #[cfg(test)]
 mod tests;

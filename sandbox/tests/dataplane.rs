@@ -86,6 +86,7 @@ fn setup_req(name: &str, f: impl FnOnce(&mut CreateRequest)) -> Env {
     let app = router(AppState {
         host: host.clone(),
         api_key: Arc::new("k".into()),
+        domain: None,
     });
     Env {
         app,
@@ -1085,6 +1086,7 @@ async fn background_processes_survive_pause_resume_and_a_service_restart() {
     let restarted = router(AppState {
         host: env.host.clone(),
         api_key: Arc::new("k".into()),
+        domain: None,
     });
     let env2 = Env {
         app: restarted,

@@ -352,3 +352,17 @@ def test_metrics_are_a_time_series():
     finally:
         s.kill()
         other.kill()
+
+
+def test_what_is_not_served_fails_as_documented():
+    """docs/e2b-compat.md lists what the pinned SDK has that this host does not serve, and
+    the error each gets: a 404 "no such endpoint", raised as the SDK's own exception."""
+    from e2b import Secret, Volume
+    from e2b.exceptions import SecretException, VolumeException
+
+    with pytest.raises(VolumeException, match="404: no such endpoint"):
+        Volume.create("v1")
+    with pytest.raises(VolumeException, match="404: no such endpoint"):
+        Volume.list()
+    with pytest.raises(SecretException, match="404: no such endpoint"):
+        Secret.list()

@@ -621,3 +621,54 @@ def test_watch_events_carry_entries_when_asked(sb, d):
     with_entry = [e for e in events if e.entry is not None]
     assert with_entry, events
     assert all(e.entry.name == "e.txt" and e.entry.path == f"{d}/e.txt" for e in with_entry)
+
+
+def test_https_domain_and_get_host(d):
+    """`clade serve --domain D --tls-cert --tls-key`: the API, the data plane and exposed
+    ports over HTTPS on `<port>-<id>.D` names (resolved here to this host, as a wildcard
+    DNS record would), with a certificate the test's own CA signed."""
+    import socket
+    import ssl
+
+    import httpx
+
+    domain = os.environ["CLADE_TLS_DOMAIN"]
+    tls_port = int(os.environ["CLADE_TLS_PORT"])
+    ca = ssl.create_default_context(cafile=os.environ["CLADE_TLS_CA"])
+    real = socket.getaddrinfo
+
+    def resolve(host, *a, **kw):
+        if isinstance(host, str) and (host == domain or host.endswith("." + domain)):
+            host = "127.0.0.1"
+        return real(host, *a, **kw)
+
+    socket.getaddrinfo = resolve
+    try:
+        # The SDK's clients resolve names with a DNS client of their own: they reach the
+        # API by address (the certificate names 127.0.0.1 too); names under the domain are
+        # fetched below with httpx, which resolves through `resolve`.
+        api = f"https://127.0.0.1:{tls_port}"
+        s = Sandbox.create(TEMPLATE, timeout=120, api_url=api, sandbox_url=api)
+        try:
+            assert s.sandbox_domain == domain
+            assert s.commands.run("echo over-tls").stdout == "over-tls\n"
+            port = 20000 + (os.getpid() + 13) % 20000
+            s.files.write(f"{d}/tls/hello.txt", "hello over https\n")
+            h = s.commands.run(f"cd {d}/tls && exec python3 -m http.server {port}", background=True)
+            host = s.get_host(port)
+            assert host == f"{port}-{s.sandbox_id}.{domain}"
+            deadline = time.time() + 30
+            while True:
+                r = httpx.get(f"https://{host}:{tls_port}/hello.txt", verify=ca, timeout=10)
+                if r.status_code == 200 or time.time() > deadline:
+                    break
+                time.sleep(0.2)
+            assert (r.status_code, r.text) == (200, "hello over https\n")
+            # The certificate is checked for real: a name it does not cover fails.
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"https://localhost:{tls_port}/hello.txt", verify=ca, timeout=10)
+            h.kill()
+        finally:
+            s.kill()
+    finally:
+        socket.getaddrinfo = real

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use disk::ops::CreateOptions;
-use sandbox::http::{serve, AppState};
+use sandbox::http::{serve, AppState, Listen};
 use sandbox::vmproc::{Shape, StandbyConfig};
 use sandbox::{Host, HostConfig, ProcessDriver, Template, TemplateStore};
 use vmm::agent::{Client, Transport};
@@ -24,9 +24,21 @@ use super::MachineArgs;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on (HTTP), e.g. 127.0.0.1:3000 (point the SDK's E2B_API_URL here).
+    /// Address to listen on (HTTP, or HTTPS with --tls-cert), e.g. 127.0.0.1:3000 (point
+    /// the SDK's E2B_API_URL here).
     #[arg(long, default_value = "127.0.0.1:3000")]
     listen: String,
+    /// The domain sandboxes are reached under: each sandbox's `domain`, so that the SDK's
+    /// `get_host(port)` gives `<port>-<id>.DOMAIN` (a wildcard DNS record `*.DOMAIN` must
+    /// point at this host; see the README).
+    #[arg(long, value_name = "DOMAIN")]
+    domain: Option<String>,
+    /// Serve HTTPS with this PEM certificate chain (a wildcard `*.DOMAIN`; with --tls-key).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// The host's state: registry.sqlite, templates/, sandboxes/ (created if needed).
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
@@ -140,6 +152,22 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     if key.is_empty() {
         bail!("the API key is empty");
     }
+    // Checked before anything starts: a bad certificate is an error now, not at the
+    // first connection.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(c), Some(k)) => Some(sandbox::http::tls::server_config(c, k)?),
+        _ => None,
+    };
+    if let Some(d) = &args.domain {
+        let ok = !d.is_empty()
+            && d.len() <= 200
+            && d.split('.').all(|l| {
+                !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
+        if !ok {
+            bail!("--domain {d:?}: not a domain name");
+        }
+    }
     let state_dir = std::path::absolute(&args.state_dir)?;
     let mut cfg = HostConfig::new(state_dir.clone());
     cfg.max_fork = args.max_fork.clamp(1, 64);
@@ -236,13 +264,19 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
         eprintln!(
-            "clade serve: listening on http://{} (state {}; {running} running, {paused} paused, {crashed} crashed sandboxes)",
+            "clade serve: listening on {}://{} (state {}; {running} running, {paused} paused, {crashed} crashed sandboxes)",
+            if tls.is_some() { "https" } else { "http" },
             listener.local_addr()?,
             state_dir.display()
         );
         let state = AppState {
             host,
             api_key: Arc::new(key),
+            domain: args.domain.clone().map(Arc::new),
+        };
+        let listen = match tls {
+            Some(cfg) => Listen::Https(listener, cfg),
+            None => Listen::Http(listener),
         };
         let shutdown = async {
             use tokio::signal::unix::{signal, SignalKind};
@@ -258,7 +292,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 }
             }
         };
-        serve(listener, state, Duration::from_millis(250), shutdown).await?;
+        serve(listen, state, Duration::from_millis(250), shutdown).await?;
         anyhow::Ok(())
     });
     // Blocking work still running (an agent call of a stream whose client stayed) must not

@@ -16,6 +16,7 @@ fn app(name: &str) -> (Router, std::path::PathBuf) {
     let st = AppState {
         host: Arc::new(h),
         api_key: Arc::new(KEY.into()),
+        domain: None,
     };
     (router(st), d)
 }
