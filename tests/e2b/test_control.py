@@ -365,4 +365,4 @@ def test_what_is_not_served_fails_as_documented():
     with pytest.raises(VolumeException, match="404: no such endpoint"):
         Volume.list()
     with pytest.raises(SecretException, match="404: no such endpoint"):
-        Secret.list()
+        Secret.list().next_items()
