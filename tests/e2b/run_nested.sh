@@ -86,7 +86,7 @@ else
     # sandboxes too: template "debian", its scratch directory inside the guest.
     # CLADE_NESTED_TESTS: other test files (e.g. only tests/e2b/test_move.py).
     # shellcheck disable=SC2086
-    CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \
+    CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
         "$VENV/bin/pytest" -q ${CLADE_NESTED_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py \
         tests/e2b/test_network.py tests/e2b/test_move.py} "$@" || rc=$?
 fi
