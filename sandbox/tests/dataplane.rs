@@ -1001,6 +1001,49 @@ async fn a_secured_sandbox_needs_its_token_or_a_signed_url() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_request_without_the_token_does_not_wake_a_sandbox() {
+    let env = setup_req("unauthorized-wake", |r| {
+        r.secure = true;
+        r.auto_pause = true;
+        r.auto_resume = true;
+    });
+    let token = env.host.get(&env.id).unwrap().envd_token.unwrap();
+    let host = env.host.clone();
+    let id = env.id.clone();
+    tokio::task::spawn_blocking(move || host.pause(&id).unwrap())
+        .await
+        .unwrap();
+    let list = |t: Option<&str>| {
+        let mut r = env.req(
+            "POST",
+            "/process.Process/List",
+            Some("application/json"),
+            b"{}".to_vec(),
+        );
+        if let Some(t) = t {
+            r.headers_mut().insert("x-access-token", t.parse().unwrap());
+        }
+        r
+    };
+    for t in [None, Some("wrong")] {
+        let (s, _, _) = env.send(list(t)).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(
+        env.host.get(&env.id).unwrap().state,
+        sandbox::State::Paused,
+        "an unauthorized request woke it"
+    );
+    // With the token: auto-resume wakes it.
+    let (s, _, _) = env.send(list(Some(&token))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        env.host.get(&env.id).unwrap().state,
+        sandbox::State::Running
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_paused_sandbox_without_auto_resume_stays_paused() {
     let env = setup("paused-is-paused");
     let (s, _, _) = env.send(env.req("GET", "/health", None, vec![])).await;

@@ -154,6 +154,8 @@ pub(crate) struct SandboxConn {
     pub env: BTreeMap<String, String>,
     /// Its envd access token ([`access`]); `None`: not secured.
     pub envd_token: Option<String>,
+    /// Its traffic access token (exposed ports); `None`: public.
+    pub traffic_token: Option<String>,
     client: Mutex<Option<Client>>,
     /// File-operation connections of non-root users (AsUser), by uid.
     user_clients: Mutex<HashMap<u32, Client>>,
@@ -367,6 +369,27 @@ impl DataPlane {
         })
     }
 
+    /// The access tokens of sandbox `t` (envd's, the traffic one), read without waking
+    /// it: a request is checked before it may resume a paused sandbox. From the route
+    /// cache when it is fresh, else one registry read.
+    pub(crate) async fn tokens(
+        &self,
+        t: &Target,
+    ) -> Result<(Option<String>, Option<String>), Response> {
+        let changes = self.host.changes();
+        if let Some(c) = lock(&self.sandboxes).get(&t.sandbox) {
+            let (seen, at) = *lock(&c.checked);
+            if seen == changes && at.elapsed() < ROUTE_TTL {
+                return Ok((c.envd_token.clone(), c.traffic_token.clone()));
+            }
+        }
+        match self.host.get(&t.sandbox) {
+            Ok(rec) => Ok((rec.envd_token, rec.traffic_token)),
+            Err(Error::NotFound(id)) => Err(proxy_error(format!("The sandbox {id} was not found"))),
+            Err(e) => Err(proxy_error(format!("sandbox {}: {e}", t.sandbox))),
+        }
+    }
+
     /// The sandbox `t` names, resumed if it was paused with auto-resume.
     pub(crate) async fn sandbox(
         self: &Arc<Self>,
@@ -403,6 +426,7 @@ impl DataPlane {
             vsock,
             env: rec.env_vars.clone(),
             envd_token: rec.envd_token.clone(),
+            traffic_token: rec.traffic_token.clone(),
             client: Mutex::new(None),
             user_clients: Mutex::new(HashMap::new()),
             users: Mutex::new(None),
@@ -544,12 +568,13 @@ pub async fn dispatch(State(data): State<Routes>, mut req: Request, next: Next) 
     match route(req.headers()) {
         Some(t) if t.port != ENVD_PORT => ports::forward(data.dp, t, req).await,
         Some(t) => {
-            // A secured sandbox's token (or a signed URL) first (see `access`).
-            let sb = match data.dp.sandbox(&t).await {
-                Ok(sb) => sb,
+            // A secured sandbox's token (or a signed URL) first (see `access`), before
+            // anything may wake it.
+            let (envd_token, _) = match data.dp.tokens(&t).await {
+                Ok(x) => x,
                 Err(r) => return r,
             };
-            if let Some(token) = &sb.envd_token {
+            if let Some(token) = &envd_token {
                 let now_s = crate::ids::now_ms().div_euclid(1000);
                 let uri = req.uri();
                 if let Err(r) = access::check_envd(

@@ -67,16 +67,21 @@ fn port_closed(t: &Target, why: impl std::fmt::Display) -> Response {
 
 /// Forwards `req` to port `t.port` of `t.sandbox`.
 pub(crate) async fn forward(dp: Arc<DataPlane>, t: Target, mut req: Request) -> Response {
+    // The traffic token before anything may wake the sandbox.
+    match dp.tokens(&t).await {
+        Ok((_, Some(token))) => {
+            if let Err(r) = access::check_traffic(&t.sandbox, &token, req.headers()) {
+                return r.into_response();
+            }
+        }
+        Ok((_, None)) => {}
+        Err(r) => return r,
+    }
+    req.headers_mut().remove(access::TRAFFIC_TOKEN_HEADER);
     let (ip, rec) = match dp.guest_ip(&t).await {
         Ok(x) => x,
         Err(r) => return r,
     };
-    if let Some(token) = &rec.traffic_token {
-        if let Err(r) = access::check_traffic(&rec.id, token, req.headers()) {
-            return r.into_response();
-        }
-    }
-    req.headers_mut().remove(access::TRAFFIC_TOKEN_HEADER);
     // E2B's maskRequestHost: the guest's server sees this Host, not the request's.
     if let Some(mask) = &rec.mask_host {
         if let Ok(v) = header::HeaderValue::from_str(&access::masked_host(mask, t.port)) {
