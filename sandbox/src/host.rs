@@ -882,11 +882,23 @@ impl Host {
             }
             (r, _) => r?,
         };
+        // Gone from the registry before its VM stops: a request that comes while the VM
+        // ends (a client seeing its stream drop and probing) is answered "not found" at
+        // once instead of waiting on an agent that will not answer.
+        {
+            let _snapshots = self.snapshot_guard();
+            self.reg().delete(id)?;
+        }
         if let (State::Running, Some(pid), Some(api)) = (rec.state, rec.pid, &rec.api_sock) {
-            self.driver.stop(pid, api)?;
+            if let Err(e) = self.driver.stop(pid, api) {
+                // Still there after all: it stays listed, and a kill may be tried again.
+                if let Err(r) = self.reg().insert(&rec) {
+                    tracing::error!(sandbox = %id, "restoring its row after a failed stop: {r}");
+                }
+                return Err(e);
+            }
         }
         let _snapshots = self.snapshot_guard();
-        self.reg().delete(id)?;
         self.history.forget(id);
         self.release_net(rec.net);
         // A snapshot of it may build on its files: then only its sockets go now.
