@@ -410,16 +410,13 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
 }
 
-/// Constant-time comparison (the key's length is not secret).
-fn same_key(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn auth(AxState(st): AxState<AppState>, req: Request, next: Next) -> Response {
     match req.headers().get("x-api-key") {
         None => ApiError::new(StatusCode::UNAUTHORIZED, "Authorization header is missing")
             .into_response(),
-        Some(k) if same_key(k.as_bytes(), st.api_key.as_bytes()) => next.run(req).await,
+        Some(k) if crate::envd::access::same_secret(k.as_bytes(), st.api_key.as_bytes()) => {
+            next.run(req).await
+        }
         Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
     }
 }

@@ -292,27 +292,6 @@ def test_files_as_another_user_are_theirs_and_checked(sb):
     assert sb.files.read("/tmp/u/root-only") == "secret\n"
 
 
-def test_a_command_streaming_when_its_sandbox_is_killed_ends_as_killed():
-    import threading
-
-    from e2b.exceptions import SandboxNotRunningException
-
-    s = create(metadata={"suite": "linux-killed-stream"})
-    try:
-        h = s.commands.run("echo started; sleep 600", background=True, request_timeout=300)
-        killer = threading.Timer(2.0, lambda: Sandbox.kill(s.sandbox_id, **SLOW))
-        killer.start()
-        with pytest.raises(SandboxNotRunningException) as e:
-            h.wait()
-        killer.join()
-        assert "killed or reached its end of life" in str(e.value), e.value
-    finally:
-        try:
-            Sandbox.kill(s.sandbox_id)
-        except Exception:
-            pass
-
-
 def test_file_metadata_on_the_guests_disk():
     s = create(metadata={"suite": "linux-metadata"})
     try:

@@ -376,12 +376,8 @@ impl DataPlane {
         &self,
         t: &Target,
     ) -> Result<(Option<String>, Option<String>), Response> {
-        let changes = self.host.changes();
-        if let Some(c) = lock(&self.sandboxes).get(&t.sandbox) {
-            let (seen, at) = *lock(&c.checked);
-            if seen == changes && at.elapsed() < ROUTE_TTL {
-                return Ok((c.envd_token.clone(), c.traffic_token.clone()));
-            }
+        if let Some(c) = self.fresh_route(&t.sandbox) {
+            return Ok((c.envd_token.clone(), c.traffic_token.clone()));
         }
         match self.host.get(&t.sandbox) {
             Ok(rec) => Ok((rec.envd_token, rec.traffic_token)),
@@ -390,22 +386,27 @@ impl DataPlane {
         }
     }
 
+    /// The cached route to sandbox `id`, if it was checked a moment ago and no sandbox
+    /// changed since: still good. That skips the registry read and the VM process's
+    /// liveness check (/proc reads) on most requests. A VM that died since shows as an
+    /// agent error, and is seen by the full check at most ROUTE_TTL later.
+    fn fresh_route(&self, id: &str) -> Option<Arc<SandboxConn>> {
+        let changes = self.host.changes();
+        let map = lock(&self.sandboxes);
+        let c = map.get(id)?;
+        let (seen, at) = *lock(&c.checked);
+        (seen == changes && at.elapsed() < ROUTE_TTL).then(|| c.clone())
+    }
+
     /// The sandbox `t` names, resumed if it was paused with auto-resume.
     pub(crate) async fn sandbox(
         self: &Arc<Self>,
         t: &Target,
     ) -> Result<Arc<SandboxConn>, Response> {
-        // A route checked a moment ago, with no sandbox changed since, is still good: that
-        // skips the registry read and the VM process's liveness check (/proc reads) on
-        // most requests. A VM that died since shows as an agent error, and is seen
-        // by the full check at most ROUTE_TTL later.
-        let changes = self.host.changes();
-        if let Some(c) = lock(&self.sandboxes).get(&t.sandbox) {
-            let (seen, at) = *lock(&c.checked);
-            if seen == changes && at.elapsed() < ROUTE_TTL {
-                return Ok(c.clone());
-            }
+        if let Some(c) = self.fresh_route(&t.sandbox) {
+            return Ok(c);
         }
+        let changes = self.host.changes();
         let rec = self.record(&t.sandbox).await?;
         let Some(vsock) = rec.vsock.clone() else {
             return Err(proxy_error(format!(
