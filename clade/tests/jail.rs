@@ -128,6 +128,49 @@ fn assert_confined(pid: i32) {
     }
 }
 
+/// The process is in a cgroup of the jail's own (v2, or each v1 controller's), with the
+/// limits the test gave.
+fn assert_limited(pid: i32) {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let path_of = |ctl: &str| {
+        cgroups
+            .lines()
+            .find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, names, path) = (f.next()?, f.next()?, f.next()?);
+                let hit = if v1 {
+                    names.split(',').any(|n| n == ctl)
+                } else {
+                    names.is_empty()
+                };
+                hit.then(|| path.to_string())
+            })
+            .unwrap_or_else(|| panic!("no {ctl} cgroup: {cgroups}"))
+    };
+    let read = |ctl: &str, file: &str| {
+        let base = if v1 {
+            format!("/sys/fs/cgroup/{ctl}")
+        } else {
+            "/sys/fs/cgroup".into()
+        };
+        std::fs::read_to_string(format!("{base}{}/{file}", path_of(ctl)))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    assert!(path_of("memory").contains("clade/jail-"), "{cgroups}");
+    if v1 {
+        assert_eq!(read("memory", "memory.limit_in_bytes"), "1073741824");
+        assert_eq!(read("pids", "pids.max"), "512");
+        assert_eq!(read("cpu", "cpu.cfs_quota_us"), "150000");
+    } else {
+        assert_eq!(read("memory", "memory.max"), "1073741824");
+        assert_eq!(read("pids", "pids.max"), "512");
+        assert_eq!(read("cpu", "cpu.max"), "150000 100000");
+    }
+}
+
 fn ping(sock: &Path) {
     // --wait: a restored VM's vsock socket appears after its API socket.
     let o = clade()
@@ -176,6 +219,8 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
             .arg("--jail")
             .arg(d.p("root"))
             .args(["--uid", "65534", "--gid", "65534"])
+            .args(["--jail-memory-max", "1G", "--jail-pids-max", "512"])
+            .args(["--jail-cpus", "1.5"])
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -194,6 +239,7 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
     );
     let vm_pid = vm_pids[0];
     assert_confined(vm_pid);
+    assert_limited(vm_pid);
     ping(&vsock);
 
     // Snapshots go under --files-root only.
@@ -333,24 +379,15 @@ fn jail_errors_are_clear() {
         "{}",
         text(&o)
     );
-    if !Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
-        let o = run(
-            &[
-                "--uid",
-                "65534",
-                "--gid",
-                "65534",
-                "--jail-memory-max",
-                "1G",
-            ],
-            &d.p("r2"),
-        );
-        assert!(
-            !o.status.success() && text(&o).contains("cgroup v2"),
-            "{}",
-            text(&o)
-        );
-    }
+    let o = run(
+        &["--uid", "65534", "--gid", "65534", "--jail-cpus", "0"],
+        &d.p("r2"),
+    );
+    assert!(
+        !o.status.success() && text(&o).contains("positive number of CPUs"),
+        "{}",
+        text(&o)
+    );
     // None of these started a VM.
     assert!(pids_of(&d.0.display().to_string(), NOBODY).is_empty());
 }

@@ -35,6 +35,9 @@ pub enum Error {
     /// Setting up the jail failed (see [`crate::host::jail`]).
     #[error("jail: {0}")]
     Jail(String),
+    /// A cgroup could not be made, limited, joined or removed (see [`crate::host::cgroup`]).
+    #[error("cgroup: {0}")]
+    Cgroup(String),
     /// The configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -24,13 +24,13 @@ pub struct JailArgs {
     /// The group the jailed VM runs as (not 0).
     #[arg(long, requires = "jail")]
     gid: Option<u32>,
-    /// The jail's cgroup v2 memory limit (bytes, or 512M, 2G; guest memory counts).
+    /// The jail's cgroup memory limit (bytes, or 512M, 2G; guest memory counts).
     #[arg(long, value_name = "SIZE", requires = "jail", value_parser = parse_bytes)]
     jail_memory_max: Option<u64>,
-    /// The jail's cgroup v2 limit on processes and threads.
+    /// The jail's cgroup limit on processes and threads.
     #[arg(long, value_name = "N", requires = "jail")]
     jail_pids_max: Option<u64>,
-    /// The jail's cgroup v2 CPU limit, in CPUs (e.g. 1.5).
+    /// The jail's cgroup CPU limit, in CPUs (e.g. 1.5).
     #[arg(long, value_name = "CPUS", requires = "jail")]
     jail_cpus: Option<f64>,
 }
@@ -124,6 +124,7 @@ impl JailArgs {
                 memory_max: self.jail_memory_max,
                 pids_max: self.jail_pids_max,
                 cpus: self.jail_cpus,
+                ..Default::default()
             },
             paths: p.0,
             kvm_device: kvm_device.to_path_buf(),

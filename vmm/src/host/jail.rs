@@ -62,23 +62,8 @@ pub enum Access {
     ReadWrite,
 }
 
-/// Resource limits for the jail's cgroup (cgroup v2). Each is applied only when set; any
-/// set one needs a cgroup v2 hierarchy with that controller at `/sys/fs/cgroup`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct CgroupLimits {
-    /// `memory.max`, bytes (guest memory counts: it is the VM process's memory).
-    pub memory_max: Option<u64>,
-    /// `pids.max`: processes and threads in the jail.
-    pub pids_max: Option<u64>,
-    /// `cpu.max` as a number of CPUs' worth of time (e.g. 1.5).
-    pub cpus: Option<f64>,
-}
-
-impl CgroupLimits {
-    fn any(&self) -> bool {
-        self.memory_max.is_some() || self.pids_max.is_some() || self.cpus.is_some()
-    }
-}
+pub use super::cgroup::CgroupLimits;
+use super::cgroup::{Cgroup, Hierarchy};
 
 /// What a jail is made of.
 #[derive(Debug, Clone)]
@@ -111,7 +96,6 @@ pub enum Jailed {
     Ended(u8),
 }
 
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// Size of the jail's own tmpfs: it holds only mount points and device nodes.
 const TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
 
@@ -136,6 +120,8 @@ struct Checked {
     paths: Vec<(PathBuf, Access)>,
     kvm_rdev: u64,
     uffd_rdev: Option<u64>,
+    /// Where the jail's cgroup goes, when limits were asked for.
+    hierarchy: Option<Hierarchy>,
 }
 
 fn check(config: &JailConfig) -> Result<Checked> {
@@ -260,9 +246,11 @@ fn check(config: &JailConfig) -> Result<Checked> {
         .ok()
         .filter(|m| m.file_type().is_char_device())
         .map(|m| m.rdev());
-    if config.limits.any() {
-        check_cgroup(&config.limits)?;
-    }
+    let hierarchy = if config.limits.any() {
+        Some(Hierarchy::detect(&config.limits)?)
+    } else {
+        None
+    };
     // fork() below is only sound while this process has one thread.
     let threads = fs::read_dir("/proc/self/task")
         .map_err(|e| jail_err(format!("/proc/self/task: {e}")))?
@@ -276,6 +264,7 @@ fn check(config: &JailConfig) -> Result<Checked> {
         paths,
         kvm_rdev: kvm.rdev(),
         uffd_rdev,
+        hierarchy,
     })
 }
 
@@ -343,111 +332,18 @@ fn elf_interpreter(image: &[u8]) -> Option<PathBuf> {
     None
 }
 
-fn check_cgroup(limits: &CgroupLimits) -> Result<()> {
-    let controllers = fs::read_to_string(Path::new(CGROUP_ROOT).join("cgroup.controllers"))
-        .map_err(|e| {
-            jail_err(format!(
-                "cgroup limits need cgroup v2 at {CGROUP_ROOT} ({e}); mount it or drop the limits"
-            ))
-        })?;
-    let have: Vec<&str> = controllers.split_whitespace().collect();
-    for (wanted, name) in [
-        (limits.memory_max.is_some(), "memory"),
-        (limits.pids_max.is_some(), "pids"),
-        (limits.cpus.is_some(), "cpu"),
-    ] {
-        if wanted && !have.contains(&name) {
-            return Err(jail_err(format!(
-                "this host's cgroup v2 has no {name} controller (it has: {controllers})"
-            )));
-        }
-    }
-    if let Some(c) = limits.cpus {
-        if !(c.is_finite() && c > 0.0 && c <= 4096.0) {
-            return Err(jail_err("the CPU limit must be a positive number of CPUs"));
-        }
-    }
-    Ok(())
-}
-
-/// The jail's cgroup, removed when dropped (once its processes ended).
-struct Cgroup {
-    dir: PathBuf,
-}
-
-impl Cgroup {
-    fn create(name: &str, limits: &CgroupLimits) -> Result<Cgroup> {
-        let root = Path::new(CGROUP_ROOT);
-        for c in ["memory", "pids", "cpu"] {
-            // The root cgroup may hand its controllers to children; each may already be
-            // on, and one the host lacks was refused by check_cgroup if it was asked for.
-            if let Err(e) = fs::write(root.join("cgroup.subtree_control"), format!("+{c}")) {
-                tracing::debug!("enabling the {c} cgroup controller: {e}");
-            }
-        }
-        let dir = root.join(format!("clade-{name}-{}", std::process::id()));
-        fs::DirBuilder::new()
-            .mode(0o755)
-            .create(&dir)
-            .map_err(|e| jail_err(format!("cgroup {}: {e}", dir.display())))?;
-        let cg = Cgroup { dir };
-        let mut settings = Vec::new();
-        if let Some(m) = limits.memory_max {
-            settings.push(("memory.max", m.to_string()));
-            // No swapping the guest out behind the limit's back.
-            settings.push(("memory.swap.max", "0".to_string()));
-        }
-        if let Some(p) = limits.pids_max {
-            settings.push(("pids.max", p.to_string()));
-        }
-        if let Some(c) = limits.cpus {
-            let period = 100_000u64;
-            settings.push((
-                "cpu.max",
-                format!("{} {period}", (c * period as f64) as u64),
-            ));
-        }
-        for (file, value) in settings {
-            let path = cg.dir.join(file);
-            if file == "memory.swap.max" && !path.exists() {
-                continue;
-            }
-            fs::write(&path, &value).map_err(|e| {
-                jail_err(format!("cgroup {}: writing {value}: {e}", path.display()))
-            })?;
-        }
-        Ok(cg)
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        // The processes are gone; the kernel may take a moment to let the directory go.
-        for _ in 0..50 {
-            match fs::remove_dir(&self.dir) {
-                Ok(()) => return,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                    std::thread::sleep(std::time::Duration::from_millis(10))
-                }
-                Err(e) => {
-                    tracing::warn!("removing cgroup {}: {e}", self.dir.display());
-                    return;
-                }
-            }
-        }
-        tracing::warn!("cgroup {} still busy; left in place", self.dir.display());
-    }
-}
-
 /// Sets up the jail described by `config` and returns in the VM process
 /// ([`Jailed::Inside`]) and, once the jail ended, in the caller ([`Jailed::Ended`]). See
 /// the module documentation.
 pub fn enter(config: &JailConfig) -> Result<Jailed> {
     let checked = check(config)?;
-    let cgroup = if config.limits.any() {
-        Some(Cgroup::create(&config.name, &config.limits)?)
-    } else {
-        None
+    let cgroup = match &checked.hierarchy {
+        Some(h) => Some(Cgroup::create(
+            h,
+            &format!("clade/jail-{}-{}", config.name, std::process::id()),
+            &config.limits,
+        )?),
+        None => None,
     };
     let (report_rx, report_tx) = UnixStream::pair()
         .map_err(|e| jail_err(format!("creating the jail's report channel: {e}")))?;
@@ -479,7 +375,11 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
             // The namespace is for the keeper; this process stays where it was.
             let setup = read_report(report_rx);
             let code = wait_forwarding(child);
-            drop(cgroup);
+            if let Some(cg) = cgroup {
+                if let Err(e) = cg.remove() {
+                    tracing::warn!("{e}; left in place");
+                }
+            }
             match setup {
                 Some(msg) => Err(Error::Jail(msg)),
                 None => Ok(Jailed::Ended(code)),
@@ -619,8 +519,10 @@ fn inside(root: &Path, path: &Path) -> PathBuf {
 fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -> Result<()> {
     if let Some(cg) = cgroup {
         // "0": the writing process itself; its children follow.
-        fs::write(cg.dir.join("cgroup.procs"), "0")
-            .map_err(|e| jail_err(format!("joining cgroup {}: {e}", cg.dir.display())))?;
+        for f in cg.procs_files() {
+            fs::write(&f, "0")
+                .map_err(|e| jail_err(format!("joining cgroup {}: {e}", f.display())))?;
+        }
     }
     unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS)
         .map_err(|e| errno_err("new mount, IPC and UTS namespaces", e))?;

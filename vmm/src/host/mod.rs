@@ -18,6 +18,7 @@
 //! - [`jail`]: namespaces, a pivoted root with only what the VM needs, cgroup limits and
 //!   dropped privileges, entered before the VM is built.
 
+pub mod cgroup;
 mod child;
 mod dispatch;
 mod fork;
