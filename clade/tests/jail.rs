@@ -131,35 +131,10 @@ fn assert_confined(pid: i32) {
 /// The process is in a cgroup of the jail's own (v2, or each v1 controller's), with the
 /// limits the test gave.
 fn assert_limited(pid: i32) {
-    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     let v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-    let path_of = |ctl: &str| {
-        cgroups
-            .lines()
-            .find_map(|l| {
-                let mut f = l.splitn(3, ':');
-                let (_, names, path) = (f.next()?, f.next()?, f.next()?);
-                let hit = if v1 {
-                    names.split(',').any(|n| n == ctl)
-                } else {
-                    names.is_empty()
-                };
-                hit.then(|| path.to_string())
-            })
-            .unwrap_or_else(|| panic!("no {ctl} cgroup: {cgroups}"))
-    };
-    let read = |ctl: &str, file: &str| {
-        let base = if v1 {
-            format!("/sys/fs/cgroup/{ctl}")
-        } else {
-            "/sys/fs/cgroup".into()
-        };
-        std::fs::read_to_string(format!("{base}{}/{file}", path_of(ctl)))
-            .unwrap()
-            .trim()
-            .to_string()
-    };
-    assert!(path_of("memory").contains("clade/jail-"), "{cgroups}");
+    let read = |ctl: &str, file: &str| common::cgroup_file(pid, ctl, file).1;
+    let (path, _) = common::cgroup_file(pid, "memory", "cgroup.procs");
+    assert!(path.contains("clade/jail-"), "{path}");
     if v1 {
         assert_eq!(read("memory", "memory.limit_in_bytes"), "1073741824");
         assert_eq!(read("pids", "pids.max"), "512");

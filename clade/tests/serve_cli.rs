@@ -161,6 +161,8 @@ fn serve_drives_sandboxes_of_the_native_guest() {
     assert_eq!(s, 201, "{v}");
     let a = id_of(&v);
     ping(&vsock(&a));
+    // The sandbox's VM and the standbys made ready meanwhile: each limited.
+    assert_vm_processes_limited(&state, 64, 1);
     let (s, v) = http(
         port,
         "POST",
@@ -238,6 +240,7 @@ fn serve_drives_sandboxes_of_the_native_guest() {
     eprintln!("connect (resume): {:?}", t.elapsed());
     assert_eq!(s, 201, "{v}");
     ping(&vsock(&a));
+    assert_vm_processes_limited(&state, 64, 1);
 
     // Fork: two new sandboxes that answer, the parent runs on.
     let (s, v) = http(
@@ -269,6 +272,8 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         ping(k);
     }
     ping(&vsock(&a));
+    // The fork children too, each in a cgroup of its own.
+    assert_vm_processes_limited(&state, 64, 3);
     let (s, v) = http(
         port,
         "POST",
@@ -326,6 +331,68 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Pids of the live processes whose command line names a path under `state` (the
+/// service's VM processes: standbys, sandboxes, fork children), the service aside.
+fn vm_pids(state: &Path) -> Vec<i32> {
+    let needle = state.as_os_str().as_encoded_bytes();
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        if args.iter().any(|a| a.starts_with(needle)) && !args.iter().any(|a| *a == b"serve") {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Every VM process of the service at `state` is in a cgroup of its own (v2, or each v1
+/// controller's), with the limits of a 1-vCPU VM of `mem_mib` and the service's defaults.
+fn assert_vm_processes_limited(state: &Path, mem_mib: u64, at_least: usize) {
+    let pids = vm_pids(state);
+    assert!(pids.len() >= at_least, "VM processes {pids:?}");
+    let v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let mut groups = Vec::new();
+    for pid in pids {
+        if std::fs::metadata(format!("/proc/{pid}")).is_err() {
+            continue; // ended meanwhile
+        }
+        let read = |ctl: &str, file: &str| common::cgroup_file(pid, ctl, file).1;
+        let (mem, _) = common::cgroup_file(pid, "memory", "cgroup.procs");
+        assert!(
+            mem.contains("/clade/s-") && mem.contains("/vm-"),
+            "pid {pid}: {mem}"
+        );
+        let want_mem = ((mem_mib + 192) << 20).to_string();
+        if v1 {
+            assert_eq!(
+                read("memory", "memory.limit_in_bytes"),
+                want_mem,
+                "pid {pid}"
+            );
+            assert_eq!(read("pids", "pids.max"), "1024", "pid {pid}");
+            assert_eq!(read("cpu", "cpu.cfs_quota_us"), "100000", "pid {pid}");
+            assert_eq!(read("cpu", "cpu.shares"), "1024", "pid {pid}");
+        } else {
+            assert_eq!(read("memory", "memory.max"), want_mem, "pid {pid}");
+            assert_eq!(read("pids", "pids.max"), "1024", "pid {pid}");
+            assert_eq!(read("cpu", "cpu.max"), "100000 100000", "pid {pid}");
+        }
+        groups.push(mem);
+    }
+    let n = groups.len();
+    groups.sort();
+    groups.dedup();
+    assert_eq!(
+        groups.len(),
+        n,
+        "each VM process has a cgroup of its own: {groups:?}"
+    );
 }
 
 /// The standby processes' sockets in `state` and what their processes say they are.

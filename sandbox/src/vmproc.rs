@@ -25,8 +25,10 @@ use vmm::api::{ApiClient, Request, RestoreRequest};
 
 use crate::error::{Error, Result};
 
+pub mod limits;
 pub mod standby;
 
+pub use limits::{LimitsConfig, VmCgroups};
 pub use standby::{Shape, StandbyConfig, StandbyPool};
 
 /// What a new VM process starts from and where its files go.
@@ -142,6 +144,8 @@ pub struct ProcessDriver {
     children: Mutex<HashMap<i32, Child>>,
     /// Standby processes, when enabled.
     standby: Mutex<Option<StandbyPool>>,
+    /// A cgroup per VM process, unless limits are off.
+    cgroups: Option<Arc<VmCgroups>>,
 }
 
 impl ProcessDriver {
@@ -151,17 +155,32 @@ impl ProcessDriver {
             clade,
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(None),
+            cgroups: None,
         }
     }
 
-    /// A driver that keeps standby processes ready as `cfg` says (see [`standby`]).
+    /// A driver that keeps standby processes ready as `cfg` says (see [`standby`]), each
+    /// VM process in a cgroup of `cfg.cgroups` when it has them.
     pub fn with_standby(clade: PathBuf, cfg: StandbyConfig) -> Result<Self> {
+        let cgroups = cfg.cgroups.clone();
         let pool = StandbyPool::new(clade.clone(), cfg)?;
         Ok(Self {
             clade,
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(Some(pool)),
+            cgroups,
         })
+    }
+
+    /// This driver, each VM process it starts in a cgroup of `cgroups` (see [`limits`]).
+    pub fn limited(mut self, cgroups: Arc<VmCgroups>) -> Self {
+        self.cgroups = Some(cgroups);
+        self
+    }
+
+    /// The cgroups of its VM processes, unless limits are off.
+    pub fn cgroups(&self) -> Option<&Arc<VmCgroups>> {
+        self.cgroups.as_ref()
     }
 
     /// Ends the ready standby processes and stops making new ones (sandboxes' VM processes
@@ -239,6 +258,9 @@ impl ProcessDriver {
                 let log = std::mem::take(&mut sb.log);
                 self.with_pool(|pool| pool.remove_later(log));
                 let api_sock = std::mem::take(&mut sb.api_sock);
+                if let (Some(cg), Some(j)) = (&self.cgroups, sb.cgroup.take()) {
+                    cg.adopt(&api_sock, j);
+                }
                 self.children().insert(pid, sb.child);
                 Ok(Some(Started { pid, api_sock }))
             }
@@ -483,12 +505,33 @@ impl VmDriver for ProcessDriver {
         }
         // Its own process group: a Ctrl-C meant for the service does not stop sandboxes.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = cmd
+        let shape = Shape {
+            vcpus: spec.vcpus,
+            mem_mib: spec.mem_mib,
+        };
+        let joining = self
+            .cgroups
+            .as_ref()
+            .map(|cg| cg.join_new(&mut cmd, shape))
+            .transpose()?;
+        let spawned = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
-            .spawn()
-            .map_err(Error::io("starting", &self.clade))?;
+            .spawn();
+        let (mut child, joining) = match (spawned, joining, &self.cgroups) {
+            (Ok(c), j, _) => (c, j),
+            (Err(e), j, cg) => {
+                if let (Some(cg), Some(j)) = (cg, j) {
+                    cg.discard(j);
+                }
+                return Err(Error::io("starting", &self.clade)(e));
+            }
+        };
+        // From here on its cgroup is released when it ends.
+        if let (Some(cg), Some(j)) = (&self.cgroups, joining) {
+            cg.adopt(&spec.api_sock, j);
+        }
         let pid = child.id() as i32;
         let t = Instant::now();
         // From a store: its chunks come through the fetcher (whose requests each have
@@ -500,6 +543,9 @@ impl VmDriver for ProcessDriver {
         };
         loop {
             if let Ok(Some(status)) = child.try_wait() {
+                if let Some(cg) = &self.cgroups {
+                    cg.release(&spec.api_sock);
+                }
                 return Err(Error::Vm(format!(
                     "clade restore {} ended ({status}): {}",
                     spec.snapshot.display(),
@@ -516,6 +562,9 @@ impl VmDriver for ProcessDriver {
             if t.elapsed() > limit {
                 let _ = child.kill();
                 let _ = child.wait();
+                if let Some(cg) = &self.cgroups {
+                    cg.release(&spec.api_sock);
+                }
                 return Err(Error::Vm(format!(
                     "clade restore {}: API not answering after {:?}: {}",
                     spec.snapshot.display(),
@@ -630,7 +679,7 @@ impl VmDriver for ProcessDriver {
             .ok_or_else(|| bad("children"))?;
         let path =
             |c: &serde_json::Value, k: &str| c.get(k).and_then(|v| v.as_str()).map(PathBuf::from);
-        children
+        let children: Vec<ForkedChild> = children
             .iter()
             .map(|c| {
                 Ok(ForkedChild {
@@ -644,10 +693,26 @@ impl VmDriver for ProcessDriver {
                     disk: path(c, "disk"),
                 })
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        if let Some(cg) = &self.cgroups {
+            for c in &children {
+                cg.adopt_child(api_sock, &c.api_sock, c.pid);
+            }
+        }
+        Ok(children)
     }
 
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String> {
+        let why = self.process_exited(pid, api_sock);
+        if let (Some(_), Some(cg)) = (&why, &self.cgroups) {
+            cg.release(api_sock);
+        }
+        why
+    }
+}
+
+impl ProcessDriver {
+    fn process_exited(&self, pid: i32, api_sock: &Path) -> Option<String> {
         let mut children = self.children();
         if let Some(child) = children.get_mut(&pid) {
             return match child.try_wait() {

@@ -49,6 +49,10 @@ mounts() {
     mount -t sysfs sysfs /sys
     mount -t devtmpfs devtmpfs /dev
     mount -t tmpfs tmpfs /tmp
+    # cgroup v2, as a current distribution mounts it: `clade serve` puts each sandbox's
+    # VM process in a cgroup of its own and refuses to run without one.
+    mkdir -p /sys/fs/cgroup
+    mount -t cgroup2 none /sys/fs/cgroup || echo "outer init: no cgroup2"
     # What udev would make: programs such as `nft -f -` open /dev/stdin.
     ln -sf /proc/self/fd /dev/fd
     ln -sf /proc/self/fd/0 /dev/stdin

@@ -33,6 +33,10 @@ pub struct JailArgs {
     /// The jail's cgroup CPU limit, in CPUs (e.g. 1.5).
     #[arg(long, value_name = "CPUS", requires = "jail")]
     jail_cpus: Option<f64>,
+    /// Also show this file or directory in the jail, read-only (repeatable): for a
+    /// standby, the directories its restore requests may name snapshots in.
+    #[arg(long, value_name = "PATH", requires = "jail")]
+    jail_read: Vec<PathBuf>,
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -114,6 +118,9 @@ impl JailArgs {
         };
         let mut p = JailPaths::default();
         paths(&mut p)?;
+        for extra in &self.jail_read {
+            p.read(extra)?;
+        }
         let config = JailConfig {
             root: std::path::absolute(root)
                 .with_context(|| format!("{}: cannot make the path absolute", root.display()))?,

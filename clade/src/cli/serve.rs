@@ -76,6 +76,23 @@ pub struct ServeArgs {
     /// (refilled in the background). 0: each sandbox's process is started on its request.
     #[arg(long, value_name = "N", env = "CLADE_SERVE_STANDBY", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=16))]
     standby: u8,
+    /// DEVELOPMENT ONLY: run sandboxes' VM processes without a cgroup of their own (no CPU,
+    /// memory or process limits: one busy sandbox can starve the others). By default each
+    /// VM process (standbys, sandboxes, fork children) has one; a host where the limits
+    /// cannot be applied is refused with what is missing.
+    #[arg(long)]
+    no_limits: bool,
+    /// CPUs' worth of time a sandbox may use per vCPU (its cgroup's quota; below 1 the
+    /// host is oversubscribed).
+    #[arg(long, value_name = "F", default_value_t = 1.0)]
+    cpu_per_vcpu: f64,
+    /// Memory a sandbox's VM process may use beyond its guest's RAM (MiB); a VM over its
+    /// limit is killed by the kernel and reported as crashed.
+    #[arg(long, value_name = "MIB", default_value_t = 192)]
+    vmm_overhead: u64,
+    /// Processes and threads per sandbox VM process.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pids_max: u64,
     /// TEST HARNESS ONLY: sandboxes are host-run `clade-agent --listen-unix` processes
     /// (this executable), not VMs; commands run on the host as this user. Installs the
     /// template `host-agent`. For SDK tests on machines that cannot boot Linux guests.
@@ -174,6 +191,26 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     cfg.max_timeout_s = args.max_timeout.max(1);
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let mut processes: Option<Arc<ProcessDriver>> = None;
+    let cgroups = if args.no_limits || args.test_host_agent.is_some() {
+        if args.test_host_agent.is_none() {
+            eprintln!(
+                "clade serve: --no-limits: sandboxes run WITHOUT cgroup limits (development \
+                 only: one busy sandbox can starve the others)"
+            );
+        }
+        None
+    } else {
+        let cfg = sandbox::vmproc::LimitsConfig {
+            cpu_share: args.cpu_per_vcpu,
+            vmm_overhead_mib: args.vmm_overhead,
+            pids_max: args.pids_max,
+            ..Default::default()
+        };
+        Some(Arc::new(
+            sandbox::vmproc::VmCgroups::new(&state_dir, cfg)
+                .context("sandbox limits (cgroups); --no-limits runs without them")?,
+        ))
+    };
     let driver: Arc<dyn sandbox::VmDriver> = match &args.test_host_agent {
         Some(agent) => {
             eprintln!(
@@ -185,7 +222,15 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 std::path::absolute(agent)?,
             ))
         }
-        None if args.standby == 0 => Arc::new(ProcessDriver::new(exe)),
+        None if args.standby == 0 => {
+            let mut d = ProcessDriver::new(exe);
+            if let Some(cg) = &cgroups {
+                d = d.limited(Arc::clone(cg));
+            }
+            let d = Arc::new(d);
+            processes = Some(Arc::clone(&d));
+            d
+        }
         None => {
             let shapes = TemplateStore::new(&state_dir)
                 .list()?
@@ -202,6 +247,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                     per_shape: args.standby.into(),
                     files_root: state_dir.join("sandboxes"),
                     shapes,
+                    cgroups: cgroups.clone(),
                 },
             )?);
             processes = Some(Arc::clone(&d));

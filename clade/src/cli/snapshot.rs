@@ -73,7 +73,7 @@ pub struct RestoreArgs {
     /// Start as a standby process: confine the process, build a VM shell of --vcpus and
     /// --mem, serve --api-sock and wait for one `restore` request (the options below, as
     /// JSON: vmm::api::RestoreRequest), then run that VM as `clade restore DIR` would.
-    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "jail", "vsock", "serial_file", "disk_overlay", "no_agent_sync", "net"])]
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "vsock", "serial_file", "disk_overlay", "no_agent_sync", "net"])]
     standby: bool,
     /// Standby: the vCPUs of the VM shell (the snapshots it will take).
     #[arg(long, requires = "standby", default_value_t = 1)]
@@ -313,10 +313,34 @@ fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
 
 /// `clade restore --standby`: a confined process with a pre-built VM shell that waits for
 /// its `restore` request (see `vmm::host::standby`).
-fn standby(args: RestoreArgs) -> anyhow::Result<u8> {
+fn standby(mut args: RestoreArgs) -> anyhow::Result<u8> {
+    args.jail.absolute(
+        args.api_sock
+            .iter_mut()
+            .chain(&mut args.files_root)
+            .chain(&mut args.preload),
+    )?;
     let Some(api_sock) = &args.api_sock else {
         bail!("--standby needs --api-sock");
     };
+    args.jail
+        .require_files_root(true, args.files_root.is_some())?;
+    // Jailed, it sees what any restore request it may get names: its socket's and the
+    // files root's directories read-write, the snapshot it opens ahead and the
+    // directories given with --jail-read (a host's templates) read-only.
+    let jailed = args.jail.enter(&args.kvm_device, |p| {
+        p.write_dir_of(api_sock)?;
+        if let Some(root) = &args.files_root {
+            p.write_dir(root)?;
+        }
+        if let Some(dir) = &args.preload {
+            p.read(dir)?;
+        }
+        Ok(())
+    })?;
+    if let Some(code) = jailed {
+        return Ok(code);
+    }
     // The process filter before the shell's threads exist, so each narrows it to its kind.
     if !args.no_seccomp {
         vmm::seccomp::install()?;

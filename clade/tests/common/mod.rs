@@ -64,3 +64,34 @@ impl Drop for Proc {
         let _ = self.0.wait();
     }
 }
+
+/// The value of cgroup file `file` of controller `ctl` (a v1 controller's name; on
+/// cgroup v2 the one hierarchy) for the cgroup of process `pid`, and that cgroup's path.
+#[allow(dead_code)]
+pub fn cgroup_file(pid: i32, ctl: &str, file: &str) -> (String, String) {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let v1 = !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let path = cgroups
+        .lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, names, path) = (f.next()?, f.next()?, f.next()?);
+            let hit = if v1 {
+                names.split(',').any(|n| n == ctl)
+            } else {
+                names.is_empty()
+            };
+            hit.then(|| path.to_string())
+        })
+        .unwrap_or_else(|| panic!("pid {pid}: no {ctl} cgroup: {cgroups}"));
+    let base = if v1 {
+        format!("/sys/fs/cgroup/{ctl}")
+    } else {
+        "/sys/fs/cgroup".into()
+    };
+    let value = std::fs::read_to_string(format!("{base}{path}/{file}"))
+        .unwrap_or_else(|e| panic!("pid {pid}: {base}{path}/{file}: {e}"))
+        .trim()
+        .to_string();
+    (path, value)
+}

@@ -76,6 +76,8 @@ pub struct StandbyConfig {
     pub files_root: PathBuf,
     /// Shapes to fill at once (more are added when a start asks for them).
     pub shapes: Vec<Shape>,
+    /// A cgroup per standby (and so per sandbox VM it becomes), unless limits are off.
+    pub cgroups: Option<Arc<super::VmCgroups>>,
 }
 
 /// A ready standby process.
@@ -85,6 +87,10 @@ pub(crate) struct Standby {
     pub(crate) log: PathBuf,
     /// Snapshots it was asked to open ahead (`preload` requests), oldest first.
     pub(crate) asked: Vec<PathBuf>,
+    /// Its cgroup, until a take hands it on with the process.
+    pub(crate) cgroup: Option<super::limits::Joining>,
+    /// The pool's cgroups (to remove its own when it is discarded).
+    pub(crate) cgroups: Option<Arc<super::VmCgroups>>,
 }
 
 impl Standby {
@@ -106,6 +112,9 @@ impl Standby {
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.api_sock);
         let _ = std::fs::remove_file(&self.log);
+        if let (Some(cg), Some(j)) = (&self.cgroups, self.cgroup.take()) {
+            cg.discard(j);
+        }
     }
 }
 
@@ -488,13 +497,31 @@ fn start_standby(
     super::end_with_this_process(&mut cmd);
     // Until a request takes it ([`super::run_at_normal_priority`]).
     super::start_at_idle_priority(&mut cmd);
-    let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
+    // In its cgroup while it waits: the request that takes it moves nothing.
+    let cgroup = cfg
+        .cgroups
+        .as_ref()
+        .map(|cg| cg.join_new(&mut cmd, shape))
+        .transpose()?;
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            if let (Some(cg), Some(j)) = (&cfg.cgroups, cgroup) {
+                cg.discard(j);
+            }
+            return Err(Error::io("starting", clade)(e));
+        }
+    };
+    let mut cgroup = cgroup;
     let t = Instant::now();
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let _ = std::fs::remove_file(&api_sock);
             let tail = super::log_tail(&log);
             let _ = std::fs::remove_file(&log);
+            if let (Some(cg), Some(j)) = (&cfg.cgroups, cgroup.take()) {
+                cg.discard(j);
+            }
             return Err(Error::Vm(format!(
                 "standby process ended ({status}): {tail}"
             )));
@@ -506,6 +533,8 @@ fn start_standby(
                     api_sock,
                     log,
                     asked: Vec::new(),
+                    cgroup,
+                    cgroups: cfg.cgroups.clone(),
                 });
             }
         }
@@ -515,6 +544,8 @@ fn start_standby(
                 api_sock,
                 log,
                 asked: Vec::new(),
+                cgroup,
+                cgroups: cfg.cgroups.clone(),
             }
             .discard();
             return Err(Error::Vm(format!(
@@ -657,6 +688,7 @@ mod tests {
                 per_shape: n,
                 files_root: d.clone(),
                 shapes: Vec::new(),
+                cgroups: None,
             };
             assert!(StandbyPool::new(PathBuf::from("false"), cfg).is_err());
         }

@@ -117,7 +117,7 @@ VM=$(pid_of "$J/vm/api.sock")
 [ "$(echo "$VM" | wc -w)" = 1 ] || fail "not one VM process as 65534: '$VM'"
 confined "$VM" "VM"
 cg=$(cut -d: -f3 /proc/"$VM"/cgroup)
-case "$cg" in /clade-root-*) ;; *) fail "VM cgroup '$cg'" ;; esac
+case "$cg" in /clade/jail-root-*) ;; *) fail "VM cgroup '$cg'" ;; esac
 CG=/sys/fs/cgroup$cg
 [ "$(cat "$CG/memory.max")" = 1073741824 ] || fail "memory.max $(cat "$CG/memory.max")"
 [ "$(cat "$CG/pids.max")" = 200 ] || fail "pids.max $(cat "$CG/pids.max")"
