@@ -81,6 +81,8 @@ pub struct ServeReport {
     pub runs: Vec<ServeRun>,
     /// Measured once, with one running sandbox and the last run's paused ones.
     pub dataplane: DataPlaneRun,
+    /// Confined (the default) against unconfined, interleaved.
+    pub confinement: ConfinementRun,
     /// The host's noise, measured after the runs (the service and its sandboxes idle).
     pub noise: crate::HostNoise,
 }
@@ -97,7 +99,7 @@ struct Service {
 }
 
 impl Service {
-    fn start(clade: &Path, guest: &Guest) -> Result<Service> {
+    fn start(clade: &Path, guest: &Guest, extra: &[&str]) -> Result<Service> {
         let state = Scratch::new("serve")?;
         let kernel = guest.path_for_other_processes();
         // The guest's `vsock` step serves any number of agent connections, without a
@@ -143,6 +145,7 @@ impl Service {
             .arg("--state-dir")
             .arg(&state.0)
             .args(["--api-key", KEY, "--max-timeout", "86400"])
+            .args(extra)
             .stdout(Stdio::null())
             // CLADE_BENCH_SERVE_LOG=FILE keeps the service's log (with CLADE_LOG=info: the
             // timings of each create and resume).
@@ -294,7 +297,7 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
     if params.n == 0 {
         return Err(Error::InvalidParams("--n must be at least 1".into()));
     }
-    let service = Service::start(&params.clade, guest)?;
+    let service = Service::start(&params.clade, guest, &[])?;
     let mut paused = Vec::new();
     let mut runs = Vec::new();
     for &background in &params.background {
@@ -337,12 +340,91 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
         });
     }
     let dataplane = dataplane(&service, params.n.max(200))?;
+    let confinement = confinement(&service, &params.clade, guest, params.n)?;
+    drop(service);
     let noise = crate::HostNoise::measure(crate::noise::NOISE_TRIES);
     Ok(ServeReport {
         runs,
         dataplane,
+        confinement,
         noise,
     })
+}
+
+/// The cost of confinement: creates and wakes on the service as it runs by default
+/// (`confined`: each VM process in its cgroup) and on a second one started with
+/// `--no-limits`, interleaved one for one so that both see the same host.
+#[derive(Debug)]
+pub struct ConfinementRun {
+    /// create → ping answered, confined.
+    pub create: Samples,
+    /// The same, unconfined.
+    pub create_free: Samples,
+    /// wake → ping answered, confined.
+    pub wake: Samples,
+    /// The same, unconfined.
+    pub wake_free: Samples,
+}
+
+impl ConfinementRun {
+    /// p50 confined / p50 unconfined, for creates and wakes.
+    pub fn ratios(&self) -> (Option<f64>, Option<f64>) {
+        let r = |a: &Samples, b: &Samples| Some(a.percentile(50.0)? / b.percentile(50.0)?);
+        (
+            r(&self.create, &self.create_free),
+            r(&self.wake, &self.wake_free),
+        )
+    }
+}
+
+fn confinement(
+    confined: &Service,
+    clade: &Path,
+    guest: &Guest,
+    n: usize,
+) -> Result<ConfinementRun> {
+    let free = Service::start(clade, guest, &["--no-limits"])?;
+    let mut run = ConfinementRun {
+        create: Samples::new(),
+        create_free: Samples::new(),
+        wake: Samples::new(),
+        wake_free: Samples::new(),
+    };
+    let create = |s: &Service, out: &mut Samples| -> Result<()> {
+        let t = Instant::now();
+        let id = s.create()?;
+        probe(&s.vsock(&id)).context("a new sandbox's agent")?;
+        out.push(t.elapsed());
+        s.kill(&id)
+    };
+    for _ in 0..n {
+        create(confined, &mut run.create)?;
+        create(&free, &mut run.create_free)?;
+    }
+    let woken: Vec<String> = [confined, &free]
+        .iter()
+        .map(|s| {
+            let id = s.create()?;
+            probe(&s.vsock(&id)).context("the woken sandbox's agent")?;
+            Ok(id)
+        })
+        .collect::<Result<_>>()?;
+    for _ in 0..n {
+        for (s, (id, out)) in [confined, &free]
+            .into_iter()
+            .zip(woken.iter().zip([&mut run.wake, &mut run.wake_free]))
+        {
+            s.pause(id)?;
+            let t = Instant::now();
+            s.connect(id)?;
+            probe(&s.vsock(id)).context("a woken sandbox's agent")?;
+            out.push(t.elapsed());
+        }
+    }
+    for (s, id) in [confined, &free].into_iter().zip(&woken) {
+        s.kill(id)?;
+    }
+    Ok(run)
 }
 
 /// The data-plane case: `n` interleaved pairs on one running sandbox, after a warm-up.
@@ -398,6 +480,18 @@ impl ServeReport {
         top["dataplane_p50_us"] = json!(r1(d.through.percentile(50.0)));
         top["dataplane_p99_us"] = json!(r1(d.through.percentile(99.0)));
         top["dataplane_added_p50_us"] = json!(r1(d.added_p50_us()));
+        let c = &self.confinement;
+        let (cr, wr) = c.ratios();
+        let r2 = |v: Option<f64>| v.map(|v| (v * 1000.0).round() / 1000.0);
+        top["confinement"] = json!({
+            "n": c.create.len(),
+            "create_p50_us": r1(c.create.percentile(50.0)),
+            "create_unconfined_p50_us": r1(c.create_free.percentile(50.0)),
+            "wake_p50_us": r1(c.wake.percentile(50.0)),
+            "wake_unconfined_p50_us": r1(c.wake_free.percentile(50.0)),
+            "create_ratio_p50": r2(cr),
+            "wake_ratio_p50": r2(wr),
+        });
         top["host_noise"] = self.noise.to_json();
         top["bench"] = json!("serve");
         top["runs"] = Value::Array(self.runs.iter().map(run).collect());
@@ -436,6 +530,19 @@ impl std::fmt::Display for ServeReport {
             p(&d.direct, 50.0),
             d.added_p50_us().unwrap_or(f64::NAN),
             d.through.len()
+        )?;
+        let c = &self.confinement;
+        let (cr, wr) = c.ratios();
+        writeln!(
+            f,
+            "  confinement (cgroup per VM process vs --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= 1.10x)",
+            p(&c.create, 50.0),
+            p(&c.create_free, 50.0),
+            cr.unwrap_or(f64::NAN),
+            p(&c.wake, 50.0),
+            p(&c.wake_free, 50.0),
+            wr.unwrap_or(f64::NAN),
+            c.create.len()
         )?;
         writeln!(f, "  {}", self.noise)
     }

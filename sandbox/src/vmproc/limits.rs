@@ -118,6 +118,14 @@ impl VmCgroups {
                 (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
             });
         let parent = format!("clade/s-{:012x}", hash & 0xffff_ffff_ffff);
+        let mut cfg = cfg;
+        if cfg.io_weight.is_some() && !hierarchy.io_weight_supported(&parent) {
+            tracing::warn!(
+                "no I/O weight for sandboxes: no block device of this host uses BFQ (the \
+                 scheduler with weights); CPU, memory and process limits apply"
+            );
+            cfg.io_weight = None;
+        }
         let cgroups = VmCgroups {
             hierarchy,
             parent,
@@ -125,14 +133,6 @@ impl VmCgroups {
             live: Mutex::new(HashMap::new()),
         };
         cgroups.sweep();
-        if cgroups.cfg.io_weight.is_some()
-            && !cgroups.hierarchy.io_weight_supported(&cgroups.parent)
-        {
-            tracing::warn!(
-                "no I/O weight for sandboxes: this host's block scheduler has no weights \
-                 (BFQ); CPU, memory and process limits apply"
-            );
-        }
         tracing::info!(hierarchy = ?cgroups.hierarchy, parent = %cgroups.parent, "sandbox cgroups");
         Ok(cgroups)
     }
