@@ -395,6 +395,62 @@ fn assert_vm_processes_limited(state: &Path, mem_mib: u64, at_least: usize) {
     );
 }
 
+/// A guest that goes over its sandbox's memory limit is killed by the kernel in its own
+/// cgroup and reported crashed with the reason; the service and another sandbox go on.
+#[test]
+fn a_sandbox_over_its_memory_limit_is_killed_and_reported_alone() {
+    let d = Dir::new("oom");
+    let state = d.p("state");
+    // After the build's agent connection, the guest rewrites 190 MiB forever.
+    for (name, mem, steps) in [("hog", "256", "vsock:1,memchurn:190"), ("t", "64", "vsock")] {
+        let o = clade()
+            .args(["template", "build", name, "--test-device", "--mem", mem])
+            .arg("--kernel")
+            .arg(native_guest())
+            .args(["--cmdline", &format!("steps={steps}")])
+            .arg("--state-dir")
+            .arg(&state)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let port = free_port();
+    let _serve = start_serve_with(&state, port, &["--test-memory-limit", "128"]);
+    let quiet = create_from_template(port);
+    let vsock = |id: &str| state.join("sandboxes").join(id).join("vm.vsock");
+    ping(&vsock(&quiet));
+    let (s, v) = http(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        Some("k"),
+        r#"{"templateID":"hog","timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    let hog = id_of(&v);
+    let t = Instant::now();
+    let crashed = loop {
+        let (s, v) = http(port, "GET", &format!("/sandboxes/{hog}"), Some("k"), "");
+        if s != 200 {
+            break v;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the hog still runs: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let msg = crashed["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("over its memory limit of 128 MiB"),
+        "{crashed}"
+    );
+    // The neighbour and the service are untouched.
+    ping(&vsock(&quiet));
+    let (s, v) = http(port, "GET", &format!("/sandboxes/{quiet}"), Some("k"), "");
+    assert_eq!((s, v["state"].as_str()), (200, Some("running")), "{v}");
+}
+
 /// The standby processes' sockets in `state` and what their processes say they are.
 fn standby_sockets(state: &Path) -> Vec<(PathBuf, String)> {
     let Ok(entries) = std::fs::read_dir(state.join("standby")) else {

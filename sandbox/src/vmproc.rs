@@ -703,8 +703,12 @@ impl VmDriver for ProcessDriver {
     }
 
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String> {
-        let why = self.process_exited(pid, api_sock);
-        if let (Some(_), Some(cg)) = (&why, &self.cgroups) {
+        let mut why = self.process_exited(pid, api_sock);
+        if let (Some(w), Some(cg)) = (&mut why, &self.cgroups) {
+            if let Some(killed) = cg.killed_for(api_sock) {
+                w.push_str(": ");
+                w.push_str(&killed);
+            }
             cg.release(api_sock);
         }
         why

@@ -93,6 +93,9 @@ pub struct ServeArgs {
     /// Processes and threads per sandbox VM process.
     #[arg(long, value_name = "N", default_value_t = 1024)]
     pids_max: u64,
+    /// TEST HARNESS ONLY: every sandbox's memory limit (MiB), whatever its RAM.
+    #[arg(long, value_name = "MIB", hide = true)]
+    test_memory_limit: Option<u64>,
     /// TEST HARNESS ONLY: sandboxes are host-run `clade-agent --listen-unix` processes
     /// (this executable), not VMs; commands run on the host as this user. Installs the
     /// template `host-agent`. For SDK tests on machines that cannot boot Linux guests.
@@ -204,6 +207,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             cpu_share: args.cpu_per_vcpu,
             vmm_overhead_mib: args.vmm_overhead,
             pids_max: args.pids_max,
+            test_memory_mib: args.test_memory_limit,
             ..Default::default()
         };
         Some(Arc::new(

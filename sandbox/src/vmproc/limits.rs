@@ -45,6 +45,9 @@ pub struct LimitsConfig {
     pub pids_max: u64,
     /// I/O weight (1..=10000), applied where the host's block scheduler has weights.
     pub io_weight: Option<u32>,
+    /// TEST HARNESS ONLY: this memory limit (MiB) whatever the shape, so that a test
+    /// guest can go over it.
+    pub test_memory_mib: Option<u64>,
 }
 
 impl Default for LimitsConfig {
@@ -54,6 +57,7 @@ impl Default for LimitsConfig {
             vmm_overhead_mib: 192,
             pids_max: 1024,
             io_weight: Some(100),
+            test_memory_mib: None,
         }
     }
 }
@@ -63,7 +67,11 @@ impl LimitsConfig {
     pub fn for_shape(&self, shape: Shape) -> CgroupLimits {
         let vcpus = shape.vcpus.max(1);
         CgroupLimits {
-            memory_max: Some((shape.mem_mib.saturating_add(self.vmm_overhead_mib)) << 20),
+            memory_max: Some(
+                self.test_memory_mib
+                    .unwrap_or(shape.mem_mib.saturating_add(self.vmm_overhead_mib))
+                    << 20,
+            ),
             pids_max: Some(self.pids_max),
             cpus: Some(f64::from(vcpus) * self.cpu_share),
             cpu_weight: Some((100 * vcpus).min(10_000)),
@@ -244,6 +252,19 @@ impl VmCgroups {
         }
     }
 
+    /// Why the VM process behind `api_sock`, which ended, was killed, if its cgroup
+    /// knows: the kernel killed a process of it for going over its memory limit.
+    pub fn killed_for(&self, api_sock: &Path) -> Option<String> {
+        let st = self.lock();
+        let (cg, limits) = st.get(api_sock)?;
+        (cg.oom_kills()? > 0).then(|| {
+            format!(
+                "killed by the kernel: over its memory limit of {} MiB (guest RAM + VMM)",
+                limits.memory_max.unwrap_or(0) >> 20
+            )
+        })
+    }
+
     /// The cgroup of the VM process behind `api_sock`, if it has one here.
     pub fn of(&self, api_sock: &Path) -> Option<Cgroup> {
         self.lock().get(api_sock).map(|(c, _)| c.clone())
@@ -335,6 +356,7 @@ mod tests {
             vmm_overhead_mib: 100,
             pids_max: 500,
             io_weight: None,
+            test_memory_mib: None,
         };
         let l = cfg.for_shape(Shape {
             vcpus: 2,
