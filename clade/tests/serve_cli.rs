@@ -111,17 +111,7 @@ fn serve_drives_sandboxes_of_the_native_guest() {
     let d = Dir::new("serve");
     let state = d.p("state");
     // The `vsock` step serves every agent connection (the build's and the test's).
-    let steps = "vsock";
-    let o = clade()
-        .args(["template", "build", "t", "--test-device", "--mem", "64"])
-        .arg("--kernel")
-        .arg(native_guest())
-        .args(["--cmdline", &format!("steps={steps}")])
-        .arg("--state-dir")
-        .arg(&state)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    build_template(&state);
     let o = clade()
         .args(["template", "build", "u", "--test-device", "--run", "true"])
         .arg("--kernel")
@@ -402,32 +392,14 @@ fn a_sandbox_over_its_memory_limit_is_killed_and_reported_alone() {
     let d = Dir::new("oom");
     let state = d.p("state");
     // After the build's agent connection, the guest rewrites 190 MiB forever.
-    for (name, mem, steps) in [("hog", "256", "vsock:1,memchurn:190"), ("t", "64", "vsock")] {
-        let o = clade()
-            .args(["template", "build", name, "--test-device", "--mem", mem])
-            .arg("--kernel")
-            .arg(native_guest())
-            .args(["--cmdline", &format!("steps={steps}")])
-            .arg("--state-dir")
-            .arg(&state)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
+    build_template_of(&state, "hog", "256", "vsock:1,memchurn:190");
+    build_template(&state);
     let port = free_port();
     let _serve = start_serve_with(&state, port, &["--test-memory-limit", "128"]);
     let quiet = create_from_template(port);
     let vsock = |id: &str| state.join("sandboxes").join(id).join("vm.vsock");
     ping(&vsock(&quiet));
-    let (s, v) = http(
-        port,
-        "POST",
-        "/v2/sandboxes",
-        Some("k"),
-        r#"{"templateID":"hog","timeout":300}"#,
-    );
-    assert_eq!(s, 201, "{v}");
-    let hog = id_of(&v);
+    let hog = create_from(port, "hog");
     let t = Instant::now();
     let crashed = loop {
         let (s, v) = http(port, "GET", &format!("/sandboxes/{hog}"), Some("k"), "");
@@ -510,24 +482,29 @@ fn wait_standbys(state: &Path, n: usize) -> Vec<PathBuf> {
 
 /// A sandbox created from template `t` (built by [`build_template`]); its id.
 fn create_from_template(port: u16) -> String {
-    let (s, v) = http(
-        port,
-        "POST",
-        "/v2/sandboxes",
-        Some("k"),
-        r#"{"templateID":"t","timeout":300}"#,
-    );
+    create_from(port, "t")
+}
+
+/// A sandbox created from template `template`; its id.
+fn create_from(port: u16, template: &str) -> String {
+    let body = format!(r#"{{"templateID":"{template}","timeout":300}}"#);
+    let (s, v) = http(port, "POST", "/v2/sandboxes", Some("k"), &body);
     assert_eq!(s, 201, "{v}");
     id_of(&v)
 }
 
 /// Builds template `t` (the native guest serving agent connections, 64 MiB) in `state`.
 fn build_template(state: &Path) {
+    build_template_of(state, "t", "64", "vsock");
+}
+
+/// Builds template `name` of the native guest with `mem` MiB running `steps`.
+fn build_template_of(state: &Path, name: &str, mem: &str, steps: &str) {
     let o = clade()
-        .args(["template", "build", "t", "--test-device", "--mem", "64"])
+        .args(["template", "build", name, "--test-device", "--mem", mem])
         .arg("--kernel")
         .arg(native_guest())
-        .args(["--cmdline", "steps=vsock"])
+        .args(["--cmdline", &format!("steps={steps}")])
         .arg("--state-dir")
         .arg(state)
         .output()
