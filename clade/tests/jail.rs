@@ -366,3 +366,83 @@ fn jail_errors_are_clear() {
     // None of these started a VM.
     assert!(pids_of(&d.0.display().to_string(), NOBODY).is_empty());
 }
+
+/// `clade restore --standby --jail`: the standby is confined while it waits (a uid of its
+/// own, no capabilities, its own namespaces) and restores a snapshot it is shown read-only
+/// (`--jail-read`) when asked; one it is not shown does not exist for it.
+#[test]
+fn a_jailed_standby_restores_a_snapshot_it_is_shown() {
+    if !is_root() {
+        return;
+    }
+    let d = Dir::new("jail-standby");
+    // A snapshot of the guest serving agent connections, made unjailed.
+    let shown = d.p("shown");
+    std::fs::create_dir(&shown).unwrap();
+    let snap = shown.join("snap");
+    common::guest_snapshot(&native_guest(), &d.0, &snap);
+    // Snapshot files are the writer's only (0600): a snapshot shared by VMs of other users
+    // (a template's) is made readable to them.
+    for f in std::fs::read_dir(&snap).unwrap().flatten() {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    // The hidden one: a copy of the snapshot outside what the jail shows.
+    let hidden = d.p("hidden");
+    std::fs::create_dir(&hidden).unwrap();
+    for f in std::fs::read_dir(&snap).unwrap().flatten() {
+        std::fs::copy(f.path(), hidden.join(f.file_name())).unwrap();
+    }
+
+    let home = owned_dir(d.p("home"));
+    let sock = home.join("sb.api");
+    let mut sb = Proc(
+        clade()
+            .args(["restore", "--standby", "--vcpus", "1", "--mem", "64"])
+            .arg("--api-sock")
+            .arg(&sock)
+            .arg("--files-root")
+            .arg(&home)
+            .arg("--jail")
+            .arg(d.p("root"))
+            .args(["--uid", "65534", "--gid", "65534"])
+            .arg("--jail-read")
+            .arg(&shown)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the standby", || {
+        ApiClient::connect(&sock)
+            .and_then(|mut c| c.call(&Request::Status))
+            .is_ok_and(|r| r.ok && r.fields["state"] == "standby")
+    });
+    let pids = pids_of(&sock.display().to_string(), NOBODY);
+    assert_eq!(pids.len(), 1, "one standby process as nobody: {pids:?}");
+    assert_confined(pids[0]);
+
+    let restore = |dir: &Path| {
+        let req = Request::Restore(vmm::api::RestoreRequest {
+            vsock: Some(home.join("vm.vsock")),
+            serial_file: Some(home.join("serial.log")),
+            agent_sync: false,
+            ..vmm::api::RestoreRequest::new(dir.to_path_buf())
+        });
+        ApiClient::connect(&sock).unwrap().call(&req).unwrap()
+    };
+    let r = restore(&hidden);
+    assert!(
+        !r.ok && r.error.as_deref().unwrap_or("").contains("No such file"),
+        "a snapshot the jail does not show: {r:?}"
+    );
+    let r = restore(&snap);
+    assert!(r.ok, "{r:?}");
+    ping(&home.join("vm.vsock"));
+    assert_confined(pids[0]);
+    let r = ApiClient::connect(&sock)
+        .unwrap()
+        .call(&Request::Shutdown)
+        .unwrap();
+    assert!(r.ok, "{r:?}");
+    assert_eq!(wait_exit(&mut sb, Duration::from_secs(20)), Some(0));
+}

@@ -41,38 +41,8 @@ fn wait_exit(p: &mut Proc) -> i32 {
 
 /// A full snapshot of the native test guest serving agent connections (one after another).
 fn guest_snapshot(d: &Dir) -> PathBuf {
-    let (api_sock, serial) = (d.p("template.api"), d.p("template.serial"));
-    let mut vm = Proc(
-        clade()
-            .arg("run")
-            .arg("--kernel")
-            .arg(native_guest())
-            .args(["--test-device", "--cmdline", "steps=vsock"])
-            .arg("--vsock")
-            .arg(d.p("template.vsock"))
-            .arg("--api-sock")
-            .arg(&api_sock)
-            .arg("--serial-file")
-            .arg(&serial)
-            .spawn()
-            .unwrap(),
-    );
-    wait_until("the template VM never served its agent port", || {
-        std::fs::read_to_string(&serial)
-            .unwrap_or_default()
-            .contains("serving agent port")
-    });
     let snap = d.p("snap");
-    let r = api(
-        &api_sock,
-        &Request::Snapshot {
-            dir: snap.clone(),
-            kind: "full".into(),
-        },
-    );
-    assert!(r.ok, "{r:?}");
-    assert!(api(&api_sock, &Request::Shutdown).ok);
-    assert_eq!(wait_exit(&mut vm), 0);
+    common::guest_snapshot(&native_guest(), &d.0, &snap);
     snap
 }
 

@@ -95,3 +95,49 @@ pub fn cgroup_file(pid: i32, ctl: &str, file: &str) -> (String, String) {
         .to_string();
     (path, value)
 }
+
+/// A full snapshot at `snap` of the native test guest `kernel` serving agent connections
+/// (one after another), made by an unjailed `clade run` whose sockets go in `work`.
+#[allow(dead_code)]
+pub fn guest_snapshot(kernel: &std::path::Path, work: &std::path::Path, snap: &std::path::Path) {
+    use std::time::{Duration, Instant};
+    use vmm::api::{ApiClient, Request};
+    let (api, serial) = (work.join("template.api"), work.join("template.serial"));
+    let mut vm = Proc(
+        std::process::Command::new(env!("CARGO_BIN_EXE_clade"))
+            .arg("run")
+            .arg("--kernel")
+            .arg(kernel)
+            .args(["--test-device", "--cmdline", "steps=vsock"])
+            .arg("--vsock")
+            .arg(work.join("template.vsock"))
+            .arg("--api-sock")
+            .arg(&api)
+            .arg("--serial-file")
+            .arg(&serial)
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while !std::fs::read_to_string(&serial)
+        .unwrap_or_default()
+        .contains("serving agent port")
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the template VM never served its agent port"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut c = ApiClient::connect(&api).unwrap();
+    let r = c
+        .call(&Request::Snapshot {
+            dir: snap.to_path_buf(),
+            kind: "full".into(),
+        })
+        .unwrap();
+    assert!(r.ok, "{r:?}");
+    assert!(c.call(&Request::Shutdown).unwrap().ok);
+    let status = vm.0.wait().unwrap();
+    assert!(status.success(), "the template VM ended with {status}");
+}
