@@ -218,6 +218,10 @@ impl VmCgroups {
     /// started inside it run; a later sweep removes it).
     pub(crate) fn release(&self, api_sock: &Path) {
         let Some((cg, _)) = self.lock().remove(api_sock) else {
+            // A VM started by an earlier run of the service (sandboxes outlive it): its
+            // group is not known here; the empty ones of this service go, except those
+            // just made (a process may be about to join one).
+            self.sweep_own(SETTLED_AGE);
             return;
         };
         if cg.pids().is_empty() {
@@ -283,10 +287,7 @@ impl VmCgroups {
                 let Ok(cg) = self.hierarchy.cgroup(&format!("{parent}/{name}")) else {
                     continue;
                 };
-                let old = std::fs::metadata(cg.path())
-                    .and_then(|m| m.modified())
-                    .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > FOREIGN_AGE));
-                if old && cg.pids().is_empty() {
+                if older_than(&cg, FOREIGN_AGE) && cg.pids().is_empty() {
                     let _ = cg.remove();
                 }
             }
@@ -296,10 +297,12 @@ impl VmCgroups {
                 }
             }
         }
-        self.sweep_own();
+        self.sweep_own(std::time::Duration::ZERO);
     }
 
-    fn sweep_own(&self) {
+    /// Removes this service's empty groups that no VM process it knows has and that are
+    /// at least `min_age` old.
+    fn sweep_own(&self, min_age: std::time::Duration) {
         let known: Vec<PathBuf> = self
             .lock()
             .values()
@@ -312,12 +315,26 @@ impl VmCgroups {
             if known.contains(&cg.path().to_path_buf()) || !cg.pids().is_empty() {
                 continue;
             }
+            if !min_age.is_zero() && !older_than(&cg, min_age) {
+                continue;
+            }
             if let Err(e) = cg.remove() {
                 tracing::debug!("sweep: {e}");
             }
         }
     }
 }
+
+/// Whether the group's directory was made (last changed) more than `age` ago.
+fn older_than(cg: &Cgroup, age: std::time::Duration) -> bool {
+    std::fs::metadata(cg.path())
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > age))
+}
+
+/// How old an empty group of this service must be before a sweep during its run removes
+/// it: one is empty only between its creation and its process's start (milliseconds).
+const SETTLED_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How old an empty cgroup of another service must be before a sweep removes it.
 const FOREIGN_AGE: std::time::Duration = std::time::Duration::from_secs(120);
@@ -327,7 +344,7 @@ impl Drop for VmCgroups {
     /// stay).
     fn drop(&mut self) {
         self.lock().clear();
-        self.sweep_own();
+        self.sweep_own(std::time::Duration::ZERO);
         if self.hierarchy.children(&self.parent).is_empty() {
             if let Ok(cg) = self.hierarchy.cgroup(&self.parent) {
                 let _ = cg.remove();
