@@ -178,11 +178,6 @@ impl ProcessDriver {
         self
     }
 
-    /// The cgroups of its VM processes, unless limits are off.
-    pub fn cgroups(&self) -> Option<&Arc<VmCgroups>> {
-        self.cgroups.as_ref()
-    }
-
     /// Ends the ready standby processes and stops making new ones (sandboxes' VM processes
     /// are not touched). Called when the service stops; dropping the driver does it too.
     pub fn stop_standby(&self) {
@@ -258,8 +253,8 @@ impl ProcessDriver {
                 let log = std::mem::take(&mut sb.log);
                 self.with_pool(|pool| pool.remove_later(log));
                 let api_sock = std::mem::take(&mut sb.api_sock);
-                if let (Some(cg), Some(j)) = (&self.cgroups, sb.cgroup.take()) {
-                    cg.adopt(&api_sock, j);
+                if let Some(j) = sb.cgroup.take() {
+                    j.adopt(&api_sock);
                 }
                 self.children().insert(pid, sb.child);
                 Ok(Some(Started { pid, api_sock }))
@@ -514,23 +509,15 @@ impl VmDriver for ProcessDriver {
             .as_ref()
             .map(|cg| cg.join_new(&mut cmd, shape))
             .transpose()?;
-        let spawned = cmd
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
-            .spawn();
-        let (mut child, joining) = match (spawned, joining, &self.cgroups) {
-            (Ok(c), j, _) => (c, j),
-            (Err(e), j, cg) => {
-                if let (Some(cg), Some(j)) = (cg, j) {
-                    cg.discard(j);
-                }
-                return Err(Error::io("starting", &self.clade)(e));
-            }
-        };
+            .spawn()
+            .map_err(Error::io("starting", &self.clade))?;
         // From here on its cgroup is released when it ends.
-        if let (Some(cg), Some(j)) = (&self.cgroups, joining) {
-            cg.adopt(&spec.api_sock, j);
+        if let Some(j) = joining {
+            j.adopt(&spec.api_sock);
         }
         let pid = child.id() as i32;
         let t = Instant::now();

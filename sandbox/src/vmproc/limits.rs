@@ -25,7 +25,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use vmm::host::cgroup::{Cgroup, CgroupLimits, Hierarchy};
 
@@ -161,8 +161,9 @@ impl VmCgroups {
     }
 
     /// Makes the process `cmd` starts join a new cgroup of `shape`'s limits before it
-    /// executes; [`Joining::started`] records it as the VM process behind `api_sock`.
-    pub(crate) fn join_new(&self, cmd: &mut Command, shape: Shape) -> Result<Joining> {
+    /// executes. The group is removed when the [`Joining`] is dropped, unless
+    /// [`Joining::adopt`] records it as a VM process's first.
+    pub(crate) fn join_new(self: &Arc<Self>, cmd: &mut Command, shape: Shape) -> Result<Joining> {
         let limits = self.limits(shape);
         let cgroup = self.create(&limits)?;
         let files: Vec<OwnedFd> = match cgroup
@@ -195,23 +196,10 @@ impl VmCgroups {
             })
         };
         Ok(Joining {
-            cgroup,
-            limits,
+            owner: Arc::clone(self),
+            group: Some((cgroup, limits)),
             _files: files,
         })
-    }
-
-    /// Records the cgroup of the VM process behind `api_sock`.
-    pub(crate) fn adopt(&self, api_sock: &Path, joining: Joining) {
-        self.lock()
-            .insert(api_sock.to_path_buf(), (joining.cgroup, joining.limits));
-    }
-
-    /// Removes a cgroup whose process did not start (or was discarded).
-    pub(crate) fn discard(&self, joining: Joining) {
-        if let Err(e) = joining.cgroup.remove() {
-            tracing::debug!("{e}; the next sweep removes it");
-        }
     }
 
     /// The VM process behind `api_sock` ended: its cgroup goes (kept while fork children
@@ -267,11 +255,6 @@ impl VmCgroups {
                 limits.memory_max.unwrap_or(0) >> 20
             )
         })
-    }
-
-    /// The cgroup of the VM process behind `api_sock`, if it has one here.
-    pub fn of(&self, api_sock: &Path) -> Option<Cgroup> {
-        self.lock().get(api_sock).map(|(c, _)| c.clone())
     }
 
     /// Removes this service's cgroups that hold no process and belong to no VM process
@@ -353,13 +336,34 @@ impl Drop for VmCgroups {
     }
 }
 
-/// A new VM process's cgroup, between its creation and the process's start.
+/// A new VM process's cgroup, between its creation and the time the process is known to
+/// run (a standby: until it is taken). Dropped, it removes the group.
 #[derive(Debug)]
 pub(crate) struct Joining {
-    cgroup: Cgroup,
-    limits: CgroupLimits,
+    owner: Arc<VmCgroups>,
+    group: Option<(Cgroup, CgroupLimits)>,
     /// Its `cgroup.procs` files, open for the child to write to before it executes.
     _files: Vec<OwnedFd>,
+}
+
+impl Joining {
+    /// Records the group as that of the VM process behind `api_sock` (released when the
+    /// driver sees it end).
+    pub(crate) fn adopt(mut self, api_sock: &Path) {
+        if let Some(g) = self.group.take() {
+            self.owner.lock().insert(api_sock.to_path_buf(), g);
+        }
+    }
+}
+
+impl Drop for Joining {
+    fn drop(&mut self) {
+        if let Some((cg, _)) = self.group.take() {
+            if let Err(e) = cg.remove() {
+                tracing::debug!("{e}; the next sweep removes it");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

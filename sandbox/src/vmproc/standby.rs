@@ -87,10 +87,8 @@ pub(crate) struct Standby {
     pub(crate) log: PathBuf,
     /// Snapshots it was asked to open ahead (`preload` requests), oldest first.
     pub(crate) asked: Vec<PathBuf>,
-    /// Its cgroup, until a take hands it on with the process.
+    /// Its cgroup, until a take hands it on with the process (removed with it otherwise).
     pub(crate) cgroup: Option<super::limits::Joining>,
-    /// The pool's cgroups (to remove its own when it is discarded).
-    pub(crate) cgroups: Option<Arc<super::VmCgroups>>,
 }
 
 impl Standby {
@@ -112,9 +110,7 @@ impl Standby {
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.api_sock);
         let _ = std::fs::remove_file(&self.log);
-        if let (Some(cg), Some(j)) = (&self.cgroups, self.cgroup.take()) {
-            cg.discard(j);
-        }
+        // Its cgroup goes with it (`Joining` removes the group when dropped).
     }
 }
 
@@ -503,25 +499,13 @@ fn start_standby(
         .as_ref()
         .map(|cg| cg.join_new(&mut cmd, shape))
         .transpose()?;
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            if let (Some(cg), Some(j)) = (&cfg.cgroups, cgroup) {
-                cg.discard(j);
-            }
-            return Err(Error::io("starting", clade)(e));
-        }
-    };
-    let mut cgroup = cgroup;
+    let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
     let t = Instant::now();
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let _ = std::fs::remove_file(&api_sock);
             let tail = super::log_tail(&log);
             let _ = std::fs::remove_file(&log);
-            if let (Some(cg), Some(j)) = (&cfg.cgroups, cgroup.take()) {
-                cg.discard(j);
-            }
             return Err(Error::Vm(format!(
                 "standby process ended ({status}): {tail}"
             )));
@@ -534,7 +518,6 @@ fn start_standby(
                     log,
                     asked: Vec::new(),
                     cgroup,
-                    cgroups: cfg.cgroups.clone(),
                 });
             }
         }
@@ -545,7 +528,6 @@ fn start_standby(
                 log,
                 asked: Vec::new(),
                 cgroup,
-                cgroups: cfg.cgroups.clone(),
             }
             .discard();
             return Err(Error::Vm(format!(

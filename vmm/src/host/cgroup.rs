@@ -68,7 +68,7 @@ impl CgroupLimits {
         Ok(())
     }
 
-    /// The controllers these limits need (v1 names; `cpuacct` always, for the usage).
+    /// The controllers these limits need (v1 names).
     fn controllers(&self) -> Vec<&'static str> {
         let mut c = Vec::new();
         if self.memory_max.is_some() {
@@ -91,14 +91,14 @@ fn cg_err(msg: impl Into<String>) -> Error {
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// The controllers a v1 host mounts that a cgroup here uses.
-const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "blkio"];
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "blkio"];
 
 /// Where this host's cgroups are.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Hierarchy {
     /// One cgroup v2 hierarchy at this root.
     V2(PathBuf),
-    /// cgroup v1: each controller's mount point (`cpu` and `cpuacct` may be the same).
+    /// cgroup v1: each controller's mount point.
     V1(Vec<(&'static str, PathBuf)>),
 }
 
@@ -123,7 +123,6 @@ impl Hierarchy {
         let v1 = v1_mounts(&mounts);
         let missing: Vec<&str> = want
             .iter()
-            .chain(&["cpuacct"])
             .filter(|c| !v1.iter().any(|(n, _)| n == *c))
             .copied()
             .collect();
@@ -177,7 +176,7 @@ impl Hierarchy {
                 let mut dirs: Vec<(&'static str, PathBuf)> = Vec::new();
                 for (c, m) in mounts {
                     let d = m.join(name);
-                    // cpu and cpuacct are often one mount (cpu,cpuacct).
+                    // Controllers may share one mount (memory,pids): one directory.
                     if !dirs.iter().any(|(_, x)| *x == d) {
                         dirs.push((c, d));
                     }
@@ -273,14 +272,7 @@ impl Cgroup {
             if limits.io_weight.is_some() {
                 want.push("blkio");
             }
-            let shared_cpu = cg
-                .dirs
-                .iter()
-                .find(|(c, _)| *c == "cpu")
-                .map(|(_, d)| d.clone());
-            cg.dirs.retain(|(c, d)| {
-                want.contains(c) || (*c == "cpuacct" && Some(d) == shared_cpu.as_ref())
-            });
+            cg.dirs.retain(|(c, _)| want.contains(c));
         }
         if let Hierarchy::V2(root) = h {
             // Each level hands the controllers down to the next.
@@ -309,13 +301,6 @@ impl Cgroup {
             .iter()
             .find(|(c, _)| *c == controller)
             .map(|(_, d)| d.as_path())
-            .or_else(|| {
-                // cpuacct may share the cpu mount.
-                (controller == "cpuacct")
-                    .then(|| self.dir_of("cpu"))
-                    .flatten()
-                    .filter(|d| d.join("cpuacct.usage").exists())
-            })
     }
 
     fn write(&self, controller: &str, file: &str, value: &str) -> Result<()> {
@@ -429,23 +414,6 @@ impl Cgroup {
         fs::read_to_string(d.join("cgroup.procs"))
             .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
             .unwrap_or_default()
-    }
-
-    /// CPU time used by its processes, microseconds.
-    pub fn cpu_usage_us(&self) -> Option<u64> {
-        if self.v2 {
-            let stat = fs::read_to_string(self.dirs[0].1.join("cpu.stat")).ok()?;
-            return stat
-                .lines()
-                .find_map(|l| l.strip_prefix("usage_usec "))
-                .and_then(|v| v.trim().parse().ok());
-        }
-        let ns: u64 = fs::read_to_string(self.dir_of("cpuacct")?.join("cpuacct.usage"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()?;
-        Some(ns / 1000)
     }
 
     /// Memory charged to it, bytes.
@@ -564,10 +532,13 @@ mod tests {
 ";
         let m = v1_mounts(info);
         let names: Vec<&str> = m.iter().map(|(n, _)| *n).collect();
-        assert_eq!(names, ["cpu", "cpuacct", "memory", "pids"]);
-        assert_eq!(m[2].1, PathBuf::from("/sys/fs/cgroup/memory"));
+        assert_eq!(names, ["cpu", "memory", "pids"]);
+        assert_eq!(m[1].1, PathBuf::from("/sys/fs/cgroup/memory"));
         let joint = "40 30 0:33 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n";
         let m = v1_mounts(joint);
+        assert_eq!(m, [("cpu", PathBuf::from("/sys/fs/cgroup/cpu,cpuacct"))]);
+        let shared = "41 30 0:34 / /sys/fs/cgroup/mp rw - cgroup cgroup rw,memory,pids\n";
+        let m = v1_mounts(shared);
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].1, m[1].1);
     }
