@@ -56,6 +56,9 @@ pub enum Error {
     /// The object store or its fetcher failed.
     #[error(transparent)]
     Store(#[from] store::Error),
+    /// A report could not be drawn, written or read.
+    #[error("report: {0}")]
+    Report(String),
     /// A measuring thread panicked.
     #[error("the {0} thread panicked")]
     ThreadPanicked(&'static str),

@@ -446,3 +446,46 @@ impl fmt::Display for ForkReport {
         write!(f, "\n  {}", self.noise)
     }
 }
+
+impl crate::report::Reported for ForkReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        use crate::stats::{us, Samples};
+        let once = |d: Duration| Samples::from_us(vec![us(d)]);
+        let mut seq = vec![Series::measured(
+            "child: the pause, its build, its first answered ping",
+            &self.child.samples,
+        )];
+        if let Some(w) = &self.without_net {
+            seq.push(Series::baseline("same, without network", &w.child.samples));
+        }
+        seq.push(Series::baseline(
+            "fork by full memory copy (baseline, one child)",
+            &once(self.baseline),
+        ));
+        let pause: Vec<(String, f64)> = self
+            .pause_steps
+            .iter()
+            .map(|(k, d)| (k.to_string(), us(*d)))
+            .collect();
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::sequence(
+                    "children",
+                    "Each fork child's first answered ping, from the fork call",
+                    "child",
+                    seq,
+                ),
+                Plot::steps(
+                    "pause",
+                    "The parent's pause",
+                    vec![("parent pause".into(), pause)],
+                ),
+                self.noise.plot(),
+            ],
+        )
+    }
+}

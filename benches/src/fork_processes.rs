@@ -279,3 +279,33 @@ impl fmt::Display for ForkProcessesReport {
         Ok(())
     }
 }
+
+impl crate::report::Reported for ForkProcessesReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        let (pre, started) = (&self.prestarted, &self.started);
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::distribution(
+                    "answered",
+                    "clade fork: until the API answered",
+                    vec![
+                        Series::measured("children waiting (--fork-spares)", &pre.answered),
+                        Series::baseline("children started at the fork", &started.answered),
+                    ],
+                ),
+                Plot::distribution(
+                    "all",
+                    "clade fork: until every child answered a ping",
+                    vec![
+                        Series::measured("children waiting (--fork-spares)", &pre.all),
+                        Series::baseline("children started at the fork", &started.all),
+                    ],
+                ),
+            ],
+        )
+    }
+}

@@ -15,6 +15,7 @@ mod guest;
 mod net;
 mod noise;
 mod ping;
+pub mod report;
 mod restore;
 mod serve;
 mod snapshot;

@@ -49,6 +49,23 @@ impl HostNoise {
         HostNoise { chunks }
     }
 
+    /// The chunks' times.
+    pub fn chunks(&self) -> &Samples {
+        &self.chunks
+    }
+
+    /// Its distribution, for a report: the same fixed CPU work, try after try.
+    pub fn plot(&self) -> crate::report::Plot {
+        crate::report::Plot::distribution(
+            "host-noise",
+            "Host noise: the same fixed CPU work after a 1 ms sleep",
+            vec![crate::report::Series::measured(
+                "fixed CPU work",
+                &self.chunks,
+            )],
+        )
+    }
+
     /// Percentage of chunks that took at least three times the median.
     pub fn slow_pct(&self) -> f64 {
         let p50 = self.chunks.percentile(50.0).unwrap_or(f64::NAN);

@@ -533,3 +533,44 @@ impl fmt::Display for RestoreReport {
         write!(f, "\n  {}", self.noise)
     }
 }
+
+impl crate::report::Reported for RestoreReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        let backend = self.main.backend.name();
+        let mut dist = vec![Series::measured(
+            format!("{backend} restore"),
+            &self.main.samples,
+        )];
+        if let Some(b) = &self.baseline {
+            dist.push(Series::baseline("copy restore (baseline)", &b.samples));
+        }
+        if let Some(n) = &self.net {
+            dist.push(Series::baseline(
+                "same, without network",
+                &n.without.samples,
+            ));
+        }
+        dist.push(Series::baseline(
+            "warm round trip (second ping)",
+            &self.main.second_ping,
+        ));
+        let mut bars = vec![(
+            format!("{backend} restore"),
+            self.main.steps.p50s(STEP_ORDER),
+        )];
+        if let Some(b) = &self.baseline {
+            bars.push(("copy restore".into(), b.steps.p50s(STEP_ORDER)));
+        }
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::distribution("restore", "Restore until the first answered ping", dist),
+                Plot::steps("steps", "Restore steps", bars),
+                self.noise.plot(),
+            ],
+        )
+    }
+}

@@ -547,3 +547,61 @@ impl std::fmt::Display for ServeReport {
         writeln!(f, "  {}", self.noise)
     }
 }
+
+impl crate::report::Reported for ServeReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        let by_run = |what: &str, pick: fn(&ServeRun) -> &Samples| {
+            self.runs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let label = format!("{what}, {} paused sandboxes on the host", r.background);
+                    if i == 0 {
+                        Series::measured(label, pick(r))
+                    } else {
+                        Series::baseline(label, pick(r))
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        let c = &self.confinement;
+        let d = &self.dataplane;
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::distribution(
+                    "create",
+                    "Create (POST /v2/sandboxes until the agent answered)",
+                    by_run("create", |r| &r.create),
+                ),
+                Plot::distribution(
+                    "wake",
+                    "Wake of a paused sandbox (connect until the agent answered)",
+                    by_run("wake", |r| &r.wake),
+                ),
+                Plot::distribution(
+                    "confinement",
+                    "Create and wake, each VM in its cgroup vs --no-limits (interleaved)",
+                    vec![
+                        Series::measured("create, limited", &c.create),
+                        Series::baseline("create, --no-limits", &c.create_free),
+                        Series::measured("wake, limited", &c.wake),
+                        Series::baseline("wake, --no-limits", &c.wake_free),
+                    ],
+                ),
+                Plot::distribution(
+                    "dataplane",
+                    "Data plane: GET /health through the service vs the agent ping direct",
+                    vec![
+                        Series::measured("through clade serve", &d.through),
+                        Series::baseline("direct agent ping", &d.direct),
+                    ],
+                ),
+                self.noise.plot(),
+            ],
+        )
+    }
+}

@@ -239,3 +239,41 @@ impl fmt::Display for SnapshotReport {
         )
     }
 }
+
+impl crate::report::Reported for SnapshotReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        let (full, diff) = (&self.full, &self.diff);
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::distribution(
+                    "pause",
+                    "Snapshot: how long the vCPUs were paused",
+                    vec![
+                        Series::measured("diff snapshot", &diff.pause),
+                        Series::baseline("full snapshot", &full.pause),
+                    ],
+                ),
+                Plot::distribution(
+                    "total",
+                    "Snapshot: until written",
+                    vec![
+                        Series::measured("diff snapshot", &diff.total),
+                        Series::baseline("full snapshot", &full.total),
+                    ],
+                ),
+                Plot::steps(
+                    "steps",
+                    "Snapshot steps",
+                    vec![
+                        ("diff".into(), diff.steps.p50s(DIFF_STEP_ORDER)),
+                        ("full".into(), full.steps.p50s(FULL_STEP_ORDER)),
+                    ],
+                ),
+            ],
+        )
+    }
+}

@@ -19,6 +19,11 @@ impl Samples {
         Self::default()
     }
 
+    /// Samples already in microseconds.
+    pub fn from_us(us: Vec<f64>) -> Self {
+        Self { us }
+    }
+
     /// Adds one measurement.
     pub fn push(&mut self, d: Duration) {
         self.us.push(d.as_secs_f64() * 1e6);
@@ -60,6 +65,7 @@ impl Samples {
             p99_us: pct(99.0),
             min_us: pct(0.0),
             max_us: pct(100.0),
+            samples: self.clone(),
         }
     }
 }
@@ -79,12 +85,27 @@ pub struct Summary {
     pub min_us: f64,
     /// Largest sample.
     pub max_us: f64,
+    /// The samples themselves, in the order taken (for reports; not in the JSON).
+    #[serde(skip)]
+    pub samples: Samples,
 }
 
 impl Summary {
     /// One JSON object (keys in field order).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+impl crate::report::Reported for Summary {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        let plot = Plot::distribution(
+            &self.name,
+            &self.name,
+            vec![Series::measured(&self.name, &self.samples)],
+        );
+        Section::new(scenario, self.to_string(), &self.to_json(), vec![plot])
     }
 }
 
@@ -128,6 +149,17 @@ impl StepTimes {
     /// Adds one measurement of step `name`.
     pub fn add(&mut self, name: &'static str, d: Duration) {
         self.0.entry(name).or_default().push(d);
+    }
+
+    /// Each step's p50 in microseconds, in the order of [`Self::p50_json`].
+    pub fn p50s(&self, order: &[&'static str]) -> Vec<(String, f64)> {
+        let names = order
+            .iter()
+            .copied()
+            .chain(self.0.keys().copied().filter(|k| !order.contains(k)));
+        names
+            .filter_map(|n| Some((n.to_string(), self.0.get(n)?.percentile(50.0)?)))
+            .collect()
     }
 
     /// Each step's p50 (microseconds, one decimal); the steps named in `order` first, in

@@ -537,3 +537,46 @@ impl std::fmt::Display for StorePauseReport {
         )
     }
 }
+
+impl crate::report::Reported for StoreRestoreReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![
+                Plot::distribution(
+                    "restore",
+                    "Restore from the object store until the first answered ping",
+                    vec![
+                        Series::measured("cold cache", &self.cold),
+                        Series::measured("warm cache", &self.warm),
+                        Series::baseline("local restore (baseline)", &self.local),
+                    ],
+                ),
+                self.noise.plot(),
+            ],
+        )
+    }
+}
+
+impl crate::report::Reported for StorePauseReport {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        use crate::report::{Plot, Section, Series};
+        Section::new(
+            scenario,
+            self.to_string(),
+            &self.to_json(),
+            vec![Plot::distribution(
+                "durable",
+                "Pause until durable in the object store",
+                vec![
+                    Series::measured("snapshot + publish", &self.durable),
+                    Series::baseline("snapshot alone", &self.snapshot),
+                    Series::baseline("raw upload of as many bytes (baseline)", &self.raw),
+                ],
+            )],
+        )
+    }
+}

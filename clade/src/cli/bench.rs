@@ -2,7 +2,9 @@
 //! `clade-bench` crate; this module defines the options, runs one and prints its report.
 
 use std::fmt::Display;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use clade_bench::report::{self, Report, Reported, Section};
 
 use clade_bench::{
     ForkParams, Guest, Machine, RestoreParams, SnapshotParams, StorePauseParams,
@@ -221,10 +223,100 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The set of scenarios the README's main job runs, one after the other, with its
+    /// parameters (listed by `clade bench all --list`); a scenario that fails is reported
+    /// and the others still run (exit status 1).
+    All {
+        /// Print the scenarios' command lines and exit.
+        #[arg(long)]
+        list: bool,
+        /// Leave out the object-store scenarios (they start the test S3 server).
+        #[arg(long)]
+        no_store: bool,
+        /// Print one JSON object per scenario instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare two reports (`--report` directories): every figure both have, with the
+    /// ratio B/A, and both runs' distributions drawn on the same axes into --out.
+    Compare {
+        /// The first report's directory (A).
+        a: PathBuf,
+        /// The second report's directory (B).
+        b: PathBuf,
+        /// Where the comparison's plots and index.html go.
+        #[arg(long, default_value = "bench-compare")]
+        out: PathBuf,
+        /// Print the figures as one JSON array instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
-pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
+/// What `clade bench all` runs: the README's main job's latencies (scripts/demo.sh).
+const ALL: &[&str] = &[
+    "boot -n 20",
+    "ping",
+    "snapshot -n 20",
+    "restore --backend uffd -n 100",
+    "fork -n 10",
+    "fork-processes -n 3 --rounds 20",
+    "serve -n 30 --background 100",
+    "restore --store s3 -n 20",
+    "pause --store s3 -n 3",
+];
+
+/// One scenario's command line, parsed as `clade bench` would.
+#[derive(Debug, clap::Parser)]
+struct OneScenario {
+    #[command(subcommand)]
+    cmd: BenchCommand,
+}
+
+/// Runs `cmd`; prints its text or JSON and, with `report`, adds it to the report in that
+/// directory (a new report, or the sections of the scenarios run before by `all`).
+pub fn bench(cmd: BenchCommand, report: Option<PathBuf>) -> anyhow::Result<u8> {
     match cmd {
+        BenchCommand::All {
+            list,
+            no_store,
+            json,
+        } => return all(list, no_store, json, report),
+        BenchCommand::Compare { a, b, out, json } => return compare(&a, &b, &out, json),
+        cmd => {
+            let (scenario, ran) = run_one(cmd)?;
+            print(ran.json, &ran.json_text, &ran.section.text);
+            if let Some(dir) = report {
+                let mut r = Report::new();
+                r.push(ran.section);
+                let index = r.write(&dir)?;
+                eprintln!("report ({scenario}): {}", index.display());
+            }
+        }
+    }
+    Ok(0)
+}
+
+/// A scenario's results: its section of a report, its JSON, whether JSON was asked for.
+struct Ran {
+    section: Section,
+    json_text: String,
+    json: bool,
+}
+
+impl Ran {
+    fn new<R: Reported + Display>(scenario: &str, json: bool, json_text: String, r: R) -> Ran {
+        Ran {
+            section: r.section(scenario),
+            json_text,
+            json,
+        }
+    }
+}
+
+/// Runs one scenario; returns its name and results.
+fn run_one(cmd: BenchCommand) -> anyhow::Result<(&'static str, Ran)> {
+    Ok(match cmd {
         BenchCommand::Boot {
             guest,
             n,
@@ -232,7 +324,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
             machine,
         } => {
             let s = clade_bench::boot(&load(guest)?, &machine.into(), n)?;
-            print(json, s.to_json(), s);
+            ("boot", Ran::new("boot", json, s.to_json(), s))
         }
         BenchCommand::Ping {
             guest,
@@ -244,7 +336,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
         } => {
             let gap = std::time::Duration::from_micros(gap_us);
             let s = clade_bench::ping(&load(guest)?, &machine.into(), n, warmup, gap)?;
-            print(json, s.to_json(), s);
+            ("ping", Ran::new("ping", json, s.to_json(), s))
         }
         BenchCommand::Restore {
             guest,
@@ -269,8 +361,10 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                     chunk_size: chunk_kib.saturating_mul(1024),
                 };
                 let r = clade_bench::restore_store(&load(guest)?, &machine.into(), &params)?;
-                print(json, r.to_json(), r);
-                return Ok(0);
+                return Ok((
+                    "restore-store",
+                    Ran::new("restore-store", json, r.to_json(), r),
+                ));
             }
             let params = RestoreParams {
                 backend,
@@ -283,7 +377,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 net,
             };
             let r = clade_bench::restore(&load(guest)?, &machine.into(), &params)?;
-            print(json, r.to_json(), r);
+            ("restore", Ran::new("restore", json, r.to_json(), r))
         }
         BenchCommand::Pause {
             guest,
@@ -299,7 +393,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 fill_pct: fill,
             };
             let r = clade_bench::pause_store(&load(guest)?, &machine.into(), &params)?;
-            print(json, r.to_json(), r);
+            ("pause-store", Ran::new("pause-store", json, r.to_json(), r))
         }
         BenchCommand::Snapshot {
             guest,
@@ -317,7 +411,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 fill_pct: fill,
             };
             let r = clade_bench::snapshot(&load(guest)?, &machine.into(), &params)?;
-            print(json, r.to_json(), r);
+            ("snapshot", Ran::new("snapshot", json, r.to_json(), r))
         }
         BenchCommand::Serve {
             guest,
@@ -335,7 +429,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 background: runs,
             };
             let r = clade_bench::serve(&load(guest)?, &params)?;
-            print(json, r.to_json(), r);
+            ("serve", Ran::new("serve", json, r.to_json(), r))
         }
         BenchCommand::Fork {
             guest,
@@ -353,7 +447,7 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 restored,
             };
             let r = clade_bench::fork(&load(guest)?, &machine.into(), &params)?;
-            print(json, r.to_json(), r);
+            ("fork", Ran::new("fork", json, r.to_json(), r))
         }
         BenchCommand::ForkProcesses {
             guest,
@@ -368,9 +462,86 @@ pub fn bench(cmd: BenchCommand) -> anyhow::Result<u8> {
                 rounds,
             };
             let r = clade_bench::fork_processes(&load(guest)?, &machine.into(), &params)?;
-            print(json, r.to_json(), r);
+            (
+                "fork-processes",
+                Ran::new("fork-processes", json, r.to_json(), r),
+            )
+        }
+        BenchCommand::All { .. } | BenchCommand::Compare { .. } => {
+            anyhow::bail!("`all` and `compare` are not scenarios")
+        }
+    })
+}
+
+/// `clade bench all`: each scenario of [`ALL`] in turn; with `report`, the report is
+/// rewritten after each one (a later failure keeps what ran).
+fn all(list: bool, no_store: bool, json: bool, report: Option<PathBuf>) -> anyhow::Result<u8> {
+    let lines = ALL.iter().filter(|l| !(no_store && l.contains("--store")));
+    if list {
+        for l in lines {
+            println!("clade bench {l}");
+        }
+        return Ok(0);
+    }
+    let mut r = Report::new();
+    let mut failed = Vec::new();
+    for line in lines {
+        let mut argv = vec!["bench"];
+        argv.extend(line.split_whitespace());
+        if json {
+            argv.push("--json");
+        }
+        let one = <OneScenario as clap::Parser>::try_parse_from(&argv)?;
+        eprintln!("== clade bench {line}");
+        match run_one(one.cmd) {
+            Ok((_, ran)) => {
+                print(ran.json, &ran.json_text, &ran.section.text);
+                r.push(ran.section);
+                if let Some(dir) = &report {
+                    r.write(dir)?;
+                }
+            }
+            Err(e) => {
+                eprintln!("clade bench {line}: {e:#}");
+                failed.push(*line);
+            }
         }
     }
+    if let Some(dir) = &report {
+        eprintln!("report: {}", dir.join("index.html").display());
+    }
+    if failed.is_empty() {
+        Ok(0)
+    } else {
+        eprintln!("failed: {}", failed.join("; "));
+        Ok(1)
+    }
+}
+
+/// `clade bench compare A B`.
+fn compare(a: &Path, b: &Path, out: &Path, json: bool) -> anyhow::Result<u8> {
+    let (ra, rb) = (Report::load(a)?, Report::load(b)?);
+    let (ratios, index) = report::compare(&ra, &rb, out)?;
+    if ratios.is_empty() {
+        anyhow::bail!(
+            "{} and {} have no figure in common (no scenario run in both)",
+            a.display(),
+            b.display()
+        );
+    }
+    if json {
+        println!("{}", serde_json::to_string(&ratios)?);
+    } else {
+        println!(
+            "figure: A -> B (B/A)   [A = {}, B = {}]",
+            a.display(),
+            b.display()
+        );
+        for r in &ratios {
+            println!("{}: {} -> {} (x{:.3})", r.figure, r.a, r.b, r.ratio());
+        }
+    }
+    eprintln!("plots of both: {}", index.display());
     Ok(0)
 }
 
@@ -383,7 +554,7 @@ fn load(path: Option<PathBuf>) -> clade_bench::Result<Guest> {
     }
 }
 
-fn print(json: bool, json_text: String, text: impl Display) {
+fn print(json: bool, json_text: &str, text: &str) {
     if json {
         println!("{json_text}");
     } else {

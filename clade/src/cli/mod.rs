@@ -38,6 +38,10 @@ enum Command {
         /// (installed on every thread of this process before the benchmark starts).
         #[arg(long, global = true)]
         seccomp: bool,
+        /// Also write an HTML report with plots (SVG and PNG) and the JSON, every sample
+        /// included, into this directory (`clade bench compare` reads two of them).
+        #[arg(long, global = true, value_name = "DIR")]
+        report: Option<std::path::PathBuf>,
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
@@ -131,11 +135,15 @@ fn parse_mem_mib(s: &str) -> Result<u64, String> {
 pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Run(args) => run::run(args),
-        Command::Bench { seccomp, which } => {
+        Command::Bench {
+            seccomp,
+            report,
+            which,
+        } => {
             if seccomp {
                 vmm::seccomp::install()?;
             }
-            bench::bench(which)
+            bench::bench(which, report)
         }
         Command::Exec(args) => exec::exec(args),
         Command::Cp(args) => cp::cp(args),
