@@ -605,3 +605,48 @@ fn cli_cp_and_ping() {
     assert!(String::from_utf8_lossy(&out.stdout)
         .starts_with(&format!("agent {}", env!("CARGO_PKG_VERSION"))));
 }
+
+/// `clade cp` of a large file draws a progress bar on a terminal and ends it at 100 %;
+/// when stderr is not a terminal it prints nothing extra.
+#[test]
+fn cli_cp_progress_only_on_a_terminal() {
+    let agent = Agent::start();
+    let s = agent.sock.to_str().unwrap();
+    let src = agent.dir.join("big.bin");
+    let data = pattern(24 << 20, 9);
+    std::fs::write(&src, &data).unwrap();
+    let up = agent.dir.join("up.bin");
+    let down = agent.dir.join("down.bin");
+    let bin = env!("CARGO_BIN_EXE_clade");
+    // Under a pseudo-terminal: util-linux `script` runs the command with its stdio on one
+    // and copies what the terminal shows to our stdout.
+    for (from, to) in [
+        (src.display().to_string(), format!("{s}:{}", up.display())),
+        (format!("{s}:{}", up.display()), down.display().to_string()),
+    ] {
+        let cmd = format!("{bin} cp {from} {to}");
+        let out = std::process::Command::new("script")
+            .args(["-qefc", &cmd, "/dev/null"])
+            .output()
+            .expect("run script(1)");
+        let shown = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{cmd}: {shown}");
+        assert!(
+            shown.contains("100%"),
+            "no finished bar for {cmd}: {shown:?}"
+        );
+        assert!(shown.contains("24.00 MiB/24.00 MiB"), "{shown:?}");
+    }
+    assert_eq!(sha256_of_file(&down), sha256_of_file(&src));
+    // Not a terminal: the output is what it always was (nothing).
+    let out = clade()
+        .args([
+            "cp",
+            src.to_str().unwrap(),
+            &format!("{s}:{}", up.display()),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(out.stderr.is_empty() && out.stdout.is_empty(), "{out:?}");
+}

@@ -1,5 +1,6 @@
 //! `clade cp`: copy one file between the host and the guest through the agent.
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -90,7 +91,7 @@ fn upload(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
         client.write_file_from(&dst, 0o644, &mut io::stdin().lock())?;
         return Ok(());
     }
-    let mut file = File::open(src).with_context(|| format!("open {}", src.display()))?;
+    let file = File::open(src).with_context(|| format!("open {}", src.display()))?;
     let meta = file.metadata()?;
     if meta.is_dir() {
         bail!("{}: copying directories is not supported", src.display());
@@ -98,9 +99,15 @@ fn upload(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
     if dst_is_dir {
         dst.push(file_name(src)?);
     }
+    let bar = progress(meta.len(), &dst);
     client
-        .write_file_from(&dst, meta.permissions().mode() & 0o7777, &mut file)
+        .write_file_from(
+            &dst,
+            meta.permissions().mode() & 0o7777,
+            &mut bar.wrap_read(file),
+        )
         .with_context(|| format!("write {} in the guest", dst.display()))?;
+    bar.finish();
     Ok(())
 }
 
@@ -121,14 +128,32 @@ fn download(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
     if dst.as_os_str().as_encoded_bytes().ends_with(b"/") || dst.is_dir() {
         dst.push(file_name(src)?);
     }
-    let mut file = File::create(&dst).with_context(|| format!("create {}", dst.display()))?;
+    let file = File::create(&dst).with_context(|| format!("create {}", dst.display()))?;
+    let bar = progress(stat.size, src);
+    let mut file = bar.wrap_write(file);
     client
         .read_file_to(src, &mut file)
         .with_context(|| format!("read {} from the guest", src.display()))?;
     file.flush()?;
+    bar.finish();
     fs::set_permissions(&dst, fs::Permissions::from_mode(stat.mode & 0o7777))
         .with_context(|| format!("chmod {}", dst.display()))?;
     Ok(())
+}
+
+/// A progress bar of `len` bytes on stderr, drawn only when stderr is a terminal (so a
+/// script or a pipe gets the same output as before).
+fn progress(len: u64, name: &Path) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{prefix} [{bar:30}] {percent:>3}% {binary_bytes}/{binary_total_bytes} \
+         {binary_bytes_per_sec} ETA {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let name = name.file_name().unwrap_or(name.as_os_str());
+    bar.set_prefix(name.to_string_lossy().into_owned());
+    bar
 }
 
 #[cfg(test)]
