@@ -59,22 +59,18 @@ echo "== a sandbox moves hosts through object storage (native tier, scripts/move
 CLADE="$CLADE" "$REPO_ROOT/scripts/move-host.sh"
 
 echo "== latencies (native tier: the bare-metal test guest embedded in clade, on this host's KVM)"
-"$CLADE" bench boot -n 20
-# The agent protocol's round trip over virtio-vsock (the test guest's responder).
-timeout 120 "$CLADE" bench ping
-# Snapshot cost, restore-to-first-ping (uffd + VM shell pool, against the eager-copy
-# baseline), and live fork into 10 children.
-timeout 300 "$CLADE" bench snapshot -n 20
-timeout 300 "$CLADE" bench restore --backend uffd -n 100
-timeout 300 "$CLADE" bench fork -n 10
-# `clade fork -n 3` of a VM process: children started at the fork against children started
-# ahead with their shells built (`clade run --fork-spares 3`).
-timeout 300 "$CLADE" bench fork-processes -n 3 --rounds 20
-# The sandbox host as the e2b SDK sees it: clade serve over HTTP, create and wake of a
-# sandbox until its agent answers, with 1 and with 100 paused sandboxes on the host.
-timeout 300 "$CLADE" bench serve -n 30 --background 100
-# Snapshots in object storage (the test S3 server on loopback): restore from the store with
-# a cold and a warm cache against a local restore of the same snapshot; pause until durable
-# against the raw upload throughput to the same server.
-timeout 300 "$CLADE" bench restore --store s3 -n 20
-timeout 300 "$CLADE" bench pause --store s3 -n 3
+# `clade bench all` runs, one after the other (`clade bench all --list` prints them):
+#   boot; the agent's round trip over virtio-vsock; snapshot cost; restore-to-first-ping
+#   (uffd + VM shell pool, against the eager-copy baseline); live fork into 10 children;
+#   `clade fork -n 3` of a VM process, children started at the fork against children
+#   waiting (`--fork-spares`); the sandbox host as the e2b SDK sees it (clade serve over
+#   HTTP, create and wake with 1 and with 100 paused sandboxes); and snapshots in object
+#   storage (the test S3 server on loopback): restore with a cold and a warm cache against
+#   a local one, pause until durable against the raw upload to the same server.
+# It prints each scenario's figures and writes a report with plots of every distribution
+# against its same-run baseline (open its index.html in a browser).
+REPORT_DIR="$REPO_ROOT/build/bench-report"
+rm -rf "$REPORT_DIR"
+timeout 1800 "$CLADE" bench all --report "$REPORT_DIR"
+echo "== bench report: $REPORT_DIR/index.html (plots as SVG and PNG beside it, every sample in report.json;"
+echo "== compare two runs with: clade bench compare DIR_A DIR_B)"

@@ -15,7 +15,7 @@ const SIZE: (u32, u32) = (960, 520);
 const FONT: &str = "sans-serif";
 
 /// Colours of the series, in order (measured ones first, as sections list them).
-const PALETTE: [RGBColor; 8] = [
+const PALETTE: [RGBColor; 12] = [
     RGBColor(0x1f, 0x77, 0xb4),
     RGBColor(0xd6, 0x27, 0x28),
     RGBColor(0x2c, 0xa0, 0x2c),
@@ -24,6 +24,10 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(0x8c, 0x56, 0x4b),
     RGBColor(0xe3, 0x77, 0xc2),
     RGBColor(0x7f, 0x7f, 0x7f),
+    RGBColor(0xbc, 0xbd, 0x22),
+    RGBColor(0x17, 0xbe, 0xcf),
+    RGBColor(0x00, 0x00, 0x00),
+    RGBColor(0xff, 0xbb, 0x78),
 ];
 
 /// The TrueType font the plots' text is drawn with: `$CLADE_REPORT_FONT`, else the first
