@@ -70,8 +70,9 @@ pytest_failed() {
 echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
 # The control plane with real VMs (templates of the native test guest), and the data plane
 # through clade serve's --test-host-agent harness (each sandbox a host-run clade-agent, so
-# commands, PTYs and files run without a Linux VM).
-for suite in control dataplane; do
+# commands, PTYs and files run without a Linux VM); then `clade bench --report` (a real run's
+# report checked and rendered in Debian's chromium, tests/e2b/test_report.py).
+for suite in control dataplane report; do
     if "$REPO_ROOT/tests/e2b/run_$suite.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b-$suite.log"; then
         n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}' || true)
         passed=$((passed + ${n:-0}))

@@ -133,6 +133,40 @@ fn log_range(series: &[Series]) -> (f64, f64) {
     (lo / 1.2, hi * 1.2)
 }
 
+/// Ticks of a log axis over `lo..hi`: 1-2-5 steps of each decade, or every digit where
+/// that gives fewer than four.
+pub(super) fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let ticks = |digits: &[f64]| {
+        let mut v = Vec::new();
+        let mut decade = 10f64.powf(lo.log10().floor());
+        while decade <= hi {
+            v.extend(
+                digits
+                    .iter()
+                    .map(|d| d * decade)
+                    .filter(|t| (lo..=hi).contains(t)),
+            );
+            decade *= 10.0;
+        }
+        v
+    };
+    let coarse = ticks(&[1.0, 2.0, 5.0]);
+    if coarse.len() >= 4 {
+        coarse
+    } else {
+        ticks(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+    }
+}
+
+/// A label only on whole numbers (a sequence's x is an index).
+fn whole(v: &f64) -> String {
+    if (v - v.round()).abs() < 1e-6 {
+        format!("{v:.0}")
+    } else {
+        String::new()
+    }
+}
+
 fn style(i: usize, s: &Series) -> ShapeStyle {
     let c = PALETTE[i % PALETTE.len()];
     c.stroke_width(if s.baseline { 2 } else { 3 })
@@ -155,7 +189,10 @@ fn cdf<DB: DrawingBackend>(
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(56)
-        .build_cartesian_2d((lo..hi).log_scale(), 0.0..1.0)
+        .build_cartesian_2d(
+            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
+            0.0..1.0,
+        )
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
@@ -235,7 +272,10 @@ fn histogram<DB: DrawingBackend>(
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(56)
-        .build_cartesian_2d((lo..hi).log_scale(), 0.0..(top * 1.1).max(0.01))
+        .build_cartesian_2d(
+            (lo..hi).log_scale().with_key_points(log_ticks(lo, hi)),
+            0.0..(top * 1.1).max(0.01),
+        )
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
@@ -290,7 +330,8 @@ fn sequence<DB: DrawingBackend>(
     chart
         .configure_mesh()
         .x_desc(x_label)
-        .x_label_formatter(&|v| format!("{v:.0}"))
+        .x_labels(n.min(25))
+        .x_label_formatter(&whole)
         .y_label_formatter(&|v| format!("{v:.0}"))
         .y_desc("us")
         .label_style((FONT, 14))

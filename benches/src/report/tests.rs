@@ -169,3 +169,16 @@ fn leaves_and_file_names() {
     assert_eq!(l["a.c.1.d"], 3.5);
     assert_eq!(file_part("Fork Processes/../x"), "fork-processes----x");
 }
+
+#[test]
+fn log_axis_ticks() {
+    assert_eq!(
+        plot::log_ticks(80.0, 1200.0),
+        vec![100.0, 200.0, 500.0, 1000.0]
+    );
+    // A narrow range gets every digit.
+    assert_eq!(
+        plot::log_ticks(1900.0, 4100.0),
+        vec![2000.0, 3000.0, 4000.0]
+    );
+}
