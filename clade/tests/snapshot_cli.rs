@@ -466,6 +466,26 @@ fn a_published_snapshot_restores_through_the_store_after_its_files_are_gone() {
         .unwrap()
         .to_string();
 
+    // On a terminal, the publish draws a bar of the memory data that ends at 100 % (a
+    // store of its own: the one below must find nothing published yet).
+    let cmd = format!(
+        "{} store publish --store file://{} {}",
+        env!("CARGO_BIN_EXE_clade"),
+        d.p("bar-store").display(),
+        d.p("snap").display()
+    );
+    std::fs::create_dir_all(d.p("bar-store")).unwrap();
+    let o = Command::new("script")
+        .args(["-qefc", &cmd, "/dev/null"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{shown}");
+    assert!(
+        shown.contains("memory data") && shown.contains("100%"),
+        "no finished bar: {shown:?}"
+    );
+
     let server = store::s3server::S3Server::start(&d.p("s3"), "clade").unwrap();
     let with_store = |c: &mut Command| {
         c.envs(server.env())

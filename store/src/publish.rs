@@ -12,6 +12,8 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -55,6 +57,38 @@ pub struct PublishOptions {
     pub part_size: usize,
     /// Parts uploaded at once.
     pub concurrency: usize,
+    /// Where to count the memory data as it is published, for a progress display.
+    pub progress: Option<Arc<Progress>>,
+}
+
+/// How far a publish is: bytes of memory data known to publish (`total`, growing as each
+/// snapshot of a chain is opened) and those uploaded or found already in the store.
+#[derive(Debug, Default)]
+pub struct Progress {
+    done: AtomicU64,
+    total: AtomicU64,
+}
+
+impl Progress {
+    /// (done, total) bytes.
+    pub fn get(&self) -> (u64, u64) {
+        (
+            self.done.load(Ordering::Relaxed),
+            self.total.load(Ordering::Relaxed),
+        )
+    }
+
+    fn add_total(p: &Option<Arc<Progress>>, n: u64) {
+        if let Some(p) = p {
+            p.total.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    fn add_done(p: &Option<Arc<Progress>>, n: u64) {
+        if let Some(p) = p {
+            p.done.fetch_add(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Default for PublishOptions {
@@ -63,6 +97,7 @@ impl Default for PublishOptions {
             chunk_size: DEFAULT_CHUNK,
             part_size: 16 << 20,
             concurrency: 8,
+            progress: None,
         }
     }
 }
@@ -146,6 +181,7 @@ pub async fn publish(
     let working_set_bytes = runs[..ws_runs].iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
     let data_size = runs.iter().map(|r| r[1]).sum::<u64>() * PAGE_SIZE_U64;
     let data_key = manifest::data_key(meta.id, &runs);
+    Progress::add_total(&options.progress, data_size);
 
     let t1 = Instant::now();
     let mut report = PublishReport {
@@ -175,6 +211,7 @@ pub async fn publish(
             Ok(())
         })?;
         report.checksum_time += t.elapsed();
+        Progress::add_done(&options.progress, data_size);
         h.finish()
     } else {
         let r = upload_data(store, &mem, &runs, d, &data_key, data_size, options).await?;
@@ -771,11 +808,13 @@ async fn upload_data(
             Ok(())
         })?;
         store.put(key, Bytes::from(all)).await?;
+        Progress::add_done(&options.progress, size);
         return Ok(h.finish());
     }
     let mem_path = mem.path().to_path_buf();
     let runs = runs.to_vec();
     let (part, chunk) = (options.part_size as u64, options.chunk_size);
+    let progress = options.progress.clone();
     let read = move |send: &mut dyn FnMut(Vec<u8>) -> Result<()>| {
         let mem = MemoryFile::open(&mem_path)?;
         let mut h = ChunkHasher::new(chunk);
@@ -783,7 +822,10 @@ async fn upload_data(
         for_each_piece(&mem, &runs, d, part, |b| {
             h.update(b);
             read += b.len() as u64;
-            send(b.to_vec())
+            send(b.to_vec())?;
+            // Handed to the upload (at most two pieces queued ahead of it).
+            Progress::add_done(&progress, b.len() as u64);
+            Ok(())
         })?;
         Ok((h.finish(), read))
     };

@@ -1,6 +1,5 @@
 //! `clade cp`: copy one file between the host and the guest through the agent.
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -11,6 +10,7 @@ use clap::Args;
 use vmm::agent::{Client, FileKind};
 
 use super::exec::AgentOpts;
+use super::progress::Bar;
 
 #[derive(Debug, Args)]
 pub struct CpArgs {
@@ -99,12 +99,12 @@ fn upload(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
     if dst_is_dir {
         dst.push(file_name(src)?);
     }
-    let bar = progress(meta.len(), &dst);
+    let bar = Bar::bytes(&name_of(&dst), meta.len());
     client
         .write_file_from(
             &dst,
             meta.permissions().mode() & 0o7777,
-            &mut bar.wrap_read(file),
+            &mut bar.inner().wrap_read(file),
         )
         .with_context(|| format!("write {} in the guest", dst.display()))?;
     bar.finish();
@@ -129,8 +129,8 @@ fn download(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
         dst.push(file_name(src)?);
     }
     let file = File::create(&dst).with_context(|| format!("create {}", dst.display()))?;
-    let bar = progress(stat.size, src);
-    let mut file = bar.wrap_write(file);
+    let bar = Bar::bytes(&name_of(src), stat.size);
+    let mut file = bar.inner().wrap_write(file);
     client
         .read_file_to(src, &mut file)
         .with_context(|| format!("read {} from the guest", src.display()))?;
@@ -141,19 +141,12 @@ fn download(client: &Client, src: &Path, dst: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A progress bar of `len` bytes on stderr, drawn only when stderr is a terminal (so a
-/// script or a pipe gets the same output as before).
-fn progress(len: u64, name: &Path) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(
-        "{prefix} [{bar:30}] {percent:>3}% {binary_bytes}/{binary_total_bytes} \
-         {binary_bytes_per_sec} ETA {eta}",
-    ) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    let name = name.file_name().unwrap_or(name.as_os_str());
-    bar.set_prefix(name.to_string_lossy().into_owned());
-    bar
+/// A path's file name, for a progress bar.
+fn name_of(p: &Path) -> String {
+    p.file_name()
+        .unwrap_or(p.as_os_str())
+        .to_string_lossy()
+        .into_owned()
 }
 
 #[cfg(test)]

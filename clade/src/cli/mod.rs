@@ -7,6 +7,7 @@ mod exec;
 mod fork;
 mod jail;
 mod ownnet;
+mod progress;
 mod run;
 mod serve;
 mod snapshot;

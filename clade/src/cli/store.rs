@@ -214,13 +214,22 @@ fn publish(dir: &Path, store: &StoreArgs, chunk_kib: u64, json: bool) -> anyhow:
         let _g = rt.enter();
         store.open()?
     };
+    let progress = Arc::new(store::publish::Progress::default());
     let options = PublishOptions {
         chunk_size: chunk_kib.saturating_mul(1024),
+        progress: Some(progress.clone()),
         ..Default::default()
     };
     let t = Instant::now();
     let files = store::publish::chain_files(dir)?;
-    let (m, r) = rt.block_on(store::publish::publish_chain(&s, &files, &options))?;
+    // On a terminal (and without --json): a bar of the memory data published so far.
+    let bar = (!json).then(|| super::progress::Bar::bytes("memory data", 0));
+    let shown = bar.as_ref().map(|b| b.follow(move || progress.get()));
+    let published = rt.block_on(store::publish::publish_chain(&s, &files, &options));
+    if let Some(shown) = shown {
+        shown.finish(published.is_ok());
+    }
+    let (m, r) = published?;
     if json {
         println!(
             "{}",
