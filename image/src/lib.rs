@@ -1,0 +1,29 @@
+//! Container images as Clade reads them: the root filesystem a template is made from, and
+//! the defaults (environment, working directory, user, start command) its image config
+//! gives.
+//!
+//! An image comes as an OCI image layout directory, an OCI archive (a tar of such a
+//! layout) or a `docker save` archive ([`Source::open`]). Its layers are applied in order
+//! into a directory ([`unpack`]), the way a container runtime's snapshotter would, but
+//! with the tree treated as hostile input: every path is resolved inside the tree without
+//! following symbolic links (a layer cannot write through `../` or through a symlink an
+//! earlier layer planted), whiteouts and opaque directories remove what lower layers
+//! made, hard links must point inside the tree, and each blob's SHA-256 must match its
+//! digest (a corrupt or truncated archive is an error, never a half-applied layer passed
+//! off as whole). Turning the tree into a disk is the caller's job.
+//!
+//! Reading manifests uses the `oci-spec` types and tar streams the `tar` crate; applying
+//! entries is ours, because no crate applies OCI whiteouts with these guarantees.
+
+mod config;
+mod error;
+mod source;
+mod unpack;
+
+pub use config::ImageDefaults;
+pub use error::{Error, Result};
+pub use source::{Layer, Source};
+pub use unpack::{unpack, UnpackLimits, UnpackReport};
+
+#[cfg(test)]
+mod tests;

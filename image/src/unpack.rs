@@ -1,0 +1,432 @@
+//! Applying an image's layers, in order, into a directory.
+//!
+//! Each entry's path is made relative to the tree (a leading `/` or `./` dropped; `..`
+//! anywhere refused) and resolved one component at a time without following symbolic
+//! links: a parent that is a symlink is an error (that is how a layer would write outside
+//! the tree, with `etc -> /etc` planted by a lower layer), a missing parent is made. The
+//! entry then replaces whatever was at its path. Whiteouts (`.wh.NAME`) remove NAME from
+//! the lower layers, an opaque marker (`.wh..wh..opq`) everything a lower layer put in its
+//! directory; what this layer itself made stays. Hard links must name a file inside the
+//! tree. Ownership, modes (set-id bits included), xattrs (PAX `SCHILY.xattr.*`) and
+//! modification times are kept; directories get their times last, since later entries
+//! change them.
+
+use std::collections::HashSet;
+use std::fs::{self, OpenOptions};
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::source::Source;
+
+/// Prefix of a whiteout file's name.
+const WHITEOUT: &str = ".wh.";
+/// Name of the opaque-directory marker.
+const OPAQUE: &str = ".wh..wh..opq";
+/// What an entry other than file data counts for against [`UnpackLimits::max_bytes`]
+/// (an inode and a directory entry, about).
+const ENTRY_COST: u64 = 512;
+
+/// Bounds of an unpack.
+#[derive(Debug, Clone, Copy)]
+pub struct UnpackLimits {
+    /// Largest tree, bytes (file data plus [`ENTRY_COST`] per entry): an image larger than
+    /// the disk it is for is refused while unpacking, not when the disk fills.
+    pub max_bytes: u64,
+}
+
+impl Default for UnpackLimits {
+    fn default() -> Self {
+        UnpackLimits {
+            max_bytes: u64::MAX,
+        }
+    }
+}
+
+/// What an unpack did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UnpackReport {
+    /// Layers applied.
+    pub layers: usize,
+    /// Entries written (files, directories, links, devices).
+    pub entries: u64,
+    /// Whiteouts and opaque markers applied.
+    pub whiteouts: u64,
+    /// Bytes counted against the limit.
+    pub bytes: u64,
+}
+
+/// Unpacks every layer of `src` into `dest`, which must not exist yet (it is created,
+/// and removed again if anything fails: a failed unpack leaves nothing behind).
+pub fn unpack(src: &Source, dest: &Path, limits: UnpackLimits) -> Result<UnpackReport> {
+    fs::create_dir(dest).map_err(|e| Error::io("creating", dest, e))?;
+    let r = unpack_into(src, dest, limits);
+    if r.is_err() {
+        if let Err(e) = fs::remove_dir_all(dest) {
+            tracing::warn!(path = %dest.display(), error = %e, "removing a failed unpack");
+        }
+    }
+    r
+}
+
+fn unpack_into(src: &Source, dest: &Path, limits: UnpackLimits) -> Result<UnpackReport> {
+    let mut report = UnpackReport::default();
+    for i in 0..src.layers().len() {
+        let (stream, digest) = src.layer_tar(i)?;
+        let mut layer = LayerApply {
+            root: dest,
+            digest: &digest,
+            made: HashSet::new(),
+            dir_times: Vec::new(),
+            limits,
+            report: &mut report,
+        };
+        let mut archive = tar::Archive::new(stream);
+        let entries = archive
+            .entries()
+            .map_err(|e| Error::BadBlob(format!("layer {digest}: not a tar stream: {e}")))?;
+        for entry in entries {
+            let entry =
+                entry.map_err(|e| Error::BadBlob(format!("layer {digest}: corrupt tar: {e}")))?;
+            layer.entry(entry)?;
+        }
+        layer.finish_dirs();
+        archive.into_inner().finish().map_err(|e| match e {
+            Error::BadBlob(m) => Error::BadBlob(format!("layer {digest}: {m}")),
+            e => e,
+        })?;
+        report.layers += 1;
+        tracing::debug!(layer = %digest, "layer applied");
+    }
+    Ok(report)
+}
+
+struct LayerApply<'a> {
+    root: &'a Path,
+    digest: &'a str,
+    /// Paths (relative) this layer made: a whiteout or opaque marker in the same layer
+    /// applies to the layers below only.
+    made: HashSet<PathBuf>,
+    /// Directories and their modification times, set when the layer is done.
+    dir_times: Vec<(PathBuf, filetime::FileTime)>,
+    limits: UnpackLimits,
+    report: &'a mut UnpackReport,
+}
+
+impl LayerApply<'_> {
+    fn bad(&self, path: &Path, reason: impl Into<String>) -> Error {
+        Error::BadEntry {
+            layer: self.digest.to_string(),
+            path: path.display().to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn io(&self, path: &Path, what: &str, e: std::io::Error) -> Error {
+        self.bad(path, format!("{what}: {e}"))
+    }
+
+    fn count(&mut self, n: u64) -> Result<()> {
+        self.report.bytes = self.report.bytes.saturating_add(n);
+        if self.report.bytes > self.limits.max_bytes {
+            return Err(Error::TooLarge {
+                limit: self.limits.max_bytes,
+                needed: self.report.bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// The entry's path relative to the tree; `None` for the tree's root itself.
+    fn relative(&self, raw: &[u8]) -> Result<Option<PathBuf>> {
+        let p = Path::new(std::ffi::OsStr::from_bytes(raw));
+        let mut out = PathBuf::new();
+        for c in p.components() {
+            match c {
+                Component::Normal(n) => out.push(n),
+                Component::RootDir | Component::CurDir => {}
+                Component::ParentDir => return Err(self.bad(p, "a path with `..`")),
+                Component::Prefix(_) => return Err(self.bad(p, "not a Unix path")),
+            }
+        }
+        Ok((!out.as_os_str().is_empty()).then_some(out))
+    }
+
+    /// Resolves the parent directories of `rel` in the tree without following symlinks;
+    /// creates missing ones when `create`. Returns the full path of `rel`, or None when a
+    /// parent is missing and not created.
+    fn resolve_parents(&mut self, rel: &Path, create: bool) -> Result<Option<PathBuf>> {
+        let mut cur = self.root.to_path_buf();
+        let mut cur_rel = PathBuf::new();
+        let parents: Vec<_> = rel
+            .parent()
+            .into_iter()
+            .flat_map(|p| p.components())
+            .collect();
+        for c in parents {
+            cur.push(c);
+            cur_rel.push(c);
+            match fs::symlink_metadata(&cur) {
+                Ok(m) if m.file_type().is_symlink() => {
+                    return Err(self.bad(
+                        rel,
+                        format!("its parent {} is a symbolic link", cur_rel.display()),
+                    ))
+                }
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(self.bad(
+                        rel,
+                        format!("its parent {} is not a directory", cur_rel.display()),
+                    ))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if !create {
+                        return Ok(None);
+                    }
+                    fs::create_dir(&cur).map_err(|e| self.io(rel, "making a parent", e))?;
+                    self.made.insert(cur_rel.clone());
+                }
+                Err(e) => return Err(self.io(rel, "looking up a parent", e)),
+            }
+        }
+        Ok(Some(self.root.join(rel)))
+    }
+
+    /// Removes whatever is at `full` (a directory with its contents; a symlink itself).
+    fn remove(&self, rel: &Path, full: &Path) -> Result<()> {
+        match fs::symlink_metadata(full) {
+            Ok(m) if m.is_dir() => {
+                fs::remove_dir_all(full).map_err(|e| self.io(rel, "removing a directory", e))
+            }
+            Ok(_) => fs::remove_file(full).map_err(|e| self.io(rel, "removing", e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(self.io(rel, "looking up", e)),
+        }
+    }
+
+    fn entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<()> {
+        let raw = entry.path_bytes().into_owned();
+        let Some(rel) = self.relative(&raw)? else {
+            // The tree's root: its owner and mode.
+            let root = self.root.to_path_buf();
+            return self.metadata(&mut entry, Path::new("."), &root, true);
+        };
+        let name = rel.file_name().map(|n| n.as_bytes()).unwrap_or_default();
+        if name == OPAQUE.as_bytes() {
+            return self.opaque(&rel);
+        }
+        if let Some(hidden) = name.strip_prefix(WHITEOUT.as_bytes()) {
+            let target = rel.with_file_name(std::ffi::OsStr::from_bytes(hidden));
+            return self.whiteout(&target);
+        }
+        let kind = entry.header().entry_type();
+        let Some(full) = self.resolve_parents(&rel, true)? else {
+            return Ok(());
+        };
+        self.count(ENTRY_COST)?;
+        use tar::EntryType as T;
+        match kind {
+            T::Directory => {
+                let is_dir = fs::symlink_metadata(&full).is_ok_and(|m| m.is_dir());
+                if !is_dir {
+                    self.remove(&rel, &full)?;
+                    fs::create_dir(&full).map_err(|e| self.io(&rel, "making", e))?;
+                }
+            }
+            T::Regular | T::Continuous => {
+                self.count(entry.size())?;
+                self.remove(&rel, &full)?;
+                let mut f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .mode(0o600)
+                    .open(&full)
+                    .map_err(|e| self.io(&rel, "creating", e))?;
+                std::io::copy(&mut entry, &mut f).map_err(|e| {
+                    Error::BadBlob(format!(
+                        "layer {}: {}: reading its data: {e}",
+                        self.digest,
+                        rel.display()
+                    ))
+                })?;
+            }
+            T::Symlink => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.bad(&rel, "a symbolic link without a target"))?
+                    .into_owned();
+                self.remove(&rel, &full)?;
+                std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(&target), &full)
+                    .map_err(|e| self.io(&rel, "making a symbolic link", e))?;
+            }
+            T::Link => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.bad(&rel, "a hard link without a target"))?
+                    .into_owned();
+                let trel = self
+                    .relative(&target)?
+                    .ok_or_else(|| self.bad(&rel, "a hard link to the tree's root"))?;
+                let tfull = self.resolve_parents(&trel, false)?.ok_or_else(|| {
+                    self.bad(
+                        &rel,
+                        format!("hard link to {}: not in the tree", trel.display()),
+                    )
+                })?;
+                match fs::symlink_metadata(&tfull) {
+                    Ok(m) if m.is_dir() => return Err(self.bad(&rel, "a hard link to a directory")),
+                    Ok(_) => {}
+                    Err(_) => {
+                        return Err(self.bad(
+                            &rel,
+                            format!("hard link to {}: not in the tree", trel.display()),
+                        ))
+                    }
+                }
+                if tfull != full {
+                    self.remove(&rel, &full)?;
+                    fs::hard_link(&tfull, &full)
+                        .map_err(|e| self.io(&rel, "making a hard link", e))?;
+                }
+                // A hard link shares its target's inode: no metadata of its own.
+                self.made.insert(rel);
+                self.report.entries += 1;
+                return Ok(());
+            }
+            T::Char | T::Block | T::Fifo => {
+                self.remove(&rel, &full)?;
+                let h = entry.header();
+                let (major, minor) = (
+                    h.device_major().ok().flatten().unwrap_or(0),
+                    h.device_minor().ok().flatten().unwrap_or(0),
+                );
+                let k = match kind {
+                    T::Char => nix::sys::stat::SFlag::S_IFCHR,
+                    T::Block => nix::sys::stat::SFlag::S_IFBLK,
+                    _ => nix::sys::stat::SFlag::S_IFIFO,
+                };
+                nix::sys::stat::mknod(
+                    &full,
+                    k,
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                    nix::sys::stat::makedev(major.into(), minor.into()),
+                )
+                .map_err(|e| self.bad(&rel, format!("making a device node: {e}")))?;
+            }
+            other => {
+                return Err(self.bad(&rel, format!("entry type {other:?} is not supported")));
+            }
+        }
+        let is_dir = kind == T::Directory;
+        self.metadata(&mut entry, &rel, &full, is_dir)?;
+        self.made.insert(rel);
+        self.report.entries += 1;
+        Ok(())
+    }
+
+    /// Owner, mode, xattrs and times of an entry just written.
+    fn metadata<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        rel: &Path,
+        full: &Path,
+        is_dir: bool,
+    ) -> Result<()> {
+        let h = entry.header();
+        let symlink = h.entry_type() == tar::EntryType::Symlink;
+        let uid = h.uid().map_err(|e| self.io(rel, "its uid", e))?;
+        let gid = h.gid().map_err(|e| self.io(rel, "its gid", e))?;
+        let mode = h.mode().map_err(|e| self.io(rel, "its mode", e))?;
+        let mtime = h.mtime().unwrap_or(0);
+        let (uid, gid) = (
+            u32::try_from(uid).map_err(|_| self.bad(rel, "uid out of range"))?,
+            u32::try_from(gid).map_err(|_| self.bad(rel, "gid out of range"))?,
+        );
+        std::os::unix::fs::lchown(full, Some(uid), Some(gid))
+            .map_err(|e| self.io(rel, "setting its owner", e))?;
+        if !symlink {
+            // After the owner: chown clears set-id bits.
+            fs::set_permissions(full, fs::Permissions::from_mode(mode & 0o7777))
+                .map_err(|e| self.io(rel, "setting its mode", e))?;
+        }
+        let mut xattrs = Vec::new();
+        if let Some(pax) = entry
+            .pax_extensions()
+            .map_err(|e| self.io(rel, "its PAX header", e))?
+        {
+            for ext in pax {
+                let ext = ext.map_err(|e| self.io(rel, "its PAX header", e))?;
+                if let Some(name) = ext.key_bytes().strip_prefix(b"SCHILY.xattr.") {
+                    xattrs.push((name.to_vec(), ext.value_bytes().to_vec()));
+                }
+            }
+        }
+        for (name, value) in xattrs {
+            xattr::set(full, std::ffi::OsStr::from_bytes(&name), &value).map_err(|e| {
+                self.io(
+                    rel,
+                    &format!("setting xattr {}", String::from_utf8_lossy(&name)),
+                    e,
+                )
+            })?;
+        }
+        let t = filetime::FileTime::from_unix_time(mtime as i64, 0);
+        if is_dir {
+            self.dir_times.push((full.to_path_buf(), t));
+        } else {
+            filetime::set_symlink_file_times(full, t, t)
+                .map_err(|e| self.io(rel, "setting its times", e))?;
+        }
+        Ok(())
+    }
+
+    /// `.wh.NAME`: NAME, as lower layers made it, goes.
+    fn whiteout(&mut self, rel: &Path) -> Result<()> {
+        self.report.whiteouts += 1;
+        if self.made.contains(rel) {
+            return Ok(());
+        }
+        if let Some(full) = self.resolve_parents(rel, false)? {
+            self.remove(rel, &full)?;
+        }
+        Ok(())
+    }
+
+    /// `DIR/.wh..wh..opq`: what lower layers put in DIR goes.
+    fn opaque(&mut self, marker: &Path) -> Result<()> {
+        self.report.whiteouts += 1;
+        let dir_rel = marker.parent().unwrap_or(Path::new("")).to_path_buf();
+        let Some(full) = self.resolve_parents(marker, false)? else {
+            return Ok(());
+        };
+        let dir = full.parent().unwrap_or(self.root).to_path_buf();
+        let children = match fs::read_dir(&dir) {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(self.io(marker, "reading its directory", e)),
+        };
+        for child in children {
+            let child = child.map_err(|e| self.io(marker, "reading its directory", e))?;
+            let crel = dir_rel.join(child.file_name());
+            if !self.made.contains(&crel) {
+                self.remove(&crel, &child.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Directory times, deepest first (setting a child's does not change its parent's).
+    fn finish_dirs(&mut self) {
+        self.dir_times
+            .sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+        for (p, t) in self.dir_times.drain(..) {
+            if let Err(e) = filetime::set_symlink_file_times(&p, t, t) {
+                tracing::warn!(path = %p.display(), error = %e, "setting a directory's times");
+            }
+        }
+    }
+}
