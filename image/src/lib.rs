@@ -17,13 +17,17 @@
 
 mod config;
 mod error;
+mod rootfs;
 mod source;
 mod unpack;
 
 pub use config::ImageDefaults;
 pub use error::{Error, Result};
+pub use rootfs::{build_disk, RootfsDisk};
 pub use source::{Layer, Source};
 pub use unpack::{unpack, UnpackLimits, UnpackReport};
 
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 #[cfg(test)]
 mod tests;

@@ -563,6 +563,7 @@ mod tests {
                 created_ms: 1,
                 setup: vec![],
                 net: false,
+                image: None,
             },
             started_ms: 1,
             auto_pause: false,

@@ -675,7 +675,7 @@ impl Host {
             traffic_token,
             mask_host: req.mask_host.clone(),
             metadata: req.metadata,
-            env_vars: req.env_vars,
+            env_vars: with_image_env(&template, req.env_vars),
             vcpus: template.vcpus,
             mem_mib: template.mem_mib,
             disk: None,
@@ -1766,6 +1766,17 @@ fn link_dir(from: &Path, to: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A sandbox's environment: its template's image `Env` (if it was built from an image),
+/// overridden by the variables its create request sets.
+fn with_image_env(t: &Template, mut env: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    if let Some(img) = &t.image {
+        for (k, v) in &img.env {
+            env.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    env
 }
 
 #[cfg(test)]

@@ -48,6 +48,25 @@ pub struct Template {
     /// sandbox then gets a network of its own (`crate::net`).
     #[serde(default)]
     pub net: bool,
+    /// The container image its disk was made from, and the defaults its config gives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<FromImage>,
+}
+
+/// What a template built from a container image keeps of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FromImage {
+    /// The image as given to the build.
+    pub reference: String,
+    /// The config's `Env`: every sandbox's environment, under the variables its create
+    /// request sets.
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The config's `WorkingDir` (recorded; commands still start in the user's home).
+    pub cwd: String,
+    /// The config's `User` (recorded; commands still run as the user the request names).
+    pub user: String,
+    /// `Entrypoint` + `Cmd` (recorded; not started by the service).
+    pub start_cmd: Vec<String>,
 }
 
 /// Whether `name` is usable as a template name (a directory name; what E2B accepts as an id
@@ -198,6 +217,7 @@ mod tests {
             created_ms: 1,
             setup: vec![],
             net: false,
+            image: None,
         }
     }
 

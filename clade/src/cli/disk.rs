@@ -57,7 +57,7 @@ pub struct CreateArgs {
 }
 
 /// Parses "4096", "64K", "512M", "10G", "1T" into bytes.
-fn parse_size(s: &str) -> Result<u64, String> {
+pub(super) fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let upper = t.to_ascii_uppercase();
     let digits = upper.trim_end_matches(['B', 'I']);

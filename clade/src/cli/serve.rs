@@ -398,6 +398,17 @@ pub struct BuildArgs {
     /// the snapshot; each sandbox gets an overlay on that.
     #[arg(long, value_name = "BASE.cdsk")]
     disk: Option<PathBuf>,
+    /// A container image whose root filesystem becomes the template's disk: an OCI image
+    /// layout directory, an OCI archive or a `docker save` archive. Its layers are applied
+    /// in order into an ext4 filesystem (a frozen base layer in the template); its config's
+    /// Env becomes every sandbox's environment (under the create request's envVars). The
+    /// kernel and initramfs (with clade-agent) are Clade's: the image needs no init.
+    #[arg(long, value_name = "PATH", conflicts_with = "disk")]
+    image: Option<PathBuf>,
+    /// With --image: the disk's size (default: what the image needs plus 256 MiB); an
+    /// image that does not fit is refused.
+    #[arg(long, value_name = "SIZE", requires = "image", value_parser = super::disk::parse_size)]
+    disk_size: Option<u64>,
     /// The project's bare-metal test guest (it answers only the agent's Hello and Ping).
     #[arg(long)]
     test_device: bool,
@@ -540,7 +551,40 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     let vsock = dir.join("build.vsock");
     let serial = dir.join("build.serial");
     let overlay = dir.join("disk.cdsk");
-    if let Some(base) = &a.disk {
+    // From an image: its root filesystem as the template's own base layer.
+    let (base, image) = match &a.image {
+        Some(img) => {
+            let t = Instant::now();
+            let src = clade_image::Source::open(img)?;
+            let d = clade_image::build_disk(
+                &src,
+                &dir.join("image-build"),
+                &dir.join("base.cdsk"),
+                a.disk_size,
+            )
+            .with_context(|| format!("the root filesystem of {}", img.display()))?;
+            let defaults = src.defaults();
+            eprintln!(
+                "image {}: {} layers, {} entries, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s",
+                img.display(),
+                d.unpacked.layers,
+                d.unpacked.entries,
+                d.unpacked.bytes >> 20,
+                d.size >> 20,
+                t.elapsed().as_secs_f64()
+            );
+            let from = sandbox::template::FromImage {
+                reference: img.display().to_string(),
+                env: defaults.env.iter().cloned().collect(),
+                cwd: defaults.cwd.clone(),
+                user: defaults.user.clone(),
+                start_cmd: defaults.start_command(),
+            };
+            (Some(d.base), Some(from))
+        }
+        None => (a.disk.clone(), None),
+    };
+    if let Some(base) = &base {
         disk::ops::create(
             &overlay,
             &CreateOptions {
@@ -594,7 +638,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     if let Some(i) = &a.initrd {
         cmd.arg("--initrd").arg(std::path::absolute(i)?);
     }
-    if a.disk.is_some() {
+    if base.is_some() {
         cmd.arg("--disk").arg(&overlay);
     }
     if a.test_device {
@@ -676,11 +720,12 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         name: a.name.clone(),
         vcpus: a.machine.vcpus,
         mem_mib: a.machine.mem_mib,
-        disk: a.disk.is_some(),
+        disk: base.is_some(),
         test_guest: a.test_device,
         created_ms: sandbox::ids::now_ms(),
         setup: a.run.clone(),
         net: net.is_some(),
+        image,
     };
     // The build VM has ended: its network goes (dropping the handle removes it).
     drop(net);

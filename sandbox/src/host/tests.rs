@@ -143,6 +143,7 @@ pub(crate) fn state_dir(name: &str) -> PathBuf {
             created_ms: 0,
             setup: vec![],
             net: false,
+            image: None,
         })
         .unwrap();
     d
@@ -766,4 +767,30 @@ fn sandbox_networks_follow_the_lifecycle() {
     // The host table this test's range installed (a service leaves its own in place).
     hostnet::HostNet::init(&range).unwrap().remove().unwrap();
     let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn an_image_env_is_under_the_requests_own() {
+    let mut t = crate::template::Template {
+        name: "img".into(),
+        vcpus: 1,
+        mem_mib: 64,
+        disk: true,
+        test_guest: false,
+        created_ms: 0,
+        setup: Vec::new(),
+        net: false,
+        image: None,
+    };
+    let req: BTreeMap<String, String> = [("A".to_string(), "request".to_string())].into();
+    assert_eq!(super::with_image_env(&t, req.clone()), req);
+    t.image = Some(crate::template::FromImage {
+        env: [("A", "image"), ("PATH", "/usr/bin")]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into(),
+        ..Default::default()
+    });
+    let env = super::with_image_env(&t, req);
+    assert_eq!(env["A"], "request");
+    assert_eq!(env["PATH"], "/usr/bin");
 }

@@ -1,0 +1,184 @@
+//! `clade template build --image`: a template whose disk is a container image's root
+//! filesystem. The template VM here is the native test guest (it does not read the disk),
+//! so the disk is checked from the host, file by file, with e2fsprogs' debugfs; booting
+//! such a template as Linux is the nested tier's.
+
+#[allow(dead_code)]
+mod common;
+#[path = "../../tests/src/native_guest.rs"]
+mod native_guest;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use clade_image::testing::{layer, oci_layout, E};
+use common::Dir;
+use native_guest::native_guest;
+
+fn clade() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_clade"))
+}
+
+fn build(state: &Path, name: &str, image: &Path, extra: &[&str]) -> Output {
+    clade()
+        .args(["template", "build", name, "--test-device", "--mem", "64"])
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--cmdline", "steps=vsock", "--image"])
+        .arg(image)
+        .args(extra)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .unwrap()
+}
+
+fn find(dir: &Path, name: &str) -> Option<PathBuf> {
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.file_name().is_some_and(|n| n == name) {
+            return Some(p);
+        }
+        if p.is_dir() {
+            if let Some(f) = find(&p, name) {
+                return Some(f);
+            }
+        }
+    }
+    None
+}
+
+fn debugfs(raw: &Path, request: &str) -> String {
+    let o = Command::new("debugfs")
+        .args(["-R", request])
+        .arg(raw)
+        .output()
+        .expect("debugfs (e2fsprogs)");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn templates(state: &Path) -> String {
+    let o = clade()
+        .args(["template", "ls", "--json", "--state-dir"])
+        .arg(state)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn a_template_from_an_image_has_its_files_on_its_disk() {
+    let d = Dir::new("image-template");
+    let state = d.p("state");
+    let l1 = layer(&[
+        E::Dir("etc/", 0o755),
+        E::File("etc/hostname", b"from-image\n", 0o644, 0),
+        E::File("etc/gone", b"x", 0o644, 0),
+        E::Dir("home/", 0o755),
+        E::Dir("home/user/", 0o750),
+        E::File("home/user/.bashrc", b"# rc\n", 0o640, 1000),
+        E::File("usr/bin/tool", b"tool", 0o4755, 0),
+    ]);
+    let l2 = layer(&[
+        E::File("etc/.wh.gone", b"", 0o644, 0),
+        E::Hardlink("usr/bin/tool2", "usr/bin/tool"),
+        E::Symlink("etc/localtime", "/usr/share/zoneinfo/UTC"),
+    ]);
+    oci_layout(&d.p("img"), &[l1, l2], true);
+    let o = build(&state, "img", &d.p("img"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("2 layers"), "{err}");
+
+    // The template records the image and its config's defaults.
+    let t = std::fs::read_to_string(find(&state, "template.json").unwrap()).unwrap();
+    let t: serde_json::Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(t["disk"], true);
+    assert_eq!(t["image"]["env"]["GREETING"], "a=b");
+    assert_eq!(t["image"]["cwd"], "/srv");
+    assert_eq!(t["image"]["start_cmd"][0], "/bin/app");
+
+    // Its disk, flattened to a raw ext4 image, holds the image's files as the layers left
+    // them.
+    let base = find(&state, "base.cdsk").expect("the template's base layer");
+    let raw = d.p("disk.raw");
+    let o = clade()
+        .args(["disk", "flatten", "--raw"])
+        .arg(&base)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(debugfs(&raw, "cat /etc/hostname"), "from-image\n");
+    let ls = debugfs(&raw, "ls -l /etc");
+    assert!(!ls.contains("gone"), "whiteout not applied: {ls}");
+    assert!(ls.contains("localtime"), "{ls}");
+    let rc = debugfs(&raw, "stat /home/user/.bashrc");
+    assert!(
+        rc.contains("User:  1000") && rc.contains("Mode:  0640"),
+        "{rc}"
+    );
+    let tool = debugfs(&raw, "stat /usr/bin/tool");
+    assert!(
+        tool.contains("Mode:  04755") && tool.contains("Links: 2"),
+        "{tool}"
+    );
+    // The mount points the agent needs were made.
+    let root = debugfs(&raw, "ls -l /");
+    for dir in ["dev", "proc", "sys", "tmp", "run"] {
+        assert!(root.contains(dir), "/{dir} missing: {root}");
+    }
+    // No scratch left in the template.
+    assert!(find(&state, "image-build").is_none());
+}
+
+#[test]
+fn bad_images_register_nothing() {
+    let d = Dir::new("image-bad");
+    let state = d.p("state");
+    let big = vec![1u8; 3 << 20];
+    oci_layout(
+        &d.p("big"),
+        &[layer(&[E::File("big", &big, 0o644, 0)])],
+        true,
+    );
+    let o = build(&state, "big", &d.p("big"), &["--disk-size", "2M"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("larger than"), "{err}");
+
+    // A layer that escapes the tree through a symlink another layer planted.
+    let l1 = layer(&[E::Symlink("etc", "/etc")]);
+    let l2 = layer(&[E::File("etc/clade-escape", b"x", 0o644, 0)]);
+    oci_layout(&d.p("escape"), &[l1, l2], true);
+    let o = build(&state, "escape", &d.p("escape"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("symbolic link"), "{err}");
+    assert!(!Path::new("/etc/clade-escape").exists());
+
+    // A corrupt layer blob.
+    let digests = oci_layout(
+        &d.p("corrupt"),
+        &[layer(&[E::File("f", b"data", 0o644, 0)])],
+        true,
+    );
+    let blob = d.p(&format!("corrupt/blobs/sha256/{}", &digests[0][7..]));
+    let mut data = std::fs::read(&blob).unwrap();
+    let n = data.len();
+    data[n - 5] ^= 0xff;
+    std::fs::write(&blob, data).unwrap();
+    let o = build(&state, "corrupt", &d.p("corrupt"), &[]);
+    assert!(!o.status.success());
+    // Not an image at all.
+    std::fs::create_dir_all(d.p("nothing")).unwrap();
+    let o = build(&state, "nothing", &d.p("nothing"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("neither an OCI image layout"),
+        "{err}"
+    );
+
+    // None of them left a template.
+    assert_eq!(templates(&state).trim(), "[]");
+}
