@@ -349,3 +349,88 @@ fn sessions_expire_and_are_bounded() {
     assert!(s.valid(tokens.last().unwrap()));
     assert!(s.secure);
 }
+
+/// The session's view of a host with 1000 sandboxes, as the page asks for it: pages of 50
+/// through `nextToken`, metrics of one page's ids in one call; and the template list.
+#[tokio::test]
+async fn a_thousand_sandboxes_page_by_page() {
+    let (h, _drv, d) = host("dash-1000");
+    let h = Arc::new(h);
+    let sessions = Arc::new(Sessions::default());
+    let app = router(AppState {
+        host: h.clone(),
+        api_key: Arc::new(KEY.into()),
+        domain: None,
+        sessions: sessions.clone(),
+    });
+    let made: std::collections::BTreeSet<String> = (0..1000)
+        .map(|_| {
+            h.create(crate::host::CreateRequest {
+                template: "t".into(),
+                timeout_s: 600,
+                ..Default::default()
+            })
+            .unwrap()
+            .id
+        })
+        .collect();
+    let cookie = cookie_of(&login(&app, &format!("key={KEY}")).await);
+    let both = [("cookie", cookie.as_str()), ("x-clade-dashboard", "1")];
+
+    let mut seen = std::collections::BTreeSet::new();
+    let mut token: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let uri = match &token {
+            Some(t) => format!("/v2/sandboxes?limit=50&nextToken={t}"),
+            None => "/v2/sandboxes?limit=50".to_string(),
+        };
+        let a = send(&app, "GET", &uri, &both, "").await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&a.body).unwrap();
+        assert!(rows.len() <= 50);
+        pages += 1;
+        let ids: Vec<&str> = rows
+            .iter()
+            .map(|r| r["sandboxID"].as_str().unwrap())
+            .collect();
+        if pages == 1 {
+            let q = format!("/sandboxes/metrics?sandbox_ids={}", ids.join(","));
+            let m = send(&app, "GET", &q, &both, "").await;
+            assert_eq!(m.status, 200, "{}", m.body);
+        }
+        for id in ids {
+            assert!(seen.insert(id.to_string()), "{id} on two pages");
+        }
+        match a.headers.get("x-next-token") {
+            Some(t) => token = Some(t.to_str().unwrap().to_string()),
+            None => break,
+        }
+        assert!(pages < 30, "paging does not end");
+    }
+    assert_eq!(pages, 20);
+    assert_eq!(seen, made);
+
+    let a = send(&app, "GET", "/templates", &both, "").await;
+    let ts: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    let t = &ts.as_array().unwrap()[0];
+    assert_eq!(
+        (
+            &t["templateID"],
+            &t["cpuCount"],
+            &t["memoryMB"],
+            &t["buildStatus"]
+        ),
+        (
+            &serde_json::json!("t"),
+            &serde_json::json!(2),
+            &serde_json::json!(128),
+            &serde_json::json!("ready")
+        ),
+        "{ts}"
+    );
+    assert_eq!(t["names"], serde_json::json!(["t:default"]));
+    drop(app);
+    drop(h);
+    std::fs::remove_dir_all(d).unwrap();
+}

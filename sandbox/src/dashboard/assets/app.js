@@ -123,9 +123,10 @@ function chart(values, max, w, h, cls, labels) {
   s.append(svg('rect', { x: 0.5, y: 0.5, width: w - 1, height: h - 1, class: 'frame' }));
   if (values.length) {
     const top = max > 0 ? max : 1;
-    const n = values.length;
-    const pts = values.map((v, i) => {
-      const x = n === 1 ? w - 2 : 1 + (i * (w - 3)) / (n - 1);
+    // One sample: a level line across, not an invisible point.
+    const vs = values.length === 1 ? [values[0], values[0]] : values;
+    const pts = vs.map((v, i) => {
+      const x = 1 + (i * (w - 3)) / (vs.length - 1);
       const y = h - 2 - (Math.min(Math.max(v, 0), top) / top) * (h - 4);
       return `${x.toFixed(1)},${y.toFixed(1)}`;
     });
@@ -142,11 +143,17 @@ function chart(values, max, w, h, cls, labels) {
   return s;
 }
 
+// CPU charts are scaled to the highest use seen (at least 5 %): low use still has a shape;
+// the number beside says how much it is.
+function cpuScale(h) {
+  return Math.max(5, ...h.map((p) => p.cpu * 1.2));
+}
+
 function cpuCell(id) {
   const h = history.get(id) || [];
   const last = h[h.length - 1];
   return el('div', { class: 'metric' },
-    chart(h.map((p) => p.cpu), 100, 80, 22, 'spark'),
+    chart(h.map((p) => p.cpu), cpuScale(h), 80, 22, 'spark'),
     el('span', { class: 'num' }, last ? `${last.cpu.toFixed(1)}%` : '–'));
 }
 
@@ -274,7 +281,7 @@ async function act(action, id) {
 function renderCharts(id) {
   const h = history.get(id) || [];
   const last = h[h.length - 1];
-  $('chart-cpu').replaceChildren(chart(h.map((p) => p.cpu), 100, 360, 90, 'big',
+  $('chart-cpu').replaceChildren(chart(h.map((p) => p.cpu), cpuScale(h), 360, 90, 'big',
     last ? `now ${last.cpu.toFixed(1)}% · ${h.length} samples` : 'no samples (not running?)'));
   $('chart-mem').replaceChildren(chart(h.map((p) => mib(p.mem)), last ? mib(last.memTotal) : 0, 360, 90, 'big',
     last ? `now ${mib(last.mem).toFixed(1)} of ${mib(last.memTotal).toFixed(0)} MiB` : 'no samples (not running?)'));
@@ -321,7 +328,7 @@ async function loadLogs() {
     const j = await apiJson('GET', `/v2/sandboxes/${encodeURIComponent(id)}/logs?${p}`);
     const lines = ((j && j.logs) || []).slice().reverse();
     $('log-rows').replaceChildren(...lines.map((l) => el('tr', {},
-      el('td', {}, l.timestamp),
+      el('td', { class: 'time', title: l.timestamp }, (l.timestamp || '').replace('T', ' ').replace('Z', '')),
       el('td', {}, l.level),
       el('td', {}, (l.fields && l.fields.source) || ''),
       el('td', { class: 'msg' }, l.message))));
