@@ -47,6 +47,8 @@ pub const COOKIE_NAME: &str = "clade_session";
 pub const DASHBOARD_HEADER: &str = "x-clade-dashboard";
 /// How long a session lasts after its login.
 pub const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
+/// How long a login with a wrong key waits before its answer.
+pub const WRONG_KEY_DELAY: Duration = Duration::from_millis(250);
 /// Most sessions kept at once; a login past it ends the oldest.
 pub const MAX_SESSIONS: usize = 256;
 
@@ -264,6 +266,8 @@ async fn login(AxState(st): AxState<AppState>, body: Bytes) -> Response {
     };
     if !crate::envd::access::same_secret(key.as_bytes(), st.api_key.as_bytes()) {
         tracing::warn!("dashboard: login with a wrong key");
+        // Slows guessing down (one connection at a time; the key itself must be long).
+        tokio::time::sleep(WRONG_KEY_DELAY).await;
         return page(
             StatusCode::UNAUTHORIZED,
             "text/html; charset=utf-8",
