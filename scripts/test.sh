@@ -12,7 +12,8 @@
 #                            cached under build/rootfs/)
 #   +  the e2b SDK suites    (tests/e2b: pinned SDK in a venv against clade serve: the control
 #                            plane with native test-guest VMs, the data plane through the
-#                            host-agent harness, and test_linux.py with Linux sandboxes in
+#                            host-agent harness, the web dashboard in headless chromium
+#                            (Selenium), and test_linux.py with Linux sandboxes in
 #                            the nested machine, through a forwarded port: scenario "sdk")
 # Set CLADE_SKIP_NESTED=1 to run only tiers 1 and 2 (and the SDK suite).
 set -euo pipefail
@@ -70,9 +71,12 @@ pytest_failed() {
 echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
 # The control plane with real VMs (templates of the native test guest), and the data plane
 # through clade serve's --test-host-agent harness (each sandbox a host-run clade-agent, so
-# commands, PTYs and files run without a Linux VM); then `clade bench --report` (a real run's
-# report checked and rendered in Debian's chromium, tests/e2b/test_report.py).
-for suite in control dataplane report; do
+# commands, PTYs and files run without a Linux VM). Then the web dashboard (/dashboard) in
+# headless chromium through Selenium, with native test-guest VMs (screenshots of each step
+# in target/dashboard-screenshots), and `clade bench --report` (a real run's report checked
+# and rendered in the same browser, tests/e2b/test_report.py; screenshots in
+# target/report-screenshots).
+for suite in control dataplane dashboard report; do
     if "$REPO_ROOT/tests/e2b/run_$suite.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b-$suite.log"; then
         n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}' || true)
         passed=$((passed + ${n:-0}))

@@ -584,6 +584,11 @@ impl Host {
         self.snapshot_lock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Every built template (not snapshots), by name.
+    pub fn list_templates(&self) -> Result<Vec<Template>> {
+        self.templates.list()
+    }
+
     /// The template of a sandbox (a built template, or a snapshot, deleted or not).
     pub fn template(&self, name: &str) -> Result<Template> {
         if self.reg().get_snapshot(name)?.is_some() {

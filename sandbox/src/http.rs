@@ -50,6 +50,8 @@ pub struct AppState {
     /// The domain sandboxes are reached under (`clade serve --domain`): answered as each
     /// sandbox's `domain`, so that the SDK builds `<port>-<id>.<domain>` host names.
     pub domain: Option<Arc<String>>,
+    /// The dashboard's login sessions ([`crate::dashboard`]).
+    pub sessions: Arc<crate::dashboard::Sessions>,
 }
 
 /// An error answer: status plus E2B's error body.
@@ -397,8 +399,11 @@ pub fn router(state: AppState) -> Router {
         .route("/templates/{id}", delete(delete_snapshot))
         .route("/sandboxes/{id}/logs", get(logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
+        .route("/templates", get(list_templates))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        // The dashboard's pages check its session themselves (the login page needs none).
+        .merge(crate::dashboard::routes())
         .layer(axum::middleware::from_fn_with_state(
             data,
             crate::envd::dispatch,
@@ -410,8 +415,11 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
 }
 
+/// The key check in front of every API route: `X-API-KEY`, or (the dashboard's calls) a
+/// live session cookie with `X-Clade-Dashboard: 1` ([`crate::dashboard`]).
 async fn auth(AxState(st): AxState<AppState>, req: Request, next: Next) -> Response {
     match req.headers().get("x-api-key") {
+        None if crate::dashboard::dashboard_request(&st, req.headers()) => next.run(req).await,
         None => ApiError::new(StatusCode::UNAUTHORIZED, "Authorization header is missing")
             .into_response(),
         Some(k) if crate::envd::access::same_secret(k.as_bytes(), st.api_key.as_bytes()) => {
@@ -837,6 +845,32 @@ async fn list_snapshots(
         headers.insert("x-next-token", page_token(last.created_ms, &last.id));
     }
     Ok((headers, Json(out)).into_response())
+}
+
+/// `GET /templates`: the built templates, in the shape of E2B's `Template` (what this host
+/// knows of them: no builds, teams or spawn counts; every listed template is ready).
+async fn list_templates(AxState(st): AxState<AppState>) -> ApiResult<Response> {
+    let ts = blocking(&st, |h| h.list_templates()).await?;
+    let out: Vec<Value> = ts
+        .iter()
+        .map(|t| {
+            json!({
+                "templateID": t.name,
+                "buildID": t.name,
+                "aliases": [t.name],
+                "names": [format!("{}:{DEFAULT_TAG}", t.name)],
+                "cpuCount": t.vcpus,
+                "memoryMB": t.mem_mib,
+                "diskSizeMB": 0,
+                "public": false,
+                "createdAt": ids::rfc3339(t.created_ms),
+                "updatedAt": ids::rfc3339(t.created_ms),
+                "envdVersion": ENVD_VERSION,
+                "buildStatus": "ready",
+            })
+        })
+        .collect();
+    Ok(Json(out).into_response())
 }
 
 /// `DELETE /templates/{id}`: what the SDK's `delete_snapshot` calls. Only snapshots are

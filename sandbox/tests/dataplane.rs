@@ -87,6 +87,7 @@ fn setup_req(name: &str, f: impl FnOnce(&mut CreateRequest)) -> Env {
         host: host.clone(),
         api_key: Arc::new("k".into()),
         domain: None,
+        sessions: Default::default(),
     });
     Env {
         app,
@@ -1130,6 +1131,7 @@ async fn background_processes_survive_pause_resume_and_a_service_restart() {
         host: env.host.clone(),
         api_key: Arc::new("k".into()),
         domain: None,
+        sessions: Default::default(),
     });
     let env2 = Env {
         app: restarted,

@@ -323,6 +323,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             host,
             api_key: Arc::new(key),
             domain: args.domain.clone().map(Arc::new),
+            sessions: Arc::new(sandbox::dashboard::Sessions::new(tls.is_some())),
         };
         let listen = match tls {
             Some(cfg) => Listen::Https(listener, cfg),

@@ -17,6 +17,7 @@ fn app(name: &str) -> (Router, std::path::PathBuf) {
         host: Arc::new(h),
         api_key: Arc::new(KEY.into()),
         domain: None,
+        sessions: Default::default(),
     };
     (router(st), d)
 }
