@@ -11,7 +11,7 @@ mod native_guest;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use clade_image::testing::{layer, oci_layout, E};
+use clade_image::testing::{layer, oci_layout, push, Registry, E};
 use common::Dir;
 use native_guest::native_guest;
 
@@ -181,4 +181,68 @@ fn bad_images_register_nothing() {
 
     // None of them left a template.
     assert_eq!(templates(&state).trim(), "[]");
+}
+
+/// From a registry by reference: Debian's docker-registry on loopback, images pushed to it
+/// here; a second image sharing the base layer fetches only what it does not share.
+#[test]
+fn a_template_from_a_registry_reference() {
+    let d = Dir::new("image-registry");
+    let state = d.p("state");
+    let reg = Registry::start(&d.p("registry"));
+    let base = layer(&[
+        E::Dir("etc/", 0o755),
+        E::File("etc/os-release", b"ID=clade-test\n", 0o644, 0),
+    ]);
+    let app1 = layer(&[E::File("srv/app", b"one", 0o755, 1000)]);
+    let app2 = layer(&[E::File("srv/app", b"two", 0o755, 1000)]);
+    let r1 = format!("{}/clade/app:1", reg.addr);
+    let r2 = format!("{}/clade/app:2", reg.addr);
+    push(&r1, &[base.clone(), app1]);
+    push(&r2, &[base, app2]);
+
+    let o = build(&state, "app1", Path::new(&r1), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("3 blobs fetched") && err.contains("0 already cached"),
+        "{err}"
+    );
+    let o = build(&state, "app2", Path::new(&r2), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // Its config and top layer are new; the base layer is the first image's.
+    assert!(
+        err.contains("2 blobs fetched") && err.contains("1 already cached"),
+        "{err}"
+    );
+
+    let raw = d.p("app2.raw");
+    let base2 = find(&state.join("templates").join("app2"), "base.cdsk")
+        .or_else(|| find(&state, "app2").and_then(|t| find(&t, "base.cdsk")))
+        .expect("app2's base layer");
+    let o = clade()
+        .args(["disk", "flatten", "--raw"])
+        .arg(&base2)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(debugfs(&raw, "cat /srv/app"), "two");
+    assert_eq!(debugfs(&raw, "cat /etc/os-release"), "ID=clade-test\n");
+
+    // A tag the registry does not have: a clear error, nothing registered.
+    let o = build(
+        &state,
+        "nope",
+        Path::new(&format!("{}/clade/app:9", reg.addr)),
+        &[],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("clade/app:9"), "{err}");
+    let ls = templates(&state);
+    assert!(
+        ls.contains("app1") && ls.contains("app2") && !ls.contains("nope"),
+        "{ls}"
+    );
 }

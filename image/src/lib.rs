@@ -17,12 +17,14 @@
 
 mod config;
 mod error;
+mod pull;
 mod rootfs;
 mod source;
 mod unpack;
 
 pub use config::ImageDefaults;
 pub use error::{Error, Result};
+pub use pull::{is_reference, pull, PullReport};
 pub use rootfs::{build_disk, RootfsDisk};
 pub use source::{Layer, Source};
 pub use unpack::{unpack, UnpackLimits, UnpackReport};

@@ -161,3 +161,91 @@ pub fn archive_of(dir: &Path, out: &Path) {
     b.append_dir_all(".", dir).unwrap();
     b.finish().unwrap();
 }
+
+/// Pushes an image of `layers` (gzipped here) with [`config`] to `reference` on a
+/// loopback registry.
+pub fn push(reference: &str, layers: &[Vec<u8>]) {
+    use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+    let r = oci_client::Reference::try_from(reference).unwrap();
+    let client = oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::HttpsExcept(vec![r.resolve_registry().to_string()]),
+        ..Default::default()
+    });
+    let diff_ids: Vec<String> = layers.iter().map(|l| sha(l)).collect();
+    let blobs: Vec<ImageLayer> = layers
+        .iter()
+        .map(|l| {
+            ImageLayer::new(
+                gzip(l),
+                oci_client::manifest::IMAGE_LAYER_GZIP_MEDIA_TYPE.into(),
+                None,
+            )
+        })
+        .collect();
+    let cfg = Config::new(
+        config(&diff_ids),
+        oci_client::manifest::IMAGE_CONFIG_MEDIA_TYPE.into(),
+        None,
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(client.push(
+        &r,
+        &blobs,
+        cfg,
+        &oci_client::secrets::RegistryAuth::Anonymous,
+        None,
+    ))
+    .unwrap();
+}
+
+/// Debian's `docker-registry` (the CNCF distribution registry) serving on loopback from a
+/// directory of its own; stopped when dropped.
+pub struct Registry {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+}
+
+impl Registry {
+    /// Starts it with its storage and config under `dir`.
+    pub fn start(dir: &Path) -> Registry {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let addr = format!("127.0.0.1:{port}");
+        fs::create_dir_all(dir.join("storage")).unwrap();
+        let cfg = dir.join("config.yml");
+        fs::write(
+            &cfg,
+            format!(
+                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+                dir.join("storage").display()
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new("docker-registry")
+            .arg("serve")
+            .arg(&cfg)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("docker-registry (Debian package docker-registry)");
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(t.elapsed().as_secs() < 20, "the registry did not start");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Registry { child, addr }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -400,7 +400,9 @@ pub struct BuildArgs {
     #[arg(long, value_name = "BASE.cdsk")]
     disk: Option<PathBuf>,
     /// A container image whose root filesystem becomes the template's disk: an OCI image
-    /// layout directory, an OCI archive or a `docker save` archive. Its layers are applied
+    /// layout directory, an OCI archive, a `docker save` archive, or a registry reference
+    /// (pulled into the state dir's `images/` cache, each blob once; registries on
+    /// loopback over HTTP; credentials from Docker's config.json). Its layers are applied
     /// in order into an ext4 filesystem (a frozen base layer in the template); its config's
     /// Env becomes every sandbox's environment (under the create request's envVars). The
     /// kernel and initramfs (with clade-agent) are Clade's: the image needs no init.
@@ -556,7 +558,22 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     let (base, image) = match &a.image {
         Some(img) => {
             let t = Instant::now();
-            let src = clade_image::Source::open(img)?;
+            let name = img.to_string_lossy();
+            let layout = if clade_image::is_reference(&name) {
+                let cache = std::path::absolute(&a.state_dir)?.join("images");
+                let r = clade_image::pull(&name, &cache)?;
+                eprintln!(
+                    "pulled {name} ({}): {} blobs fetched ({} KiB), {} already cached",
+                    r.manifest_digest,
+                    r.fetched,
+                    r.bytes >> 10,
+                    r.cached
+                );
+                r.layout
+            } else {
+                img.clone()
+            };
+            let src = clade_image::Source::open(&layout)?;
             let d = clade_image::build_disk(
                 &src,
                 &dir.join("image-build"),
