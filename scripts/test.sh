@@ -4,8 +4,8 @@
 #   2. native KVM tier       (project's bare-metal guest)   cargo test: tests/tests, clade/tests
 #   3. nested tier           (Debian kernel, nested KVM)    tests/nested/run.sh, one outer
 #                            boot running tests/nested/scenarios/suite.sh: scenarios "boot",
-#                            "agent-vsock", "snapshot-resume", "disk", "fork", "jail", "net"
-#                            and "sdk"
+#                            "agent-vsock", "snapshot-resume", "image", "disk", "fork",
+#                            "jail", "net" and "sdk"
 #                            (each counts as one test; the last three need the Debian root
 #                            filesystem of
 #                            tests/nested/build-rootfs.sh, built once with debootstrap and
@@ -97,7 +97,7 @@ else
     # Each scenario counts as one test.
     # shellcheck source-path=SCRIPTDIR source=../tests/nested/lib.sh
     . "$REPO_ROOT/tests/nested/lib.sh"
-    SCENARIOS=(boot agent-vsock snapshot-resume)
+    SCENARIOS=(boot agent-vsock snapshot-resume image)
     # The disk scenarios need the sandbox root filesystem as the outer VM's /dev/vda.
     disk_args=()
     if "$REPO_ROOT/tests/nested/build-rootfs.sh"; then

@@ -56,6 +56,14 @@ pub fn build_disk(
     r
 }
 
+/// `mkfs.ext4`: in /usr/sbin or /sbin where it is (root's PATH may lack them), else PATH.
+fn mkfs_ext4() -> &'static str {
+    ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .unwrap_or("mkfs.ext4")
+}
+
 fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Result<RootfsDisk> {
     let tree = scratch.join("tree");
     // ext4 needs room for its own metadata (inode tables, journal): an image is allowed
@@ -79,7 +87,7 @@ fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Res
     let f = std::fs::File::create(&raw).map_err(|e| Error::io("creating", &raw, e))?;
     f.set_len(size).map_err(|e| Error::io("sizing", &raw, e))?;
     drop(f);
-    let out = Command::new("mkfs.ext4")
+    let out = Command::new(mkfs_ext4())
         .args(["-q", "-F", "-L", "clade-root", "-b", "4096", "-m", "0"])
         .args([
             "-E",

@@ -1,0 +1,84 @@
+#!/bin/busybox sh
+# shellcheck shell=dash disable=SC2016,SC2046  # single-quoted commands run in the guest's sh
+# image.sh: L1 scenario (run.sh --l1-test, or one of suite.sh's): a template built from a
+# container image boots Debian's kernel with Clade's agent, which makes the image's root
+# filesystem its root, and runs commands in it.
+#
+#   tests/nested/run.sh \
+#       --l1-test tests/nested/scenarios/image.sh --expect IMAGE-SCENARIO-PASS
+#
+# The image is made here from what L1 has (busybox-static and a few files, the tar layer
+# gzipped, blobs named by their sha256, an OCI layout with index, manifest and config);
+# `clade template build --image` unpacks it into an ext4 disk and boots it, its setup
+# commands (--run, which fail the build when they fail) checking from inside the guest
+# that / is the image's filesystem: its files, its owner and mode, a file a second layer
+# deleted gone (whiteout). Needs mkfs.ext4 in L1 (run.sh stages it, NESTED_L1_BINS).
+# scenario-timeout: 400
+
+CLADE=/bin/clade
+W=/tmp/image-scenario
+fail() {
+    echo "IMAGE-SCENARIO-FAIL $*"
+    [ -f "$W/build.err" ] && cat "$W/build.err"
+    for f in "$W"/state/templates/*/build.serial "$W"/state/templates/*/build.log; do
+        [ -f "$f" ] && { echo "---- $f ----"; tail -n 40 "$f"; }
+    done
+    exit 1
+}
+[ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] ||
+    fail "mkfs.ext4 is not in L1 (run.sh stages it: NESTED_L1_BINS)"
+rm -rf "$W"
+mkdir -p "$W/l1/bin" "$W/l1/etc" "$W/l1/home/user" "$W/l2/etc" "$W/layout/blobs/sha256"
+
+# Layer 1: busybox and its applets, an os-release, a home owned by uid 1000.
+cp /bin/busybox "$W/l1/bin/busybox"
+for a in sh cat grep test stat sync ls echo true id; do ln -s busybox "$W/l1/bin/$a"; done
+echo "ID=clade-image-test" >"$W/l1/etc/os-release"
+echo "doomed" >"$W/l1/etc/doomed"
+echo "# rc" >"$W/l1/home/user/.profile"
+chown -R 1000:1000 "$W/l1/home/user"
+chmod 750 "$W/l1/home/user"
+# Layer 2: deletes etc/doomed (a whiteout), adds a file.
+: >"$W/l2/etc/.wh.doomed"
+echo "layer two" >"$W/l2/etc/motd"
+
+# blob FILE: stores FILE under its digest; prints "sha256:<hex> <size>".
+blob() {
+    h=$(sha256sum "$1" | cut -d' ' -f1)
+    cp "$1" "$W/layout/blobs/sha256/$h"
+    echo "sha256:$h $(stat -c %s "$1")"
+}
+layers="" diff_ids=""
+for l in l1 l2; do
+    tar -C "$W/$l" -cf "$W/$l.tar" . || fail "tar $l"
+    d=$(sha256sum "$W/$l.tar" | cut -d' ' -f1)
+    gzip -c "$W/$l.tar" >"$W/$l.tar.gz"
+    set -- $(blob "$W/$l.tar.gz")
+    layers="$layers${layers:+,}{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar+gzip\",\"digest\":\"$1\",\"size\":$2}"
+    diff_ids="$diff_ids${diff_ids:+,}\"sha256:$d\""
+done
+printf '{"architecture":"amd64","os":"linux","config":{"Env":["GREETING=hello"],"WorkingDir":"/home/user","Cmd":["/bin/sh"]},"rootfs":{"type":"layers","diff_ids":[%s]}}' \
+    "$diff_ids" >"$W/config.json"
+set -- $(blob "$W/config.json")
+printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"%s","size":%s},"layers":[%s]}' \
+    "$1" "$2" "$layers" >"$W/manifest.json"
+set -- $(blob "$W/manifest.json")
+printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"%s","size":%s}]}' \
+    "$1" "$2" >"$W/layout/index.json"
+echo '{"imageLayoutVersion":"1.0.0"}' >"$W/layout/oci-layout"
+
+$CLADE template build img --image "$W/layout" --state-dir "$W/state" \
+    --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem 256 --agent-timeout 240 \
+    --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
+    --run 'grep -q "^ID=clade-image-test$" /etc/os-release' \
+    --run 'test "$(stat -c "%u %a" /home/user)" = "1000 750"' \
+    --run 'test ! -e /etc/doomed' \
+    --run 'grep -q "layer two" /etc/motd' \
+    2>"$W/build.err" || fail "template build --image"
+grep -q "CLADE-AGENT-ROOT /dev/vda ext4" "$W"/state/templates/img/build.serial ||
+    fail "the guest did not make the image's disk its root"
+cat "$W/build.err"
+grep -q "2 layers" "$W/build.err" || fail "the build did not report the image's 2 layers"
+grep -q '"GREETING": "hello"' "$W"/state/templates/img/template.json ||
+    fail "the template does not record the image's Env"
+echo "IMAGE-SCENARIO-PASS"
