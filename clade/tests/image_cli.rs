@@ -231,6 +231,28 @@ fn a_template_from_a_registry_reference() {
     assert_eq!(debugfs(&raw, "cat /srv/app"), "two");
     assert_eq!(debugfs(&raw, "cat /etc/os-release"), "ID=clade-test\n");
 
+    // On a terminal, the pull draws a bar that ends at 100 %.
+    let big = vec![3u8; 4 << 20];
+    let r3 = format!("{}/clade/app:3", reg.addr);
+    push(&r3, &[layer(&[E::File("srv/big", &big, 0o644, 0)])]);
+    let cmd = format!(
+        "{} template build app3 --test-device --mem 64 --kernel {} --cmdline steps=vsock \
+         --image {r3} --state-dir {}",
+        env!("CARGO_BIN_EXE_clade"),
+        native_guest().display(),
+        state.display()
+    );
+    let o = Command::new("script")
+        .args(["-qefc", &cmd, "/dev/null"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{shown}");
+    assert!(
+        shown.contains("pull [") && shown.contains("100%"),
+        "no finished bar: {shown:?}"
+    );
+
     // A tag the registry does not have: a clear error, nothing registered.
     let o = build(
         &state,

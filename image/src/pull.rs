@@ -15,12 +15,16 @@
 //! [`Source::open`]: crate::Source::open
 
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::manifest;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWrite;
 
 use crate::error::{Error, Result};
 use crate::source::sha256_hex_of;
@@ -40,21 +44,68 @@ pub struct PullReport {
     pub bytes: u64,
 }
 
+/// How far a pull is: bytes of the blobs to fetch (`total`, known once the manifest is
+/// read) and fetched so far.
+#[derive(Debug, Default)]
+pub struct PullProgress {
+    done: AtomicU64,
+    total: AtomicU64,
+}
+
+impl PullProgress {
+    /// (done, total) bytes.
+    pub fn get(&self) -> (u64, u64) {
+        (
+            self.done.load(Ordering::Relaxed),
+            self.total.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// A writer that counts what goes through it into a [`PullProgress`].
+struct Counting<'a, W> {
+    inner: W,
+    progress: Option<&'a PullProgress>,
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for Counting<'_, W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let (Poll::Ready(Ok(n)), Some(p)) = (&r, self.progress) {
+            p.done.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Whether `s` looks like a registry reference rather than a local path: not an existing
 /// path, and of the form `[registry/]name[:tag][@digest]`.
 pub fn is_reference(s: &str) -> bool {
     !Path::new(s).exists() && Reference::try_from(s).is_ok()
 }
 
-/// Pulls `reference` (linux/amd64 from a multi-platform index) into `cache`.
-pub fn pull(reference: &str, cache: &Path) -> Result<PullReport> {
+/// Pulls `reference` (linux/amd64 from a multi-platform index) into `cache`, counting
+/// the bytes fetched into `progress`.
+pub fn pull(reference: &str, cache: &Path, progress: Option<&PullProgress>) -> Result<PullReport> {
     let r = Reference::try_from(reference)
         .map_err(|e| Error::NotAnImage(format!("{reference}: not an image reference: {e}")))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| Error::io("starting a runtime for", cache, e))?;
-    rt.block_on(pull_async(&r, cache))
+    rt.block_on(pull_async(&r, cache, progress))
 }
 
 fn loopback(registry: &str) -> bool {
@@ -90,7 +141,11 @@ fn reg_err(r: &Reference, e: impl std::fmt::Display) -> Error {
     Error::NotAnImage(format!("pulling {r}: {e}"))
 }
 
-async fn pull_async(r: &Reference, cache: &Path) -> Result<PullReport> {
+async fn pull_async(
+    r: &Reference,
+    cache: &Path,
+    progress: Option<&PullProgress>,
+) -> Result<PullReport> {
     let registry = r.resolve_registry().to_string();
     let protocol = if loopback(&registry) {
         ClientProtocol::HttpsExcept(vec![registry.clone()])
@@ -139,14 +194,21 @@ async fn pull_async(r: &Reference, cache: &Path) -> Result<PullReport> {
         .as_str()
         .unwrap_or(manifest::OCI_IMAGE_MEDIA_TYPE)
         .to_string();
-    let mut blobs: Vec<String> = vec![v["config"]["digest"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()];
-    for l in v["layers"].as_array().into_iter().flatten() {
-        blobs.push(l["digest"].as_str().unwrap_or_default().to_string());
-    }
+    let descs = std::iter::once(&v["config"]).chain(v["layers"].as_array().into_iter().flatten());
+    let blobs: Vec<(String, u64)> = descs
+        .map(|d| {
+            let digest = d["digest"].as_str().unwrap_or_default().to_string();
+            (digest, d["size"].as_u64().unwrap_or(0))
+        })
+        .collect();
     let blob_dir = cache.join("blobs/sha256");
+    if let Some(p) = progress {
+        let missing = blobs
+            .iter()
+            .filter(|(d, _)| sha256_hex_of(d).is_none_or(|h| !blob_dir.join(h).is_file()));
+        p.total
+            .fetch_add(missing.map(|(_, n)| n).sum(), Ordering::Relaxed);
+    }
     std::fs::create_dir_all(&blob_dir).map_err(|e| Error::io("creating", &blob_dir, e))?;
     let mut report = PullReport {
         layout: PathBuf::new(),
@@ -155,7 +217,7 @@ async fn pull_async(r: &Reference, cache: &Path) -> Result<PullReport> {
         cached: 0,
         bytes: 0,
     };
-    for d in &blobs {
+    for (d, _) in &blobs {
         let hex = sha256_hex_of(d)
             .ok_or_else(|| reg_err(r, format!("blob digest {d:?} is not sha256")))?;
         let path = blob_dir.join(hex);
@@ -168,7 +230,10 @@ async fn pull_async(r: &Reference, cache: &Path) -> Result<PullReport> {
             let f = tokio::fs::File::create(&tmp)
                 .await
                 .map_err(|e| Error::io("creating", &tmp, e))?;
-            let mut w = tokio::io::BufWriter::new(f);
+            let mut w = Counting {
+                inner: tokio::io::BufWriter::new(f),
+                progress,
+            };
             client
                 .pull_blob(r, d.as_str(), &mut w)
                 .await

@@ -33,6 +33,8 @@ pub struct RootfsDisk {
     pub size: u64,
     /// The unpack.
     pub unpacked: UnpackReport,
+    /// Time unpacking the layers, making the filesystem, importing it as a layer.
+    pub times: [std::time::Duration; 3],
 }
 
 /// Unpacks `src` and makes its tree the ext4 filesystem of a new frozen base layer at
@@ -69,7 +71,9 @@ fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Res
     // ext4 needs room for its own metadata (inode tables, journal): an image is allowed
     // 7/8 of the disk asked for.
     let limit = size.map_or(u64::MAX, |s| s / 8 * 7);
+    let t = std::time::Instant::now();
     let unpacked = unpack(src, &tree, UnpackLimits { max_bytes: limit })?;
+    let t_unpack = t.elapsed();
     for (dir, mode) in MOUNT_POINTS {
         let p = tree.join(dir);
         if std::fs::symlink_metadata(&p).is_err() {
@@ -87,6 +91,7 @@ fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Res
     let f = std::fs::File::create(&raw).map_err(|e| Error::io("creating", &raw, e))?;
     f.set_len(size).map_err(|e| Error::io("sizing", &raw, e))?;
     drop(f);
+    let t = std::time::Instant::now();
     let out = Command::new(mkfs_ext4())
         .args(["-q", "-F", "-L", "clade-root", "-b", "4096", "-m", "0"])
         .args([
@@ -110,11 +115,14 @@ fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Res
             Error::NotAnImage(format!("mkfs.ext4 failed: {}", msg.trim()))
         });
     }
+    let t_mkfs = t.elapsed();
+    let t = std::time::Instant::now();
     disk::ops::import_raw(&raw, base, None)
         .map_err(|e| Error::NotAnImage(format!("importing the root filesystem: {e}")))?;
     Ok(RootfsDisk {
         base: base.to_path_buf(),
         size,
         unpacked,
+        times: [t_unpack, t_mkfs, t.elapsed()],
     })
 }
