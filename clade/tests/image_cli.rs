@@ -242,12 +242,7 @@ fn a_template_from_a_registry_reference() {
         native_guest().display(),
         state.display()
     );
-    let o = Command::new("script")
-        .args(["-qefc", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
-    let shown = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{shown}");
+    let shown = common::on_a_terminal(&cmd);
     assert!(
         shown.contains("pull [") && shown.contains("100%"),
         "no finished bar: {shown:?}"

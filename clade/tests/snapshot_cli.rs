@@ -475,12 +475,7 @@ fn a_published_snapshot_restores_through_the_store_after_its_files_are_gone() {
         d.p("snap").display()
     );
     std::fs::create_dir_all(d.p("bar-store")).unwrap();
-    let o = Command::new("script")
-        .args(["-qefc", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
-    let shown = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{shown}");
+    let shown = common::on_a_terminal(&cmd);
     assert!(
         shown.contains("memory data") && shown.contains("100%"),
         "no finished bar: {shown:?}"

@@ -141,3 +141,16 @@ pub fn guest_snapshot(kernel: &std::path::Path, work: &std::path::Path, snap: &s
     let status = vm.0.wait().unwrap();
     assert!(status.success(), "the template VM ended with {status}");
 }
+
+/// Runs the shell command line `cmd` with its stdio on a pseudo-terminal (util-linux
+/// `script`) and returns what the terminal showed; panics if the command fails.
+#[allow(dead_code)]
+pub fn on_a_terminal(cmd: &str) -> String {
+    let o = std::process::Command::new("script")
+        .args(["-qefc", cmd, "/dev/null"])
+        .output()
+        .expect("run script(1)");
+    let shown = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{cmd}: {shown}");
+    shown
+}
