@@ -97,18 +97,6 @@ impl Summary {
     }
 }
 
-impl crate::report::Reported for Summary {
-    fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
-        let plot = Plot::distribution(
-            &self.name,
-            &self.name,
-            vec![Series::measured(&self.name, &self.samples)],
-        );
-        Section::new(scenario, self.to_string(), &self.to_json(), vec![plot])
-    }
-}
-
 /// One human-readable line.
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -54,6 +54,15 @@ pub struct AppState {
     pub sessions: Arc<crate::dashboard::Sessions>,
 }
 
+impl axum::extract::FromRef<AppState> for crate::dashboard::DashboardState {
+    fn from_ref(st: &AppState) -> Self {
+        crate::dashboard::DashboardState {
+            api_key: st.api_key.clone(),
+            sessions: st.sessions.clone(),
+        }
+    }
+}
+
 /// An error answer: status plus E2B's error body.
 #[derive(Debug)]
 pub struct ApiError {
@@ -419,7 +428,13 @@ async fn not_found() -> ApiError {
 /// live session cookie with `X-Clade-Dashboard: 1` ([`crate::dashboard`]).
 async fn auth(AxState(st): AxState<AppState>, req: Request, next: Next) -> Response {
     match req.headers().get("x-api-key") {
-        None if crate::dashboard::dashboard_request(&st, req.headers()) => next.run(req).await,
+        None if crate::dashboard::dashboard_request(
+            &axum::extract::FromRef::from_ref(&st),
+            req.headers(),
+        ) =>
+        {
+            next.run(req).await
+        }
         None => ApiError::new(StatusCode::UNAUTHORIZED, "Authorization header is missing")
             .into_response(),
         Some(k) if crate::envd::access::same_secret(k.as_bytes(), st.api_key.as_bytes()) => {

@@ -184,6 +184,18 @@ pub trait Reported {
     fn section(&self, scenario: &str) -> Section;
 }
 
+/// A plain latency summary (boot, ping): its samples' distribution.
+impl Reported for crate::stats::Summary {
+    fn section(&self, scenario: &str) -> crate::report::Section {
+        let plot = Plot::distribution(
+            &self.name,
+            &self.name,
+            vec![Series::measured(&self.name, &self.samples)],
+        );
+        Section::new(scenario, self.to_string(), &self.to_json(), vec![plot])
+    }
+}
+
 /// What the report was measured on.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct MachineInfo {

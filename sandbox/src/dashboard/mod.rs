@@ -26,7 +26,7 @@
 //!   every sandbox.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -39,7 +39,6 @@ use axum::Router;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::http::AppState;
 
 /// The session cookie's name.
 pub const COOKIE_NAME: &str = "clade_session";
@@ -56,6 +55,17 @@ const INDEX_HTML: &str = include_str!("assets/index.html");
 const LOGIN_HTML: &str = include_str!("assets/login.html");
 const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
+
+/// What the dashboard's pages need of the service: the key a login must give, and the
+/// sessions. The service's own state provides it (`FromRef`), so that this module does
+/// not depend on the HTTP module that mounts it.
+#[derive(Clone)]
+pub struct DashboardState {
+    /// The API key.
+    pub api_key: Arc<String>,
+    /// The login sessions.
+    pub sessions: Arc<Sessions>,
+}
 
 /// The dashboard's sessions: SHA-256 of each token → when it expires.
 #[derive(Default)]
@@ -152,19 +162,23 @@ pub fn session_cookie(headers: &HeaderMap) -> Option<String> {
 }
 
 /// Whether the request carries a live session cookie.
-pub fn has_session(st: &AppState, headers: &HeaderMap) -> bool {
+pub fn has_session(st: &DashboardState, headers: &HeaderMap) -> bool {
     session_cookie(headers).is_some_and(|t| st.sessions.valid(&t))
 }
 
 /// Whether an API request is the dashboard's: a live session cookie and
 /// `X-Clade-Dashboard: 1` (see the module doc for why both).
-pub fn dashboard_request(st: &AppState, headers: &HeaderMap) -> bool {
+pub fn dashboard_request(st: &DashboardState, headers: &HeaderMap) -> bool {
     headers.get(DASHBOARD_HEADER).map(|v| v.as_bytes()) == Some(b"1") && has_session(st, headers)
 }
 
 /// The dashboard's routes (they check the session themselves; the API's key check is not
 /// in front of them).
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    DashboardState: axum::extract::FromRef<S>,
+{
     Router::new()
         .route("/dashboard", get(index))
         .route("/dashboard/", get(index))
@@ -209,7 +223,7 @@ fn login_html(message: &str) -> String {
     LOGIN_HTML.replace("{{message}}", message)
 }
 
-async fn index(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
+async fn index(AxState(st): AxState<DashboardState>, headers: HeaderMap) -> Response {
     if !has_session(&st, &headers) {
         return redirect("/dashboard/login");
     }
@@ -220,7 +234,7 @@ async fn index(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
     )
 }
 
-async fn app_js(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
+async fn app_js(AxState(st): AxState<DashboardState>, headers: HeaderMap) -> Response {
     if !has_session(&st, &headers) {
         return unauthorized();
     }
@@ -231,7 +245,7 @@ async fn app_js(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response 
     )
 }
 
-async fn app_css(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
+async fn app_css(AxState(st): AxState<DashboardState>, headers: HeaderMap) -> Response {
     if !has_session(&st, &headers) {
         return unauthorized();
     }
@@ -244,7 +258,7 @@ async fn login_css() -> Response {
     page(StatusCode::OK, "text/css; charset=utf-8", APP_CSS.into())
 }
 
-async fn login_page(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
+async fn login_page(AxState(st): AxState<DashboardState>, headers: HeaderMap) -> Response {
     if has_session(&st, &headers) {
         return redirect("/dashboard");
     }
@@ -253,7 +267,7 @@ async fn login_page(AxState(st): AxState<AppState>, headers: HeaderMap) -> Respo
 
 /// `POST /dashboard/login` with a form body `key=...`: a session cookie and 303 to the
 /// dashboard, or the login page again with 401.
-async fn login(AxState(st): AxState<AppState>, body: Bytes) -> Response {
+async fn login(AxState(st): AxState<DashboardState>, body: Bytes) -> Response {
     let key = form_urlencoded::parse(&body)
         .find(|(k, _)| k == "key")
         .map(|(_, v)| v.into_owned());
@@ -303,7 +317,7 @@ async fn login(AxState(st): AxState<AppState>, body: Bytes) -> Response {
 }
 
 /// `POST /dashboard/logout`: ends the session, clears the cookie, back to the login page.
-async fn logout(AxState(st): AxState<AppState>, headers: HeaderMap) -> Response {
+async fn logout(AxState(st): AxState<DashboardState>, headers: HeaderMap) -> Response {
     if let Some(t) = session_cookie(&headers) {
         st.sessions.end(&t);
     }

@@ -2,6 +2,7 @@
 //! API calls need a session cookie *and* `X-Clade-Dashboard: 1`, bad input gets clean
 //! answers.
 
+use crate::http::AppState;
 use std::sync::Arc;
 
 use axum::body::Body;
