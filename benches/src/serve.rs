@@ -352,8 +352,9 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
 }
 
 /// The cost of confinement: creates and wakes on the service as it runs by default
-/// (`confined`: each VM process in its cgroup) and on a second one started with
-/// `--no-limits`, interleaved one for one so that both see the same host.
+/// (`confined`: each VM process jailed — a user of its own, its own namespaces — and in
+/// its cgroup) and on a second one started with `--no-jail --no-limits`, interleaved one
+/// for one so that both see the same host.
 #[derive(Debug)]
 pub struct ConfinementRun {
     /// create → ping answered, confined.
@@ -383,7 +384,7 @@ fn confinement(
     guest: &Guest,
     n: usize,
 ) -> Result<ConfinementRun> {
-    let free = Service::start(clade, guest, &["--no-limits"])?;
+    let free = Service::start(clade, guest, &["--no-jail", "--no-limits"])?;
     let mut run = ConfinementRun {
         create: Samples::new(),
         create_free: Samples::new(),
@@ -535,7 +536,7 @@ impl std::fmt::Display for ServeReport {
         let (cr, wr) = c.ratios();
         writeln!(
             f,
-            "  confinement (cgroup per VM process vs --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= 1.10x)",
+            "  confinement (jail + cgroup per VM process vs --no-jail --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= 1.10x)",
             p(&c.create, 50.0),
             p(&c.create_free, 50.0),
             cr.unwrap_or(f64::NAN),
@@ -584,12 +585,12 @@ impl crate::report::Reported for ServeReport {
                 ),
                 Plot::distribution(
                     "confinement",
-                    "Create and wake, each VM in its cgroup vs --no-limits (interleaved)",
+                    "Create and wake, each VM jailed and in its cgroup vs --no-jail --no-limits (interleaved)",
                     vec![
-                        Series::measured("create, limited", &c.create),
-                        Series::baseline("create, --no-limits", &c.create_free),
-                        Series::measured("wake, limited", &c.wake),
-                        Series::baseline("wake, --no-limits", &c.wake_free),
+                        Series::measured("create, confined", &c.create),
+                        Series::baseline("create, unconfined", &c.create_free),
+                        Series::measured("wake, confined", &c.wake),
+                        Series::baseline("wake, unconfined", &c.wake_free),
                     ],
                 ),
                 Plot::distribution(

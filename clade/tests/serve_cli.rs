@@ -248,22 +248,24 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         .map(|k| id_of(&k["sandbox"]))
         .collect();
     assert_eq!(kids.len(), 2);
-    // Live forks (the parent's memory is frozen on its snapshot, no restore): the
-    // children's sockets are where the parent's VM process put them.
-    let forks = state.join("sandboxes/forks");
-    let kid_socks: Vec<PathBuf> = std::fs::read_dir(&forks)
-        .unwrap()
-        .flat_map(|batch| std::fs::read_dir(batch.unwrap().path()).unwrap())
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "vsock"))
-        .collect();
-    assert_eq!(kid_socks.len(), 2, "{kid_socks:?}");
-    for k in &kid_socks {
-        ping(k);
+    // Jailed, each child is a VM process (and user) of its own, restored from the fork's
+    // base snapshot.
+    for k in &kids {
+        ping(&vsock(k));
     }
     ping(&vsock(&a));
-    // The fork children too, each in a cgroup of its own.
+    // The fork children too, each in a cgroup and a jail of its own.
     assert_vm_processes_limited(&state, 64, 3);
+    // The parent's VMM cannot read a child's files, nor list the sandboxes.
+    let owner = |id: &str| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(state.join("sandboxes").join(id))
+            .unwrap()
+            .uid()
+    };
+    assert!(JAIL_UIDS.contains(&owner(&a)));
+    assert_ne!(owner(&a), owner(&kids[0]));
+    assert_refused_to(owner(&a), &state.join("sandboxes").join(&kids[0]));
     let (s, v) = http(
         port,
         "POST",
@@ -282,6 +284,8 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         "{}",
     );
     assert_eq!(s, 204);
+    // Its memory and state are still its own while it sleeps.
+    assert_refused_to(owner(&a), &state.join("sandboxes").join(&kids[1]));
 
     // Service restart: running ones found again, the paused one resumable.
     serve.0.kill().unwrap();
@@ -310,7 +314,7 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         assert_eq!(s, 204);
     }
     // No group is left behind: one per live VM process (the standbys).
-    let standbys = vm_pids(&state);
+    let standbys = jailed_vm_pids(&state, 1);
     let (group, _) = common::cgroup_file(standbys[0], "memory", "cgroup.procs");
     let parent = Path::new(&group).parent().unwrap().to_path_buf();
     let v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
@@ -359,11 +363,116 @@ fn vm_pids(state: &Path) -> Vec<i32> {
     pids
 }
 
+/// A line of `/proc/PID/status` (after its key), if the process is there.
+fn status_field(pid: i32, key: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .map(|v| v.trim().to_string())
+}
+
+/// The real uid of process `pid`.
+fn uid_of(pid: i32) -> Option<u32> {
+    status_field(pid, "Uid:")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Whether process `pid` holds a KVM device or VM descriptor.
+fn holds_kvm(pid: i32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .any(|l| {
+            let l = l.to_string_lossy();
+            l == "/dev/kvm" || l.starts_with("anon_inode:kvm")
+        })
+}
+
+/// The service's default jail users (`--jail-uids`).
+const JAIL_UIDS: std::ops::Range<u32> = 2_000_000..2_065_536;
+
+/// The jailed VM processes of the service at `state` (at least `at_least`), each checked:
+/// a user of its own from the jail's range, no capabilities, `no_new_privs`, mount, PID,
+/// IPC and UTS namespaces not the host's. The service's other processes under `state`
+/// (each jail's waiting process and keeper) hold no VM.
+fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
+    let mut vms = Vec::new();
+    for pid in vm_pids(state) {
+        match uid_of(pid) {
+            None => continue, // ended meanwhile
+            Some(0) => assert!(!holds_kvm(pid), "pid {pid} holds a VM as root"),
+            Some(uid) => {
+                assert!(JAIL_UIDS.contains(&uid), "pid {pid}: uid {uid}");
+                assert_eq!(
+                    status_field(pid, "CapEff:").as_deref(),
+                    Some("0000000000000000"),
+                    "pid {pid}"
+                );
+                assert_eq!(status_field(pid, "NoNewPrivs:").as_deref(), Some("1"));
+                for ns in ["mnt", "pid", "ipc", "uts"] {
+                    let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
+                    let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+                    assert_ne!(theirs, ours, "pid {pid}: {ns} namespace is the host's");
+                }
+                vms.push(pid);
+            }
+        }
+    }
+    assert!(vms.len() >= at_least, "jailed VM processes {vms:?}");
+    let mut uids: Vec<u32> = vms.iter().filter_map(|p| uid_of(*p)).collect();
+    let n = uids.len();
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), n, "each VM process is a user of its own");
+    vms
+}
+
+/// Every file in the sandbox directory `dir` is refused to user `uid` (another sandbox's
+/// VMM), as is listing the sandboxes' directory.
+fn assert_refused_to(uid: u32, dir: &Path) {
+    let files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(!files.is_empty(), "{}", dir.display());
+    let u = uid.to_string();
+    for f in files
+        .iter()
+        .map(|f| f.as_path())
+        .chain([dir.parent().unwrap()])
+    {
+        let o = Command::new("setpriv")
+            .args(["--reuid", &u, "--regid", &u, "--clear-groups", "--"])
+            .args([
+                "sh",
+                "-c",
+                "if [ -d \"$1\" ]; then ls \"$1\"; else head -c1 \"$1\"; fi",
+                "-",
+            ])
+            .arg(f)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains("Permission denied"),
+            "uid {uid} read {}: {err}",
+            f.display()
+        );
+    }
+}
+
 /// Every VM process of the service at `state` is in a cgroup of its own (v2, or each v1
-/// controller's), with the limits of a 1-vCPU VM of `mem_mib` and the service's defaults.
+/// controller's), with the limits of a 1-vCPU VM of `mem_mib` and the service's defaults,
+/// and jailed ([`jailed_vm_pids`]).
 fn assert_vm_processes_limited(state: &Path, mem_mib: u64, at_least: usize) {
-    let pids = vm_pids(state);
-    assert!(pids.len() >= at_least, "VM processes {pids:?}");
+    let pids = jailed_vm_pids(state, at_least);
     let v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
     let mut groups = Vec::new();
     for pid in pids {
@@ -1001,18 +1110,16 @@ fn sandboxes_of_a_template_with_a_nic_each_get_a_namespace() {
         r#"{"count":2}"#,
     );
     assert_eq!(st, 201, "{v}");
-    // (A live fork's children log under the fork's directory.)
-    let children = vm_taps_under(&state.join("sandboxes").join("forks"));
-    assert_eq!(children.len(), 2, "two child VM processes: {children:?}");
-    assert!(
-        children.iter().all(|&(_, taps)| taps >= 1),
-        "each fork child is on its TAP: {children:?}"
-    );
-    for c in v.as_array().expect("children") {
+    // (Jailed, each child is a VM process of its own that logs in its directory.)
+    let kids = v.as_array().expect("children");
+    assert_eq!(kids.len(), 2, "{v}");
+    for c in kids {
         let cid = c["sandbox"]["sandboxID"]
             .as_str()
             .expect("child id")
             .to_string();
+        let (_, taps) = vm_taps(&state, &cid).expect("the child's VM process");
+        assert!(taps >= 1, "fork child {cid} is on its TAP");
         assert_eq!(
             http(port, "DELETE", &format!("/sandboxes/{cid}"), Some("k"), "").0,
             204

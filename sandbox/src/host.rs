@@ -756,6 +756,7 @@ impl Host {
             },
             snapshot_reused: reused,
             api_sock: api.clone(),
+            dir: rec.dir.clone(),
             vsock: vsock.clone(),
             serial: rec.dir.join(format!("serial-r{}.log", rec.pauses)),
             log: rec.dir.join("vm.log"),
@@ -1361,9 +1362,12 @@ impl Host {
         let specs: Vec<String> = match self.networks.as_ref() {
             Ok(n) => {
                 // The children's VM processes open their TAPs by name (their parent starts
-                // them): the service lets go of the ones it opened ahead.
-                for &i in &nets {
-                    drop(n.take_tap(i));
+                // them): the service lets go of the ones it opened ahead. Jailed, each
+                // child is started by the service and is handed its TAP.
+                if !self.driver.jailed() {
+                    for &i in &nets {
+                        drop(n.take_tap(i));
+                    }
                 }
                 nets.iter().map(|&i| n.tap_spec(i)).collect()
             }
@@ -1377,10 +1381,18 @@ impl Host {
                 return Err(e);
             }
         }
-        let live = match self
-            .driver
-            .fork(&api, count, &prefix, !template.test_guest, &specs)
-        {
+        // Jailed, each child is a VM process (and a user) of its own, restored from a
+        // snapshot: live children would share their parent's jail and user.
+        let forked = if self.driver.jailed() {
+            Err(Error::VmApi {
+                op: "fork",
+                message: vmm::CANNOT_FORK_LIVE.to_string(),
+            })
+        } else {
+            self.driver
+                .fork(&api, count, &prefix, !template.test_guest, &specs)
+        };
+        let live = match forked {
             Ok(children) => Some(children),
             // A VM whose memory cannot be frozen now (e.g. it forked since its restore and
             // then wrote memory the record of which is gone) cannot fork live: the
@@ -1450,10 +1462,18 @@ impl Host {
                 // children's memory and their later diffs build on it), so it is not in the
                 // parent's directory.
                 let base = prefix.join("base");
-                let snapshotted = self.driver.snapshot(&api, &base, true).or_else(|_| {
-                    let _ = std::fs::remove_dir_all(&base);
-                    self.driver.snapshot(&api, &base, false)
-                });
+                // Jailed, the children's users may read the base and what it stands on,
+                // but not the parent's earlier snapshots: the base is a full one.
+                let jailed = self.driver.jailed();
+                let snapshotted = self
+                    .driver
+                    .lend_dir(&prefix, &parent.dir)
+                    .and_then(|()| self.driver.snapshot(&api, &base, !jailed))
+                    .or_else(|_| {
+                        let _ = std::fs::remove_dir_all(&base);
+                        self.driver.snapshot(&api, &base, false)
+                    })
+                    .and_then(|()| self.driver.share_snapshot(&base, &self.sandboxes_dir()));
                 if let Err(e) = snapshotted {
                     nets.for_each(|i| self.release_net(Some(i)));
                     return Err(e);

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -25,9 +26,11 @@ use vmm::api::{ApiClient, Request, RestoreRequest};
 
 use crate::error::{Error, Result};
 
+pub mod jail;
 pub mod limits;
 pub mod standby;
 
+pub use jail::{JailConfig, Jails};
 pub use limits::{LimitsConfig, VmCgroups};
 pub use standby::{Shape, StandbyConfig, StandbyPool};
 
@@ -46,6 +49,9 @@ pub struct StartSpec {
     pub snapshot_reused: bool,
     /// Its control API socket.
     pub api_sock: PathBuf,
+    /// The sandbox's own directory (its vsock, serial file, overlay and snapshots): handed
+    /// over to the VM process's user when it is jailed.
+    pub dir: PathBuf,
     /// Its vsock socket.
     pub vsock: PathBuf,
     /// Its serial console file.
@@ -129,6 +135,22 @@ pub trait VmDriver: Send + Sync {
     fn guest_is_host(&self) -> bool {
         false
     }
+    /// Whether VM processes are jailed, each as a user of its own ([`jail`]): a fork then
+    /// goes through a snapshot, each child a VM process (and user) of its own.
+    fn jailed(&self) -> bool {
+        false
+    }
+    /// Before a jailed VM writes into `dir` (a fork's directory): hands it to the user of
+    /// the VM whose sandbox directory is `owner_dir`.
+    fn lend_dir(&self, _dir: &Path, _owner_dir: &Path) -> Result<()> {
+        Ok(())
+    }
+    /// After a jailed VM wrote the snapshot `snapshot` that other sandboxes' VMs restore (a
+    /// fork's base): makes it, and the frozen disk layers under it in `top`, readable by
+    /// them.
+    fn share_snapshot(&self, _snapshot: &Path, _top: &Path) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How long a new VM process may take until its API answers.
@@ -146,6 +168,8 @@ pub struct ProcessDriver {
     standby: Mutex<Option<StandbyPool>>,
     /// A cgroup per VM process, unless limits are off.
     cgroups: Option<Arc<VmCgroups>>,
+    /// A jail per VM process, unless jails are off.
+    jails: Option<Arc<Jails>>,
 }
 
 impl ProcessDriver {
@@ -156,6 +180,7 @@ impl ProcessDriver {
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(None),
             cgroups: None,
+            jails: None,
         }
     }
 
@@ -163,13 +188,21 @@ impl ProcessDriver {
     /// VM process in a cgroup of `cfg.cgroups` when it has them.
     pub fn with_standby(clade: PathBuf, cfg: StandbyConfig) -> Result<Self> {
         let cgroups = cfg.cgroups.clone();
+        let jails = cfg.jails.clone();
         let pool = StandbyPool::new(clade.clone(), cfg)?;
         Ok(Self {
             clade,
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(Some(pool)),
             cgroups,
+            jails,
         })
+    }
+
+    /// This driver, each VM process it starts jailed by `jails` (see [`jail`]).
+    pub fn jailed_by(mut self, jails: Arc<Jails>) -> Self {
+        self.jails = Some(jails);
+        self
     }
 
     /// This driver, each VM process it starts in a cgroup of `cgroups` (see [`limits`]).
@@ -219,6 +252,12 @@ impl ProcessDriver {
         let Some(sb) = taken.flatten() else {
             return Ok(None);
         };
+        if let Some(lease) = &sb.jail {
+            if let Err(e) = self.hand_over(spec, lease.uid) {
+                sb.discard();
+                return Err(e);
+            }
+        }
         // A TAP opened ahead goes with the request (its descriptor, SCM_RIGHTS).
         let req = Request::Restore(RestoreRequest {
             vsock: Some(spec.vsock.clone()),
@@ -274,6 +313,18 @@ impl ProcessDriver {
                 Ok(None)
             }
         }
+    }
+
+    /// Hands the sandbox directory of `spec` to the jailed VM process of user `uid` (and
+    /// makes a template's snapshot readable, in case it was built since the service
+    /// started: its files are written `0600`).
+    fn hand_over(&self, spec: &StartSpec, uid: u32) -> Result<()> {
+        if let Some(j) = &self.jails {
+            if j.reads(&spec.snapshot) {
+                jail::share_tree(&spec.snapshot)?;
+            }
+        }
+        jail::hand_over(&spec.dir, uid)
     }
 
     fn children(&self) -> std::sync::MutexGuard<'_, HashMap<i32, Child>> {
@@ -457,6 +508,7 @@ impl VmDriver for ProcessDriver {
         let log = File::options()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&spec.log)
             .map_err(Error::io("creating", &spec.log))?;
         let mut cmd = Command::new(&self.clade);
@@ -492,6 +544,19 @@ impl VmDriver for ProcessDriver {
         }
         if !spec.agent_sync {
             cmd.arg("--no-agent-sync");
+        }
+        match &self.jails {
+            Some(j) if spec.fetcher.is_none() && spec.layer_fetcher.is_none() => {
+                let lease =
+                    j.prepare(&mut cmd, &format!("vm-{}", crate::ids::random_string(16)))?;
+                self.hand_over(spec, lease.uid)?;
+            }
+            Some(_) => tracing::warn!(
+                snapshot = %spec.snapshot.display(),
+                "a VM restored through the store's fetcher is not jailed yet (its \
+                 cgroup and system-call filter still apply)"
+            ),
+            None => {}
         }
         // The VMM's info lines (restore steps and times) are the sandbox's log (the logs
         // endpoint), unless the service was started with its own CLADE_LOG.
@@ -689,6 +754,41 @@ impl VmDriver for ProcessDriver {
         Ok(children)
     }
 
+    fn jailed(&self) -> bool {
+        self.jails.is_some()
+    }
+
+    fn lend_dir(&self, dir: &Path, owner_dir: &Path) -> Result<()> {
+        if self.jails.is_none() {
+            return Ok(());
+        }
+        use std::os::unix::fs::MetadataExt;
+        let uid = std::fs::metadata(owner_dir)
+            .map_err(Error::io("reading", owner_dir))?
+            .uid();
+        jail::hand_over(dir, uid)
+    }
+
+    fn share_snapshot(&self, snapshot: &Path, top: &Path) -> Result<()> {
+        if self.jails.is_none() {
+            return Ok(());
+        }
+        let mut files: Vec<PathBuf> = std::fs::read_dir(snapshot)
+            .map_err(Error::io("reading", snapshot))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_file())
+            .collect();
+        let prepared = vmm::PreparedSnapshot::open(snapshot, vmm::CpuCheck::default())
+            .map_err(|e| Error::Vm(format!("snapshot {}: {e}", snapshot.display())))?;
+        if let Some(d) = prepared.disk() {
+            let layers = disk::ops::info(&d.layer)
+                .map_err(|e| Error::Vm(format!("disk of {}: {e}", snapshot.display())))?;
+            files.extend(layers.into_iter().map(|l| l.path));
+        }
+        jail::share_files(top, &files)
+    }
+
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String> {
         let mut why = self.process_exited(pid, api_sock);
         if let (Some(w), Some(cg)) = (&mut why, &self.cgroups) {
@@ -817,6 +917,7 @@ mod tests {
             layer_fetcher: None,
             snapshot_reused: false,
             api_sock: d.join("vm.api"),
+            dir: d.clone(),
             vsock: d.join("vm.vsock"),
             serial: d.join("serial"),
             log: d.join("log"),

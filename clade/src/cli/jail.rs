@@ -6,7 +6,16 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use vmm::host::jail::{self, Access, CgroupLimits, JailConfig, Jailed};
+use vmm::host::jail::{self, Access, CgroupLimits, JailConfig, Jailed, StarterLink};
+
+/// What [`JailArgs::enter_linked`] returned in.
+pub enum Entered {
+    /// Go on and run the VM: in the jail (with its link to the waiting process), or
+    /// unjailed.
+    Run(Option<StarterLink>),
+    /// The jailed VM ended with this code.
+    Ended(u8),
+}
 
 /// Jail options shared by `run` and `restore`.
 #[derive(Debug, Args, Clone)]
@@ -110,8 +119,21 @@ impl JailArgs {
         kvm_device: &Path,
         paths: impl FnOnce(&mut JailPaths) -> anyhow::Result<()>,
     ) -> anyhow::Result<Option<u8>> {
+        Ok(match self.enter_linked(kvm_device, paths)? {
+            Entered::Run(_) => None,
+            Entered::Ended(code) => Some(code),
+        })
+    }
+
+    /// [`Self::enter`], keeping the jailed VM's link to the process that waits for the
+    /// jail (a standby tells it when it holds a sandbox's VM).
+    pub fn enter_linked(
+        &self,
+        kvm_device: &Path,
+        paths: impl FnOnce(&mut JailPaths) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Entered> {
         let Some(root) = &self.jail else {
-            return Ok(None);
+            return Ok(Entered::Run(None));
         };
         let (Some(uid), Some(gid)) = (self.uid, self.gid) else {
             bail!("--jail needs --uid and --gid");
@@ -137,8 +159,8 @@ impl JailArgs {
             kvm_device: kvm_device.to_path_buf(),
         };
         Ok(match jail::enter(&config)? {
-            Jailed::Inside => None,
-            Jailed::Ended(code) => Some(code),
+            Jailed::Inside(link) => Entered::Run(Some(link)),
+            Jailed::Ended(code) => Entered::Ended(code),
         })
     }
 

@@ -82,6 +82,17 @@ pub struct ServeArgs {
     /// cannot be applied is refused with what is missing.
     #[arg(long)]
     no_limits: bool,
+    /// DEVELOPMENT ONLY: run sandboxes' VM processes as root in the host's namespaces (a
+    /// guest that escapes into its VMM then has the host). By default each VM process
+    /// (standbys, sandboxes, fork children) runs as a user of its own from --jail-uids, with
+    /// no capabilities, in its own mount, PID, IPC and UTS namespaces, seeing only the
+    /// files it needs.
+    #[arg(long)]
+    no_jail: bool,
+    /// The users sandboxes' VM processes run as: FIRST:COUNT (uid and gid FIRST to
+    /// FIRST+COUNT-1; none of them should be a user of this host).
+    #[arg(long, value_name = "FIRST:COUNT", default_value = "2000000:65536", value_parser = parse_uid_range)]
+    jail_uids: sandbox::vmproc::JailConfig,
     /// CPUs' worth of time a sandbox may use per vCPU (its cgroup's quota; below 1 the
     /// host is oversubscribed).
     #[arg(long, value_name = "F", default_value_t = 1.0)]
@@ -118,6 +129,22 @@ pub struct ServeArgs {
     net_dns: Option<std::net::IpAddr>,
     #[command(flatten)]
     range: NetRangeArgs,
+}
+
+fn parse_uid_range(s: &str) -> Result<sandbox::vmproc::JailConfig, String> {
+    let (first, count) = s
+        .split_once(':')
+        .ok_or_else(|| format!("'{s}': give FIRST:COUNT (e.g. 2000000:65536)"))?;
+    let cfg = sandbox::vmproc::JailConfig {
+        first_uid: first
+            .parse()
+            .map_err(|_| format!("'{first}' is not a uid"))?,
+        uids: count
+            .parse()
+            .map_err(|_| format!("'{count}' is not a number of uids"))?,
+    };
+    cfg.check().map_err(|e| e.to_string())?;
+    Ok(cfg)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -215,6 +242,25 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 .context("sandbox limits (cgroups); --no-limits runs without them")?,
         ))
     };
+    let jails = if args.no_jail || args.test_host_agent.is_some() {
+        if args.test_host_agent.is_none() {
+            eprintln!(
+                "clade serve: --no-jail: sandboxes' VM processes run AS ROOT in the host's \
+                 namespaces (development only: a guest that escapes into its VMM has the host)"
+            );
+        }
+        None
+    } else {
+        Some(Arc::new(
+            sandbox::vmproc::Jails::new(
+                &state_dir,
+                &state_dir.join("sandboxes"),
+                vec![state_dir.join("templates")],
+                args.jail_uids.clone(),
+            )
+            .context("jailing sandboxes; --no-jail runs them unjailed (development only)")?,
+        ))
+    };
     let driver: Arc<dyn sandbox::VmDriver> = match &args.test_host_agent {
         Some(agent) => {
             eprintln!(
@@ -230,6 +276,9 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             let mut d = ProcessDriver::new(exe);
             if let Some(cg) = &cgroups {
                 d = d.limited(Arc::clone(cg));
+            }
+            if let Some(j) = &jails {
+                d = d.jailed_by(Arc::clone(j));
             }
             let d = Arc::new(d);
             processes = Some(Arc::clone(&d));
@@ -252,6 +301,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                     files_root: state_dir.join("sandboxes"),
                     shapes,
                     cgroups: cgroups.clone(),
+                    jails: jails.clone(),
                 },
             )?);
             processes = Some(Arc::clone(&d));

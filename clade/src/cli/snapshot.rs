@@ -328,7 +328,7 @@ fn standby(mut args: RestoreArgs) -> anyhow::Result<u8> {
     // Jailed, it sees what any restore request it may get names: its socket's and the
     // files root's directories read-write, the snapshot it opens ahead and the
     // directories given with --jail-read (a host's templates) read-only.
-    let jailed = args.jail.enter(&args.kvm_device, |p| {
+    let entered = args.jail.enter_linked(&args.kvm_device, |p| {
         p.write_dir_of(api_sock)?;
         if let Some(root) = &args.files_root {
             p.write_dir(root)?;
@@ -338,9 +338,10 @@ fn standby(mut args: RestoreArgs) -> anyhow::Result<u8> {
         }
         Ok(())
     })?;
-    if let Some(code) = jailed {
-        return Ok(code);
-    }
+    let starter = match entered {
+        super::jail::Entered::Run(link) => link,
+        super::jail::Entered::Ended(code) => return Ok(code),
+    };
     // The process filter before the shell's threads exist, so each narrows it to its kind.
     if !args.no_seccomp {
         vmm::seccomp::install()?;
@@ -360,7 +361,7 @@ fn standby(mut args: RestoreArgs) -> anyhow::Result<u8> {
         vcpus: args.vcpus,
         dirty_log: true,
     };
-    match vmm::host::standby(api, &spec, &owner, args.preload.as_deref())? {
+    match vmm::host::standby(api, &spec, &owner, args.preload.as_deref(), starter)? {
         StandbyEnd::Restored(vm, api) => own_vm(*vm, Some(api), &owner),
         StandbyEnd::Shutdown => Ok(0),
         StandbyEnd::Signal(signal) => Ok(128u8.saturating_add(signal as u8)),

@@ -33,6 +33,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -78,6 +79,8 @@ pub struct StandbyConfig {
     pub shapes: Vec<Shape>,
     /// A cgroup per standby (and so per sandbox VM it becomes), unless limits are off.
     pub cgroups: Option<Arc<super::VmCgroups>>,
+    /// A jail per standby (and so per sandbox VM it becomes), unless jails are off.
+    pub jails: Option<Arc<super::Jails>>,
 }
 
 /// A ready standby process.
@@ -89,6 +92,8 @@ pub(crate) struct Standby {
     pub(crate) asked: Vec<PathBuf>,
     /// Its cgroup, until a take hands it on with the process (removed with it otherwise).
     pub(crate) cgroup: Option<super::limits::Joining>,
+    /// Its jail, when jailed.
+    pub(crate) jail: Option<super::jail::JailLease>,
 }
 
 impl Standby {
@@ -110,6 +115,9 @@ impl Standby {
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.api_sock);
         let _ = std::fs::remove_file(&self.log);
+        if let Some(j) = &self.jail {
+            let _ = std::fs::remove_dir(&j.root);
+        }
         // Its cgroup goes with it (`Joining` removes the group when dropped).
     }
 }
@@ -159,6 +167,13 @@ impl StandbyPool {
             )));
         }
         std::fs::create_dir_all(&cfg.dir).map_err(Error::io("creating", &cfg.dir))?;
+        if cfg.jails.is_some() {
+            // Jailed standbys, each its own user, make their sockets here: they may create
+            // files, not list or remove others' (sticky).
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&cfg.dir, std::fs::Permissions::from_mode(0o1733))
+                .map_err(Error::io("setting the mode of", &cfg.dir))?;
+        }
         sweep(&cfg.dir)?;
         let mut shapes = Vec::new();
         for s in &cfg.shapes {
@@ -268,6 +283,16 @@ impl StandbyPool {
         // Out of the pool while it is asked (nobody takes it meanwhile), back after.
         let mut s = list.remove(i);
         drop(st);
+        // Jailed, the sandbox's files are handed to this standby's user first: its wake
+        // most likely takes this standby (any other one is handed them at its take).
+        let sandbox_dir = snapshot
+            .parent()
+            .filter(|d| d.parent() == Some(self.inner.cfg.files_root.as_path()));
+        if let (Some(j), Some(dir)) = (&s.jail, sandbox_dir) {
+            if let Err(e) = super::jail::hand_over(dir, j.uid) {
+                tracing::warn!("{e}");
+            }
+        }
         let asked = ApiClient::connect(&s.api_sock).and_then(|mut c| {
             c.call(&Request::Preload {
                 snapshot: snapshot.to_path_buf(),
@@ -460,6 +485,7 @@ fn start_standby(
     let log_file = File::options()
         .create(true)
         .append(true)
+        .mode(0o600)
         .open(&log)
         .map_err(Error::io("creating", &log))?;
     let mut cmd = Command::new(clade);
@@ -490,7 +516,14 @@ fn start_standby(
         // Its own process group, as every VM process: a Ctrl-C meant for the service is
         // not its business (the parent-death signal is).
         .process_group(0);
+    // Jailed, the process started here waits for the jail and is told by the VM process
+    // when to clear its parent-death signal (`vmm::host::jail::StarterLink`).
     super::end_with_this_process(&mut cmd);
+    let jail = cfg
+        .jails
+        .as_ref()
+        .map(|j| j.prepare(&mut cmd, &token))
+        .transpose()?;
     // Until a request takes it ([`super::run_at_normal_priority`]).
     super::start_at_idle_priority(&mut cmd);
     // In its cgroup while it waits: the request that takes it moves nothing.
@@ -504,6 +537,9 @@ fn start_standby(
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let _ = std::fs::remove_file(&api_sock);
+            if let Some(j) = &jail {
+                let _ = std::fs::remove_dir(&j.root);
+            }
             let tail = super::log_tail(&log);
             let _ = std::fs::remove_file(&log);
             return Err(Error::Vm(format!(
@@ -518,6 +554,7 @@ fn start_standby(
                     log,
                     asked: Vec::new(),
                     cgroup,
+                    jail,
                 });
             }
         }
@@ -528,6 +565,7 @@ fn start_standby(
                 log,
                 asked: Vec::new(),
                 cgroup,
+                jail,
             }
             .discard();
             return Err(Error::Vm(format!(
@@ -671,6 +709,7 @@ mod tests {
                 files_root: d.clone(),
                 shapes: Vec::new(),
                 cgroups: None,
+                jails: None,
             };
             assert!(StandbyPool::new(PathBuf::from("false"), cfg).is_err());
         }

@@ -24,7 +24,7 @@
 //!    jail has ended: fork children (started inside the jail by the VM process) outlive
 //!    their parent as they do unjailed.
 //! 3. **The VM process** drops to `uid`/`gid` (no supplementary groups, no capabilities,
-//!    `no_new_privs`) and gets [`Jailed::Inside`]: the caller goes on to build and run
+//!    `no_new_privs`, umask `077`) and gets [`Jailed::Inside`]: the caller goes on to build and run
 //!    the VM exactly as it would unjailed, with the same paths.
 //!
 //! The network namespace joins when networking lands. The system-call filter is installed by
@@ -34,6 +34,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
@@ -87,13 +88,29 @@ pub struct JailConfig {
 }
 
 /// Which process [`enter`] returned in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Jailed {
     /// The VM process, inside the jail with its privileges dropped: go on and run the VM.
-    Inside,
+    /// The link to the caller tells it when the VM must outlive whoever started it.
+    Inside(StarterLink),
     /// The original process: the jail ended; the VM process's exit code (128 + signal if a
     /// signal ended it).
     Ended(u8),
+}
+
+/// The VM process's link to the caller, which stays in the host's namespaces: a caller
+/// started with a parent-death signal (a standby of a service: it ends with the service
+/// while unused) clears it when told the VM must outlive its starter.
+#[derive(Debug)]
+pub struct StarterLink(UnixStream);
+
+impl StarterLink {
+    /// The VM now outlives whoever started the jail (a standby that was given a sandbox).
+    pub fn outlive_starter(mut self) {
+        if let Err(e) = self.0.write_all(&[1]) {
+            tracing::warn!("jail: telling the starter the VM outlives it: {e}");
+        }
+    }
 }
 
 /// Size of the jail's own tmpfs: it holds only mount points and device nodes.
@@ -101,9 +118,26 @@ const TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
 
 /// A signal to pass on, set by [`on_forward_signal`].
 static FORWARD: AtomicI32 = AtomicI32::new(0);
+/// The write end of the caller's wake-up pipe (-1: none), written by its signal handlers
+/// so that a signal between a check and the wait is not missed.
+static WAKE: AtomicI32 = AtomicI32::new(-1);
 
 extern "C" fn on_forward_signal(num: libc::c_int) {
     FORWARD.store(num, Ordering::SeqCst);
+    wake();
+}
+
+extern "C" fn on_child(_: libc::c_int) {
+    wake();
+}
+
+fn wake() {
+    let fd = WAKE.load(Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: write(2) of one byte from a static buffer to a descriptor this process
+        // owns (a non-blocking pipe); async-signal-safe. A full pipe already wakes.
+        unsafe { libc::write(fd, [0u8].as_ptr().cast(), 1) };
+    }
 }
 
 fn jail_err(msg: impl Into<String>) -> Error {
@@ -347,18 +381,21 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
     };
     let (report_rx, report_tx) = UnixStream::pair()
         .map_err(|e| jail_err(format!("creating the jail's report channel: {e}")))?;
+    let (link_rx, link_tx) = UnixStream::pair()
+        .map_err(|e| jail_err(format!("creating the jail's starter link: {e}")))?;
     unshare(CloneFlags::CLONE_NEWPID).map_err(|e| errno_err("new PID namespace", e))?;
     // SAFETY: this process has exactly one thread (checked above), so the child is a
     // complete copy and may run any code.
     match unsafe { fork() }.map_err(|e| errno_err("starting the jail's keeper", e))? {
         ForkResult::Child => {
             drop(report_rx);
+            drop(link_rx);
             // The jail ends with the process that started it (SIGKILL to PID 1 ends every
             // process of the namespace): no VM is left behind by a killed supervisor.
             // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-            match keeper(config, &checked, cgroup.as_ref(), report_tx) {
-                Ok(KeeperRole::Vm) => Ok(Jailed::Inside),
+            match keeper(config, &checked, cgroup.as_ref(), report_tx, link_tx) {
+                Ok(KeeperRole::Vm(link)) => Ok(Jailed::Inside(link)),
                 Ok(KeeperRole::Done(code)) => std::process::exit(code.into()),
                 Err((e, tx)) => {
                     let msg = match e {
@@ -372,9 +409,10 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
         }
         ForkResult::Parent { child } => {
             drop(report_tx);
+            drop(link_tx);
             // The namespace is for the keeper; this process stays where it was.
             let setup = read_report(report_rx);
-            let code = wait_forwarding(child);
+            let code = wait_forwarding(child, link_rx);
             if let Some(cg) = cgroup {
                 if let Err(e) = cg.remove() {
                     tracing::warn!("{e}; left in place");
@@ -432,8 +470,91 @@ fn exit_code(status: WaitStatus) -> Option<u8> {
     }
 }
 
-/// The caller's side: waits for the keeper, passing stop signals on.
-fn wait_forwarding(keeper: Pid) -> u8 {
+/// The caller's side: waits for the keeper, passing stop signals on, and clears its own
+/// parent-death signal when the VM process says it outlives its starter (`link`).
+fn wait_forwarding(keeper: Pid, link: UnixStream) -> u8 {
+    // Non-blocking both ways: the handlers never block, the drain below never waits.
+    let pipe = std::io::pipe().and_then(|(rx, tx)| {
+        for fd in [rx.as_raw_fd(), tx.as_raw_fd()] {
+            nix::fcntl::fcntl(fd, nix::fcntl::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))?;
+        }
+        Ok((rx, tx))
+    });
+    let Ok((mut wake_rx, wake_tx)) = pipe else {
+        tracing::warn!("jail: no wake-up pipe; the starter link is not watched");
+        return wait_blocking(keeper);
+    };
+    WAKE.store(wake_tx.as_raw_fd(), Ordering::SeqCst);
+    forward_signals();
+    let action = SigAction::new(
+        SigHandler::Handler(on_child),
+        SaFlags::SA_NOCLDSTOP,
+        SigSet::empty(),
+    );
+    // SAFETY: the handler only writes one byte to a pipe, which is async-signal-safe.
+    if let Err(e) = unsafe { sigaction(Signal::SIGCHLD, &action) } {
+        tracing::warn!("jail: cannot watch the keeper's end: {e}");
+        return wait_blocking(keeper);
+    }
+    let code = watch(keeper, link, &mut wake_rx);
+    // The handlers stay installed: they must not write to a descriptor reused later.
+    WAKE.store(-1, Ordering::SeqCst);
+    drop(wake_tx);
+    code
+}
+
+/// [`wait_forwarding`]'s loop: woken through `wake_rx` by signals and the keeper's end.
+fn watch(keeper: Pid, link: UnixStream, wake_rx: &mut std::io::PipeReader) -> u8 {
+    use nix::poll::{poll, PollFd, PollFlags};
+    use nix::sys::wait::WaitPidFlag;
+    let mut link = Some(link);
+    loop {
+        match waitpid(keeper, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(Errno::EINTR) => {}
+            Ok(status) => {
+                if let Some(code) = exit_code(status) {
+                    return code;
+                }
+            }
+            Err(e) => {
+                tracing::warn!("jail: waiting for the keeper: {e}");
+                return 1;
+            }
+        }
+        pass_on(keeper);
+        let mut fds = vec![PollFd::new(&*wake_rx, PollFlags::POLLIN)];
+        if let Some(l) = &link {
+            fds.push(PollFd::new(l, PollFlags::POLLIN));
+        }
+        match poll(&mut fds, -1) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(e) => {
+                tracing::warn!("jail: waiting: {e}");
+                return wait_blocking(keeper);
+            }
+        }
+        let link_ready = fds
+            .get(1)
+            .and_then(|f| f.revents())
+            .is_some_and(|r| !r.is_empty());
+        drop(fds);
+        let mut buf = [0u8; 64];
+        while matches!(wake_rx.read(&mut buf), Ok(n) if n > 0) {}
+        if link_ready {
+            if let Some(mut l) = link.take() {
+                if matches!(l.read(&mut buf[..1]), Ok(1)) {
+                    // SAFETY: PR_SET_PDEATHSIG with 0 only changes this thread's attribute.
+                    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) };
+                    tracing::debug!("jail: the VM outlives its starter");
+                }
+                // Anything else (its end, an error): nothing more to watch.
+            }
+        }
+    }
+}
+
+/// Waits for the keeper without watching the starter link.
+fn wait_blocking(keeper: Pid) -> u8 {
     forward_signals();
     loop {
         match waitpid(keeper, None) {
@@ -453,7 +574,7 @@ fn wait_forwarding(keeper: Pid) -> u8 {
 
 enum KeeperRole {
     /// This is the VM process.
-    Vm,
+    Vm(StarterLink),
     /// The keeper's work is done: exit with this code.
     Done(u8),
 }
@@ -466,6 +587,7 @@ fn keeper(
     checked: &Checked,
     cgroup: Option<&Cgroup>,
     report_tx: UnixStream,
+    link_tx: UnixStream,
 ) -> KeeperResult<KeeperRole> {
     if let Err(e) = build_root(config, checked, cgroup) {
         return Err((e, report_tx));
@@ -478,12 +600,13 @@ fn keeper(
             Ok(()) => {
                 // Success is the channel's end with nothing written.
                 drop(report_tx);
-                Ok(KeeperRole::Vm)
+                Ok(KeeperRole::Vm(StarterLink(link_tx)))
             }
             Err(e) => Err((e, report_tx)),
         },
         Ok(ForkResult::Parent { child }) => {
             drop(report_tx);
+            drop(link_tx);
             Ok(KeeperRole::Done(reap(child)))
         }
     }
@@ -744,6 +867,9 @@ fn drop_privileges(config: &JailConfig) -> Result<()> {
             std::io::Error::last_os_error()
         )));
     }
+    // What the VM writes (disk overlays, snapshots, sockets) is its own: a host that runs
+    // several jailed VMs side by side shares files between them only on purpose.
+    nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
     // Changing every uid away from 0 cleared the capability sets; check it did.
     let status = fs::read_to_string("/proc/self/status")
         .map_err(|e| jail_err(format!("/proc/self/status: {e}")))?;

@@ -29,7 +29,8 @@
 //! A standby started with a parent-death signal (`PR_SET_PDEATHSIG`, so that an unused
 //! standby does not outlive the service that started it) clears it once it holds a VM:
 //! from then on the VM is a sandbox of its own and outlives its starter, as one started
-//! by `clade restore` does.
+//! by `clade restore` does. A jailed one tells the process waiting for its jail (the one
+//! its starter started) to clear its own ([`super::jail::StarterLink`]).
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
@@ -150,6 +151,7 @@ pub fn standby(
     spec: &ShellSpec,
     options: &OwnerOptions,
     preload: Option<&Path>,
+    mut starter: Option<super::jail::StarterLink>,
 ) -> Result<StandbyEnd> {
     let mut shell = Some(Shell::create(spec)?);
     tracing::info!(
@@ -228,6 +230,11 @@ pub fn standby(
                 ) {
                     Ok(mut restored) => {
                         clear_parent_death_signal();
+                        // Jailed, the process its starter knows is the one waiting for
+                        // the jail: it clears its parent-death signal too.
+                        if let Some(link) = starter.take() {
+                            link.outlive_starter();
+                        }
                         req.respond(Response::ok(status_fields(&restored.vm)));
                         // The restored guest's first run (~0.3-0.6 ms of shadow page faults
                         // here) could take the CPU this thread was on until it halted, and
