@@ -753,8 +753,18 @@ fn creates_use_standby_processes_and_the_pool_refills() {
         Some(pids[i]),
         "the VM is the standby process"
     );
-    // Taken, it runs at normal priority.
+    // Taken, it runs at normal priority, and so does the VM process in its jail.
     assert_eq!(policy_of(pids[i]), libc::SCHED_OTHER);
+    let jailed: Vec<i32> = jailed_vm_pids(&state, 1)
+        .into_iter()
+        .filter(|&p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            cmd.split(|b| *b == 0)
+                .any(|a| a == sock.as_os_str().as_encoded_bytes())
+        })
+        .collect();
+    assert_eq!(jailed.len(), 1, "{jailed:?}");
+    assert_eq!(policy_of(jailed[0]), libc::SCHED_OTHER);
     let st = vmm::api::ApiClient::connect(sock)
         .unwrap()
         .call(&vmm::api::Request::Status)
@@ -802,6 +812,10 @@ fn creates_use_standby_processes_and_the_pool_refills() {
             standby_sockets(&state)
         );
         assert!(!p.with_extension("log").exists());
+        // Their jails' roots too; the sandbox's stays while its VM runs.
+        let root = |s: &Path| state.join("jail").join(s.file_stem().unwrap());
+        assert!(!root(p).exists(), "{} was not swept", root(p).display());
+        assert!(root(sock).exists(), "{}", root(sock).display());
     }
     let (s, _) = http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "");
     assert_eq!(s, 204);

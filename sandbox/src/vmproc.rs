@@ -275,7 +275,7 @@ impl ProcessDriver {
         });
         let fds: Vec<_> = spec.tap.iter().map(|t| t.as_fd()).collect();
         let t = Instant::now();
-        run_at_normal_priority(sb.child.id());
+        sb.run_at_normal_priority();
         let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call_with_fds(&req, &fds));
         match answer {
             Ok(r) if r.ok => {
@@ -437,9 +437,9 @@ pub(crate) fn start_at_idle_priority(cmd: &mut Command) {
     };
 }
 
-/// Puts the main thread of process `pid` (a child of this process, not yet reaped) at
-/// normal priority (`SCHED_OTHER`): a standby taken for a request. Best effort: a refusal
-/// is logged and the request goes on, slower under load.
+/// Puts the main thread of process `pid` (a child of this process, not yet reaped, or
+/// the VM process in its jail) at normal priority (`SCHED_OTHER`): a standby taken for a
+/// request. Best effort: a refusal is logged and the request goes on, slower under load.
 pub(crate) fn run_at_normal_priority(pid: u32) {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return;

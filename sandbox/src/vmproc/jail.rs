@@ -152,6 +152,11 @@ impl Jails {
             read,
             given: Mutex::new(Given::default()),
         };
+        for extra in jails.template_extras() {
+            if extra.is_dir() {
+                share_tree(&extra)?;
+            }
+        }
         jails.sweep();
         Ok(jails)
     }
@@ -188,10 +193,39 @@ impl Jails {
             .arg(uid.to_string())
             .arg("--gid")
             .arg(uid.to_string());
-        for dir in &self.read {
+        for dir in self.read.iter().chain(&self.template_extras()) {
             cmd.arg("--jail-read").arg(dir);
         }
         Ok(JailLease { root, uid })
+    }
+
+    /// What the templates in the read directories stand on outside them: the targets of
+    /// templates that are symbolic links, and disk layers elsewhere (a base image, a block
+    /// device). Looked up at each start: templates come and go while the service runs.
+    fn template_extras(&self) -> Vec<PathBuf> {
+        let mut out: Vec<PathBuf> = Vec::new();
+        let add = |p: PathBuf, out: &mut Vec<PathBuf>| {
+            if !self.reads(&p) && !out.contains(&p) {
+                out.push(p);
+            }
+        };
+        for dir in &self.read {
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let Ok(real) = std::fs::canonicalize(e.path()) else {
+                    continue;
+                };
+                add(real.clone(), &mut out);
+                for f in std::fs::read_dir(&real).into_iter().flatten().flatten() {
+                    if f.path().extension().is_none_or(|x| x != "cdsk") {
+                        continue;
+                    }
+                    for layer in disk::ops::info(&f.path()).into_iter().flatten() {
+                        add(layer.path, &mut out);
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// Whether `path` is in a directory every VM process reads (a template's snapshot).
@@ -238,6 +272,18 @@ impl Jails {
     }
 }
 
+/// The VM process of the jail whose waiting process is `pid` (its child is the jail's
+/// keeper, whose child is the VM process), once both exist.
+pub fn vm_process(pid: u32) -> Option<u32> {
+    let only_child = |p: u32| -> Option<u32> {
+        let list = std::fs::read_to_string(format!("/proc/{p}/task/{p}/children")).ok()?;
+        let mut kids = list.split_whitespace();
+        let kid = kids.next()?.parse().ok()?;
+        kids.next().is_none().then_some(kid)
+    };
+    only_child(only_child(pid)?)
+}
+
 /// Hands the directory `dir` of a sandbox (and everything in it) over to `uid`: its VM
 /// process writes there from now on. The directory becomes `0711`.
 pub fn hand_over(dir: &Path, uid: u32) -> Result<()> {
@@ -261,12 +307,18 @@ fn chown_tree(path: &Path, uid: u32) -> Result<()> {
 /// Makes a tree every jailed VM process may read: directories `0755`, files readable by
 /// all (owners unchanged). For templates, whose snapshot files are written `0600`.
 pub fn share_tree(path: &Path) -> Result<()> {
+    // A template may be a symbolic link to its directory elsewhere.
+    let real = std::fs::canonicalize(path).map_err(Error::io("reading", path))?;
+    share_real_tree(&real)
+}
+
+fn share_real_tree(path: &Path) -> Result<()> {
     let m = std::fs::symlink_metadata(path).map_err(Error::io("reading", path))?;
     if m.is_dir() {
         set_mode(path, 0o755)?;
         for e in std::fs::read_dir(path).map_err(Error::io("reading", path))? {
             let e = e.map_err(Error::io("reading", path))?;
-            share_tree(&e.path())?;
+            share_real_tree(&e.path())?;
         }
     } else if m.is_file() && m.mode() & 0o044 != 0o044 {
         set_mode(path, (m.mode() & 0o7777) | 0o444)?;

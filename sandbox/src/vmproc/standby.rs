@@ -94,13 +94,24 @@ pub(crate) struct Standby {
     pub(crate) cgroup: Option<super::limits::Joining>,
     /// Its jail, when jailed.
     pub(crate) jail: Option<super::jail::JailLease>,
+    /// The process inside its jail that holds the VM (`child` waits for the jail).
+    pub(crate) vm_pid: Option<u32>,
 }
 
 impl Standby {
+    /// Puts the process that restores (the jailed VM process, or the standby itself) at
+    /// normal priority: it was taken, or must end.
+    pub(crate) fn run_at_normal_priority(&self) {
+        super::run_at_normal_priority(self.child.id());
+        if let Some(vm) = self.vm_pid {
+            super::run_at_normal_priority(vm);
+        }
+    }
+
     /// Ends it (an API shutdown, then SIGKILL) and removes its files.
     pub(crate) fn discard(mut self) {
         // At idle priority it could take long to end on a busy host.
-        super::run_at_normal_priority(self.child.id());
+        self.run_at_normal_priority();
         let asked = ApiClient::connect(&self.api_sock)
             .and_then(|mut c| c.call(&Request::Shutdown))
             .is_ok_and(|r| r.ok);
@@ -548,7 +559,11 @@ fn start_standby(
         }
         if let Ok(r) = ApiClient::connect(&api_sock).and_then(|mut c| c.call(&Request::Status)) {
             if r.ok && r.fields.get("state").and_then(|s| s.as_str()) == Some("standby") {
+                let vm_pid = jail
+                    .as_ref()
+                    .and_then(|_| super::jail::vm_process(child.id()));
                 return Ok(Standby {
+                    vm_pid,
                     child,
                     api_sock,
                     log,
@@ -566,6 +581,7 @@ fn start_standby(
                 asked: Vec::new(),
                 cgroup,
                 jail,
+                vm_pid: None,
             }
             .discard();
             return Err(Error::Vm(format!(
