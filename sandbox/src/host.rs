@@ -974,16 +974,23 @@ impl Host {
         let t = Instant::now();
         let made = (|| -> Result<&'static str> {
             let target = dir.join(SNAPSHOT_DIR);
+            // Jailed, the VM writes it as its own user, and other sandboxes' users read it:
+            // a full one, so that the sandbox's earlier snapshots stay its own.
+            let jailed = self.driver.jailed();
             let kind = match (rec.state, &rec.api_sock, &rec.snapshot) {
-                (State::Running, Some(api), _) => match self.driver.snapshot(api, &target, true) {
-                    Ok(()) => "diff",
-                    Err(e) => {
-                        tracing::debug!(sandbox = %rec.id, "diff snapshot refused ({e}); taking a full one");
-                        let _ = std::fs::remove_dir_all(&target);
-                        self.driver.snapshot(api, &target, false)?;
-                        "full"
+                (State::Running, Some(api), _) => {
+                    self.driver.lend_dir(&dir, &rec.dir)?;
+                    match self.driver.snapshot(api, &target, !jailed) {
+                        Ok(()) if jailed => "full",
+                        Ok(()) => "diff",
+                        Err(e) => {
+                            tracing::debug!(sandbox = %rec.id, "diff snapshot refused ({e}); taking a full one");
+                            let _ = std::fs::remove_dir_all(&target);
+                            self.driver.snapshot(api, &target, false)?;
+                            "full"
+                        }
                     }
-                },
+                }
                 (State::Paused, _, Some(pause)) => {
                     link_dir(pause, &target)?;
                     "pause"
@@ -995,6 +1002,7 @@ impl Host {
                     )))
                 }
             };
+            self.driver.share_snapshot(&target, &self.sandboxes_dir())?;
             self.snapshots.finish(&Template {
                 name: sid.clone(),
                 created_ms: ids::now_ms(),
@@ -1525,6 +1533,7 @@ impl Host {
             rec.pid.filter(|_| rec.state == State::Running),
             (from_ms..=to_ms).contains(&now),
         ) {
+            let pid = self.driver.vm_process(pid);
             let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
             out.push(self.measure(&rec, pid, cpu));
         }
@@ -1544,6 +1553,7 @@ impl Host {
             let m = match (self.history.latest(&rec.id), rec.pid) {
                 (Some(m), _) => Some(m),
                 (None, Some(pid)) if rec.state == State::Running => {
+                    let pid = self.driver.vm_process(pid);
                     let cpu = usage::recent_cpu(&self.cpu_samples, pid).unwrap_or(0.0);
                     Some(self.measure(&rec, pid, cpu))
                 }
@@ -1566,7 +1576,9 @@ impl Host {
         let all = self.reg().all()?;
         let mut round = Vec::new();
         for rec in all.iter().filter(|r| r.state == State::Running) {
-            let Some(pid) = rec.pid else { continue };
+            let Some(pid) = rec.pid.map(|p| self.driver.vm_process(p)) else {
+                continue;
+            };
             if let Some(cpu) = usage::cpu_since(&self.cpu_samples, pid, false) {
                 round.push((rec.id.clone(), self.measure(rec, pid, cpu)));
             }
@@ -1576,8 +1588,9 @@ impl Host {
         Ok(())
     }
 
-    /// A metrics sample of a running sandbox's VM process `pid` now, with its CPU use
-    /// (percent of one host CPU) measured by the caller.
+    /// A metrics sample of a running sandbox now, `pid` the process that holds its VM
+    /// ([`VmDriver::vm_process`]), with its CPU use (percent of one host CPU) measured by
+    /// the caller.
     fn measure(&self, rec: &Record, pid: i32, cpu: f64) -> Metrics {
         let (disk_used, disk_total) = usage::disk(&rec.dir);
         Metrics {

@@ -140,14 +140,20 @@ pub trait VmDriver: Send + Sync {
     fn jailed(&self) -> bool {
         false
     }
+    /// The process that holds the VM of the VM process `pid` this driver started (the one
+    /// in its jail when jailed, `pid` itself otherwise): where the sandbox's CPU time and
+    /// memory are read.
+    fn vm_process(&self, pid: i32) -> i32 {
+        pid
+    }
     /// Before a jailed VM writes into `dir` (a fork's directory): hands it to the user of
     /// the VM whose sandbox directory is `owner_dir`.
     fn lend_dir(&self, _dir: &Path, _owner_dir: &Path) -> Result<()> {
         Ok(())
     }
     /// After a jailed VM wrote the snapshot `snapshot` that other sandboxes' VMs restore (a
-    /// fork's base): makes it, and the frozen disk layers under it in `top`, readable by
-    /// them.
+    /// fork's base, a persistent snapshot): makes it, the snapshots its memory stands on
+    /// and the frozen disk layers under it in `top` readable by them.
     fn share_snapshot(&self, _snapshot: &Path, _top: &Path) -> Result<()> {
         Ok(())
     }
@@ -758,6 +764,17 @@ impl VmDriver for ProcessDriver {
         self.jails.is_some()
     }
 
+    fn vm_process(&self, pid: i32) -> i32 {
+        if self.jails.is_none() {
+            return pid;
+        }
+        u32::try_from(pid)
+            .ok()
+            .and_then(jail::jailed_vm_process)
+            .and_then(|p| i32::try_from(p).ok())
+            .unwrap_or(pid)
+    }
+
     fn lend_dir(&self, dir: &Path, owner_dir: &Path) -> Result<()> {
         if self.jails.is_none() {
             return Ok(());
@@ -781,6 +798,17 @@ impl VmDriver for ProcessDriver {
             .collect();
         let prepared = vmm::PreparedSnapshot::open(snapshot, vmm::CpuCheck::default())
             .map_err(|e| Error::Vm(format!("snapshot {}: {e}", snapshot.display())))?;
+        // A diff's memory stands on the snapshots below it (a paused sandbox's earlier
+        // pauses): readers need those files too.
+        for dir in prepared.chain_dirs() {
+            files.extend(
+                std::fs::read_dir(dir)
+                    .map_err(Error::io("reading", dir))?
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_file()),
+            );
+        }
         if let Some(d) = prepared.disk() {
             let layers = disk::ops::info(&d.layer)
                 .map_err(|e| Error::Vm(format!("disk of {}: {e}", snapshot.display())))?;

@@ -284,6 +284,16 @@ pub fn vm_process(pid: u32) -> Option<u32> {
     only_child(only_child(pid)?)
 }
 
+/// As [`vm_process`] when `pid` was started jailed (`--jail` on its command line; a VM
+/// restored through the store's fetcher is not): None otherwise.
+pub fn jailed_vm_process(pid: u32) -> Option<u32> {
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    cmd.split(|b| *b == 0)
+        .any(|a| a == b"--jail")
+        .then(|| vm_process(pid))
+        .flatten()
+}
+
 /// Hands the directory `dir` of a sandbox (and everything in it) over to `uid`: its VM
 /// process writes there from now on. The directory becomes `0711`.
 pub fn hand_over(dir: &Path, uid: u32) -> Result<()> {
