@@ -417,7 +417,31 @@ pub fn router(state: AppState) -> Router {
             data,
             crate::envd::dispatch,
         ))
+        .layer(axum::middleware::from_fn(close_after_refused_upload))
         .with_state(state)
+}
+
+/// An error answered to a request with a body (an upload to a sandbox that is not running,
+/// say) may go out before the body was read, and then the connection cannot carry another
+/// request. A client that put it back in its pool would see it closed under its next
+/// request (seen through a forwarded port, where the close arrives late): `Connection:
+/// close` tells it not to. HTTP/1 only (HTTP/2 has no such header and resets the stream).
+async fn close_after_refused_upload(req: Request, next: Next) -> Response {
+    use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+    let h = req.headers();
+    let with_body = h.contains_key(TRANSFER_ENCODING)
+        || h.get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0);
+    let http1 = req.version() <= axum::http::Version::HTTP_11;
+    let mut resp = next.run(req).await;
+    let refused = resp.status().is_client_error() || resp.status().is_server_error();
+    if with_body && http1 && refused {
+        resp.headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 async fn not_found() -> ApiError {

@@ -188,6 +188,42 @@ async fn sandbox_life_over_http() {
 }
 
 #[tokio::test]
+async fn a_refused_upload_closes_its_connection() {
+    let (app, _d) = app("refused-upload");
+    let send = |uri: &str, body: &'static str| {
+        let req = HttpRequest::builder()
+            .method("POST")
+            .uri(uri)
+            .header("X-API-KEY", KEY)
+            .header("content-length", body.len().to_string())
+            .body(Body::from(body))
+            .unwrap();
+        app.clone().oneshot(req)
+    };
+    // Refused with its body unread: the client must not send another request on it.
+    let r = send(
+        "/sandboxes/nosuchsandbox000000000/snapshots",
+        "{\"name\": 1}",
+    )
+    .await
+    .unwrap();
+    assert!(r.status().is_client_error(), "{}", r.status());
+    assert_eq!(
+        r.headers().get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
+    // Without a body, or answered, the connection stays.
+    let r = send("/sandboxes/nosuchsandbox000000000/snapshots", "")
+        .await
+        .unwrap();
+    assert!(r.status().is_client_error(), "{}", r.status());
+    assert!(r.headers().get("connection").is_none());
+    let (s, h, _) = call(&app, "GET", "/sandboxes", None).await;
+    assert_eq!(s, 200);
+    assert!(h.get("connection").is_none());
+}
+
+#[tokio::test]
 async fn bad_input_gets_400_with_a_message() {
     let (app, d) = app("badinput");
     for body in [
