@@ -232,9 +232,13 @@ pub(crate) fn probe(sock: &Path) -> Result<()> {
 pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Scratch {
-    /// `clade-bench-<what>-<pid>` in the temporary directory, emptied.
+    /// `clade-bench-<what>-<pid>-<n>` in the temporary directory, emptied: `n` counts the
+    /// scratch directories of this process, so that two at once (the two services of
+    /// `bench serve`'s confinement case) never share one.
     pub(crate) fn new(what: &str) -> Result<Scratch> {
-        let d = std::env::temp_dir().join(format!("clade-bench-{what}-{}", std::process::id()));
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("clade-bench-{what}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).context_with(|| format!("creating {}", d.display()))?;
         Ok(Scratch(d))
@@ -250,6 +254,16 @@ impl Drop for Scratch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_directories_of_one_process_are_its_own() {
+        let a = Scratch::new("same").unwrap();
+        let b = Scratch::new("same").unwrap();
+        assert_ne!(a.0, b.0);
+        std::fs::write(a.0.join("f"), b"a").unwrap();
+        drop(b);
+        assert_eq!(std::fs::read(a.0.join("f")).unwrap(), b"a");
+    }
 
     #[test]
     fn an_image_is_readable_through_its_path() {

@@ -781,7 +781,21 @@ fn creates_use_standby_processes_and_the_pool_refills() {
         })
         .collect();
     assert_eq!(jailed.len(), 1, "{jailed:?}");
-    assert_eq!(policy_of(jailed[0]), libc::SCHED_OTHER);
+    // Every thread of it: its vCPU, device and API threads were made while it waited at
+    // idle priority, and a jailed process may not lift itself.
+    let idle: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", jailed[0]))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| {
+            let tid: i32 = t.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            (policy_of(tid) != libc::SCHED_OTHER).then(|| format!("{tid} {}", comm.trim()))
+        })
+        .collect();
+    assert!(
+        idle.is_empty(),
+        "threads of the taken VM not at normal priority: {idle:?}"
+    );
     let st = vmm::api::ApiClient::connect(sock)
         .unwrap()
         .call(&vmm::api::Request::Status)

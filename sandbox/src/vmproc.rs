@@ -451,8 +451,9 @@ pub(crate) fn run_at_normal_priority(pid: u32) {
         return;
     };
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sets the policy of thread `pid` (this process's unreaped child, so the ID
-    // cannot name another process); `param` is a valid struct.
+    // SAFETY: sets the policy of thread `pid` (this process's unreaped child, or a thread
+    // of the jailed VM process below it; at worst a thread that just ended and whose ID
+    // was reused gets normal priority, nothing more); `param` is a valid struct.
     if unsafe { libc::sched_setscheduler(pid, libc::SCHED_OTHER, &param) } != 0 {
         tracing::debug!(
             "standby {pid} stays at idle priority: {}",

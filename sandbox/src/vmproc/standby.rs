@@ -100,11 +100,20 @@ pub(crate) struct Standby {
 
 impl Standby {
     /// Puts the process that restores (the jailed VM process, or the standby itself) at
-    /// normal priority: it was taken, or must end.
+    /// normal priority: it was taken, or must end. A VM process puts each of its threads
+    /// back at normal priority as it takes up work, but a jailed one may not (leaving
+    /// `SCHED_IDLE` needs CAP_SYS_NICE, or an RLIMIT_NICE that only CAP_SYS_RESOURCE can
+    /// raise): every thread of it is lifted here, before the request, so that the threads
+    /// its restore starts begin at normal priority too.
     pub(crate) fn run_at_normal_priority(&self) {
         super::run_at_normal_priority(self.child.id());
         if let Some(vm) = self.vm_pid {
-            super::run_at_normal_priority(vm);
+            let tasks = std::fs::read_dir(format!("/proc/{vm}/task")).into_iter();
+            for t in tasks.flatten().flatten() {
+                if let Some(tid) = t.file_name().to_str().and_then(|n| n.parse().ok()) {
+                    super::run_at_normal_priority(tid);
+                }
+            }
         }
     }
 
