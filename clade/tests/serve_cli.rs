@@ -1466,3 +1466,90 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     let _ = e.0.wait();
     s3.kill();
 }
+
+/// The jailed process holding sandbox `id`'s VM (its command line names the sandbox's
+/// directory), and that command line.
+fn sandbox_vm(state: &Path, id: &str) -> Option<(i32, String)> {
+    let dir = state.join("sandboxes").join(id);
+    vm_pids(state).into_iter().find_map(|pid| {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        (cmd.contains(dir.to_str()?) && holds_kvm(pid)).then_some((pid, cmd))
+    })
+}
+
+/// E2B's filesystem-only pause (`memory: false`): the VM process ends and no memory
+/// snapshot is written; the next connect boots the template's kernel (kept by the build)
+/// from the sandbox's disk, in a jail of its own; a reboot on resume drops a full pause's
+/// memory.
+#[test]
+fn a_filesystem_only_pause_ends_the_vm_and_connect_boots_it() {
+    let d = Dir::new("fs-pause");
+    let state = d.p("state");
+    build_template(&state);
+    assert!(state.join("templates/t/boot/kernel").is_file());
+    let port = free_port();
+    let mut serve = start_serve(&state, port);
+    let a = create_from_template(port);
+    let dir = state.join("sandboxes").join(&a);
+    ping(&dir.join("vm.vsock"));
+    let (old, cmd) = sandbox_vm(&state, &a).expect("the sandbox's VM process");
+    assert!(cmd.contains(" restore "), "{cmd}");
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/pause"),
+        Some("k"),
+        r#"{"memory":false}"#,
+    );
+    assert_eq!(s, 204, "{v}");
+    let (_, info) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(info["state"], "paused", "{info}");
+    assert_eq!(info["pauseMode"], "filesystem", "{info}");
+    assert!(!Path::new(&format!("/proc/{old}")).exists(), "its VM ended");
+    assert!(sandbox_vm(&state, &a).is_none());
+    assert!(!dir.join("pause-1").exists(), "no memory snapshot");
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    ping(&dir.join("vm.vsock"));
+    let (pid, cmd) = sandbox_vm(&state, &a).expect("the booted VM process");
+    assert!(
+        cmd.contains(" run ") && cmd.contains("templates/t/boot/kernel"),
+        "{cmd}"
+    );
+    assert!(jailed_vm_pids(&state, 1).contains(&pid));
+    let (_, info) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(info["state"], "running", "{info}");
+    // A full pause, then a reboot on resume: the pause's memory is not restored.
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/pause"),
+        Some("k"),
+        "",
+    );
+    assert_eq!(s, 204, "{v}");
+    let (_, info) = http(port, "GET", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(info["pauseMode"], "full", "{info}");
+    let (s, v) = http(
+        port,
+        "POST",
+        &format!("/sandboxes/{a}/connect"),
+        Some("k"),
+        r#"{"timeout":300,"memory":false}"#,
+    );
+    assert_eq!(s, 201, "{v}");
+    ping(&dir.join("vm.vsock"));
+    let (_, cmd) = sandbox_vm(&state, &a).expect("the rebooted VM process");
+    assert!(cmd.contains(" run "), "{cmd}");
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(s, 204);
+    serve.0.kill().unwrap();
+    serve.0.wait().unwrap();
+}

@@ -564,6 +564,7 @@ mod tests {
                 setup: vec![],
                 net: false,
                 image: None,
+                boot: None,
             },
             started_ms: 1,
             auto_pause: false,

@@ -91,6 +91,9 @@ pub struct CreateRequest {
     /// Pause instead of kill on timeout.
     pub auto_pause: bool,
     /// Wake it for a request that comes while it is paused (needs `auto_pause`).
+    /// A pause on timeout drops the memory (E2B's `autoPauseMemory: false`): a
+    /// filesystem-only pause.
+    pub pause_drops_memory: bool,
     pub auto_resume: bool,
     /// Give it an envd access token that every data-plane request must carry.
     pub secure: bool,
@@ -132,6 +135,51 @@ pub struct Metrics {
 pub const DEFAULT_TAG: &str = "default";
 
 /// Splits an E2B template or snapshot reference `name[:tag]`; only the default tag exists.
+/// What a sandbox's VM process starts from.
+enum Origin<'a> {
+    /// A restore of this snapshot (`reused`: later starts will likely restore it too).
+    Snapshot { dir: &'a Path, reused: bool },
+    /// A boot of the template's kernel with this disk (a sandbox whose memory was dropped).
+    Boot {
+        files: template::BootFiles,
+        disk: Option<PathBuf>,
+    },
+}
+
+/// How long a filesystem-only pause waits for the guest to flush its writes.
+const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Has the guest of sandbox `id` (its agent at `vsock`) write everything to its disk
+/// (`sync`). An agent that does not answer, or a flush that fails or does not end within
+/// [`FLUSH_TIMEOUT`], is a conflict: the sandbox keeps running.
+fn flush_guest(id: &str, vsock: &Path) -> Result<()> {
+    let refused = |why: String| {
+        Error::Conflict(format!(
+            "sandbox {id}: a filesystem-only pause needs its guest agent to flush the disk, \
+             and {why}; the sandbox keeps running"
+        ))
+    };
+    let client = vmm::agent::Client::connect_timeout(
+        vsock,
+        vmm::agent::Transport::Auto,
+        std::time::Duration::from_secs(5),
+    )
+    .map_err(|e| refused(format!("the agent does not answer ({e})")))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = client
+            .spawn(&vmm::agent::Command::new("/bin/sync"))
+            .and_then(|e| e.wait());
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(FLUSH_TIMEOUT) {
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => Err(refused(format!("sync ended with {status:?}"))),
+        Ok(Err(e)) => Err(refused(format!("sync failed ({e})"))),
+        Err(_) => Err(refused(format!("sync did not end in {FLUSH_TIMEOUT:?}"))),
+    }
+}
+
 pub fn strip_tag(reference: &str) -> Result<&str> {
     match reference.split_once(':') {
         None => Ok(reference),
@@ -437,6 +485,8 @@ impl Host {
             remote: Some(o.snapshot),
             published_pause: Some(o.pause),
             published_ms: Some(o.published_ms),
+            pause_keeps_memory: true,
+            memory_dropped: false,
         }
     }
 
@@ -691,13 +741,22 @@ impl Host {
             remote,
             published_pause: None,
             published_ms: None,
+            pause_keeps_memory: !req.pause_drops_memory,
+            memory_dropped: false,
         };
         let t_start = std::time::Instant::now();
         let started = self.acquire_net(&template, &req.egress).and_then(|net| {
             rec.net = net;
             rec.egress = policy_json(&req.egress)?;
             // Other sandboxes will be created from the same snapshot.
-            self.start_vm(&mut rec, &template, &snapshot, true)
+            self.start_vm(
+                &mut rec,
+                &template,
+                Origin::Snapshot {
+                    dir: &snapshot,
+                    reused: true,
+                },
+            )
         });
         if let Err(e) = started {
             self.release_net(rec.net);
@@ -718,23 +777,28 @@ impl Host {
         Ok(rec)
     }
 
-    /// Starts the VM process of `rec` from `snapshot` (`reused`: later starts will likely
-    /// restore it too); fills in its process fields.
-    fn start_vm(
-        &self,
-        rec: &mut Record,
-        template: &Template,
-        snapshot: &Path,
-        reused: bool,
-    ) -> Result<()> {
+    /// Starts the VM process of `rec` from `origin`; fills in its process fields.
+    fn start_vm(&self, rec: &mut Record, template: &Template, origin: Origin<'_>) -> Result<()> {
         let api = rec.dir.join("vm.api");
         let vsock = rec.dir.join("vm.vsock");
-        let disk = template
-            .disk
-            .then(|| rec.dir.join(format!("disk-r{}.cdsk", rec.pauses)));
+        let (snapshot, reused, boot, disk) = match origin {
+            Origin::Snapshot { dir, reused } => (
+                dir.to_path_buf(),
+                reused,
+                None,
+                template
+                    .disk
+                    .then(|| rec.dir.join(format!("disk-r{}.cdsk", rec.pauses))),
+            ),
+            Origin::Boot { files, disk } => (rec.dir.clone(), false, Some(files), disk),
+        };
+        let booting = boot.is_some();
         let spec = StartSpec {
-            snapshot: snapshot.to_path_buf(),
+            snapshot,
+            boot,
+            test_device: template.test_guest,
             fetcher: match (&rec.remote, &self.durable) {
+                _ if booting => None,
                 (Some(id), Some(d)) => {
                     d.prepare(id)?;
                     Some(d.fetcher_socket().to_path_buf())
@@ -751,6 +815,7 @@ impl Host {
             // A sandbox taken over from the store (or of a template from it) stands on disk
             // layers the fetcher reads lazily, whatever snapshot of it is restored.
             layer_fetcher: match (&rec.remote, &self.durable) {
+                _ if booting => None,
                 (None, Some(d)) if from_store(&rec.dir) => Some(d.fetcher_socket().to_path_buf()),
                 _ => None,
             },
@@ -991,6 +1056,13 @@ impl Host {
                         }
                     }
                 }
+                (State::Paused, _, _) if rec.memory_dropped => {
+                    return Err(Error::Conflict(format!(
+                        "sandbox {} was paused without its memory: connect to it (it boots \
+                         from its disk) before taking a snapshot",
+                        rec.id
+                    )))
+                }
                 (State::Paused, _, Some(pause)) => {
                     link_dir(pause, &target)?;
                     "pause"
@@ -1157,7 +1229,8 @@ impl Host {
         if rec.auto_pause {
             rec.end_ms = ids::now_ms();
             tracing::info!(sandbox = %id, "timeout set to 0: pausing");
-            return self.pause_locked(rec).map(Some);
+            let keep_memory = rec.pause_keeps_memory;
+            return self.pause_locked(rec, keep_memory).map(Some);
         }
         drop(g);
         tracing::info!(sandbox = %id, "timeout set to 0: killing");
@@ -1176,20 +1249,24 @@ impl Host {
     }
 
     /// Pauses a running sandbox: snapshot (a diff on the VM's last snapshot when it has
-    /// one, else full) into its directory, then its process stops.
-    pub fn pause(&self, id: &str) -> Result<Record> {
+    /// one, else full) into its directory, then its process stops. Without `keep_memory`,
+    /// a filesystem-only pause ([`Host::drop_memory_locked`]).
+    pub fn pause(&self, id: &str, keep_memory: bool) -> Result<Record> {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
         let rec = self.load_usable(id)?;
-        self.pause_locked(rec)
+        self.pause_locked(rec, keep_memory)
     }
 
-    fn pause_locked(&self, mut rec: Record) -> Result<Record> {
+    fn pause_locked(&self, mut rec: Record, keep_memory: bool) -> Result<Record> {
         if rec.state == State::Paused {
             return Err(Error::Conflict(format!(
                 "sandbox {} is already paused",
                 rec.id
             )));
+        }
+        if !keep_memory {
+            return self.drop_memory_locked(rec);
         }
         let (Some(pid), Some(api)) = (rec.pid, rec.api_sock.clone()) else {
             return Err(Error::Corrupt(format!(
@@ -1249,8 +1326,120 @@ impl Host {
         Ok(rec)
     }
 
-    /// Resumes a paused sandbox (E2B `resume`): an error if it runs.
-    pub fn resume(&self, id: &str, timeout_s: u64) -> Result<Record> {
+    /// A filesystem-only pause (E2B's `memory: false`): the guest flushes what it wrote to
+    /// its disk, then its VM process ends. Its memory is gone, its disk stays, and its next
+    /// wake boots the template's kernel from that disk. The guest's agent must answer (as
+    /// E2B requires): one that does not leaves the sandbox running and the pause an error.
+    fn drop_memory_locked(&self, mut rec: Record) -> Result<Record> {
+        let template = self.sandbox_template(&rec)?;
+        // Refused before anything stops: a sandbox that could not boot would be lost.
+        self.boot_files(&rec, &template)?;
+        let (Some(pid), Some(api), Some(vsock)) =
+            (rec.pid, rec.api_sock.clone(), rec.vsock.clone())
+        else {
+            return Err(Error::Corrupt(format!(
+                "running sandbox {} has no process",
+                rec.id
+            )));
+        };
+        let t = std::time::Instant::now();
+        if !template.test_guest {
+            flush_guest(&rec.id, &vsock)?;
+        }
+        self.driver.stop(pid, &api)?;
+        rec.state = State::Paused;
+        rec.pid = None;
+        rec.api_sock = None;
+        rec.vsock = None;
+        // Nothing to restore: an earlier pause's snapshot is not this sandbox any more.
+        rec.snapshot = None;
+        rec.memory_dropped = true;
+        rec.pauses += 1;
+        self.reg().update(&rec)?;
+        tracing::info!(sandbox = %rec.id, kind = "filesystem", elapsed = ?t.elapsed(), "paused");
+        if let (Some(i), Ok(n)) = (rec.net, &self.networks) {
+            n.reopen_tap(i);
+        }
+        Ok(rec)
+    }
+
+    /// What a sandbox whose memory is dropped boots: its template's kernel, with a clear
+    /// error when it cannot (a template built before builds recorded their boot, a disk
+    /// that stands on layers in the object store).
+    fn boot_files(&self, rec: &Record, template: &Template) -> Result<template::BootFiles> {
+        let Some(boot) = &template.boot else {
+            return Err(Error::Conflict(format!(
+                "sandbox {}: its template '{}' records no boot (it was built before \
+                 templates kept their kernel; rebuild it with clade template build), so its \
+                 memory cannot be dropped: pause and resume with memory",
+                rec.id, template.name
+            )));
+        };
+        if rec.remote.is_some() || from_store(&rec.dir) {
+            return Err(Error::Conflict(format!(
+                "sandbox {}: its disk stands on layers in the object store, which a boot \
+                 cannot read yet: pause and resume with memory",
+                rec.id
+            )));
+        }
+        self.templates.boot_files(boot)
+    }
+
+    /// Boots a sandbox whose memory was dropped (or is to be, `on_resume="reboot"`) from
+    /// its own disk: after a filesystem-only pause the disk it wrote, after a pause with
+    /// memory a new overlay on the disk layer that pause froze.
+    fn boot_locked(&self, rec: &mut Record, template: &Template) -> Result<()> {
+        let files = self.boot_files(rec, template)?;
+        let disk = match (template.disk, rec.memory_dropped, &rec.snapshot) {
+            (false, _, _) => None,
+            (true, true, _) => match &rec.disk {
+                Some(d) if d.exists() => Some(d.clone()),
+                _ => {
+                    return Err(Error::Corrupt(format!(
+                        "sandbox {} was paused without its memory, but its disk {} is gone",
+                        rec.id,
+                        rec.disk.as_deref().unwrap_or(Path::new("")).display()
+                    )))
+                }
+            },
+            (true, false, Some(snapshot)) => {
+                let prepared = vmm::PreparedSnapshot::open(snapshot, vmm::CpuCheck::default())
+                    .map_err(|e| Error::Vm(format!("snapshot {}: {e}", snapshot.display())))?;
+                let Some(saved) = prepared.disk() else {
+                    return Err(Error::Corrupt(format!(
+                        "snapshot {} of sandbox {} has no disk",
+                        snapshot.display(),
+                        rec.id
+                    )));
+                };
+                let overlay = rec.dir.join(format!("disk-r{}.cdsk", rec.pauses));
+                let _ = std::fs::remove_file(&overlay);
+                disk::ops::create(
+                    &overlay,
+                    &disk::ops::CreateOptions {
+                        virtual_size: None,
+                        block_size: None,
+                        parent: Some(saved.layer.clone()),
+                    },
+                )
+                .map_err(|e| Error::Vm(format!("a disk to boot sandbox {}: {e}", rec.id)))?;
+                Some(overlay)
+            }
+            (true, false, None) => {
+                return Err(Error::Corrupt(format!(
+                    "paused sandbox {} has no snapshot",
+                    rec.id
+                )))
+            }
+        };
+        self.start_vm(rec, template, Origin::Boot { files, disk })?;
+        rec.memory_dropped = false;
+        Ok(())
+    }
+
+    /// Resumes a paused sandbox (E2B `resume`): an error if it runs. With `reboot`, its
+    /// memory is dropped and it boots from its disk (E2B's `memory: false`).
+    pub fn resume(&self, id: &str, timeout_s: u64, reboot: bool) -> Result<Record> {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -1258,12 +1447,13 @@ impl Host {
         if rec.state == State::Running {
             return Err(Error::Conflict(format!("sandbox {id} is already running")));
         }
-        self.resume_locked(rec, timeout_s)
+        self.resume_locked(rec, timeout_s, reboot)
     }
 
     /// E2B `connect`: a running sandbox gets at least `timeout_s` more, a paused one is
-    /// resumed first. Returns the sandbox and whether it was resumed.
-    pub fn connect(&self, id: &str, timeout_s: u64) -> Result<(Record, bool)> {
+    /// resumed first (with `reboot`, booted from its disk). Returns the sandbox and whether
+    /// it was resumed.
+    pub fn connect(&self, id: &str, timeout_s: u64, reboot: bool) -> Result<(Record, bool)> {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -1273,11 +1463,19 @@ impl Host {
             self.reg().update(&rec)?;
             return Ok((rec, false));
         }
-        Ok((self.resume_locked(rec, timeout_s)?, true))
+        Ok((self.resume_locked(rec, timeout_s, reboot)?, true))
     }
 
-    fn resume_locked(&self, mut rec: Record, timeout_s: u64) -> Result<Record> {
+    fn resume_locked(&self, mut rec: Record, timeout_s: u64, reboot: bool) -> Result<Record> {
         let template = self.sandbox_template(&rec)?;
+        if reboot || rec.memory_dropped {
+            let t = std::time::Instant::now();
+            self.boot_locked(&mut rec, &template)?;
+            rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
+            self.reg().update(&rec)?;
+            tracing::info!(sandbox = %rec.id, elapsed = ?t.elapsed(), "booted from its disk");
+            return Ok(rec);
+        }
         // A pause another host may take over is resumed by one host only.
         if let (true, Some(d)) = (rec.durable(), &self.durable) {
             d.claim(&rec.id, rec.pauses)?;
@@ -1293,7 +1491,11 @@ impl Host {
             }
         };
         let t = std::time::Instant::now();
-        self.start_vm(&mut rec, &template, &snapshot, false)?;
+        let origin = Origin::Snapshot {
+            dir: &snapshot,
+            reused: false,
+        };
+        self.start_vm(&mut rec, &template, origin)?;
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
         self.reg().update(&rec)?;
         tracing::info!(sandbox = %rec.id, elapsed = ?t.elapsed(), "resumed");
@@ -1443,6 +1645,8 @@ impl Host {
                 remote: None,
                 published_pause: None,
                 published_ms: None,
+                pause_keeps_memory: parent.pause_keeps_memory,
+                memory_dropped: false,
             };
         let mut out = Vec::new();
         match live {
@@ -1495,7 +1699,11 @@ impl Host {
                     }
                     let mut rec = new_child(cid, dir, tokens.next().unwrap_or_default());
                     rec.net = nets.next();
-                    if let Err(e) = self.start_vm(&mut rec, &template, &base, false) {
+                    let origin = Origin::Snapshot {
+                        dir: &base,
+                        reused: false,
+                    };
+                    if let Err(e) = self.start_vm(&mut rec, &template, origin) {
                         self.release_net(rec.net);
                         let _ = std::fs::remove_dir_all(&rec.dir);
                         // The children started so far stay: each is a sandbox of its own.
@@ -1642,7 +1850,8 @@ impl Host {
                 // Re-read under the lock: a request may have extended or paused it.
                 match self.load(&id) {
                     Ok(r) if r.state == State::Running && r.end_ms <= now_ms => {
-                        self.pause_locked(r).map(|_| ())
+                        let keep_memory = r.pause_keeps_memory;
+                        self.pause_locked(r, keep_memory).map(|_| ())
                     }
                     _ => continue,
                 }

@@ -258,6 +258,7 @@ impl HostAgentDriver {
             setup: vec!["(test harness: host-run clade-agent)".into()],
             net: false,
             image: None,
+            boot: None,
         };
         let f = dir.join(crate::template::TEMPLATE_FILE);
         let text = serde_json::to_string_pretty(&t).map_err(|e| Error::Corrupt(e.to_string()))?;

@@ -199,8 +199,9 @@ struct AutoResume {
     enabled: bool,
 }
 
-/// The lifecycle a create asks for, checked as E2B checks it: (auto-pause, auto-resume).
-fn lifecycle_of(b: &NewSandbox) -> ApiResult<(bool, bool)> {
+/// The lifecycle a create asks for, checked as E2B checks it: (auto-pause, auto-resume,
+/// whether the timeout's pause keeps memory).
+fn lifecycle_of(b: &NewSandbox) -> ApiResult<(bool, bool, bool)> {
     let auto_pause = b.auto_pause.unwrap_or(false);
     let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled);
     if b.auto_pause_memory.is_some() && !auto_pause {
@@ -213,26 +214,15 @@ fn lifecycle_of(b: &NewSandbox) -> ApiResult<(bool, bool)> {
             "autoResume can be enabled only when the timeout pauses (autoPause: true)",
         ));
     }
-    if b.auto_pause_memory == Some(false) {
-        if auto_resume {
-            return Err(ApiError::bad(
-                "autoResume cannot be combined with a filesystem-only pause \
-                 (autoPauseMemory: false): such a sandbox must be resumed with connect",
-            ));
-        }
-        return Err(filesystem_pause_refused());
+    // `null` is a full pause, as an absent field.
+    let keeps_memory = b.auto_pause_memory != Some(false);
+    if !keeps_memory && auto_resume {
+        return Err(ApiError::bad(
+            "autoResume cannot be combined with a filesystem-only pause \
+             (autoPauseMemory: false): such a sandbox must be resumed with connect",
+        ));
     }
-    Ok((auto_pause, auto_resume))
-}
-
-/// A filesystem-only pause (memory dropped, the disk kept, the next connect a cold boot)
-/// is not something this host can do yet: refused, never turned into a full pause.
-fn filesystem_pause_refused() -> ApiError {
-    ApiError::bad(
-        "dropping a sandbox's memory (a filesystem-only pause, memory: false, or a reboot on \
-         resume) is not supported by this host: pause and resume with memory \
-         (see docs/e2b-compat.md)",
-    )
+    Ok((auto_pause, auto_resume, keeps_memory))
 }
 
 /// E2B's `network` of a create, and the body of `PUT /sandboxes/{id}/network` (which
@@ -377,7 +367,11 @@ fn listed(r: &Record, detail: bool) -> Value {
             "onTimeout": if r.auto_pause { "pause" } else { "kill" },
         });
         if r.state == State::Paused {
-            v["pauseMode"] = json!("full");
+            v["pauseMode"] = json!(if r.memory_dropped {
+                "filesystem"
+            } else {
+                "full"
+            });
         }
     }
     v
@@ -488,7 +482,7 @@ async fn update_network(
 
 async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Response> {
     let b: NewSandbox = body(&bytes)?;
-    let (auto_pause, auto_resume) = lifecycle_of(&b)?;
+    let (auto_pause, auto_resume, pause_keeps_memory) = lifecycle_of(&b)?;
     let network = b.network.unwrap_or_default();
     if let Some(m) = &network.mask_request_host {
         if !crate::envd::access::valid_mask(m) {
@@ -505,6 +499,7 @@ async fn create(AxState(st): AxState<AppState>, bytes: Bytes) -> ApiResult<Respo
         timeout_s: timeout_of(b.timeout)?,
         auto_pause,
         auto_resume,
+        pause_drops_memory: !pause_keeps_memory,
         metadata: string_map(b.metadata, "metadata")?,
         env_vars: string_map(b.env_vars, "envVars")?,
         egress: network.policy(b.allow_internet_access)?,
@@ -684,12 +679,11 @@ async fn pause(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> ApiResult<StatusCode> {
-    // {"memory": bool, "requireHealthyGuest": bool}: a pause here keeps memory.
+    // {"memory": bool, "requireHealthyGuest": bool}: `memory: false` is a filesystem-only
+    // pause (which always needs a guest agent that answers).
     let b: PauseBody = body(&bytes)?;
-    if b.memory == Some(false) {
-        return Err(filesystem_pause_refused());
-    }
-    blocking(&st, move |h| h.pause(&id)).await?;
+    let keep_memory = b.memory != Some(false);
+    blocking(&st, move |h| h.pause(&id, keep_memory)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -698,12 +692,11 @@ async fn resume(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
+    // `memory: false`: drop the memory and boot from the disk (E2B's on_resume="reboot").
     let b: TimeoutBody = body(&bytes)?;
-    if b.memory == Some(false) {
-        return Err(filesystem_pause_refused());
-    }
+    let reboot = b.memory == Some(false);
     let t = timeout_of(b.timeout)?;
-    let rec = blocking(&st, move |h| h.resume(&id, t)).await?;
+    let rec = blocking(&st, move |h| h.resume(&id, t, reboot)).await?;
     Ok((StatusCode::CREATED, Json(sandbox_out(&st, &rec))).into_response())
 }
 
@@ -713,11 +706,9 @@ async fn connect(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: TimeoutBody = body(&bytes)?;
-    if b.memory == Some(false) {
-        return Err(filesystem_pause_refused());
-    }
+    let reboot = b.memory == Some(false);
     let t = timeout_of(b.timeout)?;
-    let (rec, resumed) = blocking(&st, move |h| h.connect(&id, t)).await?;
+    let (rec, resumed) = blocking(&st, move |h| h.connect(&id, t, reboot)).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {

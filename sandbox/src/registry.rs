@@ -120,6 +120,12 @@ pub struct Record {
     pub published_pause: Option<u32>,
     /// When that pause was published (ms since the epoch).
     pub published_ms: Option<i64>,
+    /// A pause on timeout keeps its memory (E2B's `autoPauseMemory`, true unless asked);
+    /// false: a filesystem-only pause.
+    pub pause_keeps_memory: bool,
+    /// Paused filesystem-only: its memory was dropped and `disk` holds what it wrote; its
+    /// next wake boots its template's kernel from that disk.
+    pub memory_dropped: bool,
 }
 
 impl Record {
@@ -226,7 +232,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     auto_resume INTEGER,
     envd_token TEXT,
     traffic_token TEXT,
-    mask_host TEXT
+    mask_host TEXT,
+    pause_keeps_memory INTEGER,
+    memory_dropped INTEGER
 );
 ";
 
@@ -241,6 +249,8 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("envd_token", "TEXT"),
     ("traffic_token", "TEXT"),
     ("mask_host", "TEXT"),
+    ("pause_keeps_memory", "INTEGER"),
+    ("memory_dropped", "INTEGER"),
 ];
 
 const SNAPSHOT_SCHEMA: &str = "
@@ -308,7 +318,8 @@ fn snapshot_row(row: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
 const COLUMNS: &str =
     "id, template, state, pid, api_sock, vsock, dir, snapshot, pauses, started_ms, \
     end_ms, auto_pause, metadata, env_vars, vcpus, mem_mib, disk, crash, parent, net, egress, \
-    remote, published_pause, published_ms, auto_resume, envd_token, traffic_token, mask_host";
+    remote, published_pause, published_ms, auto_resume, envd_token, traffic_token, mask_host, pause_keeps_memory, \
+    memory_dropped";
 
 fn path_text(p: &Option<PathBuf>) -> Option<String> {
     p.as_ref().map(|p| p.to_string_lossy().into_owned())
@@ -351,6 +362,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<(Record, String, String, String)>
         envd_token: row.get(25)?,
         traffic_token: row.get(26)?,
         mask_host: row.get(27)?,
+        pause_keeps_memory: row.get::<_, Option<i64>>(28)?.unwrap_or(1) != 0,
+        memory_dropped: row.get::<_, Option<i64>>(29)?.unwrap_or(0) != 0,
     };
     Ok((r, row.get(2)?, row.get(12)?, row.get(13)?))
 }
@@ -428,7 +441,7 @@ impl Registry {
     fn write(&self, verb: &str, r: &Record) -> Result<()> {
         let sql = format!(
             "{verb} INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
-             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28)"
+             ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30)"
         );
         // Cached: a create or a wake writes its row on the request's path, and parsing
         // this statement each time was a measurable part of that write.
@@ -462,6 +475,8 @@ impl Registry {
                 r.envd_token,
                 r.traffic_token,
                 r.mask_host,
+                r.pause_keeps_memory as i64,
+                r.memory_dropped as i64,
             ])
         });
         // After the write: whoever read the counter before reading a row sees it change.
@@ -651,6 +666,8 @@ pub(crate) mod tests {
             end_ms: started_ms + 15_000,
             auto_pause: false,
             auto_resume: false,
+            pause_keeps_memory: true,
+            memory_dropped: false,
             envd_token: Some("t0k".into()),
             traffic_token: None,
             mask_host: Some("${PORT}-x.example.org".into()),

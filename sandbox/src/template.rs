@@ -51,6 +51,42 @@ pub struct Template {
     /// The container image its disk was made from, and the defaults its config gives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<FromImage>,
+    /// How its VM booted: what a sandbox whose memory was dropped (a filesystem-only
+    /// pause, a reboot on resume) boots from its own disk. `None`: a template built before
+    /// builds recorded it; its sandboxes can only be restored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<BootRecord>,
+}
+
+/// The directory inside a template that holds the kernel and initramfs its VM booted.
+pub const BOOT_DIR: &str = "boot";
+
+/// How a template's VM booted. The kernel and initramfs are copies in the `boot/`
+/// directory of the built template named `template` (a snapshot of a sandbox names the
+/// template it stands on), so that they stay as long as the template does and are readable
+/// wherever its snapshot is (a jailed VM process sees the templates directory).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootRecord {
+    /// The built template whose `boot/` directory holds the files.
+    pub template: String,
+    /// The kernel's file name in it.
+    pub kernel: String,
+    /// The initramfs's file name in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<String>,
+    /// The kernel command line it booted with (the network's addresses included).
+    pub cmdline: String,
+}
+
+/// A boot record's files, resolved to paths in a template store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootFiles {
+    /// The kernel.
+    pub kernel: PathBuf,
+    /// The initramfs.
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line.
+    pub cmdline: String,
 }
 
 /// What a template built from a container image keeps of it.
@@ -112,6 +148,60 @@ impl TemplateStore {
     /// Its snapshot directory.
     pub fn snapshot_dir(&self, name: &str) -> Result<PathBuf> {
         Ok(self.dir(name)?.join(SNAPSHOT_DIR))
+    }
+
+    /// The files of `boot` in this store, checked to exist (a clear error naming what is
+    /// missing, never a VM started without its kernel).
+    pub fn boot_files(&self, boot: &BootRecord) -> Result<BootFiles> {
+        let dir = self.dir(&boot.template)?.join(BOOT_DIR);
+        let file = |name: &str| -> Result<PathBuf> {
+            if !valid_name(name) {
+                return Err(Error::TemplateBroken {
+                    name: boot.template.clone(),
+                    why: format!("'{name}' is not a file name in its boot directory"),
+                });
+            }
+            let path = dir.join(name);
+            if !path.is_file() {
+                return Err(Error::TemplateBroken {
+                    name: boot.template.clone(),
+                    why: format!("{} is missing", path.display()),
+                });
+            }
+            Ok(path)
+        };
+        Ok(BootFiles {
+            kernel: file(&boot.kernel)?,
+            initrd: boot.initrd.as_deref().map(file).transpose()?,
+            cmdline: boot.cmdline.clone(),
+        })
+    }
+
+    /// Keeps a copy of `kernel` and `initrd` in template `name`'s `boot/` directory (a hard
+    /// link where the file system allows it) and returns the record of the boot.
+    pub fn keep_boot(
+        &self,
+        name: &str,
+        kernel: &Path,
+        initrd: Option<&Path>,
+        cmdline: &str,
+    ) -> Result<BootRecord> {
+        let dir = self.dir(name)?.join(BOOT_DIR);
+        std::fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+        let keep = |src: &Path, as_name: &str| -> Result<String> {
+            let dst = dir.join(as_name);
+            let _ = std::fs::remove_file(&dst);
+            if std::fs::hard_link(src, &dst).is_err() {
+                std::fs::copy(src, &dst).map_err(Error::io("copying", src))?;
+            }
+            Ok(as_name.to_string())
+        };
+        Ok(BootRecord {
+            template: name.to_string(),
+            kernel: keep(kernel, "kernel")?,
+            initrd: initrd.map(|i| keep(i, "initrd")).transpose()?,
+            cmdline: cmdline.to_string(),
+        })
     }
 
     /// The template `name`, if it was built completely.
@@ -218,6 +308,7 @@ mod tests {
             setup: vec![],
             net: false,
             image: None,
+            boot: None,
         }
     }
 
@@ -240,6 +331,39 @@ mod tests {
         assert!(matches!(s.remove("a", 2), Err(Error::Conflict(_))));
         s.remove("a", 0).unwrap();
         assert!(matches!(s.get("a"), Err(Error::TemplateNotFound(_))));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_kept_boot_resolves_and_a_missing_or_escaping_file_is_refused() {
+        let d = tmp("boot");
+        let s = TemplateStore::new(&d);
+        s.prepare("a", false).unwrap();
+        let src = d.join("vmlinuz");
+        std::fs::write(&src, b"kernel").unwrap();
+        let boot = s.keep_boot("a", &src, None, "console=ttyS0").unwrap();
+        let files = s.boot_files(&boot).unwrap();
+        assert_eq!(std::fs::read(&files.kernel).unwrap(), b"kernel");
+        assert_eq!(files.initrd, None);
+        assert_eq!(files.cmdline, "console=ttyS0");
+        // The source may go: the template keeps its own.
+        std::fs::remove_file(&src).unwrap();
+        assert!(s.boot_files(&boot).is_ok());
+        for bad in ["../../etc/passwd", "missing", ""] {
+            let b = BootRecord {
+                kernel: bad.into(),
+                ..boot.clone()
+            };
+            assert!(
+                matches!(s.boot_files(&b), Err(Error::TemplateBroken { .. })),
+                "{bad}"
+            );
+        }
+        let b = BootRecord {
+            template: "../x".into(),
+            ..boot.clone()
+        };
+        assert!(s.boot_files(&b).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
 

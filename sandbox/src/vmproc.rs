@@ -12,6 +12,10 @@
 //! With standby processes ([`standby`]), a start takes a process that was started ahead of
 //! time and has its VM shell built, and sends it one `restore` request; only when none is
 //! ready does it start `clade restore` itself.
+//!
+//! A sandbox whose memory was dropped (a filesystem-only pause, a reboot on resume) has no
+//! snapshot to restore: its start boots the template's kernel from the sandbox's own disk
+//! (`clade run`, [`StartSpec::boot`]) and is ready once its agent answers.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -38,7 +42,13 @@ pub use standby::{Shape, StandbyConfig, StandbyPool};
 #[derive(Debug, Clone)]
 pub struct StartSpec {
     /// The snapshot to restore: its directory, or with `fetcher`, a published snapshot's id.
+    /// Unused when `boot` is given.
     pub snapshot: PathBuf,
+    /// Boot this kernel instead of restoring a snapshot, with `disk_overlay` (which must
+    /// exist) as the guest's disk, written in place.
+    pub boot: Option<crate::template::BootFiles>,
+    /// Attach the test device (a boot of the project's bare-metal test guest).
+    pub test_device: bool,
     /// Restore a published snapshot through the host's fetcher at this socket.
     pub fetcher: Option<PathBuf>,
     /// A local snapshot whose disk stands on layers read lazily from the store: the
@@ -161,6 +171,9 @@ pub trait VmDriver: Send + Sync {
 
 /// How long a new VM process may take until its API answers.
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a booted VM's agent may take to answer (a Linux boot, nested under emulation
+/// on the test machines).
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long a VM process may take to end after an API shutdown before it is killed.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -323,11 +336,15 @@ impl ProcessDriver {
 
     /// Hands the sandbox directory of `spec` to the jailed VM process of user `uid` (and
     /// makes a template's snapshot readable, in case it was built since the service
-    /// started: its files are written `0600`).
+    /// started: its files are written `0600`; likewise the kernel and initramfs of a boot).
     fn hand_over(&self, spec: &StartSpec, uid: u32) -> Result<()> {
         if let Some(j) = &self.jails {
-            if j.reads(&spec.snapshot) {
-                jail::share_tree(&spec.snapshot)?;
+            let shared = match &spec.boot {
+                Some(b) => b.kernel.parent().unwrap_or(&b.kernel),
+                None => &spec.snapshot,
+            };
+            if j.reads(shared) {
+                jail::share_tree(shared)?;
             }
         }
         jail::hand_over(&spec.dir, uid)
@@ -506,7 +523,7 @@ pub(crate) const VM_LOG_FILTER: &str = "info,virtio_queue=off";
 
 impl VmDriver for ProcessDriver {
     fn start(&self, spec: &StartSpec) -> Result<Started> {
-        if spec.fetcher.is_none() && spec.layer_fetcher.is_none() {
+        if spec.fetcher.is_none() && spec.layer_fetcher.is_none() && spec.boot.is_none() {
             if let Some(started) = self.start_standby(spec)? {
                 return Ok(started);
             }
@@ -519,9 +536,38 @@ impl VmDriver for ProcessDriver {
             .open(&spec.log)
             .map_err(Error::io("creating", &spec.log))?;
         let mut cmd = Command::new(&self.clade);
-        cmd.arg("restore")
-            .arg(&spec.snapshot)
-            .arg("--api-sock")
+        match &spec.boot {
+            Some(b) => {
+                cmd.arg("run")
+                    .arg("--kernel")
+                    .arg(&b.kernel)
+                    .arg("--cmdline")
+                    .arg(&b.cmdline)
+                    .arg("--vcpus")
+                    .arg(spec.vcpus.to_string())
+                    .arg("--mem")
+                    .arg(spec.mem_mib.to_string());
+                if let Some(i) = &b.initrd {
+                    cmd.arg("--initrd").arg(i);
+                }
+                if let Some(d) = &spec.disk_overlay {
+                    cmd.arg("--disk").arg(d);
+                }
+                if spec.test_device {
+                    cmd.arg("--test-device");
+                }
+            }
+            None => {
+                cmd.arg("restore").arg(&spec.snapshot);
+                if let Some(d) = &spec.disk_overlay {
+                    cmd.arg("--disk-overlay").arg(d);
+                }
+                if !spec.agent_sync {
+                    cmd.arg("--no-agent-sync");
+                }
+            }
+        }
+        cmd.arg("--api-sock")
             .arg(&spec.api_sock)
             .arg("--vsock")
             .arg(&spec.vsock)
@@ -529,9 +575,6 @@ impl VmDriver for ProcessDriver {
             .arg(&spec.serial)
             .arg("--files-root")
             .arg(&spec.files_root);
-        if let Some(d) = &spec.disk_overlay {
-            cmd.arg("--disk-overlay").arg(d);
-        }
         if let Some(f) = &spec.fetcher {
             cmd.arg("--fetcher").arg(f);
         }
@@ -548,9 +591,6 @@ impl VmDriver for ProcessDriver {
                 cmd.arg("--net").arg(n);
             }
             (None, None) => {}
-        }
-        if !spec.agent_sync {
-            cmd.arg("--no-agent-sync");
         }
         match &self.jails {
             Some(j) if spec.fetcher.is_none() && spec.layer_fetcher.is_none() => {
@@ -593,45 +633,56 @@ impl VmDriver for ProcessDriver {
         }
         let pid = child.id() as i32;
         let t = Instant::now();
+        let what = match &spec.boot {
+            Some(b) => format!("clade run (a boot of {})", b.kernel.display()),
+            None => format!("clade restore {}", spec.snapshot.display()),
+        };
         // From a store: its chunks come through the fetcher (whose requests each have
-        // their own limit), which may be slow on a loaded host.
-        let limit = if spec.fetcher.is_some() {
+        // their own limit), which may be slow on a loaded host. A boot is ready once its
+        // agent answers, after the guest's whole boot.
+        let limit = if spec.boot.is_some() {
+            BOOT_TIMEOUT
+        } else if spec.fetcher.is_some() {
             START_TIMEOUT * 4
         } else {
             START_TIMEOUT
         };
+        let mut api_ready = false;
+        let failed = |child: &mut Child, why: String| {
+            let _ = child.kill();
+            let _ = child.wait();
+            if let Some(cg) = &self.cgroups {
+                cg.release(&spec.api_sock);
+            }
+            Err(Error::Vm(format!("{what}: {why}: {}", log_tail(&spec.log))))
+        };
         loop {
             if let Ok(Some(status)) = child.try_wait() {
-                if let Some(cg) = &self.cgroups {
-                    cg.release(&spec.api_sock);
-                }
-                return Err(Error::Vm(format!(
-                    "clade restore {} ended ({status}): {}",
-                    spec.snapshot.display(),
-                    log_tail(&spec.log)
-                )));
+                return failed(&mut child, format!("ended ({status})"));
             }
-            if spec.api_sock.exists() {
+            if !api_ready && spec.api_sock.exists() {
                 if let Ok(mut c) = ApiClient::connect(&spec.api_sock) {
-                    if c.call(&Request::Status).is_ok_and(|r| r.ok) {
-                        break;
-                    }
+                    api_ready = c.call(&Request::Status).is_ok_and(|r| r.ok);
+                }
+            }
+            if api_ready {
+                if spec.boot.is_none() {
+                    break;
+                }
+                let probe = Duration::from_millis(200);
+                if vmm::agent::probe(&spec.vsock, vmm::agent::Transport::Auto, probe).is_ok() {
+                    tracing::info!(pid, elapsed = ?t.elapsed(), "booted: its agent answers");
+                    break;
                 }
             }
             if t.elapsed() > limit {
-                let _ = child.kill();
-                let _ = child.wait();
-                if let Some(cg) = &self.cgroups {
-                    cg.release(&spec.api_sock);
-                }
-                return Err(Error::Vm(format!(
-                    "clade restore {}: API not answering after {:?}: {}",
-                    spec.snapshot.display(),
-                    limit,
-                    log_tail(&spec.log)
-                )));
+                let waited = if api_ready { "its agent" } else { "its API" };
+                return failed(
+                    &mut child,
+                    format!("{waited} not answering after {limit:?}"),
+                );
             }
-            std::thread::sleep(Duration::from_micros(100));
+            std::thread::sleep(Duration::from_micros(if api_ready { 20_000 } else { 100 }));
         }
         self.children().insert(pid, child);
         Ok(Started {
@@ -941,6 +992,8 @@ mod tests {
         // `false` ends at once: the driver reports it instead of waiting for a socket.
         let driver = ProcessDriver::new(PathBuf::from("false"));
         let spec = StartSpec {
+            boot: None,
+            test_device: false,
             snapshot: d.join("nosnap"),
             fetcher: None,
             layer_fetcher: None,

@@ -4,6 +4,7 @@ native test guest (which answers the agent's Hello and Ping only, so no commands
 the data plane is tested in test_dataplane.py). Run with tests/e2b/run_control.sh.
 """
 
+import json
 import os
 import time
 
@@ -297,6 +298,48 @@ def test_timeout_zero_applies_the_timeout_action_now():
         for s in (p, k):
             try:
                 Sandbox.kill(s.sandbox_id)
+            except Exception:
+                pass
+
+
+def test_filesystem_only_pause_and_reboot_on_resume():
+    from e2b.api.client.api.sandboxes import get_sandboxes_sandbox_id
+    from e2b.connection_config import ConnectionConfig
+    from e2b.sandbox_sync.paginator import get_api_client
+
+    client = get_api_client(ConnectionConfig())
+
+    def pause_mode(sid):
+        r = get_sandboxes_sandbox_id.sync_detailed(sid, client=client)
+        return json.loads(r.content).get("pauseMode")
+
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    t = Sandbox.create(
+        TEMPLATE, timeout=120, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}
+    )
+    try:
+        # Memory dropped: not running, nothing wakes it but a connect, which boots it.
+        s.pause(mode="filesystem")
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        assert pause_mode(s.sandbox_id) == "filesystem"
+        assert s.is_running() is False
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        s2 = Sandbox.connect(s.sandbox_id)
+        assert s2.is_running() is True
+        # A full pause, then a reboot on resume.
+        s2.pause()
+        assert pause_mode(s.sandbox_id) == "full"
+        s3 = Sandbox.connect(s.sandbox_id, on_resume="reboot")
+        assert s3.is_running() is True
+        # A timeout that pauses filesystem-only.
+        t.set_timeout(0)
+        assert Sandbox.get_info(t.sandbox_id).state == SandboxState.PAUSED
+        assert pause_mode(t.sandbox_id) == "filesystem"
+        assert Sandbox.connect(t.sandbox_id).is_running() is True
+    finally:
+        for x in (s, t):
+            try:
+                Sandbox.kill(x.sandbox_id)
             except Exception:
                 pass
 

@@ -206,9 +206,44 @@ def test_info_list_metrics_timeout_and_errors(sb):
         Sandbox.list(api_key="wrong-key").next_items()
 
 
-def test_timeout_pauses_with_lifecycle_pause_then_wakes():
-    s = create(timeout=20, lifecycle={"on_timeout": "pause"})
+def boot_id(sb):
+    return run(sb, "cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+
+def test_filesystem_only_pause_keeps_the_disk_and_boots_anew():
+    s = create(metadata={"suite": "linux-fs-pause"})
     try:
+        first = boot_id(s)
+        run(s, "echo kept-without-memory > /root/fs.txt")
+        h = s.commands.run("sleep 100000", background=True, timeout=0, request_timeout=300)
+        s.pause(mode="filesystem", **SLOW)
+        assert not s.is_running(request_timeout=300)
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        s2 = Sandbox.connect(s.sandbox_id, timeout=1800, **SLOW)
+        # Its disk is there; its memory (and so its processes) is not: a new boot.
+        assert run(s2, "cat /root/fs.txt").stdout == "kept-without-memory\n"
+        second = boot_id(s2)
+        assert second != first
+        assert h.pid not in [p.pid for p in s2.commands.list(request_timeout=300)]
+        # A full pause, then a reboot on resume: the memory is dropped, the disk kept.
+        run(s2, "echo written-before-a-full-pause > /root/fs2.txt && sync")
+        s2.pause(**SLOW)
+        s3 = Sandbox.connect(s.sandbox_id, timeout=1800, on_resume="reboot", **SLOW)
+        assert run(s3, "cat /root/fs2.txt").stdout == "written-before-a-full-pause\n"
+        assert boot_id(s3) not in (first, second)
+    finally:
+        Sandbox.kill(s.sandbox_id)
+
+
+@pytest.mark.parametrize(
+    "on_timeout,reboots",
+    [("pause", False), ({"action": "pause", "mode": "filesystem"}, True)],
+    ids=["full", "filesystem"],
+)
+def test_timeout_pauses_with_lifecycle_pause_then_wakes(on_timeout, reboots):
+    s = create(timeout=20, lifecycle={"on_timeout": on_timeout})
+    try:
+        first = boot_id(s)
         run(s, "echo still-here > /root/t.txt")
         deadline = time.monotonic() + 240
         while Sandbox.get_info(s.sandbox_id).state != SandboxState.PAUSED:
@@ -216,6 +251,8 @@ def test_timeout_pauses_with_lifecycle_pause_then_wakes():
             time.sleep(1)
         s2 = Sandbox.connect(s.sandbox_id, timeout=1800, **SLOW)
         assert run(s2, "cat /root/t.txt").stdout == "still-here\n"
+        # A filesystem-only pause dropped the memory: the wake was a new boot.
+        assert (boot_id(s2) != first) == reboots
     finally:
         Sandbox.kill(s.sandbox_id)
 

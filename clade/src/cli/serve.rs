@@ -796,6 +796,13 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         std::thread::sleep(Duration::from_millis(2));
     }
     let _ = vm.0.wait();
+    // What a sandbox whose memory was dropped boots from its own disk.
+    let boot = store.keep_boot(
+        &a.name,
+        &std::path::absolute(&a.kernel)?,
+        a.initrd.as_deref(),
+        &cmdline,
+    )?;
     let t = Template {
         name: a.name.clone(),
         vcpus: a.machine.vcpus,
@@ -806,6 +813,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         setup: a.run.clone(),
         net: net.is_some(),
         image,
+        boot: Some(boot),
     };
     // The build VM has ended: its network goes (dropping the handle removes it).
     drop(net);

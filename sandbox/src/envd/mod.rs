@@ -450,14 +450,17 @@ impl DataPlane {
             // Paused is paused: only a sandbox created with auto-resume is woken by a
             // request. The rest get E2B's answer for a sandbox that is not running (the
             // SDK's `is_running()` is false, its calls raise "not running").
-            Ok(rec) if rec.state == SbState::Paused && !rec.auto_resume => {
+            // One paused without its memory is not either: it boots, which only an explicit
+            // connect asks for (as E2B has it).
+            Ok(rec) if rec.state == SbState::Paused && (!rec.auto_resume || rec.memory_dropped) => {
                 return Err(proxy_error(format!(
                     "The sandbox {owned} was not found: it is paused (connect or resume wakes it)"
                 )));
             }
             Ok(rec) if rec.state == SbState::Paused => crate::run_blocking(move || {
                 tracing::info!(sandbox = %owned, "auto-resume for a data-plane request");
-                host.connect(&owned, AUTO_RESUME_TIMEOUT_S).map(|(r, _)| r)
+                host.connect(&owned, AUTO_RESUME_TIMEOUT_S, false)
+                    .map(|(r, _)| r)
             })
             .await
             .map_err(|e| proxy_error(format!("worker: {e}")))?,

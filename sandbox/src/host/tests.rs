@@ -53,7 +53,14 @@ impl VmDriver for FakeDriver {
         }
         let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
         self.alive.lock().unwrap().insert(pid);
-        self.note(format!("start {pid} {}", spec.snapshot.display()));
+        match &spec.boot {
+            Some(b) => self.note(format!(
+                "boot {pid} {} disk={:?}",
+                b.kernel.display(),
+                spec.disk_overlay
+            )),
+            None => self.note(format!("start {pid} {}", spec.snapshot.display())),
+        }
         self.nets.lock().unwrap().extend(spec.net.clone());
         Ok(Started {
             pid,
@@ -144,6 +151,7 @@ pub(crate) fn state_dir(name: &str) -> PathBuf {
             setup: vec![],
             net: false,
             image: None,
+            boot: None,
         })
         .unwrap();
     d
@@ -173,7 +181,7 @@ fn create_pause_resume_kill() {
     assert!(r.dir.starts_with(d.join("sandboxes")));
     let pid = r.pid.unwrap();
 
-    let p = h.pause(&r.id).unwrap();
+    let p = h.pause(&r.id, true).unwrap();
     assert_eq!(p.state, State::Paused);
     assert!(p.pid.is_none() && p.api_sock.is_none());
     assert_eq!(p.snapshot.as_deref(), Some(r.dir.join("pause-1").as_path()));
@@ -181,7 +189,7 @@ fn create_pause_resume_kill() {
         drv.exited(pid, Path::new("")).is_some(),
         "a paused sandbox has no process"
     );
-    assert!(matches!(h.pause(&r.id), Err(Error::Conflict(_))));
+    assert!(matches!(h.pause(&r.id, true), Err(Error::Conflict(_))));
     // Only a diff was taken (the VM was restored from the template: it has a base), of
     // the VM paused first, and then it was stopped.
     let log = drv.log.lock().unwrap().clone();
@@ -190,44 +198,47 @@ fn create_pause_resume_kill() {
     assert!(at("snapshot diff") < at("stop "), "{log:?}");
     assert!(!log.iter().any(|l| l.starts_with("unpause")), "{log:?}");
 
-    let (c, resumed) = h.connect(&r.id, 30).unwrap();
+    let (c, resumed) = h.connect(&r.id, 30, false).unwrap();
     assert!(resumed);
     assert_eq!(c.state, State::Running);
     assert!(
         drv.log.lock().unwrap().last().unwrap().contains("pause-1"),
         "resumed from the pause"
     );
-    let (_, resumed) = h.connect(&r.id, 30).unwrap();
+    let (_, resumed) = h.connect(&r.id, 30, false).unwrap();
     assert!(!resumed, "connect to a running sandbox does not resume it");
-    assert!(matches!(h.resume(&r.id, 30), Err(Error::Conflict(_))));
+    assert!(matches!(
+        h.resume(&r.id, 30, false),
+        Err(Error::Conflict(_))
+    ));
 
     // A VM whose chain is as long as a pause chain may get: a full snapshot, not a diff.
     drv.layers.store(PAUSE_CHAIN_MAX, Ordering::SeqCst);
-    h.pause(&r.id).unwrap();
+    h.pause(&r.id, true).unwrap();
     assert!(drv.did("snapshot full"));
-    h.resume(&r.id, 30).unwrap();
+    h.resume(&r.id, 30, false).unwrap();
     drv.log.lock().unwrap().clear();
     drv.layers.store(PAUSE_CHAIN_MAX - 1, Ordering::SeqCst);
-    h.pause(&r.id).unwrap();
+    h.pause(&r.id, true).unwrap();
     assert!(drv.did("snapshot diff"), "one below: a diff");
-    h.resume(&r.id, 30).unwrap();
+    h.resume(&r.id, 30, false).unwrap();
     drv.layers.store(0, Ordering::SeqCst);
     drv.log.lock().unwrap().clear();
 
     // The next pause numbers its snapshot on; a refused diff falls back to a full one.
     drv.no_diff.store(true, Ordering::SeqCst);
-    let p2 = h.pause(&r.id).unwrap();
+    let p2 = h.pause(&r.id, true).unwrap();
     assert_eq!(
         p2.snapshot.as_deref(),
         Some(r.dir.join("pause-4").as_path())
     );
     assert!(drv.did("snapshot full"));
-    let r2 = h.resume(&r.id, 30).unwrap();
+    let r2 = h.resume(&r.id, 30, false).unwrap();
     assert_eq!(r2.state, State::Running);
 
     // No snapshot at all: the pause fails, the VM is unpaused and runs on.
     drv.no_snapshot.store(true, Ordering::SeqCst);
-    assert!(h.pause(&r.id).is_err());
+    assert!(h.pause(&r.id, true).is_err());
     assert!(drv.last_note().starts_with("unpause "));
     assert_eq!(h.get(&r.id).unwrap().state, State::Running);
     drv.no_snapshot.store(false, Ordering::SeqCst);
@@ -256,7 +267,10 @@ fn bad_requests_are_refused_before_anything_starts() {
     assert!(matches!(h.create(r), Err(Error::BadRequest(_))));
     assert!(drv.log.lock().unwrap().is_empty());
     assert!(matches!(h.get("../x"), Err(Error::NotFound(_))));
-    assert!(matches!(h.pause("nosuchsandbox"), Err(Error::NotFound(_))));
+    assert!(matches!(
+        h.pause("nosuchsandbox", true),
+        Err(Error::NotFound(_))
+    ));
     let s = h.create(req(10)).unwrap();
     assert!(matches!(h.fork(&s.id, 0, 10), Err(Error::BadRequest(_))));
     assert!(matches!(h.fork(&s.id, 17, 10), Err(Error::BadRequest(_))));
@@ -328,8 +342,8 @@ fn forks_become_sandboxes() {
     let (all, _) = h.list(&Query::default()).unwrap();
     assert_eq!(all.len(), 4);
     // A child pauses (full snapshot fallback is the driver's business) and resumes alone.
-    h.pause(&kids[0].id).unwrap();
-    h.connect(&kids[0].id, 10).unwrap();
+    h.pause(&kids[0].id, true).unwrap();
+    h.connect(&kids[0].id, 10, false).unwrap();
     // A VM that cannot fork live: the children restore a snapshot of the running parent.
     drv.no_live_fork.store(true, Ordering::SeqCst);
     let kids2 = h.fork(&p.id, 2, 30).unwrap();
@@ -349,7 +363,7 @@ fn forks_become_sandboxes() {
         "the parent runs on"
     );
     // A paused parent cannot fork.
-    h.pause(&p.id).unwrap();
+    h.pause(&p.id, true).unwrap();
     assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
@@ -361,7 +375,7 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let a = h.create(req(60)).unwrap();
     let b = h.create(req(60)).unwrap();
     let c = h.create(req(60)).unwrap();
-    h.pause(&b.id).unwrap();
+    h.pause(&b.id, true).unwrap();
     drv.crash(c.pid.unwrap());
     // Found by a list (the sweep) as well as by a lookup.
     let (l, _) = h.list(&Query::default()).unwrap();
@@ -369,7 +383,7 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let got = h.get(&c.id).unwrap();
     assert_eq!(got.state, State::Crashed);
     assert!(got.crash.unwrap().contains("gone"));
-    assert!(matches!(h.pause(&c.id), Err(Error::Crashed { .. })));
+    assert!(matches!(h.pause(&c.id, true), Err(Error::Crashed { .. })));
     // Lists leave crashed sandboxes out.
     let (l, _) = h.list(&Query::default()).unwrap();
     assert_eq!(l.len(), 2);
@@ -379,7 +393,7 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let h = Host::open(HostConfig::new(d.clone()), drv.clone()).unwrap();
     assert_eq!(h.recover().unwrap(), (1, 1, 1));
     assert_eq!(h.get(&a.id).unwrap().pid, a.pid);
-    let (r, resumed) = h.connect(&b.id, 10).unwrap();
+    let (r, resumed) = h.connect(&b.id, 10, false).unwrap();
     assert!(resumed && r.state == State::Running);
     // A crashed sandbox can be killed (removed).
     h.kill(&c.id).unwrap();
@@ -466,8 +480,8 @@ fn snapshots_become_templates_and_survive_a_restart() {
     assert_eq!(h.list_snapshots(&q).unwrap().0.len(), 1);
     h.create(from(&snap.id)).unwrap();
     // A paused sandbox resumes from its pause even when its template is a snapshot.
-    h.pause(&b.id).unwrap();
-    h.connect(&b.id, 10).unwrap();
+    h.pause(&b.id, true).unwrap();
+    h.connect(&b.id, 10, false).unwrap();
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -521,7 +535,7 @@ fn snapshot_errors() {
 fn a_paused_sandbox_snapshots_its_pause() {
     let (h, _drv, d) = host("snappaused");
     let s = h.create(req(60)).unwrap();
-    let p = h.pause(&s.id).unwrap();
+    let p = h.pause(&s.id, true).unwrap();
     std::fs::write(p.snapshot.as_ref().unwrap().join("memory.mem"), b"pages").unwrap();
     let snap = h.snapshot(&s.id, None).unwrap();
     let copy = d
@@ -565,8 +579,8 @@ fn deleted_snapshots_go_when_nothing_needs_them() {
     ));
     // Its files stay while its sandbox runs (and resumes).
     assert!(snap_dir.exists());
-    h.pause(&kid.id).unwrap();
-    h.connect(&kid.id, 10).unwrap();
+    h.pause(&kid.id, true).unwrap();
+    h.connect(&kid.id, 10, false).unwrap();
     h.kill(&kid.id).unwrap();
     // Nothing needs it now: its files and its source's directory are gone.
     assert!(!snap_dir.exists());
@@ -730,9 +744,9 @@ fn sandbox_networks_follow_the_lifecycle() {
     assert!(learned(ia).contains("10.9.8.7"), "{}", learned(ia));
     assert_eq!(ask(ia, 0xab02, "foo.test")[3] & 0x0f, 5);
     // Paused: the network stays (a resume reattaches to it).
-    h.pause(&a.id).unwrap();
+    h.pause(&a.id, true).unwrap();
     assert!(ns(ia).exists());
-    let a = h.resume(&a.id, 60).unwrap();
+    let a = h.resume(&a.id, 60, false).unwrap();
     assert_eq!(a.net, Some(ia));
     let allow = EgressPolicy::from_e2b(true, &["10.1.2.3"], &["10.0.0.0/8"]).unwrap();
     let a = h.set_egress(&a.id, &allow).unwrap();
@@ -781,6 +795,7 @@ fn an_image_env_is_under_the_requests_own() {
         setup: Vec::new(),
         net: false,
         image: None,
+        boot: None,
     };
     let req: BTreeMap<String, String> = [("A".to_string(), "request".to_string())].into();
     assert_eq!(super::with_image_env(&t, req.clone()), req);
@@ -793,4 +808,105 @@ fn an_image_env_is_under_the_requests_own() {
     let env = super::with_image_env(&t, req);
     assert_eq!(env["A"], "request");
     assert_eq!(env["PATH"], "/usr/bin");
+}
+
+/// A template whose build recorded its boot (a kernel kept in its `boot/` directory).
+fn booting_template(d: &Path) {
+    let store = TemplateStore::new(d);
+    let t = store.prepare("b", false).unwrap();
+    std::fs::create_dir_all(t.join("snapshot")).unwrap();
+    let kernel = d.join("vmlinux");
+    std::fs::write(&kernel, b"a kernel").unwrap();
+    let boot = store
+        .keep_boot("b", &kernel, None, "console=ttyS0")
+        .unwrap();
+    store
+        .finish(&Template {
+            name: "b".into(),
+            boot: Some(boot),
+            ..store.get("t").unwrap()
+        })
+        .unwrap();
+}
+
+#[test]
+fn a_filesystem_only_pause_drops_the_memory_and_the_next_wake_boots() {
+    let (h, drv, d) = host("fs-pause");
+    booting_template(&d);
+    // A template that records no boot: refused before anything stops.
+    let old = h.create(req(60)).unwrap();
+    assert!(
+        matches!(h.pause(&old.id, false), Err(Error::Conflict(m)) if m.contains("records no boot"))
+    );
+    assert_eq!(h.get(&old.id).unwrap().state, State::Running);
+    assert!(drv.alive.lock().unwrap().contains(&old.pid.unwrap()));
+
+    let r = h
+        .create(CreateRequest {
+            template: "b".into(),
+            ..req(60)
+        })
+        .unwrap();
+    let pid = r.pid.unwrap();
+    let p = h.pause(&r.id, false).unwrap();
+    assert_eq!(p.state, State::Paused);
+    assert!(p.memory_dropped && p.snapshot.is_none() && p.pid.is_none());
+    assert!(
+        !drv.alive.lock().unwrap().contains(&pid),
+        "its VM process ended"
+    );
+    assert!(!drv.did("snapshot"), "no memory snapshot is taken");
+    // Nothing to snapshot or fork while its memory is gone.
+    assert!(matches!(h.snapshot(&r.id, None), Err(Error::Conflict(_))));
+    assert!(matches!(h.fork(&r.id, 1, 60), Err(Error::Conflict(_))));
+    // The registry keeps it across a restart.
+    drop(h);
+    let h = Host::open(HostConfig::new(d.clone()), drv.clone()).unwrap();
+    assert!(h.get(&r.id).unwrap().memory_dropped);
+    let (c, resumed) = h.connect(&r.id, 60, false).unwrap();
+    assert!(resumed);
+    assert_eq!(c.state, State::Running);
+    assert!(!c.memory_dropped);
+    assert!(drv.last_note().starts_with("boot "), "{}", drv.last_note());
+    assert!(
+        drv.last_note().contains("templates/b/boot/kernel"),
+        "{}",
+        drv.last_note()
+    );
+    // Paused with its memory again, it restores as before.
+    h.pause(&r.id, true).unwrap();
+    h.connect(&r.id, 60, false).unwrap();
+    assert!(drv.last_note().starts_with("start "), "{}", drv.last_note());
+    // A reboot on resume drops the memory of a pause that kept it.
+    h.pause(&r.id, true).unwrap();
+    let b = h.resume(&r.id, 60, true).unwrap();
+    assert_eq!(b.state, State::Running);
+    assert!(drv.last_note().starts_with("boot "), "{}", drv.last_note());
+    // Its memory is not needed for a kill.
+    h.pause(&r.id, false).unwrap();
+    h.kill(&r.id).unwrap();
+    assert!(matches!(h.get(&r.id), Err(Error::NotFound(_))));
+}
+
+#[test]
+fn a_timeout_that_pauses_without_memory_drops_it() {
+    let (h, drv, d) = host("fs-timeout");
+    booting_template(&d);
+    let r = h
+        .create(CreateRequest {
+            template: "b".into(),
+            auto_pause: true,
+            pause_drops_memory: true,
+            ..req(1)
+        })
+        .unwrap();
+    assert_eq!(h.expire(ids::now_ms() + 5_000).unwrap(), vec![r.id.clone()]);
+    let p = h.get(&r.id).unwrap();
+    assert_eq!(p.state, State::Paused);
+    assert!(p.memory_dropped);
+    assert!(!drv.did("snapshot"));
+    // And set_timeout(0) of a running one likewise.
+    h.connect(&r.id, 60, false).unwrap();
+    h.set_timeout(&r.id, 0).unwrap();
+    assert!(h.get(&r.id).unwrap().memory_dropped);
 }
