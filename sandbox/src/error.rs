@@ -23,6 +23,15 @@ pub enum Error {
     /// The sandbox is in a state that does not allow the operation (pause of a paused one).
     #[error("{0}")]
     Conflict(String),
+    /// The guest agent did not answer what the operation needs of it (a filesystem-only
+    /// pause's flush, a pause that requires a healthy guest): the sandbox runs on as it was.
+    #[error("sandbox {id}: {why}; the sandbox keeps running")]
+    GuestUnresponsive {
+        /// The sandbox.
+        id: String,
+        /// What did not answer, and how.
+        why: String,
+    },
     /// No live snapshot with this id or name.
     #[error("snapshot {0} not found")]
     SnapshotNotFound(String),

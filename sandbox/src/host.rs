@@ -135,6 +135,29 @@ pub struct Metrics {
 pub const DEFAULT_TAG: &str = "default";
 
 /// Splits an E2B template or snapshot reference `name[:tag]`; only the default tag exists.
+/// What a pause keeps and asks of the guest (E2B's pause body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PauseOptions {
+    /// Keep the memory (a full pause); false: a filesystem-only pause.
+    pub keep_memory: bool,
+    /// Refuse the pause when the guest agent does not answer (E2B's
+    /// `requireHealthyGuest`); a filesystem-only pause always requires it.
+    pub require_healthy_guest: bool,
+}
+
+impl PauseOptions {
+    /// A full pause, whatever the guest agent's state (E2B's default).
+    pub const FULL: Self = Self {
+        keep_memory: true,
+        require_healthy_guest: false,
+    };
+    /// A filesystem-only pause.
+    pub const FILESYSTEM: Self = Self {
+        keep_memory: false,
+        require_healthy_guest: true,
+    };
+}
+
 /// What a sandbox's VM process starts from.
 enum Origin<'a> {
     /// A restore of this snapshot (`reused`: later starts will likely restore it too).
@@ -148,21 +171,40 @@ enum Origin<'a> {
 
 /// How long a filesystem-only pause waits for the guest to flush its writes.
 const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a pause that needs the guest agent waits for it to answer.
+const AGENT_ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether the guest agent of sandbox `id` (at `vsock`) answers a ping: an error saying
+/// it does not, for a pause that requires a healthy guest.
+fn check_guest(id: &str, vsock: &Path) -> Result<()> {
+    vmm::agent::probe(vsock, vmm::agent::Transport::Auto, AGENT_ANSWER_TIMEOUT)
+        .map(|_| ())
+        .map_err(|e| Error::GuestUnresponsive {
+            id: id.to_string(),
+            why: format!("its guest agent does not answer ({e}), and the pause requires it"),
+        })
+}
+
+/// How a sandbox's timeout pauses it (E2B's `autoPauseMemory`).
+fn timeout_pause(rec: &Record) -> PauseOptions {
+    PauseOptions {
+        keep_memory: rec.pause_keeps_memory,
+        require_healthy_guest: false,
+    }
+}
 
 /// Has the guest of sandbox `id` (its agent at `vsock`) write everything to its disk
 /// (`sync`). An agent that does not answer, or a flush that fails or does not end within
-/// [`FLUSH_TIMEOUT`], is a conflict: the sandbox keeps running.
+/// [`FLUSH_TIMEOUT`], is an error: the sandbox keeps running.
 fn flush_guest(id: &str, vsock: &Path) -> Result<()> {
-    let refused = |why: String| {
-        Error::Conflict(format!(
-            "sandbox {id}: a filesystem-only pause needs its guest agent to flush the disk, \
-             and {why}; the sandbox keeps running"
-        ))
+    let refused = |why: String| Error::GuestUnresponsive {
+        id: id.to_string(),
+        why: format!("a filesystem-only pause needs its guest agent to flush the disk, and {why}"),
     };
     let client = vmm::agent::Client::connect_timeout(
         vsock,
         vmm::agent::Transport::Auto,
-        std::time::Duration::from_secs(5),
+        AGENT_ANSWER_TIMEOUT,
     )
     .map_err(|e| refused(format!("the agent does not answer ({e})")))?;
     let (tx, rx) = std::sync::mpsc::channel();
@@ -1229,8 +1271,8 @@ impl Host {
         if rec.auto_pause {
             rec.end_ms = ids::now_ms();
             tracing::info!(sandbox = %id, "timeout set to 0: pausing");
-            let keep_memory = rec.pause_keeps_memory;
-            return self.pause_locked(rec, keep_memory).map(Some);
+            let how = timeout_pause(&rec);
+            return self.pause_locked(rec, how).map(Some);
         }
         drop(g);
         tracing::info!(sandbox = %id, "timeout set to 0: killing");
@@ -1249,24 +1291,27 @@ impl Host {
     }
 
     /// Pauses a running sandbox: snapshot (a diff on the VM's last snapshot when it has
-    /// one, else full) into its directory, then its process stops. Without `keep_memory`,
-    /// a filesystem-only pause ([`Host::drop_memory_locked`]).
-    pub fn pause(&self, id: &str, keep_memory: bool) -> Result<Record> {
+    /// one, else full) into its directory, then its process stops. Without
+    /// `how.keep_memory`, a filesystem-only pause ([`Host::drop_memory_locked`]).
+    pub fn pause(&self, id: &str, how: PauseOptions) -> Result<Record> {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
         let rec = self.load_usable(id)?;
-        self.pause_locked(rec, keep_memory)
+        self.pause_locked(rec, how)
     }
 
-    fn pause_locked(&self, mut rec: Record, keep_memory: bool) -> Result<Record> {
+    fn pause_locked(&self, mut rec: Record, how: PauseOptions) -> Result<Record> {
         if rec.state == State::Paused {
             return Err(Error::Conflict(format!(
                 "sandbox {} is already paused",
                 rec.id
             )));
         }
-        if !keep_memory {
+        if !how.keep_memory {
             return self.drop_memory_locked(rec);
+        }
+        if let (true, Some(vsock)) = (how.require_healthy_guest, &rec.vsock) {
+            check_guest(&rec.id, vsock)?;
         }
         let (Some(pid), Some(api)) = (rec.pid, rec.api_sock.clone()) else {
             return Err(Error::Corrupt(format!(
@@ -1368,7 +1413,7 @@ impl Host {
     /// that stands on layers in the object store).
     fn boot_files(&self, rec: &Record, template: &Template) -> Result<template::BootFiles> {
         let Some(boot) = &template.boot else {
-            return Err(Error::Conflict(format!(
+            return Err(Error::BadRequest(format!(
                 "sandbox {}: its template '{}' records no boot (it was built before \
                  templates kept their kernel; rebuild it with clade template build), so its \
                  memory cannot be dropped: pause and resume with memory",
@@ -1376,7 +1421,7 @@ impl Host {
             )));
         };
         if rec.remote.is_some() || from_store(&rec.dir) {
-            return Err(Error::Conflict(format!(
+            return Err(Error::BadRequest(format!(
                 "sandbox {}: its disk stands on layers in the object store, which a boot \
                  cannot read yet: pause and resume with memory",
                 rec.id
@@ -1850,8 +1895,8 @@ impl Host {
                 // Re-read under the lock: a request may have extended or paused it.
                 match self.load(&id) {
                     Ok(r) if r.state == State::Running && r.end_ms <= now_ms => {
-                        let keep_memory = r.pause_keeps_memory;
-                        self.pause_locked(r, keep_memory).map(|_| ())
+                        let how = timeout_pause(&r);
+                        self.pause_locked(r, how).map(|_| ())
                     }
                     _ => continue,
                 }

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::Error;
-use crate::host::{CreateRequest, EgressPolicy, Host, LogLine, DEFAULT_TAG};
+use crate::host::{CreateRequest, EgressPolicy, Host, LogLine, PauseOptions, DEFAULT_TAG};
 use crate::ids;
 use crate::registry::{Query, Record, SnapshotQuery, SnapshotRecord, State};
 
@@ -97,6 +97,8 @@ impl From<Error> for ApiError {
             Error::Crashed { .. } => StatusCode::NOT_FOUND,
             Error::BadRequest(_) | Error::TemplateNotFound(_) => StatusCode::BAD_REQUEST,
             Error::Conflict(_) => StatusCode::CONFLICT,
+            // E2B's answer: the SDK raises ServiceBusyException.
+            Error::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
@@ -289,8 +291,11 @@ struct TimeoutBody {
 
 /// The body of a pause: `memory: false` asks for a filesystem-only pause.
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct PauseBody {
     memory: Option<bool>,
+    /// Refuse the pause when the guest agent does not answer (the SDK's `strict`).
+    require_healthy_guest: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -682,8 +687,11 @@ async fn pause(
     // {"memory": bool, "requireHealthyGuest": bool}: `memory: false` is a filesystem-only
     // pause (which always needs a guest agent that answers).
     let b: PauseBody = body(&bytes)?;
-    let keep_memory = b.memory != Some(false);
-    blocking(&st, move |h| h.pause(&id, keep_memory)).await?;
+    let how = PauseOptions {
+        keep_memory: b.memory != Some(false),
+        require_healthy_guest: b.require_healthy_guest == Some(true),
+    };
+    blocking(&st, move |h| h.pause(&id, how)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -49,7 +49,7 @@ pub(crate) async fn run_blocking<T: Send + 'static>(
         tokio::task::spawn_blocking(f).await
     }
 }
-pub use host::{CreateRequest, Host, HostConfig};
+pub use host::{CreateRequest, Host, HostConfig, PauseOptions};
 pub use registry::{Record, State};
 pub use template::{Template, TemplateStore};
 pub use vmproc::{ProcessDriver, VmDriver};

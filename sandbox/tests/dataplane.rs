@@ -1011,7 +1011,7 @@ async fn a_request_without_the_token_does_not_wake_a_sandbox() {
     let token = env.host.get(&env.id).unwrap().envd_token.unwrap();
     let host = env.host.clone();
     let id = env.id.clone();
-    tokio::task::spawn_blocking(move || host.pause(&id, true).unwrap())
+    tokio::task::spawn_blocking(move || host.pause(&id, sandbox::PauseOptions::FULL).unwrap())
         .await
         .unwrap();
     let list = |t: Option<&str>| {
@@ -1051,7 +1051,7 @@ async fn a_paused_sandbox_without_auto_resume_stays_paused() {
     assert!(s.is_success(), "running: {s}");
     let host = env.host.clone();
     let id = env.id.clone();
-    tokio::task::spawn_blocking(move || host.pause(&id, true).unwrap())
+    tokio::task::spawn_blocking(move || host.pause(&id, sandbox::PauseOptions::FULL).unwrap())
         .await
         .unwrap();
     // Every data-plane request gets the answer for a sandbox that is not running (the
@@ -1110,7 +1110,7 @@ async fn background_processes_survive_pause_resume_and_a_service_restart() {
     // and the process is frozen with its "VM".
     let host = env.host.clone();
     let id = env.id.clone();
-    tokio::task::spawn_blocking(move || host.pause(&id, true).unwrap())
+    tokio::task::spawn_blocking(move || host.pause(&id, sandbox::PauseOptions::FULL).unwrap())
         .await
         .unwrap();
     let rest = tokio::time::timeout(std::time::Duration::from_secs(20), start_body.collect())

@@ -326,8 +326,8 @@ def test_filesystem_only_pause_and_reboot_on_resume():
         assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
         s2 = Sandbox.connect(s.sandbox_id)
         assert s2.is_running() is True
-        # A full pause, then a reboot on resume.
-        s2.pause()
+        # A full pause (strict: its agent answers), then a reboot on resume.
+        assert s2.pause(strict=True) is True
         assert pause_mode(s.sandbox_id) == "full"
         s3 = Sandbox.connect(s.sandbox_id, on_resume="reboot")
         assert s3.is_running() is True

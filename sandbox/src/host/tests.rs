@@ -181,7 +181,7 @@ fn create_pause_resume_kill() {
     assert!(r.dir.starts_with(d.join("sandboxes")));
     let pid = r.pid.unwrap();
 
-    let p = h.pause(&r.id, true).unwrap();
+    let p = h.pause(&r.id, PauseOptions::FULL).unwrap();
     assert_eq!(p.state, State::Paused);
     assert!(p.pid.is_none() && p.api_sock.is_none());
     assert_eq!(p.snapshot.as_deref(), Some(r.dir.join("pause-1").as_path()));
@@ -189,7 +189,10 @@ fn create_pause_resume_kill() {
         drv.exited(pid, Path::new("")).is_some(),
         "a paused sandbox has no process"
     );
-    assert!(matches!(h.pause(&r.id, true), Err(Error::Conflict(_))));
+    assert!(matches!(
+        h.pause(&r.id, PauseOptions::FULL),
+        Err(Error::Conflict(_))
+    ));
     // Only a diff was taken (the VM was restored from the template: it has a base), of
     // the VM paused first, and then it was stopped.
     let log = drv.log.lock().unwrap().clone();
@@ -214,12 +217,12 @@ fn create_pause_resume_kill() {
 
     // A VM whose chain is as long as a pause chain may get: a full snapshot, not a diff.
     drv.layers.store(PAUSE_CHAIN_MAX, Ordering::SeqCst);
-    h.pause(&r.id, true).unwrap();
+    h.pause(&r.id, PauseOptions::FULL).unwrap();
     assert!(drv.did("snapshot full"));
     h.resume(&r.id, 30, false).unwrap();
     drv.log.lock().unwrap().clear();
     drv.layers.store(PAUSE_CHAIN_MAX - 1, Ordering::SeqCst);
-    h.pause(&r.id, true).unwrap();
+    h.pause(&r.id, PauseOptions::FULL).unwrap();
     assert!(drv.did("snapshot diff"), "one below: a diff");
     h.resume(&r.id, 30, false).unwrap();
     drv.layers.store(0, Ordering::SeqCst);
@@ -227,7 +230,7 @@ fn create_pause_resume_kill() {
 
     // The next pause numbers its snapshot on; a refused diff falls back to a full one.
     drv.no_diff.store(true, Ordering::SeqCst);
-    let p2 = h.pause(&r.id, true).unwrap();
+    let p2 = h.pause(&r.id, PauseOptions::FULL).unwrap();
     assert_eq!(
         p2.snapshot.as_deref(),
         Some(r.dir.join("pause-4").as_path())
@@ -238,7 +241,7 @@ fn create_pause_resume_kill() {
 
     // No snapshot at all: the pause fails, the VM is unpaused and runs on.
     drv.no_snapshot.store(true, Ordering::SeqCst);
-    assert!(h.pause(&r.id, true).is_err());
+    assert!(h.pause(&r.id, PauseOptions::FULL).is_err());
     assert!(drv.last_note().starts_with("unpause "));
     assert_eq!(h.get(&r.id).unwrap().state, State::Running);
     drv.no_snapshot.store(false, Ordering::SeqCst);
@@ -268,7 +271,7 @@ fn bad_requests_are_refused_before_anything_starts() {
     assert!(drv.log.lock().unwrap().is_empty());
     assert!(matches!(h.get("../x"), Err(Error::NotFound(_))));
     assert!(matches!(
-        h.pause("nosuchsandbox", true),
+        h.pause("nosuchsandbox", PauseOptions::FULL),
         Err(Error::NotFound(_))
     ));
     let s = h.create(req(10)).unwrap();
@@ -342,7 +345,7 @@ fn forks_become_sandboxes() {
     let (all, _) = h.list(&Query::default()).unwrap();
     assert_eq!(all.len(), 4);
     // A child pauses (full snapshot fallback is the driver's business) and resumes alone.
-    h.pause(&kids[0].id, true).unwrap();
+    h.pause(&kids[0].id, PauseOptions::FULL).unwrap();
     h.connect(&kids[0].id, 10, false).unwrap();
     // A VM that cannot fork live: the children restore a snapshot of the running parent.
     drv.no_live_fork.store(true, Ordering::SeqCst);
@@ -363,7 +366,7 @@ fn forks_become_sandboxes() {
         "the parent runs on"
     );
     // A paused parent cannot fork.
-    h.pause(&p.id, true).unwrap();
+    h.pause(&p.id, PauseOptions::FULL).unwrap();
     assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
@@ -375,7 +378,7 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let a = h.create(req(60)).unwrap();
     let b = h.create(req(60)).unwrap();
     let c = h.create(req(60)).unwrap();
-    h.pause(&b.id, true).unwrap();
+    h.pause(&b.id, PauseOptions::FULL).unwrap();
     drv.crash(c.pid.unwrap());
     // Found by a list (the sweep) as well as by a lookup.
     let (l, _) = h.list(&Query::default()).unwrap();
@@ -383,7 +386,10 @@ fn crashes_show_and_a_restart_finds_everything_again() {
     let got = h.get(&c.id).unwrap();
     assert_eq!(got.state, State::Crashed);
     assert!(got.crash.unwrap().contains("gone"));
-    assert!(matches!(h.pause(&c.id, true), Err(Error::Crashed { .. })));
+    assert!(matches!(
+        h.pause(&c.id, PauseOptions::FULL),
+        Err(Error::Crashed { .. })
+    ));
     // Lists leave crashed sandboxes out.
     let (l, _) = h.list(&Query::default()).unwrap();
     assert_eq!(l.len(), 2);
@@ -480,7 +486,7 @@ fn snapshots_become_templates_and_survive_a_restart() {
     assert_eq!(h.list_snapshots(&q).unwrap().0.len(), 1);
     h.create(from(&snap.id)).unwrap();
     // A paused sandbox resumes from its pause even when its template is a snapshot.
-    h.pause(&b.id, true).unwrap();
+    h.pause(&b.id, PauseOptions::FULL).unwrap();
     h.connect(&b.id, 10, false).unwrap();
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
@@ -535,7 +541,7 @@ fn snapshot_errors() {
 fn a_paused_sandbox_snapshots_its_pause() {
     let (h, _drv, d) = host("snappaused");
     let s = h.create(req(60)).unwrap();
-    let p = h.pause(&s.id, true).unwrap();
+    let p = h.pause(&s.id, PauseOptions::FULL).unwrap();
     std::fs::write(p.snapshot.as_ref().unwrap().join("memory.mem"), b"pages").unwrap();
     let snap = h.snapshot(&s.id, None).unwrap();
     let copy = d
@@ -579,7 +585,7 @@ fn deleted_snapshots_go_when_nothing_needs_them() {
     ));
     // Its files stay while its sandbox runs (and resumes).
     assert!(snap_dir.exists());
-    h.pause(&kid.id, true).unwrap();
+    h.pause(&kid.id, PauseOptions::FULL).unwrap();
     h.connect(&kid.id, 10, false).unwrap();
     h.kill(&kid.id).unwrap();
     // Nothing needs it now: its files and its source's directory are gone.
@@ -744,7 +750,7 @@ fn sandbox_networks_follow_the_lifecycle() {
     assert!(learned(ia).contains("10.9.8.7"), "{}", learned(ia));
     assert_eq!(ask(ia, 0xab02, "foo.test")[3] & 0x0f, 5);
     // Paused: the network stays (a resume reattaches to it).
-    h.pause(&a.id, true).unwrap();
+    h.pause(&a.id, PauseOptions::FULL).unwrap();
     assert!(ns(ia).exists());
     let a = h.resume(&a.id, 60, false).unwrap();
     assert_eq!(a.net, Some(ia));
@@ -836,7 +842,7 @@ fn a_filesystem_only_pause_drops_the_memory_and_the_next_wake_boots() {
     // A template that records no boot: refused before anything stops.
     let old = h.create(req(60)).unwrap();
     assert!(
-        matches!(h.pause(&old.id, false), Err(Error::Conflict(m)) if m.contains("records no boot"))
+        matches!(h.pause(&old.id, PauseOptions::FILESYSTEM), Err(Error::BadRequest(m)) if m.contains("records no boot"))
     );
     assert_eq!(h.get(&old.id).unwrap().state, State::Running);
     assert!(drv.alive.lock().unwrap().contains(&old.pid.unwrap()));
@@ -848,7 +854,7 @@ fn a_filesystem_only_pause_drops_the_memory_and_the_next_wake_boots() {
         })
         .unwrap();
     let pid = r.pid.unwrap();
-    let p = h.pause(&r.id, false).unwrap();
+    let p = h.pause(&r.id, PauseOptions::FILESYSTEM).unwrap();
     assert_eq!(p.state, State::Paused);
     assert!(p.memory_dropped && p.snapshot.is_none() && p.pid.is_none());
     assert!(
@@ -874,16 +880,16 @@ fn a_filesystem_only_pause_drops_the_memory_and_the_next_wake_boots() {
         drv.last_note()
     );
     // Paused with its memory again, it restores as before.
-    h.pause(&r.id, true).unwrap();
+    h.pause(&r.id, PauseOptions::FULL).unwrap();
     h.connect(&r.id, 60, false).unwrap();
     assert!(drv.last_note().starts_with("start "), "{}", drv.last_note());
     // A reboot on resume drops the memory of a pause that kept it.
-    h.pause(&r.id, true).unwrap();
+    h.pause(&r.id, PauseOptions::FULL).unwrap();
     let b = h.resume(&r.id, 60, true).unwrap();
     assert_eq!(b.state, State::Running);
     assert!(drv.last_note().starts_with("boot "), "{}", drv.last_note());
     // Its memory is not needed for a kill.
-    h.pause(&r.id, false).unwrap();
+    h.pause(&r.id, PauseOptions::FILESYSTEM).unwrap();
     h.kill(&r.id).unwrap();
     assert!(matches!(h.get(&r.id), Err(Error::NotFound(_))));
 }
@@ -909,4 +915,20 @@ fn a_timeout_that_pauses_without_memory_drops_it() {
     h.connect(&r.id, 60, false).unwrap();
     h.set_timeout(&r.id, 0).unwrap();
     assert!(h.get(&r.id).unwrap().memory_dropped);
+}
+
+#[test]
+fn a_pause_that_requires_a_healthy_guest_is_refused_when_its_agent_does_not_answer() {
+    let (h, drv, _d) = host("strict-pause");
+    // The fake VM has no agent at its vsock.
+    let r = h.create(req(60)).unwrap();
+    let strict = PauseOptions {
+        require_healthy_guest: true,
+        ..PauseOptions::FULL
+    };
+    assert!(matches!(h.pause(&r.id, strict), Err(Error::GuestUnresponsive { .. })));
+    assert_eq!(h.get(&r.id).unwrap().state, State::Running);
+    assert!(!drv.did("snapshot") && !drv.did("pause"), "nothing was stopped");
+    // Not strict: paused as before.
+    assert_eq!(h.pause(&r.id, PauseOptions::FULL).unwrap().state, State::Paused);
 }

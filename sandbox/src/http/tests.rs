@@ -311,7 +311,7 @@ async fn lifecycle_as_e2b_has_it() {
         Some(r#"{"memory":false}"#),
     )
     .await;
-    assert_eq!(s, 409, "{v}");
+    assert_eq!(s, 400, "{v}");
     assert!(
         v["message"].as_str().unwrap().contains("records no boot"),
         "{v}"
@@ -337,7 +337,7 @@ async fn lifecycle_as_e2b_has_it() {
         Some(r#"{"timeout":30,"memory":false}"#),
     )
     .await;
-    assert_eq!(s, 409, "a reboot of a template without a boot is refused");
+    assert_eq!(s, 400, "a reboot of a template without a boot is refused");
     let (s, _, _) = call(
         &app,
         "POST",
