@@ -1378,8 +1378,12 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
         token.as_str(),
         "its token moved with it"
     );
-    // The agent of the VM as it was paused answers on host B.
+    // The agent of the VM as it was paused answers on host B, whose VM process is jailed
+    // as a local restore's is (connected to the fetcher, its cache read-only).
     ping(&state_b.join("sandboxes").join(&id).join("vm.vsock"));
+    let (vm, cmd) = sandbox_vm(&state_b, &id).expect("the VM restored from the store");
+    assert!(cmd.contains("--fetcher") && cmd.contains("--jail"), "{cmd}");
+    assert!(jailed_vm_pids(&state_b, 1).contains(&vm));
     let v = info_until(pb, &id, 5, |_| true);
     assert_eq!(v["state"], "running", "{v}");
     // Listed once, as this host's now.
@@ -1427,6 +1431,8 @@ fn a_paused_sandbox_moves_to_another_service_through_the_store() {
     );
     assert_eq!(s, 201, "resume on C: {v}");
     ping(&state_c.join("sandboxes").join(&id).join("vm.vsock"));
+    let (vm, _) = sandbox_vm(&state_c, &id).expect("the VM restored from the store on C");
+    assert!(jailed_vm_pids(&state_c, 1).contains(&vm));
     let (s, v) = http(pc, "DELETE", &format!("/sandboxes/{id}"), Some("k"), "");
     assert_eq!(s, 204, "{v}");
     let bucket = d.p("s3").join("clade").join("sandboxes");

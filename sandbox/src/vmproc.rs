@@ -592,18 +592,11 @@ impl VmDriver for ProcessDriver {
             }
             (None, None) => {}
         }
-        match &self.jails {
-            Some(j) if spec.fetcher.is_none() && spec.layer_fetcher.is_none() => {
-                let lease =
-                    j.prepare(&mut cmd, &format!("vm-{}", crate::ids::random_string(16)))?;
-                self.hand_over(spec, lease.uid)?;
-            }
-            Some(_) => tracing::warn!(
-                snapshot = %spec.snapshot.display(),
-                "a VM restored through the store's fetcher is not jailed yet (its \
-                 cgroup and system-call filter still apply)"
-            ),
-            None => {}
+        // A VM restored through the store's fetcher is jailed too: it is connected to the
+        // fetcher before the jail and sees only its snapshot's files in the cache.
+        if let Some(j) = &self.jails {
+            let lease = j.prepare(&mut cmd, &format!("vm-{}", crate::ids::random_string(16)))?;
+            self.hand_over(spec, lease.uid)?;
         }
         // The VMM's info lines (restore steps and times) are the sandbox's log (the logs
         // endpoint), unless the service was started with its own CLADE_LOG.

@@ -691,8 +691,14 @@ impl PageServer {
     /// recording run writes its working-set file.
     pub fn stop(mut self, mode: StopMode) -> Result<PageServerReport> {
         let thread_result = self.shutdown(mode);
+        // The working set only speeds later restores up: one that cannot be written (the
+        // snapshot's directory is read-only to this process, as a store cache's is to a
+        // jailed VM) is a warning, never a failed stop (which would end the VM).
         let saved = if thread_result.is_ok() {
-            self.save_working_set()?
+            self.save_working_set().unwrap_or_else(|e| {
+                tracing::warn!("working set not saved: {e}");
+                None
+            })
         } else {
             None
         };

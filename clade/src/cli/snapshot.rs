@@ -187,52 +187,65 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
     let net = net_spec.as_deref().map(NetConfig::parse).transpose()?;
     check_jailed_net(args.jail.jailed(), net.as_ref())?;
+    // Its disk's lower layers filled by a fetcher: connected before the jail (the jailed
+    // VM keeps the connection; it never opens a socket of its own).
+    let layer_fetcher = args
+        .layer_fetcher
+        .as_deref()
+        .map(|sock| store::fetcher::FetchClient::connect(sock, std::time::Duration::from_secs(120)))
+        .transpose()?;
     let jailed = args.jail.enter(&args.kvm_device, |p| {
         // The snapshot is read and checked here, before the jail, to know what it needs.
         let snap = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())?;
         // Its directory takes the working set and, by default, the VM's disk overlay.
         p.write_dir(&dir)?;
-        for dir in snap.chain_dirs() {
-            p.read(dir)?;
-        }
-        let vsock = args
-            .vsock
-            .clone()
-            .or_else(|| snap.machine().vsock.as_ref().map(|v| v.uds_path.clone()));
-        for file in [
-            &args.serial_file,
-            &vsock,
-            &args.api_sock,
-            &args.disk_overlay,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            p.write_dir_of(file)?;
-        }
-        if let Some(root) = &args.files_root {
-            p.write_dir(root)?;
-        }
-        if let Some(disk) = snap.disk() {
-            p.disk(&disk.layer, false)?;
-        }
-        Ok(())
+        restored_vm_paths(p, &args, &snap)
     })?;
     if let Some(code) = jailed {
         return Ok(code);
     }
-    if let Some(sock) = args.layer_fetcher.clone() {
-        if args.jail.jailed() {
-            bail!("--layer-fetcher with --jail is not supported yet");
-        }
-        let client =
-            store::fetcher::FetchClient::connect(&sock, std::time::Duration::from_secs(120))?;
+    if let Some(client) = layer_fetcher {
         let mut prepared = vmm::PreparedSnapshot::open(&dir, vmm::CpuCheck::default())?;
         prepared.set_disk_sources(store::fetcher::FetcherLayers::sources(client));
         let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
         return restore_and_own(args, dir, net_spec, &ahead);
     }
     restore_and_own(args, dir, net_spec, &vmm::host::Ahead::default())
+}
+
+/// What a jailed VM restored from `snap` needs besides the snapshot's own directory: the
+/// snapshots below it (read), the directories of its sockets, serial file and disk
+/// overlay and the files root (written), its disk's layers.
+fn restored_vm_paths(
+    p: &mut super::jail::JailPaths,
+    args: &RestoreArgs,
+    snap: &vmm::PreparedSnapshot,
+) -> anyhow::Result<()> {
+    for dir in snap.chain_dirs() {
+        p.read(dir)?;
+    }
+    let vsock = args
+        .vsock
+        .clone()
+        .or_else(|| snap.machine().vsock.as_ref().map(|v| v.uds_path.clone()));
+    for file in [
+        &args.serial_file,
+        &vsock,
+        &args.api_sock,
+        &args.disk_overlay,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        p.write_dir_of(file)?;
+    }
+    if let Some(root) = &args.files_root {
+        p.write_dir(root)?;
+    }
+    if let Some(disk) = snap.disk() {
+        p.disk(&disk.layer, false)?;
+    }
+    Ok(())
 }
 
 /// Confines this process, restores the snapshot in `dir` (from `ahead` when it holds it)
@@ -277,9 +290,16 @@ fn restore_and_own(
 
 /// `clade restore --store URL ID`: a published snapshot restored here, its memory fetched
 /// lazily by a fetcher process (started now, or the one at --fetcher).
+///
+/// Jailed, it needs a fetcher outside the jail (`--fetcher`): the snapshot is opened
+/// through it before the jail is entered, so that the jailed VM keeps that connection and
+/// sees, read-only, only this snapshot's files in the fetcher's cache.
 fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
-    if args.jail.jailed() {
-        bail!("--jail with --store is not supported yet: restore without --jail");
+    if args.jail.jailed() && args.fetcher.is_none() {
+        bail!(
+            "--jail with --store needs --fetcher (a fetcher outside the jail: a jailed VM \
+             opens no network socket)"
+        );
     }
     // A TAP given as it is (`fd=N`, `tap=NAME`) works as for a local snapshot; a network
     // of the VM's own would have to start the fetcher in the child it re-runs.
@@ -303,10 +323,27 @@ fn restore_published(mut args: RestoreArgs) -> anyhow::Result<u8> {
             _child.socket().to_path_buf()
         }
     };
+    args.jail.absolute(
+        args.api_sock
+            .iter_mut()
+            .chain(&mut args.files_root)
+            .chain(&mut args.vsock)
+            .chain(&mut args.serial_file)
+            .chain(&mut args.disk_overlay),
+    )?;
+    args.jail
+        .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
     let t = std::time::Instant::now();
     let (dir, prepared, _client) = open_published(&socket, &id)?;
     tracing::info!(id, dir = %dir.display(), open_us = t.elapsed().as_micros() as u64,
         "published snapshot opened");
+    let jailed = args.jail.enter(&args.kvm_device, |p| {
+        p.read(&dir)?;
+        restored_vm_paths(p, &args, &prepared)
+    })?;
+    if let Some(code) = jailed {
+        return Ok(code);
+    }
     let ahead = vmm::host::Ahead::holding(vmm::host::Preloaded::from_prepared(&dir, prepared)?);
     restore_and_own(args, dir, net_spec, &ahead)
 }

@@ -926,9 +926,18 @@ fn a_pause_that_requires_a_healthy_guest_is_refused_when_its_agent_does_not_answ
         require_healthy_guest: true,
         ..PauseOptions::FULL
     };
-    assert!(matches!(h.pause(&r.id, strict), Err(Error::GuestUnresponsive { .. })));
+    assert!(matches!(
+        h.pause(&r.id, strict),
+        Err(Error::GuestUnresponsive { .. })
+    ));
     assert_eq!(h.get(&r.id).unwrap().state, State::Running);
-    assert!(!drv.did("snapshot") && !drv.did("pause"), "nothing was stopped");
+    assert!(
+        !drv.did("snapshot") && !drv.did("pause"),
+        "nothing was stopped"
+    );
     // Not strict: paused as before.
-    assert_eq!(h.pause(&r.id, PauseOptions::FULL).unwrap().state, State::Paused);
+    assert_eq!(
+        h.pause(&r.id, PauseOptions::FULL).unwrap().state,
+        State::Paused
+    );
 }
