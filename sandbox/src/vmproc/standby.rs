@@ -49,8 +49,11 @@ use crate::ids;
 
 /// Most standby processes per shape.
 pub const MAX_PER_SHAPE: usize = 16;
-/// How long the refill thread waits after a take before starting a process.
+/// How long the refill thread waits after a take before starting a process (while one
+/// of the shape is still ready).
 pub const REFILL_DELAY: Duration = Duration::from_millis(20);
+/// Most standby processes the refill thread starts at once.
+const MAX_STARTING: usize = 4;
 /// How long a standby may take to answer, and a start that failed waits to be retried.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const RETRY_DELAY: Duration = Duration::from_secs(2);
@@ -453,9 +456,12 @@ fn refill(inner: &Inner) {
                     .is_none_or(|at| now.duration_since(*at) >= RETRY_DELAY)
         });
         let since_take = st.last_take.map(|t| now.duration_since(t));
+        let ready = wanted.map_or(0, |s| st.ready.get(&s).map_or(0, Vec::len));
+        // After a take, a pause before starting more (not while the taken VM restores),
+        // unless none is ready: then the next request would start its process itself.
         let wait = match (wanted, since_take) {
             (None, _) => Some(Duration::from_millis(500)),
-            (Some(_), Some(d)) if d < REFILL_DELAY => Some(REFILL_DELAY - d),
+            (Some(_), Some(d)) if d < REFILL_DELAY && ready > 0 => Some(REFILL_DELAY - d),
             _ => None,
         };
         if let Some(w) = wait {
@@ -468,37 +474,77 @@ fn refill(inner: &Inner) {
         }
         let Some(shape) = wanted else { continue };
         let preload = st.preload.get(&shape).cloned();
+        // Every one missing at once (up to MAX_STARTING): one at a time, a burst of
+        // requests drains the pool faster than it refills.
+        let missing = (inner.cfg.per_shape - ready).min(MAX_STARTING);
         drop(st);
-        let started = start_standby(&inner.clade, &inner.cfg, shape, preload.as_deref());
+        let mut starting = Vec::new();
+        let mut failure = None;
+        for _ in 0..missing {
+            match spawn_standby(&inner.clade, &inner.cfg, shape, preload.as_deref()) {
+                Ok(s) => starting.push(s),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut started = Vec::new();
+        while !starting.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+            for s in std::mem::take(&mut starting) {
+                match s.check() {
+                    Checked::Ready(sb) => started.push(sb),
+                    Checked::Waiting(s) => starting.push(s),
+                    Checked::Failed(e) => failure = Some(e),
+                }
+            }
+        }
         st = inner.lock();
-        match started {
-            Ok(s) if st.stop => {
-                drop(st);
+        if st.stop {
+            drop(st);
+            for s in started {
                 s.discard();
-                return;
             }
-            Ok(s) => {
+            return;
+        }
+        if !started.is_empty() {
+            for s in &started {
                 tracing::debug!(pid = s.child.id(), ?shape, "standby ready");
-                st.failed.remove(&shape);
-                st.ready.entry(shape).or_default().push(s);
-                inner.cv.notify_all();
             }
-            Err(e) => {
-                tracing::warn!(?shape, "starting a standby VM process: {e}");
-                st.failed.insert(shape, Instant::now());
-            }
+            st.failed.remove(&shape);
+            st.ready.entry(shape).or_default().extend(started);
+            inner.cv.notify_all();
+        }
+        if let Some(e) = failure {
+            tracing::warn!(?shape, "starting a standby VM process: {e}");
+            st.failed.insert(shape, Instant::now());
         }
     }
 }
 
-/// Starts one standby of `shape` (opening `preload` ahead) and waits until its API
-/// answers as a standby.
-fn start_standby(
+/// A standby process started, not yet answering.
+struct Starting {
+    standby: Standby,
+    since: Instant,
+}
+
+/// What [`Starting::check`] found.
+enum Checked {
+    Ready(Standby),
+    Waiting(Starting),
+    Failed(Error),
+}
+
+/// Starts one standby of `shape` (opening `preload` ahead): [`Starting::check`] says when
+/// its API answers as a standby. Started by the refill thread, whose end is the process's
+/// parent-death signal.
+fn spawn_standby(
     clade: &Path,
     cfg: &StandbyConfig,
     shape: Shape,
     preload: Option<&Path>,
-) -> Result<Standby> {
+) -> Result<Starting> {
     let token = format!("sb-{}", ids::random_string(16));
     let api_sock = cfg.dir.join(format!("{token}.api"));
     let log = cfg.dir.join(format!("{token}.log"));
@@ -552,52 +598,52 @@ fn start_standby(
         .as_ref()
         .map(|cg| cg.join_new(&mut cmd, shape))
         .transpose()?;
-    let mut child = cmd.spawn().map_err(Error::io("starting", clade))?;
-    let t = Instant::now();
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            let _ = std::fs::remove_file(&api_sock);
-            if let Some(j) = &jail {
+    let child = cmd.spawn().map_err(Error::io("starting", clade))?;
+    Ok(Starting {
+        standby: Standby {
+            child,
+            api_sock,
+            log,
+            asked: Vec::new(),
+            cgroup,
+            jail,
+            vm_pid: None,
+        },
+        since: Instant::now(),
+    })
+}
+
+impl Starting {
+    /// Whether it answers as a standby now (or ended, or took too long: then cleaned up).
+    fn check(mut self) -> Checked {
+        let sb = &mut self.standby;
+        if let Ok(Some(status)) = sb.child.try_wait() {
+            let _ = std::fs::remove_file(&sb.api_sock);
+            if let Some(j) = &sb.jail {
                 let _ = std::fs::remove_dir(&j.root);
             }
-            let tail = super::log_tail(&log);
-            let _ = std::fs::remove_file(&log);
-            return Err(Error::Vm(format!(
+            let tail = super::log_tail(&sb.log);
+            let _ = std::fs::remove_file(&sb.log);
+            return Checked::Failed(Error::Vm(format!(
                 "standby process ended ({status}): {tail}"
             )));
         }
-        if let Ok(r) = ApiClient::connect(&api_sock).and_then(|mut c| c.call(&Request::Status)) {
+        if let Ok(r) = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call(&Request::Status)) {
             if r.ok && r.fields.get("state").and_then(|s| s.as_str()) == Some("standby") {
-                let vm_pid = jail
+                sb.vm_pid = sb
+                    .jail
                     .as_ref()
-                    .and_then(|_| super::jail::vm_process(child.id()));
-                return Ok(Standby {
-                    vm_pid,
-                    child,
-                    api_sock,
-                    log,
-                    asked: Vec::new(),
-                    cgroup,
-                    jail,
-                });
+                    .and_then(|_| super::jail::vm_process(sb.child.id()));
+                return Checked::Ready(self.standby);
             }
         }
-        if t.elapsed() > READY_TIMEOUT {
-            Standby {
-                child,
-                api_sock,
-                log,
-                asked: Vec::new(),
-                cgroup,
-                jail,
-                vm_pid: None,
-            }
-            .discard();
-            return Err(Error::Vm(format!(
+        if self.since.elapsed() > READY_TIMEOUT {
+            self.standby.discard();
+            return Checked::Failed(Error::Vm(format!(
                 "standby process not ready after {READY_TIMEOUT:?}"
             )));
         }
-        std::thread::sleep(Duration::from_millis(1));
+        Checked::Waiting(self)
     }
 }
 
