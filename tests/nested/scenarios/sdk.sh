@@ -104,7 +104,9 @@ fail() {
     [ -f "$LOG_A" ] && { echo "---- $LOG_A (tail) ----"; tail -n 40 "$LOG_A"; }
     [ -f "$LOG_B" ] && { echo "---- $LOG_B (tail) ----"; tail -n 40 "$LOG_B"; }
     for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
-        "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log; do
+        "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log \
+        "$STATE_A"/sandboxes/*/vm.log "$STATE_B"/sandboxes/*/vm.log \
+        "$STATE_B"/sandboxes/*/serial*.log; do
         [ -f "$f" ] && { echo "---- $f (tail) ----"; tail -n 12 "$f"; }
     done
     cleanup
