@@ -97,7 +97,9 @@ impl JailPaths {
     }
 
     /// A disk whose top layer is `top`: written, with new layers next to it when the VM
-    /// snapshots (its directory read-write); the layers below it only read.
+    /// snapshots (its directory read-write); the layers below it only read. A layer filled
+    /// on demand (a store's, in its fetcher's cache) is shown with its marker: without it,
+    /// the VM would take the layer for a whole one and read its missing blocks as zeros.
     pub fn disk(&mut self, top: &Path, writable: bool) -> anyhow::Result<()> {
         let layers = disk::ops::info(top).with_context(|| format!("disk {}", top.display()))?;
         for (i, layer) in layers.iter().enumerate() {
@@ -105,6 +107,9 @@ impl JailPaths {
                 self.write_dir_of(&layer.path)?;
             } else {
                 self.read(&layer.path)?;
+                if disk::remote::is_filled_on_demand(&layer.path) {
+                    self.read(&disk::remote::present_path(&layer.path))?;
+                }
             }
         }
         Ok(())
