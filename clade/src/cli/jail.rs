@@ -108,8 +108,28 @@ impl JailPaths {
             } else {
                 self.read(&layer.path)?;
                 if disk::remote::is_filled_on_demand(&layer.path) {
-                    self.read(&disk::remote::present_path(&layer.path))?;
+                    self.on_demand_sidecars(&layer.path)?;
                 }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl JailPaths {
+    /// The files beside a layer filled on demand (`<layer>.present`, its entry and chunk
+    /// checksums: `<layer>.<ext>`), which the VM reads to have its blocks fetched.
+    fn on_demand_sidecars(&mut self, layer: &Path) -> anyhow::Result<()> {
+        let (Some(dir), Some(name)) = (layer.parent(), layer.file_name()) else {
+            return Ok(());
+        };
+        let mut prefix = name.to_os_string();
+        prefix.push(".");
+        let prefix = prefix.as_encoded_bytes().to_vec();
+        let entries = std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))?;
+        for e in entries.flatten() {
+            if e.file_name().as_encoded_bytes().starts_with(&prefix) {
+                self.read(&e.path())?;
             }
         }
         Ok(())
