@@ -398,6 +398,29 @@ fn a_failed_fork_leaves_no_child_and_a_fork_of_a_child_works() {
     parent.0.wait().unwrap();
 }
 
+/// `clade run` of the native guest with its sockets `p.*` in `d` (and `disk`), once its
+/// agent port is served.
+fn start_native(d: &Dir, disk: Option<&Path>) -> Proc {
+    let mut cmd = clade();
+    cmd.arg("run")
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--test-device", "--cmdline", "steps=vsock"])
+        .arg("--vsock")
+        .arg(d.p("p.vsock"))
+        .arg("--api-sock")
+        .arg(d.p("p.api"))
+        .arg("--serial-file")
+        .arg(d.p("p.serial"));
+    if let Some(disk) = disk {
+        cmd.arg("--disk").arg(disk);
+    }
+    let vm = Proc(cmd.spawn().unwrap());
+    wait_for(&d.p("p.api"));
+    wait_for_text(&d.p("p.serial"), "serving agent port");
+    vm
+}
+
 /// `clade disk info --json`: one object per layer, top first.
 fn disk_info(layer: &Path) -> Vec<serde_json::Value> {
     let o = clade()
@@ -422,22 +445,7 @@ fn a_vm_with_a_disk_forks_its_disk_each_child_on_its_own_overlay() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let mut cmd = clade();
-    cmd.arg("run")
-        .arg("--kernel")
-        .arg(native_guest())
-        .args(["--test-device", "--cmdline", "steps=vsock"])
-        .arg("--vsock")
-        .arg(d.p("p.vsock"))
-        .arg("--api-sock")
-        .arg(d.p("p.api"))
-        .arg("--serial-file")
-        .arg(d.p("p.serial"))
-        .arg("--disk")
-        .arg(&top);
-    let mut parent = Proc(cmd.spawn().unwrap());
-    wait_for(&d.p("p.api"));
-    wait_for_text(&d.p("p.serial"), "serving agent port");
+    let mut parent = start_native(&d, Some(&top));
     // Both forks move the parent (its disk's worker follows it onto the new mapping).
     wait_spare_shell(&d.p("p.api"), true);
     let o = clade()
@@ -773,4 +781,69 @@ fn a_vm_process_moves_onto_its_spare_shell_at_a_fork_and_a_snapshot() {
     ping(&d.p("p.vsock"));
     drop(pids);
     parent.0.kill().unwrap();
+}
+
+#[test]
+fn freeze_disk_freezes_the_top_layer_and_the_vm_goes_on_on_a_new_one() {
+    let d = Dir::new("freeze");
+    let top = d.p("vm.cdsk");
+    let o = clade()
+        .args(["disk", "create", "--size", "16M"])
+        .arg(&top)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut vm = start_native(&d, Some(&top));
+    let call = |r: &Request| ApiClient::connect(&d.p("p.api")).unwrap().call(r).unwrap();
+    let mut frozen = Vec::new();
+    let mut tops = Vec::new();
+    for _ in 0..3 {
+        let r = call(&Request::FreezeDisk);
+        assert!(r.ok, "{r:?}");
+        frozen.push(PathBuf::from(r.fields["layer"].as_str().unwrap()));
+        tops.push(PathBuf::from(r.fields["top"].as_str().unwrap()));
+        ping(&d.p("p.vsock"));
+    }
+    assert_eq!(frozen[0], top);
+    assert_eq!(frozen[1], tops[0]);
+    assert_eq!(frozen[2], tops[1]);
+    // Names keep one length however many times the disk is frozen: vm-s<k>.cdsk.
+    for t in &tops {
+        let n = t.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(n.starts_with("vm-s") && n.matches("-s").count() == 1, "{n}");
+    }
+    // A paused VM stays paused.
+    assert!(call(&Request::Pause).ok);
+    let r = call(&Request::FreezeDisk);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(call(&Request::Status).fields["state"], "paused");
+    assert!(call(&Request::Unpause).ok);
+    ping(&d.p("p.vsock"));
+    let last = PathBuf::from(r.fields["top"].as_str().unwrap());
+    assert!(call(&Request::Shutdown).ok);
+    vm.0.wait().unwrap();
+    // The chain: the last top on each frozen layer in turn.
+    let layers = disk_info(&last);
+    assert_eq!(layers.len(), 5, "{layers:?}");
+    assert_eq!(layers[0]["frozen"], false, "{layers:?}");
+    assert!(
+        layers[1..].iter().all(|l| l["frozen"] == true),
+        "{layers:?}"
+    );
+    assert_eq!(layers[4]["id"], disk_info(&top)[0]["id"]);
+}
+
+#[test]
+fn freeze_disk_without_a_disk_is_an_error() {
+    let d = Dir::new("freeze-nodisk");
+    let mut vm = start_native(&d, None);
+    let r = ApiClient::connect(&d.p("p.api"))
+        .unwrap()
+        .call(&Request::FreezeDisk)
+        .unwrap();
+    assert!(!r.ok);
+    assert!(r.error.unwrap().contains("no writable disk"));
+    ping(&d.p("p.vsock"));
+    vm.0.kill().unwrap();
+    vm.0.wait().unwrap();
 }

@@ -263,3 +263,93 @@ fn a_template_from_a_registry_reference() {
         "{ls}"
     );
 }
+
+fn build_dockerfile(state: &Path, name: &str, dockerfile: &Path, extra: &[&str]) -> Output {
+    clade()
+        .args(["template", "build", name, "--test-device", "--mem", "64"])
+        .arg("--kernel")
+        .arg(native_guest())
+        .args(["--cmdline", "steps=vsock", "--dockerfile"])
+        .arg(dockerfile)
+        .args(extra)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .unwrap()
+}
+
+/// A Dockerfile whose instructions change no file (the test guest runs no RUN or COPY):
+/// its FROM image is converted once and shared, its ENV, WORKDIR, USER, ENTRYPOINT and
+/// CMD are the template's defaults; bad Dockerfiles are refused naming their line, and
+/// register nothing. RUN and COPY are the nested tier's (tests/nested/scenarios/dockerfile.sh).
+#[test]
+fn a_template_from_a_dockerfile_takes_its_defaults_and_shares_its_base() {
+    let d = Dir::new("dockerfile-template");
+    let state = d.p("state");
+    let ctx = d.p("ctx");
+    std::fs::create_dir_all(&ctx).unwrap();
+    let l1 = layer(&[
+        E::Dir("etc/", 0o755),
+        E::File("etc/hostname", b"from-image\n", 0o644, 0),
+    ]);
+    oci_layout(&ctx.join("img"), &[l1], true);
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "ARG IMG=img\nFROM ${IMG}\nENV GREETING=\"hello there\" \\\n    LANG=C.UTF-8\n\
+         WORKDIR /srv\nUSER 1000:1000\nLABEL a=b\nENTRYPOINT [\"/bin/app\"]\nCMD [\"--serve\"]\n",
+    )
+    .unwrap();
+    let o = build_dockerfile(&state, "df1", &ctx.join("Dockerfile"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("FROM img: 1 layers"), "{err}");
+    assert!(
+        err.contains("ignored (no effect on a sandbox): line 7: LABEL"),
+        "{err}"
+    );
+    let t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("templates/df1/template.json")).unwrap())
+            .unwrap();
+    let img = &t["image"];
+    assert_eq!(img["env"]["GREETING"], "hello there", "{t}");
+    assert_eq!(img["env"]["LANG"], "C.UTF-8", "{t}");
+    assert_eq!(img["cwd"], "/srv", "{t}");
+    assert_eq!(img["user"], "1000:1000", "{t}");
+    assert_eq!(
+        img["start_cmd"],
+        serde_json::json!(["/bin/app", "--serve"]),
+        "{t}"
+    );
+    // A second template from the same image: its conversion is not done again.
+    let o = build_dockerfile(
+        &state,
+        "df2",
+        &ctx.join("Dockerfile"),
+        &["--build-arg", "IMG=img"],
+    );
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("FROM img: cached"), "{err}");
+    // Refused, naming the line; no template registered.
+    for (text, needle) in [
+        ("FROM img\nRUN true\n", "RUN and COPY need a Linux guest"),
+        (
+            "FROM img\nFROBNICATE x\n",
+            "line 2: unknown instruction 'FROBNICATE'",
+        ),
+        ("FROM img AS a\nFROM img\n", "line 2: a second FROM"),
+        ("FROM missing-image-dir/\n", "FROM missing-image-dir/"),
+        (
+            "FROM img\nADD http://127.0.0.1/x /x\n",
+            "line 2: ADD of a URL",
+        ),
+    ] {
+        std::fs::write(ctx.join("Bad"), text).unwrap();
+        let o = build_dockerfile(&state, "bad", &ctx.join("Bad"), &[]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "{text}");
+        assert!(err.contains(needle), "{text}: {err}");
+        assert!(!state.join("templates/bad").exists(), "{text}");
+    }
+    assert!(!templates(&state).contains("\"bad\""));
+}

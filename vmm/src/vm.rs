@@ -731,6 +731,39 @@ impl Vm {
         Ok(disk)
     }
 
+    /// Freezes the disk's top layer as it is now (the vCPUs stopped meanwhile, then run
+    /// again if they ran) and continues on a new overlay on it: what a build step made.
+    /// Returns the frozen layer and the new top. Errors: no writable disk, a VM that is
+    /// neither running nor paused, I/O.
+    pub fn freeze_disk_now(&mut self) -> Result<(PathBuf, PathBuf)> {
+        self.poll_exit();
+        let running = match self.state {
+            RunState::Running => true,
+            RunState::Paused => false,
+            _ => return Err(self.invalid("freeze its disk")),
+        };
+        if self.config.disk.as_ref().is_none_or(|d| d.read_only) {
+            return Err(Error::Config(
+                "freeze_disk: the VM has no writable disk".into(),
+            ));
+        }
+        if running {
+            self.pause()?;
+        }
+        let frozen = self.freeze_disk_layer("s");
+        if running {
+            self.unpause()?;
+        }
+        let d = frozen?.ok_or_else(|| Error::Config("freeze_disk: the VM has no disk".into()))?;
+        let top = self
+            .config
+            .disk
+            .as_ref()
+            .map(|c| c.path.clone())
+            .unwrap_or_default();
+        Ok((d.layer, top))
+    }
+
     fn freeze_disk_layer(&mut self, tag: &str) -> Result<Option<SavedDisk>> {
         let (Some(disk), Some(cfg)) = (self.devices.disk(), self.config.disk.clone()) else {
             return Ok(None);
@@ -1298,6 +1331,16 @@ fn sibling_layer(layer: &std::path::Path, tag: &str) -> PathBuf {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "disk".into());
+    // `disk-s4` becomes `disk-s<k>`, not `disk-s4-s<k>`: a VM that freezes its disk many
+    // times (a build's steps, a sandbox's pauses) keeps names of one length.
+    let stem = match stem.rsplit_once(&format!("-{tag}")) {
+        Some((base, n))
+            if !base.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            base.to_string()
+        }
+        _ => stem,
+    };
     let dir = layer.parent().unwrap_or(std::path::Path::new("."));
     loop {
         let k = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -7,18 +7,18 @@
 //! written, so `clade serve` never sees half a template.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use clade_builder::vm::{BuildVm, VmSpec};
 use clap::{Args, Subcommand};
 use disk::ops::CreateOptions;
 use sandbox::http::{serve, AppState, Listen};
+use sandbox::template::FromImage;
 use sandbox::vmproc::{Shape, StandbyConfig};
 use sandbox::{Host, HostConfig, ProcessDriver, Template, TemplateStore};
-use vmm::agent::{Client, Transport};
-use vmm::api::{ApiClient, Request};
+use vmm::api::Request;
 
 use super::MachineArgs;
 
@@ -458,9 +458,23 @@ pub struct BuildArgs {
     /// kernel and initramfs (with clade-agent) are Clade's: the image needs no init.
     #[arg(long, value_name = "PATH", conflicts_with = "disk")]
     image: Option<PathBuf>,
-    /// With --image: the disk's size (default: what the image needs plus 256 MiB); an
-    /// image that does not fit is refused.
-    #[arg(long, value_name = "SIZE", requires = "image", value_parser = super::disk::parse_size)]
+    /// A Dockerfile to build the template's disk from: its FROM image (a registry
+    /// reference, or an image layout or archive path, relative to the context) converted
+    /// once, then its RUN and COPY steps run in a VM booted from the image built so far,
+    /// each step's result a disk layer cached by content in `<state dir>/build-cache`
+    /// (an unchanged prefix is not run again). ENV, WORKDIR, USER, CMD and ENTRYPOINT
+    /// become the template's defaults.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["disk", "image"])]
+    dockerfile: Option<PathBuf>,
+    /// With --dockerfile: the directory COPY reads from (default: the Dockerfile's).
+    #[arg(long, value_name = "DIR", requires = "dockerfile")]
+    context: Option<PathBuf>,
+    /// With --dockerfile: a build argument (repeatable).
+    #[arg(long = "build-arg", value_name = "NAME=VALUE", requires = "dockerfile")]
+    build_arg: Vec<String>,
+    /// With --image or --dockerfile: the disk's size (default: what the image needs plus
+    /// 256 MiB); an image that does not fit is refused.
+    #[arg(long, value_name = "SIZE", value_parser = super::disk::parse_size)]
     disk_size: Option<u64>,
     /// The project's bare-metal test guest (it answers only the agent's Hello and Ping).
     #[arg(long)]
@@ -534,18 +548,6 @@ pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
     }
 }
 
-/// Kills the build VM if the build fails before it was shut down.
-struct BuildVm(std::process::Child);
-
-impl Drop for BuildVm {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
 fn build(a: BuildArgs) -> anyhow::Result<u8> {
     if a.test_device && !a.run.is_empty() {
         bail!(
@@ -599,85 +601,194 @@ fn settle(serial: &Path) {
     tracing::debug!(waited = ?t.elapsed(), quiet = since.elapsed() >= SETTLE_QUIET, "build VM settled");
 }
 
-fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Result<Template> {
-    let api = dir.join("build.api");
-    let vsock = dir.join("build.vsock");
-    let serial = dir.join("build.serial");
-    let overlay = dir.join("disk.cdsk");
-    // From an image: its root filesystem as the template's own base layer.
-    let (base, image) = match &a.image {
-        Some(img) => {
-            let t = Instant::now();
-            let name = img.to_string_lossy();
-            let layout = if clade_image::is_reference(&name) {
-                let cache = std::path::absolute(&a.state_dir)?.join("images");
-                let progress = std::sync::Arc::new(clade_image::PullProgress::default());
-                let bar = super::progress::Bar::bytes("pull", 0);
-                let shown = {
-                    let p = progress.clone();
-                    bar.follow(move || p.get())
-                };
-                let pulled = clade_image::pull(&name, &cache, Some(&progress));
-                shown.finish(pulled.is_ok());
-                let r = pulled?;
-                eprintln!(
-                    "pulled {name} ({}): {} blobs fetched ({} KiB), {} already cached",
-                    r.manifest_digest,
-                    r.fetched,
-                    r.bytes >> 10,
-                    r.cached
-                );
-                r.layout
-            } else {
-                img.clone()
-            };
-            let src = clade_image::Source::open(&layout)?;
-            let d = clade_image::build_disk(
-                &src,
-                &dir.join("image-build"),
-                &dir.join("base.cdsk"),
-                a.disk_size,
-            )
-            .with_context(|| format!("the root filesystem of {}", img.display()))?;
-            let defaults = src.defaults();
-            eprintln!(
-                "image {}: {} layers, {} entries, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s \
-                 (unpack {:.2}s, mkfs.ext4 {:.2}s, import {:.2}s)",
-                img.display(),
-                d.unpacked.layers,
-                d.unpacked.entries,
-                d.unpacked.bytes >> 20,
-                d.size >> 20,
-                t.elapsed().as_secs_f64(),
-                d.times[0].as_secs_f64(),
-                d.times[1].as_secs_f64(),
-                d.times[2].as_secs_f64()
-            );
-            let from = sandbox::template::FromImage {
-                reference: img.display().to_string(),
-                env: defaults.env.iter().cloned().collect(),
-                cwd: defaults.cwd.clone(),
-                user: defaults.user.clone(),
-                start_cmd: defaults.start_command(),
-            };
-            (Some(d.base), Some(from))
-        }
-        None => (a.disk.clone(), None),
-    };
-    if let Some(base) = &base {
-        disk::ops::create(
-            &overlay,
-            &CreateOptions {
-                virtual_size: None,
-                block_size: None,
-                parent: Some(std::path::absolute(base)?),
-            },
-        )
-        .with_context(|| format!("overlay on {}", base.display()))?;
+/// The image `name` names, as a layout or archive path: pulled into the state dir's
+/// `images/` cache when it is a registry reference.
+fn image_layout(name: &str, state_dir: &Path) -> anyhow::Result<PathBuf> {
+    if !clade_image::is_reference(name) || Path::new(name).exists() {
+        return Ok(PathBuf::from(name));
     }
+    let cache = state_dir.join("images");
+    let progress = Arc::new(clade_image::PullProgress::default());
+    let bar = super::progress::Bar::bytes("pull", 0);
+    let shown = {
+        let p = progress.clone();
+        bar.follow(move || p.get())
+    };
+    let pulled = clade_image::pull(name, &cache, Some(&progress));
+    shown.finish(pulled.is_ok());
+    let r = pulled?;
+    eprintln!(
+        "pulled {name} ({}): {} blobs fetched ({} KiB), {} already cached",
+        r.manifest_digest,
+        r.fetched,
+        r.bytes >> 10,
+        r.cached
+    );
+    Ok(r.layout)
+}
+
+/// From `--image`: the image's root filesystem as the template's own base layer.
+fn image_base(a: &BuildArgs, img: &Path, dir: &Path) -> anyhow::Result<(PathBuf, FromImage)> {
+    let t = Instant::now();
+    let layout = image_layout(&img.to_string_lossy(), &std::path::absolute(&a.state_dir)?)?;
+    let src = clade_image::Source::open(&layout)?;
+    let d = clade_image::build_disk(
+        &src,
+        &dir.join("image-build"),
+        &dir.join("base.cdsk"),
+        a.disk_size,
+    )
+    .with_context(|| format!("the root filesystem of {}", img.display()))?;
+    eprintln!(
+        "image {}: {} layers, {} entries, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s \
+         (unpack {:.2}s, mkfs.ext4 {:.2}s, import {:.2}s)",
+        img.display(),
+        d.unpacked.layers,
+        d.unpacked.entries,
+        d.unpacked.bytes >> 20,
+        d.size >> 20,
+        t.elapsed().as_secs_f64(),
+        d.times[0].as_secs_f64(),
+        d.times[1].as_secs_f64(),
+        d.times[2].as_secs_f64()
+    );
+    Ok((
+        d.base,
+        from_image(img.display().to_string(), src.defaults()),
+    ))
+}
+
+fn from_image(reference: String, d: &clade_image::ImageDefaults) -> FromImage {
+    FromImage {
+        reference,
+        env: d.env.iter().cloned().collect(),
+        cwd: d.cwd.clone(),
+        user: d.user.clone(),
+        start_cmd: d.start_command(),
+    }
+}
+
+/// From `--dockerfile`: its FROM image converted (once, cached), its steps run in build
+/// VMs (each step's layer cached); the top layer is the template's base.
+fn dockerfile_base(
+    a: &BuildArgs,
+    df: &Path,
+    spec: &VmSpec,
+) -> anyhow::Result<(PathBuf, FromImage)> {
+    use clade_builder::dockerfile::MAX_DOCKERFILE;
+    let t = Instant::now();
+    let state_dir = std::path::absolute(&a.state_dir)?;
+    let len = std::fs::metadata(df)
+        .with_context(|| format!("the Dockerfile {}", df.display()))?
+        .len();
+    if len > MAX_DOCKERFILE as u64 {
+        bail!(
+            "the Dockerfile {} is larger than {MAX_DOCKERFILE} bytes",
+            df.display()
+        );
+    }
+    let text = std::fs::read_to_string(df)
+        .with_context(|| format!("reading the Dockerfile {}", df.display()))?;
+    let parsed =
+        clade_builder::dockerfile::parse(&text).with_context(|| format!("{}", df.display()))?;
+    let mut args = std::collections::BTreeMap::new();
+    for kv in &a.build_arg {
+        match kv.split_once('=') {
+            Some((k, v)) => args.insert(k.to_string(), v.to_string()),
+            // `--build-arg NAME`: its value from this environment, as docker build does.
+            None => match std::env::var(kv) {
+                Ok(v) => args.insert(kv.clone(), v),
+                Err(_) => {
+                    bail!("--build-arg {kv}: no value given and no such environment variable")
+                }
+            },
+        };
+    }
+    let context = match &a.context {
+        Some(c) => std::path::absolute(c)?,
+        None => std::path::absolute(df)?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("/")),
+    };
+    let from = parsed.base_image(&args)?;
+    // FROM names a path (relative to the context) when one is there, else a registry
+    // reference.
+    let local = context.join(&from);
+    let layout = if local.exists() {
+        local
+    } else if clade_image::is_reference(&from) {
+        image_layout(&from, &state_dir)?
+    } else {
+        bail!(
+            "FROM {from}: no image at {} and not a registry reference",
+            local.display()
+        );
+    };
+    let src = clade_image::Source::open(&layout).with_context(|| format!("FROM {from}"))?;
+    let cache = clade_builder::layers::LayerCache::new(&state_dir.join("build-cache"));
+    let (base, key, converted) = cache
+        .image_base(&src, a.disk_size)
+        .with_context(|| format!("the root filesystem of {from}"))?;
+    match converted {
+        Some(d) => eprintln!(
+            "FROM {from}: {} layers, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s",
+            d.unpacked.layers,
+            d.unpacked.bytes >> 20,
+            d.size >> 20,
+            t.elapsed().as_secs_f64()
+        ),
+        None => eprintln!("FROM {from}: cached"),
+    }
+    let plan = parsed.plan(src.defaults(), &args)?;
+    if a.test_device && !plan.steps.is_empty() {
+        bail!(
+            "{}: RUN and COPY need a Linux guest with clade-agent: the native test guest \
+             (--test-device) answers only the agent's Hello and Ping",
+            df.display()
+        );
+    }
+    for i in &plan.ignored {
+        eprintln!("ignored (no effect on a sandbox): {i}");
+    }
+    for u in &plan.unused_args {
+        eprintln!("warning: --build-arg {u} is not declared by an ARG");
+    }
+    let (top, report) = clade_builder::layers::build(
+        &plan,
+        &base,
+        &key,
+        Some(&context),
+        &cache,
+        spec,
+        &mut |l: &str| eprintln!("  {l}"),
+    )?;
+    eprintln!(
+        "dockerfile {}: {} steps, {} cached, {} run{} in {:.2}s",
+        df.display(),
+        report.steps,
+        report.cached,
+        report.ran.len(),
+        report
+            .boot
+            .map(|b| format!(" (build VM boot {:.2}s)", b.as_secs_f64()))
+            .unwrap_or_default(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok((
+        top,
+        from_image(format!("{} (FROM {from})", df.display()), &plan.defaults),
+    ))
+}
+
+fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Result<Template> {
+    if a.disk_size.is_some() && a.image.is_none() && a.dockerfile.is_none() {
+        bail!("--disk-size is for --image or --dockerfile");
+    }
+    let overlay = dir.join("disk.cdsk");
     // The build VM's own network (in the service's range, from the top; the service takes
-    // the lowest), removed when the build ends. Setup commands resolve names through the
-    // host's resolver, as sandboxes do.
+    // the lowest), removed when the build ends. Setup commands (and a Dockerfile's RUN
+    // steps) resolve names through the host's resolver, as sandboxes do.
     let net = if a.net {
         let range = a.range.range()?;
         Some(
@@ -694,108 +805,69 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         Some(_) => format!("{} {}", a.cmdline, sandbox::net::guest_cmdline()),
         None => a.cmdline.clone(),
     };
-    let exe = std::env::current_exe().context("finding the clade executable")?;
-    let mut cmd = Command::new(exe);
-    cmd.arg("run")
-        .arg("--kernel")
-        .arg(std::path::absolute(&a.kernel)?)
-        .arg("--cmdline")
-        .arg(&cmdline)
-        .arg("--vcpus")
-        .arg(a.machine.vcpus.to_string())
-        .arg("--mem")
-        .arg(a.machine.mem_mib.to_string())
-        .arg("--kvm-device")
-        .arg(&a.machine.kvm_device)
-        .arg("--vsock")
-        .arg(&vsock)
-        .arg("--api-sock")
-        .arg(&api)
-        .arg("--files-root")
-        .arg(dir)
-        .arg("--serial-file")
-        .arg(&serial);
-    if let Some(i) = &a.initrd {
-        cmd.arg("--initrd").arg(std::path::absolute(i)?);
+    let spec = VmSpec {
+        exe: std::env::current_exe().context("finding the clade executable")?,
+        kernel: std::path::absolute(&a.kernel)?,
+        initrd: a.initrd.as_deref().map(std::path::absolute).transpose()?,
+        cmdline: cmdline.clone(),
+        vcpus: a.machine.vcpus,
+        mem_mib: a.machine.mem_mib,
+        kvm_device: a.machine.kvm_device.clone(),
+        net: net.as_ref().map(|n| n.vmm_spec()),
+        test_device: a.test_device,
+        agent_timeout: Duration::from_secs_f64(a.agent_timeout.max(0.1)),
+    };
+    let (base, image) = match (&a.image, &a.dockerfile) {
+        (Some(img), _) => {
+            let (b, f) = image_base(a, img, dir)?;
+            (Some(b), Some(f))
+        }
+        (None, Some(df)) => {
+            let (b, f) = dockerfile_base(a, df, &spec)?;
+            (Some(b), Some(f))
+        }
+        (None, None) => (a.disk.clone(), None),
+    };
+    if let Some(base) = &base {
+        disk::ops::create(
+            &overlay,
+            &CreateOptions {
+                virtual_size: None,
+                block_size: None,
+                parent: Some(std::path::absolute(base)?),
+            },
+        )
+        .with_context(|| format!("overlay on {}", base.display()))?;
     }
-    if base.is_some() {
-        cmd.arg("--disk").arg(&overlay);
-    }
-    if a.test_device {
-        cmd.arg("--test-device");
-    }
-    if let Some(n) = &net {
-        cmd.arg("--net").arg(n.vmm_spec());
-    }
-    let log = std::fs::File::create(dir.join("build.log"))?;
-    let mut vm = BuildVm(
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting the build VM")?,
-    );
-    let timeout = Duration::from_secs_f64(a.agent_timeout.max(0.1));
-    let t = Instant::now();
-    while !vsock.exists() || !api.exists() {
-        if let Some(status) = vm.0.try_wait()? {
+    let vm = BuildVm::start(&spec, dir, base.is_some().then_some(overlay.as_path()))?;
+    for c in &a.run {
+        let out = vm
+            .agent()
+            .spawn(&vmm::agent::Command::new("/bin/sh").arg("-c").arg(c))
+            .with_context(|| format!("starting '{c}'"))?
+            .wait_with_output()
+            .with_context(|| format!("running '{c}'"))?;
+        if !out.status.success() {
             bail!(
-                "the build VM ended ({status}) before its sockets appeared: {}",
-                std::fs::read_to_string(dir.join("build.log")).unwrap_or_default()
+                "setup command '{c}' failed ({:?}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
             );
         }
-        if t.elapsed() > timeout {
-            bail!("the build VM's sockets did not appear in {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
     }
-    {
-        let left = timeout.saturating_sub(t.elapsed());
-        let (client, pong) = Client::connect_and_ping(&vsock, Transport::Vsock { port: 52 }, left)
-            .context("waiting for the guest agent")?;
-        tracing::info!("agent {} answers", pong.agent_version);
-        for c in &a.run {
-            let out = client
-                .spawn(&vmm::agent::Command::new("/bin/sh").arg("-c").arg(c))
-                .with_context(|| format!("starting '{c}'"))?
-                .wait_with_output()
-                .with_context(|| format!("running '{c}'"))?;
-            if !out.status.success() {
-                bail!(
-                    "setup command '{c}' failed ({:?}): {}{}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-        }
-        if !a.run.is_empty() {
-            client
-                .spawn(&vmm::agent::Command::new("/bin/sync"))?
-                .wait()
-                .context("sync")?;
-        }
+    if !a.run.is_empty() {
+        vm.agent().sync().context("sync")?;
     }
-    settle(&serial);
+    vm.agent().close();
+    settle(vm.serial());
     let snap = store.snapshot_dir(&a.name)?;
-    let mut c = ApiClient::connect(&api)?;
-    let r = c.call(&Request::Snapshot {
+    vm.call(&Request::Snapshot {
         dir: snap,
         kind: "full".into(),
-    })?;
-    if !r.ok {
-        bail!("snapshot: {}", r.error.unwrap_or_default());
-    }
-    let _ = c.call(&Request::Shutdown);
-    let t = Instant::now();
-    while vm.0.try_wait()?.is_none() {
-        if t.elapsed() > Duration::from_secs(5) {
-            let _ = vm.0.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let _ = vm.0.wait();
+    })
+    .context("snapshot")?;
+    vm.shutdown();
     // What a sandbox whose memory was dropped boots from its own disk.
     let boot = store.keep_boot(
         &a.name,

@@ -73,6 +73,10 @@ pub(crate) fn handle(
                 },
             }
         }
+        Request::FreezeDisk => match vm.freeze_disk_now() {
+            Ok((layer, top)) => Response::ok(json!({ "layer": layer, "top": top })),
+            Err(e) => Response::err(e),
+        },
         Request::Fork {
             count,
             prefix,

@@ -267,11 +267,13 @@ pub fn standby(
                     }
                 }
             }
-            Request::Pause | Request::Unpause | Request::Snapshot { .. } | Request::Fork { .. } => {
-                req.respond(Response::err(
-                    "no VM yet: this is a standby process (send a restore request first)",
-                ))
-            }
+            Request::Pause
+            | Request::Unpause
+            | Request::Snapshot { .. }
+            | Request::FreezeDisk
+            | Request::Fork { .. } => req.respond(Response::err(
+                "no VM yet: this is a standby process (send a restore request first)",
+            )),
         }
     }
 }

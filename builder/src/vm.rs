@@ -1,0 +1,218 @@
+//! The VM a build runs in: an ordinary `clade run` child with a control API socket and a
+//! vsock socket in a directory of the build's, waited for until its agent answers, and
+//! killed if the build ends without shutting it down.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use vmm::agent::{Client, Transport};
+use vmm::api::{ApiClient, Request, Response};
+
+use crate::error::{Error, Result};
+
+/// How to boot a build VM.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// The `clade` executable.
+    pub exe: PathBuf,
+    /// Kernel image.
+    pub kernel: PathBuf,
+    /// Initramfs (with clade-agent).
+    pub initrd: Option<PathBuf>,
+    /// The whole kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest memory, MiB.
+    pub mem_mib: u64,
+    /// The KVM device node.
+    pub kvm_device: PathBuf,
+    /// The network device, as `clade run --net` takes it.
+    pub net: Option<String>,
+    /// The project's native test guest (it answers Hello and Ping only).
+    pub test_device: bool,
+    /// How long the agent may take to answer after the VM starts.
+    pub agent_timeout: Duration,
+}
+
+/// A running build VM.
+pub struct BuildVm {
+    child: Child,
+    api: PathBuf,
+    serial: PathBuf,
+    log: PathBuf,
+    agent: Client,
+}
+
+/// The last `n` bytes of `path` as text ("" if unreadable).
+pub(crate) fn tail(path: &Path, n: usize) -> String {
+    let b = std::fs::read(path).unwrap_or_default();
+    String::from_utf8_lossy(&b[b.len().saturating_sub(n)..]).into_owned()
+}
+
+impl BuildVm {
+    /// Boots `spec` with `disk` (a writable top layer) as its disk; its sockets, console
+    /// (`build.serial`) and log (`build.log`) go in `dir`. Returns once the agent answers.
+    pub fn start(spec: &VmSpec, dir: &Path, disk: Option<&Path>) -> Result<BuildVm> {
+        let api = dir.join("build.api");
+        let vsock = dir.join("build.vsock");
+        let serial = dir.join("build.serial");
+        let log = dir.join("build.log");
+        let abs = |p: &Path| std::path::absolute(p).map_err(|e| Error::io("resolving", p, e));
+        let mut args: Vec<OsString> = vec![
+            "run".into(),
+            "--kernel".into(),
+            abs(&spec.kernel)?.into(),
+            "--cmdline".into(),
+            spec.cmdline.clone().into(),
+            "--vcpus".into(),
+            spec.vcpus.to_string().into(),
+            "--mem".into(),
+            spec.mem_mib.to_string().into(),
+            "--kvm-device".into(),
+            spec.kvm_device.clone().into(),
+            "--vsock".into(),
+            vsock.clone().into(),
+            "--api-sock".into(),
+            api.clone().into(),
+            "--files-root".into(),
+            dir.into(),
+            "--serial-file".into(),
+            serial.clone().into(),
+        ];
+        if let Some(i) = &spec.initrd {
+            args.extend(["--initrd".into(), abs(i)?.into()]);
+        }
+        if let Some(d) = disk {
+            args.extend(["--disk".into(), abs(d)?.into()]);
+        }
+        if spec.test_device {
+            args.push("--test-device".into());
+        }
+        if let Some(n) = &spec.net {
+            args.extend(["--net".into(), n.into()]);
+        }
+        let log_file = std::fs::File::create(&log).map_err(|e| Error::io("creating", &log, e))?;
+        let child = Command::new(&spec.exe)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .map_err(|e| Error::io("starting", &spec.exe, e))?;
+        let mut pending = Pending(Some(child));
+        let t = Instant::now();
+        while !vsock.exists() || !api.exists() {
+            if let Some(status) = pending.child().try_wait().ok().flatten() {
+                return Err(Error::Vm(format!(
+                    "it ended ({status}) before its sockets appeared: {}",
+                    tail(&log, 4096)
+                )));
+            }
+            if t.elapsed() > spec.agent_timeout {
+                return Err(Error::Vm(format!(
+                    "its sockets did not appear in {:?}",
+                    spec.agent_timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let left = spec.agent_timeout.saturating_sub(t.elapsed());
+        let (agent, pong) = Client::connect_and_ping(&vsock, Transport::Vsock { port: 52 }, left)
+            .map_err(|e| {
+            Error::Vm(format!(
+                "waiting for the guest agent: {e}; console: {}",
+                tail(&serial, 2048)
+            ))
+        })?;
+        tracing::info!(agent = %pong.agent_version, took = ?t.elapsed(), "build VM answers");
+        Ok(BuildVm {
+            child: pending.0.take().expect("kept until here"),
+            api,
+            serial,
+            log,
+            agent,
+        })
+    }
+
+    /// The guest agent.
+    pub fn agent(&self) -> &Client {
+        &self.agent
+    }
+
+    /// The console file.
+    pub fn serial(&self) -> &Path {
+        &self.serial
+    }
+
+    /// Sends `req` to the VM's control API; an answer that is not ok is an error.
+    pub fn call(&self, req: &Request) -> Result<Response> {
+        let mut c = ApiClient::connect(&self.api).map_err(Error::vm)?;
+        let r = c.call(req).map_err(Error::vm)?;
+        if !r.ok {
+            return Err(Error::Vm(r.error.unwrap_or_else(|| "failed".into())));
+        }
+        Ok(r)
+    }
+
+    /// Syncs the guest's filesystems and freezes the disk's top layer; the VM goes on on
+    /// a new overlay. Returns the frozen layer.
+    pub fn freeze_disk(&self) -> Result<PathBuf> {
+        self.agent.sync().map_err(Error::vm)?;
+        let r = self.call(&Request::FreezeDisk)?;
+        r.fields
+            .get("layer")
+            .and_then(|v| v.as_str())
+            .map(PathBuf::from)
+            .ok_or_else(|| Error::Vm("freeze_disk answered no layer".into()))
+    }
+
+    /// Stops the VM (asked, then killed after 5 s) and waits for its process.
+    pub fn shutdown(mut self) {
+        self.agent.close();
+        let _ = self.call(&Request::Shutdown);
+        let t = Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) {
+            if t.elapsed() > Duration::from_secs(5) {
+                let _ = self.child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = self.child.wait();
+    }
+
+    /// The end of the VMM's log.
+    pub fn log_tail(&self) -> String {
+        tail(&self.log, 4096)
+    }
+}
+
+impl Drop for BuildVm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A VM process not yet handed to a [`BuildVm`]: killed if the start fails.
+struct Pending(Option<Child>);
+
+impl Pending {
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("set until taken")
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
