@@ -473,7 +473,7 @@ fn run_argv(
         return Err(Error::StepFailed {
             line: step.line,
             text: step.text.clone(),
-            status: format!("{status:?}"),
+            status: status.to_string(),
             output: String::from_utf8_lossy(t).into_owned(),
         });
     }

@@ -12,8 +12,13 @@
 # `clade template build --image` unpacks it into an ext4 disk and boots it, its setup
 # commands (--run, which fail the build when they fail) checking from inside the guest
 # that / is the image's filesystem: its files, its owner and mode, a file a second layer
-# deleted gone (whiteout). Needs mkfs.ext4 in L1 (run.sh stages it, NESTED_L1_BINS).
-# scenario-timeout: 400
+# deleted gone (whiteout). Then a Dockerfile FROM that image (`template build
+# --dockerfile`): its COPY and RUN steps run in a build VM (as root and as USER 1000, with
+# ENV, ARG and WORKDIR), the template's setup commands check their files, owners and
+# links; a rebuild whose last step changed runs only that step (the rest cached); a step
+# that fails fails the build with its line and output, registering nothing.
+# Needs mkfs.ext4 in L1 (run.sh stages it, NESTED_L1_BINS).
+# scenario-timeout: 600
 
 CLADE=/bin/clade
 W=/tmp/image-scenario
@@ -32,7 +37,7 @@ mkdir -p "$W/l1/bin" "$W/l1/etc" "$W/l1/home/user" "$W/l2/etc" "$W/layout/blobs/
 
 # Layer 1: busybox and its applets, an os-release, a home owned by uid 1000.
 cp /bin/busybox "$W/l1/bin/busybox"
-for a in sh cat grep test stat sync ls echo true id; do ln -s busybox "$W/l1/bin/$a"; done
+for a in sh cat grep test stat sync ls echo true id chown ln mkdir readlink; do ln -s busybox "$W/l1/bin/$a"; done
 echo "ID=clade-image-test" >"$W/l1/etc/os-release"
 echo "doomed" >"$W/l1/etc/doomed"
 echo "# rc" >"$W/l1/home/user/.profile"
@@ -81,4 +86,68 @@ cat "$W/build.err"
 grep -q "2 layers" "$W/build.err" || fail "the build did not report the image's 2 layers"
 grep -q '"GREETING": "hello"' "$W"/state/templates/img/template.json ||
     fail "the template does not record the image's Env"
+
+# --- a Dockerfile FROM that image ---------------------------------------------------------
+C="$W/ctx"
+mkdir -p "$C/app/conf"
+cp -r "$W/layout" "$C/base"
+echo "data" >"$C/app/data.txt"
+echo "k=v" >"$C/app/conf/app.conf"
+ln -s data.txt "$C/app/link"
+printf '#!/bin/sh\necho tool-ran\n' >"$C/tool.sh"
+chmod 755 "$C/tool.sh"
+dockerfile() { # $1: the last RUN's text
+    cat >"$C/Dockerfile" <<EOF
+FROM base
+ARG WHO=world
+ENV GREETING="hello \$WHO"
+WORKDIR /srv/app
+COPY --chown=1000:1000 app/ ./
+COPY tool.sh /usr/local/bin/
+RUN echo "\$GREETING" > greeting && id -u > made-by
+USER 1000
+RUN $1
+CMD ["/bin/sh"]
+EOF
+}
+dfbuild() { # $1: template name; the rest: extra arguments
+    n=$1
+    shift
+    $CLADE template build "$n" --dockerfile "$C/Dockerfile" --state-dir "$W/state" \
+        --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem 256 --agent-timeout 240 \
+        --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" "$@"
+}
+dockerfile 'id -u > step2 && echo one >> step2'
+dfbuild df1 \
+    --run 'test "$(cat /srv/app/greeting)" = "hello world"' \
+    --run 'test "$(cat /srv/app/made-by)" = 0' \
+    --run 'test "$(cat /srv/app/step2)" = "1000
+one"' \
+    --run 'test "$(stat -c %u /srv/app/step2)" = 1000' \
+    --run 'test "$(stat -c %u:%g /srv/app/data.txt)" = 1000:1000' \
+    --run 'test "$(stat -c %u /srv/app/conf/app.conf)" = 1000' \
+    --run 'test "$(readlink /srv/app/link)" = data.txt' \
+    --run 'test "$(/usr/local/bin/tool.sh)" = tool-ran' \
+    --run 'grep -q "^ID=clade-image-test$" /etc/os-release' \
+    2>"$W/df1.err" || { cat "$W/df1.err"; fail "template build --dockerfile"; }
+cat "$W/df1.err"
+grep -q "4 steps, 0 cached, 4 run" "$W/df1.err" || fail "the first Dockerfile build did not run its 4 steps"
+grep -q '"GREETING": "hello world"' "$W"/state/templates/df1/template.json ||
+    fail "the template does not keep the Dockerfile's ENV"
+grep -q '"user": "1000"' "$W"/state/templates/df1/template.json ||
+    fail "the template does not keep the Dockerfile's USER"
+# Only the last step changed: only it runs.
+dockerfile 'id -u > step2 && echo two >> step2'
+dfbuild df2 --run 'test "$(cat /srv/app/step2)" = "1000
+two"' --run 'test "$(cat /srv/app/greeting)" = "hello world"' \
+    2>"$W/df2.err" || { cat "$W/df2.err"; fail "the second Dockerfile build"; }
+cat "$W/df2.err"
+grep -q "4 steps, 3 cached, 1 run" "$W/df2.err" || fail "the rebuild did not take its unchanged steps from the cache"
+# A step that fails: its line and output, no template.
+dockerfile 'echo step-output-here; exit 3'
+if dfbuild dfbad 2>"$W/dfbad.err"; then fail "a failing RUN step did not fail the build"; fi
+cat "$W/dfbad.err"
+grep -q "line 9" "$W/dfbad.err" || fail "the failed build does not name the line"
+grep -q "step-output-here" "$W/dfbad.err" || fail "the failed build does not show the step's output"
+[ ! -e "$W/state/templates/dfbad" ] || fail "a failed build left its template directory"
 echo "IMAGE-SCENARIO-PASS"
