@@ -132,6 +132,9 @@ pub struct Step {
     pub cwd: String,
     /// The user ("" : root).
     pub user: String,
+    /// Run it even if it is cached (and every step after it).
+    #[serde(default, skip)]
+    pub force: bool,
 }
 
 /// What a Dockerfile asks for, evaluated.
@@ -625,7 +628,7 @@ fn check_name(line: usize, name: &str) -> Result<String> {
 
 /// A context-relative source made normal: `./a//b/` → `a/b`; `..` anywhere, an absolute
 /// path and NUL are refused (a build reads nothing outside its context).
-fn context_path(line: usize, src: &str) -> Result<String> {
+pub fn context_path(line: usize, src: &str) -> Result<String> {
     if src.contains('\0') {
         return Err(bad(line, "a source path with a NUL byte"));
     }
@@ -649,7 +652,7 @@ fn context_path(line: usize, src: &str) -> Result<String> {
 }
 
 /// `rel` against the directory `cwd` (absolute), normalised, keeping a trailing `/`.
-fn absolute_in(cwd: &str, rel: &str) -> String {
+pub fn absolute_in(cwd: &str, rel: &str) -> String {
     let trailing = rel.ends_with('/') || rel.ends_with("/.") || rel == ".";
     let joined = if rel.starts_with('/') {
         rel.to_string()
@@ -758,6 +761,7 @@ impl Parsed {
                     env: run_env(),
                     cwd: cwd.clone(),
                     user: user.clone(),
+                    force: false,
                 }),
                 Instruction::Copy {
                     args: form,
@@ -833,6 +837,7 @@ impl Parsed {
                         env: run_env(),
                         cwd: cwd.clone(),
                         user: user.clone(),
+                        force: false,
                     })
                 }
                 Instruction::Env(raw) => {

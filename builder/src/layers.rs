@@ -364,7 +364,7 @@ pub type Log<'a> = &'a mut dyn FnMut(&str);
 
 /// The user a step names, as uid and gid, from the guest's `/etc/passwd` and
 /// `/etc/group` (`name`, `uid`, `name:group`, `uid:gid`).
-fn resolve_user(agent: &Client, line: usize, user: &str) -> Result<(u32, u32)> {
+pub(crate) fn resolve_user(agent: &Client, line: usize, user: &str) -> Result<(u32, u32)> {
     if user.is_empty() || user == "root" {
         return Ok((0, 0));
     }
@@ -590,6 +590,9 @@ pub fn build(
     let mut top = base.to_path_buf();
     let mut done = 0;
     for (i, k) in keyed.iter().enumerate() {
+        if k.step.force {
+            break;
+        }
         match cache.lookup(&k.key) {
             Some(l) => {
                 log(&format!(

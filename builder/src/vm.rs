@@ -216,3 +216,127 @@ impl Drop for Pending {
         }
     }
 }
+
+/// How long the build VM's console must stay unchanged before its snapshot.
+const SETTLE_QUIET: Duration = Duration::from_millis(20);
+/// The longest wait for that.
+const SETTLE_MAX: Duration = Duration::from_secs(2);
+
+/// Waits until the console file `serial` has not grown for [`SETTLE_QUIET`], or
+/// [`SETTLE_MAX`] passed. A template is the machine every sandbox of it starts as: a
+/// snapshot taken while the guest was still writing to its console (the line a guest logs
+/// when the build's agent connection ends; each byte is an exit to the VMM) would make
+/// every sandbox finish that line first, ~5 ms of its vCPU on the path of its first
+/// request. A guest that never goes quiet is snapshotted anyway.
+fn settle(serial: &Path) {
+    let size = || std::fs::metadata(serial).map(|m| m.len()).unwrap_or(0);
+    let t = Instant::now();
+    let (mut last, mut since) = (size(), Instant::now());
+    while since.elapsed() < SETTLE_QUIET && t.elapsed() < SETTLE_MAX {
+        std::thread::sleep(Duration::from_millis(2));
+        let now = size();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    tracing::debug!(waited = ?t.elapsed(), quiet = since.elapsed() >= SETTLE_QUIET, "build VM settled");
+}
+
+/// A process a template starts before its snapshot, so that every sandbox of it has it
+/// running (E2B's start command), and the check that it is ready.
+#[derive(Debug, Clone)]
+pub struct StartCmd {
+    /// Run with `/bin/sh -c`, kept running.
+    pub cmd: String,
+    /// Run with `/bin/sh -c` until it exits 0 (none: the start command is taken as ready).
+    pub ready: Option<String>,
+    /// Its environment.
+    pub env: Vec<(String, String)>,
+    /// Its working directory ("" : `/`).
+    pub cwd: String,
+    /// Its user ("" : root).
+    pub user: String,
+    /// The longest wait for the ready command.
+    pub ready_timeout: Duration,
+}
+
+/// The template VM: boots `spec` on `disk`, runs each of `setup` with `sh -c` (any
+/// failure fails the build), starts `start` and waits for it to be ready, then writes a
+/// full snapshot into `snapshot` and stops the VM. Its files go in `dir`.
+pub fn snapshot_template(
+    spec: &VmSpec,
+    dir: &Path,
+    disk: Option<&Path>,
+    setup: &[String],
+    start: Option<&StartCmd>,
+    snapshot: &Path,
+) -> Result<()> {
+    let vm = BuildVm::start(spec, dir, disk)?;
+    let agent = vm.agent();
+    let sh = |c: &str| vmm::agent::Command::new("/bin/sh").arg("-c").arg(c);
+    for c in setup {
+        let out = agent
+            .spawn(&sh(c))
+            .and_then(|e| e.wait_with_output())
+            .map_err(|e| Error::Vm(format!("running the setup command '{c}': {e}")))?;
+        if !out.status.success() {
+            return Err(Error::Vm(format!(
+                "the setup command '{c}' failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+    }
+    if let Some(s) = start {
+        let (uid, gid) = crate::layers::resolve_user(agent, 0, &s.user)?;
+        let with = |mut c: vmm::agent::Command| {
+            for (k, v) in &s.env {
+                c = c.env(k, v);
+            }
+            if !s.cwd.is_empty() {
+                c = c.cwd(&s.cwd);
+            }
+            if (uid, gid) != (0, 0) {
+                c = c.uid(uid).gid(gid);
+            }
+            c
+        };
+        agent
+            .spawn_kept(&with(sh(&s.cmd)), Some("start"), &[])
+            .map_err(|e| Error::Vm(format!("starting the start command '{}': {e}", s.cmd)))?;
+        if let Some(r) = &s.ready {
+            let t = Instant::now();
+            loop {
+                let out = agent
+                    .spawn(&with(sh(r)))
+                    .and_then(|e| e.wait_with_output())
+                    .map_err(|e| Error::Vm(format!("running the ready command '{r}': {e}")))?;
+                if out.status.success() {
+                    break;
+                }
+                if t.elapsed() > s.ready_timeout {
+                    return Err(Error::Vm(format!(
+                        "the ready command '{r}' did not succeed in {:?} (last: {}): {}{}",
+                        s.ready_timeout,
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+    if !setup.is_empty() || start.is_some() {
+        agent.sync().map_err(Error::vm)?;
+    }
+    agent.close();
+    settle(vm.serial());
+    vm.call(&Request::Snapshot {
+        dir: snapshot.to_path_buf(),
+        kind: "full".into(),
+    })?;
+    vm.shutdown();
+    Ok(())
+}

@@ -52,6 +52,8 @@ pub struct AppState {
     pub domain: Option<Arc<String>>,
     /// The dashboard's login sessions ([`crate::dashboard`]).
     pub sessions: Arc<crate::dashboard::Sessions>,
+    /// Template builds ([`crate::build`]).
+    pub builds: Arc<crate::build::Builds>,
 }
 
 impl axum::extract::FromRef<AppState> for crate::dashboard::DashboardState {
@@ -408,8 +410,20 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/logs", get(logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .route("/templates", get(list_templates))
+        .route("/v3/templates", post(builds::request))
+        .route("/templates/{id}/files/{hash}", get(builds::files))
+        .route("/v2/templates/{id}/builds/{build}", post(builds::start))
+        .route("/templates/{id}/builds/{build}/status", get(builds::status))
+        .route("/templates/aliases/{name}", get(builds::alias))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        // An upload link carries its own key (the SDK sends no API key with it).
+        .route(
+            "/build-files/{hash}/{token}",
+            put(builds::upload).layer(axum::extract::DefaultBodyLimit::max(
+                crate::build::MAX_UPLOAD as usize,
+            )),
+        )
         // The dashboard's pages check its session themselves (the login page needs none).
         .merge(crate::dashboard::routes())
         .layer(axum::middleware::from_fn_with_state(
@@ -1143,5 +1157,6 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5
 
 pub mod tls;
 
+mod builds;
 #[cfg(test)]
 mod tests;

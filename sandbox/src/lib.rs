@@ -18,6 +18,7 @@
 //! | [`http`] | the E2B control API |
 //! | [`envd`] | the E2B data plane (envd's protocol, translated to the agent's) |
 
+pub mod build;
 pub mod dashboard;
 pub mod durable;
 pub mod envd;

@@ -88,6 +88,10 @@ fn setup_req(name: &str, f: impl FnOnce(&mut CreateRequest)) -> Env {
         api_key: Arc::new("k".into()),
         domain: None,
         sessions: Default::default(),
+        builds: Arc::new(sandbox::build::Builds::new(
+            std::path::Path::new("/nonexistent"),
+            None,
+        )),
     });
     Env {
         app,
@@ -1132,6 +1136,10 @@ async fn background_processes_survive_pause_resume_and_a_service_restart() {
         api_key: Arc::new("k".into()),
         domain: None,
         sessions: Default::default(),
+        builds: Arc::new(sandbox::build::Builds::new(
+            std::path::Path::new("/nonexistent"),
+            None,
+        )),
     });
     let env2 = Env {
         app: restarted,

@@ -339,3 +339,55 @@ def test_file_metadata_on_the_guests_disk():
         assert s.files.get_info("/root", **SLOW).mode == 0o700
     finally:
         Sandbox.kill(s.sandbox_id)
+
+
+def test_template_build_through_the_sdk(tmp_path):
+    """E2B's template build API: `Template.build` on a template of this host, a COPY of a
+    file from the build context, ENV, WORKDIR, a RUN that reads both, a start command with
+    its ready check; a sandbox of the new template has the files and the process running.
+    A step that fails fails the build with its output; nothing is registered."""
+    from e2b import Template
+    from e2b.exceptions import BuildException
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "hello.txt").write_text("hello from the build context\n")
+    t = (
+        Template(file_context_path=str(tmp_path))
+        .from_template(TEMPLATE)
+        .copy("app/hello.txt", "/srv/")
+        .set_envs({"BUILT": "yes"})
+        .set_workdir("/srv")
+        .run_cmd("cat hello.txt > copied.txt && echo $BUILT > env.txt && pwd > cwd.txt")
+        .set_start_cmd("sleep 100000", "test -f /srv/copied.txt")
+    )
+    logs = []
+    info = Template.build(
+        t, "sdk-built", cpu_count=1, memory_mb=256, on_build_logs=logs.append
+    )
+    text = "\n".join(e.message for e in logs)
+    assert info.template_id == "sdk-built", text
+    assert "2 steps, 0 cached, 2 run" in text, text
+    assert Template.exists("sdk-built")
+    assert not Template.exists("no-such-template-here")
+    sb = Sandbox.create("sdk-built", timeout=600, **SLOW)
+    try:
+        assert run(sb, "cat /srv/copied.txt").stdout == "hello from the build context\n"
+        assert run(sb, "cat /srv/env.txt").stdout == "yes\n"
+        assert run(sb, "cat /srv/cwd.txt").stdout == "/srv\n"
+        # The template's own file is there (built on it), and its start command runs.
+        assert run(sb, "cat /root/template.txt").stdout == "made-by-the-template\n"
+        assert "sleep 100000" in run(sb, "ps -eo args").stdout
+    finally:
+        sb.kill()
+    # The same build again: its steps come from the cache.
+    logs.clear()
+    Template.build(t, "sdk-built-2", cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    text = "\n".join(e.message for e in logs)
+    assert "2 cached, 0 run" in text, text
+    bad = Template().from_template(TEMPLATE).run_cmd("echo build-fails-here; exit 7")
+    with pytest.raises(BuildException) as e:
+        Template.build(bad, "sdk-broken", cpu_count=1, memory_mb=256)
+    assert "exit code 7" in str(e.value) and "build-fails-here" in str(e.value), str(e.value)
+    assert not Template.exists("sdk-broken")
+    with pytest.raises(BuildException):
+        Template.build(Template().from_template("no-such-template"), "sdk-none", memory_mb=256)

@@ -11,14 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clade_builder::vm::{BuildVm, VmSpec};
+use clade_builder::vm::VmSpec;
 use clap::{Args, Subcommand};
 use disk::ops::CreateOptions;
 use sandbox::http::{serve, AppState, Listen};
 use sandbox::template::FromImage;
 use sandbox::vmproc::{Shape, StandbyConfig};
 use sandbox::{Host, HostConfig, ProcessDriver, Template, TemplateStore};
-use vmm::api::Request;
 
 use super::MachineArgs;
 
@@ -54,6 +53,26 @@ pub struct ServeArgs {
     /// With --store: the chunk cache's size limit (MiB).
     #[arg(long, value_name = "MIB", default_value_t = 16384)]
     store_cache_max: u64,
+    /// Build templates through E2B's template build API (`Template.build(...)` of the SDK)
+    /// with this guest kernel: each build's steps and its template VM boot it. Without
+    /// it, build requests are refused.
+    #[arg(long, value_name = "FILE")]
+    build_kernel: Option<PathBuf>,
+    /// With --build-kernel: its initramfs (with clade-agent).
+    #[arg(long, value_name = "FILE", requires = "build_kernel")]
+    build_initrd: Option<PathBuf>,
+    /// With --build-kernel: its command line.
+    #[arg(
+        long,
+        value_name = "CMDLINE",
+        requires = "build_kernel",
+        default_value = "console=ttyS0 panic=-1 quiet clade.root=/dev/vda"
+    )]
+    build_cmdline: String,
+    /// With --build-kernel: each built template's disk size (default: what its image
+    /// needs plus 256 MiB).
+    #[arg(long, value_name = "SIZE", requires = "build_kernel", value_parser = super::disk::parse_size)]
+    build_disk_size: Option<u64>,
     /// The API key clients must send in X-API-KEY (E2B_API_KEY for the SDK).
     #[arg(
         long,
@@ -350,6 +369,24 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         )?;
         host.set_store(Arc::new(d));
     }
+    let builds = sandbox::build::Builds::new(
+        &state_dir,
+        match &args.build_kernel {
+            Some(k) => Some(sandbox::build::BuildConfig {
+                exe: std::env::current_exe().context("finding the clade executable")?,
+                kernel: std::path::absolute(k)?,
+                initrd: args
+                    .build_initrd
+                    .as_deref()
+                    .map(std::path::absolute)
+                    .transpose()?,
+                cmdline: args.build_cmdline.clone(),
+                kvm_device: PathBuf::from("/dev/kvm"),
+                disk_size: args.build_disk_size,
+            }),
+            None => None,
+        },
+    );
     let (running, paused, crashed) = host.recover()?;
     tracing::info!(running, paused, crashed, "registry loaded");
     let host = Arc::new(host);
@@ -374,6 +411,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             api_key: Arc::new(key),
             domain: args.domain.clone().map(Arc::new),
             sessions: Arc::new(sandbox::dashboard::Sessions::new(tls.is_some())),
+            builds: Arc::new(builds.https(tls.is_some())),
         };
         let listen = match tls {
             Some(cfg) => Listen::Https(listener, cfg),
@@ -483,6 +521,15 @@ pub struct BuildArgs {
     /// fails the build). Needs a Linux guest with clade-agent.
     #[arg(long = "run", value_name = "CMD")]
     run: Vec<String>,
+    /// A command started (`sh -c`, kept running) before the snapshot, so that every
+    /// sandbox of the template has it running; as the image's or Dockerfile's user, in its
+    /// working directory, with its environment.
+    #[arg(long, value_name = "CMD")]
+    start_cmd: Option<String>,
+    /// With --start-cmd: a command run (`sh -c`) until it exits 0 before the snapshot
+    /// (at most --agent-timeout seconds).
+    #[arg(long, value_name = "CMD", requires = "start_cmd")]
+    ready_cmd: Option<String>,
     /// The host's state dir.
     #[arg(long, value_name = "DIR")]
     state_dir: PathBuf,
@@ -574,31 +621,6 @@ fn build(a: BuildArgs) -> anyhow::Result<u8> {
         if t.disk { ", disk" } else { "" }
     );
     Ok(0)
-}
-
-/// How long the build VM's console must stay unchanged before its snapshot.
-const SETTLE_QUIET: Duration = Duration::from_millis(20);
-/// The longest wait for that.
-const SETTLE_MAX: Duration = Duration::from_secs(2);
-
-/// Waits until the build VM's console (`serial`, a file) has not grown for
-/// [`SETTLE_QUIET`], or [`SETTLE_MAX`] passed. A template is the machine every sandbox
-/// of it starts as: a snapshot taken while the guest was still writing to its console
-/// (the line a guest logs when the build's agent connection ends; each byte is an exit to
-/// the VMM) would make every sandbox finish that line first, ~5 ms of its vCPU on the
-/// path of its first request. A guest that never goes quiet is snapshotted anyway.
-fn settle(serial: &Path) {
-    let size = || std::fs::metadata(serial).map(|m| m.len()).unwrap_or(0);
-    let t = Instant::now();
-    let (mut last, mut since) = (size(), Instant::now());
-    while since.elapsed() < SETTLE_QUIET && t.elapsed() < SETTLE_MAX {
-        std::thread::sleep(Duration::from_millis(2));
-        let now = size();
-        if now != last {
-            (last, since) = (now, Instant::now());
-        }
-    }
-    tracing::debug!(waited = ?t.elapsed(), quiet = since.elapsed() >= SETTLE_QUIET, "build VM settled");
 }
 
 /// The image `name` names, as a layout or archive path: pulled into the state dir's
@@ -839,35 +861,27 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         )
         .with_context(|| format!("overlay on {}", base.display()))?;
     }
-    let vm = BuildVm::start(&spec, dir, base.is_some().then_some(overlay.as_path()))?;
-    for c in &a.run {
-        let out = vm
-            .agent()
-            .spawn(&vmm::agent::Command::new("/bin/sh").arg("-c").arg(c))
-            .with_context(|| format!("starting '{c}'"))?
-            .wait_with_output()
-            .with_context(|| format!("running '{c}'"))?;
-        if !out.status.success() {
-            bail!(
-                "setup command '{c}' failed ({:?}): {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+    let start = a.start_cmd.as_ref().map(|cmd| {
+        let d = image.as_ref();
+        clade_builder::vm::StartCmd {
+            cmd: cmd.clone(),
+            ready: a.ready_cmd.clone(),
+            env: d
+                .map(|i| i.env.clone().into_iter().collect())
+                .unwrap_or_default(),
+            cwd: d.map(|i| i.cwd.clone()).unwrap_or_default(),
+            user: d.map(|i| i.user.clone()).unwrap_or_default(),
+            ready_timeout: Duration::from_secs_f64(a.agent_timeout.max(0.1)),
         }
-    }
-    if !a.run.is_empty() {
-        vm.agent().sync().context("sync")?;
-    }
-    vm.agent().close();
-    settle(vm.serial());
-    let snap = store.snapshot_dir(&a.name)?;
-    vm.call(&Request::Snapshot {
-        dir: snap,
-        kind: "full".into(),
-    })
-    .context("snapshot")?;
-    vm.shutdown();
+    });
+    clade_builder::vm::snapshot_template(
+        &spec,
+        dir,
+        base.is_some().then_some(overlay.as_path()),
+        &a.run,
+        start.as_ref(),
+        &store.snapshot_dir(&a.name)?,
+    )?;
     // What a sandbox whose memory was dropped boots from its own disk.
     let boot = store.keep_boot(
         &a.name,

@@ -25,6 +25,10 @@ fn app(name: &str) -> (Router, Arc<Sessions>, std::path::PathBuf) {
         api_key: Arc::new(KEY.into()),
         domain: None,
         sessions: sessions.clone(),
+        builds: Arc::new(crate::build::Builds::new(
+            std::path::Path::new("/nonexistent"),
+            None,
+        )),
     };
     (router(st), sessions, d)
 }
@@ -363,6 +367,10 @@ async fn a_thousand_sandboxes_page_by_page() {
         api_key: Arc::new(KEY.into()),
         domain: None,
         sessions: sessions.clone(),
+        builds: Arc::new(crate::build::Builds::new(
+            std::path::Path::new("/nonexistent"),
+            None,
+        )),
     });
     let made: std::collections::BTreeSet<String> = (0..1000)
         .map(|_| {

@@ -18,6 +18,10 @@ fn app(name: &str) -> (Router, std::path::PathBuf) {
         api_key: Arc::new(KEY.into()),
         domain: None,
         sessions: Default::default(),
+        builds: Arc::new(crate::build::Builds::new(
+            std::path::Path::new("/nonexistent"),
+            None,
+        )),
     };
     (router(st), d)
 }
@@ -780,4 +784,171 @@ async fn logs_and_metrics_over_http() {
     assert_eq!(v[0]["memTotal"], 128 * 1024 * 1024);
     drop(app); // its host stops making directories ahead in `d` first
     std::fs::remove_dir_all(d).unwrap();
+}
+
+/// E2B's template build API up to the build itself (which needs a Linux guest: the nested
+/// tier's `test_template_build_through_the_sdk`): request, upload link and upload without
+/// the API key, start, status and log paging, a failed build's reason, refusals.
+#[tokio::test]
+async fn template_builds_as_the_sdk_drives_them() {
+    let (h, _drv, d) = host("builds");
+    let builds = crate::build::Builds::new(
+        &d,
+        Some(crate::build::BuildConfig {
+            exe: "/nonexistent/clade".into(),
+            kernel: "/nonexistent/vmlinuz".into(),
+            initrd: None,
+            cmdline: String::new(),
+            kvm_device: "/dev/kvm".into(),
+            disk_size: None,
+        }),
+    );
+    let app = router(AppState {
+        host: Arc::new(h),
+        api_key: Arc::new(KEY.into()),
+        domain: None,
+        sessions: Default::default(),
+        builds: Arc::new(builds),
+    });
+    let body = r#"{"name":"t1:v2","tags":["v2"],"cpuCount":1,"memoryMB":256}"#;
+    let (s, _, _) = call_key(&app, "POST", "/v3/templates", Some(body), None).await;
+    assert_eq!(s, 401);
+    let (s, _, v) = call(&app, "POST", "/v3/templates", Some(body)).await;
+    assert_eq!(s, 202, "{v}");
+    assert_eq!(v["templateID"], "t1");
+    assert_eq!(v["tags"], json!(["v2"]));
+    let bid = v["buildID"].as_str().unwrap().to_string();
+    for bad in [r#"{"name":"../x"}"#, r#"{"name":"t","memoryMB":1}"#, "{}"] {
+        let (s, _, v) = call(&app, "POST", "/v3/templates", Some(bad)).await;
+        assert_eq!(s, 400, "{bad}: {v}");
+    }
+    // The upload link, and the upload through it (no API key).
+    let hash = "b".repeat(64);
+    let get_link = HttpRequest::builder()
+        .uri(format!("/templates/t1/files/{hash}"))
+        .header("X-API-KEY", KEY)
+        .header("host", "clade.test:3000")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(get_link).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 201);
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["present"], false);
+    let url = v["url"].as_str().unwrap().to_string();
+    let path = url
+        .strip_prefix("http://clade.test:3000")
+        .expect("an absolute link");
+    let mut t = tar::Builder::new(Vec::new());
+    let mut hd = tar::Header::new_gnu();
+    hd.set_size(3);
+    hd.set_mode(0o644);
+    hd.set_cksum();
+    t.append_data(&mut hd, "f.txt", &b"abc"[..]).unwrap();
+    let tar = t.into_inner().unwrap();
+    let put = |p: String| {
+        HttpRequest::builder()
+            .method("PUT")
+            .uri(p)
+            .body(Body::from(tar.clone()))
+            .unwrap()
+    };
+    let wrong = format!("/build-files/{hash}/{}", "0".repeat(64));
+    assert_eq!(
+        app.clone()
+            .oneshot(put(wrong))
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        400
+    );
+    assert_eq!(
+        app.clone()
+            .oneshot(put(path.to_string()))
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        201
+    );
+    let again = HttpRequest::builder()
+        .uri(format!("/templates/t1/files/{hash}"))
+        .header("X-API-KEY", KEY)
+        .header("host", "clade.test:3000")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(again).await.unwrap();
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["present"], true, "{v}");
+    // A build whose base does not exist fails, with its reason and log.
+    let start = format!("/v2/templates/t1/builds/{bid}");
+    let steps = format!(
+        r#"{{"fromTemplate":"nope","force":false,"steps":[{{"type":"COPY","args":["f.txt","/x/","",""],"filesHash":"{hash}","force":false}}]}}"#
+    );
+    let (s, _, v) = call(&app, "POST", &start, Some(&steps)).await;
+    assert_eq!(s, 202, "{v}");
+    let (s, _, _) = call(&app, "POST", &start, Some(&steps)).await;
+    assert_eq!(s, 409, "a build starts once");
+    let status = format!("/templates/t1/builds/{bid}/status?logsOffset=0&limit=100");
+    let t0 = std::time::Instant::now();
+    let v = loop {
+        let (s, _, v) = call(&app, "GET", &status, None).await;
+        assert_eq!(s, 200, "{v}");
+        if v["status"] == "error" {
+            break v;
+        }
+        assert_eq!(v["status"], "building", "{v}");
+        assert!(t0.elapsed().as_secs() < 30, "{v}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(
+        v["reason"]["message"].as_str().unwrap().contains("nope"),
+        "{v}"
+    );
+    let n = v["logEntries"].as_array().unwrap().len();
+    assert!(n >= 1, "{v}");
+    assert!(v["logEntries"][0]["timestamp"].is_string(), "{v}");
+    let (_, _, v) = call(
+        &app,
+        "GET",
+        &format!("/templates/t1/builds/{bid}/status?logsOffset={n}"),
+        None,
+    )
+    .await;
+    assert_eq!(v["logEntries"], json!([]), "past the end: nothing");
+    assert_eq!(v["logs"], json!([]));
+    // Unknown builds and templates; a step whose files were not uploaded.
+    let (s, _, _) = call(&app, "GET", "/templates/t1/builds/ffff/status", None).await;
+    assert_eq!(s, 404);
+    let (s, _, _) = call(&app, "GET", "/templates/aliases/t1", None).await;
+    assert_eq!(s, 404, "a failed build registers nothing");
+    let (_, _, v) = call(&app, "POST", "/v3/templates", Some(r#"{"name":"t2"}"#)).await;
+    let bid2 = v["buildID"].as_str().unwrap();
+    let missing = format!(
+        r#"{{"fromTemplate":"x","steps":[{{"type":"COPY","args":["a","/b"],"filesHash":"{}"}}]}}"#,
+        "c".repeat(64)
+    );
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/v2/templates/t2/builds/{bid2}"),
+        Some(&missing),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["message"].as_str().unwrap().contains("not uploaded"),
+        "{v}"
+    );
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        &format!("/v2/templates/t1/builds/{bid2}"),
+        Some("{}"),
+    )
+    .await;
+    assert_eq!(s, 404, "a build id of another template");
+    std::fs::remove_dir_all(&d).ok();
 }

@@ -129,7 +129,8 @@ serve_on() {
     done
 }
 start_serve() {
-    serve_on "$PORT" "$STATE" "$LOG"
+    # With template builds (E2B's build API): Debian's kernel and Clade's initramfs.
+    serve_on "$PORT" "$STATE" "$LOG" "--build-kernel /guest/vmlinuz --build-initrd /guest/initrd.cpio"
     SERVE=$SERVED
 }
 trap 'fail "interrupted"' INT TERM

@@ -1,0 +1,850 @@
+//! Template builds the service runs: E2B's template build API (`Template.build(...)` of
+//! the SDK). A build is requested (a template name and its build id), the files its COPY
+//! steps need are uploaded by content hash, then it is started with its base (a registry
+//! image or another template) and steps; it runs in the background — its steps in a build
+//! VM through [`clade_builder`], each step a cached disk layer, then the template VM with
+//! its start and ready commands and its snapshot — while the client polls its status and
+//! log lines. A template appears (its `template.json` written) only when all of that
+//! succeeded; a failed build leaves its reason in its log and no template.
+//!
+//! Build records live in memory: a service restart forgets builds (never templates).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use clade_builder::dockerfile::{Action, Plan, Step};
+use clade_builder::layers::LayerCache;
+use clade_builder::vm::{StartCmd, VmSpec};
+use clade_image::ImageDefaults;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::template::{FromImage, Template, TemplateStore};
+
+/// The largest upload of a COPY step's files (compressed).
+pub const MAX_UPLOAD: u64 = 1 << 30;
+/// The most bytes a COPY step's files may unpack to.
+const MAX_UNPACKED: u64 = 16 << 30;
+/// Log lines kept per build.
+const MAX_LOG_LINES: usize = 20_000;
+/// Builds kept in memory (the oldest finished ones are forgotten first).
+const MAX_BUILDS: usize = 256;
+/// The longest wait for a template's ready command.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What the service builds templates with (`clade serve --build-kernel …`).
+#[derive(Debug, Clone)]
+pub struct BuildConfig {
+    /// The `clade` executable.
+    pub exe: PathBuf,
+    /// The guest kernel.
+    pub kernel: PathBuf,
+    /// Its initramfs (with clade-agent).
+    pub initrd: Option<PathBuf>,
+    /// Its command line.
+    pub cmdline: String,
+    /// The KVM device node.
+    pub kvm_device: PathBuf,
+    /// Each template's disk size (None: what the image needs plus a margin).
+    pub disk_size: Option<u64>,
+}
+
+/// A build's state as E2B names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildStatus {
+    /// Requested, not started.
+    Waiting,
+    /// Running.
+    Building,
+    /// Done: the template exists.
+    Ready,
+    /// Failed: see its reason.
+    Error,
+}
+
+impl BuildStatus {
+    /// E2B's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+}
+
+/// One log line of a build.
+#[derive(Debug, Clone)]
+pub struct LogLine {
+    /// When (ms since the epoch).
+    pub ms: i64,
+    /// "info" or "error".
+    pub level: &'static str,
+    /// The text.
+    pub message: String,
+}
+
+/// One build.
+#[derive(Debug)]
+pub struct Build {
+    /// The template it makes.
+    pub template: String,
+    /// Its vCPUs and memory.
+    pub vcpus: u32,
+    /// MiB.
+    pub mem_mib: u64,
+    /// Its state.
+    pub status: BuildStatus,
+    /// Its log.
+    pub logs: Vec<LogLine>,
+    /// Why it failed.
+    pub reason: Option<String>,
+}
+
+/// A step as the SDK sends it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct E2bStep {
+    /// COPY, RUN, ENV, WORKDIR, USER.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// COPY: the hash of its files.
+    #[serde(default)]
+    pub files_hash: Option<String>,
+    /// Run even if cached.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The body of a build's start.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartRequest {
+    /// A registry image to start from.
+    #[serde(default)]
+    pub from_image: Option<String>,
+    /// A template of this host to start from.
+    #[serde(default)]
+    pub from_template: Option<String>,
+    /// Registry credentials (only `type: registry` is used).
+    #[serde(default)]
+    pub from_image_registry: Option<serde_json::Value>,
+    /// Build every step again.
+    #[serde(default)]
+    pub force: bool,
+    /// The steps.
+    #[serde(default)]
+    pub steps: Vec<E2bStep>,
+    /// Started before the snapshot; runs in every sandbox.
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    /// Run until it succeeds before the snapshot.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+}
+
+/// The service's builds.
+pub struct Builds {
+    state_dir: PathBuf,
+    config: Option<BuildConfig>,
+    /// Builds by id.
+    builds: Mutex<BTreeMap<String, Arc<Mutex<Build>>>>,
+    /// Signs upload links (random per service start).
+    secret: [u8; 32],
+    /// The scheme of upload links (`https` when the service serves TLS).
+    scheme: &'static str,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn hex(d: impl AsRef<[u8]>) -> String {
+    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A files hash as the SDK makes it: 64 lowercase hex digits (never a path).
+fn check_hash(h: &str) -> Result<()> {
+    if h.len() == 64
+        && h.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(Error::BadRequest(format!("'{h}' is not a files hash")))
+    }
+}
+
+impl Builds {
+    /// Builds in `state_dir` with `config` (None: the build API answers that builds are
+    /// not configured).
+    pub fn new(state_dir: &Path, config: Option<BuildConfig>) -> Self {
+        let mut secret = [0u8; 32];
+        if getrandom::fill(&mut secret).is_err() {
+            // Without randomness upload links are still bound to this process.
+            secret[..8].copy_from_slice(&(std::process::id() as u64).to_le_bytes());
+        }
+        Builds {
+            state_dir: state_dir.to_path_buf(),
+            config,
+            builds: Mutex::new(BTreeMap::new()),
+            secret,
+            scheme: "http",
+        }
+    }
+
+    /// Upload links say `https` (the service serves TLS).
+    pub fn https(mut self, yes: bool) -> Self {
+        self.scheme = if yes { "https" } else { "http" };
+        self
+    }
+
+    /// The scheme of upload links.
+    pub fn scheme(&self) -> &'static str {
+        self.scheme
+    }
+
+    fn templates(&self) -> TemplateStore {
+        TemplateStore::new(&self.state_dir)
+    }
+
+    fn files_dir(&self) -> PathBuf {
+        self.state_dir.join("build-files")
+    }
+
+    /// Requests a build of template `name` (`name:tag` is taken as `name`); returns the
+    /// template's id (its name) and the build's id.
+    pub fn request(
+        &self,
+        name: &str,
+        vcpus: Option<u32>,
+        mem_mib: Option<u64>,
+    ) -> Result<(String, String)> {
+        if self.config.is_none() {
+            return Err(Error::BadRequest(
+                "this service builds no templates: start clade serve with --build-kernel (and --build-initrd)".into(),
+            ));
+        }
+        // `name`, `name:tag` or `team/name[:tag]`: the template is `name`.
+        let base = name.split(':').next().unwrap_or(name);
+        let parts: Vec<&str> = base.split('/').collect();
+        if parts.len() > 2 || !parts.iter().all(|p| crate::template::valid_name(p)) {
+            return Err(Error::BadRequest(format!(
+                "'{name}' is not a template name (letters, digits, '-', '_', '.'; optionally team/ before it and :tag after it)"
+            )));
+        }
+        let name = parts[parts.len() - 1];
+        let vcpus = vcpus.unwrap_or(1);
+        let mem_mib = mem_mib.unwrap_or(512);
+        if vcpus == 0 || vcpus > 32 || !(128..=65536).contains(&mem_mib) {
+            return Err(Error::BadRequest(format!(
+                "cpuCount {vcpus} / memoryMB {mem_mib}: 1-32 vCPUs and 128-65536 MiB"
+            )));
+        }
+        let mut id = [0u8; 10];
+        getrandom::fill(&mut id).map_err(|e| Error::Vm(format!("randomness: {e}")))?;
+        let build_id = hex(id);
+        let mut g = lock(&self.builds);
+        if g.len() >= MAX_BUILDS {
+            let done: Vec<String> = g
+                .iter()
+                .filter(|(_, b)| matches!(lock(b).status, BuildStatus::Ready | BuildStatus::Error))
+                .map(|(k, _)| k.clone())
+                .take(g.len() + 1 - MAX_BUILDS)
+                .collect();
+            for k in done {
+                g.remove(&k);
+            }
+        }
+        g.insert(
+            build_id.clone(),
+            Arc::new(Mutex::new(Build {
+                template: name.to_string(),
+                vcpus,
+                mem_mib,
+                status: BuildStatus::Waiting,
+                logs: Vec::new(),
+                reason: None,
+            })),
+        );
+        Ok((name.to_string(), build_id))
+    }
+
+    /// The build `build_id` of `template`.
+    pub fn get(&self, template: &str, build_id: &str) -> Result<Arc<Mutex<Build>>> {
+        let g = lock(&self.builds);
+        match g.get(build_id) {
+            Some(b) if lock(b).template == template => Ok(b.clone()),
+            _ => Err(Error::NotFound(format!(
+                "build {build_id} of template {template}"
+            ))),
+        }
+    }
+
+    /// Whether the files of `hash` were uploaded.
+    pub fn files_present(&self, hash: &str) -> Result<bool> {
+        check_hash(hash)?;
+        Ok(self.files_dir().join(format!("{hash}.tar")).is_file())
+    }
+
+    /// The token an upload of `hash` must carry (its link is given with the API key).
+    pub fn upload_token(&self, hash: &str) -> String {
+        let mut h = Sha256::new();
+        h.update(self.secret);
+        h.update(hash);
+        hex(h.finalize())
+    }
+
+    /// Keeps an upload of the files of `hash` (`token` from [`Builds::upload_token`]):
+    /// a gzipped or plain tar, stored decompressed and checked to be a tar.
+    pub fn store_upload(&self, hash: &str, token: &str, body: &[u8]) -> Result<()> {
+        check_hash(hash)?;
+        if !crate::envd::access::same_secret(token.as_bytes(), self.upload_token(hash).as_bytes()) {
+            return Err(Error::BadRequest("this upload link is not valid".into()));
+        }
+        let dir = self.files_dir();
+        std::fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+        let tmp = dir.join(format!(".{hash}.{}", std::process::id()));
+        let mut data: Box<dyn Read> = if body.starts_with(&[0x1f, 0x8b]) {
+            Box::new(flate2::read::GzDecoder::new(body))
+        } else {
+            Box::new(body)
+        };
+        let mut out = std::fs::File::create(&tmp).map_err(Error::io("creating", &tmp))?;
+        let n = std::io::copy(&mut (&mut data).take(MAX_UNPACKED + 1), &mut out);
+        let r = match n {
+            Ok(n) if n > MAX_UNPACKED => Err(Error::BadRequest(format!(
+                "the files unpack to more than {MAX_UNPACKED} bytes"
+            ))),
+            Ok(_) => {
+                // Every entry readable: a truncated or corrupt tar is refused now.
+                let f = std::fs::File::open(&tmp).map_err(Error::io("reading", &tmp))?;
+                let mut a = tar::Archive::new(f);
+                a.entries()
+                    .and_then(|mut es| es.try_for_each(|e| e.map(|_| ())))
+                    .map_err(|e| Error::BadRequest(format!("the upload is not a tar archive: {e}")))
+            }
+            Err(e) => Err(Error::BadRequest(format!("the upload: {e}"))),
+        };
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+            return r;
+        }
+        let dst = dir.join(format!("{hash}.tar"));
+        std::fs::rename(&tmp, &dst).map_err(Error::io("renaming", &tmp))
+    }
+
+    /// Starts build `build_id` of `template` in the background.
+    pub fn start(
+        self: &Arc<Self>,
+        template: &str,
+        build_id: &str,
+        req: StartRequest,
+        users: usize,
+    ) -> Result<()> {
+        let b = self.get(template, build_id)?;
+        {
+            let mut g = lock(&b);
+            if g.status != BuildStatus::Waiting {
+                return Err(Error::Conflict(format!(
+                    "build {build_id} was started already"
+                )));
+            }
+            if users > 0 {
+                return Err(Error::Conflict(format!(
+                    "template {template} is used by {users} sandbox(es): kill them before building it again"
+                )));
+            }
+            match (&req.from_image, &req.from_template) {
+                (Some(_), Some(_)) => {
+                    return Err(Error::BadRequest(
+                        "fromImage and fromTemplate together".into(),
+                    ))
+                }
+                (None, None) => {
+                    return Err(Error::BadRequest(
+                        "neither fromImage nor fromTemplate".into(),
+                    ))
+                }
+                _ => {}
+            }
+            for (i, s) in req.steps.iter().enumerate() {
+                if !["COPY", "RUN", "ENV", "WORKDIR", "USER"].contains(&s.kind.as_str()) {
+                    return Err(Error::BadRequest(format!(
+                        "step {}: type '{}' is not supported",
+                        i + 1,
+                        s.kind
+                    )));
+                }
+                if let Some(h) = &s.files_hash {
+                    check_hash(h)?;
+                    if !self.files_present(h)? {
+                        return Err(Error::BadRequest(format!(
+                            "step {}: its files ({h}) were not uploaded",
+                            i + 1
+                        )));
+                    }
+                }
+            }
+            g.status = BuildStatus::Building;
+        }
+        let me = self.clone();
+        let id = build_id.to_string();
+        std::thread::Builder::new()
+            .name(format!("build-{id}"))
+            .spawn(move || me.run(&b, &id, &req))
+            .map_err(|e| Error::Vm(format!("starting the build: {e}")))?;
+        Ok(())
+    }
+
+    fn run(&self, b: &Arc<Mutex<Build>>, id: &str, req: &StartRequest) {
+        let log = |level: &'static str, m: &str| {
+            let mut g = lock(b);
+            if g.logs.len() < MAX_LOG_LINES {
+                g.logs.push(LogLine {
+                    ms: crate::ids::now_ms(),
+                    level,
+                    message: m.to_string(),
+                });
+            }
+        };
+        let work = self.state_dir.join("build-jobs").join(id);
+        let r = self.build(b, req, &work, &log);
+        let _ = std::fs::remove_dir_all(&work);
+        let mut g = lock(b);
+        match r {
+            Ok(t) => {
+                g.status = BuildStatus::Ready;
+                let line = format!("template {} built", t.name);
+                drop(g);
+                log("info", &line);
+            }
+            Err(e) => {
+                tracing::warn!("build {id}: {e}");
+                g.status = BuildStatus::Error;
+                g.reason = Some(e.to_string());
+                drop(g);
+                log("error", &e.to_string());
+            }
+        }
+    }
+
+    fn build(
+        &self,
+        b: &Arc<Mutex<Build>>,
+        req: &StartRequest,
+        work: &Path,
+        log: &dyn Fn(&'static str, &str),
+    ) -> Result<Template> {
+        let cfg = self
+            .config
+            .clone()
+            .ok_or_else(|| Error::BadRequest("builds are not configured".into()))?;
+        let (name, vcpus, mem_mib) = {
+            let g = lock(b);
+            (g.template.clone(), g.vcpus, g.mem_mib)
+        };
+        let verr = |e: clade_builder::Error| match e {
+            clade_builder::Error::StepFailed {
+                line,
+                text,
+                status,
+                output,
+            } => Error::BadRequest(format!(
+                "step {line} `{text}` failed ({status}){}",
+                if output.is_empty() {
+                    String::new()
+                } else {
+                    format!(":\n{output}")
+                }
+            )),
+            e => Error::Vm(e.to_string()),
+        };
+        let cache = LayerCache::new(&self.state_dir.join("build-cache"));
+        // The base: a registry image converted once, or a template's frozen disk.
+        let (base, key, defaults, reference) = match (&req.from_image, &req.from_template) {
+            (Some(img), _) => {
+                if !clade_image::is_reference(img) {
+                    return Err(Error::BadRequest(format!(
+                        "fromImage '{img}' is not a registry reference"
+                    )));
+                }
+                log("info", &format!("pulling {img}"));
+                let pulled = clade_image::pull(img, &self.state_dir.join("images"), None)
+                    .map_err(|e| Error::BadRequest(format!("fromImage {img}: {e}")))?;
+                let src = clade_image::Source::open(&pulled.layout)
+                    .map_err(|e| Error::BadRequest(format!("fromImage {img}: {e}")))?;
+                let (base, key, converted) = cache.image_base(&src, cfg.disk_size).map_err(verr)?;
+                log(
+                    "info",
+                    &format!(
+                        "{img}: {}",
+                        if converted.is_some() {
+                            "converted"
+                        } else {
+                            "cached"
+                        }
+                    ),
+                );
+                (base, key, src.defaults().clone(), img.clone())
+            }
+            (None, Some(t)) => {
+                let tpl = self.templates().get(t)?;
+                let snap = self.templates().snapshot_dir(t)?;
+                let prepared = vmm::PreparedSnapshot::open(&snap, vmm::CpuCheck::default())
+                    .map_err(|e| Error::Vm(format!("template {t}: {e}")))?;
+                let layer = prepared.disk().map(|d| d.layer.clone()).ok_or_else(|| {
+                    Error::BadRequest(format!("template {t} has no disk to build on"))
+                })?;
+                let mut h = Sha256::new();
+                h.update(format!("template\0{t}\0{}", tpl.created_ms));
+                let d = tpl.image.as_ref().map(|i| ImageDefaults {
+                    env: i.env.clone().into_iter().collect(),
+                    cwd: i.cwd.clone(),
+                    user: i.user.clone(),
+                    entrypoint: Vec::new(),
+                    cmd: i.start_cmd.clone(),
+                });
+                (
+                    layer,
+                    hex(h.finalize()),
+                    d.unwrap_or_default(),
+                    format!("template {t}"),
+                )
+            }
+            (None, None) => return Err(Error::BadRequest("no base".into())),
+        };
+        // The COPY steps' files, unpacked into one context (member names are relative to
+        // the SDK's context directory).
+        let ctx = work.join("context");
+        std::fs::create_dir_all(&ctx).map_err(Error::io("creating", &ctx))?;
+        for s in &req.steps {
+            if let Some(h) = &s.files_hash {
+                let f = self.files_dir().join(format!("{h}.tar"));
+                let file = std::fs::File::open(&f).map_err(Error::io("opening", &f))?;
+                let mut a = tar::Archive::new(file);
+                a.set_preserve_permissions(true);
+                a.set_overwrite(true);
+                a.unpack(&ctx)
+                    .map_err(|e| Error::BadRequest(format!("the files of a COPY ({h}): {e}")))?;
+            }
+        }
+        let plan = plan_of(&defaults, req)?;
+        let spec = VmSpec {
+            exe: cfg.exe.clone(),
+            kernel: cfg.kernel.clone(),
+            initrd: cfg.initrd.clone(),
+            cmdline: cfg.cmdline.clone(),
+            vcpus,
+            mem_mib,
+            kvm_device: cfg.kvm_device.clone(),
+            net: None,
+            test_device: false,
+            agent_timeout: Duration::from_secs(240),
+        };
+        let (top, report) = clade_builder::layers::build(
+            &plan,
+            &base,
+            &key,
+            Some(&ctx),
+            &cache,
+            &spec,
+            &mut |l: &str| log("info", l),
+        )
+        .map_err(verr)?;
+        log(
+            "info",
+            &format!(
+                "{} steps, {} cached, {} run",
+                report.steps,
+                report.cached,
+                report.ran.len()
+            ),
+        );
+        // The template VM, in the template's own directory (an old template of that name
+        // goes only now, its sandboxes checked gone when the build started).
+        let store = self.templates();
+        let dir = store.prepare(&name, true)?;
+        let r = (|| {
+            let overlay = dir.join("disk.cdsk");
+            disk::ops::create(
+                &overlay,
+                &disk::ops::CreateOptions {
+                    virtual_size: None,
+                    block_size: None,
+                    parent: Some(top.clone()),
+                },
+            )
+            .map_err(|e| Error::Vm(format!("the template's disk: {e}")))?;
+            let start = req.start_cmd.as_ref().map(|c| StartCmd {
+                cmd: c.clone(),
+                ready: req.ready_cmd.clone(),
+                env: plan.defaults.env.clone(),
+                cwd: plan.defaults.cwd.clone(),
+                user: plan.defaults.user.clone(),
+                ready_timeout: READY_TIMEOUT,
+            });
+            log("info", "starting the template VM");
+            clade_builder::vm::snapshot_template(
+                &spec,
+                &dir,
+                Some(&overlay),
+                &[],
+                start.as_ref(),
+                &store.snapshot_dir(&name)?,
+            )
+            .map_err(verr)?;
+            let boot = store.keep_boot(&name, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
+            let t = Template {
+                name: name.clone(),
+                vcpus,
+                mem_mib,
+                disk: true,
+                test_guest: false,
+                created_ms: crate::ids::now_ms(),
+                setup: Vec::new(),
+                net: false,
+                image: Some(FromImage {
+                    reference,
+                    env: plan.defaults.env.iter().cloned().collect(),
+                    cwd: plan.defaults.cwd.clone(),
+                    user: plan.defaults.user.clone(),
+                    start_cmd: req.start_cmd.iter().cloned().collect(),
+                }),
+                boot: Some(boot),
+            };
+            store.finish(&t)?;
+            Ok(t)
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        r
+    }
+}
+
+/// The steps of an E2B build evaluated on the base's `defaults`, as a Dockerfile's are.
+fn plan_of(defaults: &ImageDefaults, req: &StartRequest) -> Result<Plan> {
+    let mut env = defaults.env.clone();
+    let mut cwd = defaults.cwd.clone();
+    let mut user = defaults.user.clone();
+    let mut steps = Vec::new();
+    let mut forced = req.force;
+    for (i, s) in req.steps.iter().enumerate() {
+        let n = i + 1;
+        let bad = |m: &str| Error::BadRequest(format!("step {n} ({}): {m}", s.kind));
+        forced |= s.force;
+        let text = format!("{} {}", s.kind, s.args.join(" "));
+        let mut push = |action: Action, as_user: &str| {
+            steps.push(Step {
+                line: n,
+                text: text.clone(),
+                action,
+                env: env.clone(),
+                cwd: cwd.clone(),
+                user: as_user.to_string(),
+                force: forced,
+            })
+        };
+        match s.kind.as_str() {
+            "RUN" => {
+                let cmd = s.args.first().ok_or_else(|| bad("no command"))?;
+                let as_user = s
+                    .args
+                    .get(1)
+                    .filter(|u| !u.is_empty())
+                    .cloned()
+                    .unwrap_or(user.clone());
+                push(
+                    Action::Run {
+                        argv: vec!["/bin/sh".into(), "-c".into(), cmd.clone()],
+                    },
+                    &as_user,
+                );
+            }
+            "COPY" => {
+                let (src, dest) = match s.args.as_slice() {
+                    [src, dest, ..] => (src, dest),
+                    _ => return Err(bad("needs a source and a destination")),
+                };
+                let chown = s.args.get(2).filter(|u| !u.is_empty()).cloned();
+                let chmod = match s.args.get(3).filter(|m| !m.is_empty()) {
+                    None => None,
+                    Some(m) => Some(
+                        u32::from_str_radix(m, 8)
+                            .ok()
+                            .filter(|m| *m <= 0o7777)
+                            .ok_or_else(|| bad("its mode is not octal"))?,
+                    ),
+                };
+                if s.files_hash.is_none() {
+                    return Err(bad("no filesHash"));
+                }
+                let src = clade_builder::dockerfile::context_path(n, src)
+                    .map_err(|e| bad(&e.to_string()))?;
+                let dest = clade_builder::dockerfile::absolute_in(
+                    if cwd.is_empty() { "/" } else { &cwd },
+                    dest,
+                );
+                let u = user.clone();
+                push(
+                    Action::Copy {
+                        srcs: vec![src],
+                        dest,
+                        chown,
+                        chmod,
+                    },
+                    &u,
+                );
+            }
+            "ENV" => {
+                if s.args.len() % 2 != 0 {
+                    return Err(bad("its arguments are not name/value pairs"));
+                }
+                for kv in s.args.chunks(2) {
+                    if kv[0].is_empty() || kv[0].contains(['=', '\0']) {
+                        return Err(bad(&format!("'{}' is not a variable name", kv[0])));
+                    }
+                    env.retain(|(k, _)| *k != kv[0]);
+                    env.push((kv[0].clone(), kv[1].clone()));
+                }
+            }
+            "WORKDIR" => {
+                let w = s
+                    .args
+                    .first()
+                    .filter(|w| !w.is_empty())
+                    .ok_or_else(|| bad("no directory"))?;
+                cwd = clade_builder::dockerfile::absolute_in(
+                    if cwd.is_empty() { "/" } else { &cwd },
+                    w,
+                )
+                .trim_end_matches('/')
+                .to_string();
+                if cwd.is_empty() {
+                    cwd = "/".into();
+                }
+            }
+            "USER" => {
+                let u = s
+                    .args
+                    .first()
+                    .filter(|u| !u.is_empty())
+                    .ok_or_else(|| bad("no user"))?;
+                user = u.clone();
+            }
+            _ => return Err(bad("not supported")),
+        }
+    }
+    Ok(Plan {
+        from: String::new(),
+        steps,
+        defaults: ImageDefaults {
+            env,
+            cwd,
+            user,
+            entrypoint: Vec::new(),
+            cmd: req.start_cmd.iter().cloned().collect(),
+        },
+        ignored: Vec::new(),
+        unused_args: Vec::new(),
+    })
+}
+
+/// Step and build names for tests.
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2b_steps_become_a_plan() {
+        let req: StartRequest = serde_json::from_value(serde_json::json!({
+            "fromImage": "x", "force": false,
+            "steps": [
+                {"type": "COPY", "args": ["a.txt", "/app/", "", "0755"], "filesHash": "ab", "force": false},
+                {"type": "RUN", "args": ["echo 1 && echo 2", "root"], "force": false},
+                {"type": "ENV", "args": ["A", "1", "B", "two words"], "force": false},
+                {"type": "WORKDIR", "args": ["/app"], "force": false},
+                {"type": "USER", "args": ["user"], "force": true},
+                {"type": "RUN", "args": ["make"], "force": false}
+            ],
+            "startCmd": "python -m http.server", "readyCmd": "true"
+        }))
+        .unwrap();
+        let p = plan_of(&ImageDefaults::default(), &req).unwrap();
+        assert_eq!(p.steps.len(), 3);
+        assert!(
+            matches!(&p.steps[0].action, Action::Copy { srcs, dest, chmod: Some(0o755), .. } if srcs == &["a.txt"] && dest == "/app/")
+        );
+        assert_eq!(p.steps[1].user, "root");
+        assert!(!p.steps[1].force);
+        assert_eq!(p.steps[2].user, "user");
+        assert_eq!(p.steps[2].cwd, "/app");
+        assert!(p.steps[2].env.contains(&("B".into(), "two words".into())));
+        assert!(p.steps[2].force, "a forced step runs again");
+        assert_eq!(p.defaults.user, "user");
+        assert_eq!(p.defaults.cmd, vec!["python -m http.server".to_string()]);
+        for bad in [
+            serde_json::json!({"type": "COPY", "args": ["../x", "/y", "", ""], "filesHash": "ab"}),
+            serde_json::json!({"type": "COPY", "args": ["x", "/y", "", "999"], "filesHash": "ab"}),
+            serde_json::json!({"type": "COPY", "args": ["x", "/y", "", ""]}),
+            serde_json::json!({"type": "ENV", "args": ["A"]}),
+            serde_json::json!({"type": "RUN", "args": []}),
+            serde_json::json!({"type": "USER", "args": [""]}),
+            serde_json::json!({"type": "HEALTHCHECK", "args": ["x"]}),
+        ] {
+            let r: StartRequest = serde_json::from_value(
+                serde_json::json!({"fromImage": "x", "steps": [bad.clone()]}),
+            )
+            .unwrap();
+            assert!(
+                matches!(
+                    plan_of(&ImageDefaults::default(), &r),
+                    Err(Error::BadRequest(_))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn uploads_need_their_link_and_a_tar() {
+        let d = std::env::temp_dir().join(format!("sandbox-builds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let b = Builds::new(&d, None);
+        let h = "a".repeat(64);
+        assert!(!b.files_present(&h).unwrap());
+        assert!(b.files_present("../../etc/passwd").is_err());
+        let mut t = tar::Builder::new(Vec::new());
+        let mut hd = tar::Header::new_gnu();
+        hd.set_size(2);
+        hd.set_mode(0o644);
+        hd.set_cksum();
+        t.append_data(&mut hd, "f.txt", &b"hi"[..]).unwrap();
+        let tar = t.into_inner().unwrap();
+        assert!(b.store_upload(&h, "wrong", &tar).is_err());
+        assert!(b
+            .store_upload(&h, &b.upload_token(&h), b"not a tar at all, truncated")
+            .is_err());
+        assert!(!b.files_present(&h).unwrap());
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &tar).unwrap();
+        b.store_upload(&h, &b.upload_token(&h), &gz.finish().unwrap())
+            .unwrap();
+        assert!(b.files_present(&h).unwrap());
+        // Without a build configuration nothing is built.
+        assert!(matches!(
+            b.request("t", None, None),
+            Err(Error::BadRequest(_))
+        ));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

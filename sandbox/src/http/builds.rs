@@ -1,0 +1,166 @@
+//! E2B's template build API ([`crate::build`]): request a build, upload a COPY step's
+//! files by hash, start the build, poll its status and log.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State as AxState};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{body, ApiError, ApiResult, AppState};
+use crate::build::StartRequest;
+use crate::ids;
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BuildRequest {
+    name: String,
+    #[serde(default)]
+    tags: Vec<String>,
+    #[serde(default)]
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB", default)]
+    memory_mb: Option<u64>,
+}
+
+async fn run<T: Send + 'static>(
+    f: impl FnOnce() -> crate::Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    crate::run_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("worker: {e}")))?
+        .map_err(ApiError::from)
+}
+
+/// `POST /v3/templates`: a build of template `name` is requested (202).
+pub(super) async fn request(AxState(st): AxState<AppState>, b: Bytes) -> ApiResult<Response> {
+    let r: BuildRequest = body(&b)?;
+    let builds = st.builds.clone();
+    let (tpl, bid) = run(move || builds.request(&r.name, r.cpu_count, r.memory_mb)).await?;
+    let v = json!({
+        "templateID": tpl,
+        "buildID": bid,
+        "public": false,
+        "names": [tpl],
+        "tags": r.tags,
+        "aliases": [tpl],
+    });
+    Ok((StatusCode::ACCEPTED, Json(v)).into_response())
+}
+
+/// `GET /templates/{id}/files/{hash}`: whether a COPY step's files are here, and where to
+/// upload them (201).
+pub(super) async fn files(
+    AxState(st): AxState<AppState>,
+    Path((_tpl, hash)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let present = st.builds.files_present(&hash).map_err(ApiError::from)?;
+    let host = headers
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_graphic()))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "no Host header to make an upload link with",
+            )
+        })?;
+    let url = format!(
+        "{}://{host}/build-files/{hash}/{}",
+        st.builds.scheme(),
+        st.builds.upload_token(&hash)
+    );
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "present": present, "url": url })),
+    )
+        .into_response())
+}
+
+/// `PUT /build-files/{hash}/{token}`: the upload itself (no API key: the link is the key).
+pub(super) async fn upload(
+    AxState(st): AxState<AppState>,
+    Path((hash, token)): Path<(String, String)>,
+    b: Bytes,
+) -> ApiResult<Response> {
+    let builds = st.builds.clone();
+    run(move || builds.store_upload(&hash, &token, &b)).await?;
+    Ok(StatusCode::CREATED.into_response())
+}
+
+/// `POST /v2/templates/{id}/builds/{buildID}`: the build starts (202).
+pub(super) async fn start(
+    AxState(st): AxState<AppState>,
+    Path((tpl, bid)): Path<(String, String)>,
+    b: Bytes,
+) -> ApiResult<Response> {
+    let req: StartRequest = body(&b)?;
+    let builds = st.builds.clone();
+    let host = st.host.clone();
+    run(move || {
+        let users = host.template_users(&tpl)?;
+        builds.start(&tpl, &bid, req, users)
+    })
+    .await?;
+    Ok((StatusCode::ACCEPTED, Json(json!({}))).into_response())
+}
+
+/// `GET /templates/{id}/builds/{buildID}/status?logsOffset=N&limit=M`.
+pub(super) async fn status(
+    AxState(st): AxState<AppState>,
+    Path((tpl, bid)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (mut offset, mut limit) = (0usize, 100usize);
+    for (k, v) in form_urlencoded::parse(q.unwrap_or_default().as_bytes()) {
+        let n = v
+            .parse::<usize>()
+            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, format!("{k}={v}: not a number")));
+        match k.as_ref() {
+            "logsOffset" => offset = n?,
+            "limit" => limit = n?.min(1000),
+            _ => {}
+        }
+    }
+    let b = st.builds.get(&tpl, &bid).map_err(ApiError::from)?;
+    let g = b.lock().unwrap_or_else(|p| p.into_inner());
+    let entries: Vec<Value> = g
+        .logs
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(|l| json!({"timestamp": ids::rfc3339(l.ms), "level": l.level, "message": l.message}))
+        .collect();
+    let mut v = json!({
+        "templateID": tpl,
+        "buildID": bid,
+        "status": g.status.as_str(),
+        "logs": [],
+        "logEntries": entries,
+    });
+    if let Some(r) = &g.reason {
+        v["reason"] = json!({ "message": r });
+    }
+    Ok(Json(v).into_response())
+}
+
+/// `GET /templates/aliases/{name}`: whether template `name` exists.
+pub(super) async fn alias(
+    AxState(st): AxState<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    let host: Arc<crate::Host> = st.host.clone();
+    let n = name.clone();
+    match run(move || host.template(&n)).await {
+        Ok(_) => Ok(Json(json!({"templateID": name, "public": false})).into_response()),
+        Err(_) => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("template {name} not found"),
+        )),
+    }
+}
