@@ -134,7 +134,7 @@ pub struct StartRequest {
     /// A template of this host to start from.
     #[serde(default)]
     pub from_template: Option<String>,
-    /// Registry credentials (only `type: registry` is used).
+    /// Registry credentials (refused: the service reads Docker's `config.json`).
     #[serde(default)]
     pub from_image_registry: Option<serde_json::Value>,
     /// Build every step again.
@@ -362,6 +362,13 @@ impl Builds {
                 return Err(Error::Conflict(format!(
                     "template {template} is used by {users} sandbox(es): kill them before building it again"
                 )));
+            }
+            if req.from_image_registry.is_some() {
+                return Err(Error::BadRequest(
+                    "registry credentials in a build request are not supported: give them to the \
+                     service's user in ~/.docker/config.json"
+                        .into(),
+                ));
             }
             match (&req.from_image, &req.from_template) {
                 (Some(_), Some(_)) => {

@@ -1585,3 +1585,44 @@ async fn stream_input_writes_in_order_and_refuses_bad_streams() {
         assert_eq!(end["error"]["code"], code, "{end}");
     }
 }
+
+/// A template built from an image, a Dockerfile or an E2B build keeps its user: requests
+/// that name none run as it (E2B's defaults); `root` is still root.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_without_a_user_run_as_the_templates_user() {
+    let env = setup("template-user");
+    // The template now says `USER 4242:4242` (an image's, say).
+    let tpl = env
+        .dir
+        .parent()
+        .unwrap()
+        .join("templates")
+        .join(TEMPLATE)
+        .join("template.json");
+    let mut t: Value = serde_json::from_slice(&std::fs::read(&tpl).unwrap()).unwrap();
+    t["image"] =
+        json!({"reference": "test", "env": {}, "cwd": "", "user": "4242:4242", "start_cmd": []});
+    std::fs::write(&tpl, serde_json::to_vec(&t).unwrap()).unwrap();
+    let id_u = |auth: Option<&str>| {
+        let mut r = env.req(
+            "POST",
+            "/process.Process/Start",
+            Some("application/connect+json"),
+            start_json("id -u; cd && pwd", false),
+        );
+        if let Some(a) = auth {
+            r.headers_mut().insert("authorization", a.parse().unwrap());
+        }
+        r
+    };
+    let (s, _, body) = env.send(id_u(None)).await;
+    assert_eq!(s, StatusCode::OK);
+    let (events, _) = json_stream(&body);
+    let out = String::from_utf8(collect_output(&events, "stdout")).unwrap();
+    assert_eq!(out, "4242\n/\n", "{out} {events:?}");
+    // root, by name.
+    let (_, _, body) = env.send(id_u(Some("Basic cm9vdDo="))).await;
+    let (events, _) = json_stream(&body);
+    let out = String::from_utf8(collect_output(&events, "stdout")).unwrap();
+    assert_eq!(out, "0\n/root\n", "{out}");
+}

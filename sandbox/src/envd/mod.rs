@@ -156,6 +156,8 @@ pub(crate) struct SandboxConn {
     pub envd_token: Option<String>,
     /// Its traffic access token (exposed ports); `None`: public.
     pub traffic_token: Option<String>,
+    /// The user requests that name none run as (its template's), `None`: root.
+    default_user: Option<String>,
     client: Mutex<Option<Client>>,
     /// File-operation connections of non-root users (AsUser), by uid.
     user_clients: Mutex<HashMap<u32, Client>>,
@@ -305,12 +307,22 @@ impl SandboxConn {
         Ok(())
     }
 
-    /// The user a request runs as: `name`, or root when none is given (envd >= 0.4.0 lets
-    /// the server pick; Clade's templates have no `user` account).
+    /// The user a request runs as: `name`, or when none is given the template's user (an
+    /// image's or a Dockerfile's `USER`, an E2B build's `set_user`), else root (envd >=
+    /// 0.4.0 lets the server pick).
     pub fn user(&self, name: Option<&str>) -> Result<User, RpcError> {
-        let name = match name {
-            None | Some("") | Some("root") => return Ok(self.user_by_uid(0)),
-            Some(n) => n,
+        let name = match (name, self.default_user.as_deref()) {
+            (Some("root"), _) | (None | Some(""), None) => return Ok(self.user_by_uid(0)),
+            (None | Some(""), Some(d)) => {
+                // `user`, `uid`, `user:group`, `uid:gid`: the user part decides.
+                let u = d.split(':').next().unwrap_or(d);
+                return match u.parse::<u32>() {
+                    Ok(uid) => Ok(self.user_by_uid_or_bare(uid)),
+                    Err(_) if u == "root" || u.is_empty() => Ok(self.user_by_uid(0)),
+                    Err(_) => self.user(Some(u)),
+                };
+            }
+            (Some(n), _) => n,
         };
         self.load_users()?;
         let g = lock(&self.users);
@@ -322,6 +334,21 @@ impl SandboxConn {
                     format!("user '{name}' does not exist in sandbox {}", self.id),
                 )
             })
+    }
+
+    /// The user of `uid`, or one with no account (its uid as gid, `/` as home).
+    fn user_by_uid_or_bare(&self, uid: u32) -> User {
+        let u = self.user_by_uid(uid);
+        if u.uid == uid {
+            return u;
+        }
+        User {
+            name: uid.to_string(),
+            uid,
+            gid: uid,
+            home: "/".into(),
+            groups: vec![uid],
+        }
     }
 
     fn user_by_uid(&self, uid: u32) -> User {
@@ -414,13 +441,23 @@ impl DataPlane {
                 t.sandbox
             )));
         };
-        let mut map = lock(&self.sandboxes);
+        let map = lock(&self.sandboxes);
         if let Some(c) = map.get(&rec.id) {
             if c.vsock == vsock {
                 *lock(&c.checked) = (changes, Instant::now());
                 return Ok(c.clone());
             }
         }
+        drop(map);
+        // Its template's user (a file read, once per route).
+        let default_user = self
+            .host
+            .template(&rec.template)
+            .ok()
+            .and_then(|t| t.image)
+            .map(|i| i.user)
+            .filter(|u| !u.is_empty());
+        let mut map = lock(&self.sandboxes);
         // New, or resumed since (a new VM process: old connections and processes are gone).
         let c = Arc::new(SandboxConn {
             id: rec.id.clone(),
@@ -428,6 +465,7 @@ impl DataPlane {
             env: rec.env_vars.clone(),
             envd_token: rec.envd_token.clone(),
             traffic_token: rec.traffic_token.clone(),
+            default_user,
             client: Mutex::new(None),
             user_clients: Mutex::new(HashMap::new()),
             users: Mutex::new(None),
