@@ -1,7 +1,7 @@
 //! A Dockerfile's steps run in a build VM, each step's result a frozen disk layer kept in
 //! a cache by content.
 //!
-//! The cache (`<state dir>/build-cache/`) holds layers and an index: `index/<key>` names
+//! The cache (a directory the caller names: `clade` keeps it in `<state dir>/templates/.build-cache`) holds layers and an index: `index/<key>` names
 //! the layer a step's key was built into. A key is the SHA-256 of the key before it (the
 //! base image's for the first step), the step as evaluated (its command, environment,
 //! working directory and user; not its line number) and, for a COPY, the names, modes,
@@ -363,8 +363,9 @@ pub struct BuildReport {
 pub type Log<'a> = &'a mut dyn FnMut(&str);
 
 /// The user a step names, as uid and gid, from the guest's `/etc/passwd` and
-/// `/etc/group` (`name`, `uid`, `name:group`, `uid:gid`).
-pub(crate) fn resolve_user(agent: &Client, line: usize, user: &str) -> Result<(u32, u32)> {
+/// `/etc/group` (`name`, `uid`, `name:group`, `uid:gid`); `line` is the step's, for the
+/// error (0: none).
+pub fn resolve_user(agent: &Client, line: usize, user: &str) -> Result<(u32, u32)> {
     if user.is_empty() || user == "root" {
         return Ok((0, 0));
     }

@@ -475,7 +475,7 @@ impl Builds {
             )),
             e => Error::Vm(e.to_string()),
         };
-        let cache = LayerCache::new(&self.state_dir.join("build-cache"));
+        let cache = LayerCache::new(&self.templates().build_cache_dir());
         // The base: a registry image converted once, or a template's frozen disk.
         let (base, key, defaults, reference) = match (&req.from_image, &req.from_template) {
             (Some(img), _) => {
@@ -628,6 +628,9 @@ impl Builds {
                 }),
                 boot: Some(boot),
             };
+            // Every jailed VM process reads the template and the layers it stands on.
+            crate::vmproc::jail::share_tree(&dir)?;
+            crate::vmproc::jail::share_tree(&store.build_cache_dir())?;
             store.finish(&t)?;
             Ok(t)
         })();

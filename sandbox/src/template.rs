@@ -145,6 +145,15 @@ impl TemplateStore {
         Ok(self.root.join(name))
     }
 
+    /// The layer cache of template builds (Dockerfile steps, E2B build steps, converted
+    /// base images): `templates/.build-cache`, inside the templates directory because a
+    /// template stands on its layers, and every jailed VM process sees that directory
+    /// (also a standby jailed before the template was built). No template can be named so
+    /// (names do not start with `.`).
+    pub fn build_cache_dir(&self) -> PathBuf {
+        self.root.join(".build-cache")
+    }
+
     /// Its snapshot directory.
     pub fn snapshot_dir(&self, name: &str) -> Result<PathBuf> {
         Ok(self.dir(name)?.join(SNAPSHOT_DIR))

@@ -161,6 +161,34 @@ impl Drop for RawMode {
     }
 }
 
+/// Runs `command` in the guest behind the vsock socket `socket` (agent port 52) as
+/// `clade exec` does: stdin forwarded, a terminal when both ends are one, signals passed
+/// on; returns its exit code.
+pub fn exec_in(
+    socket: &Path,
+    command: Vec<OsString>,
+    env: Vec<(OsString, OsString)>,
+    cwd: Option<PathBuf>,
+    user: Option<(u32, Option<u32>)>,
+) -> anyhow::Result<u8> {
+    use std::io::IsTerminal;
+    let tty = io::stdin().is_terminal() && io::stdout().is_terminal();
+    exec(ExecArgs {
+        socket: socket.to_path_buf(),
+        env,
+        cwd,
+        tty,
+        user,
+        no_stdin: false,
+        agent: AgentOpts {
+            direct: false,
+            port: Some(52),
+            wait: 0.0,
+        },
+        command,
+    })
+}
+
 pub fn exec(args: ExecArgs) -> anyhow::Result<u8> {
     let client = args
         .agent

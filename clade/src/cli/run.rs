@@ -12,11 +12,31 @@ use super::jail::JailArgs;
 use super::ownnet::{parse_net_arg, run_with_own_network, NetArg, OwnNetArgs};
 use super::MachineArgs;
 
+mod image;
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Kernel image: bzImage or ELF (vmlinux, or the project's native test guest).
-    #[arg(long)]
-    kernel: PathBuf,
+    /// Kernel image: bzImage or ELF (vmlinux, or the project's native test guest). With
+    /// --image: default `<state dir>/guest/vmlinuz`.
+    #[arg(long, required_unless_present = "image")]
+    kernel: Option<PathBuf>,
+    /// Run a sandbox of a container image (an OCI layout directory, an OCI or `docker
+    /// save` archive, or a registry reference): converted into a template once (kept in
+    /// the state directory), each run restored from its snapshot; runs COMMAND (default:
+    /// the image's entrypoint and command, else /bin/sh) as the image's user, then ends.
+    #[arg(long, value_name = "REF")]
+    image: Option<String>,
+    /// With --image: where converted images live (default `$CLADE_HOME`, else
+    /// `~/.local/share/clade`).
+    #[arg(long, value_name = "DIR", requires = "image")]
+    state_dir: Option<PathBuf>,
+    /// With --image: the command to run (after `--`).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        requires = "image"
+    )]
+    command: Vec<std::ffi::OsString>,
     /// Initramfs to load.
     #[arg(long)]
     initrd: Option<PathBuf>,
@@ -79,13 +99,19 @@ pub struct RunArgs {
 }
 
 pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
+    if let Some(img) = args.image.take() {
+        return image::run_image(img, args);
+    }
+    let Some(mut kernel) = args.kernel.take() else {
+        anyhow::bail!("--kernel is required (or --image)");
+    };
     if matches!(args.net, Some(NetArg::Auto)) {
         let cmdline = format!("{} {}", args.cmdline, sandbox::net::guest_cmdline());
         return run_with_own_network(&args.own_net, Some(cmdline));
     }
     let net = args.net.take().and_then(NetArg::given);
     args.jail.absolute(
-        [&mut args.kernel]
+        [&mut kernel]
             .into_iter()
             .chain(&mut args.initrd)
             .chain(&mut args.serial_file)
@@ -98,7 +124,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
         .require_files_root(args.api_sock.is_some(), args.files_root.is_some())?;
     check_jailed_net(args.jail.jailed(), net.as_ref())?;
     let jailed = args.jail.enter(&args.machine.kvm_device, |p| {
-        p.read(&args.kernel)?;
+        p.read(&kernel)?;
         if let Some(initrd) = &args.initrd {
             p.read(initrd)?;
         }
@@ -126,7 +152,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
     let config = VmConfig {
         vcpus: args.machine.vcpus,
         mem_mib: args.machine.mem_mib,
-        kernel: args.kernel,
+        kernel,
         initrd: args.initrd,
         cmdline: args.cmdline,
         serial: args

@@ -499,7 +499,7 @@ pub struct BuildArgs {
     /// A Dockerfile to build the template's disk from: its FROM image (a registry
     /// reference, or an image layout or archive path, relative to the context) converted
     /// once, then its RUN and COPY steps run in a VM booted from the image built so far,
-    /// each step's result a disk layer cached by content in `<state dir>/build-cache`
+    /// each step's result a disk layer cached by content in `<state dir>/templates/.build-cache`
     /// (an unchanged prefix is not run again). ENV, WORKDIR, USER, CMD and ENTRYPOINT
     /// become the template's defaults.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["disk", "image"])]
@@ -748,7 +748,8 @@ fn dockerfile_base(
         );
     };
     let src = clade_image::Source::open(&layout).with_context(|| format!("FROM {from}"))?;
-    let cache = clade_builder::layers::LayerCache::new(&state_dir.join("build-cache"));
+    let cache =
+        clade_builder::layers::LayerCache::new(&TemplateStore::new(&state_dir).build_cache_dir());
     let (base, key, converted) = cache
         .image_base(&src, a.disk_size)
         .with_context(|| format!("the root filesystem of {from}"))?;

@@ -12,7 +12,8 @@
 # `clade template build --image` unpacks it into an ext4 disk and boots it, its setup
 # commands (--run, which fail the build when they fail) checking from inside the guest
 # that / is the image's filesystem: its files, its owner and mode, a file a second layer
-# deleted gone (whiteout). Then a Dockerfile FROM that image (`template build
+# deleted gone (whiteout). `clade run --image` of that image converts it once and runs a
+# command in it (its Env, WorkingDir, exit code), a second run restores the cached one. Then a Dockerfile FROM that image (`template build
 # --dockerfile`): its COPY and RUN steps run in a build VM (as root and as USER 1000, with
 # ENV, ARG and WORKDIR), the template's setup commands check their files, owners and
 # links; a rebuild whose last step changed runs only that step (the rest cached); a step
@@ -86,6 +87,26 @@ cat "$W/build.err"
 grep -q "2 layers" "$W/build.err" || fail "the build did not report the image's 2 layers"
 grep -q '"GREETING": "hello"' "$W"/state/templates/img/template.json ||
     fail "the template does not record the image's Env"
+
+# --- clade run --image: converted once, then each run from the cached snapshot -------------
+export CLADE_HOME="$W/home"
+mkdir -p "$CLADE_HOME/guest"
+ln -s /guest/vmlinuz "$CLADE_HOME/guest/vmlinuz"
+ln -s /guest/initrd.cpio "$CLADE_HOME/guest/initrd"
+$CLADE run --image "$W/layout" -- cat /etc/os-release >"$W/run1.out" 2>"$W/run1.err" ||
+    { cat "$W/run1.err"; fail "clade run --image"; }
+cat "$W/run1.err"
+grep -q "^ID=clade-image-test$" "$W/run1.out" || fail "clade run --image did not run the command in the image"
+grep -q "converted in" "$W/run1.err" || fail "the first clade run --image did not convert the image"
+rc=0
+$CLADE run --image "$W/layout" -- sh -c 'echo "$GREETING"; pwd; exit 5' >"$W/run2.out" 2>"$W/run2.err" || rc=$?
+cat "$W/run2.err" "$W/run2.out"
+[ "$rc" = 5 ] || fail "clade run --image did not pass on the command's exit code (got $rc)"
+grep -q "cached" "$W/run2.err" || fail "the second clade run --image converted the image again"
+[ "$(cat "$W/run2.out")" = "hello
+/home/user" ] || fail "the command did not get the image's Env and WorkingDir"
+[ -z "$(ls "$CLADE_HOME/run")" ] || fail "clade run --image left its VM's files behind"
+unset CLADE_HOME
 
 # --- a Dockerfile FROM that image ---------------------------------------------------------
 C="$W/ctx"
