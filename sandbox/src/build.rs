@@ -351,6 +351,18 @@ impl Builds {
         users: usize,
     ) -> Result<()> {
         let b = self.get(template, build_id)?;
+        // One build of a template at a time (each replaces the template's directory).
+        let other = lock(&self.builds).iter().any(|(id, o)| {
+            id != build_id && {
+                let o = lock(o);
+                o.template == template && o.status == BuildStatus::Building
+            }
+        });
+        if other {
+            return Err(Error::Conflict(format!(
+                "template {template} is being built already"
+            )));
+        }
         {
             let mut g = lock(&b);
             if g.status != BuildStatus::Waiting {
