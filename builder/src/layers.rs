@@ -617,14 +617,7 @@ pub fn build(
     let run = cache.dir().join(format!("run-{}", random_hex()));
     std::fs::create_dir_all(&run).map_err(|e| Error::io("creating", &run, e))?;
     let overlay = run.join("step.cdsk");
-    disk::ops::create(
-        &overlay,
-        &disk::ops::CreateOptions {
-            virtual_size: None,
-            block_size: None,
-            parent: Some(top.clone()),
-        },
-    )?;
+    disk::ops::create_overlay(&overlay, &top)?;
     let t = Instant::now();
     let r = (|| {
         let machine = BuildVm::start(vm, &run, Some(&overlay))?;

@@ -172,22 +172,30 @@ impl BuildVm {
     /// Stops the VM (asked, then killed after 5 s) and waits for its process.
     pub fn shutdown(mut self) {
         self.agent.close();
-        let _ = self.call(&Request::Shutdown);
-        let t = Instant::now();
-        while matches!(self.child.try_wait(), Ok(None)) {
-            if t.elapsed() > Duration::from_secs(5) {
-                let _ = self.child.kill();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let _ = self.child.wait();
+        stop_vm_process(&mut self.child, &self.api);
     }
 
     /// The end of the VMM's log.
     pub fn log_tail(&self) -> String {
         tail(&self.log, 4096)
     }
+}
+
+/// Ends a `clade run`/`clade restore` process: a shutdown through its API socket `api`,
+/// then SIGKILL if it has not ended within 5 s; waits for it.
+pub fn stop_vm_process(child: &mut Child, api: &Path) {
+    if let Ok(mut c) = ApiClient::connect(api) {
+        let _ = c.call(&Request::Shutdown);
+    }
+    let t = Instant::now();
+    while matches!(child.try_wait(), Ok(None)) {
+        if t.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _ = child.wait();
 }
 
 impl Drop for BuildVm {

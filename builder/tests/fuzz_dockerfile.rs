@@ -53,8 +53,8 @@ CMD --serve
 
 const TOKENS: &[&str] = &[
     "\\", "\"", "'", "$", "${", "}", "${A:-", "${A:?x}", "[", "]", "\n", " ", "--", "--from=x",
-    "=", "..", "../", "/", "*", "\0", "<<EOF", "FROM", "RUN", "COPY", "ADD", "ENV", "ARG",
-    "USER", "WORKDIR", "ONBUILD", "#", "é", "\u{202e}", "--chmod=", "--chown=", "AS",
+    "=", "..", "../", "/", "*", "\0", "<<EOF", "FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "USER",
+    "WORKDIR", "ONBUILD", "#", "é", "\u{202e}", "--chmod=", "--chown=", "AS",
 ];
 
 fn mutate(rng: &mut Rng, text: &str) -> String {
@@ -132,5 +132,8 @@ fn mutated_dockerfiles_parse_or_are_refused() {
         }
     }
     // Both sides are exercised.
-    assert!(ok > ROUNDS / 20 && refused > ROUNDS / 20, "ok {ok}, refused {refused}");
+    assert!(
+        ok > ROUNDS / 20 && refused > ROUNDS / 20,
+        "ok {ok}, refused {refused}"
+    );
 }

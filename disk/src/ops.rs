@@ -25,6 +25,18 @@ pub struct CreateOptions {
     pub parent: Option<PathBuf>,
 }
 
+/// Creates an empty overlay at `path` (which must not exist) on the frozen layer `parent`:
+/// [`create`] with only a parent.
+pub fn create_overlay(path: &Path, parent: &Path) -> Result<Header> {
+    create(
+        path,
+        &CreateOptions {
+            parent: Some(parent.to_path_buf()),
+            ..CreateOptions::default()
+        },
+    )
+}
+
 /// Creates an empty layer at `path` (which must not exist): a blank disk, or with
 /// `parent` an overlay on that frozen layer (its whole chain is opened and checked).
 pub fn create(path: &Path, opts: &CreateOptions) -> Result<Header> {

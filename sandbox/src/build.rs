@@ -594,15 +594,8 @@ impl Builds {
         let dir = store.prepare(&name, true)?;
         let r = (|| {
             let overlay = dir.join("disk.cdsk");
-            disk::ops::create(
-                &overlay,
-                &disk::ops::CreateOptions {
-                    virtual_size: None,
-                    block_size: None,
-                    parent: Some(top.clone()),
-                },
-            )
-            .map_err(|e| Error::Vm(format!("the template's disk: {e}")))?;
+            disk::ops::create_overlay(&overlay, &top)
+                .map_err(|e| Error::Vm(format!("the template's disk: {e}")))?;
             let start = req.start_cmd.as_ref().map(|c| StartCmd {
                 cmd: c.clone(),
                 ready: req.ready_cmd.clone(),

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clade_builder::vm::VmSpec;
 use clap::{Args, Subcommand};
-use disk::ops::CreateOptions;
 use sandbox::http::{serve, AppState, Listen};
 use sandbox::template::FromImage;
 use sandbox::vmproc::{Shape, StandbyConfig};
@@ -852,15 +851,8 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         (None, None) => (a.disk.clone(), None),
     };
     if let Some(base) = &base {
-        disk::ops::create(
-            &overlay,
-            &CreateOptions {
-                virtual_size: None,
-                block_size: None,
-                parent: Some(std::path::absolute(base)?),
-            },
-        )
-        .with_context(|| format!("overlay on {}", base.display()))?;
+        disk::ops::create_overlay(&overlay, &std::path::absolute(base)?)
+            .with_context(|| format!("overlay on {}", base.display()))?;
     }
     let start = a.start_cmd.as_ref().map(|cmd| {
         let d = image.as_ref();

@@ -17,7 +17,6 @@ use anyhow::{bail, Context};
 use sandbox::TemplateStore;
 use sha2::{Digest, Sha256};
 use vmm::agent::{Client, Transport};
-use vmm::api::{ApiClient, Request};
 
 use super::RunArgs;
 
@@ -73,18 +72,7 @@ struct RunningVm {
 
 impl Drop for RunningVm {
     fn drop(&mut self) {
-        if let Ok(mut c) = ApiClient::connect(&self.api) {
-            let _ = c.call(&Request::Shutdown);
-        }
-        let t = Instant::now();
-        while matches!(self.child.try_wait(), Ok(None)) {
-            if t.elapsed() > Duration::from_secs(5) {
-                let _ = self.child.kill();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let _ = self.child.wait();
+        clade_builder::vm::stop_vm_process(&mut self.child, &self.api);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
