@@ -161,6 +161,22 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     }
 }
 
+/// Clade's own directory for what it keeps without a service (converted images, the
+/// installed guest kernel): `$CLADE_HOME`, else `$XDG_DATA_HOME/clade`, else
+/// `~/.local/share/clade`.
+pub(crate) fn clade_home() -> anyhow::Result<PathBuf> {
+    if let Some(h) = std::env::var_os("CLADE_HOME") {
+        return Ok(PathBuf::from(h));
+    }
+    if let Some(x) = std::env::var_os("XDG_DATA_HOME") {
+        return Ok(PathBuf::from(x).join("clade"));
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => Ok(PathBuf::from(h).join(".local/share/clade")),
+        None => anyhow::bail!("no CLADE_HOME or HOME to keep Clade's files in"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

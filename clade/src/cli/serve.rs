@@ -473,9 +473,11 @@ pub enum TemplateCommand {
 pub struct BuildArgs {
     /// Template name (the SDK's template / templateID).
     name: String,
-    /// Kernel image (or the project's native test guest, with --test-device).
+    /// Kernel image (or the project's native test guest, with --test-device). Default:
+    /// the guest `scripts/install-guest.sh` installs (`$CLADE_HOME/guest/vmlinuz`, with its
+    /// `initrd`).
     #[arg(long)]
-    kernel: PathBuf,
+    kernel: Option<PathBuf>,
     /// Initramfs.
     #[arg(long)]
     initrd: Option<PathBuf>,
@@ -594,7 +596,64 @@ pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
     }
 }
 
-fn build(a: BuildArgs) -> anyhow::Result<u8> {
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The base template's Dockerfile (`clade template build base`).
+const BASE_DOCKERFILE: &str = include_str!("base.Dockerfile");
+
+fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
+    // The installed guest unless one is given.
+    if a.kernel.is_none() {
+        let guest = super::clade_home()?.join("guest");
+        let k = guest.join("vmlinuz");
+        if !k.is_file() {
+            bail!(
+                "no --kernel, and no guest kernel at {} (scripts/install-guest.sh installs \
+                 Debian's kernel and Clade's initramfs there)",
+                k.display()
+            );
+        }
+        a.kernel = Some(k);
+        if a.initrd.is_none() {
+            a.initrd = Some(guest.join("initrd")).filter(|p| p.is_file());
+        }
+    }
+    // `clade template build base`: E2B's base, from the built-in Dockerfile.
+    let _base_context = if a.name == "base"
+        && a.disk.is_none()
+        && a.image.is_none()
+        && a.dockerfile.is_none()
+        && !a.test_device
+    {
+        let ctx = std::env::temp_dir().join(format!("clade-base-{}", std::process::id()));
+        std::fs::create_dir_all(&ctx)?;
+        std::fs::write(ctx.join("Dockerfile"), BASE_DOCKERFILE)?;
+        a.dockerfile = Some(ctx.join("Dockerfile"));
+        // Its packages come from the distribution's archive.
+        a.net = true;
+        eprintln!(
+            "building the base template (user `user`, sudo, curl, git, python3 and pip) from {}",
+            ctx.join("Dockerfile").display()
+        );
+        Some(TempDir(ctx))
+    } else {
+        None
+    };
+    // A guest whose root is the image's disk is told so.
+    if (a.image.is_some() || a.dockerfile.is_some()) && !a.test_device {
+        for part in ["quiet", "clade.root=/dev/vda"] {
+            if !a.cmdline.split_whitespace().any(|w| w == part) {
+                a.cmdline = format!("{} {part}", a.cmdline);
+            }
+        }
+    }
     if a.test_device && !a.run.is_empty() {
         bail!(
             "--run needs a Linux guest with clade-agent: the native test guest (--test-device) \
@@ -829,7 +888,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     };
     let spec = VmSpec {
         exe: std::env::current_exe().context("finding the clade executable")?,
-        kernel: std::path::absolute(&a.kernel)?,
+        kernel: std::path::absolute(a.kernel.as_ref().context("no kernel")?)?,
         initrd: a.initrd.as_deref().map(std::path::absolute).transpose()?,
         cmdline: cmdline.clone(),
         vcpus: a.machine.vcpus,
@@ -876,12 +935,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         &store.snapshot_dir(&a.name)?,
     )?;
     // What a sandbox whose memory was dropped boots from its own disk.
-    let boot = store.keep_boot(
-        &a.name,
-        &std::path::absolute(&a.kernel)?,
-        a.initrd.as_deref(),
-        &cmdline,
-    )?;
+    let boot = store.keep_boot(&a.name, &spec.kernel, a.initrd.as_deref(), &cmdline)?;
     let t = Template {
         name: a.name.clone(),
         vcpus: a.machine.vcpus,
@@ -898,4 +952,24 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     drop(net);
     store.finish(&t)?;
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BASE_DOCKERFILE;
+
+    #[test]
+    fn the_base_template_is_e2bs_shape() {
+        let p = clade_builder::dockerfile::parse(BASE_DOCKERFILE).unwrap();
+        let args = Default::default();
+        assert_eq!(p.base_image(&args).unwrap(), "debian:bookworm");
+        let plan = p.plan(&Default::default(), &args).unwrap();
+        assert_eq!(plan.steps.len(), 2);
+        assert_eq!(plan.defaults.user, "user");
+        assert_eq!(plan.defaults.cwd, "/home/user");
+        // Both RUN steps as root, before USER.
+        assert!(plan.steps.iter().all(|s| s.user.is_empty()));
+        let b = [("BASE".to_string(), "ubuntu:24.04".to_string())].into();
+        assert_eq!(p.base_image(&b).unwrap(), "ubuntu:24.04");
+    }
 }

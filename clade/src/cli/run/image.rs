@@ -20,20 +20,6 @@ use vmm::agent::{Client, Transport};
 
 use super::RunArgs;
 
-/// The state directory when none is given.
-fn default_home() -> anyhow::Result<PathBuf> {
-    if let Some(h) = std::env::var_os("CLADE_HOME") {
-        return Ok(PathBuf::from(h));
-    }
-    if let Some(x) = std::env::var_os("XDG_DATA_HOME") {
-        return Ok(PathBuf::from(x).join("clade"));
-    }
-    match std::env::var_os("HOME") {
-        Some(h) => Ok(PathBuf::from(h).join(".local/share/clade")),
-        None => bail!("no --state-dir, CLADE_HOME or HOME to keep images in"),
-    }
-}
-
 /// The template an image becomes: named by the reference (a registry image) or by the
 /// path and its modification time (a layout or archive: a rebuilt one is converted again).
 fn template_name(image: &str) -> anyhow::Result<String> {
@@ -80,7 +66,7 @@ impl Drop for RunningVm {
 pub(super) fn run_image(image: String, a: RunArgs) -> anyhow::Result<u8> {
     let state = match &a.state_dir {
         Some(d) => std::path::absolute(d)?,
-        None => default_home()?,
+        None => super::super::clade_home()?,
     };
     std::fs::create_dir_all(&state)
         .with_context(|| format!("the state directory {}", state.display()))?;
