@@ -380,9 +380,10 @@ def test_template_build_through_the_sdk(tmp_path):
         assert "sleep 4242424" in procs, procs
     finally:
         sb.kill()
-    # The same build again: its steps come from the cache.
+    # The same build again (it replaces the template: its sandbox is gone): its steps come
+    # from the cache.
     logs.clear()
-    Template.build(t, "sdk-built-2", cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    Template.build(t, "sdk-built", cpu_count=1, memory_mb=256, on_build_logs=logs.append)
     text = "\n".join(e.message for e in logs)
     assert "2 cached, 0 run" in text, text
     bad = Template().from_template(TEMPLATE).run_cmd("echo build-fails-here; exit 7")
@@ -392,3 +393,11 @@ def test_template_build_through_the_sdk(tmp_path):
     assert not Template.exists("sdk-broken")
     with pytest.raises(BuildException):
         Template.build(Template().from_template("no-such-template"), "sdk-none", memory_mb=256)
+    # The nested machine's /tmp is memory: the template and the build cache go.
+    before = console_count("SDK-TEMPLATE-REMOVED sdk-built rc=0")
+    control("rm-template sdk-built")
+    deadline = time.monotonic() + 120
+    while console_count("SDK-TEMPLATE-REMOVED sdk-built rc=0") == before:
+        assert time.monotonic() < deadline, "the template was not removed"
+        time.sleep(0.5)
+    assert not Template.exists("sdk-built")

@@ -29,6 +29,8 @@ fail() {
     for f in "$W"/state/templates/*/build.serial "$W"/state/templates/*/build.log; do
         [ -f "$f" ] && { echo "---- $f ----"; tail -n 40 "$f"; }
     done
+    # This machine's /tmp is memory: the scenarios after this one need it.
+    rm -rf "$W"
     exit 1
 }
 [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] ||
@@ -171,4 +173,7 @@ cat "$W/dfbad.err"
 grep -q "line 9" "$W/dfbad.err" || fail "the failed build does not name the line"
 grep -q "step-output-here" "$W/dfbad.err" || fail "the failed build does not show the step's output"
 [ ! -e "$W/state/templates/dfbad" ] || fail "a failed build left its template directory"
+# This machine's /tmp is memory (templates are snapshots of whole VMs): the scenarios
+# after this one need it.
+rm -rf "$W"
 echo "IMAGE-SCENARIO-PASS"

@@ -23,6 +23,8 @@
 #   netns TAG     print `SDK-NETNS TAG <namespaces> <host veths>` (the service's)
 #   kill-vmm ID   SIGKILL sandbox ID's VM process (the one with its files open), print
 #                 `SDK-VMM-KILLED ID <count>`
+#   rm-template NAME  remove template NAME (`clade template rm`) and the build cache, print
+#                 `SDK-TEMPLATE-REMOVED NAME rc=<rc>`
 #   done pass|fail  the host's verdict: end with it
 # After the verdict the service stops; then no sandbox network may be left but those of
 # sandboxes still in the registry (the suite kills its sandboxes: none).
@@ -327,6 +329,15 @@ while [ -z "$verdict" ]; do
         n=0
         for p in $(sandbox_vm_pids "${cmd#kill-vmm }"); do kill -9 "$p" 2>/dev/null && n=$((n + 1)); done
         echo "SDK-VMM-KILLED ${cmd#kill-vmm } $n"
+        ;;
+    "rm-template "*)
+        # A template a test built (through E2B's build API) and the build cache go: this
+        # machine's /tmp is memory, and later tests need it.
+        name=${cmd#rm-template }
+        $CLADE template rm "$name" --state-dir "$STATE" >/dev/null 2>&1
+        r=$?
+        rm -rf "$STATE/templates/.build-cache"
+        echo "SDK-TEMPLATE-REMOVED $name rc=$r"
         ;;
     "done pass") verdict=pass ;;
     "done fail") verdict=fail ;;
