@@ -382,6 +382,11 @@ impl Builds {
                         .into(),
                 ));
             }
+            if req.from_template.as_deref() == Some(template) {
+                return Err(Error::BadRequest(format!(
+                    "template {template} cannot be built on itself (its build replaces it)"
+                )));
+            }
             match (&req.from_image, &req.from_template) {
                 (Some(_), Some(_)) => {
                     return Err(Error::BadRequest(

@@ -950,5 +950,13 @@ async fn template_builds_as_the_sdk_drives_them() {
     )
     .await;
     assert_eq!(s, 404, "a build id of another template");
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        &format!("/v2/templates/t2/builds/{bid2}"),
+        Some(r#"{"fromTemplate":"t2","steps":[]}"#),
+    )
+    .await;
+    assert_eq!(s, 400, "a template built on itself: {v}");
     std::fs::remove_dir_all(&d).ok();
 }
