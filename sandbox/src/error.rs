@@ -23,6 +23,18 @@ pub enum Error {
     /// The sandbox is in a state that does not allow the operation (pause of a paused one).
     #[error("{0}")]
     Conflict(String),
+    /// Another host of the cluster owns the sandbox now (see `ownership`): this host
+    /// forgot its copy and changed nothing.
+    #[error("sandbox {id} is owned by another node now: {why}")]
+    Fenced {
+        /// The sandbox.
+        id: String,
+        /// What the cluster said.
+        why: String,
+    },
+    /// The cluster's registry could not be asked (see `ownership`): nothing was changed.
+    #[error("cluster registry: {0}")]
+    Cluster(String),
     /// The guest agent did not answer what the operation needs of it (a filesystem-only
     /// pause's flush, a pause that requires a healthy guest): the sandbox runs on as it was.
     #[error("sandbox {id}: {why}; the sandbox keeps running")]

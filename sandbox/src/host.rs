@@ -259,6 +259,8 @@ pub struct Host {
     durable: Option<Arc<Durable>>,
     /// The uploader's queue.
     uploads: Mutex<Option<std::sync::mpsc::Sender<Upload>>>,
+    /// The cluster's say on who may act on a sandbox (`clade serve --cluster`).
+    ownership: Option<Arc<dyn crate::ownership::Ownership>>,
 }
 
 impl Host {
@@ -282,6 +284,7 @@ impl Host {
             dirs: dirs::DirsAhead::start(&sandboxes),
             durable: None,
             uploads: Mutex::new(None),
+            ownership: None,
         })
     }
 
@@ -289,6 +292,59 @@ impl Host {
     /// uploader with [`Host::start_uploads`]).
     pub fn set_store(&mut self, d: Arc<Durable>) {
         self.durable = Some(d);
+    }
+
+    /// Makes the host a node of a cluster: `o` is asked before every change to a sandbox
+    /// and told what the host holds (see [`crate::ownership`]). Before [`Host::recover`].
+    pub fn set_ownership(&mut self, o: Arc<dyn crate::ownership::Ownership>) {
+        self.ownership = Some(o);
+    }
+
+    /// Tells the cluster (if any) that this host holds `rec` as it is now. A failure is
+    /// logged: the change was made, and the cluster learns the state at the next one.
+    fn owned(&self, rec: &Record) {
+        if let Some(o) = &self.ownership {
+            if let Err(e) = o.record(rec) {
+                tracing::warn!(sandbox = %rec.id, "recording it in the cluster: {e}");
+            }
+        }
+    }
+
+    /// Before a change to `rec` (its lock held): whether this host still owns it. One
+    /// another host took over is forgotten here (its VM stopped, its local files
+    /// removed; nothing of it in the store is touched).
+    fn fence(&self, rec: &Record) -> Result<()> {
+        let Some(o) = &self.ownership else {
+            return Ok(());
+        };
+        match o.check(&rec.id) {
+            Err(e @ Error::Fenced { .. }) => {
+                tracing::warn!(sandbox = %rec.id, "{e}: forgetting this host's copy");
+                if let Err(f) = self.teardown_locked(rec.clone()) {
+                    tracing::warn!(sandbox = %rec.id, "forgetting it: {f}");
+                }
+                Err(e)
+            }
+            r => r,
+        }
+    }
+
+    /// Every sandbox of this host another host owns now is forgotten (see
+    /// [`Host::fence`]): after this node lost its cluster lease. Returns how many.
+    pub fn forget_taken(&self) -> Result<usize> {
+        let mut n = 0;
+        // Read first: the registry's lock is taken again for each.
+        let all = self.reg().all()?;
+        for rec in all {
+            let lock = self.lock_of(&rec.id);
+            let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
+            if let Ok(r) = self.load(&rec.id) {
+                if matches!(self.fence(&r), Err(Error::Fenced { .. })) {
+                    n += 1;
+                }
+            }
+        }
+        Ok(n)
     }
 
     /// The object store, if the host has one.
@@ -423,10 +479,12 @@ impl Host {
         let now_rec = self.reg().get(id)?;
         match now_rec {
             Some(mut r) if r.state == State::Paused && r.pauses == rec.pauses => {
+                self.fence(&r)?;
                 d.put_sandbox_object(&object)?;
                 r.published_pause = Some(rec.pauses);
                 r.published_ms = Some(now);
                 self.reg().update(&r)?;
+                self.owned(&r);
                 tracing::info!(sandbox = %id, snapshot = %manifest.id, pause = rec.pauses,
                     uploaded = report.bytes_uploaded, elapsed = ?t.elapsed(), "durable");
             }
@@ -534,7 +592,7 @@ impl Host {
 
     /// A sandbox to resume: this host's, or one taken over from the store.
     fn load_or_adopt(&self, id: &str) -> Result<Record> {
-        match self.load_usable(id) {
+        match self.load_owned(id) {
             Err(Error::NotFound(_)) if self.durable.is_some() => self.adopt(id),
             r => r,
         }
@@ -661,6 +719,13 @@ impl Host {
     }
 
     /// A sandbox that must be there and not crashed.
+    /// A usable sandbox this host may change (see [`Host::fence`]).
+    fn load_owned(&self, id: &str) -> Result<Record> {
+        let rec = self.load_usable(id)?;
+        self.fence(&rec)?;
+        Ok(rec)
+    }
+
     fn load_usable(&self, id: &str) -> Result<Record> {
         let rec = self.load(id)?;
         if rec.state == State::Crashed {
@@ -710,6 +775,12 @@ impl Host {
 
     /// Creates a sandbox from a template or a snapshot: a restore of its snapshot.
     pub fn create(&self, req: CreateRequest) -> Result<Record> {
+        let rec = self.create_vm(req)?;
+        self.owned(&rec);
+        Ok(rec)
+    }
+
+    fn create_vm(&self, req: CreateRequest) -> Result<Record> {
         let t0 = std::time::Instant::now();
         self.check_timeout(req.timeout_s)?;
         self.check_map("metadata", &req.metadata)?;
@@ -920,7 +991,7 @@ impl Host {
     pub fn set_egress(&self, id: &str, policy: &EgressPolicy) -> Result<Record> {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_usable(id)?;
+        let mut rec = self.load_owned(id)?;
         let Some(i) = rec.net else {
             return Err(Error::BadRequest(format!(
                 "sandbox {id} has no network (its template's VM has no network device)"
@@ -954,6 +1025,12 @@ impl Host {
     /// With a store, sandboxes paused on other hosts (or on this one before its state was
     /// lost) that only the store has are listed too, as paused. A store that cannot be
     /// listed leaves them out (with a warning) rather than failing the list.
+    /// The sandboxes in this host's registry (not those only in the store), oldest first.
+    pub fn local_sandboxes(&self) -> Result<Vec<Record>> {
+        self.reap()?;
+        self.reg().all()
+    }
+
     pub fn list(&self, q: &Query) -> Result<(Vec<Record>, bool)> {
         self.reap()?;
         let Some(d) = &self.durable else {
@@ -990,11 +1067,34 @@ impl Host {
                     .ok_or_else(|| Error::NotFound(id.to_string()))?;
                 d.claim(id, o.pause)?;
                 d.delete_sandbox(id)?;
+                if let Some(o) = &self.ownership {
+                    if let Err(e) = o.removed(id) {
+                        tracing::warn!(sandbox = %id, "removing it from the cluster: {e}");
+                    }
+                }
                 tracing::info!(sandbox = %id, "killed (in the store only)");
                 return Ok(());
             }
             (r, _) => r?,
         };
+        self.fence(&rec)?;
+        self.teardown_locked(rec)?;
+        tracing::info!(sandbox = %id, "killed");
+        if let Some(o) = &self.ownership {
+            if let Err(e) = o.removed(id) {
+                tracing::warn!(sandbox = %id, "removing it from the cluster: {e}");
+            }
+        }
+        if let Some(d) = &self.durable {
+            self.delete_published(d, id);
+        }
+        self.collect_garbage_locked()
+    }
+
+    /// What a kill does on this host (its lock held): the sandbox leaves the registry, its
+    /// VM stops, its network and local files go. The store is not touched.
+    fn teardown_locked(&self, rec: Record) -> Result<()> {
+        let id = rec.id.as_str();
         // Gone from the registry before its VM stops: a request that comes while the VM
         // ends (a client seeing its stream drop and probing) is answered "not found" at
         // once instead of waiting on an agent that will not answer.
@@ -1033,11 +1133,8 @@ impl Host {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-        tracing::info!(sandbox = %id, kept_for_snapshots = held, "killed");
-        if let Some(d) = &self.durable {
-            self.delete_published(d, id);
-        }
-        self.collect_garbage_locked()
+        tracing::info!(sandbox = %id, kept_for_snapshots = held, "stopped and removed from this host");
+        Ok(())
     }
 
     /// Removes what the store holds of a killed sandbox, if this host owns it there (one
@@ -1073,7 +1170,7 @@ impl Host {
         }
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let rec = self.load_usable(id)?;
+        let rec = self.load_owned(id)?;
         let _snapshots = self.snapshot_guard();
         let template = self.sandbox_template(&rec)?;
         let sid = format!("snap-{}", ids::random_string(16));
@@ -1253,7 +1350,7 @@ impl Host {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_usable(id)?;
+        let mut rec = self.load_owned(id)?;
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
         self.reg().update(&rec)?;
         Ok(Some(rec))
@@ -1264,7 +1361,7 @@ impl Host {
     fn time_out_now(&self, id: &str) -> Result<Option<Record>> {
         let lock = self.lock_of(id);
         let g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_usable(id)?;
+        let mut rec = self.load_owned(id)?;
         if rec.state != State::Running {
             return Ok(Some(rec));
         }
@@ -1284,7 +1381,7 @@ impl Host {
         self.check_timeout(duration_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_usable(id)?;
+        let mut rec = self.load_owned(id)?;
         rec.end_ms = rec.end_ms.max(ids::now_ms() + (duration_s as i64) * 1000);
         self.reg().update(&rec)?;
         Ok(rec)
@@ -1296,11 +1393,17 @@ impl Host {
     pub fn pause(&self, id: &str, how: PauseOptions) -> Result<Record> {
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let rec = self.load_usable(id)?;
+        let rec = self.load_owned(id)?;
         self.pause_locked(rec, how)
     }
 
-    fn pause_locked(&self, mut rec: Record, how: PauseOptions) -> Result<Record> {
+    fn pause_locked(&self, rec: Record, how: PauseOptions) -> Result<Record> {
+        let r = self.pause_vm_locked(rec, how)?;
+        self.owned(&r);
+        Ok(r)
+    }
+
+    fn pause_vm_locked(&self, mut rec: Record, how: PauseOptions) -> Result<Record> {
         if rec.state == State::Paused {
             return Err(Error::Conflict(format!(
                 "sandbox {} is already paused",
@@ -1511,7 +1614,13 @@ impl Host {
         Ok((self.resume_locked(rec, timeout_s, reboot)?, true))
     }
 
-    fn resume_locked(&self, mut rec: Record, timeout_s: u64, reboot: bool) -> Result<Record> {
+    fn resume_locked(&self, rec: Record, timeout_s: u64, reboot: bool) -> Result<Record> {
+        let r = self.resume_vm_locked(rec, timeout_s, reboot)?;
+        self.owned(&r);
+        Ok(r)
+    }
+
+    fn resume_vm_locked(&self, mut rec: Record, timeout_s: u64, reboot: bool) -> Result<Record> {
         let template = self.sandbox_template(&rec)?;
         if reboot || rec.memory_dropped {
             let t = std::time::Instant::now();
@@ -1552,6 +1661,14 @@ impl Host {
     /// snapshot of the running parent that each child restores (the parent runs on). Children inherit the template,
     /// metadata, env vars and auto-pause, and time out `timeout_s` from now.
     pub fn fork(&self, id: &str, count: usize, timeout_s: u64) -> Result<Vec<Record>> {
+        let children = self.fork_vm(id, count, timeout_s)?;
+        for c in &children {
+            self.owned(c);
+        }
+        Ok(children)
+    }
+
+    fn fork_vm(&self, id: &str, count: usize, timeout_s: u64) -> Result<Vec<Record>> {
         self.check_timeout(timeout_s)?;
         if count == 0 || count > self.cfg.max_fork {
             return Err(Error::BadRequest(format!(
@@ -1561,7 +1678,7 @@ impl Host {
         }
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let parent = self.load_usable(id)?;
+        let parent = self.load_owned(id)?;
         // Children are secured as their parent, each with tokens of its own: made before
         // anything starts, so that a failing random source leaves nothing half-forked.
         let mut tokens = (0..count)
@@ -1896,7 +2013,9 @@ impl Host {
                 match self.load(&id) {
                     Ok(r) if r.state == State::Running && r.end_ms <= now_ms => {
                         let how = timeout_pause(&r);
-                        self.pause_locked(r, how).map(|_| ())
+                        self.fence(&r)
+                            .and_then(|()| self.pause_locked(r, how))
+                            .map(|_| ())
                     }
                     _ => continue,
                 }

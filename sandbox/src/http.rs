@@ -98,7 +98,8 @@ impl From<Error> for ApiError {
             Error::NotFound(_) | Error::SnapshotNotFound(_) => StatusCode::NOT_FOUND,
             Error::Crashed { .. } => StatusCode::NOT_FOUND,
             Error::BadRequest(_) | Error::TemplateNotFound(_) => StatusCode::BAD_REQUEST,
-            Error::Conflict(_) => StatusCode::CONFLICT,
+            Error::Conflict(_) | Error::Fenced { .. } => StatusCode::CONFLICT,
+            Error::Cluster(_) => StatusCode::SERVICE_UNAVAILABLE,
             // E2B's answer: the SDK raises ServiceBusyException.
             Error::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
@@ -1061,10 +1062,12 @@ async fn logs_v2(
 }
 
 /// Serves the API on `listener` until `shutdown` resolves; applies timeouts and notices
-/// crashed VMs every `tick`.
+/// crashed VMs every `tick`. `wrap` may put layers around the whole router (a cluster's
+/// gateway: see the `cluster` crate).
 pub async fn serve(
     listen: Listen,
     state: AppState,
+    wrap: impl FnOnce(Router) -> Router,
     tick: std::time::Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -1095,7 +1098,7 @@ pub async fn serve(
         shutdown.await;
         let _ = fired_tx.send(());
     };
-    let app = router(state);
+    let app = wrap(router(state));
     let r = match listen {
         // TCP_NODELAY on every connection: a streamed answer (a command's output, a PTY)
         // goes out chunk by chunk, not held back until the client acknowledges the

@@ -14,6 +14,7 @@
 //! | [`vmproc`] | starting, asking and stopping VM processes |
 //! | [`durable`] | what an object store keeps of sandboxes (`--store`): uploads, claims |
 //! | [`net`] | sandbox networks (namespaces, NAT, egress policy: the `hostnet` crate) |
+//! | [`ownership`] | what a cluster says of who may act on a sandbox |
 //! | [`host`] | the lifecycle |
 //! | [`http`] | the E2B control API |
 //! | [`envd`] | the E2B data plane (envd's protocol, translated to the agent's) |
@@ -28,6 +29,7 @@ pub mod hostagent;
 pub mod http;
 pub mod ids;
 pub mod net;
+pub mod ownership;
 pub mod registry;
 pub mod template;
 pub mod vmproc;

@@ -1,6 +1,7 @@
 //! Command-line definitions and dispatch.
 
 mod bench;
+mod cluster;
 mod cp;
 mod disk;
 mod exec;
@@ -83,6 +84,11 @@ enum Command {
     /// E2B_API_URL=http://ADDR and E2B_API_KEY=KEY. Endpoints and differences from E2B:
     /// docs/e2b-compat.md.
     Serve(serve::ServeArgs),
+    /// The nodes of a cluster (`clade serve --cluster`): list them, drain one.
+    Node {
+        #[command(subcommand)]
+        which: cluster::NodeCommand,
+    },
     /// Templates for `clade serve`: build (boot, setup commands, snapshot), ls, rm.
     Template {
         #[command(subcommand)]
@@ -112,6 +118,18 @@ pub struct MachineArgs {
     /// KVM device node.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
+}
+
+/// A secret kept in a file: its first line, trimmed.
+fn secret_file(f: &std::path::Path) -> anyhow::Result<String> {
+    use anyhow::Context;
+    Ok(std::fs::read_to_string(f)
+        .with_context(|| format!("reading {}", f.display()))?
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_string())
 }
 
 /// Parses "256", "256M", "256MiB", "4G" into MiB.
@@ -156,6 +174,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Fork(args) => fork::fork(args),
         Command::ForkChild(args) => fork::fork_child(args),
         Command::Serve(args) => serve::serve_cmd(args),
+        Command::Node { which } => cluster::node(which),
         Command::Template { which } => serve::template(which),
         Command::Store { which } => store::store(which),
     }

@@ -147,6 +147,8 @@ pub struct ServeArgs {
     net_dns: Option<std::net::IpAddr>,
     #[command(flatten)]
     range: NetRangeArgs,
+    #[command(flatten)]
+    cluster: super::cluster::ClusterArgs,
 }
 
 fn parse_uid_range(s: &str) -> Result<sandbox::vmproc::JailConfig, String> {
@@ -205,13 +207,7 @@ impl NetRangeArgs {
 pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
     let key = match (&args.api_key, &args.api_key_file) {
         (Some(k), None) => k.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("reading {}", f.display()))?
-            .lines()
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_string(),
+        (None, Some(f)) => super::secret_file(f)?,
         _ => bail!("give --api-key KEY (or CLADE_API_KEY) or --api-key-file FILE"),
     };
     if key.is_empty() {
@@ -327,6 +323,13 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         }
     };
     let mut host = Host::open(cfg, driver)?;
+    let node = args.cluster.node(&args.listen, &key)?;
+    if let Some(n) = &node {
+        if args.store.store.is_none() {
+            bail!("--cluster needs --store: paused sandboxes must be resumable on any node");
+        }
+        host.set_ownership(Arc::clone(n) as Arc<dyn sandbox::ownership::Ownership>);
+    }
     let wants_net = match args.net {
         NetMode::Off => false,
         NetMode::On => true,
@@ -430,7 +433,22 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 }
             }
         };
-        serve(listen, state, Duration::from_millis(250), shutdown).await?;
+        let wrap = |app: axum::Router| match &node {
+            Some(n) => app.layer(axum::middleware::from_fn_with_state(
+                Arc::clone(n),
+                clade_cluster::gateway::route,
+            )),
+            None => app,
+        };
+        if let Some(n) = &node {
+            n.start(Arc::clone(&state.host)).await?;
+            eprintln!(
+                "clade serve: node {} of the cluster (reached at {})",
+                n.config().name,
+                n.config().address
+            );
+        }
+        serve(listen, state, wrap, Duration::from_millis(250), shutdown).await?;
         anyhow::Ok(())
     });
     // Blocking work still running (an agent call of a stream whose client stayed) must not

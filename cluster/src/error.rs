@@ -1,0 +1,26 @@
+//! The crate's one error type.
+
+/// Everything the cluster layer can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// PostgreSQL refused or could not be reached.
+    #[error("cluster registry (PostgreSQL): {0}")]
+    Db(#[from] tokio_postgres::Error),
+    /// A setting is not usable (said before anything starts).
+    #[error("{0}")]
+    Config(String),
+    /// Another node of the cluster could not be reached or answered badly.
+    #[error("node {node}: {why}")]
+    Hop {
+        /// The node.
+        node: String,
+        /// What happened.
+        why: String,
+    },
+    /// No such node.
+    #[error("no node named {0} in the cluster")]
+    NoSuchNode(String),
+}
+
+/// The crate's result.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,587 @@
+//! In front of the E2B API of every node: which node answers a request.
+//!
+//! - A request another node forwarded (it carries the cluster secret) is answered here.
+//! - A create is placed ([`choose`]) on a node with room, preferring one that has the
+//!   template in its cache; a node with no room anywhere is answered 503, nothing created.
+//! - A request for a sandbox (control plane `/sandboxes/{id}/…`, or the data plane: its
+//!   `E2b-Sandbox-Id` header or `<port>-<id>.<domain>` host) goes to the node that owns it.
+//!   If that node's lease ended: a paused, durable sandbox is resumed on a node with room
+//!   (a request that wakes it), a running one is marked lost and answered so.
+//! - Lists are asked of every live node and merged.
+//! - Anything else (templates, snapshots, the dashboard) is answered here.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use serde_json::Value;
+
+use crate::db::{NodeRow, OwnerRow};
+use crate::hop::error_response;
+use crate::node::Node;
+use crate::HOP_HEADER;
+
+/// Largest create body read to place it.
+const MAX_CREATE_BODY: usize = 1 << 20;
+/// Shape assumed for a template no node recorded (the placed node then refuses it, or
+/// finds it in the store).
+const DEFAULT_SHAPE: (u32, u64) = (1, 512);
+
+/// What a request is, for routing.
+#[derive(Debug, PartialEq, Eq)]
+enum Kind {
+    /// Answered by this node.
+    Here,
+    /// A new sandbox.
+    Create,
+    /// A list of sandboxes (v2: paged).
+    List { v2: bool },
+    /// For one sandbox; `wakes`: it resumes a paused one.
+    Sandbox { id: String, wakes: bool },
+}
+
+fn classify(req: &Request) -> Kind {
+    if let Some(t) = sandbox::envd::route(req.headers()) {
+        // The data plane: any request may wake a paused sandbox (auto-resume).
+        return Kind::Sandbox {
+            id: t.sandbox,
+            wakes: true,
+        };
+    }
+    let path = req.uri().path();
+    let rest = path
+        .strip_prefix("/v2/sandboxes")
+        .or_else(|| path.strip_prefix("/sandboxes"));
+    let Some(rest) = rest else {
+        return Kind::Here;
+    };
+    let v2 = path.starts_with("/v2/");
+    let m = req.method();
+    if rest.is_empty() || rest == "/" {
+        return match *m {
+            Method::POST => Kind::Create,
+            Method::GET => Kind::List { v2 },
+            _ => Kind::Here,
+        };
+    }
+    let mut segs = rest.trim_start_matches('/').split('/');
+    let id = segs.next().unwrap_or_default();
+    if id.is_empty() || id == "metrics" {
+        return Kind::Here;
+    }
+    let action = segs.next().unwrap_or_default();
+    Kind::Sandbox {
+        id: id.to_string(),
+        wakes: *m == Method::POST && matches!(action, "resume" | "connect"),
+    }
+}
+
+/// The middleware (`axum::middleware::from_fn_with_state` with the node).
+pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) -> Response {
+    if let Some(v) = req.headers().get(HOP_HEADER) {
+        if !node.secret_ok(v.as_bytes()) {
+            return error_response(StatusCode::FORBIDDEN, "bad cluster secret".into());
+        }
+        req.headers_mut().remove(HOP_HEADER);
+        return next.run(req).await;
+    }
+    match classify(&req) {
+        Kind::Here => next.run(req).await,
+        // Requests without the API key are refused where they are (the owner would too).
+        _ if !node_key_ok(&node, req.headers()) => next.run(req).await,
+        Kind::Create => create(&node, req, next).await,
+        Kind::List { v2 } => list(&node, req, v2).await,
+        Kind::Sandbox { id, wakes } => sandbox_request(&node, id, wakes, req, next).await,
+    }
+}
+
+fn node_key_ok(node: &Node, h: &HeaderMap) -> bool {
+    h.get("x-api-key")
+        .is_some_and(|k| k.as_bytes() == node.config().api_key.as_bytes())
+        || sandbox::envd::route(h).is_some()
+}
+
+fn unavailable(e: impl std::fmt::Display) -> Response {
+    error_response(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+}
+
+/// The nodes that can take a sandbox of this shape, best first: live, taking sandboxes,
+/// not draining, with room; those with the template cached first, then `prefer`, then the
+/// most free memory.
+pub fn choose(
+    nodes: &[NodeRow],
+    vcpus: u32,
+    mem_mib: u64,
+    template: &str,
+    prefer: Option<&str>,
+) -> Vec<NodeRow> {
+    let mut ok: Vec<NodeRow> = nodes
+        .iter()
+        .filter(|n| n.live && n.takes_sandboxes && !n.draining)
+        .filter(|n| {
+            n.used_vcpus + vcpus as i64 <= n.vcpus as i64
+                && n.used_mem_mib + mem_mib as i64 <= n.mem_mib
+        })
+        .cloned()
+        .collect();
+    ok.sort_by_key(|n| {
+        (
+            !n.templates.iter().any(|t| t == template),
+            prefer != Some(n.name.as_str()),
+            -(n.mem_mib - n.used_mem_mib),
+            n.name.clone(),
+        )
+    });
+    ok
+}
+
+/// Why nothing could be placed.
+fn no_room(nodes: &[NodeRow], vcpus: u32, mem_mib: u64) -> Response {
+    let takers: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.live && n.takes_sandboxes && !n.draining)
+        .map(|n| {
+            format!(
+                "{}: {}/{} vCPUs, {}/{} MiB committed",
+                n.name, n.used_vcpus, n.vcpus, n.used_mem_mib, n.mem_mib
+            )
+        })
+        .collect();
+    let msg = if takers.is_empty() {
+        "the cluster has no live node that takes sandboxes".to_string()
+    } else {
+        format!(
+            "the cluster is out of capacity: no node has room for {vcpus} vCPUs and {mem_mib} MiB ({})",
+            takers.join("; ")
+        )
+    };
+    error_response(StatusCode::SERVICE_UNAVAILABLE, msg)
+}
+
+/// Answers `req` here or on node `to`.
+async fn send(node: &Node, to: &NodeRow, req: Request, next: Next) -> Response {
+    if to.name == node.config().name {
+        return next.run(req).await;
+    }
+    node.hop
+        .forward(&to.name, &to.address, &node.config().secret, req)
+        .await
+}
+
+async fn read_body(
+    req: Request,
+    max: usize,
+) -> Result<(axum::http::request::Parts, Bytes), Response> {
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, max);
+    match limited.collect().await {
+        Ok(c) => Ok((parts, c.to_bytes())),
+        Err(e) => Err(error_response(
+            StatusCode::BAD_REQUEST,
+            format!("request body: {e}"),
+        )),
+    }
+}
+
+async fn create(node: &Node, req: Request, next: Next) -> Response {
+    let (parts, body) = match read_body(req, MAX_CREATE_BODY).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    // A body that is not JSON is the placed node's to refuse.
+    let template = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.get("templateID")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
+        .unwrap_or_default();
+    let shape = match node
+        .db()
+        .template(sandbox::host::strip_tag(&template).unwrap_or(&template))
+        .await
+    {
+        Ok(s) => s.map(|s| (s.vcpus, s.mem_mib)).unwrap_or(DEFAULT_SHAPE),
+        Err(e) => return unavailable(e),
+    };
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    let req = Request::from_parts(parts, Body::from(body));
+    let best = choose(
+        &nodes,
+        shape.0,
+        shape.1,
+        &template,
+        Some(&node.config().name),
+    );
+    match best.first() {
+        Some(to) => send(node, to, req, next).await,
+        None => no_room(&nodes, shape.0, shape.1),
+    }
+}
+
+async fn sandbox_request(
+    node: &Node,
+    id: String,
+    wakes: bool,
+    req: Request,
+    next: Next,
+) -> Response {
+    let row = match node.db().owner(&id).await {
+        Ok(r) => r,
+        Err(e) => return unavailable(e),
+    };
+    let Some(row) = row else {
+        // Not in the cluster's registry: this node answers (not found, or from the store).
+        return next.run(req).await;
+    };
+    let me = node.config().name.as_str();
+    if row.state == "lost" {
+        return lost(node, &row, req).await;
+    }
+    if row.node.as_deref() == Some(me) {
+        return next.run(req).await;
+    }
+    let owner = row.node.clone().unwrap_or_default();
+    let elsewhere = row.state == "paused" && (!row.owner_live || row.owner_draining) && wakes;
+    if row.owner_live && !elsewhere {
+        let address = row.owner_address.clone().unwrap_or_default();
+        return node
+            .hop
+            .forward(&owner, &address, &node.config().secret, req)
+            .await;
+    }
+    if row.state == "running" {
+        // Its node stopped renewing its lease while it ran.
+        let why = format!("node {owner} stopped answering while it ran (its lease ended)");
+        match node.db().mark_lost(&id, &why).await {
+            Ok(_) => {}
+            Err(e) => return unavailable(e),
+        }
+        return match node.db().owner(&id).await {
+            Ok(Some(r)) if r.state == "lost" => lost(node, &r, req).await,
+            // Its node came back meanwhile: ask again.
+            Ok(_) => error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("sandbox {id}: its node {owner} came back; try again"),
+            ),
+            Err(e) => unavailable(e),
+        };
+    }
+    if !elsewhere {
+        // Not waking it (its info, a kill): answered here from the store.
+        return next.run(req).await;
+    }
+    if !row.durable {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            format!(
+                "sandbox {id} is lost: it was paused on node {owner}, which stopped answering \
+                 before the pause reached the object store"
+            ),
+        );
+    }
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    let (vcpus, mem) = shape_of(node, &id).await;
+    let best = choose(&nodes, vcpus, mem, "", Some(me));
+    match best.first() {
+        Some(to) => send(node, to, req, next).await,
+        None => no_room(&nodes, vcpus, mem),
+    }
+}
+
+async fn shape_of(node: &Node, id: &str) -> (u32, u64) {
+    let r = node
+        .db()
+        .run(|c| {
+            let id = id.to_string();
+            async move {
+                c.query_opt(
+                    "SELECT vcpus, mem_mib FROM clade_sandboxes WHERE id = $1",
+                    &[&id],
+                )
+                .await
+            }
+        })
+        .await;
+    match r {
+        Ok(Some(r)) => (
+            r.get::<_, i32>(0).max(0) as u32,
+            r.get::<_, i64>(1).max(0) as u64,
+        ),
+        _ => DEFAULT_SHAPE,
+    }
+}
+
+/// A lost sandbox: a kill removes its row; anything else is told it was lost.
+async fn lost(node: &Node, row: &OwnerRow, req: Request) -> Response {
+    if req.method() == Method::DELETE && sandbox::envd::route(req.headers()).is_none() {
+        return match node.db().forget_lost(&row.id).await {
+            Ok(_) => StatusCode::NO_CONTENT.into_response(),
+            Err(e) => unavailable(e),
+        };
+    }
+    error_response(
+        StatusCode::NOT_FOUND,
+        format!(
+            "sandbox {} was lost: {}; it had no durable checkpoint",
+            row.id,
+            row.lost_why
+                .as_deref()
+                .unwrap_or("its node stopped answering")
+        ),
+    )
+}
+
+/// A list: every live node's (the same query), merged. Rows the store shows on several
+/// nodes appear once (a node's own row over a store copy: `running` wins).
+async fn list(node: &Node, req: Request, v2: bool) -> Response {
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    let headers = req.headers().clone();
+    let limit = query_value(req.uri().query(), "limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(sandbox::http::DEFAULT_PAGE)
+        .clamp(1, sandbox::http::MAX_PAGE);
+    let ascending = query_value(req.uri().query(), "order").as_deref() == Some("asc");
+    let asks = nodes
+        .iter()
+        .filter(|n| n.live && n.takes_sandboxes)
+        .map(|n| {
+            let headers = headers.clone();
+            let pq = pq.clone();
+            async move {
+                node.hop
+                    .request(
+                        n,
+                        &node.config().secret,
+                        None,
+                        "GET",
+                        &pq,
+                        &headers,
+                        String::new(),
+                    )
+                    .await
+            }
+        });
+    let answers = futures::future::join_all(asks).await;
+    let mut rows: Vec<Value> = Vec::new();
+    let mut more = false;
+    for a in answers {
+        let (status, h, body) = match a {
+            Ok(x) => x,
+            Err(e) => return error_response(StatusCode::BAD_GATEWAY, e.to_string()),
+        };
+        if !status.is_success() {
+            // The first node's refusal (a bad query) is everyone's.
+            let mut r = Response::new(Body::from(body));
+            *r.status_mut() = status;
+            r.headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/json"));
+            return r;
+        }
+        more |= h.contains_key("x-next-token");
+        match serde_json::from_slice::<Vec<Value>>(&body) {
+            Ok(v) => rows.extend(v),
+            Err(e) => {
+                return error_response(StatusCode::BAD_GATEWAY, format!("a node's list: {e}"))
+            }
+        }
+    }
+    // One row per sandbox: a running one over a paused copy from the store.
+    let mut by_id: std::collections::BTreeMap<String, Value> = Default::default();
+    for r in rows {
+        let id = r
+            .get("sandboxID")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let running = r.get("state").and_then(Value::as_str) == Some("running");
+        match by_id.get(&id) {
+            Some(_) if !running => {}
+            _ => {
+                by_id.insert(id, r);
+            }
+        }
+    }
+    let key = |r: &Value| {
+        (
+            r.get("startedAt")
+                .and_then(Value::as_str)
+                .and_then(sandbox::ids::parse_rfc3339)
+                .unwrap_or(0),
+            r.get("sandboxID")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+        )
+    };
+    let mut all: Vec<Value> = by_id.into_values().collect();
+    all.sort_by_key(key);
+    if !ascending {
+        all.reverse();
+    }
+    let mut out = axum::http::HeaderMap::new();
+    if v2 {
+        more |= all.len() > limit;
+        all.truncate(limit);
+        if let (true, Some(last)) = (more, all.last()) {
+            let (ms, id) = key(last);
+            if let Ok(v) = HeaderValue::from_str(&format!("{ms}_{id}")) {
+                out.insert("x-next-token", v);
+            }
+        }
+    }
+    (out, axum::Json(all)).into_response()
+}
+
+fn query_value(q: Option<&str>, name: &str) -> Option<String> {
+    q?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| v.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(m: Method, uri: &str, headers: &[(&str, &str)]) -> Request {
+        let mut b = Request::builder().method(m).uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(Body::empty()).unwrap()
+    }
+
+    #[test]
+    fn requests_are_classified_by_path_and_headers() {
+        assert_eq!(
+            classify(&req(Method::POST, "/sandboxes", &[])),
+            Kind::Create
+        );
+        assert_eq!(
+            classify(&req(Method::POST, "/v2/sandboxes", &[])),
+            Kind::Create
+        );
+        assert_eq!(
+            classify(&req(Method::GET, "/v2/sandboxes?limit=3", &[])),
+            Kind::List { v2: true }
+        );
+        assert_eq!(
+            classify(&req(Method::GET, "/sandboxes", &[])),
+            Kind::List { v2: false }
+        );
+        assert_eq!(
+            classify(&req(Method::GET, "/sandboxes/metrics", &[])),
+            Kind::Here
+        );
+        assert_eq!(classify(&req(Method::GET, "/templates", &[])), Kind::Here);
+        assert_eq!(
+            classify(&req(Method::POST, "/sandboxes/abc/connect", &[])),
+            Kind::Sandbox {
+                id: "abc".into(),
+                wakes: true
+            }
+        );
+        assert_eq!(
+            classify(&req(Method::POST, "/v2/sandboxes/abc/connect", &[])),
+            Kind::Sandbox {
+                id: "abc".into(),
+                wakes: true
+            }
+        );
+        assert_eq!(
+            classify(&req(Method::POST, "/sandboxes/abc/pause", &[])),
+            Kind::Sandbox {
+                id: "abc".into(),
+                wakes: false
+            }
+        );
+        assert_eq!(
+            classify(&req(Method::DELETE, "/sandboxes/abc", &[])),
+            Kind::Sandbox {
+                id: "abc".into(),
+                wakes: false
+            }
+        );
+        assert_eq!(
+            classify(&req(
+                Method::POST,
+                "/process.Process/Start",
+                &[("e2b-sandbox-id", "xyz")]
+            )),
+            Kind::Sandbox {
+                id: "xyz".into(),
+                wakes: true
+            }
+        );
+        assert_eq!(
+            classify(&req(Method::GET, "/", &[("host", "8080-xyz.example.org")])),
+            Kind::Sandbox {
+                id: "xyz".into(),
+                wakes: true
+            }
+        );
+    }
+
+    fn node(name: &str, vcpus: i32, mem: i64, used: (i64, i64), templates: &[&str]) -> NodeRow {
+        NodeRow {
+            name: name.into(),
+            address: format!("http://{name}:1"),
+            vcpus,
+            mem_mib: mem,
+            takes_sandboxes: true,
+            draining: false,
+            drained: false,
+            templates: templates.iter().map(|s| s.to_string()).collect(),
+            live: true,
+            lease_left_s: 1.0,
+            used_vcpus: used.0,
+            used_mem_mib: used.1,
+            sandboxes: 0,
+        }
+    }
+
+    #[test]
+    fn placement_wants_room_then_the_template_then_free_memory() {
+        let nodes = vec![
+            node("a", 4, 1024, (4, 512), &["t"]),
+            node("b", 4, 1024, (0, 0), &[]),
+            node("c", 4, 2048, (1, 512), &["t"]),
+        ];
+        let names = |v: Vec<NodeRow>| v.into_iter().map(|n| n.name).collect::<Vec<_>>();
+        // a is full (vCPUs); c has the template.
+        assert_eq!(names(choose(&nodes, 1, 256, "t", None)), ["c", "b"]);
+        // Without the template anywhere: most free memory first.
+        assert_eq!(names(choose(&nodes, 1, 256, "u", None)), ["c", "b"]);
+        assert_eq!(names(choose(&nodes, 1, 256, "u", Some("b"))), ["b", "c"]);
+        // Nothing fits.
+        assert!(choose(&nodes, 8, 256, "t", None).is_empty());
+        let mut dead = nodes.clone();
+        for n in &mut dead {
+            n.live = false;
+        }
+        assert!(choose(&dead, 1, 1, "t", None).is_empty());
+        let mut draining = nodes;
+        draining[2].draining = true;
+        assert_eq!(names(choose(&draining, 1, 256, "t", None)), ["b"]);
+    }
+}

@@ -1,0 +1,27 @@
+//! Who may act on a sandbox when several hosts share sandboxes (a cluster, the `cluster`
+//! crate). A host alone owns every sandbox in its registry and needs none of this; in a
+//! cluster, a sandbox that another host took over (its pause resumed there after this host
+//! stopped answering) must not be touched here again: not paused, not killed, not
+//! published. The host asks [`Ownership::check`] before every change it makes to a
+//! sandbox, and tells [`Ownership::record`] what it now holds, so that the cluster's
+//! registry (not this crate) decides and remembers ownership.
+//!
+//! The trait is defined here, below the cluster, so that the lifecycle depends on nothing
+//! above it; the cluster implements it.
+
+use crate::error::Result;
+use crate::registry::Record;
+
+/// The cluster's say on this host's sandboxes.
+pub trait Ownership: Send + Sync {
+    /// Before a change to sandbox `id`, which this host's registry holds: `Ok` if this
+    /// host still owns it; [`crate::Error::Fenced`] if another host owns it now (the host
+    /// then forgets its copy, without touching the store); any other error when ownership
+    /// cannot be known (nothing is changed then).
+    fn check(&self, id: &str) -> Result<()>;
+    /// After this host created, resumed, took over, paused or published `rec`: it is this
+    /// host's, in this state.
+    fn record(&self, rec: &Record) -> Result<()>;
+    /// After this host killed sandbox `id`.
+    fn removed(&self, id: &str) -> Result<()>;
+}
