@@ -1,0 +1,250 @@
+"""A Clade cluster on this machine (tests/e2b/cluster.py): three `clade serve --cluster`
+nodes (a and b with the native test guest's template, c without: it creates from the
+object store) and a pure gateway node (gw), each in its own network namespace, on one
+PostgreSQL and one S3 server. Every request enters through a node that does not own the
+sandbox. Run with tests/e2b/run_cluster.sh (root: namespaces, and PostgreSQL as user
+postgres)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import KEY, REPO, Cluster, api  # noqa: E402
+
+LEASE_MS = 2000
+
+
+@pytest.fixture(scope="module")
+def cl():
+    c = Cluster([("a", {}), ("b", {}), ("c", {}), ("gw", {"gateway": True})], lease_ms=LEASE_MS)
+    try:
+        c.start(templates_on=("a", "b"))
+        yield c
+    finally:
+        c.close()
+
+
+def create(url, timeout=300, **extra):
+    status, body, _ = api(url, "POST", "/sandboxes", {"templateID": "t", "timeout": timeout, **extra})
+    assert status == 201, (status, body)
+    return body["sandboxID"]
+
+
+def health(url, sid):
+    status, body, _ = api(url, "GET", "/health", headers={"E2b-Sandbox-Id": sid})
+    return status
+
+
+def info(url, sid):
+    return api(url, "GET", f"/sandboxes/{sid}")
+
+
+def durable(cl, url, sid, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body, _ = info(url, sid)
+        assert status == 200, body
+        if body.get("durableAt"):
+            return body
+        assert time.monotonic() < deadline, f"{sid} never durable: {body}"
+        time.sleep(0.1)
+
+
+def kill_all(cl):
+    gw = cl.nodes["gw"].url
+    for (sid,) in cl.psql("SELECT id FROM clade_sandboxes"):
+        api(gw, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_creates_are_placed_and_every_request_goes_through_a_node_that_owns_nothing(cl):
+    gw = cl.nodes["gw"].url
+    ids = [create(gw, metadata={"suite": "cluster"}) for _ in range(4)]
+    owners = {sid: cl.owner(sid)[0] for sid in ids}
+    # The nodes with the template in their cache take them, spread by free memory.
+    assert sorted(owners.values()) == ["a", "a", "b", "b"], owners
+    for sid, owner in owners.items():
+        other = cl.nodes["b" if owner == "a" else "a"].url
+        for url in (gw, other, cl.nodes["c"].url):
+            status, body, _ = info(url, sid)
+            assert status == 200 and body["state"] == "running", body
+            assert health(url, sid) == 204
+    # Lists are every node's, merged and paged.
+    seen, token = [], None
+    while True:
+        q = "/v2/sandboxes?limit=3&metadata=suite%3Dcluster" + (f"&nextToken={token}" if token else "")
+        status, page, hdrs = api(gw, "GET", q)
+        assert status == 200, page
+        seen += [s["sandboxID"] for s in page]
+        token = hdrs.get("x-next-token") or hdrs.get("X-Next-Token")
+        if not token:
+            break
+    assert sorted(seen) == sorted(ids)
+    # Paused through the gateway, resumed through a node that does not own it: it wakes
+    # on the node it paused on (warm), which still owns it.
+    sid = ids[0]
+    owner, token0, _, _ = cl.owner(sid)
+    assert api(gw, "POST", f"/sandboxes/{sid}/pause")[0] == 204
+    assert info(gw, sid)[1]["state"] == "paused"
+    assert api(cl.nodes["c"].url, "POST", f"/sandboxes/{sid}/connect", {"timeout": 300})[0] in (200, 201)
+    assert cl.owner(sid)[:3] == [owner, token0, "running"]
+    assert health(gw, sid) == 204
+    for s in ids:
+        assert api(gw, "DELETE", f"/sandboxes/{s}")[0] == 204
+        assert info(gw, s)[0] == 404
+        assert cl.owner(s) is None
+
+
+def test_a_full_cluster_answers_503_and_creates_nothing(cl):
+    gw = cl.nodes["gw"].url
+    ids = [create(gw) for _ in range(9)]  # 3 nodes x 3 vCPUs, one each
+    owners = sorted(cl.owner(s)[0] for s in ids)
+    # c has no template of its own: it created its share from the object store.
+    assert owners == ["a"] * 3 + ["b"] * 3 + ["c"] * 3, owners
+    status, body, _ = api(gw, "POST", "/sandboxes", {"templateID": "t", "timeout": 300})
+    assert status == 503, (status, body)
+    assert "out of capacity" in body["message"], body
+    assert len(cl.psql("SELECT id FROM clade_sandboxes")) == 9
+    kill_all(cl)
+    assert cl.psql("SELECT id FROM clade_sandboxes") == []
+
+
+def test_a_killed_node_leaves_its_paused_sandboxes_resumable_and_its_running_ones_lost(cl):
+    a, gw = cl.nodes["a"], cl.nodes["gw"].url
+    running = create(a.url)
+    paused = create(a.url)
+    assert cl.owner(running)[0] == "a" and cl.owner(paused)[0] == "a"
+    assert api(a.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
+    durable(cl, gw, paused)
+    vms = a.vm_pids(running)
+    assert vms
+    a.kill()
+    cl.wait_lease_ended("a")
+    status, body, _ = info(gw, running)
+    assert status == 404 and "was lost" in body["message"], body
+    # Paused and in the store: another node resumes it at once.
+    status, body, _ = api(gw, "POST", f"/sandboxes/{paused}/connect", {"timeout": 300})
+    assert status in (200, 201), body
+    node, token, state, _ = cl.owner(paused)
+    assert node in ("b", "c") and state == "running" and int(token) >= 2
+    assert health(gw, paused) == 204
+    # Node a comes back: it takes nothing back, and stops the VM of its lost sandbox.
+    a.start()
+    deadline = time.monotonic() + 10
+    while a.vm_pids(running):
+        assert time.monotonic() < deadline, "the lost sandbox's VM still runs on node a"
+        time.sleep(0.1)
+    assert "owned by another node now" in a.log_text()
+    assert cl.owner(paused)[0] == node
+    assert info(a.url, paused)[1]["state"] == "running"
+    assert health(a.url, paused) == 204
+    # A lost sandbox is removed by a kill.
+    assert api(gw, "DELETE", f"/sandboxes/{running}")[0] == 204
+    assert cl.owner(running) is None
+    kill_all(cl)
+
+
+def test_a_stopped_node_past_its_lease_touches_nothing_when_it_continues(cl):
+    b, gw = cl.nodes["b"], cl.nodes["gw"].url
+    # Times out while b is stopped: b's timeout sweep would kill it when b continues.
+    expiring = create(b.url, timeout=3)
+    paused = create(b.url)
+    assert cl.owner(expiring)[0] == "b" and cl.owner(paused)[0] == "b"
+    assert api(b.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
+    durable(cl, gw, paused)
+    b.stop()
+    try:
+        cl.wait_lease_ended("b")
+        time.sleep(3)
+        status, body, _ = api(gw, "POST", f"/sandboxes/{paused}/connect", {"timeout": 300})
+        assert status in (200, 201), body
+        taken_by = cl.owner(paused)[0]
+        assert taken_by in ("a", "c")
+        status, body, _ = info(gw, expiring)
+        assert status == 404 and "was lost" in body["message"], body
+    finally:
+        b.cont()
+    # b renews, finds its lease ended, rejoins and forgets what it lost; it kills nothing
+    # of the sandbox that moved (its objects in the store, its VM on the other node).
+    deadline = time.monotonic() + 15
+    while "rejoined the cluster" not in b.log_text():
+        assert time.monotonic() < deadline, b.log_text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1)
+    assert not b.vm_pids(expiring) and not b.vm_pids(paused)
+    assert cl.owner(paused)[0] == taken_by
+    assert os.path.exists(os.path.join(cl.dir, "s3/clade/cluster/sandboxes", f"{paused}.json"))
+    assert info(b.url, paused)[1]["state"] == "running"
+    assert health(b.url, paused) == 204
+    # And it still pauses and resumes where it is now.
+    assert api(b.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
+    assert api(b.url, "POST", f"/sandboxes/{paused}/connect", {"timeout": 300})[0] in (200, 201)
+    assert cl.owner(paused)[0] == taken_by
+    kill_all(cl)
+
+
+def test_two_nodes_racing_to_resume_one_sandbox(cl):
+    a, gw = cl.nodes["a"], cl.nodes["gw"].url
+    sid = create(a.url)
+    assert cl.owner(sid)[0] == "a"
+    assert api(a.url, "POST", f"/sandboxes/{sid}/pause")[0] == 204
+    durable(cl, gw, sid)
+    a.kill()
+    cl.wait_lease_ended("a")
+    results = {}
+
+    def resume(name):
+        results[name] = api(cl.nodes[name].url, "POST", f"/sandboxes/{sid}/connect", {"timeout": 300})
+
+    threads = [threading.Thread(target=resume, args=(n,)) for n in ("b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(r[0] for r in results.values())
+    # One resumes it; the other either lost the race (409) or came after and was
+    # forwarded to the winner.
+    assert statuses[0] in (200, 201) and statuses[1] in (200, 201, 409), results
+    owner = cl.owner(sid)[0]
+    running_on = [n for n in ("b", "c") if cl.nodes[n].vm_pids(sid)]
+    assert running_on == [owner], (running_on, owner, results)
+    assert health(gw, sid) == 204
+    a.start()
+    kill_all(cl)
+
+
+def test_a_drained_node_moves_its_running_sandboxes_and_takes_no_more(cl):
+    b, gw = cl.nodes["b"], cl.nodes["gw"].url
+    moving = create(b.url)
+    idle = create(b.url)
+    assert cl.owner(moving)[0] == "b" and cl.owner(idle)[0] == "b"
+    assert api(b.url, "POST", f"/sandboxes/{idle}/pause")[0] == 204
+    r = subprocess.run([os.environ.get("CLADE", os.path.join(REPO, "target/debug/clade")),
+                        "node", "drain", "b", "--cluster", cl.pg_url, "--wait", "120"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + b.log_text()[-3000:]
+    node, _, state, _ = cl.owner(moving)
+    assert node in ("a", "c") and state == "running"
+    assert not b.vm_pids(moving)
+    assert health(gw, moving) == 204
+    # The idle one stays paused, durable; a resume goes elsewhere.
+    assert cl.owner(idle)[2:] == ["paused", "t"]
+    assert api(gw, "POST", f"/sandboxes/{idle}/connect", {"timeout": 300})[0] in (200, 201)
+    assert cl.owner(idle)[0] in ("a", "c")
+    # No placement on a draining node.
+    new = [create(gw) for _ in range(3)]
+    assert all(cl.owner(s)[0] != "b" for s in new)
+    kill_all(cl)
+
+
+def test_the_control_suite_through_the_gateway_node(cl):
+    gw = cl.nodes["gw"].url
+    env = dict(os.environ, E2B_API_URL=gw, E2B_SANDBOX_URL=gw, E2B_API_KEY=KEY, CLADE_TEMPLATE="t")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(REPO, "tests/e2b/test_control.py")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-6000:]
