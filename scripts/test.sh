@@ -75,8 +75,11 @@ echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
 # headless chromium through Selenium, with native test-guest VMs (screenshots of each step
 # in target/dashboard-screenshots), and `clade bench --report` (a real run's report checked
 # and rendered in the same browser, tests/e2b/test_report.py; screenshots in
-# target/report-screenshots).
-for suite in control dataplane dashboard report; do
+# target/report-screenshots). Then a cluster (tests/e2b/test_cluster.py): three nodes and
+# a gateway, each in a network namespace, on PostgreSQL and the S3 server, with native
+# test-guest VMs (placement, forwarding, lost and stopped nodes, racing resumes, a drain,
+# and the control suite entered through the gateway).
+for suite in control dataplane dashboard report cluster; do
     if "$REPO_ROOT/tests/e2b/run_$suite.sh" -p no:cacheprovider 2>&1 | tee "$REPO_ROOT/target/e2b-$suite.log"; then
         n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-$suite.log" | tail -1 | awk '{print $1}' || true)
         passed=$((passed + ${n:-0}))

@@ -44,6 +44,13 @@ CREATE TABLE IF NOT EXISTS clade_sandboxes (
     updated timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS clade_sandboxes_node ON clade_sandboxes (node);
+CREATE TABLE IF NOT EXISTS clade_snapshots (
+    id text PRIMARY KEY,
+    name text,
+    sandbox text NOT NULL,
+    node text NOT NULL,
+    created_ms bigint NOT NULL
+);
 CREATE TABLE IF NOT EXISTS clade_templates (
     name text PRIMARY KEY,
     vcpus integer NOT NULL,
@@ -480,6 +487,74 @@ impl Db {
             })
             .await?;
         Ok(rows.iter().map(owner_row).collect())
+    }
+
+    // ---- snapshots --------------------------------------------------------------------
+
+    /// Node `node` holds persistent snapshot `id` (named `name`) of sandbox `sandbox`.
+    pub fn put_snapshot_blocking(
+        &self,
+        id: &str,
+        name: Option<&str>,
+        sandbox: &str,
+        node: &str,
+        created_ms: i64,
+    ) -> Result<()> {
+        self.blocking(|c| async move {
+            c.execute(
+                "INSERT INTO clade_snapshots (id, name, sandbox, node, created_ms)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (id) DO UPDATE SET name = $2, sandbox = $3, node = $4, created_ms = $5",
+                &[&id, &name, &sandbox, &node, &created_ms],
+            )
+            .await
+        })?;
+        Ok(())
+    }
+
+    /// Snapshot `id` is gone.
+    pub fn delete_snapshot_blocking(&self, id: &str) -> Result<()> {
+        self.blocking(|c| async move {
+            c.execute("DELETE FROM clade_snapshots WHERE id = $1", &[&id])
+                .await
+        })?;
+        Ok(())
+    }
+
+    /// The node holding the snapshot a reference means (its id, or a name: the newest of
+    /// that name).
+    pub async fn snapshot_node(&self, reference: &str) -> Result<Option<NodeRow>> {
+        let r = self
+            .run(|c| async move {
+                c.query_opt(
+                    "SELECT node FROM clade_snapshots WHERE id = $1 OR name = $1
+                     ORDER BY id = $1 DESC, created_ms DESC LIMIT 1",
+                    &[&reference],
+                )
+                .await
+            })
+            .await?;
+        self.node_of(r.map(|r| r.get::<_, String>(0))).await
+    }
+
+    /// The node holding the newest snapshot of sandbox `sandbox`.
+    pub async fn snapshots_node(&self, sandbox: &str) -> Result<Option<NodeRow>> {
+        let r = self
+            .run(|c| async move {
+                c.query_opt(
+                    "SELECT node FROM clade_snapshots WHERE sandbox = $1
+                     ORDER BY created_ms DESC LIMIT 1",
+                    &[&sandbox],
+                )
+                .await
+            })
+            .await?;
+        self.node_of(r.map(|r| r.get::<_, String>(0))).await
+    }
+
+    async fn node_of(&self, name: Option<String>) -> Result<Option<NodeRow>> {
+        let Some(name) = name else { return Ok(None) };
+        Ok(self.nodes().await?.into_iter().find(|n| n.name == name))
     }
 }
 

@@ -42,6 +42,12 @@ enum Kind {
     List { v2: bool },
     /// For one sandbox; `wakes`: it resumes a paused one.
     Sandbox { id: String, wakes: bool },
+    /// Metrics of several sandboxes.
+    Metrics,
+    /// The list of persistent snapshots.
+    Snapshots,
+    /// One snapshot (a delete of it).
+    Snapshot { reference: String },
 }
 
 fn classify(req: &Request) -> Kind {
@@ -53,6 +59,22 @@ fn classify(req: &Request) -> Kind {
         };
     }
     let path = req.uri().path();
+    let m = req.method();
+    if path == "/snapshots" && *m == Method::GET {
+        return Kind::Snapshots;
+    }
+    if let Some(r) = path.strip_prefix("/templates/") {
+        if *m == Method::DELETE && !r.is_empty() && !r.contains('/') {
+            return Kind::Snapshot {
+                reference: percent_encoding::percent_decode_str(r)
+                    .decode_utf8_lossy()
+                    .into_owned(),
+            };
+        }
+    }
+    if path == "/sandboxes/metrics" && *m == Method::GET {
+        return Kind::Metrics;
+    }
     let rest = path
         .strip_prefix("/v2/sandboxes")
         .or_else(|| path.strip_prefix("/sandboxes"));
@@ -60,7 +82,6 @@ fn classify(req: &Request) -> Kind {
         return Kind::Here;
     };
     let v2 = path.starts_with("/v2/");
-    let m = req.method();
     if rest.is_empty() || rest == "/" {
         return match *m {
             Method::POST => Kind::Create,
@@ -94,7 +115,17 @@ pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) 
         // Requests without the API key are refused where they are (the owner would too).
         _ if !node_key_ok(&node, req.headers()) => next.run(req).await,
         Kind::Create => create(&node, req, next).await,
-        Kind::List { v2 } => list(&node, req, v2).await,
+        Kind::List { v2 } => list(&node, req, Listing::Sandboxes { v2 }).await,
+        Kind::Snapshots => snapshots(&node, req, next).await,
+        Kind::Metrics => metrics(&node, req).await,
+        Kind::Snapshot { reference } => {
+            let name = sandbox::host::strip_tag(&reference).unwrap_or(&reference);
+            match node.db().snapshot_node(name).await {
+                Ok(Some(to)) if to.live => send(&node, &to, req, next).await,
+                Ok(_) => next.run(req).await,
+                Err(e) => unavailable(e),
+            }
+        }
         Kind::Sandbox { id, wakes } => sandbox_request(&node, id, wakes, req, next).await,
     }
 }
@@ -201,11 +232,31 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
                 .map(String::from)
         })
         .unwrap_or_default();
-    let shape = match node
-        .db()
-        .template(sandbox::host::strip_tag(&template).unwrap_or(&template))
-        .await
-    {
+    let name = sandbox::host::strip_tag(&template).unwrap_or(&template);
+    // A persistent snapshot is on the node that took it: sandboxes of it start there.
+    match node.db().snapshot_node(name).await {
+        Ok(Some(to)) if to.live => {
+            return send(
+                node,
+                &to,
+                Request::from_parts(parts, Body::from(body)),
+                next,
+            )
+            .await
+        }
+        Ok(Some(to)) => {
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "snapshot {name} is on node {}, which is not answering",
+                    to.name
+                ),
+            )
+        }
+        Ok(None) => {}
+        Err(e) => return unavailable(e),
+    }
+    let shape = match node.db().template(name).await {
         Ok(s) => s.map(|s| (s.vcpus, s.mem_mib)).unwrap_or(DEFAULT_SHAPE),
         Err(e) => return unavailable(e),
     };
@@ -345,22 +396,88 @@ async fn lost(node: &Node, row: &OwnerRow, req: Request) -> Response {
 
 /// A list: every live node's (the same query), merged. Rows the store shows on several
 /// nodes appear once (a node's own row over a store copy: `running` wins).
-async fn list(node: &Node, req: Request, v2: bool) -> Response {
-    let nodes = match node.db().nodes().await {
-        Ok(n) => n,
-        Err(e) => return unavailable(e),
+/// What a merged list is of.
+#[derive(Debug, Clone, Copy)]
+enum Listing {
+    /// Sandboxes (v2: paged).
+    Sandboxes { v2: bool },
+    /// Persistent snapshots (paged).
+    Snapshots,
+}
+
+impl Listing {
+    fn time_field(self) -> &'static str {
+        match self {
+            Listing::Sandboxes { .. } => "startedAt",
+            Listing::Snapshots => "createdAt",
+        }
+    }
+    fn id_field(self) -> &'static str {
+        match self {
+            Listing::Sandboxes { .. } => "sandboxID",
+            Listing::Snapshots => "snapshotID",
+        }
+    }
+    fn paged(self) -> bool {
+        !matches!(self, Listing::Sandboxes { v2: false })
+    }
+}
+
+/// `GET /snapshots`: those of one sandbox from the node that holds them, all of them
+/// merged from every node.
+async fn snapshots(node: &Node, req: Request, next: Next) -> Response {
+    if let Some(sid) = query_value(req.uri().query(), "sandboxID") {
+        let to = match node.db().snapshots_node(&sid).await {
+            Ok(Some(n)) => Some(n),
+            Ok(None) => match node.db().owner(&sid).await {
+                Ok(Some(OwnerRow { node: Some(n), .. })) => node
+                    .db()
+                    .nodes()
+                    .await
+                    .ok()
+                    .and_then(|all| all.into_iter().find(|x| x.name == n)),
+                Ok(_) => None,
+                Err(e) => return unavailable(e),
+            },
+            Err(e) => return unavailable(e),
+        };
+        return match to {
+            Some(to) if to.live => send(node, &to, req, next).await,
+            _ => next.run(req).await,
+        };
+    }
+    list(node, req, Listing::Snapshots).await
+}
+
+/// `GET /sandboxes/metrics`: every live node's answer, merged.
+async fn metrics(node: &Node, req: Request) -> Response {
+    let answers = match fan_out(node, req).await {
+        Ok(a) => a,
+        Err(r) => return r,
     };
+    let mut all = serde_json::Map::new();
+    for (_, body) in answers {
+        if let Ok(Value::Object(mut o)) = serde_json::from_slice::<Value>(&body) {
+            if let Some(Value::Object(m)) = o.remove("sandboxes") {
+                all.extend(m);
+            }
+        }
+    }
+    axum::Json(serde_json::json!({ "sandboxes": all })).into_response()
+}
+
+/// `req` asked of every live node that takes sandboxes: each answer's headers and body.
+/// The first refusal is answered as it is.
+async fn fan_out(node: &Node, req: Request) -> Result<Vec<(HeaderMap, Bytes)>, Response> {
+    // Only the head is kept across the waits (a body is not `Sync`).
     let pq = req
         .uri()
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_default();
     let headers = req.headers().clone();
-    let limit = query_value(req.uri().query(), "limit")
-        .and_then(|l| l.parse::<usize>().ok())
-        .unwrap_or(sandbox::http::DEFAULT_PAGE)
-        .clamp(1, sandbox::http::MAX_PAGE);
-    let ascending = query_value(req.uri().query(), "order").as_deref() == Some("asc");
+    drop(req);
+    let nodes = node.db().nodes().await.map_err(unavailable)?;
     let asks = nodes
         .iter()
         .filter(|n| n.live && n.takes_sandboxes)
@@ -381,22 +498,35 @@ async fn list(node: &Node, req: Request, v2: bool) -> Response {
                     .await
             }
         });
-    let answers = futures::future::join_all(asks).await;
-    let mut rows: Vec<Value> = Vec::new();
-    let mut more = false;
-    for a in answers {
-        let (status, h, body) = match a {
-            Ok(x) => x,
-            Err(e) => return error_response(StatusCode::BAD_GATEWAY, e.to_string()),
-        };
+    let mut out = Vec::new();
+    for a in futures::future::join_all(asks).await {
+        let (status, h, body) =
+            a.map_err(|e| error_response(StatusCode::BAD_GATEWAY, e.to_string()))?;
         if !status.is_success() {
-            // The first node's refusal (a bad query) is everyone's.
             let mut r = Response::new(Body::from(body));
             *r.status_mut() = status;
             r.headers_mut()
                 .insert("content-type", HeaderValue::from_static("application/json"));
-            return r;
+            return Err(r);
         }
+        out.push((h, body));
+    }
+    Ok(out)
+}
+
+async fn list(node: &Node, req: Request, what: Listing) -> Response {
+    let limit = query_value(req.uri().query(), "limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(sandbox::http::DEFAULT_PAGE)
+        .clamp(1, sandbox::http::MAX_PAGE);
+    let ascending = query_value(req.uri().query(), "order").as_deref() == Some("asc");
+    let answers = match fan_out(node, req).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let mut rows: Vec<Value> = Vec::new();
+    let mut more = false;
+    for (h, body) in answers {
         more |= h.contains_key("x-next-token");
         match serde_json::from_slice::<Vec<Value>>(&body) {
             Ok(v) => rows.extend(v),
@@ -409,7 +539,7 @@ async fn list(node: &Node, req: Request, v2: bool) -> Response {
     let mut by_id: std::collections::BTreeMap<String, Value> = Default::default();
     for r in rows {
         let id = r
-            .get("sandboxID")
+            .get(what.id_field())
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
@@ -423,11 +553,11 @@ async fn list(node: &Node, req: Request, v2: bool) -> Response {
     }
     let key = |r: &Value| {
         (
-            r.get("startedAt")
+            r.get(what.time_field())
                 .and_then(Value::as_str)
                 .and_then(sandbox::ids::parse_rfc3339)
                 .unwrap_or(0),
-            r.get("sandboxID")
+            r.get(what.id_field())
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_string(),
@@ -439,7 +569,7 @@ async fn list(node: &Node, req: Request, v2: bool) -> Response {
         all.reverse();
     }
     let mut out = axum::http::HeaderMap::new();
-    if v2 {
+    if what.paged() {
         more |= all.len() > limit;
         all.truncate(limit);
         if let (true, Some(last)) = (more, all.last()) {

@@ -437,6 +437,22 @@ impl Ownership for Node {
         self.record_now(rec).map_err(cluster_err)
     }
 
+    fn snapshot_made(&self, snap: &sandbox::registry::SnapshotRecord) -> sandbox::Result<()> {
+        self.db
+            .put_snapshot_blocking(
+                &snap.id,
+                snap.name.as_deref(),
+                &snap.sandbox,
+                &self.cfg.name,
+                snap.created_ms,
+            )
+            .map_err(cluster_err)
+    }
+
+    fn snapshot_deleted(&self, id: &str) -> sandbox::Result<()> {
+        self.db.delete_snapshot_blocking(id).map_err(cluster_err)
+    }
+
     fn removed(&self, id: &str) -> sandbox::Result<()> {
         let token = self
             .tokens

@@ -1004,6 +1004,13 @@ impl Host {
         Ok(rec)
     }
 
+    /// One sandbox of this host's registry (crashed ones too), never asking the store:
+    /// quick enough for an async handler. `NotFound` may still be in the store
+    /// ([`Host::get`]).
+    pub fn get_local(&self, id: &str) -> Result<Record> {
+        self.load(id)
+    }
+
     /// One sandbox (crashed ones too: the caller decides how to show them). With a
     /// store, a sandbox another host published is shown as it is there (paused), without
     /// taking it over.
@@ -1019,18 +1026,18 @@ impl Host {
         }
     }
 
-    /// Sandboxes matching `q` (running ones checked for life first), and whether there are
-    /// more.
-    ///
-    /// With a store, sandboxes paused on other hosts (or on this one before its state was
-    /// lost) that only the store has are listed too, as paused. A store that cannot be
-    /// listed leaves them out (with a warning) rather than failing the list.
     /// The sandboxes in this host's registry (not those only in the store), oldest first.
     pub fn local_sandboxes(&self) -> Result<Vec<Record>> {
         self.reap()?;
         self.reg().all()
     }
 
+    /// Sandboxes matching `q` (running ones checked for life first), and whether there are
+    /// more.
+    ///
+    /// With a store, sandboxes paused on other hosts (or on this one before its state was
+    /// lost) that only the store has are listed too, as paused. A store that cannot be
+    /// listed leaves them out (with a warning) rather than failing the list.
     pub fn list(&self, q: &Query) -> Result<(Vec<Record>, bool)> {
         self.reap()?;
         let Some(d) = &self.durable else {
@@ -1255,8 +1262,18 @@ impl Host {
         }
         for old in &superseded {
             self.reg().mark_snapshot_deleted(old)?;
+            if let Some(o) = &self.ownership {
+                if let Err(e) = o.snapshot_deleted(old) {
+                    tracing::warn!(snapshot = %old, "removing it from the cluster: {e}");
+                }
+            }
         }
         tracing::info!(sandbox = %rec.id, snapshot = %snap.id, kind, elapsed = ?t.elapsed(), "snapshot taken");
+        if let Some(o) = &self.ownership {
+            if let Err(e) = o.snapshot_made(&snap) {
+                tracing::warn!(snapshot = %snap.id, "recording it in the cluster: {e}");
+            }
+        }
         // A replaced snapshot goes once nothing needs it; a failure here is not the
         // snapshot's.
         if let Err(e) = self.collect_garbage_locked() {
@@ -1288,6 +1305,11 @@ impl Host {
         };
         self.reg().mark_snapshot_deleted(&snap.id)?;
         tracing::info!(snapshot = %snap.id, "snapshot deleted");
+        if let Some(o) = &self.ownership {
+            if let Err(e) = o.snapshot_deleted(&snap.id) {
+                tracing::warn!(snapshot = %snap.id, "removing it from the cluster: {e}");
+            }
+        }
         self.collect_garbage_locked()?;
         Ok(snap)
     }

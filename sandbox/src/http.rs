@@ -841,6 +841,8 @@ fn snapshot_info(s: &SnapshotRecord) -> Value {
     json!({
         "snapshotID": format!("{shown}:{DEFAULT_TAG}"),
         "names": [format!("{shown}:{DEFAULT_TAG}")],
+        // Clade's own: when it was taken (lists are newest first by it).
+        "createdAt": ids::rfc3339(s.created_ms),
     })
 }
 

@@ -10,7 +10,7 @@
 //! above it; the cluster implements it.
 
 use crate::error::Result;
-use crate::registry::Record;
+use crate::registry::{Record, SnapshotRecord};
 
 /// The cluster's say on this host's sandboxes.
 pub trait Ownership: Send + Sync {
@@ -24,4 +24,12 @@ pub trait Ownership: Send + Sync {
     fn record(&self, rec: &Record) -> Result<()>;
     /// After this host killed sandbox `id`.
     fn removed(&self, id: &str) -> Result<()>;
+    /// After this host took a persistent snapshot (sandboxes created from it start here).
+    fn snapshot_made(&self, _snap: &SnapshotRecord) -> Result<()> {
+        Ok(())
+    }
+    /// After this host deleted snapshot `id`.
+    fn snapshot_deleted(&self, _id: &str) -> Result<()> {
+        Ok(())
+    }
 }

@@ -245,6 +245,6 @@ def test_the_control_suite_through_the_gateway_node(cl):
     gw = cl.nodes["gw"].url
     env = dict(os.environ, E2B_API_URL=gw, E2B_SANDBOX_URL=gw, E2B_API_KEY=KEY, CLADE_TEMPLATE="t")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(REPO, "tests/e2b/test_control.py")],
+                        "--tb=short", os.path.join(REPO, "tests/e2b/test_control.py")],
                        capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout[-6000:]
+    assert r.returncode == 0, r.stdout[-20000:]

@@ -406,7 +406,7 @@ impl DataPlane {
         if let Some(c) = self.fresh_route(&t.sandbox) {
             return Ok((c.envd_token.clone(), c.traffic_token.clone()));
         }
-        match self.host.get(&t.sandbox) {
+        match get_record(&self.host, &t.sandbox).await {
             Ok(rec) => Ok((rec.envd_token, rec.traffic_token)),
             Err(Error::NotFound(id)) => Err(proxy_error(format!("The sandbox {id} was not found"))),
             Err(e) => Err(proxy_error(format!("sandbox {}: {e}", t.sandbox))),
@@ -484,7 +484,7 @@ impl DataPlane {
         // The lookup is one indexed registry read and a liveness check (no process
         // start): done inline, it saves a hop to the blocking pool on every request.
         // Only a resume goes there.
-        let rec = match host.get(id) {
+        let rec = match get_record(&host, id).await {
             // Paused is paused: only a sandbox created with auto-resume is woken by a
             // request. The rest get E2B's answer for a sandbox that is not running (the
             // SDK's `is_running()` is false, its calls raise "not running").
@@ -513,6 +513,21 @@ impl DataPlane {
             }
             Err(e) => Err(proxy_error(format!("sandbox {id}: {e}"))),
         }
+    }
+}
+
+/// Sandbox `id` as [`Host::get`] has it: this host's registry read inline (one indexed
+/// read), the store (a network round trip) on the blocking pool only when the registry
+/// does not have it.
+async fn get_record(host: &Arc<Host>, id: &str) -> crate::Result<crate::registry::Record> {
+    match host.get_local(id) {
+        Err(Error::NotFound(_)) if host.durable().is_some() => {
+            let (h, owned) = (host.clone(), id.to_string());
+            crate::run_blocking(move || h.get(&owned))
+                .await
+                .map_err(|e| Error::Vm(format!("worker: {e}")))?
+        }
+        r => r,
     }
 }
 
