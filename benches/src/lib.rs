@@ -8,6 +8,7 @@
 //! caller's job.
 
 mod boot;
+mod cluster;
 mod error;
 mod fork;
 mod fork_processes;
@@ -23,6 +24,7 @@ mod stats;
 mod store;
 
 pub use boot::boot;
+pub use cluster::{cluster, ClusterParams, ClusterReport};
 pub use error::{Error, Result};
 pub use fork::{fork, ForkParams, ForkReport};
 pub use fork_processes::{

@@ -89,7 +89,7 @@ pub struct ServeReport {
 
 /// The `clade serve` process and its scratch state directory, both removed when dropped
 /// (the sandboxes first: their VM processes outlive the service by design).
-struct Service {
+pub(crate) struct Service {
     child: Child,
     /// The service's state directory, removed when dropped (also when the service could
     /// not be started).
@@ -99,7 +99,14 @@ struct Service {
 }
 
 impl Service {
-    fn start(clade: &Path, guest: &Guest, extra: &[&str]) -> Result<Service> {
+    /// `clade serve` with `extra` arguments and `env`, of a state directory with template
+    /// `bench` built from the native test guest.
+    pub(crate) fn start(
+        clade: &Path,
+        guest: &Guest,
+        extra: &[&str],
+        env: &[(&str, String)],
+    ) -> Result<Service> {
         let state = Scratch::new("serve")?;
         let kernel = guest.path_for_other_processes();
         // The guest's `vsock` step serves any number of agent connections, without a
@@ -146,6 +153,7 @@ impl Service {
             .arg(&state.0)
             .args(["--api-key", KEY, "--max-timeout", "86400"])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             // CLADE_BENCH_SERVE_LOG=FILE keeps the service's log (with CLADE_LOG=info: the
             // timings of each create and resume).
@@ -213,7 +221,7 @@ impl Service {
             .map_err(|e| Error::Guest(format!("{method} {path}: not JSON ({e}): {text}")))
     }
 
-    fn create(&self) -> Result<String> {
+    pub(crate) fn create(&self) -> Result<String> {
         let v = self.call(
             "POST",
             "/v2/sandboxes",
@@ -226,7 +234,7 @@ impl Service {
     }
 
     /// envd's `GET /health` for sandbox `id`, through the data plane: 204 expected.
-    fn health(&self, id: &str) -> Result<()> {
+    pub(crate) fn health(&self, id: &str) -> Result<()> {
         let r = self
             .agent
             .get(&format!("{}/health", self.url))
@@ -243,21 +251,21 @@ impl Service {
         Ok(())
     }
 
-    fn vsock(&self, id: &str) -> PathBuf {
+    pub(crate) fn vsock(&self, id: &str) -> PathBuf {
         self.state.0.join("sandboxes").join(id).join("vm.vsock")
     }
 
-    fn kill(&self, id: &str) -> Result<()> {
+    pub(crate) fn kill(&self, id: &str) -> Result<()> {
         self.call("DELETE", &format!("/sandboxes/{id}"), None)
             .map(|_| ())
     }
 
-    fn pause(&self, id: &str) -> Result<()> {
+    pub(crate) fn pause(&self, id: &str) -> Result<()> {
         self.call("POST", &format!("/sandboxes/{id}/pause"), None)
             .map(|_| ())
     }
 
-    fn connect(&self, id: &str) -> Result<()> {
+    pub(crate) fn connect(&self, id: &str) -> Result<()> {
         self.call(
             "POST",
             &format!("/v2/sandboxes/{id}/connect"),
@@ -297,7 +305,7 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
     if params.n == 0 {
         return Err(Error::InvalidParams("--n must be at least 1".into()));
     }
-    let service = Service::start(&params.clade, guest, &[])?;
+    let service = Service::start(&params.clade, guest, &[], &[])?;
     let mut paused = Vec::new();
     let mut runs = Vec::new();
     for &background in &params.background {
@@ -384,7 +392,7 @@ fn confinement(
     guest: &Guest,
     n: usize,
 ) -> Result<ConfinementRun> {
-    let free = Service::start(clade, guest, &["--no-jail", "--no-limits"])?;
+    let free = Service::start(clade, guest, &["--no-jail", "--no-limits"], &[])?;
     let mut run = ConfinementRun {
         create: Samples::new(),
         create_free: Samples::new(),

@@ -91,6 +91,44 @@ pub struct Node {
     secret_digest: [u8; 32],
     /// The HTTP client of hops.
     pub(crate) hop: crate::hop::Hop,
+    /// Routes of running sandboxes read a moment ago (the data plane's).
+    pub(crate) routes: RouteCache,
+}
+
+/// How long a route read from the registry is used for data-plane requests. A sandbox
+/// that moved meanwhile is asked of its old node for at most this long (which answers
+/// that it does not have it).
+const ROUTE_TTL: Duration = Duration::from_secs(1);
+
+/// Routes of running sandboxes with a live owner, as read from the registry.
+#[derive(Default)]
+pub(crate) struct RouteCache {
+    map: Mutex<HashMap<String, (std::time::Instant, crate::db::OwnerRow)>>,
+}
+
+impl RouteCache {
+    /// The route of `id` if it was read less than [`ROUTE_TTL`] ago.
+    pub(crate) fn get(&self, id: &str) -> Option<crate::db::OwnerRow> {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(id)
+            .filter(|(at, _)| at.elapsed() < ROUTE_TTL)
+            .map(|(_, r)| r.clone())
+    }
+
+    /// Keeps `r`, just read from the registry, if it is a route worth keeping (running,
+    /// owner live), else forgets its sandbox.
+    pub(crate) fn put(&self, r: &crate::db::OwnerRow) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if r.state == "running" && r.owner_live && !r.owner_draining {
+            // Bounded: stale entries go when it grows.
+            if map.len() >= 4096 {
+                map.retain(|_, (at, _)| at.elapsed() < ROUTE_TTL);
+            }
+            map.insert(r.id.clone(), (std::time::Instant::now(), r.clone()));
+        } else {
+            map.remove(&r.id);
+        }
+    }
 }
 
 impl Node {
@@ -106,6 +144,7 @@ impl Node {
             tokens: Mutex::new(HashMap::new()),
             host: OnceLock::new(),
             hop: crate::hop::Hop::new(),
+            routes: RouteCache::default(),
         }))
     }
 

@@ -223,6 +223,21 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A cluster (started by the benchmark: PostgreSQL as user postgres, the tests' S3
+    /// server, two `clade serve --cluster` nodes on loopback): the data plane's round trip,
+    /// create and wake, asked of the owner node and of a gateway node that forwards to it,
+    /// interleaved; p50/p99 and what the hop adds. Needs root and postgresql-15.
+    Cluster {
+        /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
+        #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
+        guest: Option<PathBuf>,
+        /// Samples per case and way.
+        #[arg(short, long, default_value_t = 50)]
+        n: usize,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// The set of scenarios the README's main job runs, one after the other, with its
     /// parameters (listed by `clade bench all --list`); a scenario that fails is reported
     /// and the others still run (exit status 1).
@@ -430,6 +445,14 @@ fn run_one(cmd: BenchCommand) -> anyhow::Result<(&'static str, Ran)> {
             };
             let r = clade_bench::serve(&load(guest)?, &params)?;
             ("serve", Ran::new("serve", json, r.to_json(), r))
+        }
+        BenchCommand::Cluster { guest, n, json } => {
+            let params = clade_bench::ClusterParams {
+                clade: std::env::current_exe()?,
+                n,
+            };
+            let r = clade_bench::cluster(&load(guest)?, &params)?;
+            ("cluster", Ran::new("cluster", json, r.to_json(), r))
         }
         BenchCommand::Fork {
             guest,
