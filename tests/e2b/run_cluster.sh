@@ -14,4 +14,8 @@ if [ ! -x "$VENV/bin/pytest" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -r tests/e2b/requirements.txt pytest
 fi
-CLADE="$PWD/target/debug/clade" "$VENV/bin/pytest" -q -s tests/e2b/test_cluster.py "$@"
+"$VENV/bin/python" -c 'import yaml, hcl2' 2>/dev/null ||
+  "$VENV/bin/pip" install -q -r tests/e2b/requirements.txt
+# The deployment files too (deploy/: offline, parsed and checked against clade's flags).
+CLADE="$PWD/target/debug/clade" "$VENV/bin/pytest" -q -s tests/deploy/test_manifests.py \
+  tests/e2b/test_cluster.py "$@"
