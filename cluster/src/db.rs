@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS clade_sandboxes (
     token bigint NOT NULL,
     state text NOT NULL,
     durable boolean NOT NULL,
+    checkpointed boolean NOT NULL DEFAULT false,
     template text NOT NULL,
     vcpus integer NOT NULL,
     mem_mib bigint NOT NULL,
@@ -105,6 +106,9 @@ pub struct OwnerRow {
     pub state: String,
     /// Paused, and its pause is in the object store: any node may resume it.
     pub durable: bool,
+    /// Running, with a checkpoint in the object store: if its node is lost, any node may
+    /// resume it from there.
+    pub checkpointed: bool,
     /// Why it was lost.
     pub lost_why: Option<String>,
     /// The owner's address, if it has one.
@@ -411,6 +415,8 @@ impl Db {
                  ON CONFLICT (id) DO UPDATE SET
                    token = CASE WHEN clade_sandboxes.node IS DISTINCT FROM $2
                            THEN clade_sandboxes.token + 1 ELSE clade_sandboxes.token END,
+                   checkpointed = clade_sandboxes.checkpointed
+                     AND clade_sandboxes.node IS NOT DISTINCT FROM $2 AND $3 = 'running',
                    node = $2, state = $3, durable = $4, template = $5, vcpus = $6,
                    mem_mib = $7, lost_why = NULL, updated = now()
                  RETURNING token",
@@ -419,6 +425,18 @@ impl Db {
             .await
         })?;
         Ok(r.get(0))
+    }
+
+    /// Node `node` published a checkpoint of sandbox `id`.
+    pub fn checkpointed_blocking(&self, id: &str, node: &str) -> Result<()> {
+        self.blocking(|c| async move {
+            c.execute(
+                "UPDATE clade_sandboxes SET checkpointed = true WHERE id = $1 AND node = $2",
+                &[&id, &node],
+            )
+            .await
+        })?;
+        Ok(())
     }
 
     /// Removes sandbox `id` (killed by `node`): if `node` owns it with `token`, or no
@@ -477,7 +495,7 @@ impl Db {
         let rows = self
             .run(|c| async move {
                 c.query(
-                    "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address,
+                    "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address, s.checkpointed,
                        COALESCE(n.lease_until > now(), false), COALESCE(n.draining, false)
                      FROM clade_sandboxes s LEFT JOIN clade_nodes n ON n.name = s.node
                      ORDER BY s.id",
@@ -558,7 +576,8 @@ impl Db {
     }
 }
 
-const OWNER_SQL: &str = "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address,
+const OWNER_SQL: &str =
+    "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address, s.checkpointed,
        COALESCE(n.lease_until > now(), false), COALESCE(n.draining, false)
      FROM clade_sandboxes s LEFT JOIN clade_nodes n ON n.name = s.node
      WHERE s.id = $1";
@@ -572,8 +591,9 @@ fn owner_row(r: &Row) -> OwnerRow {
         durable: r.get(4),
         lost_why: r.get(5),
         owner_address: r.get(6),
-        owner_live: r.get(7),
-        owner_draining: r.get(8),
+        checkpointed: r.get(7),
+        owner_live: r.get(8),
+        owner_draining: r.get(9),
     }
 }
 

@@ -320,6 +320,11 @@ async fn sandbox_request(
             .forward(&owner, &address, &node.config().secret, req)
             .await;
     }
+    if row.state == "running" && row.checkpointed && !row.owner_live {
+        // Its node was lost while it ran, and it has a checkpoint: it comes back from
+        // there on a node with room, whatever the request.
+        return from_checkpoint(node, &row, req, next).await;
+    }
     if row.state == "running" {
         // Its node stopped renewing its lease while it ran.
         let why = format!("node {owner} stopped answering while it ran (its lease ended)");
@@ -359,6 +364,59 @@ async fn sandbox_request(
     match best.first() {
         Some(to) => send(node, to, req, next).await,
         None => no_room(&nodes, vcpus, mem),
+    }
+}
+
+/// Resumes a sandbox whose node was lost from its last checkpoint on a node with room
+/// (this one if it has room), then answers `req` there. Two nodes doing so at once: the
+/// store's claim lets one resume it, the other forwards to it.
+async fn from_checkpoint(node: &Node, row: &OwnerRow, req: Request, next: Next) -> Response {
+    let id = row.id.clone();
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    let (vcpus, mem) = shape_of(node, &id).await;
+    let Some(to) = choose(&nodes, vcpus, mem, "", Some(&node.config().name))
+        .into_iter()
+        .next()
+    else {
+        return no_room(&nodes, vcpus, mem);
+    };
+    let body = serde_json::json!({ "timeout": sandbox::http::DEFAULT_TIMEOUT_S }).to_string();
+    let cfg = node.config();
+    let woke = node
+        .hop
+        .call(
+            &to,
+            &cfg.secret,
+            &cfg.api_key,
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            body,
+        )
+        .await;
+    if let Err(e) = &woke {
+        tracing::warn!(sandbox = %id, "resuming it from its checkpoint: {e}");
+    }
+    // Whoever resumed it owns it now.
+    match node.db().owner(&id).await {
+        Ok(Some(r)) if r.owner_live && r.node.is_some() => {
+            tracing::info!(sandbox = %id, node = ?r.node, "resumed from its checkpoint");
+            let owner = nodes.into_iter().find(|n| Some(&n.name) == r.node.as_ref());
+            match owner {
+                Some(o) => send(node, &o, req, next).await,
+                None => next.run(req).await,
+            }
+        }
+        Ok(_) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "sandbox {id}: its node was lost; resuming it from its checkpoint failed: {}",
+                woke.err().map(|e| e.to_string()).unwrap_or_default()
+            ),
+        ),
+        Err(e) => unavailable(e),
     }
 }
 

@@ -476,6 +476,12 @@ impl Ownership for Node {
         self.record_now(rec).map_err(cluster_err)
     }
 
+    fn checkpointed(&self, id: &str) -> sandbox::Result<()> {
+        self.db
+            .checkpointed_blocking(id, &self.cfg.name)
+            .map_err(cluster_err)
+    }
+
     fn snapshot_made(&self, snap: &sandbox::registry::SnapshotRecord) -> sandbox::Result<()> {
         self.db
             .put_snapshot_blocking(

@@ -97,6 +97,10 @@ pub struct SandboxObject {
     pub published_ms: i64,
     /// The host that published it.
     pub host: String,
+    /// Set when `snapshot` is a checkpoint of the sandbox while it ran (`clade serve
+    /// --checkpoint-every`), not a pause: when it was taken (ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_ms: Option<i64>,
 }
 
 impl SandboxObject {
@@ -569,6 +573,7 @@ mod tests {
             started_ms: 1,
             auto_pause: false,
             auto_resume: false,
+            checkpoint_ms: None,
             envd_token: None,
             traffic_token: None,
             mask_host: None,

@@ -38,6 +38,7 @@ use crate::vmproc::{StartSpec, VmDriver};
 
 pub use hostnet::EgressPolicy;
 
+mod checkpoint;
 mod dirs;
 mod logs;
 mod usage;
@@ -451,27 +452,7 @@ impl Host {
             }
         }
         let now = ids::now_ms();
-        let object = SandboxObject {
-            format: crate::durable::SANDBOX_FORMAT.into(),
-            version: crate::durable::SANDBOX_VERSION,
-            id: rec.id.clone(),
-            snapshot: manifest.id.clone(),
-            pause: rec.pauses,
-            own_snapshots: own,
-            template,
-            started_ms: rec.started_ms,
-            auto_pause: rec.auto_pause,
-            auto_resume: rec.auto_resume,
-            envd_token: rec.envd_token.clone(),
-            traffic_token: rec.traffic_token.clone(),
-            mask_host: rec.mask_host.clone(),
-            metadata: rec.metadata.clone(),
-            env_vars: rec.env_vars.clone(),
-            egress: rec.egress.clone(),
-            parent: rec.parent.clone(),
-            published_ms: now,
-            host: d.host_id().to_string(),
-        };
+        let object = sandbox_object(&rec, template, manifest.id.clone(), rec.pauses, own, d, now);
         // The object only while the sandbox is still paused at this pause (a resume of a
         // pause whose object exists claims it first; one that came before did not).
         let lock = self.lock_of(id);
@@ -532,6 +513,9 @@ impl Host {
         let dir = self.sandboxes_dir().join(id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
         write_template_copy(&dir, &o.template)?;
+        if let Some(at) = o.checkpoint_ms {
+            Self::mark_checkpoint(&dir, at)?;
+        }
         let mut rec = self.record_of(o.clone());
         rec.end_ms = ids::now_ms();
         let policy = policy_of(&rec)?;
@@ -2149,6 +2133,41 @@ fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<Upload>) 
 
 /// Keeps a copy of `t` in sandbox directory `dir`: the template of a sandbox whose
 /// template is not one of this host's ([`Host::sandbox_template`]).
+/// What the store keeps of `rec` (see [`SandboxObject`]): resumable from `snapshot`, the
+/// claim of `pause`.
+fn sandbox_object(
+    rec: &Record,
+    template: Template,
+    snapshot: String,
+    pause: u32,
+    own_snapshots: Vec<String>,
+    d: &Durable,
+    now: i64,
+) -> SandboxObject {
+    SandboxObject {
+        format: crate::durable::SANDBOX_FORMAT.into(),
+        version: crate::durable::SANDBOX_VERSION,
+        id: rec.id.clone(),
+        snapshot,
+        pause,
+        own_snapshots,
+        template,
+        started_ms: rec.started_ms,
+        auto_pause: rec.auto_pause,
+        auto_resume: rec.auto_resume,
+        envd_token: rec.envd_token.clone(),
+        traffic_token: rec.traffic_token.clone(),
+        mask_host: rec.mask_host.clone(),
+        metadata: rec.metadata.clone(),
+        env_vars: rec.env_vars.clone(),
+        egress: rec.egress.clone(),
+        parent: rec.parent.clone(),
+        published_ms: now,
+        host: d.host_id().to_string(),
+        checkpoint_ms: None,
+    }
+}
+
 /// Whether the sandbox in `dir` came from the store (taken over from another host, or of
 /// a template it has from there): it keeps a copy of its template.
 fn from_store(dir: &Path) -> bool {

@@ -637,10 +637,11 @@ async fn list_v2(AxState(st): AxState<AppState>, RawQuery(q): RawQuery) -> ApiRe
 }
 
 async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    let (rec, upload_error) = blocking(&st, move |h| {
+    let (rec, upload_error, checkpoint) = blocking(&st, move |h| {
         h.get(&id).map(|r| {
             let e = h.durable().and_then(|d| d.failure(&r.id));
-            (r, e)
+            let c = h.restored_checkpoint(&r);
+            (r, e, c)
         })
     })
     .await?;
@@ -660,6 +661,11 @@ async fn info(AxState(st): AxState<AppState>, Path(id): Path<String>) -> ApiResu
     }
     if let Some(e) = upload_error {
         v["uploadError"] = json!(e);
+    }
+    // Clade's own: its host was lost while it ran, and it came back from the checkpoint
+    // taken then (`clade serve --checkpoint-every`): what it did after that is not there.
+    if let Some(ms) = checkpoint {
+        v["restoredFromCheckpoint"] = json!(ids::rfc3339(ms));
     }
     Ok(Json(v).into_response())
 }

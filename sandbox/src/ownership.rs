@@ -24,6 +24,11 @@ pub trait Ownership: Send + Sync {
     fn record(&self, rec: &Record) -> Result<()>;
     /// After this host killed sandbox `id`.
     fn removed(&self, id: &str) -> Result<()>;
+    /// After this host published a checkpoint of running sandbox `id` (see
+    /// `host::checkpoint`): were this host lost, the sandbox resumes from it elsewhere.
+    fn checkpointed(&self, _id: &str) -> Result<()> {
+        Ok(())
+    }
     /// After this host took a persistent snapshot (sandboxes created from it start here).
     fn snapshot_made(&self, _snap: &SnapshotRecord) -> Result<()> {
         Ok(())

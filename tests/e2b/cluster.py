@@ -64,6 +64,8 @@ class Node:
         self.vcpus = vcpus
         self.mem = mem
         self.proc = None
+        # More `clade serve` arguments (a test may restart a node with others).
+        self.extra = []
 
     def start(self):
         args = [
@@ -79,10 +81,13 @@ class Node:
         ]
         if self.gateway:
             args.append("--no-sandboxes")
+        args += self.extra
         env = dict(os.environ, CLADE_LOG="info", **self.cluster.s3_env)
+        # The log is appended to: this start's lines are those after `before`.
+        before = os.path.getsize(self.log) if os.path.exists(self.log) else 0
         self.proc = subprocess.Popen(args, stdout=open(self.log, "a"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
-        while "of the cluster (reached at" not in open(self.log).read():
+        while "of the cluster (reached at" not in open(self.log).read()[before:]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"node {self.name} did not start:\n" + open(self.log).read()[-3000:])
             time.sleep(0.05)

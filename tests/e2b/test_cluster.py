@@ -217,6 +217,40 @@ def test_two_nodes_racing_to_resume_one_sandbox(cl):
     kill_all(cl)
 
 
+def test_a_lost_node_with_checkpoints_brings_its_running_sandboxes_back(cl):
+    a, gw = cl.nodes["a"], cl.nodes["gw"].url
+    a.end()
+    a.extra = ["--checkpoint-every", "1"]
+    a.start()
+    try:
+        sid = create(a.url)
+        assert cl.owner(sid)[0] == "a"
+        deadline = time.monotonic() + 60
+        while cl.psql(f"SELECT checkpointed FROM clade_sandboxes WHERE id = '{sid}'") != [["t"]]:
+            assert time.monotonic() < deadline, "no checkpoint published"
+            time.sleep(0.2)
+        a.kill()
+        cl.wait_lease_ended("a")
+        # Any request brings it back from its checkpoint, on a node with room.
+        status, body, _ = info(gw, sid)
+        assert status == 200 and body["state"] == "running", body
+        assert body.get("restoredFromCheckpoint"), body
+        node, token, state, _ = cl.owner(sid)
+        assert node in ("b", "c") and state == "running" and int(token) >= 2
+        assert health(gw, sid) == 204
+    finally:
+        a.extra = []
+        if a.proc.poll() is not None:
+            a.start()
+    # Node a took nothing back: the VM it had is stopped.
+    deadline = time.monotonic() + 10
+    while a.vm_pids(sid):
+        assert time.monotonic() < deadline, "node a still runs the sandbox it lost"
+        time.sleep(0.1)
+    assert cl.owner(sid)[0] == node
+    kill_all(cl)
+
+
 def test_a_drained_node_moves_its_running_sandboxes_and_takes_no_more(cl):
     b, gw = cl.nodes["b"], cl.nodes["gw"].url
     moving = create(b.url)

@@ -49,6 +49,12 @@ pub struct ServeArgs {
     /// `<state dir>/store-cache`).
     #[arg(long, value_name = "DIR")]
     store_cache: Option<PathBuf>,
+    /// With --store: publish a checkpoint of every running sandbox this often (its VM
+    /// snapshotted as it runs, listed as snapshot `checkpoint-<id>`). In a cluster, a
+    /// running sandbox whose node is lost then comes back from its last checkpoint on
+    /// another node (its info says `restoredFromCheckpoint`) instead of being lost.
+    #[arg(long, value_name = "SECONDS", requires = "store", value_parser = clap::value_parser!(u64).range(1..))]
+    checkpoint_every: Option<u64>,
     /// With --store: the chunk cache's size limit (MiB).
     #[arg(long, value_name = "MIB", default_value_t = 16384)]
     store_cache_max: u64,
@@ -440,6 +446,23 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
             )),
             None => app,
         };
+        if let Some(secs) = args.checkpoint_every {
+            let host = Arc::clone(&state.host);
+            tokio::spawn(async move {
+                let mut iv = tokio::time::interval(Duration::from_secs(secs));
+                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                iv.tick().await;
+                loop {
+                    iv.tick().await;
+                    let h = Arc::clone(&host);
+                    match tokio::task::spawn_blocking(move || h.checkpoint_running()).await {
+                        Ok(Ok(n)) => tracing::debug!(sandboxes = n, "checkpoints published"),
+                        Ok(Err(e)) => tracing::warn!("checkpoints: {e}"),
+                        Err(e) => tracing::warn!("checkpoints: {e}"),
+                    }
+                }
+            });
+        }
         if let Some(n) = &node {
             n.start(Arc::clone(&state.host)).await?;
             eprintln!(
