@@ -690,8 +690,19 @@ mod tests {
         );
         assert_eq!(
             classify(&req(Method::GET, "/sandboxes/metrics", &[])),
-            Kind::Here
+            Kind::Metrics
         );
+        assert_eq!(
+            classify(&req(Method::GET, "/snapshots?limit=1", &[])),
+            Kind::Snapshots
+        );
+        assert_eq!(
+            classify(&req(Method::DELETE, "/templates/snap-1%3Adefault", &[])),
+            Kind::Snapshot {
+                reference: "snap-1:default".into()
+            }
+        );
+        assert_eq!(classify(&req(Method::GET, "/templates/x", &[])), Kind::Here);
         assert_eq!(classify(&req(Method::GET, "/templates", &[])), Kind::Here);
         assert_eq!(
             classify(&req(Method::POST, "/sandboxes/abc/connect", &[])),

@@ -437,20 +437,7 @@ impl Host {
         let files = store::publish::chain_files(&dir).map_err(crate::durable::store_err)?;
         let (manifest, report) = d.publish_chain(&files)?;
         // This sandbox's own snapshots: those in its directory (not its template's).
-        let mut own: Vec<String> = d
-            .sandbox_object(id)?
-            .map(|o| o.own_snapshots)
-            .unwrap_or_default();
-        for f in files.iter().filter(|f| f.state.starts_with(&rec.dir)) {
-            let sid = snapshot::state_file::read_header(&f.state)
-                .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
-                .meta
-                .id
-                .to_string();
-            if !own.contains(&sid) {
-                own.push(sid);
-            }
-        }
+        let own = own_snapshots(d, id, &files, &[&rec.dir])?;
         let now = ids::now_ms();
         let object = sandbox_object(&rec, template, manifest.id.clone(), rec.pauses, own, d, now);
         // The object only while the sandbox is still paused at this pause (a resume of a
@@ -2133,6 +2120,34 @@ fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<Upload>) 
 
 /// Keeps a copy of `t` in sandbox directory `dir`: the template of a sandbox whose
 /// template is not one of this host's ([`Host::sandbox_template`]).
+/// The published snapshots that are sandbox `id`'s own: those its store object lists, and
+/// those of `files` (a chain just published) under one of `dirs`.
+fn own_snapshots(
+    d: &Durable,
+    id: &str,
+    files: &[store::publish::SnapshotFiles],
+    dirs: &[&Path],
+) -> Result<Vec<String>> {
+    let mut own: Vec<String> = d
+        .sandbox_object(id)?
+        .map(|o| o.own_snapshots)
+        .unwrap_or_default();
+    for f in files
+        .iter()
+        .filter(|f| dirs.iter().any(|d| f.state.starts_with(d)))
+    {
+        let sid = snapshot::state_file::read_header(&f.state)
+            .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
+            .meta
+            .id
+            .to_string();
+        if !own.contains(&sid) {
+            own.push(sid);
+        }
+    }
+    Ok(own)
+}
+
 /// What the store keeps of `rec` (see [`SandboxObject`]): resumable from `snapshot`, the
 /// claim of `pause`.
 fn sandbox_object(

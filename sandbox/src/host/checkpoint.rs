@@ -66,24 +66,8 @@ impl Host {
             Ok(r) if r.state == State::Running => r,
             _ => return Ok(false),
         };
-        let mut own: Vec<String> = d
-            .sandbox_object(id)?
-            .map(|o| o.own_snapshots)
-            .unwrap_or_default();
         let snap_dir = self.snapshots.dir(&snap.id)?;
-        for f in files
-            .iter()
-            .filter(|f| f.state.starts_with(&rec.dir) || f.state.starts_with(&snap_dir))
-        {
-            let sid = snapshot::state_file::read_header(&f.state)
-                .map_err(|e| Error::Corrupt(format!("{}: {e}", f.state.display())))?
-                .meta
-                .id
-                .to_string();
-            if !own.contains(&sid) {
-                own.push(sid);
-            }
-        }
+        let own = own_snapshots(&d, id, &files, &[&rec.dir, &snap_dir])?;
         let now = ids::now_ms();
         let mut object = sandbox_object(
             &rec,
