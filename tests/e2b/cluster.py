@@ -195,6 +195,15 @@ class Cluster:
         sh(CLADE, "template", "build", name, "--test-device", "--mem", "64", "--kernel", GUEST,
            "--cmdline", "steps=vsock", "--state-dir", node.state)
 
+    def add_node(self, name, extra=(), **opts):
+        """A node that joins later (its namespace made now), started."""
+        node = Node(self, name, len(self.nodes) + 1, **opts)
+        node.extra = list(extra)
+        self.nodes[name] = node
+        self.add_netns(node)
+        node.start()
+        return node
+
     def start(self, templates_on=()):
         for node in self.nodes.values():
             self.add_netns(node)

@@ -282,3 +282,20 @@ def test_the_control_suite_through_the_gateway_node(cl):
                         "--tb=short", os.path.join(REPO, "tests/e2b/test_control.py")],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout[-20000:]
+
+
+def test_the_data_plane_suite_through_the_gateway_node(cl):
+    """Commands, streams, stdin, PTYs, files, watches and exposed ports, every request
+    through the gateway to a node whose sandboxes are host-run agents (the data-plane
+    harness of test_dataplane.py)."""
+    agent = os.path.join(os.path.dirname(os.environ.get("CLADE", os.path.join(REPO, "target/debug/clade"))), "clade-agent")
+    cl.add_node("h", ["--test-host-agent", agent], vcpus=16, mem=65536)
+    gw = cl.nodes["gw"].url
+    env = dict(os.environ, E2B_API_URL=gw, E2B_SANDBOX_URL=gw, E2B_API_KEY=KEY)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+                        os.path.join(REPO, "tests/e2b/test_dataplane.py")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-20000:]
+    # Its sandboxes were created on the agents' node (the gateway runs none).
+    assert cl.nodes["h"].log_text().count(" created ") >= 5
+    assert " created " not in cl.nodes["gw"].log_text()
