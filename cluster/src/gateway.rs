@@ -25,6 +25,9 @@ use crate::hop::error_response;
 use crate::node::Node;
 use crate::HOP_HEADER;
 
+/// Between nodes only: publish a snapshot as a template (body `{"snapshot": ID}`).
+const PUBLISH_SNAPSHOT: &str = "/cluster/v1/publish-snapshot";
+
 /// Largest create body read to place it.
 const MAX_CREATE_BODY: usize = 1 << 20;
 /// Shape assumed for a template no node recorded (the placed node then refuses it, or
@@ -108,6 +111,9 @@ pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) 
             return error_response(StatusCode::FORBIDDEN, "bad cluster secret".into());
         }
         req.headers_mut().remove(HOP_HEADER);
+        if req.uri().path() == PUBLISH_SNAPSHOT && req.method() == Method::POST {
+            return publish_snapshot(&node, req).await;
+        }
         return next.run(req).await;
     }
     match classify(&req) {
@@ -314,6 +320,10 @@ async fn sandbox_request(
     let owner = row.node.clone().unwrap_or_default();
     let elsewhere = row.state == "paused" && (!row.owner_live || row.owner_draining) && wakes;
     if row.owner_live && !elsewhere {
+        let is_fork = req.method() == Method::POST && req.uri().path().ends_with("/fork");
+        if is_fork && !data_plane {
+            return fork(node, &row, req).await;
+        }
         let address = row.owner_address.clone().unwrap_or_default();
         return node
             .hop
@@ -416,6 +426,209 @@ async fn from_checkpoint(node: &Node, row: &OwnerRow, req: Request, next: Next) 
                 woke.err().map(|e| e.to_string()).unwrap_or_default()
             ),
         ),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `POST /sandboxes/{id}/fork` of a sandbox on a live node: children on its node as far as
+/// its room goes (copy-on-write), the rest created on other nodes with room from a
+/// snapshot of the parent published to the store. Children made before a failure are
+/// killed: a fork is whole or nothing.
+async fn fork(node: &Node, row: &OwnerRow, req: Request) -> Response {
+    let (parts, body) = match read_body(req, MAX_CREATE_BODY).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let b: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let count = b.get("count").and_then(Value::as_u64).unwrap_or(1);
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    let Some(owner) = nodes
+        .iter()
+        .find(|n| Some(&n.name) == row.node.as_ref())
+        .cloned()
+    else {
+        return unavailable(format!("sandbox {}: its node left the registry", row.id));
+    };
+    let (vcpus, mem) = shape_of(node, &row.id).await;
+    let room = |n: &NodeRow| -> u64 {
+        let by_cpu = (n.vcpus as i64 - n.used_vcpus).max(0) as u64 / u64::from(vcpus.max(1));
+        let by_mem = (n.mem_mib - n.used_mem_mib).max(0) as u64 / mem.max(1);
+        by_cpu.min(by_mem)
+    };
+    let here = room(&owner).min(count);
+    let cfg = node.config();
+    let req_of = |body: Bytes| {
+        let mut p = parts.clone();
+        p.headers.remove(axum::http::header::CONTENT_LENGTH);
+        Request::from_parts(p, Body::from(body))
+    };
+    if here == count
+        || count == 0
+        || nodes.iter().filter(|n| n.live && n.takes_sandboxes).count() < 2
+    {
+        // All on its node (or nowhere else to go): its answer as it is.
+        return node
+            .hop
+            .forward(&owner.name, &owner.address, &cfg.secret, req_of(body))
+            .await;
+    }
+    let key = parts
+        .headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let mut children: Vec<Value> = Vec::new();
+    let mut made: Vec<(NodeRow, String)> = Vec::new();
+    let result = async {
+        if here > 0 {
+            let mut local = b.clone();
+            local["count"] = Value::from(here);
+            let out = node
+                .hop
+                .call(
+                    &owner,
+                    &cfg.secret,
+                    &key,
+                    "POST",
+                    parts.uri.path(),
+                    local.to_string(),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let v: Vec<Value> = serde_json::from_slice(&out).map_err(|e| e.to_string())?;
+            for c in v {
+                if let Some(id) = c["sandbox"]["sandboxID"].as_str() {
+                    made.push((owner.clone(), id.to_string()));
+                }
+                children.push(c);
+            }
+        }
+        // The rest from a snapshot of the parent, published for the other nodes.
+        let snap = node
+            .hop
+            .call(
+                &owner,
+                &cfg.secret,
+                &key,
+                "POST",
+                &format!("/sandboxes/{}/snapshots", row.id),
+                "{}".into(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let snap: Value = serde_json::from_slice(&snap).map_err(|e| e.to_string())?;
+        let snap_id = snap["snapshotID"].as_str().unwrap_or_default().to_string();
+        let published = node
+            .hop
+            .call(
+                &owner,
+                &cfg.secret,
+                &key,
+                "POST",
+                PUBLISH_SNAPSHOT,
+                serde_json::json!({ "snapshot": snap_id }).to_string(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let template: Value = serde_json::from_slice(&published).map_err(|e| e.to_string())?;
+        let template = template["template"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let info = node
+            .hop
+            .call(
+                &owner,
+                &cfg.secret,
+                &key,
+                "GET",
+                &format!("/sandboxes/{}", row.id),
+                String::new(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let info: Value = serde_json::from_slice(&info).unwrap_or(Value::Null);
+        let mut create =
+            serde_json::json!({ "templateID": template, "metadata": info["metadata"] });
+        if let Some(t) = b.get("timeout") {
+            create["timeout"] = t.clone();
+        }
+        for _ in here..count {
+            let nodes = node.db().nodes().await.map_err(|e| e.to_string())?;
+            let to = choose(&nodes, vcpus, mem, "", None)
+                .into_iter()
+                .find(|n| n.name != owner.name)
+                .ok_or_else(|| "no other node has room for the rest of the children".to_string())?;
+            let out = node
+                .hop
+                .call(
+                    &to,
+                    &cfg.secret,
+                    &key,
+                    "POST",
+                    "/sandboxes",
+                    create.to_string(),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let sb: Value = serde_json::from_slice(&out).map_err(|e| e.to_string())?;
+            if let Some(id) = sb["sandboxID"].as_str() {
+                made.push((to.clone(), id.to_string()));
+            }
+            children.push(serde_json::json!({ "sandbox": sb }));
+        }
+        Ok::<(), String>(())
+    }
+    .await;
+    match result {
+        Ok(()) => (StatusCode::CREATED, axum::Json(children)).into_response(),
+        Err(why) => {
+            for (n, id) in made {
+                let _ = node
+                    .hop
+                    .call(
+                        &n,
+                        &cfg.secret,
+                        &key,
+                        "DELETE",
+                        &format!("/sandboxes/{id}"),
+                        String::new(),
+                    )
+                    .await;
+            }
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "fork of {} across the cluster failed (no child kept): {why}",
+                    row.id
+                ),
+            )
+        }
+    }
+}
+
+/// Between nodes: publishes one of this node's snapshots as a template in the store.
+async fn publish_snapshot(node: &Node, req: Request) -> Response {
+    let (_, body) = match read_body(req, 4096).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Some(snap) = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["snapshot"].as_str().map(String::from))
+    else {
+        return error_response(StatusCode::BAD_REQUEST, "give {\"snapshot\": ID}".into());
+    };
+    let Some(host) = node.host() else {
+        return unavailable("this node is shutting down");
+    };
+    match tokio::task::spawn_blocking(move || host.publish_snapshot(&snap)).await {
+        Ok(Ok(name)) => axum::Json(serde_json::json!({ "template": name })).into_response(),
+        Ok(Err(e)) => error_response(StatusCode::BAD_REQUEST, e.to_string()),
         Err(e) => unavailable(e),
     }
 }

@@ -415,6 +415,44 @@ impl Host {
         Ok(())
     }
 
+    /// Publishes persistent snapshot `reference` (its id, or a name) as a template other
+    /// hosts create sandboxes of (a cluster's fork children beyond their parent's node).
+    /// Returns its id (the template's name).
+    pub fn publish_snapshot(&self, reference: &str) -> Result<String> {
+        let Some(d) = &self.durable else {
+            return Err(Error::BadRequest(
+                "publishing a snapshot needs an object store (clade serve --store)".into(),
+            ));
+        };
+        let name =
+            strip_tag(reference).map_err(|_| Error::SnapshotNotFound(reference.to_string()))?;
+        let snap = {
+            let _snapshots = self.snapshot_guard();
+            self.reg()
+                .resolve_snapshot(name)?
+                .ok_or_else(|| Error::SnapshotNotFound(reference.to_string()))?
+        };
+        let template = self.snapshots.get(&snap.id)?;
+        if d.template_object(&snap.id)?.is_some() {
+            return Ok(snap.id);
+        }
+        let t = Instant::now();
+        let files = store::publish::chain_files(&self.snapshots.snapshot_dir(&snap.id)?)
+            .map_err(crate::durable::store_err)?;
+        let (manifest, report) = d.publish_chain(&files)?;
+        d.put_template_object(&crate::durable::TemplateObject {
+            format: crate::durable::TEMPLATE_FORMAT.into(),
+            version: crate::durable::SANDBOX_VERSION,
+            snapshot: manifest.id.clone(),
+            template,
+            published_ms: ids::now_ms(),
+            host: d.host_id().to_string(),
+        })?;
+        tracing::info!(snapshot = %snap.id, uploaded = report.bytes_uploaded,
+            elapsed = ?t.elapsed(), "snapshot published as a template");
+        Ok(snap.id)
+    }
+
     /// Publishes the pause of sandbox `id` (if it is still paused at a pause not published
     /// yet): its snapshot chain, then its sandbox object, then its record says so.
     fn publish_pause(&self, d: &Durable, id: &str) -> Result<()> {

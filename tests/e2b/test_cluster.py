@@ -251,6 +251,29 @@ def test_a_lost_node_with_checkpoints_brings_its_running_sandboxes_back(cl):
     kill_all(cl)
 
 
+def test_a_fork_beyond_its_node_goes_on_elsewhere_from_a_snapshot(cl):
+    a, gw = cl.nodes["a"], cl.nodes["gw"].url
+    parent = create(a.url, metadata={"suite": "fork"})
+    assert cl.owner(parent)[0] == "a"
+    # Node a has room for two more (3 vCPUs); four children: two there (copy-on-write),
+    # two on other nodes from a snapshot of the parent in the store.
+    status, body, _ = api(gw, "POST", f"/sandboxes/{parent}/fork", {"count": 4, "timeout": 300})
+    assert status == 201, body
+    kids = [c["sandbox"]["sandboxID"] for c in body]
+    assert len(set(kids)) == 4
+    owners = sorted(cl.owner(k)[0] for k in kids)
+    assert owners.count("a") == 2 and all(o in ("a", "b", "c") for o in owners), owners
+    for k in kids:
+        assert health(gw, k) == 204
+        assert info(gw, k)[1]["metadata"] == {"suite": "fork"}
+    # Nowhere with room for eight more: nothing is made.
+    before = len(cl.psql("SELECT id FROM clade_sandboxes"))
+    status, body, _ = api(gw, "POST", f"/sandboxes/{parent}/fork", {"count": 8, "timeout": 300})
+    assert status == 503, body
+    assert len(cl.psql("SELECT id FROM clade_sandboxes")) == before
+    kill_all(cl)
+
+
 def test_a_drained_node_moves_its_running_sandboxes_and_takes_no_more(cl):
     b, gw = cl.nodes["b"], cl.nodes["gw"].url
     moving = create(b.url)
