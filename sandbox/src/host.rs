@@ -398,21 +398,7 @@ impl Host {
                 return Ok(());
             }
         }
-        let t = Instant::now();
-        let files = store::publish::chain_files(&self.templates.snapshot_dir(name)?)
-            .map_err(crate::durable::store_err)?;
-        let (manifest, report) = d.publish_chain(&files)?;
-        d.put_template_object(&crate::durable::TemplateObject {
-            format: crate::durable::TEMPLATE_FORMAT.into(),
-            version: crate::durable::SANDBOX_VERSION,
-            snapshot: manifest.id.clone(),
-            template,
-            published_ms: ids::now_ms(),
-            host: d.host_id().to_string(),
-        })?;
-        tracing::info!(template = %name, snapshot = %manifest.id,
-            uploaded = report.bytes_uploaded, elapsed = ?t.elapsed(), "template published");
-        Ok(())
+        publish_as_template(d, &self.templates.snapshot_dir(name)?, template)
     }
 
     /// Publishes persistent snapshot `reference` (its id, or a name) as a template other
@@ -436,20 +422,7 @@ impl Host {
         if d.template_object(&snap.id)?.is_some() {
             return Ok(snap.id);
         }
-        let t = Instant::now();
-        let files = store::publish::chain_files(&self.snapshots.snapshot_dir(&snap.id)?)
-            .map_err(crate::durable::store_err)?;
-        let (manifest, report) = d.publish_chain(&files)?;
-        d.put_template_object(&crate::durable::TemplateObject {
-            format: crate::durable::TEMPLATE_FORMAT.into(),
-            version: crate::durable::SANDBOX_VERSION,
-            snapshot: manifest.id.clone(),
-            template,
-            published_ms: ids::now_ms(),
-            host: d.host_id().to_string(),
-        })?;
-        tracing::info!(snapshot = %snap.id, uploaded = report.bytes_uploaded,
-            elapsed = ?t.elapsed(), "snapshot published as a template");
+        publish_as_template(d, &self.snapshots.snapshot_dir(&snap.id)?, template)?;
         Ok(snap.id)
     }
 
@@ -2158,6 +2131,26 @@ fn uploader(host: std::sync::Weak<Host>, rx: std::sync::mpsc::Receiver<Upload>) 
 
 /// Keeps a copy of `t` in sandbox directory `dir`: the template of a sandbox whose
 /// template is not one of this host's ([`Host::sandbox_template`]).
+/// Publishes the snapshot in `dir` (with its chain) and a template object naming it: other
+/// hosts create sandboxes of `template` from the store.
+fn publish_as_template(d: &Durable, dir: &Path, template: Template) -> Result<()> {
+    let t = Instant::now();
+    let files = store::publish::chain_files(dir).map_err(crate::durable::store_err)?;
+    let (manifest, report) = d.publish_chain(&files)?;
+    let name = template.name.clone();
+    d.put_template_object(&crate::durable::TemplateObject {
+        format: crate::durable::TEMPLATE_FORMAT.into(),
+        version: crate::durable::SANDBOX_VERSION,
+        snapshot: manifest.id.clone(),
+        template,
+        published_ms: ids::now_ms(),
+        host: d.host_id().to_string(),
+    })?;
+    tracing::info!(template = %name, snapshot = %manifest.id,
+        uploaded = report.bytes_uploaded, elapsed = ?t.elapsed(), "template published");
+    Ok(())
+}
+
 /// The published snapshots that are sandbox `id`'s own: those its store object lists, and
 /// those of `files` (a chain just published) under one of `dirs`.
 fn own_snapshots(
