@@ -24,7 +24,7 @@ use vmm::agent::Client;
 
 use crate::dockerfile::{Action, Plan, Step};
 use crate::error::{Error, Result};
-use crate::vm::{BuildVm, VmSpec};
+use crate::vm::{resolve_user, BuildVm, VmSpec};
 
 /// The most bytes of a failed step's output kept for its error.
 const FAILED_OUTPUT_TAIL: usize = 4096;
@@ -361,60 +361,6 @@ pub struct BuildReport {
 
 /// Where a build's messages go (each a line).
 pub type Log<'a> = &'a mut dyn FnMut(&str);
-
-/// The user a step names, as uid and gid, from the guest's `/etc/passwd` and
-/// `/etc/group` (`name`, `uid`, `name:group`, `uid:gid`); `line` is the step's, for the
-/// error (0: none).
-pub fn resolve_user(agent: &Client, line: usize, user: &str) -> Result<(u32, u32)> {
-    if user.is_empty() || user == "root" {
-        return Ok((0, 0));
-    }
-    let read = |p: &str| {
-        agent
-            .read_file(p)
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default()
-    };
-    let (u, g) = match user.split_once(':') {
-        Some((u, g)) => (u, Some(g)),
-        None => (user, None),
-    };
-    let passwd = read("/etc/passwd");
-    let entry = passwd.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.len() >= 4 && (f[0] == u || f[2] == u))
-            .then(|| (f[2].parse::<u32>().ok(), f[3].parse::<u32>().ok()))
-    });
-    let uid = match (entry, u.parse::<u32>()) {
-        (Some((Some(uid), _)), _) => uid,
-        (_, Ok(n)) => n,
-        _ => {
-            return Err(Error::Dockerfile {
-                line,
-                msg: format!("the user '{u}' is not in the image's /etc/passwd"),
-            })
-        }
-    };
-    let gid = match g {
-        None => entry.and_then(|(_, g)| g).unwrap_or(uid),
-        Some(g) => match g.parse::<u32>() {
-            Ok(n) => n,
-            Err(_) => read("/etc/group")
-                .lines()
-                .find_map(|l| {
-                    let f: Vec<&str> = l.split(':').collect();
-                    (f.len() >= 3 && f[0] == g)
-                        .then(|| f[2].parse::<u32>().ok())
-                        .flatten()
-                })
-                .ok_or_else(|| Error::Dockerfile {
-                    line,
-                    msg: format!("the group '{g}' is not in the image's /etc/group"),
-                })?,
-        },
-    };
-    Ok((uid, gid))
-}
 
 /// Runs a command in the guest; a failure is [`Error::StepFailed`] with its output's end.
 fn run_argv(

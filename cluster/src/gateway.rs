@@ -23,6 +23,7 @@ use serde_json::Value;
 use crate::db::{NodeRow, OwnerRow};
 use crate::hop::error_response;
 use crate::node::Node;
+use crate::placement::choose;
 use crate::HOP_HEADER;
 
 /// Between nodes only: publish a snapshot as a template (body `{"snapshot": ID}`).
@@ -144,36 +145,6 @@ fn node_key_ok(node: &Node, h: &HeaderMap) -> bool {
 
 fn unavailable(e: impl std::fmt::Display) -> Response {
     error_response(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-}
-
-/// The nodes that can take a sandbox of this shape, best first: live, taking sandboxes,
-/// not draining, with room; those with the template cached first, then `prefer`, then the
-/// most free memory.
-pub fn choose(
-    nodes: &[NodeRow],
-    vcpus: u32,
-    mem_mib: u64,
-    template: &str,
-    prefer: Option<&str>,
-) -> Vec<NodeRow> {
-    let mut ok: Vec<NodeRow> = nodes
-        .iter()
-        .filter(|n| n.live && n.takes_sandboxes && !n.draining)
-        .filter(|n| {
-            n.used_vcpus + vcpus as i64 <= n.vcpus as i64
-                && n.used_mem_mib + mem_mib as i64 <= n.mem_mib
-        })
-        .cloned()
-        .collect();
-    ok.sort_by_key(|n| {
-        (
-            !n.templates.iter().any(|t| t == template),
-            prefer != Some(n.name.as_str()),
-            -(n.mem_mib - n.used_mem_mib),
-            n.name.clone(),
-        )
-    });
-    ok
 }
 
 /// Why nothing could be placed.
@@ -963,48 +934,5 @@ mod tests {
                 wakes: true
             }
         );
-    }
-
-    fn node(name: &str, vcpus: i32, mem: i64, used: (i64, i64), templates: &[&str]) -> NodeRow {
-        NodeRow {
-            name: name.into(),
-            address: format!("http://{name}:1"),
-            vcpus,
-            mem_mib: mem,
-            takes_sandboxes: true,
-            draining: false,
-            drained: false,
-            templates: templates.iter().map(|s| s.to_string()).collect(),
-            live: true,
-            lease_left_s: 1.0,
-            used_vcpus: used.0,
-            used_mem_mib: used.1,
-            sandboxes: 0,
-        }
-    }
-
-    #[test]
-    fn placement_wants_room_then_the_template_then_free_memory() {
-        let nodes = vec![
-            node("a", 4, 1024, (4, 512), &["t"]),
-            node("b", 4, 1024, (0, 0), &[]),
-            node("c", 4, 2048, (1, 512), &["t"]),
-        ];
-        let names = |v: Vec<NodeRow>| v.into_iter().map(|n| n.name).collect::<Vec<_>>();
-        // a is full (vCPUs); c has the template.
-        assert_eq!(names(choose(&nodes, 1, 256, "t", None)), ["c", "b"]);
-        // Without the template anywhere: most free memory first.
-        assert_eq!(names(choose(&nodes, 1, 256, "u", None)), ["c", "b"]);
-        assert_eq!(names(choose(&nodes, 1, 256, "u", Some("b"))), ["b", "c"]);
-        // Nothing fits.
-        assert!(choose(&nodes, 8, 256, "t", None).is_empty());
-        let mut dead = nodes.clone();
-        for n in &mut dead {
-            n.live = false;
-        }
-        assert!(choose(&dead, 1, 1, "t", None).is_empty());
-        let mut draining = nodes;
-        draining[2].draining = true;
-        assert_eq!(names(choose(&draining, 1, 256, "t", None)), ["b"]);
     }
 }

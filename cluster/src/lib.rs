@@ -11,7 +11,8 @@
 //! |---|---|
 //! | [`db`] | the registry in PostgreSQL: nodes, leases, ownership, template shapes |
 //! | [`node`] | this node: its lease, what it records of its sandboxes, its drain |
-//! | [`gateway`] | in front of the E2B API: which node answers a request, placement |
+//! | [`gateway`] | in front of the E2B API: which node answers a request |
+//! | [`placement`] | which node takes a new or moving sandbox |
 //! | [`hop`] | a request forwarded to another node, streamed both ways |
 //!
 //! A node owns the sandboxes it created, forked, resumed or took over. Before it changes
@@ -23,6 +24,7 @@ pub mod error;
 pub mod gateway;
 pub mod hop;
 pub mod node;
+pub mod placement;
 
 pub use error::{Error, Result};
 pub use node::{Node, NodeConfig};

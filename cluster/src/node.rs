@@ -385,7 +385,7 @@ impl Node {
         }
         let left_s = ((rec.end_ms - sandbox::ids::now_ms()) / 1000).max(60) as u64;
         let nodes = self.db.nodes().await?;
-        let to = crate::gateway::choose(&nodes, rec.vcpus, rec.mem_mib, &rec.template, None)
+        let to = crate::placement::choose(&nodes, rec.vcpus, rec.mem_mib, &rec.template, None)
             .into_iter()
             .find(|n| n.name != self.cfg.name)
             .ok_or_else(|| Error::Config("no other node has room for it".into()))?;

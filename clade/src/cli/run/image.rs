@@ -197,7 +197,7 @@ pub(super) fn run_image(image: String, a: RunArgs) -> anyhow::Result<u8> {
     let user = if defaults.user.is_empty() {
         None
     } else {
-        let (u, g) = clade_builder::layers::resolve_user(&agent, 0, &defaults.user)?;
+        let (u, g) = clade_builder::vm::resolve_user(&agent, 0, &defaults.user)?;
         Some((u, Some(g)))
     };
     agent.close();
