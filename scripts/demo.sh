@@ -66,7 +66,9 @@ echo "== latencies (native tier: the bare-metal test guest embedded in clade, on
 #   waiting (`--fork-spares`); the sandbox host as the e2b SDK sees it (clade serve over
 #   HTTP, create and wake with 1 and with 100 paused sandboxes); and snapshots in object
 #   storage (the test S3 server on loopback): restore with a cold and a warm cache against
-#   a local one, pause until durable against the raw upload to the same server.
+#   a local one, pause until durable against the raw upload to the same server; and a
+#   cluster (PostgreSQL, the S3 server, two `clade serve --cluster` nodes): the data plane,
+#   create and wake asked of the owner node and through the other node, what the hop adds.
 # It prints each scenario's figures and writes a report with plots of every distribution
 # against its same-run baseline (open its index.html in a browser).
 REPORT_DIR="$REPO_ROOT/build/bench-report"

@@ -245,7 +245,8 @@ pub enum BenchCommand {
         /// Print the scenarios' command lines and exit.
         #[arg(long)]
         list: bool,
-        /// Leave out the object-store scenarios (they start the test S3 server).
+        /// Leave out the object-store scenarios (they start the test S3 server; `cluster`
+        /// also PostgreSQL, and needs root).
         #[arg(long)]
         no_store: bool,
         /// Print one JSON object per scenario instead of text.
@@ -279,6 +280,7 @@ const ALL: &[&str] = &[
     "serve -n 30 --background 100",
     "restore --store s3 -n 20",
     "pause --store s3 -n 3",
+    "cluster -n 30",
 ];
 
 /// One scenario's command line, parsed as `clade bench` would.
@@ -499,7 +501,9 @@ fn run_one(cmd: BenchCommand) -> anyhow::Result<(&'static str, Ran)> {
 /// `clade bench all`: each scenario of [`ALL`] in turn; with `report`, the report is
 /// rewritten after each one (a later failure keeps what ran).
 fn all(list: bool, no_store: bool, json: bool, report: Option<PathBuf>) -> anyhow::Result<u8> {
-    let lines = ALL.iter().filter(|l| !(no_store && l.contains("--store")));
+    let lines = ALL
+        .iter()
+        .filter(|l| !(no_store && (l.contains("--store") || l.starts_with("cluster"))));
     if list {
         for l in lines {
             println!("clade bench {l}");
