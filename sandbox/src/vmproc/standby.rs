@@ -489,9 +489,11 @@ fn refill(inner: &Inner) {
                 }
             }
         }
-        let mut started = Vec::new();
+        // Each one joins the pool as soon as it is ready (not when the slowest of the
+        // batch is): a create meanwhile takes it rather than starting a VM cold.
         while !starting.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
+            let mut started = Vec::new();
             for s in std::mem::take(&mut starting) {
                 match s.check() {
                     Checked::Ready(sb) => started.push(sb),
@@ -499,22 +501,30 @@ fn refill(inner: &Inner) {
                     Checked::Failed(e) => failure = Some(e),
                 }
             }
-        }
-        st = inner.lock();
-        if st.stop {
-            drop(st);
-            for s in started {
-                s.discard();
+            if started.is_empty() {
+                continue;
             }
-            return;
-        }
-        if !started.is_empty() {
+            let mut st = inner.lock();
+            if st.stop {
+                drop(st);
+                for s in started {
+                    s.discard();
+                }
+                for s in starting {
+                    s.standby.discard();
+                }
+                return;
+            }
             for s in &started {
                 tracing::debug!(pid = s.child.id(), ?shape, "standby ready");
             }
             st.failed.remove(&shape);
             st.ready.entry(shape).or_default().extend(started);
             inner.cv.notify_all();
+        }
+        st = inner.lock();
+        if st.stop {
+            return;
         }
         if let Some(e) = failure {
             tracing::warn!(?shape, "starting a standby VM process: {e}");
