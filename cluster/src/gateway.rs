@@ -241,7 +241,6 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
         Ok(n) => n,
         Err(e) => return unavailable(e),
     };
-    let req = Request::from_parts(parts, Body::from(body));
     let best = choose(
         &nodes,
         shape.0,
@@ -249,9 +248,51 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
         &template,
         Some(&node.config().name),
     );
-    match best.first() {
-        Some(to) => send(node, to, req, next).await,
-        None => no_room(&nodes, shape.0, shape.1),
+    // The registry's figures lag: a node may find it has no room after all (creates placed
+    // there at the same moment took it). It says so and starts nothing; the next one is
+    // tried.
+    let mut refused = None;
+    for to in &best {
+        let req = Request::from_parts(parts.clone(), Body::from(body.clone()));
+        let resp = send(node, to, req, next.clone()).await;
+        match no_room_after_all(resp).await {
+            Ok(resp) => return resp,
+            Err(resp) => {
+                tracing::debug!(node = %to.name, "no room there after all: trying the next node");
+                refused = Some(resp);
+            }
+        }
+    }
+    refused.unwrap_or_else(|| no_room(&nodes, shape.0, shape.1))
+}
+
+/// `Err` with the answer (read whole) if it is a node's 503 saying it has no room
+/// ([`sandbox::http::NO_ROOM`]); `Ok` with it untouched otherwise.
+async fn no_room_after_all(resp: Response) -> std::result::Result<Response, Response> {
+    if resp.status() != StatusCode::SERVICE_UNAVAILABLE {
+        return Ok(resp);
+    }
+    let (parts, body) = resp.into_parts();
+    let bytes = match http_body_util::Limited::new(body, 64 * 1024)
+        .collect()
+        .await
+    {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            return Ok(error_response(
+                StatusCode::BAD_GATEWAY,
+                format!("reading a node's answer: {e}"),
+            ))
+        }
+    };
+    let no_room = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .is_some_and(|v| v["error_code"] == sandbox::http::NO_ROOM);
+    let resp = Response::from_parts(parts, Body::from(bytes));
+    if no_room {
+        Err(resp)
+    } else {
+        Ok(resp)
     }
 }
 

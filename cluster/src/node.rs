@@ -93,6 +93,93 @@ pub struct Node {
     pub(crate) hop: crate::hop::Hop,
     /// Routes of running sandboxes read a moment ago (the data plane's).
     pub(crate) routes: RouteCache,
+    /// What this node has committed (see [`Room`]).
+    room: Arc<Mutex<Room>>,
+}
+
+/// What a node has committed: its running sandboxes' shapes and the room held for VMs
+/// about to start. Only this node starts VMs on itself, so this, not the registry's sums
+/// (which gateways place by, and which lag behind), decides whether one more fits: two
+/// creates placed here at the same moment cannot both take the last room.
+#[derive(Default)]
+struct Room {
+    /// Running sandboxes: vCPUs and MiB.
+    running: HashMap<String, (u32, u64)>,
+    /// Held for VMs being started.
+    held_vcpus: u64,
+    held_mem_mib: u64,
+}
+
+impl Room {
+    fn committed(&self) -> (u64, u64) {
+        let (v, m) = self
+            .running
+            .values()
+            .fold((0u64, 0u64), |(v, m), &(rv, rm)| {
+                (v + u64::from(rv), m.saturating_add(rm))
+            });
+        (v + self.held_vcpus, m.saturating_add(self.held_mem_mib))
+    }
+
+    /// Holds room for `count` VMs of `shape` (vCPUs, MiB) within `capacity`, or says
+    /// why there is none.
+    fn hold(
+        room: &Arc<Mutex<Room>>,
+        capacity: (u32, u64),
+        shape: (u32, u64),
+        count: u32,
+    ) -> std::result::Result<Held, String> {
+        let v = u64::from(shape.0) * u64::from(count);
+        let m = shape.1.saturating_mul(u64::from(count));
+        let mut r = room.lock().unwrap_or_else(|p| p.into_inner());
+        let (used_v, used_m) = r.committed();
+        if used_v + v > u64::from(capacity.0) || used_m.saturating_add(m) > capacity.1 {
+            return Err(format!(
+                "has no room for {count} VM(s) of {} vCPUs and {} MiB: {used_v}/{} vCPUs and \
+                 {used_m}/{} MiB committed",
+                shape.0, shape.1, capacity.0, capacity.1
+            ));
+        }
+        r.held_vcpus += v;
+        r.held_mem_mib = r.held_mem_mib.saturating_add(m);
+        Ok(Held {
+            room: Arc::clone(room),
+            vcpus: v,
+            mem_mib: m,
+        })
+    }
+
+    /// Notes `rec`'s state: running sandboxes count, others do not.
+    fn note(&mut self, rec: &Record) {
+        self.note_state(
+            &rec.id,
+            rec.state == State::Running,
+            (rec.vcpus, rec.mem_mib),
+        );
+    }
+
+    fn note_state(&mut self, id: &str, running: bool, shape: (u32, u64)) {
+        if running {
+            self.running.insert(id.to_string(), shape);
+        } else {
+            self.running.remove(id);
+        }
+    }
+}
+
+/// Room held in a [`Room`] until dropped.
+struct Held {
+    room: Arc<Mutex<Room>>,
+    vcpus: u64,
+    mem_mib: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut r = self.room.lock().unwrap_or_else(|p| p.into_inner());
+        r.held_vcpus = r.held_vcpus.saturating_sub(self.vcpus);
+        r.held_mem_mib = r.held_mem_mib.saturating_sub(self.mem_mib);
+    }
 }
 
 /// How long a route read from the registry is used for data-plane requests. A sandbox
@@ -145,6 +232,7 @@ impl Node {
             host: OnceLock::new(),
             hop: crate::hop::Hop::new(),
             routes: RouteCache::default(),
+            room: Arc::default(),
         }))
     }
 
@@ -211,6 +299,7 @@ impl Node {
             .await
             .map_err(|e| Error::Config(format!("worker: {e}")))?
             .map_err(|e| Error::Config(format!("listing this node's sandboxes: {e}")))?;
+        self.recount(&all);
         for r in &all {
             if let Err(e) = self.record_now(r) {
                 tracing::warn!(sandbox = %r.id, "recording it in the cluster: {e}");
@@ -277,10 +366,31 @@ impl Node {
             .map_err(|e| Error::Config(format!("worker: {e}")))?
             .map_err(|e| Error::Config(format!("checking this node's sandboxes: {e}")))?;
         tracing::warn!(node = %self.cfg.name, forgotten = n, "rejoined the cluster");
+        let h = Arc::clone(host);
+        match tokio::task::spawn_blocking(move || h.local_sandboxes()).await {
+            Ok(Ok(all)) => self.recount(&all),
+            Ok(Err(e)) => tracing::warn!("listing this node's sandboxes: {e}"),
+            Err(e) => tracing::warn!("listing this node's sandboxes: {e}"),
+        }
         Ok(())
     }
 
+    /// Counts the running sandboxes among `all` (this host's, as they are now) as what
+    /// this node has committed, forgetting any other.
+    fn recount(&self, all: &[Record]) {
+        let mut room = self.room.lock().unwrap_or_else(|p| p.into_inner());
+        room.running.clear();
+        for r in all {
+            room.note(r);
+        }
+    }
+
     fn record_now(&self, rec: &Record) -> Result<()> {
+        // What runs here counts whatever the registry answers.
+        self.room
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .note(rec);
         let state = match rec.state {
             State::Running => "running",
             State::Paused => "paused",
@@ -434,6 +544,12 @@ impl Ownership for Node {
         };
         let me = self.cfg.name.as_str();
         if row.node.as_deref() != Some(me) {
+            // The host forgets its copy: it no longer counts here.
+            self.room
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .running
+                .remove(id);
             return Err(sandbox::Error::Fenced {
                 id: id.to_string(),
                 why: match (&row.node, row.state.as_str()) {
@@ -498,7 +614,34 @@ impl Ownership for Node {
         self.db.delete_snapshot_blocking(id).map_err(cluster_err)
     }
 
+    fn admit(
+        &self,
+        vcpus: u32,
+        mem_mib: u64,
+        count: u32,
+    ) -> sandbox::Result<Option<sandbox::ownership::Reservation>> {
+        let name = &self.cfg.name;
+        if !self.cfg.takes_sandboxes {
+            return Err(sandbox::Error::NoRoom(format!(
+                "node {name} runs no sandboxes (--no-sandboxes)"
+            )));
+        }
+        let held = Room::hold(
+            &self.room,
+            (self.cfg.vcpus, self.cfg.mem_mib),
+            (vcpus, mem_mib),
+            count,
+        )
+        .map_err(|why| sandbox::Error::NoRoom(format!("node {name} {why}")))?;
+        Ok(Some(Box::new(held)))
+    }
+
     fn removed(&self, id: &str) -> sandbox::Result<()> {
+        self.room
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .running
+            .remove(id);
         let token = self
             .tokens
             .lock()
@@ -508,5 +651,38 @@ impl Ownership for Node {
             .remove_blocking(id, &self.cfg.name, token)
             .map_err(cluster_err)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_is_held_until_dropped_and_running_sandboxes_count() {
+        let room = Arc::new(Mutex::new(Room::default()));
+        let cap = (4, 1024);
+        // Two at once for the last places: the second is refused while the first holds.
+        let a = Room::hold(&room, cap, (2, 256), 1).expect("room for one");
+        let b = Room::hold(&room, cap, (2, 256), 1).expect("room for two");
+        let why = Room::hold(&room, cap, (1, 64), 1).err().expect("no third");
+        assert!(why.contains("4/4 vCPUs"), "{why}");
+        // The first is recorded running: its hold goes, its shape stays counted.
+        room.lock().unwrap().note_state("a", true, (2, 256));
+        drop(a);
+        assert!(Room::hold(&room, cap, (1, 64), 1).is_err());
+        // Paused or killed sandboxes commit nothing; dropped holds give their room back.
+        room.lock().unwrap().note_state("a", false, (2, 256));
+        drop(b);
+        assert_eq!(room.lock().unwrap().committed(), (0, 0));
+        // Memory decides as vCPUs do, and a fork's children count together.
+        let why = Room::hold(&room, cap, (1, 300), 4)
+            .err()
+            .expect("1200 MiB > 1024");
+        assert!(why.contains("0/1024 MiB"), "{why}");
+        let c = Room::hold(&room, cap, (1, 256), 4).expect("exactly full");
+        assert_eq!(room.lock().unwrap().committed(), (4, 1024));
+        drop(c);
+        assert_eq!(room.lock().unwrap().committed(), (0, 0));
     }
 }

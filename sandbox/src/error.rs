@@ -32,6 +32,10 @@ pub enum Error {
         /// What the cluster said.
         why: String,
     },
+    /// This host has no room for the VMs asked for (in a cluster, its committed vCPUs or
+    /// memory would pass what it may commit, see `ownership`): nothing was started.
+    #[error("{0}")]
+    NoRoom(String),
     /// The cluster's registry could not be asked (see `ownership`): nothing was changed.
     #[error("cluster registry: {0}")]
     Cluster(String),

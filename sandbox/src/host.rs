@@ -757,12 +757,30 @@ impl Host {
 
     /// Creates a sandbox from a template or a snapshot: a restore of its snapshot.
     pub fn create(&self, req: CreateRequest) -> Result<Record> {
-        let rec = self.create_vm(req)?;
+        // The room held for it goes once it is recorded.
+        let (rec, _room) = self.create_vm(req)?;
         self.owned(&rec);
         Ok(rec)
     }
 
-    fn create_vm(&self, req: CreateRequest) -> Result<Record> {
+    /// Room for `count` VMs of `vcpus` and `mem_mib` each, when the cluster counts it
+    /// ([`crate::ownership::Ownership::admit`]).
+    fn admit(
+        &self,
+        vcpus: u32,
+        mem_mib: u64,
+        count: usize,
+    ) -> Result<Option<crate::ownership::Reservation>> {
+        match &self.ownership {
+            Some(o) => o.admit(vcpus, mem_mib, u32::try_from(count).unwrap_or(u32::MAX)),
+            None => Ok(None),
+        }
+    }
+
+    fn create_vm(
+        &self,
+        req: CreateRequest,
+    ) -> Result<(Record, Option<crate::ownership::Reservation>)> {
         let t0 = std::time::Instant::now();
         self.check_timeout(req.timeout_s)?;
         self.check_map("metadata", &req.metadata)?;
@@ -790,6 +808,7 @@ impl Host {
             }
             Err(e) => return Err(e),
         };
+        let room = self.admit(template.vcpus, template.mem_mib, 1)?;
         let token = |wanted: bool| {
             wanted
                 .then(ids::new_token)
@@ -869,7 +888,7 @@ impl Host {
             insert_us = t_insert.elapsed().as_micros() as u64,
             "created"
         );
-        Ok(rec)
+        Ok((rec, room))
     }
 
     /// Starts the VM process of `rec` from `origin`; fills in its process fields.
@@ -1619,6 +1638,7 @@ impl Host {
     }
 
     fn resume_locked(&self, rec: Record, timeout_s: u64, reboot: bool) -> Result<Record> {
+        let _room = self.admit(rec.vcpus, rec.mem_mib, 1)?;
         let r = self.resume_vm_locked(rec, timeout_s, reboot)?;
         self.owned(&r);
         Ok(r)
@@ -1665,6 +1685,14 @@ impl Host {
     /// snapshot of the running parent that each child restores (the parent runs on). Children inherit the template,
     /// metadata, env vars and auto-pause, and time out `timeout_s` from now.
     pub fn fork(&self, id: &str, count: usize, timeout_s: u64) -> Result<Vec<Record>> {
+        // Room for the children (of the parent's shape), held until they are recorded. A
+        // sandbox this host does not have is fork_vm's to refuse.
+        let _room = match self.reg().get(id)? {
+            Some(p) if (1..=self.cfg.max_fork).contains(&count) => {
+                self.admit(p.vcpus, p.mem_mib, count)?
+            }
+            _ => None,
+        };
         let children = self.fork_vm(id, count, timeout_s)?;
         for c in &children {
             self.owned(c);

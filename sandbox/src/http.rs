@@ -39,6 +39,9 @@ pub const DEFAULT_PAGE: usize = 100;
 pub const MAX_PAGE: usize = 1000;
 /// E2B's default and largest number of log lines per request.
 pub const LOG_PAGE: usize = 1000;
+/// The `error_code` of a 503 that says this host has no room ([`Error::NoRoom`]): a
+/// cluster's gateway then tries another node.
+pub const NO_ROOM: &str = "no_room";
 
 /// Shared state of the handlers.
 #[derive(Clone)]
@@ -99,7 +102,7 @@ impl From<Error> for ApiError {
             Error::Crashed { .. } => StatusCode::NOT_FOUND,
             Error::BadRequest(_) | Error::TemplateNotFound(_) => StatusCode::BAD_REQUEST,
             Error::Conflict(_) | Error::Fenced { .. } => StatusCode::CONFLICT,
-            Error::Cluster(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Cluster(_) | Error::NoRoom(_) => StatusCode::SERVICE_UNAVAILABLE,
             // E2B's answer: the SDK raises ServiceBusyException.
             Error::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
@@ -109,7 +112,11 @@ impl From<Error> for ApiError {
         }
         Self {
             status,
-            error_code: matches!(e, Error::Crashed { .. }).then_some("sandbox_crashed"),
+            error_code: match e {
+                Error::Crashed { .. } => Some("sandbox_crashed"),
+                Error::NoRoom(_) => Some(NO_ROOM),
+                _ => None,
+            },
             message: e.to_string(),
         }
     }

@@ -12,6 +12,10 @@
 use crate::error::Result;
 use crate::registry::{Record, SnapshotRecord};
 
+/// Room held for VMs about to start (see [`Ownership::admit`]): given back when dropped,
+/// which the host does once the sandboxes it was for are recorded.
+pub type Reservation = Box<dyn Send>;
+
 /// The cluster's say on this host's sandboxes.
 pub trait Ownership: Send + Sync {
     /// Before a change to sandbox `id`, which this host's registry holds: `Ok` if this
@@ -22,6 +26,13 @@ pub trait Ownership: Send + Sync {
     /// After this host created, resumed, took over, paused or published `rec`: it is this
     /// host's, in this state.
     fn record(&self, rec: &Record) -> Result<()>;
+    /// Before this host starts `count` VMs of `vcpus` vCPUs and `mem_mib` MiB each (a
+    /// create, a resume, a fork's children): room for them, held until the reservation is
+    /// dropped, or [`crate::Error::NoRoom`] when they would pass what this host may
+    /// commit. Two starts at once cannot both take the last room.
+    fn admit(&self, _vcpus: u32, _mem_mib: u64, _count: u32) -> Result<Option<Reservation>> {
+        Ok(None)
+    }
     /// After this host killed sandbox `id`.
     fn removed(&self, id: &str) -> Result<()>;
     /// After this host published a checkpoint of running sandbox `id` (see

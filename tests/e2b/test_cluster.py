@@ -113,6 +113,35 @@ def test_a_full_cluster_answers_503_and_creates_nothing(cl):
     assert cl.psql("SELECT id FROM clade_sandboxes") == []
 
 
+def test_creates_at_the_same_moment_never_pass_a_nodes_capacity(cl):
+    """Twelve creates at once for nine places: each node holds room for what it starts, so
+    placements made on the same figures cannot both take its last place; a node that
+    finds it full hands the create to the next, and only what fits nowhere is refused."""
+    gw, a = cl.nodes["gw"].url, cl.nodes["a"].url
+    results = [None] * 12
+
+    def one(i):
+        # Two ways in: the gateway, and a node that itself takes sandboxes.
+        results[i] = api(gw if i % 2 else a, "POST", "/sandboxes", {"templateID": "t", "timeout": 300})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    made = [b["sandboxID"] for s, b, _ in results if s == 201]
+    refused = [b for s, b, _ in results if s == 503]
+    assert len(made) == 9 and len(refused) == 3, [(s, b) for s, b, _ in results]
+    for b in refused:
+        assert "no room" in b["message"] or "out of capacity" in b["message"], b
+    owners = sorted(cl.owner(s)[0] for s in made)
+    assert owners == ["a"] * 3 + ["b"] * 3 + ["c"] * 3, owners
+    for s in made:
+        assert health(gw, s) == 204
+    kill_all(cl)
+    assert cl.psql("SELECT id FROM clade_sandboxes") == []
+
+
 def test_a_killed_node_leaves_its_paused_sandboxes_resumable_and_its_running_ones_lost(cl):
     a, gw = cl.nodes["a"], cl.nodes["gw"].url
     running = create(a.url)
