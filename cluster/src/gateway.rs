@@ -542,30 +542,16 @@ async fn fork(node: &Node, row: &OwnerRow, req: Request) -> Response {
                 &key,
                 "POST",
                 PUBLISH_SNAPSHOT,
-                serde_json::json!({ "snapshot": snap_id }).to_string(),
+                serde_json::json!({ "snapshot": snap_id, "sandbox": row.id }).to_string(),
             )
             .await
             .map_err(|e| e.to_string())?;
-        let template: Value = serde_json::from_slice(&published).map_err(|e| e.to_string())?;
-        let template = template["template"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let info = node
-            .hop
-            .call(
-                &owner,
-                &cfg.secret,
-                &key,
-                "GET",
-                &format!("/sandboxes/{}", row.id),
-                String::new(),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        let info: Value = serde_json::from_slice(&info).unwrap_or(Value::Null);
-        let mut create =
-            serde_json::json!({ "templateID": template, "metadata": info["metadata"] });
+        let published: Value = serde_json::from_slice(&published).map_err(|e| e.to_string())?;
+        // Children like the parent: metadata, env vars, lifecycle, tokens, egress.
+        let mut create = published["create"].clone();
+        if !create.is_object() {
+            return Err("the parent's node did not say how to make its children".into());
+        }
         if let Some(t) = b.get("timeout") {
             create["timeout"] = t.clone();
         }
@@ -629,17 +615,31 @@ async fn publish_snapshot(node: &Node, req: Request) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let Some(snap) = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|v| v["snapshot"].as_str().map(String::from))
-    else {
-        return error_response(StatusCode::BAD_REQUEST, "give {\"snapshot\": ID}".into());
+    let v = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+    let Some(snap) = v["snapshot"].as_str().map(String::from) else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "give {\"snapshot\": ID, \"sandbox\": ID}".into(),
+        );
     };
+    // With the sandbox it was taken of: the create request that makes sandboxes like it.
+    let like = v["sandbox"].as_str().map(String::from);
     let Some(host) = node.host() else {
         return unavailable("this node is shutting down");
     };
-    match tokio::task::spawn_blocking(move || host.publish_snapshot(&snap)).await {
-        Ok(Ok(name)) => axum::Json(serde_json::json!({ "template": name })).into_response(),
+    let published = tokio::task::spawn_blocking(move || {
+        let name = host.publish_snapshot(&snap)?;
+        let create = match like {
+            Some(id) => Some(sandbox::http::create_like(&host.get_local(&id)?, &name)),
+            None => None,
+        };
+        Ok::<_, sandbox::Error>((name, create))
+    })
+    .await;
+    match published {
+        Ok(Ok((name, create))) => {
+            axum::Json(serde_json::json!({ "template": name, "create": create })).into_response()
+        }
         Ok(Err(e)) => error_response(StatusCode::BAD_REQUEST, e.to_string()),
         Err(e) => unavailable(e),
     }

@@ -205,6 +205,48 @@ struct NewSandbox {
     // Accepted, not acted on (see docs/e2b-compat.md): mcp, iam, volumeMounts.
 }
 
+/// A create request (E2B's JSON) for a sandbox like `rec`, from `template`: its metadata,
+/// env vars, lifecycle, access tokens (new ones) and egress policy. A cluster makes the
+/// children of a fork that do not fit on their parent's node with it, from a snapshot of
+/// the parent (whose memory gives them its running processes).
+pub fn create_like(rec: &Record, template: &str) -> Value {
+    let mut b = json!({
+        "templateID": template,
+        "metadata": rec.metadata,
+        "envVars": rec.env_vars,
+        "autoPause": rec.auto_pause,
+        "secure": rec.envd_token.is_some(),
+    });
+    if rec.auto_pause {
+        b["autoResume"] = json!({ "enabled": rec.auto_resume });
+        if !rec.pause_keeps_memory {
+            b["autoPauseMemory"] = json!(false);
+        }
+    }
+    let mut network = json!({ "allowPublicTraffic": rec.traffic_token.is_none() });
+    if let Some(m) = &rec.mask_host {
+        network["maskRequestHost"] = json!(m);
+    }
+    if let Some(p) = rec
+        .egress
+        .as_deref()
+        .and_then(|j| serde_json::from_str::<EgressPolicy>(j).ok())
+    {
+        let allow: Vec<String> = p
+            .allow
+            .iter()
+            .map(ToString::to_string)
+            .chain(p.allow_domains.iter().cloned())
+            .collect();
+        let deny: Vec<String> = p.deny.iter().map(ToString::to_string).collect();
+        network["allowOut"] = json!(allow);
+        network["denyOut"] = json!(deny);
+        b["allow_internet_access"] = json!(p.default == hostnet::PolicyDefault::Allow);
+    }
+    b["network"] = network;
+    b
+}
+
 /// E2B's `autoResume` of a create: `{"enabled": bool}`.
 #[derive(Deserialize)]
 struct AutoResume {

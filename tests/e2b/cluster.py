@@ -51,6 +51,31 @@ def wait_port(host, port, what, timeout=30):
             time.sleep(0.05)
 
 
+def start_postgres(parent, listen, port, clients):
+    """PostgreSQL (Debian's postgresql-15) in PARENT/pg, run as the unprivileged user
+    `postgres`, listening on LISTEN:PORT for CLIENTS (a CIDR) with a scram password.
+    Returns (its directory, a URL for user clade)."""
+    d = os.path.join(parent, "pg")
+    os.mkdir(d)
+    shutil.chown(d, "postgres", "postgres")
+    pw = os.path.join(d, "pw")
+    with open(pw, "w") as f:
+        f.write("clade-pg-password\n")
+    shutil.chown(pw, "postgres", "postgres")
+    sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/initdb", "-D", f"{d}/data", "-U", "clade",
+       "--auth-local=peer", "--auth-host=scram-sha-256", f"--pwfile={pw}")
+    with open(f"{d}/data/pg_hba.conf", "a") as f:
+        f.write(f"host all all {clients} scram-sha-256\n")
+    sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", f"{d}/data", "-l", f"{d}/log",
+       "-w", "-o", f"-k {d} -c listen_addresses={listen} -p {port} -c fsync=off", "start")
+    return d, f"postgres://clade:clade-pg-password@{listen}:{port}/postgres"
+
+
+def stop_postgres(d):
+    sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", f"{d}/data", "-m", "immediate",
+       "stop", check=False)
+
+
 class Node:
     def __init__(self, cluster, name, index, gateway=False, vcpus=3, mem=1024):
         self.cluster = cluster
@@ -118,6 +143,18 @@ class Node:
         r = sh("pgrep", "-f", f"{self.state}/sandboxes/{sandbox_id}/", check=False)
         return [int(p) for p in r.stdout.split()]
 
+    def record(self, sandbox_id):
+        """Sandbox SANDBOX_ID's row in this node's own registry (SQLite), as a dict."""
+        import sqlite3
+
+        db = sqlite3.connect(f"file:{self.state}/registry.sqlite?mode=ro", uri=True)
+        db.row_factory = sqlite3.Row
+        try:
+            row = db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+            return dict(row) if row else None
+        finally:
+            db.close()
+
     def log_text(self):
         return open(self.log, errors="replace").read()
 
@@ -161,23 +198,7 @@ class Cluster:
         sh("ip", "link", "del", BRIDGE, check=False)
 
     def _postgres(self):
-        d = os.path.join(self.dir, "pg")
-        os.mkdir(d)
-        shutil.chown(d, "postgres", "postgres")
-        port = free_port()
-        pw = os.path.join(d, "pw")
-        with open(pw, "w") as f:
-            f.write("clade-pg-password\n")
-        shutil.chown(pw, "postgres", "postgres")
-        sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/initdb", "-D", f"{d}/data", "-U", "clade",
-           "--auth-local=peer", "--auth-host=scram-sha-256", f"--pwfile={pw}")
-        # The nodes connect from their namespaces, over the bridge.
-        with open(f"{d}/data/pg_hba.conf", "a") as f:
-            f.write("host all all 10.231.0.0/24 scram-sha-256\n")
-        sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", f"{d}/data", "-l", f"{d}/log",
-           "-w", "-o", f"-k {d} -c listen_addresses={HOST_IP} -p {port} -c fsync=off", "start")
-        self.pg_dir = d
-        self.pg_url = f"postgres://clade:clade-pg-password@{HOST_IP}:{port}/postgres"
+        self.pg_dir, self.pg_url = start_postgres(self.dir, HOST_IP, free_port(), "10.231.0.0/24")
 
     def _s3(self):
         os.makedirs(os.path.join(self.dir, "s3/clade"))
@@ -220,8 +241,7 @@ class Cluster:
         for p in self.procs:
             p.terminate()
             p.wait()
-        sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", f"{self.pg_dir}/data", "-m",
-           "immediate", "stop", check=False)
+        stop_postgres(self.pg_dir)
         self._net_down(len(self.nodes) + 2)
         if os.environ.get("CLADE_KEEP_CLUSTER"):
             print(f"cluster files kept in {self.dir}")

@@ -5,6 +5,7 @@ PostgreSQL and one S3 server. Every request enters through a node that does not 
 sandbox. Run with tests/e2b/run_cluster.sh (root: namespaces, and PostgreSQL as user
 postgres)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -282,7 +283,7 @@ def test_a_lost_node_with_checkpoints_brings_its_running_sandboxes_back(cl):
 
 def test_a_fork_beyond_its_node_goes_on_elsewhere_from_a_snapshot(cl):
     a, gw = cl.nodes["a"], cl.nodes["gw"].url
-    parent = create(a.url, metadata={"suite": "fork"})
+    parent = create(a.url, metadata={"suite": "fork"}, envVars={"FROM_PARENT": "yes"}, autoPause=True)
     assert cl.owner(parent)[0] == "a"
     # Node a has room for two more (3 vCPUs); four children: two there (copy-on-write),
     # two on other nodes from a snapshot of the parent in the store.
@@ -295,6 +296,11 @@ def test_a_fork_beyond_its_node_goes_on_elsewhere_from_a_snapshot(cl):
     for k in kids:
         assert health(gw, k) == 204
         assert info(gw, k)[1]["metadata"] == {"suite": "fork"}
+        # Like their parent wherever they run: env vars, lifecycle, their own token.
+        rec = cl.nodes[cl.owner(k)[0]].record(k)
+        assert json.loads(rec["env_vars"]) == {"FROM_PARENT": "yes"}, rec
+        assert rec["auto_pause"] == 1, rec
+        assert rec["envd_token"] and rec["envd_token"] != cl.nodes["a"].record(parent)["envd_token"]
     # Nowhere with room for eight more: nothing is made.
     before = len(cl.psql("SELECT id FROM clade_sandboxes"))
     status, body, _ = api(gw, "POST", f"/sandboxes/{parent}/fork", {"count": 8, "timeout": 300})

@@ -13,8 +13,12 @@ const KEY: &str = "e2b_test_key";
 
 fn app(name: &str) -> (Router, std::path::PathBuf) {
     let (h, _drv, d) = host(name);
-    let st = AppState {
-        host: Arc::new(h),
+    (router(state_of(Arc::new(h))), d)
+}
+
+fn state_of(host: Arc<Host>) -> AppState {
+    AppState {
+        host,
         api_key: Arc::new(KEY.into()),
         domain: None,
         sessions: Default::default(),
@@ -22,8 +26,7 @@ fn app(name: &str) -> (Router, std::path::PathBuf) {
             std::path::Path::new("/nonexistent"),
             None,
         )),
-    };
-    (router(st), d)
+    }
 }
 
 async fn call(
@@ -959,4 +962,46 @@ async fn template_builds_as_the_sdk_drives_them() {
     .await;
     assert_eq!(s, 400, "a template built on itself: {v}");
     std::fs::remove_dir_all(&d).ok();
+}
+
+#[tokio::test]
+async fn a_create_like_a_sandbox_makes_one_alike() {
+    let (h, _drv, _d) = host("create-like");
+    let host = Arc::new(h);
+    let app = router(state_of(Arc::clone(&host)));
+    let (s, _, v) = call(
+        &app,
+        "POST",
+        "/sandboxes",
+        Some(
+            r#"{"templateID":"t","timeout":60,"metadata":{"user":"ann"},"envVars":{"A":"1","B":"two"},
+                "autoPause":true,"autoResume":{"enabled":true},"secure":true,
+                "allow_internet_access":false,
+                "network":{"allowPublicTraffic":false,"maskRequestHost":"app-${PORT}.test",
+                           "allowOut":["10.1.0.0/16","api.example.com"],"denyOut":["10.1.2.0/24"]}}"#,
+        ),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let first = host.get_local(v["sandboxID"].as_str().unwrap()).unwrap();
+    let like = create_like(&first, "t");
+    let (s, _, v) = call(&app, "POST", "/sandboxes", Some(&like.to_string())).await;
+    assert_eq!(s, 201, "{like} -> {v}");
+    let second = host.get_local(v["sandboxID"].as_str().unwrap()).unwrap();
+    assert_eq!(second.metadata, first.metadata);
+    assert_eq!(second.env_vars, first.env_vars);
+    assert_eq!(
+        (
+            second.auto_pause,
+            second.auto_resume,
+            second.pause_keeps_memory
+        ),
+        (true, true, true)
+    );
+    assert_eq!(second.mask_host, first.mask_host);
+    // Secured alike, with tokens of its own.
+    assert!(second.envd_token.is_some() && second.envd_token != first.envd_token);
+    assert!(second.traffic_token.is_some() && second.traffic_token != first.traffic_token);
+    assert!(first.egress.is_some());
+    assert_eq!(second.egress, first.egress);
 }
