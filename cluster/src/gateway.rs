@@ -7,8 +7,11 @@
 //!   `E2b-Sandbox-Id` header or `<port>-<id>.<domain>` host) goes to the node that owns it.
 //!   If that node's lease ended: a paused, durable sandbox is resumed on a node with room
 //!   (a request that wakes it), a running one is marked lost and answered so.
-//! - Lists are asked of every live node and merged.
-//! - Anything else (templates, snapshots, the dashboard) is answered here.
+//! - Lists (sandboxes, snapshots, templates) are asked of every live node and merged.
+//! - E2B's template build API goes to one node, the same from every node
+//!   ([`crate::placement::builder`]).
+//! - Anything else (the dashboard, a snapshot's delete when no node holds it) is answered
+//!   here.
 
 use std::sync::Arc;
 
@@ -52,6 +55,11 @@ enum Kind {
     Snapshots,
     /// One snapshot (a delete of it).
     Snapshot { reference: String },
+    /// The list of templates.
+    Templates,
+    /// E2B's template build API: a build request, its files, its start, its status, an
+    /// alias lookup, an upload (which carries its own token, not the API key).
+    Build,
 }
 
 fn classify(req: &Request) -> Kind {
@@ -66,6 +74,12 @@ fn classify(req: &Request) -> Kind {
     let m = req.method();
     if path == "/snapshots" && *m == Method::GET {
         return Kind::Snapshots;
+    }
+    if path == "/templates" && *m == Method::GET {
+        return Kind::Templates;
+    }
+    if is_build(m, path) {
+        return Kind::Build;
     }
     if let Some(r) = path.strip_prefix("/templates/") {
         if *m == Method::DELETE && !r.is_empty() && !r.contains('/') {
@@ -119,12 +133,18 @@ pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) 
     }
     match classify(&req) {
         Kind::Here => next.run(req).await,
+        // An upload carries its own token, which the builder checks.
+        Kind::Build if req.uri().path().starts_with("/build-files/") => {
+            build(&node, req, next).await
+        }
         // Requests without the API key are refused where they are (the owner would too).
         _ if !node_key_ok(&node, req.headers()) => next.run(req).await,
         Kind::Create => create(&node, req, next).await,
         Kind::List { v2 } => list(&node, req, Listing::Sandboxes { v2 }).await,
         Kind::Snapshots => snapshots(&node, req, next).await,
         Kind::Metrics => metrics(&node, req).await,
+        Kind::Templates => templates(&node, req).await,
+        Kind::Build => build(&node, req, next).await,
         Kind::Snapshot { reference } => {
             let name = sandbox::host::strip_tag(&reference).unwrap_or(&reference);
             match node.db().snapshot_node(name).await {
@@ -135,6 +155,60 @@ pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) 
         }
         Kind::Sandbox { id, wakes } => sandbox_request(&node, id, wakes, req, next).await,
     }
+}
+
+/// Whether `path` is of E2B's template build API (see [`Kind::Build`]).
+fn is_build(m: &Method, path: &str) -> bool {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    matches!(
+        (m.as_str(), segs.as_slice()),
+        ("POST", ["v3", "templates"])
+            | ("GET", ["templates", _, "files", _])
+            | ("POST", ["v2", "templates", _, "builds", _])
+            | ("GET", ["templates", _, "builds", _, "status"])
+            | ("GET", ["templates", "aliases", _])
+            | ("PUT", ["build-files", _, _])
+    )
+}
+
+/// Template builds go to one node, the same whichever node is asked (a build's upload
+/// and status polls find it there: [`crate::placement::builder`]). Its template is
+/// published to the store when built, so every node can create sandboxes of it.
+async fn build(node: &Node, req: Request, next: Next) -> Response {
+    let nodes = match node.db().nodes().await {
+        Ok(n) => n,
+        Err(e) => return unavailable(e),
+    };
+    match crate::placement::builder(&nodes) {
+        Some(to) => send(node, to, req, next).await,
+        None => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the cluster has no live node that takes sandboxes to build templates on".into(),
+        ),
+    }
+}
+
+/// The templates of every live node that takes sandboxes, one row per template.
+async fn templates(node: &Node, req: Request) -> Response {
+    let answers = match fan_out(node, req).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let mut by_id: std::collections::BTreeMap<String, Value> = Default::default();
+    for (_, body) in answers {
+        match serde_json::from_slice::<Vec<Value>>(&body) {
+            Ok(rows) => {
+                for r in rows {
+                    let id = r["templateID"].as_str().unwrap_or_default().to_string();
+                    by_id.entry(id).or_insert(r);
+                }
+            }
+            Err(e) => {
+                return error_response(StatusCode::BAD_GATEWAY, format!("a node's templates: {e}"))
+            }
+        }
+    }
+    axum::Json(by_id.into_values().collect::<Vec<_>>()).into_response()
 }
 
 fn node_key_ok(node: &Node, h: &HeaderMap) -> bool {
@@ -898,6 +972,28 @@ mod tests {
     #[test]
     fn requests_are_classified_by_path_and_headers() {
         assert_eq!(
+            classify(&req(Method::GET, "/templates", &[])),
+            Kind::Templates
+        );
+        for (m, p) in [
+            (Method::POST, "/v3/templates"),
+            (Method::GET, "/templates/t/files/abc"),
+            (Method::POST, "/v2/templates/t/builds/b1"),
+            (Method::GET, "/templates/t/builds/b1/status"),
+            (Method::GET, "/templates/aliases/t"),
+            (Method::PUT, "/build-files/abc/token"),
+        ] {
+            assert_eq!(classify(&req(m.clone(), p, &[])), Kind::Build, "{m} {p}");
+        }
+        assert_eq!(
+            classify(&req(Method::GET, "/build-files/abc/token", &[])),
+            Kind::Here
+        );
+        assert_eq!(
+            classify(&req(Method::GET, "/v3/templates", &[])),
+            Kind::Here
+        );
+        assert_eq!(
             classify(&req(Method::POST, "/sandboxes", &[])),
             Kind::Create
         );
@@ -928,7 +1024,6 @@ mod tests {
             }
         );
         assert_eq!(classify(&req(Method::GET, "/templates/x", &[])), Kind::Here);
-        assert_eq!(classify(&req(Method::GET, "/templates", &[])), Kind::Here);
         assert_eq!(
             classify(&req(Method::POST, "/sandboxes/abc/connect", &[])),
             Kind::Sandbox {

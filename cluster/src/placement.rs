@@ -40,6 +40,16 @@ pub fn choose(
     ok
 }
 
+/// The node template builds run on: the live node that takes sandboxes and is not
+/// draining, first by name, so that every node asked sends a build's requests (its
+/// upload, its status polls) to the same one.
+pub fn builder(nodes: &[NodeRow]) -> Option<&NodeRow> {
+    nodes
+        .iter()
+        .filter(|n| n.live && n.takes_sandboxes && !n.draining)
+        .min_by(|a, b| a.name.cmp(&b.name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,5 +95,21 @@ mod tests {
         let mut draining = nodes;
         draining[2].draining = true;
         assert_eq!(names(choose(&draining, 1, 256, "t", None)), ["b"]);
+    }
+
+    #[test]
+    fn builds_go_to_the_first_live_taker_by_name() {
+        let mut nodes = vec![
+            node("c", 4, 1024, (0, 0), &[]),
+            node("a", 4, 1024, (4, 1024), &[]),
+            node("b", 4, 1024, (0, 0), &[]),
+        ];
+        // Full or not: a build is not a sandbox.
+        assert_eq!(builder(&nodes).map(|n| n.name.as_str()), Some("a"));
+        nodes[1].draining = true;
+        nodes[2].live = false;
+        assert_eq!(builder(&nodes).map(|n| n.name.as_str()), Some("c"));
+        nodes[0].takes_sandboxes = false;
+        assert!(builder(&nodes).is_none());
     }
 }

@@ -5,12 +5,17 @@ PostgreSQL and one S3 server. Every request enters through a node that does not 
 sandbox. Run with tests/e2b/run_cluster.sh (root: namespaces, and PostgreSQL as user
 postgres)."""
 
+import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
+import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -98,6 +103,41 @@ def test_creates_are_placed_and_every_request_goes_through_a_node_that_owns_noth
         assert api(gw, "DELETE", f"/sandboxes/{s}")[0] == 204
         assert info(gw, s)[0] == 404
         assert cl.owner(s) is None
+
+
+def test_templates_are_listed_from_every_node_and_builds_go_to_one(cl):
+    gw, c = cl.nodes["gw"].url, cl.nodes["c"].url
+    # a and b both have template t: one row, whichever node is asked.
+    for url in (gw, c):
+        status, body, _ = api(url, "GET", "/templates")
+        assert status == 200, body
+        assert [t["templateID"] for t in body] == ["t"], body
+    # The build API goes to the builder (a: the first live node that takes sandboxes),
+    # which has t: its alias is found through nodes that do not have it.
+    for url in (gw, c):
+        status, body, _ = api(url, "GET", "/templates/aliases/t")
+        assert status == 200 and body["templateID"] == "t", body
+    assert api(gw, "GET", "/templates/aliases/none-such")[0] == 404
+    # A build's files: the link asked of c, the upload and the check made through gw. The
+    # link's token is the builder's own, so the upload lands only if both went there.
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        info_ = tarfile.TarInfo("hello.txt")
+        payload = b"hello from a build context\n"
+        info_.size = len(payload)
+        tar.addfile(info_, io.BytesIO(payload))
+    digest = hashlib.sha256(data.getvalue()).hexdigest()
+    status, body, _ = api(c, "GET", f"/templates/t/files/{digest}")
+    assert status == 201 and body["present"] is False, body
+    link = urllib.parse.urlsplit(body["url"]).path
+    req = urllib.request.Request(gw + link, data=data.getvalue(), method="PUT")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 201
+    status, body, _ = api(gw, "GET", f"/templates/t/files/{digest}")
+    assert status == 201 and body["present"] is True, body
+    # Without the builder's token: refused there.
+    status, body, _ = api(gw, "PUT", f"/build-files/{digest}/not-the-token", headers={"X-API-KEY": ""})
+    assert status == 400 and "not valid" in body["message"], (status, body)
 
 
 def test_a_full_cluster_answers_503_and_creates_nothing(cl):
