@@ -292,21 +292,14 @@ impl Db {
     /// Every node, with what its running sandboxes commit.
     pub async fn nodes(&self) -> Result<Vec<NodeRow>> {
         let rows = self
-            .run(|c| async move {
-                c.query(
-                    "SELECT n.name, n.address, n.vcpus, n.mem_mib, n.takes_sandboxes, n.draining,
-                       n.drained, n.templates, n.lease_until > now() AS live,
-                       EXTRACT(EPOCH FROM (n.lease_until - now()))::float8 AS left_s,
-                       COALESCE(SUM(s.vcpus) FILTER (WHERE s.state = 'running'), 0)::bigint,
-                       COALESCE(SUM(s.mem_mib) FILTER (WHERE s.state = 'running'), 0)::bigint,
-                       COUNT(s.id)
-                     FROM clade_nodes n LEFT JOIN clade_sandboxes s ON s.node = n.name
-                     GROUP BY n.name ORDER BY n.name",
-                    &[],
-                )
-                .await
-            })
+            .run(|c| async move { c.query(NODES_SQL, &[]).await })
             .await?;
+        Ok(rows.iter().map(node_row).collect())
+    }
+
+    /// [`Db::nodes`] from blocking code.
+    pub fn nodes_blocking(&self) -> Result<Vec<NodeRow>> {
+        let rows = self.blocking(|c| async move { c.query(NODES_SQL, &[]).await })?;
         Ok(rows.iter().map(node_row).collect())
     }
 
@@ -575,6 +568,17 @@ impl Db {
         Ok(self.nodes().await?.into_iter().find(|n| n.name == name))
     }
 }
+
+/// Every node with what its running sandboxes commit (see [`NodeRow`]).
+const NODES_SQL: &str =
+    "SELECT n.name, n.address, n.vcpus, n.mem_mib, n.takes_sandboxes, n.draining,
+       n.drained, n.templates, n.lease_until > now() AS live,
+       EXTRACT(EPOCH FROM (n.lease_until - now()))::float8 AS left_s,
+       COALESCE(SUM(s.vcpus) FILTER (WHERE s.state = 'running'), 0)::bigint,
+       COALESCE(SUM(s.mem_mib) FILTER (WHERE s.state = 'running'), 0)::bigint,
+       COUNT(s.id)
+     FROM clade_nodes n LEFT JOIN clade_sandboxes s ON s.node = n.name
+     GROUP BY n.name ORDER BY n.name";
 
 const OWNER_SQL: &str =
     "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address, s.checkpointed,

@@ -131,6 +131,13 @@ pub async fn route(State(node): State<Arc<Node>>, mut req: Request, next: Next) 
         }
         return next.run(req).await;
     }
+    // The dashboard's page has a session, not the key: checked here, it goes on with the
+    // key (nodes it is forwarded to know no session of this one).
+    if !req.headers().contains_key("x-api-key") && node.dashboard_session(req.headers()) {
+        if let Ok(k) = HeaderValue::from_str(&node.config().api_key) {
+            req.headers_mut().insert("x-api-key", k);
+        }
+    }
     match classify(&req) {
         Kind::Here => next.run(req).await,
         // An upload carries its own token, which the builder checks.

@@ -95,6 +95,8 @@ pub struct Node {
     pub(crate) routes: RouteCache,
     /// What this node has committed (see [`Room`]).
     room: Arc<Mutex<Room>>,
+    /// The dashboard's key and sessions: a request of the dashboard is one with the key.
+    dashboard: OnceLock<sandbox::dashboard::DashboardState>,
 }
 
 /// What a node has committed: its running sandboxes' shapes and the room held for VMs
@@ -233,6 +235,7 @@ impl Node {
             hop: crate::hop::Hop::new(),
             routes: RouteCache::default(),
             room: Arc::default(),
+            dashboard: OnceLock::new(),
         }))
     }
 
@@ -253,6 +256,19 @@ impl Node {
             .zip(self.secret_digest.iter())
             .fold(0u8, |acc, (a, b)| acc | (a ^ b))
             == 0
+    }
+
+    /// The dashboard's sessions (set once, when the service is built).
+    pub fn set_dashboard(&self, d: sandbox::dashboard::DashboardState) {
+        let _ = self.dashboard.set(d);
+    }
+
+    /// Whether `headers` are those of the dashboard's page with a live session (see
+    /// `sandbox::dashboard`): such a request is one with the API key, wherever it goes.
+    pub(crate) fn dashboard_session(&self, headers: &axum::http::HeaderMap) -> bool {
+        self.dashboard
+            .get()
+            .is_some_and(|d| sandbox::dashboard::dashboard_request(d, headers))
     }
 
     /// The host, while it exists.
@@ -634,6 +650,29 @@ impl Ownership for Node {
         )
         .map_err(|why| sandbox::Error::NoRoom(format!("node {name} {why}")))?;
         Ok(Some(Box::new(held)))
+    }
+
+    fn nodes(&self) -> sandbox::Result<Option<Vec<sandbox::ownership::NodeSummary>>> {
+        let rows = self.db.nodes_blocking().map_err(cluster_err)?;
+        let n = |v: i64| u64::try_from(v).unwrap_or(0);
+        Ok(Some(
+            rows.into_iter()
+                .map(|r| sandbox::ownership::NodeSummary {
+                    name: r.name,
+                    address: r.address,
+                    live: r.live,
+                    draining: r.draining,
+                    drained: r.drained,
+                    takes_sandboxes: r.takes_sandboxes,
+                    vcpus: n(i64::from(r.vcpus)),
+                    used_vcpus: n(r.used_vcpus),
+                    mem_mib: n(r.mem_mib),
+                    used_mem_mib: n(r.used_mem_mib),
+                    sandboxes: n(r.sandboxes),
+                    templates: r.templates,
+                })
+                .collect(),
+        ))
     }
 
     fn removed(&self, id: &str) -> sandbox::Result<()> {

@@ -1027,6 +1027,14 @@ impl Host {
         }
     }
 
+    /// The hosts of the cluster this host is in (`None`: it is in none).
+    pub fn cluster_nodes(&self) -> Result<Option<Vec<crate::ownership::NodeSummary>>> {
+        match &self.ownership {
+            Some(o) => o.nodes(),
+            None => Ok(None),
+        }
+    }
+
     /// The sandboxes in this host's registry (not those only in the store), oldest first.
     pub fn local_sandboxes(&self) -> Result<Vec<Record>> {
         self.reap()?;

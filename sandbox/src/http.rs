@@ -460,6 +460,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/logs", get(logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .route("/templates", get(list_templates))
+        .route("/nodes", get(list_nodes))
         .route("/v3/templates", post(builds::request))
         .route("/templates/{id}/files/{hash}", get(builds::files))
         .route("/v2/templates/{id}/builds/{build}", post(builds::start))
@@ -981,6 +982,18 @@ async fn list_templates(AxState(st): AxState<AppState>) -> ApiResult<Response> {
         })
         .collect();
     Ok(Json(out).into_response())
+}
+
+/// `GET /nodes` (Clade's, not E2B's): the hosts of the cluster this service is a node of;
+/// 404 when it is in none.
+async fn list_nodes(AxState(st): AxState<AppState>) -> ApiResult<Response> {
+    match blocking(&st, |h| h.cluster_nodes()).await? {
+        Some(nodes) => Ok(Json(nodes).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "this service is not a node of a cluster (clade serve --cluster)",
+        )),
+    }
 }
 
 /// `DELETE /templates/{id}`: what the SDK's `delete_snapshot` calls. Only snapshots are

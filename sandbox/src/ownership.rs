@@ -12,6 +12,37 @@
 use crate::error::Result;
 use crate::registry::{Record, SnapshotRecord};
 
+/// One host of the cluster as an operator sees it (the dashboard's nodes view,
+/// `GET /nodes`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSummary {
+    /// Its name.
+    pub name: String,
+    /// Where other nodes reach it.
+    pub address: String,
+    /// Its lease is alive.
+    pub live: bool,
+    /// Told to drain (no placements).
+    pub draining: bool,
+    /// Its drain is over.
+    pub drained: bool,
+    /// Runs sandboxes (false: a pure gateway).
+    pub takes_sandboxes: bool,
+    /// vCPUs it may commit, and those its running sandboxes have.
+    pub vcpus: u64,
+    /// See `vcpus`.
+    pub used_vcpus: u64,
+    /// Memory (MiB) it may commit, and that of its running sandboxes.
+    pub mem_mib: u64,
+    /// See `mem_mib`.
+    pub used_mem_mib: u64,
+    /// Its sandboxes, running and paused.
+    pub sandboxes: u64,
+    /// Templates in its local cache.
+    pub templates: Vec<String>,
+}
+
 /// Room held for VMs about to start (see [`Ownership::admit`]): given back when dropped,
 /// which the host does once the sandboxes it was for are recorded.
 pub type Reservation = Box<dyn Send>;
@@ -31,6 +62,10 @@ pub trait Ownership: Send + Sync {
     /// dropped, or [`crate::Error::NoRoom`] when they would pass what this host may
     /// commit. Two starts at once cannot both take the last room.
     fn admit(&self, _vcpus: u32, _mem_mib: u64, _count: u32) -> Result<Option<Reservation>> {
+        Ok(None)
+    }
+    /// The cluster's hosts (`None`: not known here).
+    fn nodes(&self) -> Result<Option<Vec<NodeSummary>>> {
         Ok(None)
     }
     /// After this host killed sandbox `id`.

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tarfile
@@ -370,6 +371,63 @@ def test_a_drained_node_moves_its_running_sandboxes_and_takes_no_more(cl):
     # No placement on a draining node.
     new = [create(gw) for _ in range(3)]
     assert all(cl.owner(s)[0] != "b" for s in new)
+    kill_all(cl)
+
+
+def test_the_dashboard_of_the_gateway_shows_the_nodes_and_every_nodes_sandboxes(cl):
+    """In a real browser (Debian's chromium, as tests/e2b/test_dashboard.py): the dashboard
+    of the gateway node, which runs no sandboxes, lists sandboxes of nodes a and c, pauses
+    one of them through its button, and shows the nodes (b drained by the test before)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    gw, c = cl.nodes["gw"].url, cl.nodes["c"].url
+    # Node a has room for three (b is drained): the fourth goes to c.
+    made = {cl.owner(s)[0]: s for s in (create(gw) for _ in range(4))}
+    assert set(made) == {"a", "c"}, made
+    on_a, on_c = made["a"], made["c"]
+    shots = pathlib.Path(os.environ.get("CLADE_ARTIFACTS", "target/dashboard-screenshots")) / "cluster"
+    shots.mkdir(parents=True, exist_ok=True)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path="/usr/bin/chromedriver"), options=opts)
+    wait = lambda cond, what: WebDriverWait(driver, 30, poll_frequency=0.25).until(  # noqa: E731
+        lambda d: cond(d), message=what)
+    rows = "return [...document.querySelectorAll(arguments[0])].map(r => r.dataset[arguments[1]]);"
+    try:
+        driver.get(gw + "/dashboard/login")
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        driver.find_element(By.ID, "login").click()
+        wait(lambda d: d.current_url.endswith("/dashboard"), "the dashboard after login")
+        wait(lambda d: {on_a, on_c} <= set(d.execute_script(rows, "#sandbox-rows tr", "id")),
+             "the sandboxes of nodes a and c listed on the gateway's dashboard")
+        driver.save_screenshot(str(shots / "01-sandboxes.png"))
+        # Pause the one on node c through the page (confirmed in the dialog).
+        driver.find_element(By.CSS_SELECTOR, f'#sandbox-rows tr[data-id="{on_c}"] button[data-action="pause"]').click()
+        wait(lambda d: d.switch_to.alert, "a confirm dialog").accept()
+        wait(lambda d: info(gw, on_c)[1]["state"] == "paused", "the sandbox on c paused")
+        assert cl.owner(on_c)[2] == "paused"
+        # The nodes tab: shown because the service is a node of a cluster.
+        wait(lambda d: d.find_element(By.ID, "tab-nodes").is_displayed(), "the nodes tab")
+        driver.find_element(By.ID, "tab-nodes").click()
+        wait(lambda d: set(d.execute_script(rows, "#node-rows tr", "node")) == {"a", "b", "c", "gw"},
+             "the four nodes listed")
+        state = lambda n: driver.execute_script(  # noqa: E731
+            "return document.querySelector(`#node-rows tr[data-node=\"${arguments[0]}\"] .node-state`).textContent;", n)
+        assert state("gw") == "live (gateway)" and state("a") == "live", (state("gw"), state("a"))
+        assert state("b") in ("drained", "draining"), state("b")
+        driver.save_screenshot(str(shots / "02-nodes.png"))
+    finally:
+        driver.quit()
+    # A service that is no node has no nodes view: GET /nodes is a 404 there (the
+    # dashboard then hides the tab); here every node answers it.
+    status, body, _ = api(c, "GET", "/nodes")
+    assert status == 200 and len(body) == 4, body
     kill_all(cl)
 
 

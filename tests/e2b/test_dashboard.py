@@ -207,6 +207,8 @@ def test_right_key_shows_the_sandboxes(sandboxes, browser):
     assert cookie is not None and cookie["httpOnly"], cookie
     for sid in sandboxes:
         wait(driver, lambda d, sid=sid: row_state(d, sid) == "running", f"{sid} listed as running")
+    # One host, not a node of a cluster: no nodes tab (tests/e2b/test_cluster.py has one).
+    assert not driver.find_element(By.ID, "tab-nodes").is_displayed()
     template = driver.execute_script(
         "return document.querySelector(`#sandbox-rows tr[data-id=\"${arguments[0]}\"] .template`).textContent;",
         sandboxes[0],

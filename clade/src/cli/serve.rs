@@ -439,6 +439,10 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 }
             }
         };
+        if let Some(n) = &node {
+            // The dashboard's sessions open the cluster's merged views too.
+            n.set_dashboard(axum::extract::FromRef::from_ref(&state));
+        }
         let wrap = |app: axum::Router| match &node {
             Some(n) => app.layer(axum::middleware::from_fn_with_state(
                 Arc::clone(n),

@@ -1005,3 +1005,14 @@ async fn a_create_like_a_sandbox_makes_one_alike() {
     assert!(first.egress.is_some());
     assert_eq!(second.egress, first.egress);
 }
+
+#[tokio::test]
+async fn a_host_alone_has_no_nodes() {
+    let (app, _d) = app("no-nodes");
+    let (s, _, v) = call(&app, "GET", "/nodes", None).await;
+    assert_eq!(s, 404, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("--cluster"), "{v}");
+    // Behind the key, as the rest of the API.
+    let (s, _, _) = call_key(&app, "GET", "/nodes", None, None).await;
+    assert_eq!(s, 401);
+}

@@ -369,6 +369,33 @@ async function loadSnapshots() {
   $('snap-page-label').textContent = `page ${snaps.page + 1}`;
 }
 
+// ---- nodes (when the service is a node of a cluster) ----
+
+function nodeState(n) {
+  if (!n.live) return 'lease ended';
+  if (n.drained) return 'drained';
+  if (n.draining) return 'draining';
+  return n.takesSandboxes ? 'live' : 'live (gateway)';
+}
+
+async function loadNodes() {
+  const ns = await apiJson('GET', '/nodes');
+  $('node-rows').replaceChildren(...ns.map((n) => el('tr', { 'data-node': n.name },
+    el('td', { class: 'id' }, n.name),
+    el('td', {}, n.address),
+    el('td', { class: 'node-state' }, nodeState(n)),
+    el('td', {}, n.takesSandboxes ? `${n.usedVcpus} / ${n.vcpus}` : '-'),
+    el('td', {}, n.takesSandboxes ? `${n.usedMemMib} / ${n.memMib} MiB` : '-'),
+    el('td', {}, n.sandboxes),
+    el('td', {}, (n.templates || []).join(', ')))));
+}
+
+// The nodes tab is shown only when the service is a node of a cluster.
+async function showNodesTab() {
+  const r = await fetch('/nodes', { headers: { 'X-Clade-Dashboard': '1' }, credentials: 'same-origin' });
+  $('tab-nodes').hidden = !r.ok;
+}
+
 // ---- wiring ----
 
 let tab = 'sandboxes';
@@ -381,6 +408,7 @@ async function refresh() {
     if (tab === 'sandboxes') await loadList();
     if (tab === 'templates') await loadTemplates();
     if (tab === 'snapshots') await loadSnapshots();
+    if (tab === 'nodes') await loadNodes();
     if (!$('status').classList.contains('error') && !$('status').textContent) status('');
   } catch (e) {
     status(e.message, true);
@@ -439,6 +467,7 @@ document.addEventListener('DOMContentLoaded', () => {
   $('log-refresh').addEventListener('click', loadLogs);
   $('log-level').addEventListener('change', loadLogs);
   $('log-search').addEventListener('change', loadLogs);
+  showNodesTab().catch(() => {});
   refresh();
   setInterval(refresh, POLL_MS);
 });
