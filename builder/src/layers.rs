@@ -99,11 +99,13 @@ impl LayerCache {
     }
 
     /// The frozen base layer of an image: converted once per image (its layers' digests,
-    /// its defaults and the disk size), then taken from the cache.
+    /// its defaults and the disk size), then taken from the cache. A conversion reports
+    /// how far it is to `progress`.
     pub fn image_base(
         &self,
         src: &clade_image::Source,
         size: Option<u64>,
+        progress: Option<&clade_image::ConvertProgress>,
     ) -> Result<(PathBuf, String, Option<clade_image::RootfsDisk>)> {
         let mut h = Sha256::new();
         h.update(KEY_VERSION);
@@ -123,7 +125,7 @@ impl LayerCache {
         let base = images.join(format!("{}.cdsk", &key[..32]));
         let scratch = images.join(format!(".scratch-{}", random_hex()));
         let _ = std::fs::remove_file(&base);
-        let disk = clade_image::build_disk(src, &scratch, &base, size)?;
+        let disk = clade_image::build_disk(src, &scratch, &base, size, progress)?;
         self.record(&key, &base)?;
         Ok((base, key, Some(disk)))
     }

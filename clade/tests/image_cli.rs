@@ -99,8 +99,10 @@ fn a_template_from_an_image_has_its_files_on_its_disk() {
     assert_eq!(t["image"]["start_cmd"][0], "/bin/app");
 
     // Its disk, flattened to a raw ext4 image, holds the image's files as the layers left
-    // them.
-    let base = find(&state, "base.cdsk").expect("the template's base layer");
+    // them. Its base is the build cache's conversion of the image.
+    let base = cached_bases(&state);
+    assert_eq!(base.len(), 1, "{base:?}");
+    let base = base[0].clone();
     let raw = d.p("disk.raw");
     let o = clade()
         .args(["disk", "flatten", "--raw"])
@@ -128,8 +130,77 @@ fn a_template_from_an_image_has_its_files_on_its_disk() {
     for dir in ["dev", "proc", "sys", "tmp", "run"] {
         assert!(root.contains(dir), "/{dir} missing: {root}");
     }
-    // No scratch left in the template.
+    // No scratch left in the template or the cache.
     assert!(find(&state, "image-build").is_none());
+    assert!(std::fs::read_dir(base.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .all(|e| !e.file_name().to_string_lossy().starts_with(".scratch")));
+
+    // A second template of the same image: not converted again, the same base shared.
+    let o = build(&state, "img2", &d.p("img"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("converted before (cached)"), "{err}");
+    assert_eq!(cached_bases(&state), vec![base]);
+    // Without a terminal, no progress bar is drawn.
+    assert!(!err.contains('%'), "{err}");
+}
+
+/// The image conversions in the build cache.
+fn cached_bases(state: &Path) -> Vec<PathBuf> {
+    let dir = state.join("templates/.build-cache/images");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cdsk"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_conversion_shows_its_progress_on_a_terminal() {
+    let d = Dir::new("image-progress");
+    let state = d.p("state");
+    // Incompressible data, so the bar has bytes to count.
+    let mut big = vec![0u8; 8 << 20];
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    for b in big.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    oci_layout(
+        &d.p("img"),
+        &[layer(&[
+            E::Dir("data/", 0o755),
+            E::File("data/blob", &big, 0o644, 0),
+        ])],
+        true,
+    );
+    // Under a pseudo-terminal (util-linux `script`).
+    let cmd = format!(
+        "{} template build img --test-device --mem 64 --kernel {} --cmdline steps=vsock --image {} --state-dir {}",
+        env!("CARGO_BIN_EXE_clade"),
+        native_guest().display(),
+        d.p("img").display(),
+        state.display()
+    );
+    let out = Command::new("script")
+        .args(["-qefc", &cmd, "/dev/null"])
+        .output()
+        .expect("run script(1)");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{shown}");
+    assert!(shown.contains("unpack"), "no unpack bar: {shown:?}");
+    assert!(shown.contains("100%"), "no finished bar: {shown:?}");
+    assert!(
+        shown.contains("MiB/8."),
+        "the bar counts the layer's bytes: {shown:?}"
+    );
 }
 
 #[test]
@@ -218,9 +289,8 @@ fn a_template_from_a_registry_reference() {
     );
 
     let raw = d.p("app2.raw");
-    let base2 = find(&state.join("templates").join("app2"), "base.cdsk")
-        .or_else(|| find(&state, "app2").and_then(|t| find(&t, "base.cdsk")))
-        .expect("app2's base layer");
+    // The template's disk (its overlay on the cached conversion of the image).
+    let base2 = find(&state.join("templates").join("app2"), "disk.cdsk").expect("app2's disk");
     let o = clade()
         .args(["disk", "flatten", "--raw"])
         .arg(&base2)

@@ -25,7 +25,7 @@ mod unpack;
 pub use config::ImageDefaults;
 pub use error::{Error, Result};
 pub use pull::{is_reference, pull, PullProgress, PullReport};
-pub use rootfs::{build_disk, RootfsDisk};
+pub use rootfs::{build_disk, ConvertProgress, ConvertStep, RootfsDisk};
 pub use source::{Layer, Source};
 pub use unpack::{unpack, UnpackLimits, UnpackReport};
 

@@ -6,10 +6,63 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::source::Source;
-use crate::unpack::{unpack, UnpackLimits, UnpackReport};
+use crate::unpack::{unpack_counted, UnpackLimits, UnpackReport};
+
+/// How far [`build_disk`] is, for a progress bar: its step, and the bytes of the image's
+/// stored layers read so far of all of them (the unpack's measure; the steps after it
+/// have none).
+#[derive(Debug, Default)]
+pub struct ConvertProgress {
+    step: AtomicU8,
+    read: Arc<AtomicU64>,
+    total: AtomicU64,
+}
+
+/// A step of [`build_disk`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvertStep {
+    /// Applying the layers to a tree.
+    Unpack,
+    /// Making the tree an ext4 filesystem.
+    Mkfs,
+    /// Importing it as a disk layer.
+    Import,
+}
+
+impl ConvertStep {
+    /// Its name, as a progress bar shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvertStep::Unpack => "unpack",
+            ConvertStep::Mkfs => "mkfs.ext4",
+            ConvertStep::Import => "import",
+        }
+    }
+}
+
+impl ConvertProgress {
+    /// (step, stored bytes read, of all layers' stored bytes); `None` until a conversion
+    /// started.
+    pub fn get(&self) -> Option<(ConvertStep, u64, u64)> {
+        let step = match self.step.load(Ordering::Relaxed) {
+            0 => return None,
+            1 => ConvertStep::Unpack,
+            2 => ConvertStep::Mkfs,
+            _ => ConvertStep::Import,
+        };
+        let total = self.total.load(Ordering::Relaxed);
+        Some((step, self.read.load(Ordering::Relaxed).min(total), total))
+    }
+
+    fn set(&self, step: ConvertStep) {
+        self.step.store(step as u8 + 1, Ordering::Relaxed);
+    }
+}
 
 /// Directories the guest agent moves its mounts into when it makes the disk its root
 /// (`/dev`, `/proc`, `/sys`, `/tmp`, `/run`), made when an image lacks them.
@@ -46,9 +99,10 @@ pub fn build_disk(
     scratch: &Path,
     base: &Path,
     size: Option<u64>,
+    progress: Option<&ConvertProgress>,
 ) -> Result<RootfsDisk> {
     std::fs::create_dir_all(scratch).map_err(|e| Error::io("creating", scratch, e))?;
-    let r = build_in(src, scratch, base, size);
+    let r = build_in(src, scratch, base, size, progress);
     if let Err(e) = std::fs::remove_dir_all(scratch) {
         tracing::warn!(path = %scratch.display(), error = %e, "removing the image build's scratch");
     }
@@ -66,13 +120,35 @@ fn mkfs_ext4() -> &'static str {
         .unwrap_or("mkfs.ext4")
 }
 
-fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Result<RootfsDisk> {
+fn build_in(
+    src: &Source,
+    scratch: &Path,
+    base: &Path,
+    size: Option<u64>,
+    progress: Option<&ConvertProgress>,
+) -> Result<RootfsDisk> {
     let tree = scratch.join("tree");
     // ext4 needs room for its own metadata (inode tables, journal): an image is allowed
     // 7/8 of the disk asked for.
     let limit = size.map_or(u64::MAX, |s| s / 8 * 7);
     let t = std::time::Instant::now();
-    let unpacked = unpack(src, &tree, UnpackLimits { max_bytes: limit })?;
+    if let Some(p) = progress {
+        p.set(ConvertStep::Unpack);
+        p.total
+            .store(src.layers().iter().map(|l| l.size).sum(), Ordering::Relaxed);
+    }
+    let unpacked = unpack_counted(
+        src,
+        &tree,
+        UnpackLimits { max_bytes: limit },
+        progress.map(|p| p.read.clone()),
+    )?;
+    if let Some(p) = progress {
+        // What was read is all there is (a layer of unknown stored size counts so).
+        let read = p.read.load(Ordering::Relaxed);
+        p.total.fetch_max(read, Ordering::Relaxed);
+        p.set(ConvertStep::Mkfs);
+    }
     let t_unpack = t.elapsed();
     for (dir, mode) in MOUNT_POINTS {
         let p = tree.join(dir);
@@ -116,6 +192,9 @@ fn build_in(src: &Source, scratch: &Path, base: &Path, size: Option<u64>) -> Res
         });
     }
     let t_mkfs = t.elapsed();
+    if let Some(p) = progress {
+        p.set(ConvertStep::Import);
+    }
     let t = std::time::Instant::now();
     disk::ops::import_raw(&raw, base, None)
         .map_err(|e| Error::NotAnImage(format!("importing the root filesystem: {e}")))?;

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
 use serde::Deserialize;
@@ -264,8 +266,13 @@ impl Source {
     }
 
     /// Layer `i`'s uncompressed tar stream; its digest (and its uncompressed digest against
-    /// the config's diff_id) are checked by [`CheckedReader::finish`].
-    pub(crate) fn layer_tar(&self, i: usize) -> Result<(LayerStream, String)> {
+    /// the config's diff_id) are checked by [`CheckedReader::finish`]. The stored bytes it
+    /// reads are added to `read` as it goes.
+    pub(crate) fn layer_tar(
+        &self,
+        i: usize,
+        read: Option<Arc<AtomicU64>>,
+    ) -> Result<(LayerStream, String)> {
         let layer = &self.layers[i];
         let stored: CheckedReader = match layer.digest.strip_prefix("path:") {
             Some(p) => {
@@ -275,7 +282,10 @@ impl Source {
             None => self.blob(&layer.digest)?,
         };
         let diff_id = self.diff_ids[i].clone();
-        Ok((LayerStream::new(stored, diff_id)?, layer.digest.clone()))
+        Ok((
+            LayerStream::new(stored, diff_id, read)?,
+            layer.digest.clone(),
+        ))
     }
 }
 
@@ -414,20 +424,32 @@ pub(crate) struct LayerStream {
     stored: Option<std::rc::Rc<std::cell::RefCell<Option<CheckedReader>>>>,
 }
 
-/// The stored blob shared between the decoder (reading it) and the final check.
-struct Shared(std::rc::Rc<std::cell::RefCell<Option<CheckedReader>>>);
+/// The stored blob shared between the decoder (reading it) and the final check; what
+/// is read of it is added to the counter, when there is one.
+struct Shared(
+    std::rc::Rc<std::cell::RefCell<Option<CheckedReader>>>,
+    Option<Arc<AtomicU64>>,
+);
 
 impl Read for Shared {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self.0.borrow_mut().as_mut() {
-            Some(r) => r.read(buf),
-            None => Ok(0),
+        let n = match self.0.borrow_mut().as_mut() {
+            Some(r) => r.read(buf)?,
+            None => 0,
+        };
+        if let Some(c) = &self.1 {
+            c.fetch_add(n as u64, Ordering::Relaxed);
         }
+        Ok(n)
     }
 }
 
 impl LayerStream {
-    fn new(mut stored: CheckedReader, diff_id: String) -> Result<LayerStream> {
+    fn new(
+        mut stored: CheckedReader,
+        diff_id: String,
+        read: Option<Arc<AtomicU64>>,
+    ) -> Result<LayerStream> {
         let mut magic = [0u8; 4];
         let mut got = 0;
         while got < magic.len() {
@@ -438,8 +460,11 @@ impl LayerStream {
             }
         }
         let head = magic[..got].to_vec();
+        if let Some(c) = &read {
+            c.fetch_add(got as u64, Ordering::Relaxed);
+        }
         let cell = std::rc::Rc::new(std::cell::RefCell::new(Some(stored)));
-        let raw = std::io::Cursor::new(head.clone()).chain(Shared(cell.clone()));
+        let raw = std::io::Cursor::new(head.clone()).chain(Shared(cell.clone(), read));
         let inner: Box<dyn Read> =
             match head.as_slice() {
                 [0x1f, 0x8b, ..] => Box::new(flate2::read::GzDecoder::new(raw)),

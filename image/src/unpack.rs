@@ -17,6 +17,8 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::source::Source;
@@ -61,8 +63,18 @@ pub struct UnpackReport {
 /// Unpacks every layer of `src` into `dest`, which must not exist yet (it is created,
 /// and removed again if anything fails: a failed unpack leaves nothing behind).
 pub fn unpack(src: &Source, dest: &Path, limits: UnpackLimits) -> Result<UnpackReport> {
+    unpack_counted(src, dest, limits, None)
+}
+
+/// [`unpack`], adding the bytes of the stored layers it reads to `read` as it goes.
+pub(crate) fn unpack_counted(
+    src: &Source,
+    dest: &Path,
+    limits: UnpackLimits,
+    read: Option<Arc<AtomicU64>>,
+) -> Result<UnpackReport> {
     fs::create_dir(dest).map_err(|e| Error::io("creating", dest, e))?;
-    let r = unpack_into(src, dest, limits);
+    let r = unpack_into(src, dest, limits, read);
     if r.is_err() {
         if let Err(e) = fs::remove_dir_all(dest) {
             tracing::warn!(path = %dest.display(), error = %e, "removing a failed unpack");
@@ -71,10 +83,15 @@ pub fn unpack(src: &Source, dest: &Path, limits: UnpackLimits) -> Result<UnpackR
     r
 }
 
-fn unpack_into(src: &Source, dest: &Path, limits: UnpackLimits) -> Result<UnpackReport> {
+fn unpack_into(
+    src: &Source,
+    dest: &Path,
+    limits: UnpackLimits,
+    read: Option<Arc<AtomicU64>>,
+) -> Result<UnpackReport> {
     let mut report = UnpackReport::default();
     for i in 0..src.layers().len() {
-        let (stream, digest) = src.layer_tar(i)?;
+        let (stream, digest) = src.layer_tar(i, read.clone())?;
         let mut layer = LayerApply {
             root: dest,
             digest: &digest,

@@ -506,7 +506,8 @@ impl Builds {
                     .map_err(|e| Error::BadRequest(format!("fromImage {img}: {e}")))?;
                 let src = clade_image::Source::open(&pulled.layout)
                     .map_err(|e| Error::BadRequest(format!("fromImage {img}: {e}")))?;
-                let (base, key, converted) = cache.image_base(&src, cfg.disk_size).map_err(verr)?;
+                let (base, key, converted) =
+                    cache.image_base(&src, cfg.disk_size, None).map_err(verr)?;
                 log(
                     "info",
                     &format!(

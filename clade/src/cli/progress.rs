@@ -38,18 +38,38 @@ impl Bar {
     /// Updates the bar from `get` (done, total) ten times a second until
     /// [`Following::finish`].
     pub fn follow(&self, get: impl Fn() -> (u64, u64) + Send + 'static) -> Following {
+        self.follow_steps(move || {
+            let (done, total) = get();
+            Some((None, done, total))
+        })
+    }
+
+    /// As [`Bar::follow`], `get` naming the step the work is at too (the bar's prefix),
+    /// or `None` while the work has not started (nothing is drawn then; a bar never
+    /// started is not drawn at all).
+    pub fn follow_steps(
+        &self,
+        get: impl Fn() -> Option<(Option<&'static str>, u64, u64)> + Send + 'static,
+    ) -> Following {
         let stop = Arc::new(AtomicBool::new(false));
         let bar = self.0.clone();
         let thread = {
             let (stop, bar) = (stop.clone(), bar.clone());
+            let show = move |bar: &ProgressBar| {
+                let (step, done, total) = get()?;
+                if let Some(s) = step {
+                    bar.set_prefix(s);
+                }
+                bar.set_length(total);
+                bar.set_position(done);
+                Some((done, total))
+            };
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    let (done, total) = get();
-                    bar.set_length(total);
-                    bar.set_position(done);
+                    show(&bar);
                     std::thread::sleep(Duration::from_millis(100));
                 }
-                get()
+                show(&bar)
             })
         };
         Following {
@@ -60,10 +80,29 @@ impl Bar {
     }
 }
 
+/// Runs `convert` (an image's conversion to a disk) with a bar of its steps: the bytes of
+/// the image's layers unpacked, then `mkfs.ext4`, then the import.
+pub fn converting<T, E>(
+    convert: impl FnOnce(Option<&clade_image::ConvertProgress>) -> Result<T, E>,
+) -> Result<T, E> {
+    let progress = Arc::new(clade_image::ConvertProgress::default());
+    let bar = Bar::bytes("unpack", 0);
+    let shown = {
+        let p = progress.clone();
+        bar.follow_steps(move || {
+            let (step, done, total) = p.get()?;
+            Some((Some(step.name()), done, total))
+        })
+    };
+    let r = convert(Some(&progress));
+    shown.finish(r.is_ok());
+    r
+}
+
 /// A bar updated by a thread.
 pub struct Following {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<(u64, u64)>>,
+    thread: Option<JoinHandle<Option<(u64, u64)>>>,
     bar: ProgressBar,
 }
 
@@ -72,9 +111,17 @@ impl Following {
     /// work counted everything), or is left where the work stopped.
     pub fn finish(mut self, ok: bool) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some((done, total)) = self.thread.take().and_then(|t| t.join().ok()) {
-            self.bar.set_length(total);
-            self.bar.set_position(done);
+        match self.thread.take().and_then(|t| t.join().ok()) {
+            Some(Some((done, total))) => {
+                self.bar.set_length(total);
+                self.bar.set_position(done);
+            }
+            Some(None) => {
+                // The work never started (a conversion found in the cache).
+                self.bar.finish_and_clear();
+                return;
+            }
+            None => {}
         }
         if ok {
             self.bar.finish();

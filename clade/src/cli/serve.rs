@@ -752,18 +752,22 @@ fn image_layout(name: &str, state_dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(r.layout)
 }
 
-/// From `--image`: the image's root filesystem as the template's own base layer.
-fn image_base(a: &BuildArgs, img: &Path, dir: &Path) -> anyhow::Result<(PathBuf, FromImage)> {
+/// From `--image`: the image's root filesystem as the template's base layer, converted
+/// once (the build cache's, shared by every template of the same image and disk size).
+fn image_base(a: &BuildArgs, img: &Path) -> anyhow::Result<(PathBuf, FromImage)> {
     let t = Instant::now();
-    let layout = image_layout(&img.to_string_lossy(), &std::path::absolute(&a.state_dir)?)?;
+    let state_dir = std::path::absolute(&a.state_dir)?;
+    let layout = image_layout(&img.to_string_lossy(), &state_dir)?;
     let src = clade_image::Source::open(&layout)?;
-    let d = clade_image::build_disk(
-        &src,
-        &dir.join("image-build"),
-        &dir.join("base.cdsk"),
-        a.disk_size,
-    )
-    .with_context(|| format!("the root filesystem of {}", img.display()))?;
+    let cache =
+        clade_builder::layers::LayerCache::new(&TemplateStore::new(&state_dir).build_cache_dir());
+    let (base, _key, converted) =
+        super::progress::converting(|p| cache.image_base(&src, a.disk_size, p))
+            .with_context(|| format!("the root filesystem of {}", img.display()))?;
+    let Some(d) = converted else {
+        eprintln!("image {}: converted before (cached)", img.display());
+        return Ok((base, from_image(img.display().to_string(), src.defaults())));
+    };
     eprintln!(
         "image {}: {} layers, {} entries, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s \
          (unpack {:.2}s, mkfs.ext4 {:.2}s, import {:.2}s)",
@@ -777,10 +781,7 @@ fn image_base(a: &BuildArgs, img: &Path, dir: &Path) -> anyhow::Result<(PathBuf,
         d.times[1].as_secs_f64(),
         d.times[2].as_secs_f64()
     );
-    Ok((
-        d.base,
-        from_image(img.display().to_string(), src.defaults()),
-    ))
+    Ok((base, from_image(img.display().to_string(), src.defaults())))
 }
 
 fn from_image(reference: String, d: &clade_image::ImageDefaults) -> FromImage {
@@ -853,9 +854,9 @@ fn dockerfile_base(
     let src = clade_image::Source::open(&layout).with_context(|| format!("FROM {from}"))?;
     let cache =
         clade_builder::layers::LayerCache::new(&TemplateStore::new(&state_dir).build_cache_dir());
-    let (base, key, converted) = cache
-        .image_base(&src, a.disk_size)
-        .with_context(|| format!("the root filesystem of {from}"))?;
+    let (base, key, converted) =
+        super::progress::converting(|p| cache.image_base(&src, a.disk_size, p))
+            .with_context(|| format!("the root filesystem of {from}"))?;
     match converted {
         Some(d) => eprintln!(
             "FROM {from}: {} layers, {} MiB unpacked, a {} MiB ext4 disk in {:.2}s",
@@ -945,7 +946,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
     };
     let (base, image) = match (&a.image, &a.dockerfile) {
         (Some(img), _) => {
-            let (b, f) = image_base(a, img, dir)?;
+            let (b, f) = image_base(a, img)?;
             (Some(b), Some(f))
         }
         (None, Some(df)) => {
