@@ -34,6 +34,9 @@ pub enum Error {
         /// The end of its output.
         output: String,
     },
+    /// The build cache is in use by a build (a prune waits for none).
+    #[error("the build cache {} is in use by a build: try again when it has ended", .0.display())]
+    CacheBusy(PathBuf),
     /// The build VM failed (did not start, its agent did not answer, a request failed).
     #[error("the build VM: {0}")]
     Vm(String),

@@ -10,7 +10,9 @@
 //! the guest syncs and the VM freezes its disk's top layer (the VM goes on on a new one),
 //! and only then is the key recorded. A step that fails records nothing; the layers of
 //! the steps before it stay cached. Layers are never moved once written (a layer names
-//! its parent by path) and never removed by a build: templates stand on them.
+//! its parent by path) and never removed by a build: templates stand on them. Only
+//! [`LayerCache::prune`] removes them, those no template stands on, and never while a
+//! build holds the cache ([`LayerCache::hold`]).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -35,6 +37,23 @@ const KEY_VERSION: &str = "clade-build-v1";
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     dir: PathBuf,
+}
+
+/// A build's hold on a [`LayerCache`] (see [`LayerCache::hold`]).
+#[derive(Debug)]
+pub struct CacheHold {
+    _lock: std::fs::File,
+}
+
+/// What [`LayerCache::prune`] removed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PruneReport {
+    /// Layers (files) removed.
+    pub layers: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Scratch and run directories of killed builds removed.
+    pub scratch: usize,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -68,6 +87,114 @@ impl LayerCache {
     /// Its directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Holds the cache for a build (a shared lock on `<cache>/.lock`) until the guard is
+    /// dropped: [`LayerCache::prune`] is refused meanwhile. Take it before the first
+    /// layer is looked up, keep it until the template standing on the layers is made.
+    pub fn hold(&self) -> Result<CacheHold> {
+        let f = self.lock_file()?;
+        f.lock_shared()
+            .map_err(|e| Error::io("locking", self.dir.join(".lock"), e))?;
+        Ok(CacheHold { _lock: f })
+    }
+
+    fn lock_file(&self) -> Result<std::fs::File> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io("creating", &self.dir, e))?;
+        let p = self.dir.join(".lock");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(|e| Error::io("opening", &p, e))
+    }
+
+    /// Removes every layer of the cache that no disk in `in_use` stands on (`in_use`: the
+    /// layers, canonical paths, of every chain the host still has: templates',
+    /// sandboxes', snapshots'), with
+    /// its index entries, and what killed builds left behind (scratch of conversions, run
+    /// directories). Refused ([`Error::CacheBusy`]) while a build holds the cache.
+    pub fn prune(&self, in_use: &std::collections::HashSet<PathBuf>) -> Result<PruneReport> {
+        let f = self.lock_file()?;
+        match f.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::CacheBusy(self.dir.clone()))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(Error::io("locking", self.dir.join(".lock"), e))
+            }
+        }
+        let mut report = PruneReport::default();
+        let remove = |p: &Path, report: &mut PruneReport| {
+            let len = std::fs::symlink_metadata(p).map(|m| m.len()).unwrap_or(0);
+            match std::fs::remove_file(p) {
+                Ok(()) => {
+                    report.layers += 1;
+                    report.bytes += len;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(path = %p.display(), "pruning: {e}"),
+            }
+        };
+        // Index entries of layers nothing stands on go, with their layers.
+        let used = |p: &Path| {
+            in_use.contains(p) || std::fs::canonicalize(p).is_ok_and(|c| in_use.contains(&c))
+        };
+        let mut kept: std::collections::HashSet<PathBuf> = Default::default();
+        let idx = self.dir.join("index");
+        if let Ok(rd) = std::fs::read_dir(&idx) {
+            for e in rd.flatten() {
+                let name = e.file_name();
+                if name.to_string_lossy().starts_with('.') {
+                    // A half-written entry of a killed build.
+                    let _ = std::fs::remove_file(e.path());
+                    continue;
+                }
+                let layer = std::fs::read(e.path())
+                    .ok()
+                    .and_then(|t| serde_json::from_slice::<IndexEntry>(&t).ok())
+                    .map(|x| x.layer);
+                match layer {
+                    Some(l) if used(&l) => {
+                        kept.insert(l);
+                    }
+                    Some(l) => {
+                        let _ = std::fs::remove_file(e.path());
+                        if l.starts_with(&self.dir) {
+                            remove(&l, &mut report);
+                        }
+                    }
+                    None => {
+                        let _ = std::fs::remove_file(e.path());
+                    }
+                }
+            }
+        }
+        // Files of conversions and runs that no index entry keeps and nothing stands on
+        // (a build killed before it recorded them), and their scratch directories.
+        for sub in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let d = sub.path();
+            let name = sub.file_name().to_string_lossy().into_owned();
+            if !(name == "images" || name.starts_with("run-")) || !d.is_dir() {
+                continue;
+            }
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let p = e.path();
+                if e.file_name().to_string_lossy().starts_with(".scratch-") {
+                    if std::fs::remove_dir_all(&p).is_ok() {
+                        report.scratch += 1;
+                    }
+                } else if !kept.contains(&p) && !used(&p) {
+                    remove(&p, &mut report);
+                }
+            }
+            if name.starts_with("run-") && std::fs::remove_dir(&d).is_ok() {
+                report.scratch += 1;
+            }
+        }
+        Ok(report)
     }
 
     fn index(&self, key: &str) -> PathBuf {

@@ -48,6 +48,17 @@ fn find(dir: &Path, name: &str) -> Option<PathBuf> {
     None
 }
 
+/// `clade disk flatten --raw TOP RAW`: the chain's content as one raw image.
+fn flatten(top: &Path, raw: &Path) {
+    let o = clade()
+        .args(["disk", "flatten", "--raw"])
+        .arg(top)
+        .arg(raw)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 fn debugfs(raw: &Path, request: &str) -> String {
     let o = Command::new("debugfs")
         .args(["-R", request])
@@ -104,13 +115,7 @@ fn a_template_from_an_image_has_its_files_on_its_disk() {
     assert_eq!(base.len(), 1, "{base:?}");
     let base = base[0].clone();
     let raw = d.p("disk.raw");
-    let o = clade()
-        .args(["disk", "flatten", "--raw"])
-        .arg(&base)
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    flatten(&base, &raw);
     assert_eq!(debugfs(&raw, "cat /etc/hostname"), "from-image\n");
     let ls = debugfs(&raw, "ls -l /etc");
     assert!(!ls.contains("gone"), "whiteout not applied: {ls}");
@@ -291,13 +296,7 @@ fn a_template_from_a_registry_reference() {
     let raw = d.p("app2.raw");
     // The template's disk (its overlay on the cached conversion of the image).
     let base2 = find(&state.join("templates").join("app2"), "disk.cdsk").expect("app2's disk");
-    let o = clade()
-        .args(["disk", "flatten", "--raw"])
-        .arg(&base2)
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    flatten(&base2, &raw);
     assert_eq!(debugfs(&raw, "cat /srv/app"), "two");
     assert_eq!(debugfs(&raw, "cat /etc/os-release"), "ID=clade-test\n");
 
@@ -422,4 +421,80 @@ fn a_template_from_a_dockerfile_takes_its_defaults_and_shares_its_base() {
         assert!(!state.join("templates/bad").exists(), "{text}");
     }
     assert!(!templates(&state).contains("\"bad\""));
+}
+
+#[test]
+fn prune_removes_what_no_template_stands_on_and_waits_for_builds() {
+    let d = Dir::new("image-prune");
+    let state = d.p("state");
+    oci_layout(
+        &d.p("a"),
+        &[layer(&[E::File("etc/a", b"a\n", 0o644, 0)])],
+        true,
+    );
+    oci_layout(
+        &d.p("b"),
+        &[layer(&[E::File("etc/b", b"b\n", 0o644, 0)])],
+        true,
+    );
+    for (name, img) in [("ta", "a"), ("tb", "b")] {
+        let o = build(&state, name, &d.p(img), &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let bases = cached_bases(&state);
+    assert_eq!(bases.len(), 2, "{bases:?}");
+    // What a killed build leaves: a conversion's scratch, a run directory.
+    let cache = state.join("templates/.build-cache");
+    std::fs::create_dir_all(cache.join("images/.scratch-dead/tree")).unwrap();
+    std::fs::create_dir_all(cache.join("run-dead")).unwrap();
+    std::fs::write(cache.join("run-dead/step.cdsk"), b"half").unwrap();
+    let prune = || {
+        clade()
+            .args(["template", "prune", "--state-dir"])
+            .arg(&state)
+            .output()
+            .unwrap()
+    };
+    // Both templates stand on their bases: only the leftovers go.
+    let o = prune();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("2 leftovers"), "{out}");
+    assert_eq!(cached_bases(&state), bases);
+    assert!(!cache.join("images/.scratch-dead").exists() && !cache.join("run-dead").exists());
+    // Template ta removed: its base goes, tb's stays and still reads whole.
+    let o = clade()
+        .args(["template", "rm", "ta", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Not while a build holds the cache.
+    // (-o: the lock is flock's own, not inherited by the command it waits for.)
+    let mut holder = Command::new("flock")
+        .args(["-s", "-o"])
+        .arg(cache.join(".lock"))
+        .args(["sleep", "30"])
+        .spawn()
+        .expect("flock (util-linux)");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let o = prune();
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("in use by a build"),
+        "{err}"
+    );
+    assert_eq!(cached_bases(&state).len(), 2);
+    let o = prune();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("pruned 1 layers"), "{out}");
+    let left = cached_bases(&state);
+    assert_eq!(left.len(), 1);
+    let raw = d.p("tb.raw");
+    let top = find(&state.join("templates/tb"), "disk.cdsk").expect("tb's disk");
+    flatten(&top, &raw);
+    assert_eq!(debugfs(&raw, "cat /etc/b"), "b\n");
 }

@@ -493,6 +493,8 @@ impl Builds {
             e => Error::Vm(e.to_string()),
         };
         let cache = LayerCache::new(&self.templates().build_cache_dir());
+        // Its layers are not pruned while it builds.
+        let _hold = cache.hold().map_err(verr)?;
         // The base: a registry image converted once, or a template's frozen disk.
         let (base, key, defaults, reference) = match (&req.from_image, &req.from_template) {
             (Some(img), _) => {

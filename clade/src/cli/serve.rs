@@ -504,6 +504,14 @@ pub enum TemplateCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Remove the layers of the build cache (image conversions, Dockerfile steps) that no
+    /// template, sandbox or snapshot of the state dir stands on, and what killed builds
+    /// left. Refused while a build is running.
+    Prune {
+        /// The host's state dir.
+        #[arg(long, value_name = "DIR")]
+        state_dir: PathBuf,
+    },
     /// Remove a template (no sandbox may use it).
     Rm {
         /// Template name.
@@ -625,6 +633,20 @@ pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
             }
             Ok(0)
         }
+        TemplateCommand::Prune { state_dir } => {
+            let state_dir = std::path::absolute(&state_dir)?;
+            let cache_dir = TemplateStore::new(&state_dir).build_cache_dir();
+            let in_use = layers_in_use(&state_dir, &cache_dir)?;
+            let r = clade_builder::layers::LayerCache::new(&cache_dir).prune(&in_use)?;
+            println!(
+                "pruned {} layers ({} MiB) and {} leftovers of killed builds; {} layers in use kept",
+                r.layers,
+                r.bytes >> 20,
+                r.scratch,
+                in_use.iter().filter(|p| p.starts_with(&cache_dir)).count()
+            );
+            Ok(0)
+        }
         TemplateCommand::Rm { name, state_dir } => {
             let state_dir = std::path::absolute(&state_dir)?;
             // A service may hold the registry open: SQLite allows a second reader.
@@ -707,6 +729,10 @@ fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
     }
     let state_dir = std::path::absolute(&a.state_dir)?;
     let store = TemplateStore::new(&state_dir);
+    // Layers of the build cache this template will stand on are not pruned meanwhile.
+    let _cache = (a.image.is_some() || a.dockerfile.is_some())
+        .then(|| clade_builder::layers::LayerCache::new(&store.build_cache_dir()).hold())
+        .transpose()?;
     let dir = store.prepare(&a.name, a.force)?;
     let t0 = Instant::now();
     let r = build_into(&a, &store, &dir);
@@ -724,6 +750,50 @@ fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
         if t.disk { ", disk" } else { "" }
     );
     Ok(0)
+}
+
+/// Every layer (canonical path) of every disk chain of `state_dir`'s templates, sandboxes
+/// and snapshots (the build cache `cache_dir` left out): what they stand on. A chain that
+/// cannot be read is an error: what it stands on cannot be known, so nothing may be
+/// pruned.
+fn layers_in_use(
+    state_dir: &Path,
+    cache_dir: &Path,
+) -> anyhow::Result<std::collections::HashSet<PathBuf>> {
+    fn walk(d: &Path, skip: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+        for e in std::fs::read_dir(d)? {
+            let e = e?;
+            let p = e.path();
+            let t = e.file_type()?;
+            if t.is_dir() && p != skip {
+                walk(&p, skip, out)?;
+            } else if t.is_file() && p.extension().is_some_and(|x| x == "cdsk") {
+                out.push(p);
+            }
+        }
+        Ok(())
+    }
+    let mut tops = Vec::new();
+    for sub in ["templates", "sandboxes", "snapshots"] {
+        let d = state_dir.join(sub);
+        if d.is_dir() {
+            walk(&d, cache_dir, &mut tops)
+                .with_context(|| format!("looking for disks in {}", d.display()))?;
+        }
+    }
+    let mut used = std::collections::HashSet::new();
+    for top in tops {
+        let chain = disk::ops::info(&top).with_context(|| {
+            format!(
+                "reading the disk chain of {}: nothing pruned",
+                top.display()
+            )
+        })?;
+        for l in chain {
+            used.insert(std::fs::canonicalize(&l.path).unwrap_or(l.path));
+        }
+    }
+    Ok(used)
 }
 
 /// The image `name` names, as a layout or archive path: pulled into the state dir's
