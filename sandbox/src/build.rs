@@ -7,7 +7,10 @@
 //! log lines. A template appears (its `template.json` written) only when all of that
 //! succeeded; a failed build leaves its reason in its log and no template.
 //!
-//! Build records live in memory: a service restart forgets builds (never templates).
+//! Build records are kept in `<state dir>/builds/<id>.json`, written when a build is
+//! requested, started and ended (not at each log line): a restarted service still answers
+//! a build's status and log. A build the service was running when it stopped is an
+//! error after the restart, with that reason (its half-made template never appeared).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -54,7 +57,8 @@ pub struct BuildConfig {
 }
 
 /// A build's state as E2B names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum BuildStatus {
     /// Requested, not started.
     Waiting,
@@ -79,18 +83,18 @@ impl BuildStatus {
 }
 
 /// One log line of a build.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
 pub struct LogLine {
     /// When (ms since the epoch).
     pub ms: i64,
     /// "info" or "error".
-    pub level: &'static str,
+    pub level: String,
     /// The text.
     pub message: String,
 }
 
 /// One build.
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, Deserialize)]
 pub struct Build {
     /// The template it makes.
     pub template: String,
@@ -192,12 +196,86 @@ impl Builds {
             // Without randomness upload links are still bound to this process.
             secret[..8].copy_from_slice(&(std::process::id() as u64).to_le_bytes());
         }
-        Builds {
+        let me = Builds {
             state_dir: state_dir.to_path_buf(),
             config,
             builds: Mutex::new(BTreeMap::new()),
             secret,
             scheme: "http",
+        };
+        me.load();
+        me
+    }
+
+    fn records_dir(&self) -> PathBuf {
+        self.state_dir.join("builds")
+    }
+
+    /// Writes build `id`'s record (a failure is logged: the build goes on in memory).
+    fn save(&self, id: &str, b: &Build) {
+        let dir = self.records_dir();
+        let tmp = dir.join(format!(".{id}.json"));
+        let r = std::fs::create_dir_all(&dir)
+            .and_then(|_| {
+                let body = serde_json::to_vec(b).map_err(std::io::Error::other)?;
+                std::fs::write(&tmp, body)
+            })
+            .and_then(|_| std::fs::rename(&tmp, dir.join(format!("{id}.json"))));
+        if let Err(e) = r {
+            tracing::warn!(build = %id, "keeping the build's record: {e}");
+        }
+    }
+
+    /// The builds of earlier runs of the service; those it was running when it stopped
+    /// ended then. Work directories of such builds are removed.
+    fn load(&self) {
+        let Ok(rd) = std::fs::read_dir(self.records_dir()) else {
+            return;
+        };
+        let mut found: Vec<(i64, String, Build)> = Vec::new();
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(id) = name.strip_suffix(".json") else {
+                continue;
+            };
+            // Ids are 20 hex digits ([`Builds::request`]); anything else is not ours.
+            if id.len() != 20 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
+            let b = std::fs::read(e.path())
+                .ok()
+                .and_then(|t| serde_json::from_slice::<Build>(&t).ok());
+            let Some(mut b) = b else {
+                tracing::warn!(path = %e.path().display(), "an unreadable build record: removed");
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            };
+            if matches!(b.status, BuildStatus::Waiting | BuildStatus::Building) {
+                let why =
+                    "the service stopped during this build: nothing of it was kept; build again";
+                b.status = BuildStatus::Error;
+                b.reason = Some(why.into());
+                b.logs.push(LogLine {
+                    ms: crate::ids::now_ms(),
+                    level: "error".into(),
+                    message: why.into(),
+                });
+                self.save(id, &b);
+                let _ = std::fs::remove_dir_all(self.state_dir.join("build-jobs").join(id));
+            }
+            let at = b.logs.last().map_or(0, |l| l.ms);
+            found.push((at, id.to_string(), b));
+        }
+        // The newest MAX_BUILDS are kept.
+        found.sort_by_key(|(at, _, _)| std::cmp::Reverse(*at));
+        let mut g = lock(&self.builds);
+        for (i, (_, id, b)) in found.into_iter().enumerate() {
+            if i < MAX_BUILDS {
+                g.insert(id, Arc::new(Mutex::new(b)));
+            } else {
+                let _ = std::fs::remove_file(self.records_dir().join(format!("{id}.json")));
+            }
         }
     }
 
@@ -262,19 +340,19 @@ impl Builds {
                 .collect();
             for k in done {
                 g.remove(&k);
+                let _ = std::fs::remove_file(self.records_dir().join(format!("{k}.json")));
             }
         }
-        g.insert(
-            build_id.clone(),
-            Arc::new(Mutex::new(Build {
-                template: name.to_string(),
-                vcpus,
-                mem_mib,
-                status: BuildStatus::Waiting,
-                logs: Vec::new(),
-                reason: None,
-            })),
-        );
+        let b = Build {
+            template: name.to_string(),
+            vcpus,
+            mem_mib,
+            status: BuildStatus::Waiting,
+            logs: Vec::new(),
+            reason: None,
+        };
+        self.save(&build_id, &b);
+        g.insert(build_id.clone(), Arc::new(Mutex::new(b)));
         Ok((name.to_string(), build_id))
     }
 
@@ -419,6 +497,7 @@ impl Builds {
                 }
             }
             g.status = BuildStatus::Building;
+            self.save(build_id, &g);
         }
         let me = self.clone();
         let id = build_id.to_string();
@@ -435,7 +514,7 @@ impl Builds {
             if g.logs.len() < MAX_LOG_LINES {
                 g.logs.push(LogLine {
                     ms: crate::ids::now_ms(),
-                    level,
+                    level: level.to_string(),
                     message: m.to_string(),
                 });
             }
@@ -459,6 +538,7 @@ impl Builds {
                 log("error", &e.to_string());
             }
         }
+        self.save(id, &lock(b));
     }
 
     fn build(
@@ -869,5 +949,72 @@ mod tests {
             Err(Error::BadRequest(_))
         ));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn builds_are_kept_across_a_restart() {
+        let d = std::env::temp_dir().join(format!("sandbox-build-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let cfg = BuildConfig {
+            exe: "/nonexistent".into(),
+            kernel: "/nonexistent".into(),
+            initrd: None,
+            cmdline: String::new(),
+            kvm_device: "/dev/kvm".into(),
+            disk_size: None,
+        };
+        let b = Builds::new(&d, Some(cfg.clone()));
+        let (t, waiting) = b.request("app", None, None).unwrap();
+        let (_, done) = b.request("team/app:v1", Some(2), Some(1024)).unwrap();
+        {
+            let x = b.get(&t, &done).unwrap();
+            let mut g = lock(&x);
+            g.status = BuildStatus::Ready;
+            g.logs.push(LogLine {
+                ms: 1,
+                level: "info".into(),
+                message: "template app built".into(),
+            });
+            b.save(&done, &g);
+        }
+        // A build that was running: its work directory is left behind.
+        let work = d.join("build-jobs").join(&waiting);
+        std::fs::create_dir_all(&work).unwrap();
+        // Files that are no build's record.
+        std::fs::write(d.join("builds/not-a-build.json"), b"{}").unwrap();
+        std::fs::write(
+            d.join("builds").join(format!("{}.json", "0".repeat(20))),
+            b"garbage",
+        )
+        .unwrap();
+        drop(b);
+
+        let b = Builds::new(&d, Some(cfg));
+        let x = b.get(&t, &done).unwrap();
+        let g = lock(&x);
+        assert_eq!(
+            (g.status, g.vcpus, g.mem_mib),
+            (BuildStatus::Ready, 2, 1024)
+        );
+        assert_eq!(g.logs[0].message, "template app built");
+        drop(g);
+        let x = b.get(&t, &waiting).unwrap();
+        let g = lock(&x);
+        assert_eq!(g.status, BuildStatus::Error);
+        assert!(g
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("stopped during this build"));
+        assert_eq!(g.logs.last().unwrap().level, "error");
+        assert!(!work.exists());
+        let left: Vec<String> = std::fs::read_dir(d.join("builds"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(b.get("other", &done).is_err());
+        let _ = std::fs::remove_dir_all(&d);
     }
 }
