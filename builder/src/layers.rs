@@ -488,8 +488,23 @@ pub struct BuildReport {
     pub boot: Option<Duration>,
 }
 
-/// Where a build's messages go (each a line).
-pub type Log<'a> = &'a mut dyn FnMut(&str);
+/// What a build tells as it goes: its log lines, and how many of its steps are built.
+/// A closure taking lines is one (it ignores the count).
+pub trait BuildEvents {
+    /// One line of the build's log.
+    fn line(&mut self, text: &str);
+    /// `done` of the plan's `total` steps are built (found in the cache or run).
+    fn steps(&mut self, _done: usize, _total: usize) {}
+}
+
+impl<F: FnMut(&str)> BuildEvents for F {
+    fn line(&mut self, text: &str) {
+        self(text)
+    }
+}
+
+/// Where a build's messages go.
+pub type Log<'a> = &'a mut dyn BuildEvents;
 
 /// Runs a command in the guest; a failure is [`Error::StepFailed`] with its output's end.
 fn run_argv(
@@ -532,7 +547,7 @@ fn run_argv(
         }
         pending.push_str(&String::from_utf8_lossy(d));
         while let Some(i) = pending.find('\n') {
-            log(&pending[..i]);
+            log.line(&pending[..i]);
             pending.drain(..=i);
         }
     };
@@ -542,7 +557,7 @@ fn run_argv(
     }
     .map_err(Error::vm)?;
     if !pending.is_empty() {
-        log(&pending);
+        log.line(&pending);
     }
     if !status.success() {
         let t = &tail[tail.len().saturating_sub(FAILED_OUTPUT_TAIL)..];
@@ -671,7 +686,7 @@ pub fn build(
         }
         match cache.lookup(&k.key) {
             Some(l) => {
-                log(&format!(
+                log.line(&format!(
                     "step {}/{} (line {}): cached: {}",
                     i + 1,
                     keyed.len(),
@@ -685,6 +700,7 @@ pub fn build(
         }
     }
     report.cached = done;
+    log.steps(done, keyed.len());
     if done == keyed.len() {
         return Ok((top, report));
     }
@@ -698,7 +714,7 @@ pub fn build(
         let machine = BuildVm::start(vm, &run, Some(&overlay))?;
         report.boot = Some(t.elapsed());
         for (i, k) in keyed.iter().enumerate().skip(done) {
-            log(&format!(
+            log.line(&format!(
                 "step {}/{} (line {}): {}",
                 i + 1,
                 keyed.len(),
@@ -710,6 +726,7 @@ pub fn build(
             let layer = machine.freeze_disk()?;
             cache.record(&k.key, &layer)?;
             report.ran.push((k.step.line, t.elapsed()));
+            log.steps(i + 1, keyed.len());
             top = layer;
         }
         machine.shutdown();

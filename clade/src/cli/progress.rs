@@ -99,6 +99,46 @@ pub fn converting<T, E>(
     r
 }
 
+/// A build's steps as a bar (built, of all, with the time left), its log lines printed
+/// above it; on a terminal only, as every bar.
+pub struct StepsBar(ProgressBar);
+
+impl StepsBar {
+    /// A bar named `prefix`.
+    pub fn new(prefix: &str) -> StepsBar {
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+        if let Ok(style) = ProgressStyle::with_template(
+            "{prefix} [{bar:30}] {pos}/{len} steps, {elapsed} ETA {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_prefix(prefix.to_string());
+        StepsBar(bar)
+    }
+
+    /// Leaves the bar drawn where the build ended (none for a plan with no steps).
+    pub fn finish(&self, ok: bool) {
+        if self.0.length().unwrap_or(0) == 0 {
+            self.0.finish_and_clear();
+        } else if ok {
+            self.0.finish();
+        } else {
+            self.0.abandon();
+        }
+    }
+}
+
+impl clade_builder::layers::BuildEvents for StepsBar {
+    fn line(&mut self, text: &str) {
+        self.0.suspend(|| eprintln!("  {text}"));
+    }
+
+    fn steps(&mut self, done: usize, total: usize) {
+        self.0.set_length(total as u64);
+        self.0.set_position(done as u64);
+    }
+}
+
 /// A bar updated by a thread.
 pub struct Following {
     stop: Arc<AtomicBool>,

@@ -951,15 +951,18 @@ fn dockerfile_base(
     for u in &plan.unused_args {
         eprintln!("warning: --build-arg {u} is not declared by an ARG");
     }
-    let (top, report) = clade_builder::layers::build(
+    let mut bar = super::progress::StepsBar::new("build");
+    let built = clade_builder::layers::build(
         &plan,
         &base,
         &key,
         Some(&context),
         &cache,
         spec,
-        &mut |l: &str| eprintln!("  {l}"),
-    )?;
+        &mut bar,
+    );
+    bar.finish(built.is_ok());
+    let (top, report) = built?;
     eprintln!(
         "dockerfile {}: {} steps, {} cached, {} run{} in {:.2}s",
         df.display(),
