@@ -107,7 +107,7 @@ else
         SCENARIOS+=(disk fork jail net sdk)
         # sdk: clade serve with a Linux template in the nested machine; the SDK suite
         # (tests/e2b/test_linux.py) runs here, through these forwarded ports.
-        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --forward 39481:8080 --forward 39482:8081 --forward 39483:8082 --forward 39484:8083)
+        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --forward 39481:8080 --forward 39482:8081 --forward 39483:8082 --forward 39484:8083 --forward 39485:8085 --guestfwd 5432:39486)
     else
         echo "nested scenarios disk, fork, jail, net, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
         failed=$((failed + 5))
@@ -165,12 +165,13 @@ else
             nested_timed_out=1
         fi
     }
-    # The whole suite takes 800-1200 s here; 1800 s bounds a hung one well inside CI's
-    # hour, and run.sh ends a machine that has printed nothing (not even suite.sh's
-    # heartbeat) for 300 s sooner.
+    # The whole suite takes 1300-1700 s here (the sdk scenario alone 1100-1300 s: the SDK
+    # suites on one host, then again through a two-node cluster); 2400 s bounds a hung
+    # one inside CI's 90 minutes, and run.sh ends a machine that has printed nothing (not
+    # even suite.sh's heartbeat) for 300 s sooner.
     STOPPED="soft lockup|self-detected stall|NESTED-STALL"
     todo=("${SCENARIOS[@]}")
-    nested_run 1800 "${todo[@]}"
+    nested_run 2400 "${todo[@]}"
     done_ok=("${nested_ok[@]}")
     sdk_passed=$nested_sdk_passed
     # The nested machine's own kernel (L1, under QEMU TCG emulating SVM, one vCPU) has been

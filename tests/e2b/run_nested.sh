@@ -9,13 +9,20 @@
 #       run the suite, tell the scenario the verdict (`done pass|fail` on the control port).
 #   run_nested.sh --standalone [pytest args]
 #       start the nested machine with only the sdk scenario, then as above.
+#   Then the same SDK suites once more (test_linux.py but its service-restart and template
+#   build tests, and test_dataplane.py) against a two-node cluster in the nested machine,
+#   entered through its gateway node, which owns no sandbox: PostgreSQL is started here
+#   (tests/e2b/nested_pg.py, as user postgres) and reached from the nested machine
+#   through run.sh --guestfwd; the scenario starts the nodes (`cluster-up`).
+#   CLADE_NESTED_CLUSTER=0 leaves that pass out.
 #   run_nested.sh --standalone --session
 #       as above, but run tests/e2b/sdk_session.py (scripts/demo.sh's SDK session) instead
 #       of the pytest suite.
 #
 # Env: CLADE_E2B_PORT (39481), CLADE_E2B_CTL_PORT (39482), CLADE_E2B_PORT_A (39483) and
-# CLADE_E2B_PORT_B (39484: two more services, "hosts" A and B on one object store): the
-# host ends of the forwards;
+# CLADE_E2B_PORT_B (39484: two more services, "hosts" A and B on one object store),
+# CLADE_E2B_PORT_GW (39485: the cluster's gateway node): the host ends of the forwards;
+# CLADE_E2B_PG_PORT (39486): the cluster's PostgreSQL here (run.sh --guestfwd 5432:it);
 # CLADE_E2B_READY_TIMEOUT (2400 s): how long to wait for the service in the nested machine;
 # CLADE_NESTED_PID: with --log, the process running the nested machine (stop waiting if it
 # ends).
@@ -25,6 +32,9 @@ PORT=${CLADE_E2B_PORT:-39481}
 CTL=${CLADE_E2B_CTL_PORT:-39482}
 PORT_A=${CLADE_E2B_PORT_A:-39483}
 PORT_B=${CLADE_E2B_PORT_B:-39484}
+PORT_GW=${CLADE_E2B_PORT_GW:-39485}
+PG_PORT=${CLADE_E2B_PG_PORT:-39486}
+CLUSTER=${CLADE_NESTED_CLUSTER:-1}
 READY_TIMEOUT=${CLADE_E2B_READY_TIMEOUT:-2400}
 LOG=""
 NESTED_PID=""
@@ -36,8 +46,12 @@ case "${1:-}" in
     LOG=build/nested/nested.log
     mkdir -p build/nested
     rm -f "$LOG"
-    NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --disk build/rootfs/base.cdsk \
+    # --stall: the nested machine has been seen to stop until a key press wakes it (see
+    # tests/nested/run.sh); the scenario prints nothing while the suite runs here, so the
+    # limit is the whole run's, and only the key presses matter.
+    NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --stall 2600 --disk build/rootfs/base.cdsk \
         --forward "$PORT:8080" --forward "$CTL:8081" --forward "$PORT_A:8082" --forward "$PORT_B:8083" \
+        --forward "$PORT_GW:8085" --guestfwd "5432:$PG_PORT" \
         --l1-test tests/nested/scenarios/sdk.sh --expect SDK-SCENARIO-PASS \
         --expect '^CLADE-EXIT 0$' >build/nested/run-sdk.out 2>&1 &
     NESTED_PID=$!
@@ -75,6 +89,26 @@ until grep -a -q NESTED-E2B-READY "$LOG" 2>/dev/null; do
     sleep 2
 done
 echo "clade serve is up in the nested machine after $((SECONDS - t0)) s"
+# control LINE: one command to the scenario; it may be between commands for a moment, so
+# retry briefly.
+control() {
+    for _ in $(seq 30); do
+        if { printf '%s\n' "$1" >"/dev/tcp/127.0.0.1/$CTL"; } 2>/dev/null; then return 0; fi
+        sleep 1
+    done
+    return 1
+}
+PG_DIR=""
+stop_pg() {
+    if [ -n "$PG_DIR" ]; then
+        python3 tests/e2b/nested_pg.py stop "$PG_DIR" || true
+        rm -rf "$PG_DIR"
+        PG_DIR=""
+    fi
+}
+trap stop_pg EXIT
+# passed FILE: the number of tests pytest's summary in FILE says passed.
+passed() { { grep -oE '[0-9]+ passed' "$1" || true; } | tail -1 | awk '{print $1}'; }
 rc=0
 export E2B_API_URL=http://127.0.0.1:$PORT E2B_SANDBOX_URL=http://127.0.0.1:$PORT \
     E2B_API_KEY=nested-sdk-key CLADE_NESTED_CTL=127.0.0.1:$CTL CLADE_NESTED_LOG=$LOG \
@@ -88,17 +122,42 @@ else
     # shellcheck disable=SC2086
     CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
         "$VENV/bin/pytest" -q ${CLADE_NESTED_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py \
-        tests/e2b/test_network.py tests/e2b/test_move.py} "$@" || rc=$?
+        tests/e2b/test_network.py tests/e2b/test_move.py} "$@" 2>&1 | tee build/nested/sdk-single.out || rc=$?
+    n_single=$(passed build/nested/sdk-single.out)
+    n_cluster=0
+    if [ "$CLUSTER" = 1 ]; then
+        echo "== the same SDK suites through a two-node cluster (gateway node gw, sandboxes on n1)"
+        PG_DIR=$(mktemp -d /tmp/clade-nested-pg.XXXXXX)
+        url=$(python3 tests/e2b/nested_pg.py start "$PG_DIR" "$PG_PORT")
+        before=$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)
+        control "cluster-up $url" || { echo "the scenario's control port did not answer"; rc=1; }
+        t1=$SECONDS
+        until [ "$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)" -gt "$before" ]; do
+            if [ $((SECONDS - t1)) -gt 300 ]; then echo "the cluster did not come up in 300 s"; break; fi
+            sleep 1
+        done
+        if grep -a -q SDK-CLUSTER-READY "$LOG"; then
+            # shellcheck disable=SC2086
+            E2B_API_URL=http://127.0.0.1:$PORT_GW E2B_SANDBOX_URL=http://127.0.0.1:$PORT_GW \
+                CLADE_NESTED_CLUSTER=1 CLADE_NESTED_PG_URL=${url/10.0.2.100:5432/127.0.0.1:$PG_PORT} \
+                CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \
+                CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
+                "$VENV/bin/pytest" -q ${CLADE_NESTED_CLUSTER_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py} \
+                "$@" 2>&1 | tee build/nested/sdk-cluster.out || rc=1
+            n_cluster=$(passed build/nested/sdk-cluster.out)
+        else
+            grep -a -A30 SDK-CLUSTER-FAILED "$LOG" | tail -n 30
+            rc=1
+        fi
+    fi
+    echo "e2b SDK on nested Linux: single host ${n_single:-0}, cluster ${n_cluster:-0}: $(( ${n_single:-0} + ${n_cluster:-0} )) passed"
 fi
 verdict=pass
 [ "$rc" = 0 ] || verdict=fail
-# Tell the scenario; it may be between commands for a moment, so retry briefly.
-for _ in $(seq 30); do
-    if { printf 'done %s\n' "$verdict" >"/dev/tcp/127.0.0.1/$CTL"; } 2>/dev/null; then break; fi
-    sleep 1
-done
+control "done $verdict" || true
 if [ -n "$NESTED_PID" ]; then
     wait "$NESTED_PID" || rc=1
     tail -n 25 build/nested/run-sdk.out
 fi
+stop_pg
 exit "$rc"

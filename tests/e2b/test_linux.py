@@ -12,6 +12,7 @@ no latency is asserted (figures come from the native tier).
 import hashlib
 import os
 import socket
+import subprocess
 import time
 
 import pytest
@@ -25,6 +26,11 @@ SLOW = {"request_timeout": 300}
 CTL = os.environ.get("CLADE_NESTED_CTL", "127.0.0.1:39482")
 # The nested machine's console log (its markers tell when a service restart is done).
 NESTED_LOG = os.environ.get("CLADE_NESTED_LOG", "build/nested/nested.log")
+# Set by run_nested.sh for its second pass: the service is a two-node cluster entered
+# through its gateway node (which runs no sandboxes).
+CLUSTER = os.environ.get("CLADE_NESTED_CLUSTER") == "1"
+# The cluster's registry, as this host reaches it.
+PG_URL = os.environ.get("CLADE_NESTED_PG_URL", "")
 
 
 def create(**kw):
@@ -67,6 +73,22 @@ def sb():
         s.kill()
     except Exception:
         pass
+
+
+@pytest.mark.skipif(not CLUSTER, reason="the cluster pass only")
+def test_the_cluster_runs_it_on_n1_and_the_way_in_owns_nothing(sb):
+    """The suite enters through node gw, which runs no sandboxes: its sandboxes are n1's
+    (the registry says so), and every request of this suite crossed a hop."""
+
+    def psql(sql):
+        r = subprocess.run(["psql", "-qAtX", PG_URL, "-c", sql], check=True, capture_output=True, text=True)
+        return [line.split("|") for line in r.stdout.splitlines() if line]
+
+    assert psql(f"SELECT node, state FROM clade_sandboxes WHERE id = '{sb.sandbox_id}'") == [["n1", "running"]]
+    nodes = dict(psql("SELECT name, takes_sandboxes FROM clade_nodes"))
+    assert nodes == {"n1": "t", "gw": "f"}, nodes
+    assert psql("SELECT count(*) FROM clade_sandboxes WHERE node = 'gw'") == [["0"]]
+    assert run(sb, "echo through-the-gateway").stdout == "through-the-gateway\n"
 
 
 def test_commands_python_envs_and_exit_codes(sb):
@@ -257,6 +279,7 @@ def test_timeout_pauses_with_lifecycle_pause_then_wakes(on_timeout, reboots):
         Sandbox.kill(s.sandbox_id)
 
 
+@pytest.mark.skipif(CLUSTER, reason="restarts the single host's service (the control port's restart)")
 def test_service_restart_keeps_running_and_paused_sandboxes():
     a = create(metadata={"suite": "restart-running"})
     b = create(metadata={"suite": "restart-paused"})

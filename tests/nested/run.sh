@@ -26,6 +26,9 @@
 #                       Gives L1 a virtio-net NIC on QEMU's user network with restrict=on:
 #                       L1 reaches nothing outside; only the forwarded ports reach L1 (its
 #                       address is 10.0.2.15/24; scenarios bring eth0 up themselves).
+#   --guestfwd L1:HOST  with --forward: L1's connections to 10.0.2.100:L1 reach the host's
+#                       127.0.0.1:HOST (repeatable; each connection relayed by a `busybox
+#                       nc` QEMU starts). Nothing else outside is reachable from L1.
 #   -h, --help
 # More environment (see build-outer.sh): NESTED_CLADE_CMD, NESTED_L1_EXTRA,
 # NESTED_L1_TIMEOUT (inner; default: timeout - 60 s), NESTED_SKIP_CLADE; and for QEMU: NESTED_CPU
@@ -45,6 +48,7 @@ EXPECT=()
 QEMU_EXTRA=()
 OUTER_DISK=""
 FORWARDS=()
+GUESTFWDS=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
@@ -55,6 +59,7 @@ while [ $# -gt 0 ]; do
     --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
     --disk) OUTER_DISK=${2:?--disk needs a file}; shift 2 ;;
     --forward) FORWARDS+=("${2:?--forward needs HOST:L1}"); shift 2 ;;
+    --guestfwd) GUESTFWDS+=("${2:?--guestfwd needs L1:HOST}"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
     --) shift; QEMU_EXTRA=("$@"); break ;;
     *) usage >&2; die "unknown argument: $1" ;;
@@ -94,7 +99,18 @@ if [ ${#FORWARDS[@]} -gt 0 ]; then
         esac
         NETDEV+=",hostfwd=tcp:127.0.0.1:${f%%:*}-10.0.2.15:${f##*:}"
     done
+    # restrict=on still lets L1 reach a guestfwd's address and port, and only those.
+    for f in "${GUESTFWDS[@]}"; do
+        case "$f" in
+        [0-9]*:[0-9]*) ;;
+        *) die "--guestfwd wants L1PORT:HOSTPORT, got '$f'" ;;
+        esac
+        require_cmd busybox busybox-static
+        NETDEV+=",guestfwd=tcp:10.0.2.100:${f%%:*}-cmd:$(command -v busybox) nc 127.0.0.1 ${f##*:}"
+    done
     export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_net"
+elif [ ${#GUESTFWDS[@]} -gt 0 ]; then
+    die "--guestfwd needs --forward (the user network)"
 fi
 
 require_cmd qemu-system-x86_64 qemu-system-x86

@@ -23,8 +23,15 @@
 #   netns TAG     print `SDK-NETNS TAG <namespaces> <host veths>` (the service's)
 #   kill-vmm ID   SIGKILL sandbox ID's VM process (the one with its files open), print
 #                 `SDK-VMM-KILLED ID <count>`
-#   rm-template NAME  remove template NAME (`clade template rm`) and the build cache, print
+#   rm-template NAME  remove template NAME (`clade template rm`; node n1's when it has it)
+#                 and the build cache, print
 #                 `SDK-TEMPLATE-REMOVED NAME rc=<rc>`
+#   cluster-up URL  start a two-node cluster on the registry at URL (PostgreSQL on the
+#                 host, reached through run.sh --guestfwd 5432:...): node "n1" on port 8084
+#                 (its own state directory, the debian template linked in, networks
+#                 `cc-`/`cch`) and node "gw" on port 8085 with no sandboxes, the way in;
+#                 both on the same store (prefix s3://clade/cluster); print
+#                 SDK-CLUSTER-READY (or SDK-CLUSTER-FAILED with the logs)
 #   done pass|fail  the host's verdict: end with it
 # After the verdict the service stops; then no sandbox network may be left but those of
 # sandboxes still in the registry (the suite kills its sandboxes: none).
@@ -34,7 +41,7 @@
 # "host B" on port 8083 (its own state directory, no templates); each has sandbox networks
 # of its own names and addresses. The first service, the suite's, has no store.
 # Prints SDK-SCENARIO-PASS or SDK-SCENARIO-FAIL; every VM is killed before it ends.
-# scenario-timeout: 1500
+# scenario-timeout: 2100
 
 CLADE=/bin/clade
 BASE=${DISK_BASE:-/dev/vda}
@@ -52,6 +59,13 @@ STATE_B=/tmp/sdk-state-b
 PORT_B=8083
 LOG_B=/tmp/sdk-serve-b.log
 SERVE_B=""
+STATE_C1=/tmp/sdk-state-c1
+LOG_C1=/tmp/sdk-serve-c1.log
+SERVE_C1=""
+STATE_GW=/tmp/sdk-state-gw
+LOG_GW=/tmp/sdk-serve-gw.log
+SERVE_GW=""
+CLUSTER_SECRET=nested-cluster-secret-0123456789
 S3=""
 S3_PORT=9000
 # The store both services share (the S3 server's credentials: store/src/s3server.rs).
@@ -75,8 +89,8 @@ sandbox_vm_pids() {
     done
 }
 # The service's sandbox networks: namespaces (/run/netns/clade-<i>) and host veth ends.
-netns_count() { ls /run/netns 2>/dev/null | grep -c -E '^(clade|ca|cb)-'; }
-veth_count() { ls /sys/class/net | grep -c -E '^(cl|ca|cb)h[0-9]'; }
+netns_count() { ls /run/netns 2>/dev/null | grep -c -E '^(clade|ca|cb|cc)-'; }
+veth_count() { ls /sys/class/net | grep -c -E '^(cl|ca|cb|cc)h[0-9]'; }
 IP=/usr/sbin/ip   # iproute2 (run.sh stages it: NESTED_L1_BINS): busybox's has no netns
 WORLD=""
 WORLD_DNS=""
@@ -84,6 +98,8 @@ cleanup() {
     [ -n "$SERVE" ] && kill "$SERVE" 2>/dev/null
     [ -n "$SERVE_A" ] && kill "$SERVE_A" 2>/dev/null
     [ -n "$SERVE_B" ] && kill "$SERVE_B" 2>/dev/null
+    [ -n "$SERVE_C1" ] && kill "$SERVE_C1" 2>/dev/null
+    [ -n "$SERVE_GW" ] && kill "$SERVE_GW" 2>/dev/null
     sleep 1
     [ -n "$S3" ] && kill "$S3" 2>/dev/null
     for p in $(vm_pids); do kill -9 "$p" 2>/dev/null; done
@@ -105,18 +121,20 @@ fail() {
     [ -f "$LOG" ] && { echo "---- $LOG (tail) ----"; tail -n 40 "$LOG"; }
     [ -f "$LOG_A" ] && { echo "---- $LOG_A (tail) ----"; tail -n 40 "$LOG_A"; }
     [ -f "$LOG_B" ] && { echo "---- $LOG_B (tail) ----"; tail -n 40 "$LOG_B"; }
+    [ -f "$LOG_C1" ] && { echo "---- $LOG_C1 (tail) ----"; tail -n 40 "$LOG_C1"; }
+    [ -f "$LOG_GW" ] && { echo "---- $LOG_GW (tail) ----"; tail -n 40 "$LOG_GW"; }
     for f in "$STATE"/templates/*/build.log "$STATE"/templates/*/build.serial \
         "$STATE"/sandboxes/*/vm.log "$STATE"/sandboxes/*/serial*.log \
         "$STATE_A"/sandboxes/*/vm.log "$STATE_B"/sandboxes/*/vm.log \
-        "$STATE_B"/sandboxes/*/serial*.log; do
+        "$STATE_B"/sandboxes/*/serial*.log "$STATE_C1"/sandboxes/*/vm.log; do
         [ -f "$f" ] && { echo "---- $f (tail) ----"; tail -n 12 "$f"; }
     done
     cleanup
     exit 1
 }
-# serve_on PORT STATE LOG [ARGS]: starts a service, waits until it listens; its pid in
-# SERVED.
-serve_on() {
+# start_on PORT STATE LOG [ARGS]: starts a service, waits until it listens; its pid in
+# SERVED. Returns 1 (the reason in START_WHY) if it did not start.
+start_on() {
     echo "---- serve started at $(uptime_s) ----" >>"$3"
     # shellcheck disable=SC2086
     $CLADE serve --listen 0.0.0.0:"$1" --state-dir "$2" --api-key "$KEY" \
@@ -125,15 +143,39 @@ serve_on() {
     i=0
     until [ "$(grep -c listening "$3")" -ge "$(grep -c '^---- serve started' "$3")" ]; do
         i=$((i + 1))
-        [ "$i" -gt 300 ] && fail "clade serve on :$1 did not start"
-        kill -0 "$SERVED" 2>/dev/null || fail "clade serve on :$1 exited"
+        [ "$i" -gt 300 ] && { START_WHY="clade serve on :$1 did not start"; return 1; }
+        kill -0 "$SERVED" 2>/dev/null || { START_WHY="clade serve on :$1 exited"; return 1; }
         sleep 0.1
     done
+}
+# serve_on PORT STATE LOG [ARGS]: start_on, or the scenario fails.
+serve_on() {
+    start_on "$@" || fail "$START_WHY"
 }
 start_serve() {
     # With template builds (E2B's build API): Debian's kernel and Clade's initramfs.
     serve_on "$PORT" "$STATE" "$LOG" "--build-kernel /guest/vmlinuz --build-initrd /guest/initrd.cpio"
     SERVE=$SERVED
+}
+# cluster_up URL: nodes n1 and gw (see cluster-up above); 1 if either did not start.
+cluster_up() {
+    rm -rf "$STATE_C1" "$STATE_GW"
+    mkdir -p "$STATE_C1/templates" "$STATE_GW"
+    ln -s "$STATE/templates/debian" "$STATE_C1/templates/debian"
+    : >"$LOG_C1"
+    : >"$LOG_GW"
+    # A long lease: this machine, emulated, can stop for many seconds (see scripts/test.sh),
+    # and a node whose lease ran out meanwhile would have its running sandboxes reported
+    # lost. Leases and fencing are tested on the native tier (tests/e2b/test_cluster.py).
+    args="$STORE_ARGS --cluster $1 --cluster-secret $CLUSTER_SECRET --lease-ms 60000"
+    # This machine has one CPU: by default a node commits no more vCPUs than it has, and
+    # the suites run several sandboxes at once (oversubscribed here, as a host may be).
+    start_on 8084 "$STATE_C1" "$LOG_C1" "$args --node-name n1 --advertise http://127.0.0.1:8084 --net on --net-name cc --net-range 10.203.0.0/16 --capacity-vcpus 64 --build-kernel /guest/vmlinuz --build-initrd /guest/initrd.cpio" ||
+        { echo "$START_WHY"; return 1; }
+    SERVE_C1=$SERVED
+    start_on 8085 "$STATE_GW" "$LOG_GW" "$args --node-name gw --advertise http://127.0.0.1:8085 --no-sandboxes --net off" ||
+        { echo "$START_WHY"; return 1; }
+    SERVE_GW=$SERVED
 }
 trap 'fail "interrupted"' INT TERM
 # A trap runs only once the shell's foreground command has ended: every step that waits on
@@ -334,10 +376,21 @@ while [ -z "$verdict" ]; do
         # A template a test built (through E2B's build API) and the build cache go: this
         # machine's /tmp is memory, and later tests need it.
         name=${cmd#rm-template }
-        $CLADE template rm "$name" --state-dir "$STATE" >/dev/null 2>&1
+        # The suite's service, or the cluster's node n1 (where the cluster builds).
+        dir=$STATE
+        [ -n "$SERVE_C1" ] && [ -d "$STATE_C1/templates/$name" ] && dir=$STATE_C1
+        $CLADE template rm "$name" --state-dir "$dir" >/dev/null 2>&1
         r=$?
-        rm -rf "$STATE/templates/.build-cache"
+        rm -rf "$dir/templates/.build-cache"
         echo "SDK-TEMPLATE-REMOVED $name rc=$r"
+        ;;
+    "cluster-up "*)
+        if cluster_up "${cmd#cluster-up }"; then
+            echo "SDK-CLUSTER-READY n1=8084 gw=8085"
+        else
+            echo "SDK-CLUSTER-FAILED"
+            tail -n 30 "$LOG_C1" "$LOG_GW"
+        fi
         ;;
     "done pass") verdict=pass ;;
     "done fail") verdict=fail ;;
@@ -359,7 +412,17 @@ kill -TERM "$SERVE_B"
 wait "$SERVE_B"
 rc_b=$?
 SERVE_B=""
-for l in "$LOG" "$LOG_A" "$LOG_B"; do
+# The cluster's nodes, when the host started them: the gateway first, then n1.
+rc_c=0
+for v in SERVE_GW SERVE_C1; do
+    eval "p=\$$v"
+    [ -n "$p" ] || continue
+    kill -TERM "$p"
+    wait "$p" || rc_c=$?
+    eval "$v=''"
+done
+for l in "$LOG" "$LOG_A" "$LOG_B" "$LOG_C1" "$LOG_GW"; do
+    [ -f "$l" ] || continue
     echo "---- $l (tail) ----"
     tail -n 15 "$l"
 done
@@ -367,6 +430,7 @@ done
 [ "$rc" = 0 ] || fail "clade serve exited $rc on SIGTERM"
 [ "$rc_a" = 0 ] || fail "host A's clade serve exited $rc_a on SIGTERM"
 [ "$rc_b" = 0 ] || fail "host B's clade serve exited $rc_b on SIGTERM"
+[ "$rc_c" = 0 ] || fail "a cluster node's clade serve exited $rc_c on SIGTERM"
 # Every sandbox was killed by the suite, and the pool goes with the service.
 left=$(netns_count)
 [ "$left" = 0 ] || { ls /run/netns; fail "$left sandbox network namespaces left"; }
