@@ -952,15 +952,8 @@ fn dockerfile_base(
         eprintln!("warning: --build-arg {u} is not declared by an ARG");
     }
     let mut bar = super::progress::StepsBar::new("build");
-    let built = clade_builder::layers::build(
-        &plan,
-        &base,
-        &key,
-        Some(&context),
-        &cache,
-        spec,
-        &mut bar,
-    );
+    let built =
+        clade_builder::layers::build(&plan, &base, &key, Some(&context), &cache, spec, &mut bar);
     bar.finish(built.is_ok());
     let (top, report) = built?;
     eprintln!(
