@@ -1127,6 +1127,8 @@ impl Host {
                 return Err(e);
             }
         }
+        // Before its directory goes: what its VM recorded for the snapshot it came from.
+        self.driver.adopt_working_set(&rec.dir);
         let _snapshots = self.snapshot_guard();
         self.history.forget(id);
         self.release_net(rec.net);
@@ -1483,6 +1485,7 @@ impl Host {
             }
         };
         self.driver.stop(pid, &api)?;
+        self.driver.adopt_working_set(&rec.dir);
         rec.state = State::Paused;
         rec.pid = None;
         rec.api_sock = None;
@@ -1526,6 +1529,7 @@ impl Host {
             flush_guest(&rec.id, &vsock)?;
         }
         self.driver.stop(pid, &api)?;
+        self.driver.adopt_working_set(&rec.dir);
         rec.state = State::Paused;
         rec.pid = None;
         rec.api_sock = None;

@@ -167,6 +167,11 @@ pub trait VmDriver: Send + Sync {
     fn share_snapshot(&self, _snapshot: &Path, _top: &Path) -> Result<()> {
         Ok(())
     }
+    /// After the VM of the sandbox whose directory is `dir` ended (a kill, a pause): the
+    /// working set it recorded for a snapshot it could not write into (a template, for a
+    /// jailed VM) becomes that snapshot's, so that later restores of it prefetch their
+    /// memory instead of faulting it in page by page. Best effort (logged).
+    fn adopt_working_set(&self, _dir: &Path) {}
 }
 
 /// How long a new VM process may take until its API answers.
@@ -189,6 +194,10 @@ pub struct ProcessDriver {
     cgroups: Option<Arc<VmCgroups>>,
     /// A jail per VM process, unless jails are off.
     jails: Option<Arc<Jails>>,
+    /// Jailed VMs recording a working set for a snapshot they may not write (a template):
+    /// the snapshot, by the sandbox directory the recording goes to
+    /// ([`VmDriver::adopt_working_set`]).
+    recording: Mutex<HashMap<PathBuf, PathBuf>>,
 }
 
 impl ProcessDriver {
@@ -198,6 +207,7 @@ impl ProcessDriver {
             clade,
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(None),
+            recording: Mutex::new(HashMap::new()),
             cgroups: None,
             jails: None,
         }
@@ -213,6 +223,7 @@ impl ProcessDriver {
             clade,
             children: Mutex::new(HashMap::new()),
             standby: Mutex::new(Some(pool)),
+            recording: Mutex::new(HashMap::new()),
             cgroups,
             jails,
         })
@@ -271,14 +282,17 @@ impl ProcessDriver {
         let Some(sb) = taken.flatten() else {
             return Ok(None);
         };
+        let t_hand = Instant::now();
         if let Some(lease) = &sb.jail {
             if let Err(e) = self.hand_over(spec, lease.uid) {
                 sb.discard();
                 return Err(e);
             }
         }
+        let hand_us = t_hand.elapsed().as_micros() as u64;
         // A TAP opened ahead goes with the request (its descriptor, SCM_RIGHTS).
         let req = Request::Restore(RestoreRequest {
+            working_set_to: self.working_set_to(spec),
             vsock: Some(spec.vsock.clone()),
             serial_file: Some(spec.serial.clone()),
             disk_overlay: spec.disk_overlay.clone(),
@@ -295,6 +309,7 @@ impl ProcessDriver {
         let fds: Vec<_> = spec.tap.iter().map(|t| t.as_fd()).collect();
         let t = Instant::now();
         sb.run_at_normal_priority();
+        let prio_us = t.elapsed().as_micros() as u64;
         let answer = ApiClient::connect(&sb.api_sock).and_then(|mut c| c.call_with_fds(&req, &fds));
         match answer {
             Ok(r) if r.ok => {
@@ -302,6 +317,8 @@ impl ProcessDriver {
                     pid = sb.child.id(),
                     restore_us = ?r.fields.get("restored").and_then(|x| x.get("us")),
                     call_us = t.elapsed().as_micros() as u64,
+                    hand_us,
+                    prio_us,
                     "restored in a standby VM process"
                 );
                 let mut sb = sb;
@@ -348,6 +365,27 @@ impl ProcessDriver {
             }
         }
         jail::hand_over(&spec.dir, uid)
+    }
+
+    /// Where the jailed VM restoring `spec` records its working set, when the snapshot has
+    /// none yet and lies outside the sandbox's directory (a template, a persistent
+    /// snapshot: read-only to it): its own directory, from which the working set is adopted
+    /// once the VM ended ([`VmDriver::adopt_working_set`]). Unjailed, the VM writes it next
+    /// to the snapshot itself.
+    fn working_set_to(&self, spec: &StartSpec) -> Option<PathBuf> {
+        if self.jails.is_none()
+            || spec.boot.is_some()
+            || spec.snapshot.starts_with(&spec.dir)
+            || spec.snapshot.join(vmm::WORKING_SET_FILE).exists()
+        {
+            return None;
+        }
+        let to = spec.dir.join(vmm::WORKING_SET_FILE);
+        self.recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(spec.dir.clone(), spec.snapshot.clone());
+        Some(to)
     }
 
     fn children(&self) -> std::sync::MutexGuard<'_, HashMap<i32, Child>> {
@@ -564,6 +602,9 @@ impl VmDriver for ProcessDriver {
                 }
                 if !spec.agent_sync {
                     cmd.arg("--no-agent-sync");
+                }
+                if let Some(w) = self.working_set_to(spec) {
+                    cmd.arg("--working-set-to").arg(w);
                 }
             }
         }
@@ -860,6 +901,26 @@ impl VmDriver for ProcessDriver {
             files.extend(layers.into_iter().map(|l| l.path));
         }
         jail::share_files(top, &files)
+    }
+
+    fn adopt_working_set(&self, dir: &Path) {
+        let Some(snapshot) = self
+            .recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(dir)
+        else {
+            return;
+        };
+        match jail::adopt_working_set(&dir.join(vmm::WORKING_SET_FILE), &snapshot) {
+            Ok(Some(pages)) => tracing::info!(
+                snapshot = %snapshot.display(),
+                pages,
+                "working set recorded by a jailed VM installed"
+            ),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("{e}"),
+        }
     }
 
     fn exited(&self, pid: i32, api_sock: &Path) -> Option<String> {

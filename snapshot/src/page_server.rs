@@ -75,6 +75,11 @@ pub struct PageServerOptions {
     /// The working set, already read from that file (by a caller resuming one snapshot
     /// many times): used instead of reading the file if it belongs to this snapshot.
     pub working_set_loaded: Option<Arc<WorkingSet>>,
+    /// Where a working set recorded on this run is written, instead of `working_set`:
+    /// for a process that may read the snapshot's directory but not write it (a jailed
+    /// VM restoring a template shared by every sandbox). Its owner checks the file and
+    /// installs it as the snapshot's own (see [`WorkingSet::load`]).
+    pub record_to: Option<PathBuf>,
     /// How to prefetch a loaded working set.
     pub prefetch: Prefetch,
 }
@@ -451,12 +456,12 @@ impl PageServer {
             match WorkingSet::load(path, id, pages) {
                 Ok(ws) => loaded = Some(Arc::new(ws)),
                 Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                    record_to = Some(path.clone());
+                    record_to = Some(options.record_to.clone().unwrap_or_else(|| path.clone()));
                 }
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e,
                         "ignoring unusable working-set file; recording a new one");
-                    record_to = Some(path.clone());
+                    record_to = Some(options.record_to.clone().unwrap_or_else(|| path.clone()));
                 }
             }
         }

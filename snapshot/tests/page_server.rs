@@ -416,6 +416,58 @@ fn unusable_working_set_is_replaced_by_a_new_recording() {
 }
 
 #[test]
+fn a_recording_goes_where_record_to_says_and_a_later_run_prefetches_it() {
+    let _w = Watchdog::new(
+        "a_recording_goes_where_record_to_says_and_a_later_run_prefetches_it",
+        60,
+    );
+    let f = fixture(7);
+    // The snapshot's own directory is not written: the recording goes elsewhere.
+    let elsewhere = f.ws_path.with_file_name("recorded.ws");
+    let m = Mapping::anon(PAGES * PAGE);
+    let server = PageServer::start(
+        f.chain.clone(),
+        &whole(&m),
+        PageServerOptions {
+            record_to: Some(elsewhere.clone()),
+            ..opts(&f.ws_path, Prefetch::BeforeStart)
+        },
+    )
+    .unwrap();
+    assert!(server.is_recording());
+    for p in [3, 9, 1] {
+        m.read_page(p);
+    }
+    let r = server.stop(StopMode::Detach).unwrap();
+    assert_eq!(r.working_set_saved, Some(3));
+    assert!(
+        !f.ws_path.exists(),
+        "nothing written at the snapshot's path"
+    );
+    let id = f.chain.top().header().id;
+    let ws = WorkingSet::load(&elsewhere, id, PAGES as u64).unwrap();
+    assert_eq!(ws.pages, vec![3, 9, 1]);
+    // Installed as the snapshot's own, a later run prefetches it and records nothing,
+    // wherever `record_to` points.
+    ws.save(&f.ws_path).unwrap();
+    std::fs::remove_file(&elsewhere).unwrap();
+    let m = Mapping::anon(PAGES * PAGE);
+    let server = PageServer::start(
+        f.chain.clone(),
+        &whole(&m),
+        PageServerOptions {
+            record_to: Some(elsewhere.clone()),
+            ..opts(&f.ws_path, Prefetch::BeforeStart)
+        },
+    )
+    .unwrap();
+    assert!(!server.is_recording());
+    assert_eq!(server.stats().pages_prefetched, 3);
+    server.stop(StopMode::Detach).unwrap();
+    assert!(!elsewhere.exists());
+}
+
+#[test]
 fn bad_mappings_are_refused_cleanly() {
     let f = fixture(6);
     let m = Mapping::anon(PAGES * PAGE);

@@ -73,7 +73,7 @@ pub struct RestoreArgs {
     /// Start as a standby process: confine the process, build a VM shell of --vcpus and
     /// --mem, serve --api-sock and wait for one `restore` request (the options below, as
     /// JSON: vmm::api::RestoreRequest), then run that VM as `clade restore DIR` would.
-    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "vsock", "serial_file", "disk_overlay", "no_agent_sync", "net"])]
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "vsock", "serial_file", "disk_overlay", "no_agent_sync", "net", "working_set_to"])]
     standby: bool,
     /// Standby: the vCPUs of the VM shell (the snapshots it will take).
     #[arg(long, requires = "standby", default_value_t = 1)]
@@ -120,6 +120,10 @@ pub struct RestoreArgs {
     /// uffd: neither record nor prefetch a working set.
     #[arg(long)]
     no_working_set: bool,
+    /// uffd, when the snapshot has no working set yet: write the one recorded here instead
+    /// of into the snapshot's directory (one this VM may not write, e.g. jailed).
+    #[arg(long, value_name = "PATH", conflicts_with = "no_working_set")]
+    working_set_to: Option<PathBuf>,
     /// KVM device node.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -171,7 +175,8 @@ pub fn restore(mut args: RestoreArgs) -> anyhow::Result<u8> {
             .chain(&mut args.files_root)
             .chain(&mut args.vsock)
             .chain(&mut args.serial_file)
-            .chain(&mut args.disk_overlay),
+            .chain(&mut args.disk_overlay)
+            .chain(&mut args.working_set_to),
     )?;
     let Some(dir) = args.dir.clone() else {
         bail!("give the snapshot directory (or --standby)");
@@ -233,6 +238,7 @@ fn restored_vm_paths(
         &vsock,
         &args.api_sock,
         &args.disk_overlay,
+        &args.working_set_to,
     ]
     .into_iter()
     .flatten()
@@ -272,6 +278,7 @@ fn restore_and_own(
         agent_sync: !args.no_agent_sync,
         agent_sync_timeout_ms: Some((args.agent_sync_timeout * 1000.0).ceil().max(1.0) as u64),
         working_set: !args.no_working_set,
+        working_set_to: args.working_set_to,
         net: net_spec,
         tap_passed: false,
     };

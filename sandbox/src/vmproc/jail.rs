@@ -358,6 +358,58 @@ pub fn share_files(top: &Path, files: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// Largest working-set file taken from a jailed VM (4 bytes a page: 16 MiB for a guest
+/// of 16 GiB).
+const MAX_WORKING_SET_BYTES: u64 = 64 << 20;
+
+/// Installs the working set a jailed VM recorded at `recorded` (in its sandbox's
+/// directory: it may not write into `snapshot`, a template every sandbox reads) as the
+/// working set of `snapshot`, readable by every jailed VM. The VM's file is not trusted:
+/// it is opened without following a link, must be a regular file of a bounded size and
+/// is parsed and checked against the snapshot (id, page count, each page in range and
+/// once); what is written is a new file made from that parse. `Ok(None)`: nothing to do
+/// (no recording, or the snapshot has a working set already).
+pub fn adopt_working_set(recorded: &Path, snapshot: &Path) -> Result<Option<usize>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    if snapshot.join(vmm::WORKING_SET_FILE).exists() {
+        return Ok(None);
+    }
+    let file = match std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(recorded)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("opening", recorded)(e)),
+    };
+    let m = file.metadata().map_err(Error::io("reading", recorded))?;
+    if !m.is_file() || m.len() > MAX_WORKING_SET_BYTES {
+        return Err(Error::Vm(format!(
+            "{}: not a working set (a {} of {} bytes)",
+            recorded.display(),
+            if m.is_file() { "file" } else { "non-file" },
+            m.len()
+        )));
+    }
+    let prepared = vmm::PreparedSnapshot::open(snapshot, vmm::CpuCheck::default())
+        .map_err(|e| Error::Vm(format!("snapshot {}: {e}", snapshot.display())))?;
+    // The descriptor opened above, whatever the path names by now.
+    let opened = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    let pages = prepared.adopt_working_set(&opened).map_err(|e| {
+        Error::Vm(format!(
+            "the working set {} for {}: {e}",
+            recorded.display(),
+            snapshot.display()
+        ))
+    })?;
+    if pages.is_some() {
+        set_mode(&snapshot.join(vmm::WORKING_SET_FILE), 0o644)?;
+    }
+    Ok(pages)
+}
+
 fn set_mode(path: &Path, mode: u32) -> Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(Error::io("setting the mode of", path))
@@ -448,6 +500,43 @@ mod tests {
         assert_eq!(mode(&sub), 0o711);
         assert_eq!(mode(&top.join("a")), 0o711);
         assert_eq!(mode(&private), 0o600, "only the files named are shared");
+    }
+
+    #[test]
+    fn a_working_set_is_taken_only_from_a_regular_file_when_the_snapshot_has_none() {
+        let d = scratch("adopt-ws");
+        let snapshot = d.join("template");
+        std::fs::create_dir_all(&snapshot).unwrap();
+        let sandbox = d.join("sandbox");
+        std::fs::create_dir_all(&sandbox).unwrap();
+        let recorded = sandbox.join(vmm::WORKING_SET_FILE);
+        // Nothing recorded: nothing to do.
+        assert!(adopt_working_set(&recorded, &snapshot).unwrap().is_none());
+        // A link (to a file the VM could not read) is not followed.
+        let secret = d.join("secret");
+        std::fs::write(&secret, b"not for the VM").unwrap();
+        std::os::unix::fs::symlink(&secret, &recorded).unwrap();
+        let e = adopt_working_set(&recorded, &snapshot).unwrap_err();
+        assert!(e.to_string().contains("opening"), "{e}");
+        std::fs::remove_file(&recorded).unwrap();
+        // Nor is a FIFO opened for a read that would wait for a writer.
+        nix::unistd::mkfifo(&recorded, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = adopt_working_set(&recorded, &snapshot).unwrap_err();
+        assert!(e.to_string().contains("not a working set"), "{e}");
+        std::fs::remove_file(&recorded).unwrap();
+        // A regular file that is no working set of the snapshot (here: no snapshot at all)
+        // installs nothing.
+        std::fs::write(&recorded, b"CLADEWSF garbage").unwrap();
+        assert!(adopt_working_set(&recorded, &snapshot).is_err());
+        assert!(!snapshot.join(vmm::WORKING_SET_FILE).exists());
+        // A snapshot that has one keeps it, whatever was recorded.
+        std::fs::write(snapshot.join(vmm::WORKING_SET_FILE), b"kept").unwrap();
+        assert!(adopt_working_set(&recorded, &snapshot).unwrap().is_none());
+        assert_eq!(
+            std::fs::read(snapshot.join(vmm::WORKING_SET_FILE)).unwrap(),
+            b"kept"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

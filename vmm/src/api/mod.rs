@@ -192,6 +192,11 @@ pub struct RestoreRequest {
     /// `uffd`: record and prefetch a working set.
     #[serde(default = "default_true")]
     pub working_set: bool,
+    /// `uffd`, when the snapshot has no working set yet: where the one recorded is written,
+    /// instead of the snapshot's directory (which a jailed VM may not write); its service
+    /// installs it there. Under the files root, like the other files the VM makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_set_to: Option<PathBuf>,
     /// The virtio-net device's TAP, as `--net` takes it (`tap=NAME[,mac=MAC]` or
     /// `fd=N[,mac=MAC]`); required when the snapshot has a network device, unless
     /// `tap_passed`.
@@ -217,6 +222,7 @@ impl RestoreRequest {
             agent_sync: true,
             agent_sync_timeout_ms: None,
             working_set: true,
+            working_set_to: None,
             net: None,
             tap_passed: false,
         }

@@ -499,6 +499,7 @@ pub fn restore_request(
             &mut req.serial_file,
             &mut req.disk_overlay,
             &mut req.log,
+            &mut req.working_set_to,
         ]
         .into_iter()
         .flatten()
@@ -567,6 +568,7 @@ pub fn restore_request(
         shell: shell.take(),
         agent_sync,
         working_set: req.working_set,
+        working_set_to: req.working_set_to.clone(),
         disk_overlay: req.disk_overlay.clone(),
         net,
         vsock_bound_ahead: req.vsock.as_ref().and(made.vsock.take()),

@@ -56,6 +56,11 @@ pub struct RestoreOptions {
     pub working_set: bool,
     /// `uffd`: how a recorded working set is prefetched.
     pub prefetch: Prefetch,
+    /// `uffd`, recording (the snapshot has no working set yet): where the recording is
+    /// written instead of the snapshot's directory, which this process may not write (a
+    /// jailed VM restoring a template every sandbox reads). Whoever may write there
+    /// installs it ([`PreparedSnapshot::adopt_working_set`]).
+    pub working_set_to: Option<PathBuf>,
     /// Log dirty pages in the restored VM (needed for its diff snapshots).
     pub dirty_tracking: bool,
     /// Start the vCPUs before returning (otherwise call [`Vm::start`]).
@@ -87,6 +92,7 @@ impl Default for RestoreOptions {
             agent_sync: None,
             working_set: true,
             prefetch: Prefetch::BeforeStart,
+            working_set_to: None,
             dirty_tracking: true,
             start: true,
             vcpu_cpus: Vec::new(),
@@ -427,6 +433,7 @@ impl PreparedSnapshot {
             working_set_loaded: loaded,
             working_set: Some(ws),
             prefetch: RestoreOptions::default().prefetch,
+            record_to: None,
         };
         let (reservation, freed) = memory.into_reservation_and_uffd()?;
         let ram = GuestRam::anonymous(reservation)?;
@@ -445,6 +452,23 @@ impl PreparedSnapshot {
             cpuids,
             build_time,
         })
+    }
+
+    /// Installs the working set a restore of this snapshot recorded elsewhere
+    /// ([`RestoreOptions::working_set_to`]) as this snapshot's own, so that later restores
+    /// prefetch it: read from `recorded`, checked against this snapshot (its id, its page
+    /// count, every page in range and listed once), written anew into the snapshot's
+    /// directory. Only a valid working set is written, whatever `recorded` held. Returns the
+    /// number of pages; nothing is done (`Ok(None)`) when the snapshot has one already.
+    pub fn adopt_working_set(&self, recorded: &Path) -> Result<Option<usize>> {
+        let path = self.dir.join(WORKING_SET_FILE);
+        if path.exists() {
+            return Ok(None);
+        }
+        let ws = WorkingSet::load(recorded, self.header.meta.id, self.chain.pages())
+            .map_err(file_err(&self.dir))?;
+        ws.save(&path).map_err(file_err(&self.dir))?;
+        Ok(Some(ws.pages.len()))
     }
 
     /// The working set at `path`, read once and kept (None while there is none yet).
@@ -561,6 +585,7 @@ impl PreparedSnapshot {
                         working_set_loaded: ws.as_deref().and_then(|p| self.cached_working_set(p)),
                         working_set: ws,
                         prefetch: options.prefetch,
+                        record_to: options.working_set_to.clone(),
                     };
                     let runner = spare::runner_for(slot.spares, ThreadKind::PageServer);
                     let (ram, ps) = match slot.memory {
