@@ -10,6 +10,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -645,7 +646,7 @@ fn spinning_neighbours_are_held_to_their_cpu_share() {
 
 /// The standby processes' sockets in `state` and what their processes say they are.
 fn standby_sockets(state: &Path) -> Vec<(PathBuf, String)> {
-    let Ok(entries) = std::fs::read_dir(state.join("standby")) else {
+    let Ok(entries) = std::fs::read_dir(state.join("sandboxes/standby")) else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -754,6 +755,21 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     for &p in &pids {
         assert_eq!(policy_of(p), libc::SCHED_IDLE, "standby {p}");
     }
+    // The files each made ahead for its restore (the serial file, the vsock socket).
+    let inode = |p: &Path| std::fs::symlink_metadata(p).ok().map(|m| m.ino());
+    let made: Vec<[Option<u64>; 2]> = before
+        .iter()
+        .map(|s| {
+            [
+                inode(&s.with_extension("serial")),
+                inode(&s.with_extension("vsock")),
+            ]
+        })
+        .collect();
+    assert!(made.iter().flatten().all(Option::is_some), "{made:?}");
+    // The template has no working set yet: the first restore records it.
+    let template_ws = state.join("templates/t/snapshot/working_set.ws");
+    assert!(!template_ws.exists());
 
     let a = create_from_template(port);
     ping(&state.join("sandboxes").join(&a).join("vm.vsock"));
@@ -804,10 +820,36 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     // Its VMM log is the sandbox's.
     let log = state.join("sandboxes").join(&a).join("vm.log");
     assert!(log.exists());
+    // What it made ahead became the sandbox's files (renamed: the jailed standby sees its
+    // socket's directory and the sandbox's through one mount), not made anew at the
+    // restore.
+    let dir = state.join("sandboxes").join(&a);
+    assert_eq!(
+        [
+            inode(&dir.join("serial-r0.log")),
+            inode(&dir.join("vm.vsock"))
+        ],
+        made[i],
+        "the serial file and the vsock socket made ahead"
+    );
 
     // The pool refills in the background: two ready standbys again, one of them new.
     let after = wait_standbys(&state, 2);
     assert_eq!(after.iter().filter(|p| before.contains(p)).count(), 1);
+
+    // Jailed, the VM could not write the template's working set next to its snapshot: it
+    // recorded it in its own directory, and the service installs it once the VM ended,
+    // readable by every jailed VM (for later creates to prefetch).
+    let b = create_from_template(port);
+    ping(&state.join("sandboxes").join(&b).join("vm.vsock"));
+    assert!(!template_ws.exists());
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{b}"), Some("k"), "");
+    assert_eq!(s, 204);
+    let mode = std::fs::metadata(&template_ws)
+        .unwrap_or_else(|e| panic!("{}: {e}", template_ws.display()))
+        .mode();
+    assert_eq!(mode & 0o777, 0o644, "{mode:o}");
+    let after = wait_standbys(&state, 2);
 
     // A service crash: the unused standbys end (parent-death signal), the sandbox lives.
     serve.0.kill().unwrap();

@@ -313,12 +313,17 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                     mem_mib: t.mem_mib,
                 })
                 .collect();
+            let sandboxes = state_dir.join("sandboxes");
             let d = Arc::new(ProcessDriver::with_standby(
                 exe,
                 StandbyConfig {
-                    dir: state_dir.join("standby"),
+                    // Inside the files root: a jailed standby sees both through one
+                    // mount, so the files it makes ahead (serial file, vsock socket, log)
+                    // can be renamed into the sandbox's directory at its restore (across
+                    // two mounts a rename fails, and they were made on its path).
+                    dir: sandboxes.join("standby"),
                     per_shape: args.standby.into(),
-                    files_root: state_dir.join("sandboxes"),
+                    files_root: sandboxes,
                     shapes,
                     cgroups: cgroups.clone(),
                     jails: jails.clone(),

@@ -72,7 +72,9 @@ pub struct Shape {
 /// How a [`StandbyPool`] runs.
 #[derive(Debug, Clone)]
 pub struct StandbyConfig {
-    /// Where the standbys' sockets and start-up logs go (`<state dir>/standby`).
+    /// Where the standbys' sockets and start-up logs go (`<state dir>/sandboxes/standby`:
+    /// under `files_root`, so that what a jailed standby makes ahead there can be renamed
+    /// into a sandbox's directory, on the same mount in its jail).
     pub dir: PathBuf,
     /// Ready processes kept per shape (1..=[`MAX_PER_SHAPE`]).
     pub per_shape: usize,
