@@ -283,7 +283,11 @@ impl ProcessDriver {
             return Ok(None);
         };
         let t_hand = Instant::now();
-        if let Some(lease) = &sb.jail {
+        // A wake in the standby that opened its snapshot ahead: the sandbox's directory was
+        // handed to this standby's user then (see `StandbyPool::open_ahead`), and nothing
+        // was written into it since (the sandbox is paused).
+        let handed_ahead = sb.asked.contains(&spec.snapshot) && sb.handed.contains(&spec.snapshot);
+        if let (Some(lease), false) = (&sb.jail, handed_ahead) {
             if let Err(e) = self.hand_over(spec, lease.uid) {
                 sb.discard();
                 return Err(e);

@@ -95,6 +95,10 @@ pub(crate) struct Standby {
     pub(crate) log: PathBuf,
     /// Snapshots it was asked to open ahead (`preload` requests), oldest first.
     pub(crate) asked: Vec<PathBuf>,
+    /// Those of `asked` whose sandbox's directory was handed over to its jail's user at
+    /// the ask (after the pause that wrote the snapshot): a wake restoring one of them in
+    /// this standby has nothing left to hand over.
+    pub(crate) handed: Vec<PathBuf>,
     /// Its cgroup, until a take hands it on with the process (removed with it otherwise).
     pub(crate) cgroup: Option<super::limits::Joining>,
     /// Its jail, when jailed.
@@ -313,11 +317,12 @@ impl StandbyPool {
         let sandbox_dir = snapshot
             .parent()
             .filter(|d| d.parent() == Some(self.inner.cfg.files_root.as_path()));
-        if let (Some(j), Some(dir)) = (&s.jail, sandbox_dir) {
-            if let Err(e) = super::jail::hand_over(dir, j.uid) {
-                tracing::warn!("{e}");
-            }
-        }
+        let handed = match (&s.jail, sandbox_dir) {
+            (Some(j), Some(dir)) => super::jail::hand_over(dir, j.uid)
+                .inspect_err(|e| tracing::warn!("{e}"))
+                .is_ok(),
+            _ => false,
+        };
         let asked = ApiClient::connect(&s.api_sock).and_then(|mut c| {
             c.call(&Request::Preload {
                 snapshot: snapshot.to_path_buf(),
@@ -330,6 +335,12 @@ impl StandbyPool {
                 // As many as the standby holds (it closes its oldest beyond that).
                 while s.asked.len() > vmm::host::MAX_PRELOADED {
                     s.asked.remove(0);
+                }
+                // Only while it is one of `asked`: no other standby is asked for the same
+                // snapshot (and handed its directory) meanwhile.
+                s.handed.retain(|d| d != snapshot && s.asked.contains(d));
+                if handed {
+                    s.handed.push(snapshot.to_path_buf());
                 }
             }
             Ok(r) => tracing::warn!(
@@ -617,6 +628,7 @@ fn spawn_standby(
             api_sock,
             log,
             asked: Vec::new(),
+            handed: Vec::new(),
             cgroup,
             jail,
             vm_pid: None,
