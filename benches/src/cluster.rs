@@ -268,7 +268,9 @@ pub fn cluster(guest: &Guest, params: &ClusterParams) -> Result<ClusterReport> {
         args.extend_from_slice(more);
         Service::start(&params.clade, guest, &args, &env)
     };
-    let owner = node("owner", &[]).context("starting node owner")?;
+    // Room for every sandbox the benchmark runs at once, whatever this machine's CPUs
+    // (a node commits no more than its capacity, by default its CPUs).
+    let owner = node("owner", &["--capacity-vcpus", "64"]).context("starting node owner")?;
     let gateway = node("gateway", &["--no-sandboxes"]).context("starting node gateway")?;
     let mut r = ClusterReport::default();
 
