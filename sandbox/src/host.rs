@@ -1697,13 +1697,17 @@ impl Host {
     /// snapshot of the running parent that each child restores (the parent runs on). Children inherit the template,
     /// metadata, env vars and auto-pause, and time out `timeout_s` from now.
     pub fn fork(&self, id: &str, count: usize, timeout_s: u64) -> Result<Vec<Record>> {
-        // Room for the children (of the parent's shape), held until they are recorded. A
-        // sandbox this host does not have is fork_vm's to refuse.
-        let _room = match self.reg().get(id)? {
-            Some(p) if (1..=self.cfg.max_fork).contains(&count) => {
-                self.admit(p.vcpus, p.mem_mib, count)?
+        // In a cluster, room for the children (of the parent's shape), held until they are
+        // recorded (alone, nothing is read for it). A sandbox this host does not have is
+        // fork_vm's to refuse.
+        let in_cluster = self.ownership.is_some() && (1..=self.cfg.max_fork).contains(&count);
+        let _room = if in_cluster {
+            match self.reg().get(id)? {
+                Some(p) => self.admit(p.vcpus, p.mem_mib, count)?,
+                None => None,
             }
-            _ => None,
+        } else {
+            None
         };
         let children = self.fork_vm(id, count, timeout_s)?;
         for c in &children {
