@@ -425,15 +425,18 @@ fn a_recording_goes_where_record_to_says_and_a_later_run_prefetches_it() {
     // The snapshot's own directory is not written: the recording goes elsewhere.
     let elsewhere = f.ws_path.with_file_name("recorded.ws");
     let m = Mapping::anon(PAGES * PAGE);
-    let server = PageServer::start(
-        f.chain.clone(),
-        &whole(&m),
-        PageServerOptions {
-            record_to: Some(elsewhere.clone()),
-            ..opts(&f.ws_path, Prefetch::BeforeStart)
-        },
-    )
-    .unwrap();
+    let start = |m: &Mapping| {
+        PageServer::start(
+            f.chain.clone(),
+            &whole(m),
+            PageServerOptions {
+                record_to: Some(elsewhere.clone()),
+                ..opts(&f.ws_path, Prefetch::BeforeStart)
+            },
+        )
+        .unwrap()
+    };
+    let server = start(&m);
     assert!(server.is_recording());
     for p in [3, 9, 1] {
         m.read_page(p);
@@ -452,15 +455,7 @@ fn a_recording_goes_where_record_to_says_and_a_later_run_prefetches_it() {
     ws.save(&f.ws_path).unwrap();
     std::fs::remove_file(&elsewhere).unwrap();
     let m = Mapping::anon(PAGES * PAGE);
-    let server = PageServer::start(
-        f.chain.clone(),
-        &whole(&m),
-        PageServerOptions {
-            record_to: Some(elsewhere.clone()),
-            ..opts(&f.ws_path, Prefetch::BeforeStart)
-        },
-    )
-    .unwrap();
+    let server = start(&m);
     assert!(!server.is_recording());
     assert_eq!(server.stats().pages_prefetched, 3);
     server.stop(StopMode::Detach).unwrap();
