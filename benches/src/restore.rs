@@ -115,16 +115,18 @@ const STEP_ORDER: &[&str] = &[
     "connect_ping",
 ];
 
-/// Pins this thread (and so every VMM thread it starts from now on) to host CPU 0 and
-/// returns the CPUs left for vCPUs: the native guest busy-polls, and a VMM thread queued
-/// behind a spinning vCPU on a 2-CPU host waits out a scheduler time slice (~3 ms).
-pub(crate) fn pin_vmm_threads() -> Result<Vec<usize>> {
+/// Pins this thread (and so every VMM thread it starts from now on) to host CPU 0 until
+/// the returned pin is dropped, and returns the CPUs left for vCPUs: the native guest
+/// busy-polls, and a VMM thread queued behind a spinning vCPU on a 2-CPU host waits out a
+/// scheduler time slice (~3 ms). Dropped at the end of its benchmark: what runs after it
+/// (`clade bench all` starts services later) is not confined to CPU 0.
+pub(crate) fn pin_vmm_threads() -> Result<(Option<vmm::CpuPin>, Vec<usize>)> {
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     if cpus < 2 {
-        return Ok(Vec::new());
+        return Ok((None, Vec::new()));
     }
-    vmm::pin_current_thread(0).context("pinning the VMM to CPU 0")?;
-    Ok((1..cpus).collect())
+    let pin = vmm::CpuPin::current_thread(0).context("pinning the VMM to CPU 0")?;
+    Ok((Some(pin), (1..cpus).collect()))
 }
 
 impl BackendRun {
@@ -284,10 +286,10 @@ pub fn restore(guest: &Guest, machine: &Machine, params: &RestoreParams) -> Resu
             "--fill must be a percentage (0..=100)".into(),
         ));
     }
-    let vcpu_cpus = if params.pin {
+    let (_pin, vcpu_cpus) = if params.pin {
         pin_vmm_threads()?
     } else {
-        Vec::new()
+        (None, Vec::new())
     };
     let scratch = Scratch::new("resume")?;
     let dir = scratch.0.join("snap");

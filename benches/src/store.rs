@@ -210,7 +210,7 @@ pub fn restore_store(
     };
     let warm_fetcher = fetcher("warm")?;
     let cold_fetcher = fetcher("cold")?;
-    let vcpu_cpus = pin_vmm_threads()?;
+    let (_pin, vcpu_cpus) = pin_vmm_threads()?;
     let dir = scratch.0.join("snap");
     let sock = scratch.0.join("v.sock");
     let (_, steps) = filled_then_serving(machine, params.fill_pct);

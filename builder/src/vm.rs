@@ -5,12 +5,29 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmm::agent::{Client, Transport};
 use vmm::api::{ApiClient, Request, Response};
 
 use crate::error::{Error, Result};
+
+/// What confines a build VM's process (a service's jail and cgroups): given the command
+/// before it starts and the directory the VM writes in (its sockets, console, disk
+/// overlays, snapshot), it adds what jails the process and hands the directory over to it.
+/// What it returns lives as long as the process and is dropped once the process has
+/// ended: it takes the directory back (files the VM wrote become the caller's again).
+pub trait Confine: Send + Sync + std::fmt::Debug {
+    /// Confines the VM process `cmd` starts, of `vcpus` and `mem_mib`, writing in `dir`.
+    fn confine(
+        &self,
+        cmd: &mut Command,
+        dir: &Path,
+        vcpus: u32,
+        mem_mib: u64,
+    ) -> std::result::Result<Box<dyn Send>, String>;
+}
 
 /// How to boot a build VM.
 #[derive(Debug, Clone)]
@@ -35,6 +52,8 @@ pub struct VmSpec {
     pub test_device: bool,
     /// How long the agent may take to answer after the VM starts.
     pub agent_timeout: Duration,
+    /// What confines the VM process (None: it runs as the caller, unjailed).
+    pub confine: Option<Arc<dyn Confine>>,
 }
 
 /// A running build VM.
@@ -44,6 +63,9 @@ pub struct BuildVm {
     serial: PathBuf,
     log: PathBuf,
     agent: Client,
+    /// What confines the process: dropped after it (fields drop in order, and `Drop`
+    /// below waits for the process first).
+    _confined: Option<Box<dyn Send>>,
 }
 
 /// The last `n` bytes of `path` as text ("" if unreadable).
@@ -95,11 +117,20 @@ impl BuildVm {
             args.extend(["--net".into(), n.into()]);
         }
         let log_file = std::fs::File::create(&log).map_err(|e| Error::io("creating", &log, e))?;
-        let child = Command::new(&spec.exe)
-            .args(&args)
+        let mut cmd = Command::new(&spec.exe);
+        cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log_file)
+            .stderr(log_file);
+        // Declared before the process: dropped (the directory taken back) after it ended.
+        let mut confined = match &spec.confine {
+            Some(c) => Some(
+                c.confine(&mut cmd, dir, spec.vcpus, spec.mem_mib)
+                    .map_err(|e| Error::Vm(format!("confining it: {e}")))?,
+            ),
+            None => None,
+        };
+        let child = cmd
             .spawn()
             .map_err(|e| Error::io("starting", &spec.exe, e))?;
         let mut pending = Pending(Some(child));
@@ -134,6 +165,7 @@ impl BuildVm {
             serial,
             log,
             agent,
+            _confined: confined.take(),
         })
     }
 

@@ -54,6 +54,9 @@ pub struct BuildConfig {
     pub kvm_device: PathBuf,
     /// Each template's disk size (None: what the image needs plus a margin).
     pub disk_size: Option<u64>,
+    /// What confines the build VMs (the service's jail and cgroups; None: unconfined,
+    /// `--no-jail --no-limits`).
+    pub confine: Option<Arc<dyn clade_builder::vm::Confine>>,
 }
 
 /// A build's state as E2B names it.
@@ -645,6 +648,9 @@ impl Builds {
             }
         }
         let plan = plan_of(&defaults, req)?;
+        // A jailed build VM reads the layers below its own: a base just converted is
+        // the service's alone until shared.
+        crate::vmproc::jail::share_tree(&self.templates().build_cache_dir())?;
         let spec = VmSpec {
             exe: cfg.exe.clone(),
             kernel: cfg.kernel.clone(),
@@ -656,6 +662,7 @@ impl Builds {
             net: None,
             test_device: false,
             agent_timeout: Duration::from_secs(240),
+            confine: cfg.confine.clone(),
         };
         let (top, report) = clade_builder::layers::build(
             &plan,
@@ -962,6 +969,7 @@ mod tests {
             cmdline: String::new(),
             kvm_device: "/dev/kvm".into(),
             disk_size: None,
+            confine: None,
         };
         let b = Builds::new(&d, Some(cfg.clone()));
         let (t, waiting) = b.request("app", None, None).unwrap();

@@ -30,10 +30,12 @@ use vmm::api::{ApiClient, Request, RestoreRequest};
 
 use crate::error::{Error, Result};
 
+pub mod confine;
 pub mod jail;
 pub mod limits;
 pub mod standby;
 
+pub use confine::BuildConfinement;
 pub use jail::{JailConfig, Jails};
 pub use limits::{LimitsConfig, VmCgroups};
 pub use standby::{Shape, StandbyConfig, StandbyPool};

@@ -9,8 +9,8 @@
 #       run the suite, tell the scenario the verdict (`done pass|fail` on the control port).
 #   run_nested.sh --standalone [pytest args]
 #       start the nested machine with only the sdk scenario, then as above.
-#   Then the same SDK suites once more (test_linux.py but its service-restart and template
-#   build tests, and test_dataplane.py) against a two-node cluster in the nested machine,
+#   Then the same SDK suites once more (test_linux.py but its service-restart test, and
+#   test_dataplane.py) against a two-node cluster in the nested machine,
 #   entered through its gateway node, which owns no sandbox: PostgreSQL is started here
 #   (tests/e2b/nested_pg.py, as user postgres) and reached from the nested machine
 #   through run.sh --guestfwd; the scenario starts the nodes (`cluster-up`).

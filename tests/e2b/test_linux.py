@@ -13,6 +13,7 @@ import hashlib
 import os
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -55,14 +56,24 @@ def console_count(marker):
         return f.read().count(marker.encode())
 
 
+def obey(line, answer, within, what):
+    """Sends a control command and waits until the console shows `answer` once more."""
+    before = console_count(answer)
+    control(line)
+    deadline = time.monotonic() + within
+    while console_count(answer) == before:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
 def restart_service():
     """Restarts `clade serve` in the nested machine and waits for the new one."""
-    before = console_count("SDK-SERVE-RESTARTED")
-    control("restart")
-    deadline = time.monotonic() + 240
-    while console_count("SDK-SERVE-RESTARTED") == before:
-        assert time.monotonic() < deadline, "the service did not come back"
-        time.sleep(0.5)
+    obey("restart", "SDK-SERVE-RESTARTED", 240, "the service did not come back")
+
+
+def remove_template(name):
+    """Removes template `name` and the build cache (the nested machine's /tmp is memory)."""
+    obey(f"rm-template {name}", f"SDK-TEMPLATE-REMOVED {name} rc=0", 120, "the template was not removed")
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +375,61 @@ def test_file_metadata_on_the_guests_disk():
         Sandbox.kill(s.sandbox_id)
 
 
+def build_vms(tag):
+    """The template build VM processes in the nested machine, asked by control: a dict of
+    their status (uid, capeff, nnp, pidns: PID namespace levels, cgroup) each."""
+    control(f"build-vms {tag}")
+    deadline = time.monotonic() + 60
+    while console_count(f"SDK-BUILD-VMS {tag} ") == 0:
+        assert time.monotonic() < deadline, "no answer to the build-vms command"
+        time.sleep(0.3)
+    with open(NESTED_LOG, "rb") as f:
+        lines = f.read().decode(errors="replace").splitlines()
+    mark = f"SDK-BUILD-VM {tag} "
+    return [
+        dict(kv.split("=", 1) for kv in ln.split(mark, 1)[1].split()[1:])
+        for ln in lines
+        if mark in ln
+    ]
+
+
+def test_a_template_build_vm_is_jailed_and_limited():
+    """Issue 40: the VM a template build runs in (E2B's build API, what tenants send) is
+    jailed as a sandbox's: not root, no capabilities, no_new_privs, a PID namespace of its
+    own, a cgroup of the service's. Read from /proc while its RUN step runs."""
+    from e2b import Template
+
+    t = Template().from_template(TEMPLATE).run_cmd("sleep 15")
+    out = {}
+
+    def build():
+        try:
+            out["info"] = Template.build(t, "sdk-jailed", cpu_count=1, memory_mb=256)
+        except Exception as e:  # reported below
+            out["error"] = e
+
+    th = threading.Thread(target=build)
+    th.start()
+    seen, i = [], 0
+    nonce = os.urandom(3).hex()
+    while th.is_alive() and not seen:
+        i += 1
+        seen = [v for v in build_vms(f"{nonce}-{i}") if v.get("uid") != "0"]
+        if not seen:
+            time.sleep(1)
+    th.join(900)
+    assert not th.is_alive(), "the build did not end"
+    assert "error" not in out, out.get("error")
+    assert seen, "no build VM process ran as another user than root during the build"
+    for v in seen:
+        assert int(v["uid"]) >= 2_000_000, v
+        assert v["capeff"] == "0000000000000000", v
+        assert v["nnp"] == "1", v
+        assert v["pidns"] == "2", v
+        assert "/clade/s-" in v["cgroup"], v
+    remove_template("sdk-jailed")
+
+
 def test_template_build_through_the_sdk(tmp_path):
     """E2B's template build API: `Template.build` on a template of this host, a COPY of a
     file from the build context, ENV, WORKDIR, a RUN that reads both, a start command with
@@ -417,10 +483,5 @@ def test_template_build_through_the_sdk(tmp_path):
     with pytest.raises(BuildException):
         Template.build(Template().from_template("no-such-template"), "sdk-none", memory_mb=256)
     # The nested machine's /tmp is memory: the template and the build cache go.
-    before = console_count("SDK-TEMPLATE-REMOVED sdk-built rc=0")
-    control("rm-template sdk-built")
-    deadline = time.monotonic() + 120
-    while console_count("SDK-TEMPLATE-REMOVED sdk-built rc=0") == before:
-        assert time.monotonic() < deadline, "the template was not removed"
-        time.sleep(0.5)
+    remove_template("sdk-built")
     assert not Template.exists("sdk-built")

@@ -49,6 +49,9 @@ mounts() {
     mount -t sysfs sysfs /sys
     mount -t devtmpfs devtmpfs /dev
     mount -t tmpfs tmpfs /tmp
+    # Pseudo-terminals, for `script` (a scenario runs a build on a terminal).
+    mkdir -p /dev/pts
+    mount -t devpts -o ptmxmode=0666 devpts /dev/pts || echo "outer init: no devpts"
     # cgroup v2, as a current distribution mounts it: `clade serve` puts each sandbox's
     # VM process in a cgroup of its own and refuses to run without one.
     mkdir -p /sys/fs/cgroup

@@ -64,4 +64,4 @@ pub use vstate::fdtable::reserve_fd_table;
 pub use vstate::memory::host_mem_mib;
 pub use vstate::pool::ShellPool;
 pub use vstate::shell::{Shell, ShellSpec};
-pub use vstate::vcpu::pin_current_thread;
+pub use vstate::vcpu::{pin_current_thread, CpuPin};

@@ -396,6 +396,10 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 cmdline: args.build_cmdline.clone(),
                 kvm_device: PathBuf::from("/dev/kvm"),
                 disk_size: args.build_disk_size,
+                // Build VMs are jailed and limited as sandboxes' are: they run what
+                // tenants send.
+                confine: sandbox::vmproc::BuildConfinement::new(jails.clone(), cgroups.clone())
+                    .map(|c| Arc::new(c) as Arc<dyn clade_builder::vm::Confine>),
             }),
             None => None,
         },
@@ -1014,6 +1018,8 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         net: net.as_ref().map(|n| n.vmm_spec()),
         test_device: a.test_device,
         agent_timeout: Duration::from_secs_f64(a.agent_timeout.max(0.1)),
+        // The CLI's build runs as its user, on what that user gave it.
+        confine: None,
     };
     let (base, image) = match (&a.image, &a.dockerfile) {
         (Some(img), _) => {

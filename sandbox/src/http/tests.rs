@@ -804,6 +804,7 @@ async fn template_builds_as_the_sdk_drives_them() {
             cmdline: String::new(),
             kvm_device: "/dev/kvm".into(),
             disk_size: None,
+            confine: None,
         }),
     );
     let app = router(AppState {

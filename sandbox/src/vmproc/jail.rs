@@ -185,6 +185,16 @@ impl Jails {
     /// Jails the `clade restore` that `cmd` starts: a new uid, a root named `token`, and
     /// the directories every VM process reads.
     pub fn prepare(&self, cmd: &mut Command, token: &str) -> Result<JailLease> {
+        let lease = self.prepare_alone(cmd, token)?;
+        for dir in self.read.iter().chain(&self.template_extras()) {
+            cmd.arg("--jail-read").arg(dir);
+        }
+        Ok(lease)
+    }
+
+    /// As [`Jails::prepare`], without the directories every sandbox's VM process reads: for
+    /// a process that reads only what its own arguments name (a template build's VM).
+    pub fn prepare_alone(&self, cmd: &mut Command, token: &str) -> Result<JailLease> {
         let uid = self.allocate()?;
         let root = self.roots.join(token);
         cmd.arg("--jail")
@@ -193,9 +203,6 @@ impl Jails {
             .arg(uid.to_string())
             .arg("--gid")
             .arg(uid.to_string());
-        for dir in self.read.iter().chain(&self.template_extras()) {
-            cmd.arg("--jail-read").arg(dir);
-        }
         Ok(JailLease { root, uid })
     }
 
@@ -299,6 +306,15 @@ pub fn jailed_vm_process(pid: u32) -> Option<u32> {
 pub fn hand_over(dir: &Path, uid: u32) -> Result<()> {
     chown_tree(dir, uid)?;
     set_mode(dir, 0o711)
+}
+
+/// Takes back a directory handed over to a VM process that has ended: it and everything
+/// in it owned by root again (links not followed), readable by every jailed VM process
+/// (see [`share_tree`]). For what a template build's VM wrote: frozen layers and the
+/// template's snapshot.
+pub fn take_back(dir: &Path) -> Result<()> {
+    chown_tree(dir, 0)?;
+    share_real_tree(dir)
 }
 
 fn chown_tree(path: &Path, uid: u32) -> Result<()> {

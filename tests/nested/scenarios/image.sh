@@ -159,13 +159,22 @@ grep -q '"GREETING": "hello world"' "$W"/state/templates/df1/template.json ||
     fail "the template does not keep the Dockerfile's ENV"
 grep -q '"user": "1000"' "$W"/state/templates/df1/template.json ||
     fail "the template does not keep the Dockerfile's USER"
-# Only the last step changed: only it runs.
+grep -q "/4 steps" "$W/df1.err" && fail "a build off a terminal drew its steps bar"
+# Only the last step changed: only it runs. On a terminal (util-linux `script`, staged by
+# run.sh): the steps bar is drawn and ends at 4/4.
 dockerfile 'id -u > step2 && echo two >> step2'
-dfbuild df2 --run 'test "$(cat /srv/app/step2)" = "1000
-two"' --run 'test "$(cat /srv/app/greeting)" = "hello world"' \
-    2>"$W/df2.err" || { cat "$W/df2.err"; fail "the second Dockerfile build"; }
-cat "$W/df2.err"
+cat >"$W/df2.sh" <<'DF2'
+$CLADE template build df2 --dockerfile "$C/Dockerfile" --state-dir "$W/state" \
+    --kernel /guest/vmlinuz --initrd /guest/initrd.cpio --mem 256 --agent-timeout 240 \
+    --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda" \
+    --run 'test "$(cat /srv/app/step2)" = "1000
+two"' --run 'test "$(cat /srv/app/greeting)" = "hello world"'
+DF2
+TERM=xterm CLADE=$CLADE C=$C W=$W script -qec "sh $W/df2.sh" /dev/null >"$W/df2.err" 2>&1 </dev/null ||
+    { cat "$W/df2.err"; fail "the second Dockerfile build"; }
+tr '\r' '\n' <"$W/df2.err" | grep -v '^$' | tail -n 20
 grep -q "4 steps, 3 cached, 1 run" "$W/df2.err" || fail "the rebuild did not take its unchanged steps from the cache"
+grep -q "4/4 steps" "$W/df2.err" || fail "no steps bar at 4/4 on a terminal"
 # A step that fails: its line and output, no template.
 dockerfile 'echo step-output-here; exit 3'
 if dfbuild dfbad 2>"$W/dfbad.err"; then fail "a failing RUN step did not fail the build"; fi

@@ -26,6 +26,9 @@
 #   rm-template NAME  remove template NAME (`clade template rm`; node n1's when it has it)
 #                 and the build cache, print
 #                 `SDK-TEMPLATE-REMOVED NAME rc=<rc>`
+#   build-vms TAG print, for each process of a template build's VM (`build.api` on its
+#                 command line), `SDK-BUILD-VM TAG <pid> uid=… capeff=… nnp=… pidns=…
+#                 cgroup=…` (its status and cgroup), then `SDK-BUILD-VMS TAG <count>`
 #   cluster-up URL  start a two-node cluster on the registry at URL (PostgreSQL on the
 #                 host, reached through run.sh --guestfwd 5432:...): node "n1" on port 8084
 #                 (its own state directory, the debian template linked in, networks
@@ -383,6 +386,22 @@ while [ -z "$verdict" ]; do
         r=$?
         rm -rf "$dir/templates/.build-cache"
         echo "SDK-TEMPLATE-REMOVED $name rc=$r"
+        ;;
+    "build-vms "*)
+        tag=${cmd#build-vms }
+        n=0
+        for d in /proc/[0-9]*; do
+            tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q '/build\.api ' || continue
+            st=$(cat "$d/status" 2>/dev/null) || continue
+            uid=$(echo "$st" | awk '/^Uid:/ { print $2 }')
+            cap=$(echo "$st" | awk '/^CapEff:/ { print $2 }')
+            nnp=$(echo "$st" | awk '/^NoNewPrivs:/ { print $2 }')
+            pidns=$(echo "$st" | awk '/^NSpid:/ { print NF - 1 }')
+            cg=$(grep -m1 -E ':memory:|^0::' "$d/cgroup" 2>/dev/null | cut -d: -f3)
+            echo "SDK-BUILD-VM $tag ${d#/proc/} uid=$uid capeff=$cap nnp=$nnp pidns=$pidns cgroup=$cg"
+            n=$((n + 1))
+        done
+        echo "SDK-BUILD-VMS $tag $n"
         ;;
     "cluster-up "*)
         if cluster_up "${cmd#cluster-up }"; then

@@ -394,6 +394,11 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
             // process of the namespace): no VM is left behind by a killed supervisor.
             // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+            // A starter that ended before the signal was set sends none: its end of the
+            // link is closed then (it never writes to it), which a peek sees as the end.
+            if starter_gone(&link_tx) {
+                std::process::exit(1);
+            }
             match keeper(config, &checked, cgroup.as_ref(), report_tx, link_tx) {
                 Ok(KeeperRole::Vm(link)) => Ok(Jailed::Inside(link)),
                 Ok(KeeperRole::Done(code)) => std::process::exit(code.into()),
@@ -424,6 +429,21 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
             }
         }
     }
+}
+
+/// Whether the process at the other end of `link` (the jail's starter, which holds it
+/// open and writes nothing into it while it lives) has ended.
+fn starter_gone(link: &UnixStream) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    let mut b = [0u8; 1];
+    matches!(
+        recv(
+            link.as_raw_fd(),
+            &mut b,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+        ),
+        Ok(0)
+    )
 }
 
 /// Writes a setup failure to the report channel.
@@ -888,6 +908,14 @@ fn drop_privileges(config: &JailConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_keeper_sees_its_starter_gone() {
+        let (starter, keeper) = UnixStream::pair().unwrap();
+        assert!(!starter_gone(&keeper), "the starter holds its end");
+        drop(starter);
+        assert!(starter_gone(&keeper), "the starter's end is closed");
+    }
 
     fn config(root: &Path) -> JailConfig {
         JailConfig {

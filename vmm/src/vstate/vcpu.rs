@@ -121,6 +121,41 @@ pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     pin_thread(0, cpu)
 }
 
+/// The calling thread pinned to one host CPU until this is dropped (on that thread: it is
+/// not `Send`), when it may again run on the CPUs it could before. What a benchmark holds
+/// while it measures, so that the processes it starts afterwards (a service) are not
+/// confined to that CPU too.
+pub struct CpuPin {
+    before: libc::cpu_set_t,
+    _same_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for CpuPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuPin").finish_non_exhaustive()
+    }
+}
+
+impl CpuPin {
+    /// Pins the calling thread to host CPU `cpu`.
+    pub fn current_thread(cpu: usize) -> std::io::Result<CpuPin> {
+        let before = current_thread_cpus()?;
+        pin_thread(0, cpu)?;
+        Ok(CpuPin {
+            before,
+            _same_thread: std::marker::PhantomData,
+        })
+    }
+}
+
+impl Drop for CpuPin {
+    fn drop(&mut self) {
+        if let Err(e) = set_thread_cpus(0, &self.before) {
+            tracing::warn!("giving a thread its CPUs back: {e}");
+        }
+    }
+}
+
 /// Restricts thread `tid` (0: the calling thread) to host CPU `cpu`.
 pub(crate) fn pin_thread(tid: libc::pid_t, cpu: usize) -> std::io::Result<()> {
     if cpu >= libc::CPU_SETSIZE as usize {
