@@ -33,6 +33,7 @@ impl Bar {
     /// Leaves the bar drawn at its end.
     pub fn finish(&self) {
         self.0.finish();
+        end_line(&self.0);
     }
 
     /// Updates the bar from `get` (done, total) ten times a second until
@@ -80,6 +81,14 @@ impl Bar {
     }
 }
 
+/// Ends the line a bar left drawn (the terminal's cursor stays after its last
+/// character): what is printed next starts on a line of its own. Nothing off a terminal.
+fn end_line(bar: &ProgressBar) {
+    if !bar.is_hidden() {
+        eprintln!();
+    }
+}
+
 /// Runs `convert` (an image's conversion to a disk) with a bar of its steps: the bytes of
 /// the image's layers unpacked, then `mkfs.ext4`, then the import.
 pub fn converting<T, E>(
@@ -120,11 +129,14 @@ impl StepsBar {
     pub fn finish(&self, ok: bool) {
         if self.0.length().unwrap_or(0) == 0 {
             self.0.finish_and_clear();
-        } else if ok {
+            return;
+        }
+        if ok {
             self.0.finish();
         } else {
             self.0.abandon();
         }
+        end_line(&self.0);
     }
 }
 
@@ -168,6 +180,7 @@ impl Following {
         } else {
             self.bar.abandon();
         }
+        end_line(&self.bar);
     }
 }
 

@@ -170,7 +170,7 @@ $CLADE template build df2 --dockerfile "$C/Dockerfile" --state-dir "$W/state" \
     --run 'test "$(cat /srv/app/step2)" = "1000
 two"' --run 'test "$(cat /srv/app/greeting)" = "hello world"'
 DF2
-TERM=xterm CLADE=$CLADE C=$C W=$W script -qec "sh $W/df2.sh" /dev/null >"$W/df2.err" 2>&1 </dev/null ||
+TERM=xterm CLADE=$CLADE C=$C W=$W /usr/bin/script -qec "sh $W/df2.sh" /dev/null >"$W/df2.err" 2>&1 </dev/null ||
     { cat "$W/df2.err"; fail "the second Dockerfile build"; }
 tr '\r' '\n' <"$W/df2.err" | grep -v '^$' | tail -n 20
 grep -q "4 steps, 3 cached, 1 run" "$W/df2.err" || fail "the rebuild did not take its unchanged steps from the cache"
