@@ -362,7 +362,7 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
 /// The cost of confinement: creates and wakes on the service as it runs by default
 /// (`confined`: each VM process jailed — a user of its own, its own namespaces — and in
 /// its cgroup) and on a second one started with `--no-jail --no-limits`, interleaved one
-/// for one so that both see the same host.
+/// for one so that both see the same host, which of the two goes first alternating.
 #[derive(Debug)]
 pub struct ConfinementRun {
     /// create → ping answered, confined.
@@ -406,9 +406,16 @@ fn confinement(
         out.push(t.elapsed());
         s.kill(&id)
     };
-    for _ in 0..n {
-        create(confined, &mut run.create)?;
-        create(&free, &mut run.create_free)?;
+    // Which goes first alternates: the second of a pair runs while the first's standby
+    // refill may start, and neither service should always be second.
+    for i in 0..n {
+        if i % 2 == 0 {
+            create(confined, &mut run.create)?;
+            create(&free, &mut run.create_free)?;
+        } else {
+            create(&free, &mut run.create_free)?;
+            create(confined, &mut run.create)?;
+        }
     }
     let woken: Vec<String> = [confined, &free]
         .iter()
@@ -418,11 +425,15 @@ fn confinement(
             Ok(id)
         })
         .collect::<Result<_>>()?;
-    for _ in 0..n {
-        for (s, (id, out)) in [confined, &free]
+    for i in 0..n {
+        let mut pair: Vec<_> = [confined, &free]
             .into_iter()
             .zip(woken.iter().zip([&mut run.wake, &mut run.wake_free]))
-        {
+            .collect();
+        if i % 2 == 1 {
+            pair.reverse();
+        }
+        for (s, (id, out)) in pair {
             s.pause(id)?;
             let t = Instant::now();
             s.connect(id)?;

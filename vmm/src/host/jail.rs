@@ -383,6 +383,16 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
         .map_err(|e| jail_err(format!("creating the jail's report channel: {e}")))?;
     let (link_rx, link_tx) = UnixStream::pair()
         .map_err(|e| jail_err(format!("creating the jail's starter link: {e}")))?;
+    // A VM started at idle priority (a standby waiting to be taken) puts each of its
+    // threads back at normal priority as they take up work; leaving SCHED_IDLE without
+    // privileges needs a nice limit that allows nice 0 (RLIMIT_NICE 20). Set here, while
+    // root, for the jail's processes to inherit; never higher than normal priority. A
+    // root without CAP_SYS_RESOURCE (some containers) cannot: then whoever started the
+    // VM at idle priority lifts its threads (`clade serve` does, thread by thread).
+    if let Err(e) = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NICE, 20, 20)
+    {
+        tracing::debug!("jail: RLIMIT_NICE left as it is: {e}");
+    }
     unshare(CloneFlags::CLONE_NEWPID).map_err(|e| errno_err("new PID namespace", e))?;
     // SAFETY: this process has exactly one thread (checked above), so the child is a
     // complete copy and may run any code.
