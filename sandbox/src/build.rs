@@ -384,21 +384,43 @@ impl Builds {
         hex(h.finalize())
     }
 
-    /// Keeps an upload of the files of `hash` (`token` from [`Builds::upload_token`]):
-    /// a gzipped or plain tar, stored decompressed and checked to be a tar.
-    pub fn store_upload(&self, hash: &str, token: &str, body: &[u8]) -> Result<()> {
+    /// Checks the upload link of the files of `hash` (`token` from
+    /// [`Builds::upload_token`]) before anything of its body is read, and returns where the
+    /// body goes as it arrives (a scratch file of the build files' directory, given to
+    /// [`Builds::keep_upload`]).
+    pub fn upload_scratch(&self, hash: &str, token: &str) -> Result<PathBuf> {
         check_hash(hash)?;
         if !crate::envd::access::same_secret(token.as_bytes(), self.upload_token(hash).as_bytes()) {
             return Err(Error::BadRequest("this upload link is not valid".into()));
         }
         let dir = self.files_dir();
         std::fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
-        let tmp = dir.join(format!(".{hash}.{}", std::process::id()));
-        let mut data: Box<dyn Read> = if body.starts_with(&[0x1f, 0x8b]) {
-            Box::new(flate2::read::GzDecoder::new(body))
+        Ok(dir.join(format!(".{hash}.{}.upload", crate::ids::random_string(12))))
+    }
+
+    /// Keeps an upload of the files of `hash` received into `raw` (from
+    /// [`Builds::upload_scratch`]; removed whatever happens): a gzipped or plain tar,
+    /// stored decompressed and checked to be a tar.
+    pub fn keep_upload(&self, hash: &str, raw: &Path) -> Result<()> {
+        let r = self.unpack_upload(hash, raw);
+        let _ = std::fs::remove_file(raw);
+        r
+    }
+
+    fn unpack_upload(&self, hash: &str, raw: &Path) -> Result<()> {
+        check_hash(hash)?;
+        let mut file = std::fs::File::open(raw).map_err(Error::io("reading", raw))?;
+        use std::io::Seek;
+        let mut magic = [0u8; 2];
+        let gz = matches!(file.read(&mut magic), Ok(2) if magic == [0x1f, 0x8b]);
+        file.rewind().map_err(Error::io("reading", raw))?;
+        let mut data: Box<dyn Read> = if gz {
+            Box::new(flate2::read::GzDecoder::new(std::io::BufReader::new(file)))
         } else {
-            Box::new(body)
+            Box::new(std::io::BufReader::new(file))
         };
+        let dir = self.files_dir();
+        let tmp = dir.join(format!(".{hash}.{}.tar", crate::ids::random_string(12)));
         let mut out = std::fs::File::create(&tmp).map_err(Error::io("creating", &tmp))?;
         let n = std::io::copy(&mut (&mut data).take(MAX_UNPACKED + 1), &mut out);
         let r = match n {
@@ -421,6 +443,15 @@ impl Builds {
         }
         let dst = dir.join(format!("{hash}.tar"));
         std::fs::rename(&tmp, &dst).map_err(Error::io("renaming", &tmp))
+    }
+
+    /// [`Builds::upload_scratch`], the whole of `body` written there, then
+    /// [`Builds::keep_upload`].
+    #[cfg(test)]
+    fn store_upload(&self, hash: &str, token: &str, body: &[u8]) -> Result<()> {
+        let raw = self.upload_scratch(hash, token)?;
+        std::fs::write(&raw, body).map_err(Error::io("writing", &raw))?;
+        self.keep_upload(hash, &raw)
     }
 
     /// Starts build `build_id` of `template` in the background.

@@ -469,12 +469,8 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         // An upload link carries its own key (the SDK sends no API key with it).
-        .route(
-            "/build-files/{hash}/{token}",
-            put(builds::upload).layer(axum::extract::DefaultBodyLimit::max(
-                crate::build::MAX_UPLOAD as usize,
-            )),
-        )
+        // Streamed to a file, its size checked as it arrives (`builds::upload`).
+        .route("/build-files/{hash}/{token}", put(builds::upload))
         // The dashboard's pages check its session themselves (the login page needs none).
         .merge(crate::dashboard::routes())
         .layer(axum::middleware::from_fn_with_state(

@@ -83,13 +83,61 @@ pub(super) async fn files(
 }
 
 /// `PUT /build-files/{hash}/{token}`: the upload itself (no API key: the link is the key).
+/// The link is checked before the body is read; the body goes to a file as it arrives (up
+/// to [`crate::build::MAX_UPLOAD`] bytes), never whole in memory.
 pub(super) async fn upload(
     AxState(st): AxState<AppState>,
     Path((hash, token)): Path<(String, String)>,
-    b: Bytes,
+    body: axum::body::Body,
 ) -> ApiResult<Response> {
+    use futures_util::StreamExt;
+    use tokio::io::AsyncWriteExt;
     let builds = st.builds.clone();
-    run(move || builds.store_upload(&hash, &token, &b)).await?;
+    let raw = {
+        let b = builds.clone();
+        let h = hash.clone();
+        run(move || b.upload_scratch(&h, &token)).await?
+    };
+    let received = async {
+        let mut file = tokio::fs::File::create(&raw).await.map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the upload: {e}"),
+            )
+        })?;
+        let mut chunks = body.into_data_stream();
+        let mut n = 0u64;
+        while let Some(data) = chunks.next().await {
+            let data = data.map_err(|e| {
+                ApiError::new(StatusCode::BAD_REQUEST, format!("the upload's body: {e}"))
+            })?;
+            n += data.len() as u64;
+            if n > crate::build::MAX_UPLOAD {
+                return Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("an upload of more than {} bytes", crate::build::MAX_UPLOAD),
+                ));
+            }
+            file.write_all(&data).await.map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the upload: {e}"),
+                )
+            })?;
+        }
+        file.flush().await.map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the upload: {e}"),
+            )
+        })
+    }
+    .await;
+    if let Err(e) = received {
+        let _ = tokio::fs::remove_file(&raw).await;
+        return Err(e);
+    }
+    run(move || builds.keep_upload(&hash, &raw)).await?;
     Ok(StatusCode::CREATED.into_response())
 }
 

@@ -876,6 +876,47 @@ async fn template_builds_as_the_sdk_drives_them() {
             .as_u16(),
         201
     );
+    // Streamed in chunks and gzipped, as a client may send it; a body that is no tar is
+    // refused; neither leaves anything but the kept tar in the build files' directory.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &tar).unwrap();
+    let gz = gz.finish().unwrap();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        gz.chunks(7).map(|c| Ok(c.to_vec())).collect();
+    let streamed = HttpRequest::builder()
+        .method("PUT")
+        .uri(path)
+        .body(Body::from_stream(futures_util::stream::iter(chunks)))
+        .unwrap();
+    assert_eq!(
+        app.clone()
+            .oneshot(streamed)
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        201
+    );
+    let not_tar = HttpRequest::builder()
+        .method("PUT")
+        .uri(path)
+        .body(Body::from(vec![1u8; 1000]))
+        .unwrap();
+    assert_eq!(
+        app.clone()
+            .oneshot(not_tar)
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        400
+    );
+    let kept: Vec<String> = std::fs::read_dir(d.join("build-files"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(kept, vec![format!("{hash}.tar")]);
     let again = HttpRequest::builder()
         .uri(format!("/templates/t1/files/{hash}"))
         .header("X-API-KEY", KEY)
