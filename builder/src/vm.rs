@@ -29,6 +29,17 @@ pub trait Confine: Send + Sync + std::fmt::Debug {
     ) -> std::result::Result<Box<dyn Send>, String>;
 }
 
+/// A network for build VMs that the VM cannot open by itself (a jailed VM is handed its
+/// TAP): a service's sandbox networks. Attached per VM process, removed once it ended.
+pub trait AttachNetwork: Send + Sync + std::fmt::Debug {
+    /// Gives the VM process `cmd` starts a network of its own (its `--net` and the
+    /// descriptor it inherits). What it returns lives as long as the process and removes
+    /// the network when dropped.
+    fn attach(&self, cmd: &mut Command) -> std::result::Result<Box<dyn Send>, String>;
+    /// What the guest's kernel command line needs to use it (its address, gateway, DNS).
+    fn guest_cmdline(&self) -> String;
+}
+
 /// How to boot a build VM.
 #[derive(Debug, Clone)]
 pub struct VmSpec {
@@ -54,6 +65,9 @@ pub struct VmSpec {
     pub agent_timeout: Duration,
     /// What confines the VM process (None: it runs as the caller, unjailed).
     pub confine: Option<Arc<dyn Confine>>,
+    /// A network attached to each VM process (instead of `net`, which the VM opens by
+    /// name).
+    pub network: Option<Arc<dyn AttachNetwork>>,
 }
 
 /// A running build VM.
@@ -63,9 +77,10 @@ pub struct BuildVm {
     serial: PathBuf,
     log: PathBuf,
     agent: Client,
-    /// What confines the process: dropped after it (fields drop in order, and `Drop`
-    /// below waits for the process first).
+    /// What confines the process and its network: dropped after it (fields drop in
+    /// order, and `Drop` below waits for the process first).
     _confined: Option<Box<dyn Send>>,
+    _network: Option<Box<dyn Send>>,
 }
 
 /// The last `n` bytes of `path` as text ("" if unreadable).
@@ -88,7 +103,11 @@ impl BuildVm {
             "--kernel".into(),
             abs(&spec.kernel)?.into(),
             "--cmdline".into(),
-            spec.cmdline.clone().into(),
+            match &spec.network {
+                Some(n) => format!("{} {}", spec.cmdline, n.guest_cmdline()),
+                None => spec.cmdline.clone(),
+            }
+            .into(),
             "--vcpus".into(),
             spec.vcpus.to_string().into(),
             "--mem".into(),
@@ -130,6 +149,13 @@ impl BuildVm {
             ),
             None => None,
         };
+        let mut network = match &spec.network {
+            Some(n) => Some(
+                n.attach(&mut cmd)
+                    .map_err(|e| Error::Vm(format!("its network: {e}")))?,
+            ),
+            None => None,
+        };
         let child = cmd
             .spawn()
             .map_err(|e| Error::io("starting", &spec.exe, e))?;
@@ -166,6 +192,7 @@ impl BuildVm {
             log,
             agent,
             _confined: confined.take(),
+            _network: network.take(),
         })
     }
 

@@ -57,6 +57,9 @@ pub struct BuildConfig {
     /// What confines the build VMs (the service's jail and cgroups; None: unconfined,
     /// `--no-jail --no-limits`).
     pub confine: Option<Arc<dyn clade_builder::vm::Confine>>,
+    /// The build VMs' network (the service's sandbox networks; None: none, and the
+    /// templates built have no network device).
+    pub network: Option<Arc<dyn clade_builder::vm::AttachNetwork>>,
 }
 
 /// A build's state as E2B names it.
@@ -694,6 +697,7 @@ impl Builds {
             test_device: false,
             agent_timeout: Duration::from_secs(240),
             confine: cfg.confine.clone(),
+            network: cfg.network.clone(),
         };
         let (top, report) = clade_builder::layers::build(
             &plan,
@@ -749,7 +753,8 @@ impl Builds {
                 test_guest: false,
                 created_ms: crate::ids::now_ms(),
                 setup: Vec::new(),
-                net: false,
+                // Its snapshot has the network device the build VM had.
+                net: cfg.network.is_some(),
                 image: Some(FromImage {
                     reference,
                     env: plan.defaults.env.iter().cloned().collect(),
@@ -1001,6 +1006,7 @@ mod tests {
             kvm_device: "/dev/kvm".into(),
             disk_size: None,
             confine: None,
+            network: None,
         };
         let b = Builds::new(&d, Some(cfg.clone()));
         let (t, waiting) = b.request("app", None, None).unwrap();

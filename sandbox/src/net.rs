@@ -297,6 +297,72 @@ impl Networks {
     }
 }
 
+/// Template builds' VMs on the service's sandbox networks: each VM process gets a network
+/// of its own (allow-all, as a build fetches packages), its TAP handed over as a
+/// descriptor (a jailed VM cannot open one), removed once the process ended.
+pub struct BuildNetworks(Arc<Networks>);
+
+impl std::fmt::Debug for BuildNetworks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BuildNetworks")
+            .field(&self.0.range.cidr)
+            .finish()
+    }
+}
+
+impl BuildNetworks {
+    /// Build VMs on `networks`.
+    pub fn new(networks: Arc<Networks>) -> Self {
+        Self(networks)
+    }
+}
+
+/// A build VM's network while its process lives.
+struct BuildNet {
+    networks: Arc<Networks>,
+    index: u32,
+    /// The descriptor the VM inherited (kept open here until it ended).
+    tap: Option<Arc<vmm::Tap>>,
+}
+
+impl Drop for BuildNet {
+    fn drop(&mut self) {
+        drop(self.tap.take());
+        self.networks.release(self.index);
+    }
+}
+
+impl clade_builder::vm::AttachNetwork for BuildNetworks {
+    fn attach(
+        &self,
+        cmd: &mut std::process::Command,
+    ) -> std::result::Result<Box<dyn Send>, String> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let index = self
+            .0
+            .acquire(&EgressPolicy::allow_all())
+            .map_err(|e| e.to_string())?;
+        let mut net = BuildNet {
+            networks: Arc::clone(&self.0),
+            index,
+            tap: None,
+        };
+        let tap = self.0.take_tap(index).ok_or_else(|| {
+            format!("the TAP of network {index} could not be opened for the build VM")
+        })?;
+        let fd = tap.as_fd().as_raw_fd();
+        cmd.arg("--net").arg(format!("fd={fd}"));
+        crate::vmproc::inherit_descriptor(cmd, fd);
+        net.tap = Some(tap);
+        tracing::info!(net = index, "build VM network");
+        Ok(Box::new(net))
+    }
+
+    fn guest_cmdline(&self) -> String {
+        guest_cmdline()
+    }
+}
+
 /// Opens the TAP of network `index` (in namespace `netns`) ahead of a VM; `None` if it
 /// cannot be, e.g. while a VM is on it (after a service restart): that VM's next start
 /// opens it by name.

@@ -393,13 +393,22 @@ def build_vms(tag):
     ]
 
 
+WORLD_HELLO = "http://10.99.0.2:8000/hello.txt"  # sdk.sh's server in a namespace of its own
+
+
 def test_a_template_build_vm_is_jailed_and_limited():
     """Issue 40: the VM a template build runs in (E2B's build API, what tenants send) is
     jailed as a sandbox's: not root, no capabilities, no_new_privs, a PID namespace of its
-    own, a cgroup of the service's. Read from /proc while its RUN step runs."""
+    own, a cgroup of the service's. Read from /proc while its RUN step runs.
+    Issue 36: that VM has a network (its RUN step fetches a file from the scenario's own
+    server), and so do the sandboxes of the template it makes."""
     from e2b import Template
 
-    t = Template().from_template(TEMPLATE).run_cmd("sleep 15")
+    fetch = (
+        "mkdir -p /srv && python3 -c \"import urllib.request as u; "
+        f"open('/srv/fetched.txt', 'w').write(u.urlopen('{WORLD_HELLO}', timeout=30).read().decode())\""
+    )
+    t = Template().from_template(TEMPLATE).run_cmd(f"{fetch} && sleep 15")
     out = {}
 
     def build():
@@ -427,6 +436,13 @@ def test_a_template_build_vm_is_jailed_and_limited():
         assert v["nnp"] == "1", v
         assert v["pidns"] == "2", v
         assert "/clade/s-" in v["cgroup"], v
+    sb = Sandbox.create("sdk-jailed", timeout=600, **SLOW)
+    try:
+        assert run(sb, "cat /srv/fetched.txt").stdout == "hello from the world\n"
+        again = run(sb, f"python3 -c \"import urllib.request as u; print(u.urlopen('{WORLD_HELLO}', timeout=30).read().decode(), end='')\"")
+        assert again.stdout == "hello from the world\n", again
+    finally:
+        sb.kill()
     remove_template("sdk-jailed")
 
 

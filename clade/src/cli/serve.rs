@@ -346,7 +346,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         NetMode::On => true,
         NetMode::Auto => TemplateStore::new(&state_dir).list()?.iter().any(|t| t.net),
     };
-    host.set_networks(if !wants_net || args.test_host_agent.is_some() {
+    let networks = if !wants_net || args.test_host_agent.is_some() {
         Err("sandbox networking is off (clade serve --net)".into())
     } else {
         let dns = match args.net_dns {
@@ -365,7 +365,8 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 Err(e.to_string())
             }
         }
-    });
+    };
+    host.set_networks(networks.clone());
     if let Some(url) = &args.store.store {
         let cache_dir = args
             .store_cache
@@ -400,6 +401,12 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
                 // tenants send.
                 confine: sandbox::vmproc::BuildConfinement::new(jails.clone(), cgroups.clone())
                     .map(|c| Arc::new(c) as Arc<dyn clade_builder::vm::Confine>),
+                // Build VMs on the sandbox networks (RUN steps fetch packages); the
+                // templates they make have a network device then.
+                network: networks.as_ref().ok().map(|n| {
+                    Arc::new(sandbox::net::BuildNetworks::new(Arc::clone(n)))
+                        as Arc<dyn clade_builder::vm::AttachNetwork>
+                }),
             }),
             None => None,
         },
@@ -1020,6 +1027,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         agent_timeout: Duration::from_secs_f64(a.agent_timeout.max(0.1)),
         // The CLI's build runs as its user, on what that user gave it.
         confine: None,
+        network: None,
     };
     let (base, image) = match (&a.image, &a.dockerfile) {
         (Some(img), _) => {

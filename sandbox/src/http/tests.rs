@@ -805,6 +805,7 @@ async fn template_builds_as_the_sdk_drives_them() {
             kvm_device: "/dev/kvm".into(),
             disk_size: None,
             confine: None,
+            network: None,
         }),
     );
     let app = router(AppState {
