@@ -373,8 +373,8 @@ def test_a_thousand_sandboxes_stay_usable(sandboxes, browser):
     list (100 rows) is drawn within seconds, every sandbox is reached by paging, a row's
     details open, and the page's own script reports no error. The 1000 are real VMs of
     the native guest, made and then paused (a paused sandbox keeps its snapshot, not a
-    process: a running native guest busy-polls a CPU, and 1000 of them would measure this
-    2-CPU host, not the dashboard)."""
+    process: making 1000 running ones took this 2-CPU host's load average to over 800 for
+    minutes, which would measure the host, not the dashboard)."""
     from concurrent.futures import ThreadPoolExecutor
 
     driver, shot = browser
