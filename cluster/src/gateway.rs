@@ -175,6 +175,10 @@ fn is_build(m: &Method, path: &str) -> bool {
             | ("GET", ["templates", _, "builds", _, "status"])
             | ("GET", ["templates", "aliases", _])
             | ("PUT", ["build-files", _, _])
+            // Tags and settings are kept where templates are built.
+            | ("POST" | "DELETE", ["templates", "tags"])
+            | ("GET", ["templates", _, "tags"])
+            | ("PATCH", ["templates", _] | ["v2", "templates", _])
     )
 }
 
@@ -195,7 +199,9 @@ async fn build(node: &Node, req: Request, next: Next) -> Response {
     }
 }
 
-/// The templates of every live node that takes sandboxes, one row per template.
+/// The templates of every live node that takes sandboxes, one row per template: the
+/// first node's by name, which is the builder unless it drains (tags and settings are
+/// kept there, [`crate::placement::builder`]).
 async fn templates(node: &Node, req: Request) -> Response {
     let answers = match fan_out(node, req).await {
         Ok(a) => a,
@@ -290,9 +296,15 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
                 .map(String::from)
         })
         .unwrap_or_default();
-    let name = sandbox::host::strip_tag(&template).unwrap_or(&template);
+    // `name:tag` is a build of template `name` (snapshots have only `default`).
+    let name =
+        sandbox::template::tags::parse_reference(&template).map_or(template.as_str(), |(n, _)| n);
     // A persistent snapshot is on the node that took it: sandboxes of it start there.
-    match node.db().snapshot_node(name).await {
+    let snapshot = match sandbox::host::strip_tag(&template) {
+        Ok(n) => node.db().snapshot_node(n).await,
+        Err(_) => Ok(None),
+    };
+    match snapshot {
         Ok(Some(to)) if to.live => {
             return send(
                 node,
@@ -322,13 +334,20 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
         Ok(n) => n,
         Err(e) => return unavailable(e),
     };
-    let best = choose(
-        &nodes,
-        shape.0,
-        shape.1,
-        &template,
-        Some(&node.config().name),
-    );
+    // A tag other than `default` is known where templates are built (tags are kept
+    // there): its sandboxes start there.
+    let tagged = sandbox::template::tags::parse_reference(&template)
+        .is_ok_and(|(_, t)| t.is_some_and(|t| t != sandbox::template::tags::DEFAULT_TAG));
+    let best = match crate::placement::builder(&nodes) {
+        Some(b) if tagged => vec![b.clone()],
+        _ => choose(
+            &nodes,
+            shape.0,
+            shape.1,
+            &template,
+            Some(&node.config().name),
+        ),
+    };
     // The registry's figures lag: a node may find it has no room after all (creates placed
     // there at the same moment took it). It says so and starts nothing; the next one is
     // tried.
@@ -988,6 +1007,11 @@ mod tests {
             (Method::POST, "/v2/templates/t/builds/b1"),
             (Method::GET, "/templates/t/builds/b1/status"),
             (Method::GET, "/templates/aliases/t"),
+            (Method::POST, "/templates/tags"),
+            (Method::DELETE, "/templates/tags"),
+            (Method::GET, "/templates/t/tags"),
+            (Method::PATCH, "/templates/t"),
+            (Method::PATCH, "/v2/templates/t"),
             (Method::PUT, "/build-files/abc/token"),
         ] {
             assert_eq!(classify(&req(m.clone(), p, &[])), Kind::Build, "{m} {p}");

@@ -114,6 +114,13 @@ pub struct Build {
     pub logs: Vec<LogLine>,
     /// Why it failed.
     pub reason: Option<String>,
+    /// The tags it gets when done (`default` when none were asked for).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// The template directory it makes: the template's own (`name`), or `name@<build
+    /// id>` when it is kept beside the template's other builds (set when it starts).
+    #[serde(default)]
+    pub dir: String,
 }
 
 /// A step as the SDK sends it.
@@ -244,8 +251,10 @@ impl Builds {
             let Some(id) = name.strip_suffix(".json") else {
                 continue;
             };
-            // Ids are 20 hex digits ([`Builds::request`]); anything else is not ours.
-            if id.len() != 20 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            // Ids are UUIDs ([`Builds::request`]; 20 hex digits before tags existed);
+            // anything else is not ours.
+            let old_form = id.len() == 20 && id.bytes().all(|b| b.is_ascii_hexdigit());
+            if !old_form && !crate::template::is_build_id(id) {
                 let _ = std::fs::remove_file(e.path());
                 continue;
             }
@@ -304,28 +313,42 @@ impl Builds {
         self.state_dir.join("build-files")
     }
 
-    /// Requests a build of template `name` (`name:tag` is taken as `name`); returns the
+    /// Requests a build of template `name` (`[team/]name[:tag]`) to be tagged with `tags`
+    /// as well as the tag in `name` (`default` when neither gives one); returns the
     /// template's id (its name) and the build's id.
     pub fn request(
         &self,
         name: &str,
+        tags: &[String],
         vcpus: Option<u32>,
         mem_mib: Option<u64>,
-    ) -> Result<(String, String)> {
+    ) -> Result<(String, String, Vec<String>)> {
         if self.config.is_none() {
             return Err(Error::BadRequest(
                 "this service builds no templates: start clade serve with --build-kernel (and --build-initrd)".into(),
             ));
         }
-        // `name`, `name:tag` or `team/name[:tag]`: the template is `name`.
-        let base = name.split(':').next().unwrap_or(name);
-        let parts: Vec<&str> = base.split('/').collect();
-        if parts.len() > 2 || !parts.iter().all(|p| crate::template::valid_name(p)) {
-            return Err(Error::BadRequest(format!(
+        let (name, tag) = crate::template::tags::parse_reference(name).map_err(|_| {
+            Error::BadRequest(format!(
                 "'{name}' is not a template name (letters, digits, '-', '_', '.'; optionally team/ before it and :tag after it)"
+            ))
+        })?;
+        let mut all: Vec<String> = tag.into_iter().map(String::from).collect();
+        for t in tags {
+            crate::template::tags::check_tag(t)?;
+            if !all.contains(t) {
+                all.push(t.clone());
+            }
+        }
+        if all.is_empty() {
+            all.push(crate::template::tags::DEFAULT_TAG.to_string());
+        }
+        if all.len() > crate::template::tags::MAX_TAGS {
+            return Err(Error::BadRequest(format!(
+                "more than {} tags",
+                crate::template::tags::MAX_TAGS
             )));
         }
-        let name = parts[parts.len() - 1];
         let vcpus = vcpus.unwrap_or(1);
         let mem_mib = mem_mib.unwrap_or(512);
         if vcpus == 0 || vcpus > 32 || !(128..=65536).contains(&mem_mib) {
@@ -333,9 +356,7 @@ impl Builds {
                 "cpuCount {vcpus} / memoryMB {mem_mib}: 1-32 vCPUs and 128-65536 MiB"
             )));
         }
-        let mut id = [0u8; 10];
-        getrandom::fill(&mut id).map_err(|e| Error::Vm(format!("randomness: {e}")))?;
-        let build_id = hex(id);
+        let build_id = crate::template::new_build_id()?;
         let mut g = lock(&self.builds);
         if g.len() >= MAX_BUILDS {
             let done: Vec<String> = g
@@ -356,10 +377,12 @@ impl Builds {
             status: BuildStatus::Waiting,
             logs: Vec::new(),
             reason: None,
+            tags: all.clone(),
+            dir: String::new(),
         };
         self.save(&build_id, &b);
         g.insert(build_id.clone(), Arc::new(Mutex::new(b)));
-        Ok((name.to_string(), build_id))
+        Ok((name.to_string(), build_id, all))
     }
 
     /// The build `build_id` of `template`.
@@ -457,16 +480,34 @@ impl Builds {
         self.keep_upload(hash, &raw)
     }
 
-    /// Starts build `build_id` of `template` in the background.
+    /// Starts build `build_id` of `template` in the background; `users` counts the
+    /// sandboxes of the template's own directory (a build that replaces it needs none),
+    /// `done` is called when it ends, whatever the result.
     pub fn start(
         self: &Arc<Self>,
         template: &str,
         build_id: &str,
         req: StartRequest,
         users: usize,
+        done: Box<dyn FnOnce() + Send>,
     ) -> Result<()> {
         let b = self.get(template, build_id)?;
-        // One build of a template at a time (each replaces the template's directory).
+        // An untagged build replaces the template's own directory while `default` means
+        // it; any other is kept beside it, as `template@<build id>`.
+        let in_place = {
+            let tags = &lock(&b).tags;
+            let default = crate::template::tags::DEFAULT_TAG;
+            // Nothing but `default` may mean the directory it replaces.
+            tags.len() == 1
+                && tags[0] == default
+                && self
+                    .templates()
+                    .tags(template)?
+                    .tags
+                    .iter()
+                    .all(|(tag, t)| (tag == default) == (t.build == template))
+        };
+        // One build of a template at a time.
         let other = lock(&self.builds).iter().any(|(id, o)| {
             id != build_id && {
                 let o = lock(o);
@@ -485,9 +526,9 @@ impl Builds {
                     "build {build_id} was started already"
                 )));
             }
-            if users > 0 {
+            if in_place && users > 0 {
                 return Err(Error::Conflict(format!(
-                    "template {template} is used by {users} sandbox(es): kill them before building it again"
+                    "template {template} is used by {users} sandbox(es): kill them before building it again (or build it with a tag: it is then kept beside the one in use)"
                 )));
             }
             if req.from_image_registry.is_some() {
@@ -497,7 +538,13 @@ impl Builds {
                         .into(),
                 ));
             }
-            if req.from_template.as_deref() == Some(template) {
+            if in_place
+                && req.from_template.as_deref().map(|t| {
+                    crate::template::tags::parse_reference(t).is_ok_and(|(n, tag)| {
+                        n == template && tag.is_none_or(|t| t == crate::template::tags::DEFAULT_TAG)
+                    })
+                }) == Some(true)
+            {
                 return Err(Error::BadRequest(format!(
                     "template {template} cannot be built on itself (its build replaces it)"
                 )));
@@ -534,13 +581,21 @@ impl Builds {
                 }
             }
             g.status = BuildStatus::Building;
+            g.dir = if in_place {
+                template.to_string()
+            } else {
+                crate::template::tags::build_dir_name(template, build_id)
+            };
             self.save(build_id, &g);
         }
         let me = self.clone();
         let id = build_id.to_string();
         std::thread::Builder::new()
             .name(format!("build-{id}"))
-            .spawn(move || me.run(&b, &id, &req))
+            .spawn(move || {
+                me.run(&b, &id, &req);
+                done();
+            })
             .map_err(|e| Error::Vm(format!("starting the build: {e}")))?;
         Ok(())
     }
@@ -557,7 +612,7 @@ impl Builds {
             }
         };
         let work = self.state_dir.join("build-jobs").join(id);
-        let r = self.build(b, req, &work, &log);
+        let r = self.build(b, id, req, &work, &log);
         let _ = std::fs::remove_dir_all(&work);
         let mut g = lock(b);
         match r {
@@ -581,6 +636,7 @@ impl Builds {
     fn build(
         &self,
         b: &Arc<Mutex<Build>>,
+        id: &str,
         req: &StartRequest,
         work: &Path,
         log: &dyn Fn(&'static str, &str),
@@ -589,9 +645,15 @@ impl Builds {
             .config
             .clone()
             .ok_or_else(|| Error::BadRequest("builds are not configured".into()))?;
-        let (name, vcpus, mem_mib) = {
+        let (template, name, tags, vcpus, mem_mib) = {
             let g = lock(b);
-            (g.template.clone(), g.vcpus, g.mem_mib)
+            (
+                g.template.clone(),
+                g.dir.clone(),
+                g.tags.clone(),
+                g.vcpus,
+                g.mem_mib,
+            )
         };
         let verr = |e: clade_builder::Error| match e {
             clade_builder::Error::StepFailed {
@@ -640,7 +702,8 @@ impl Builds {
                 );
                 (base, key, src.defaults().clone(), img.clone())
             }
-            (None, Some(t)) => {
+            (None, Some(reference)) => {
+                let t = &self.templates().resolve(reference)?;
                 let tpl = self.templates().get(t)?;
                 let snap = self.templates().snapshot_dir(t)?;
                 let prepared = vmm::PreparedSnapshot::open(&snap, vmm::CpuCheck::default())
@@ -763,11 +826,13 @@ impl Builds {
                     start_cmd: req.start_cmd.iter().cloned().collect(),
                 }),
                 boot: Some(boot),
+                build_id: Some(id.to_string()),
             };
             // Every jailed VM process reads the template and the layers it stands on.
             crate::vmproc::jail::share_tree(&dir)?;
             crate::vmproc::jail::share_tree(&store.build_cache_dir())?;
             store.finish(&t)?;
+            store.tag_build(&template, &name, &tags)?;
             Ok(t)
         })();
         if r.is_err() {
@@ -988,7 +1053,7 @@ mod tests {
         assert!(b.files_present(&h).unwrap());
         // Without a build configuration nothing is built.
         assert!(matches!(
-            b.request("t", None, None),
+            b.request("t", &[], None, None),
             Err(Error::BadRequest(_))
         ));
         std::fs::remove_dir_all(&d).unwrap();
@@ -1009,8 +1074,12 @@ mod tests {
             network: None,
         };
         let b = Builds::new(&d, Some(cfg.clone()));
-        let (t, waiting) = b.request("app", None, None).unwrap();
-        let (_, done) = b.request("team/app:v1", Some(2), Some(1024)).unwrap();
+        let (t, waiting, _) = b.request("app", &[], None, None).unwrap();
+        let (_, done, tags) = b
+            .request("team/app:v1", &["stable".to_string()], Some(2), Some(1024))
+            .unwrap();
+        assert_eq!(tags, ["v1", "stable"]);
+        assert!(crate::template::is_build_id(&done), "{done}");
         {
             let x = b.get(&t, &done).unwrap();
             let mut g = lock(&x);

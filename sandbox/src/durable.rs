@@ -569,6 +569,7 @@ mod tests {
                 net: false,
                 image: None,
                 boot: None,
+                build_id: None,
             },
             started_ms: 1,
             auto_pause: false,

@@ -531,7 +531,7 @@ impl Host {
     /// A template another host published, if the host has a store and it has one.
     fn store_template(&self, name: &str) -> Result<Option<crate::durable::TemplateObject>> {
         match &self.durable {
-            Some(d) if template::valid_name(name) => d.template_object(name),
+            Some(d) if template::valid_dir_name(name) => d.template_object(name),
             _ => Ok(None),
         }
     }
@@ -737,22 +737,55 @@ impl Host {
         }
     }
 
-    /// What a create request's `templateID` means: a live snapshot (by id or name), else a
-    /// built template. With `:default` or no tag.
+    /// What a create request's `templateID` means: a live snapshot (by id or name, with
+    /// `:default` or no tag), else a build of a built template (`name`, `name:tag`,
+    /// `name:<build id>`: [`crate::template::tags`]).
     fn resolve_template(&self, reference: &str) -> Result<(Template, PathBuf)> {
-        let name = strip_tag(reference)?;
-        if let Some(s) = self.reg().resolve_snapshot(name)? {
-            return Ok((
-                self.snapshots.get(&s.id)?,
-                self.snapshots.snapshot_dir(&s.id)?,
-            ));
+        if let Ok(name) = strip_tag(reference) {
+            if let Some(s) = self.reg().resolve_snapshot(name)? {
+                return Ok((
+                    self.snapshots.get(&s.id)?,
+                    self.snapshots.snapshot_dir(&s.id)?,
+                ));
+            }
         }
-        match self.templates.get(name) {
-            Err(Error::TemplateNotFound(t)) => Err(Error::BadRequest(format!(
-                "template or snapshot '{t}' not found"
-            ))),
-            r => Ok((r?, self.templates.snapshot_dir(name)?)),
+        let build = match self.templates.resolve(reference) {
+            Err(Error::TemplateNotFound(t)) => {
+                return Err(Error::BadRequest(format!(
+                    "template or snapshot '{t}' not found"
+                )))
+            }
+            r => r?,
+        };
+        Ok((
+            self.templates.get(&build)?,
+            self.templates.snapshot_dir(&build)?,
+        ))
+    }
+
+    /// The build directory a template reference (`name[:tag]`) means, for E2B's alias
+    /// lookups.
+    pub fn resolve_build(&self, reference: &str) -> Result<String> {
+        self.templates.resolve(reference)
+    }
+
+    /// The templates' tags ([`crate::template::tags`]).
+    pub fn template_store(&self) -> &TemplateStore {
+        &self.templates
+    }
+
+    /// Removes the builds of template `name` that no tag means and no sandbox or snapshot
+    /// stands on (a build whose last tag moved elsewhere). Its template's own directory
+    /// goes only when `default` means another build.
+    pub fn sweep_builds(&self, name: &str) -> Result<()> {
+        for b in self.templates.untagged_builds(name)? {
+            let users = self.reg().count_template(&b)?;
+            if users == 0 {
+                tracing::info!(template = name, build = %b, "removing a build no tag means");
+                self.templates.remove_build(&b)?;
+            }
         }
+        Ok(())
     }
 
     /// Creates a sandbox from a template or a snapshot: a restore of its snapshot.
@@ -792,16 +825,20 @@ impl Host {
         }
         // From a snapshot: held until the new sandbox is in the registry, so that a
         // snapshot deleted meanwhile keeps its files for it.
-        let from_snapshot = self
-            .reg()
-            .resolve_snapshot(strip_tag(&req.template)?)?
-            .is_some();
+        let from_snapshot = match strip_tag(&req.template) {
+            Ok(name) => self.reg().resolve_snapshot(name)?.is_some(),
+            Err(_) => false,
+        };
         let _snapshots = from_snapshot.then(|| self.snapshot_guard());
         // Not here: a template another host published (restored from the store).
         let (template, snapshot, remote) = match self.resolve_template(&req.template) {
             Ok((t, s)) => (t, s, None),
             Err(e @ Error::BadRequest(_)) => {
-                match self.store_template(strip_tag(&req.template)?)? {
+                let published = match strip_tag(&req.template) {
+                    Ok(name) => self.store_template(name)?,
+                    Err(_) => None,
+                };
+                match published {
                     Some(o) => (o.template, PathBuf::from(&o.snapshot), Some(o.snapshot)),
                     None => return Err(e),
                 }

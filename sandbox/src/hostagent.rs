@@ -259,6 +259,7 @@ impl HostAgentDriver {
             net: false,
             image: None,
             boot: None,
+            build_id: None,
         };
         let f = dir.join(crate::template::TEMPLATE_FILE);
         let text = serde_json::to_string_pretty(&t).map_err(|e| Error::Corrupt(e.to_string()))?;

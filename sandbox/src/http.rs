@@ -15,7 +15,8 @@ use axum::extract::{Path, RawQuery, Request, State as AxState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
+use axum::routing::{delete, get, patch, post, put};
+
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -25,6 +26,7 @@ use crate::error::Error;
 use crate::host::{CreateRequest, EgressPolicy, Host, LogLine, PauseOptions, DEFAULT_TAG};
 use crate::ids;
 use crate::registry::{Query, Record, SnapshotQuery, SnapshotRecord, State};
+use crate::template::tags::template_of;
 
 /// The envd version reported for every sandbox: what the data plane ([`crate::envd`])
 /// serves. The SDK picks data-plane features by it.
@@ -390,9 +392,9 @@ struct SandboxOut {
 
 fn sandbox_out(st: &AppState, r: &Record) -> SandboxOut {
     SandboxOut {
-        template_id: r.template.clone(),
+        template_id: template_of(&r.template).to_string(),
         sandbox_id: r.id.clone(),
-        alias: r.template.clone(),
+        alias: template_of(&r.template).to_string(),
         client_id: CLIENT_ID,
         envd_version: ENVD_VERSION,
         domain: st.domain.as_deref().cloned(),
@@ -404,8 +406,8 @@ fn sandbox_out(st: &AppState, r: &Record) -> SandboxOut {
 /// `ListedSandbox` / `SandboxDetail` of the spec.
 fn listed(r: &Record, detail: bool) -> Value {
     let mut v = json!({
-        "templateID": r.template,
-        "alias": r.template,
+        "templateID": template_of(&r.template),
+        "alias": template_of(&r.template),
         "sandboxID": r.id,
         "clientID": CLIENT_ID,
         "startedAt": ids::rfc3339(r.started_ms),
@@ -456,7 +458,13 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
-        .route("/templates/{id}", delete(delete_snapshot))
+        .route(
+            "/templates/{id}",
+            delete(delete_snapshot).patch(tags::update),
+        )
+        .route("/v2/templates/{id}", patch(tags::update))
+        .route("/templates/tags", post(tags::assign).delete(tags::remove))
+        .route("/templates/{id}/tags", get(tags::list))
         .route("/sandboxes/{id}/logs", get(logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .route("/templates", get(list_templates))
@@ -954,22 +962,49 @@ async fn list_snapshots(
     Ok((headers, Json(out)).into_response())
 }
 
-/// `GET /templates`: the built templates, in the shape of E2B's `Template` (what this host
-/// knows of them: no builds, teams or spawn counts; every listed template is ready).
+/// `GET /templates`: the built templates, one row per template in the shape of E2B's
+/// `Template`: the build its `default` tag means (else its newest), with every tag in
+/// `names` (what this host knows: no teams or spawn counts; every listed build is ready).
 async fn list_templates(AxState(st): AxState<AppState>) -> ApiResult<Response> {
-    let ts = blocking(&st, |h| h.list_templates()).await?;
-    let out: Vec<Value> = ts
+    let rows = blocking(&st, |h| {
+        let store = h.template_store();
+        let mut by_name: BTreeMap<String, Vec<crate::template::Template>> = BTreeMap::new();
+        for t in h.list_templates()? {
+            by_name
+                .entry(template_of(&t.name).to_string())
+                .or_default()
+                .push(t);
+        }
+        let mut rows = Vec::new();
+        for (name, mut builds) in by_name {
+            let tags = store.tags(&name)?;
+            let shown = tags
+                .tags
+                .get(crate::template::tags::DEFAULT_TAG)
+                .and_then(|d| builds.iter().position(|b| b.name == d.build));
+            builds.sort_by_key(|b| b.created_ms);
+            let t = match shown {
+                Some(i) => builds.swap_remove(i),
+                None => builds.pop().expect("a group has a build"),
+            };
+            let names: Vec<String> = tags.tags.keys().map(|k| format!("{name}:{k}")).collect();
+            rows.push((name, t, names, tags.public));
+        }
+        Ok(rows)
+    })
+    .await?;
+    let out: Vec<Value> = rows
         .iter()
-        .map(|t| {
+        .map(|(name, t, names, public)| {
             json!({
-                "templateID": t.name,
-                "buildID": t.name,
-                "aliases": [t.name],
-                "names": [format!("{}:{DEFAULT_TAG}", t.name)],
+                "templateID": name,
+                "buildID": t.build_id(),
+                "aliases": [name],
+                "names": names,
                 "cpuCount": t.vcpus,
                 "memoryMB": t.mem_mib,
                 "diskSizeMB": 0,
-                "public": false,
+                "public": public,
                 "createdAt": ids::rfc3339(t.created_ms),
                 "updatedAt": ids::rfc3339(t.created_ms),
                 "envdVersion": ENVD_VERSION,
@@ -1227,5 +1262,6 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5
 pub mod tls;
 
 mod builds;
+mod tags;
 #[cfg(test)]
 mod tests;

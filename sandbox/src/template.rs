@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+pub mod tags;
+
 /// The file that makes a template directory a template.
 pub const TEMPLATE_FILE: &str = "template.json";
 /// The snapshot directory inside a template.
@@ -56,6 +58,64 @@ pub struct Template {
     /// builds recorded it; its sandboxes can only be restored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot: Option<BootRecord>,
+    /// The id of the build that made it (E2B's `buildID`, a UUID). `None`: built by the
+    /// CLI or before builds had ids; [`Template::build_id`] then derives one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
+}
+
+impl Template {
+    /// Its build's id: the one recorded, else a UUID derived from its name and build time
+    /// (the same as long as this build is the one there).
+    pub fn build_id(&self) -> String {
+        if let Some(id) = &self.build_id {
+            return id.clone();
+        }
+        use sha2::Digest;
+        let h = sha2::Sha256::digest(format!("clade-build\0{}\0{}", self.name, self.created_ms));
+        let mut b = [0u8; 16];
+        b.copy_from_slice(&h[..16]);
+        uuid_text(b)
+    }
+}
+
+/// A new random build id (a version-4 UUID, the form E2B's SDK parses).
+pub fn new_build_id() -> Result<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| Error::Vm(format!("randomness: {e}")))?;
+    Ok(uuid_text(b))
+}
+
+fn uuid_text(mut b: [u8; 16]) -> String {
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}
+
+/// Whether `id` has a UUID's form (lower-case hex).
+pub fn is_build_id(id: &str) -> bool {
+    id.len() == 36
+        && id.bytes().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == b'-',
+            _ => c.is_ascii_digit() || (b'a'..=b'f').contains(&c),
+        })
+}
+
+/// Whether `dir` names a template's directory: a template name, or `name@<build id>` (a
+/// build of template `name` kept under a tag, [`tags`]).
+pub fn valid_dir_name(dir: &str) -> bool {
+    match dir.split_once('@') {
+        None => valid_name(dir),
+        Some((name, id)) => valid_name(name) && is_build_id(id),
+    }
 }
 
 /// The directory inside a template that holds the kernel and initramfs its VM booted.
@@ -137,7 +197,7 @@ impl TemplateStore {
 
     /// The directory template `name` lives (or would live) in.
     pub fn dir(&self, name: &str) -> Result<PathBuf> {
-        if !valid_name(name) {
+        if !valid_dir_name(name) {
             return Err(Error::BadRequest(format!(
                 "'{name}' is not a template name (letters, digits, '-', '_', '.')"
             )));
@@ -282,16 +342,28 @@ impl TemplateStore {
         std::fs::rename(&tmp, &file).map_err(Error::io("renaming", &file))
     }
 
-    /// Removes template `name`. Sandboxes created from it must be gone first (their memory
-    /// and disk are the template's files); `in_use` says how many are not.
+    /// Removes template `name`: every build of it and its tags. Sandboxes created from it
+    /// must be gone first (their memory and disk are the template's files); `in_use` says
+    /// how many are not (of all its builds, [`TemplateStore::builds`]).
     pub fn remove(&self, name: &str, in_use: usize) -> Result<()> {
-        self.get(name)?;
+        let builds = self.builds(name)?;
+        if builds.is_empty() {
+            return Err(Error::TemplateNotFound(name.to_string()));
+        }
         if in_use > 0 {
             return Err(Error::Conflict(format!(
                 "template {name} is used by {in_use} sandbox(es); kill them first"
             )));
         }
-        let dir = self.dir(name)?;
+        for b in builds {
+            self.remove_build(&b)?;
+        }
+        self.forget_tags(name)
+    }
+
+    /// Removes one build's directory (`name` or `name@<build id>`).
+    pub fn remove_build(&self, build: &str) -> Result<()> {
+        let dir = self.dir(build)?;
         std::fs::remove_dir_all(&dir).map_err(Error::io("removing", &dir))
     }
 }
@@ -318,6 +390,7 @@ mod tests {
             net: false,
             image: None,
             boot: None,
+            build_id: None,
         }
     }
 

@@ -409,3 +409,70 @@ def test_what_is_not_served_fails_as_documented():
         Volume.list()
     with pytest.raises(SecretException, match="404: no such endpoint"):
         Secret.list().next_items()
+
+
+def api(method, path, body=None):
+    """A raw request to the API (what the SDK's generated client sends)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        os.environ["E2B_API_URL"] + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"X-API-Key": os.environ["E2B_API_KEY"], "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read()
+            return r.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_template_tags_and_settings_as_e2b_has_them():
+    """E2B's tags: `name` is `name:default`; tags put on a build (by tag or by its build
+    id) create sandboxes of that build; `default` cannot be removed; removing an absent
+    tag is no error; a tag that is not there is a clear error. `PATCH /templates/{id}`
+    records `public`, shown in the list with every tag among the names."""
+    from e2b import Template
+    from e2b.exceptions import TemplateException
+
+    tags = Template.get_tags(TEMPLATE)
+    assert [t.tag for t in tags] == ["default"], tags
+    build_id = tags[0].build_id
+    info = Template.assign_tags(f"{TEMPLATE}:default", ["v1", "stable"])
+    assert (info.build_id, sorted(info.tags)) == (build_id, ["stable", "v1"])
+    made = []
+    try:
+        for ref in (f"{TEMPLATE}:v1", f"{TEMPLATE}:{build_id}", f"{TEMPLATE}:default"):
+            s = Sandbox.create(ref, timeout=60)
+            made.append(s)
+            assert s.get_info().template_id == TEMPLATE, ref
+        with pytest.raises(SandboxException, match="not found"):
+            Sandbox.create(f"{TEMPLATE}:no-such-tag", timeout=10)
+        with pytest.raises(TemplateException):
+            Template.assign_tags(f"{TEMPLATE}:no-such-tag", "x")
+        listed_tags = {t.tag: t.build_id for t in Template.get_tags(TEMPLATE)}
+        assert listed_tags == {"default": build_id, "v1": build_id, "stable": build_id}
+        Template.remove_tags(TEMPLATE, ["stable", "never-assigned"])
+        assert {t.tag for t in Template.get_tags(TEMPLATE)} == {"default", "v1"}
+        with pytest.raises(TemplateException, match="cannot be removed"):
+            Template.remove_tags(TEMPLATE, "default")
+        with pytest.raises(TemplateException):
+            Template.get_tags("no-such-template")
+        # Template settings: public is recorded and listed; the answer names every tag.
+        status, v = api("PATCH", f"/templates/{TEMPLATE}", {"public": True})
+        assert status == 200 and sorted(v["names"]) == [f"{TEMPLATE}:default", f"{TEMPLATE}:v1"], v
+        status, rows = api("GET", "/templates")
+        row = next(r for r in rows if r["templateID"] == TEMPLATE)
+        assert row["public"] is True and row["buildID"] == build_id, row
+        assert f"{TEMPLATE}:v1" in row["names"], row
+        status, v = api("PATCH", "/v2/templates/no-such-template", {"public": True})
+        assert status == 404, v
+    finally:
+        for s in made:
+            s.kill()
+        Template.remove_tags(TEMPLATE, ["v1", "stable"])
+        api("PATCH", f"/templates/{TEMPLATE}", {"public": False})
+    assert [t.tag for t in Template.get_tags(TEMPLATE)] == ["default"]

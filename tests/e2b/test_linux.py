@@ -485,12 +485,39 @@ def test_template_build_through_the_sdk(tmp_path):
         assert "sleep 4242424" in procs, procs
     finally:
         sb.kill()
-    # The same build again (it replaces the template: its sandbox is gone): its steps come
-    # from the cache.
+    # The same build again with a tag: its steps come from the cache, and it is kept beside
+    # the first (E2B's tags): `name` still means the first, `name:v2` the new one.
     logs.clear()
-    Template.build(t, "sdk-built", cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    info2 = Template.build(
+        t, "sdk-built:v2", cpu_count=1, memory_mb=256, on_build_logs=logs.append
+    )
     text = "\n".join(e.message for e in logs)
     assert "2 cached, 0 run" in text, text
+    tags = {x.tag: x.build_id for x in Template.get_tags("sdk-built")}
+    assert tags == {"default": info.build_id, "v2": info2.build_id}, tags
+    assert info.build_id != info2.build_id
+    first = Sandbox.create("sdk-built", timeout=600, **SLOW)
+    try:
+        second = Sandbox.create("sdk-built:v2", timeout=600, **SLOW)
+        try:
+            assert second.get_info().template_id == "sdk-built"
+            assert run(second, "cat /srv/copied.txt").stdout == "hello from the build context\n"
+            # Two builds, two disks: what one's sandbox writes the other's never sees.
+            run(second, "echo second > /srv/mine.txt")
+            assert run(first, "cat /srv/mine.txt 2>&1 || echo absent").stdout.strip().endswith("absent")
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+    # `default` moved to the second build: `name` means it, and the first, which no tag
+    # means and no sandbox uses any more, is removed.
+    Template.assign_tags("sdk-built:v2", "default")
+    tags = {x.tag: x.build_id for x in Template.get_tags("sdk-built")}
+    assert tags == {"default": info2.build_id, "v2": info2.build_id}, tags
+    third = Sandbox.create("sdk-built", timeout=600, **SLOW)
+    third.kill()
+    with pytest.raises(Exception, match="not found"):
+        Sandbox.create(f"sdk-built:{info.build_id}", timeout=60, **SLOW)
     bad = Template().from_template(TEMPLATE).run_cmd("echo build-fails-here; exit 7")
     with pytest.raises(BuildException) as e:
         Template.build(bad, "sdk-broken", cpu_count=1, memory_mb=256)

@@ -666,13 +666,15 @@ pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
         TemplateCommand::Rm { name, state_dir } => {
             let state_dir = std::path::absolute(&state_dir)?;
             // A service may hold the registry open: SQLite allows a second reader.
-            let users = if state_dir.join("registry.sqlite").exists() {
-                sandbox::registry::Registry::open(&state_dir.join("registry.sqlite"))?
-                    .count_template(&name)?
-            } else {
-                0
-            };
-            TemplateStore::new(&state_dir).remove(&name, users)?;
+            let store = TemplateStore::new(&state_dir);
+            let mut users = 0;
+            if state_dir.join("registry.sqlite").exists() {
+                let reg = sandbox::registry::Registry::open(&state_dir.join("registry.sqlite"))?;
+                for b in store.builds(&name)? {
+                    users += reg.count_template(&b)?;
+                }
+            }
+            store.remove(&name, users)?;
             println!("removed template {name}");
             Ok(0)
         }
@@ -1078,6 +1080,7 @@ fn build_into(a: &BuildArgs, store: &TemplateStore, dir: &Path) -> anyhow::Resul
         net: net.is_some(),
         image,
         boot: Some(boot),
+        build_id: None,
     };
     // The build VM has ended: its network goes (dropping the handle removes it).
     drop(net);

@@ -152,6 +152,7 @@ pub(crate) fn state_dir(name: &str) -> PathBuf {
             net: false,
             image: None,
             boot: None,
+            build_id: None,
         })
         .unwrap();
     d
@@ -802,6 +803,7 @@ fn an_image_env_is_under_the_requests_own() {
         net: false,
         image: None,
         boot: None,
+        build_id: None,
     };
     let req: BTreeMap<String, String> = [("A".to_string(), "request".to_string())].into();
     assert_eq!(super::with_image_env(&t, req.clone()), req);

@@ -40,13 +40,15 @@ async fn run<T: Send + 'static>(
 pub(super) async fn request(AxState(st): AxState<AppState>, b: Bytes) -> ApiResult<Response> {
     let r: BuildRequest = body(&b)?;
     let builds = st.builds.clone();
-    let (tpl, bid) = run(move || builds.request(&r.name, r.cpu_count, r.memory_mb)).await?;
+    let (tpl, bid, tags) =
+        run(move || builds.request(&r.name, &r.tags, r.cpu_count, r.memory_mb)).await?;
+    let names: Vec<String> = tags.iter().map(|t| format!("{tpl}:{t}")).collect();
     let v = json!({
         "templateID": tpl,
         "buildID": bid,
         "public": false,
-        "names": [tpl],
-        "tags": r.tags,
+        "names": names,
+        "tags": tags,
         "aliases": [tpl],
     });
     Ok((StatusCode::ACCEPTED, Json(v)).into_response())
@@ -152,7 +154,14 @@ pub(super) async fn start(
     let host = st.host.clone();
     run(move || {
         let users = host.template_users(&tpl)?;
-        builds.start(&tpl, &bid, req, users)
+        let (h, name) = (host.clone(), tpl.clone());
+        // A tag the build moved leaves a build that may now go.
+        let done = Box::new(move || {
+            if let Err(e) = h.sweep_builds(&name) {
+                tracing::warn!(template = %name, "removing builds no tag means: {e}");
+            }
+        });
+        builds.start(&tpl, &bid, req, users, done)
     })
     .await?;
     Ok((StatusCode::ACCEPTED, Json(json!({}))).into_response())
@@ -204,7 +213,7 @@ pub(super) async fn alias(
 ) -> ApiResult<Response> {
     let host: Arc<crate::Host> = st.host.clone();
     let n = name.clone();
-    match run(move || host.template(&n)).await {
+    match run(move || host.resolve_build(&n)).await {
         Ok(_) => Ok(Json(json!({"templateID": name, "public": false})).into_response()),
         Err(_) => Err(ApiError::new(
             StatusCode::NOT_FOUND,

@@ -381,7 +381,12 @@ while [ -z "$verdict" ]; do
         name=${cmd#rm-template }
         # The suite's service, or the cluster's node n1 (where the cluster builds).
         dir=$STATE
-        [ -n "$SERVE_C1" ] && [ -d "$STATE_C1/templates/$name" ] && dir=$STATE_C1
+        # (a template's builds: its own directory, and name@<build id> for tagged ones)
+        if [ -n "$SERVE_C1" ]; then
+            for b in "$STATE_C1/templates/$name" "$STATE_C1/templates/$name"@*; do
+                [ -d "$b" ] && dir=$STATE_C1
+            done
+        fi
         $CLADE template rm "$name" --state-dir "$dir" >/dev/null 2>&1
         r=$?
         rm -rf "$dir/templates/.build-cache"
