@@ -373,6 +373,10 @@ pub struct ConfinementRun {
     pub wake: Samples,
     /// The same, unconfined.
     pub wake_free: Samples,
+    /// Of `create`, until the HTTP answer (the rest is the first ping of the new VM).
+    pub create_http: Samples,
+    /// The same, unconfined.
+    pub create_http_free: Samples,
 }
 
 impl ConfinementRun {
@@ -398,10 +402,13 @@ fn confinement(
         create_free: Samples::new(),
         wake: Samples::new(),
         wake_free: Samples::new(),
+        create_http: Samples::new(),
+        create_http_free: Samples::new(),
     };
-    let create = |s: &Service, out: &mut Samples| -> Result<()> {
+    let create = |s: &Service, out: &mut Samples, http: &mut Samples| -> Result<()> {
         let t = Instant::now();
         let id = s.create()?;
+        http.push(t.elapsed());
         probe(&s.vsock(&id)).context("a new sandbox's agent")?;
         out.push(t.elapsed());
         s.kill(&id)
@@ -410,11 +417,11 @@ fn confinement(
     // refill may start, and neither service should always be second.
     for i in 0..n {
         if i % 2 == 0 {
-            create(confined, &mut run.create)?;
-            create(&free, &mut run.create_free)?;
+            create(confined, &mut run.create, &mut run.create_http)?;
+            create(&free, &mut run.create_free, &mut run.create_http_free)?;
         } else {
-            create(&free, &mut run.create_free)?;
-            create(confined, &mut run.create)?;
+            create(&free, &mut run.create_free, &mut run.create_http_free)?;
+            create(confined, &mut run.create, &mut run.create_http)?;
         }
     }
     let woken: Vec<String> = [confined, &free]
@@ -509,6 +516,8 @@ impl ServeReport {
             "create_unconfined_p50_us": r1(c.create_free.percentile(50.0)),
             "wake_p50_us": r1(c.wake.percentile(50.0)),
             "wake_unconfined_p50_us": r1(c.wake_free.percentile(50.0)),
+            "create_http_p50_us": r1(c.create_http.percentile(50.0)),
+            "create_http_unconfined_p50_us": r1(c.create_http_free.percentile(50.0)),
             "create_ratio_p50": r2(cr),
             "wake_ratio_p50": r2(wr),
         });
@@ -555,14 +564,16 @@ impl std::fmt::Display for ServeReport {
         let (cr, wr) = c.ratios();
         writeln!(
             f,
-            "  confinement (jail + cgroup per VM process vs --no-jail --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= 1.10x)",
+            "  confinement (jail + cgroup per VM process vs --no-jail --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= 1.10x; create's HTTP answered p50 {:.1} us vs {:.1} us)",
             p(&c.create, 50.0),
             p(&c.create_free, 50.0),
             cr.unwrap_or(f64::NAN),
             p(&c.wake, 50.0),
             p(&c.wake_free, 50.0),
             wr.unwrap_or(f64::NAN),
-            c.create.len()
+            c.create.len(),
+            p(&c.create_http, 50.0),
+            p(&c.create_http_free, 50.0)
         )?;
         writeln!(f, "  {}", self.noise)
     }

@@ -495,7 +495,13 @@ fn assert_vm_processes_limited(state: &Path, mem_mib: u64, at_least: usize) {
             );
             assert_eq!(read("pids", "pids.max"), "1024", "pid {pid}");
             assert_eq!(read("cpu", "cpu.cfs_quota_us"), "100000", "pid {pid}");
-            assert_eq!(read("cpu", "cpu.shares"), "1024", "pid {pid}");
+            // A standby's group is idle until taken (its weight the kernel's idle one).
+            let idle = read("cpu", "cpu.idle") == "1";
+            assert_eq!(
+                read("cpu", "cpu.shares"),
+                if idle { "3" } else { "1024" },
+                "pid {pid}"
+            );
         } else {
             assert_eq!(read("memory", "memory.max"), want_mem, "pid {pid}");
             assert_eq!(read("pids", "pids.max"), "1024", "pid {pid}");
@@ -733,6 +739,27 @@ fn build_template_of(state: &Path, name: &str, mem: &str, steps: &str) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// Whether the CPU cgroup of process `pid` is an idle one (`cpu.idle`); None where it has
+/// none or the kernel no such file.
+fn cgroup_idle(pid: i32) -> Option<bool> {
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for line in cg.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        let dir = if ctrl.is_empty() {
+            format!("/sys/fs/cgroup{path}")
+        } else if ctrl.split(',').any(|c| c == "cpu") {
+            format!("/sys/fs/cgroup/cpu{path}")
+        } else {
+            continue;
+        };
+        if let Ok(v) = std::fs::read_to_string(format!("{dir}/cpu.idle")) {
+            return Some(v.trim() == "1");
+        }
+    }
+    None
+}
+
 /// The scheduling policy of process `pid`'s main thread.
 fn policy_of(pid: i32) -> i32 {
     // SAFETY: sched_getscheduler reads the policy of `pid` and has no other effect.
@@ -751,9 +778,15 @@ fn creates_use_standby_processes_and_the_pool_refills() {
     let mut serve = start_serve_with(&state, port, &["--standby", "2"]);
     let before = wait_standbys(&state, 2);
     let pids: Vec<i32> = before.iter().map(|s| pid_naming(s).unwrap()).collect();
-    // A ready standby waits at idle priority (its main thread: the one that restores).
+    // A ready standby waits at idle priority: its cgroup is idle where the kernel has
+    // `cpu.idle`, else its main thread (the one that restores) is SCHED_IDLE.
     for &p in &pids {
-        assert_eq!(policy_of(p), libc::SCHED_IDLE, "standby {p}");
+        assert!(
+            policy_of(p) == libc::SCHED_IDLE || cgroup_idle(p) == Some(true),
+            "standby {p}: policy {}, cgroup idle {:?}",
+            policy_of(p),
+            cgroup_idle(p)
+        );
     }
     // The files each made ahead for its restore (the serial file, the vsock socket).
     let inode = |p: &Path| std::fs::symlink_metadata(p).ok().map(|m| m.ino());

@@ -504,6 +504,24 @@ pub(crate) fn start_at_idle_priority(cmd: &mut Command) {
     };
 }
 
+/// Makes the process `cmd` starts run at normal priority (`SCHED_OTHER`) although started
+/// by a thread at idle priority (`SCHED_IDLE` is inherited): a standby whose cgroup is
+/// the idle one instead ([`standby`]).
+pub(crate) fn start_at_normal_priority(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and makes one
+    // async-signal-safe call (sched_setscheduler on itself), allocating nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            let param = libc::sched_param { sched_priority: 0 };
+            if libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+}
+
 /// Puts the main thread of process `pid` (a child of this process, not yet reaped, or
 /// the VM process in its jail) at normal priority (`SCHED_OTHER`): a standby taken for a
 /// request. Best effort: a refusal is logged and the request goes on, slower under load.

@@ -347,6 +347,20 @@ pub(crate) struct Joining {
 }
 
 impl Joining {
+    /// Makes its group idle or normal ([`Cgroup::set_idle`]); false where it cannot be.
+    pub(crate) fn set_idle(&self, idle: bool) -> bool {
+        match &self.group {
+            Some((cg, limits)) => match cg.set_idle(idle, limits.cpu_weight) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!("{e}");
+                    false
+                }
+            },
+            None => false,
+        }
+    }
+
     /// Records the group as that of the VM process behind `api_sock` (released when the
     /// driver sees it end).
     pub(crate) fn adopt(mut self, api_sock: &Path) {

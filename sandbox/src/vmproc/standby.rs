@@ -6,8 +6,10 @@
 //! memory) it was told about or asked for. A background thread refills it after each take,
 //! a little later ([`REFILL_DELAY`]) so that the new process does not compete for the CPU
 //! with the request that just took one; a request never waits for a standby to start. A
-//! standby runs at idle priority (`SCHED_IDLE`) until a request takes it, so that one
-//! starting meanwhile does not delay the requests that follow either.
+//! standby runs at idle priority until a request takes it, so that one starting meanwhile
+//! does not delay the requests that follow either: its cgroup is an idle one (`cpu.idle`)
+//! where it has one, lifted by one write when taken; else each of its threads is
+//! `SCHED_IDLE`, lifted one by one.
 //!
 //! Snapshots opened ahead: each standby of a shape opens the snapshot its creates restore
 //! (a template; `--preload`) while it waits. When a sandbox pauses, one ready standby of
@@ -101,6 +103,9 @@ pub(crate) struct Standby {
     pub(crate) handed: Vec<PathBuf>,
     /// Its cgroup, until a take hands it on with the process (removed with it otherwise).
     pub(crate) cgroup: Option<super::limits::Joining>,
+    /// Idle by its cgroup (`cpu.idle`), its threads at normal priority; else its threads
+    /// are at idle priority.
+    pub(crate) idle_group: bool,
     /// Its jail, when jailed.
     pub(crate) jail: Option<super::jail::JailLease>,
     /// The process inside its jail that holds the VM (`child` waits for the jail).
@@ -115,6 +120,13 @@ impl Standby {
     /// raise): every thread of it is lifted here, before the request, so that the threads
     /// its restore starts begin at normal priority too.
     pub(crate) fn run_at_normal_priority(&self) {
+        if self.idle_group {
+            if let Some(cg) = &self.cgroup {
+                if cg.set_idle(false) {
+                    return;
+                }
+            }
+        }
         super::run_at_normal_priority(self.child.id());
         if let Some(vm) = self.vm_pid {
             let tasks = std::fs::read_dir(format!("/proc/{vm}/task")).into_iter();
@@ -613,14 +625,21 @@ fn spawn_standby(
         .as_ref()
         .map(|j| j.prepare(&mut cmd, &token))
         .transpose()?;
-    // Until a request takes it ([`super::run_at_normal_priority`]).
-    super::start_at_idle_priority(&mut cmd);
     // In its cgroup while it waits: the request that takes it moves nothing.
     let cgroup = cfg
         .cgroups
         .as_ref()
         .map(|cg| cg.join_new(&mut cmd, shape))
         .transpose()?;
+    // At idle priority until a request takes it ([`Standby::run_at_normal_priority`]): its
+    // cgroup made idle where the kernel can (lifted then with one write), else each of
+    // its threads.
+    let idle_group = cgroup.as_ref().is_some_and(|j| j.set_idle(true));
+    if idle_group {
+        super::start_at_normal_priority(&mut cmd);
+    } else {
+        super::start_at_idle_priority(&mut cmd);
+    }
     let child = cmd.spawn().map_err(Error::io("starting", clade))?;
     Ok(Starting {
         standby: Standby {
@@ -630,6 +649,7 @@ fn spawn_standby(
             asked: Vec::new(),
             handed: Vec::new(),
             cgroup,
+            idle_group,
             jail,
             vm_pid: None,
         },

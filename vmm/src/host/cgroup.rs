@@ -312,6 +312,31 @@ impl Cgroup {
             .map_err(|e| cg_err(format!("{}: writing {value}: {e}", path.display())))
     }
 
+    /// Makes the group an idle one (`cpu.idle` 1: it runs only on CPU time nothing else
+    /// wants, as if its every thread were `SCHED_IDLE`) or a normal one again (0, with
+    /// `cpu_weight`: leaving idle, the kernel resets the weight to its default). A write
+    /// or two, whatever the number of its threads. An error where the kernel or the
+    /// group's controllers have no `cpu.idle` (before 5.15, or no CPU controller).
+    pub fn set_idle(&self, idle: bool, cpu_weight: Option<u32>) -> Result<()> {
+        self.write("cpu", "cpu.idle", if idle { "1" } else { "0" })?;
+        if idle {
+            Ok(())
+        } else {
+            self.set_cpu_weight(cpu_weight)
+        }
+    }
+
+    /// Sets the relative CPU weight ([`CgroupLimits::cpu_weight`]'s scale), if any.
+    fn set_cpu_weight(&self, weight: Option<u32>) -> Result<()> {
+        let Some(w) = weight else { return Ok(()) };
+        if self.v2 {
+            self.write("", "cpu.weight", &w.to_string())
+        } else {
+            let shares = (u64::from(w) * 1024 / 100).max(2);
+            self.write("cpu", "cpu.shares", &shares.to_string())
+        }
+    }
+
     fn apply(&self, limits: &CgroupLimits) -> Result<()> {
         let period = 100_000u64;
         if self.v2 {
@@ -329,9 +354,7 @@ impl Cgroup {
                 let quota = ((c * period as f64) as u64).max(1000);
                 self.write("", "cpu.max", &format!("{quota} {period}"))?;
             }
-            if let Some(w) = limits.cpu_weight {
-                self.write("", "cpu.weight", &w.to_string())?;
-            }
+            self.set_cpu_weight(limits.cpu_weight)?;
         } else {
             if let Some(m) = limits.memory_max {
                 self.write("memory", "memory.limit_in_bytes", &m.to_string())?;
@@ -351,10 +374,7 @@ impl Cgroup {
                 self.write("cpu", "cpu.cfs_period_us", &period.to_string())?;
                 self.write("cpu", "cpu.cfs_quota_us", &quota.to_string())?;
             }
-            if let Some(w) = limits.cpu_weight {
-                let shares = (u64::from(w) * 1024 / 100).max(2);
-                self.write("cpu", "cpu.shares", &shares.to_string())?;
-            }
+            self.set_cpu_weight(limits.cpu_weight)?;
         }
         if let Some(w) = limits.io_weight {
             match self.io_weight_file() {
@@ -604,6 +624,12 @@ mod tests {
         assert_eq!(cg.read_limit("pids"), Some(64.0));
         assert_eq!(cg.read_limit("cpus"), Some(0.5));
         assert!((cg.read_limit("cpu_weight").unwrap() - 200.0).abs() < 1.0);
+        // Idle (where the kernel has cpu.idle), then normal again with its weight back.
+        if cg.set_idle(true, limits.cpu_weight).is_ok() {
+            assert!(cg.read_limit("cpu_weight").unwrap() < 1.0);
+            cg.set_idle(false, limits.cpu_weight).unwrap();
+            assert!((cg.read_limit("cpu_weight").unwrap() - 200.0).abs() < 1.0);
+        }
         let mut child = std::process::Command::new("sh")
             .args([
                 "-c",
