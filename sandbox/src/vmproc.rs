@@ -490,31 +490,24 @@ pub(crate) fn run_at_idle_priority() {
 /// request was woken on, and that request's restore began ~1 ms late (a scheduler trace
 /// of `clade bench serve`). [`run_at_normal_priority`] lifts it when the process is taken.
 pub(crate) fn start_at_idle_priority(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: the closure runs in the child between fork and exec and makes one
-    // async-signal-safe call (sched_setscheduler on itself), allocating nothing.
-    unsafe {
-        cmd.pre_exec(|| {
-            let param = libc::sched_param { sched_priority: 0 };
-            if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
+    start_with_policy(cmd, libc::SCHED_IDLE);
 }
 
 /// Makes the process `cmd` starts run at normal priority (`SCHED_OTHER`) although started
 /// by a thread at idle priority (`SCHED_IDLE` is inherited): a standby whose cgroup is
 /// the idle one instead ([`standby`]).
 pub(crate) fn start_at_normal_priority(cmd: &mut Command) {
+    start_with_policy(cmd, libc::SCHED_OTHER);
+}
+
+fn start_with_policy(cmd: &mut Command, policy: libc::c_int) {
     use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs in the child between fork and exec and makes one
     // async-signal-safe call (sched_setscheduler on itself), allocating nothing.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             let param = libc::sched_param { sched_priority: 0 };
-            if libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) != 0 {
+            if libc::sched_setscheduler(0, policy, &param) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
