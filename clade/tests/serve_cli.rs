@@ -128,7 +128,11 @@ fn serve_drives_sandboxes_of_the_native_guest() {
         .arg(&state)
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&o.stdout).starts_with("t\t"));
+    let ls = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        ls.starts_with("t\t") && ls.contains("tags: default"),
+        "{ls}"
+    );
 
     let port = free_port();
     let mut serve = start_serve(&state, port);

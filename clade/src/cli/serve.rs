@@ -625,25 +625,47 @@ pub fn template(cmd: TemplateCommand) -> anyhow::Result<u8> {
     match cmd {
         TemplateCommand::Build(a) => build(*a),
         TemplateCommand::Ls { state_dir, json } => {
-            let ts = TemplateStore::new(&state_dir).list()?;
+            let store = TemplateStore::new(&state_dir);
+            let ts = store.list()?;
+            // The tags that mean each build (a build of a template: `name@<build id>`).
+            let tags_of = |build: &str| -> Vec<String> {
+                let name = sandbox::template::tags::template_of(build);
+                store
+                    .tags(name)
+                    .map(|f| {
+                        f.tags
+                            .into_iter()
+                            .filter(|(_, t)| t.build == build)
+                            .map(|(tag, _)| tag)
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
             if json {
                 let v: Vec<_> = ts
                     .iter()
                     .map(|t| {
                         serde_json::json!({"name": t.name, "vcpus": t.vcpus, "mem_mib": t.mem_mib,
-                            "disk": t.disk, "test_guest": t.test_guest, "created_ms": t.created_ms})
+                            "disk": t.disk, "test_guest": t.test_guest, "created_ms": t.created_ms,
+                            "build_id": t.build_id(), "tags": tags_of(&t.name)})
                     })
                     .collect();
                 println!("{}", serde_json::Value::Array(v));
             } else {
                 for t in ts {
+                    let tags = tags_of(&t.name);
                     println!(
-                        "{}\t{} vCPU\t{} MiB\t{}{}",
+                        "{}\t{} vCPU\t{} MiB\t{}{}\t{}",
                         t.name,
                         t.vcpus,
                         t.mem_mib,
                         if t.disk { "disk" } else { "no disk" },
-                        if t.test_guest { "\ttest guest" } else { "" }
+                        if t.test_guest { "\ttest guest" } else { "" },
+                        if tags.is_empty() {
+                            "no tag (removed once unused)".to_string()
+                        } else {
+                            format!("tags: {}", tags.join(","))
+                        }
                     );
                 }
             }
