@@ -458,7 +458,7 @@ def test_exposed_port_reached_through_the_service(sb, d):
         # sandbox, and comes back with it.
         sb.pause()
         woken = httpx.get(f"{base}/hello.txt", headers={"Host": host}, timeout=60)
-        assert woken.status_code == 200 and woken.text == r.text
+        assert woken.status_code == 200 and woken.text == r.text, (woken.status_code, woken.text)
         assert sb.get_info().state.value == "running"
     finally:
         h.kill()
