@@ -297,8 +297,8 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
         })
         .unwrap_or_default();
     // `name:tag` is a build of template `name` (snapshots have only `default`).
-    let name =
-        sandbox::template::tags::parse_reference(&template).map_or(template.as_str(), |(n, _)| n);
+    let parsed = sandbox::template::tags::parse_reference(&template).ok();
+    let name = parsed.map_or(template.as_str(), |(n, _)| n);
     // A persistent snapshot is on the node that took it: sandboxes of it start there.
     let snapshot = match sandbox::host::strip_tag(&template) {
         Ok(n) => node.db().snapshot_node(n).await,
@@ -336,8 +336,8 @@ async fn create(node: &Node, req: Request, next: Next) -> Response {
     };
     // A tag other than `default` is known where templates are built (tags are kept
     // there): its sandboxes start there.
-    let tagged = sandbox::template::tags::parse_reference(&template)
-        .is_ok_and(|(_, t)| t.is_some_and(|t| t != sandbox::template::tags::DEFAULT_TAG));
+    let tagged =
+        parsed.is_some_and(|(_, t)| t.is_some_and(|t| t != sandbox::template::tags::DEFAULT_TAG));
     let best = match crate::placement::builder(&nodes) {
         Some(b) if tagged => vec![b.clone()],
         _ => choose(

@@ -749,24 +749,18 @@ impl Host {
                 ));
             }
         }
-        let build = match self.templates.resolve(reference) {
-            Err(Error::TemplateNotFound(t)) => {
-                return Err(Error::BadRequest(format!(
-                    "template or snapshot '{t}' not found"
-                )))
-            }
-            r => r?,
-        };
-        Ok((
-            self.templates.get(&build)?,
-            self.templates.snapshot_dir(&build)?,
-        ))
-    }
-
-    /// The build directory a template reference (`name[:tag]`) means, for E2B's alias
-    /// lookups.
-    pub fn resolve_build(&self, reference: &str) -> Result<String> {
-        self.templates.resolve(reference)
+        let found = self.templates.resolve(reference).and_then(|build| {
+            Ok((
+                self.templates.get(&build)?,
+                self.templates.snapshot_dir(&build)?,
+            ))
+        });
+        match found {
+            Err(Error::TemplateNotFound(_)) => Err(Error::BadRequest(format!(
+                "template or snapshot '{reference}' not found"
+            ))),
+            r => r,
+        }
     }
 
     /// The templates' tags ([`crate::template::tags`]).

@@ -213,7 +213,11 @@ pub(super) async fn alias(
 ) -> ApiResult<Response> {
     let host: Arc<crate::Host> = st.host.clone();
     let n = name.clone();
-    match run(move || host.resolve_build(&n)).await {
+    let found = move || {
+        let store = host.template_store();
+        store.resolve(&n).and_then(|b| store.get(&b))
+    };
+    match run(found).await {
         Ok(_) => Ok(Json(json!({"templateID": name, "public": false})).into_response()),
         Err(_) => Err(ApiError::new(
             StatusCode::NOT_FOUND,

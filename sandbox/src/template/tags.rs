@@ -107,25 +107,33 @@ impl TemplateStore {
     /// The tags of template `name`: its file, or `default` on its own directory when it
     /// has none (and nothing when that is not built either).
     pub fn tags(&self, name: &str) -> Result<TagFile> {
+        if let Some(f) = self.tag_file(name)? {
+            return Ok(f);
+        }
+        let mut f = TagFile::default();
+        if let Ok(t) = self.get(name) {
+            f.tags.insert(
+                DEFAULT_TAG.to_string(),
+                Tagged {
+                    build: name.to_string(),
+                    created_ms: t.created_ms,
+                },
+            );
+        }
+        Ok(f)
+    }
+
+    /// The tags file of `name`, if it has one.
+    fn tag_file(&self, name: &str) -> Result<Option<TagFile>> {
         let path = self.tag_file_path(name)?;
         match std::fs::read_to_string(&path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| Error::TemplateBroken {
-                name: name.to_string(),
-                why: format!("{}: {e}", path.display()),
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let mut f = TagFile::default();
-                if let Ok(t) = self.get(name) {
-                    f.tags.insert(
-                        DEFAULT_TAG.to_string(),
-                        Tagged {
-                            build: name.to_string(),
-                            created_ms: t.created_ms,
-                        },
-                    );
-                }
-                Ok(f)
-            }
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| Error::TemplateBroken {
+                    name: name.to_string(),
+                    why: format!("{}: {e}", path.display()),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(Error::io("reading", &path)(e)),
         }
     }
@@ -170,16 +178,28 @@ impl TemplateStore {
     }
 
     /// The build directory `reference` (`name`, `name:tag` or `name:<build id>`) means.
+    /// On the path of every create: the tags file is read (when there is one), nothing
+    /// else; the caller reads the build's `template.json` (absent: not found).
     pub fn resolve(&self, reference: &str) -> Result<String> {
         let (name, tag) = parse_reference(reference)?;
         let tag = tag.unwrap_or(DEFAULT_TAG);
-        if let Some(t) = self.tags(name)?.tags.get(tag) {
-            return Ok(t.build.clone());
-        }
-        for b in self.builds(name)? {
-            if self.get(&b)?.build_id() == tag {
-                return Ok(b);
+        match self.tag_file(name)? {
+            Some(f) => {
+                if let Some(t) = f.tags.get(tag) {
+                    return Ok(t.build.clone());
+                }
             }
+            // No tags file: `default` is the template's own directory.
+            None if tag == DEFAULT_TAG => return Ok(name.to_string()),
+            None => {}
+        }
+        // A build id: a build kept beside the template, or the template's own.
+        let kept = build_dir_name(name, tag);
+        if crate::template::is_build_id(tag) && self.get(&kept).is_ok() {
+            return Ok(kept);
+        }
+        if self.get(name).is_ok_and(|t| t.build_id() == tag) {
+            return Ok(name.to_string());
         }
         Err(Error::TemplateNotFound(format!("{name}:{tag}")))
     }
@@ -331,7 +351,10 @@ mod tests {
     #[test]
     fn a_template_without_tags_has_default_on_its_own_directory() {
         let (d, s) = store("legacy");
-        assert!(matches!(s.resolve("a"), Err(Error::TemplateNotFound(_))));
+        assert!(matches!(
+            s.resolve("a").and_then(|b| s.get(&b)),
+            Err(Error::TemplateNotFound(_))
+        ));
         built(&s, "a", None);
         assert_eq!(s.resolve("a").unwrap(), "a");
         assert_eq!(s.resolve("a:default").unwrap(), "a");
