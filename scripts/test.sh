@@ -107,7 +107,7 @@ else
         SCENARIOS+=(disk fork jail net sdk)
         # sdk: clade serve with a Linux template in the nested machine; the SDK suite
         # (tests/e2b/test_linux.py) runs here, through these forwarded ports.
-        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --forward 39481:8080 --forward 39482:8081 --forward 39483:8082 --forward 39484:8083 --forward 39485:8085 --guestfwd 5432:39486)
+        disk_args=(--disk "$REPO_ROOT/build/rootfs/base.cdsk" --disk "$REPO_ROOT/build/rootfs/debian-image.tar" --forward 39481:8080 --forward 39482:8081 --forward 39483:8082 --forward 39484:8083 --forward 39485:8085 --guestfwd 5432:39486)
     else
         echo "nested scenarios disk, fork, jail, net, sdk: FAIL (tests/nested/build-rootfs.sh failed)"
         failed=$((failed + 5))

@@ -528,3 +528,46 @@ def test_template_build_through_the_sdk(tmp_path):
     # The nested machine's /tmp is memory: the template and the build cache go.
     remove_template("sdk-built")
     assert not Template.exists("sdk-built")
+
+
+def build_base():
+    """Builds E2B's base template in the nested machine (`clade template build base`, the
+    scenario's build-base); fails with the build's output unless it succeeded."""
+    obey("build-base", "SDK-BASE-BUILT ", 1500, "the base template build did not end")
+    with open(NESTED_LOG, "rb") as f:
+        lines = f.read().decode(errors="replace").splitlines()
+    end = max(i for i, ln in enumerate(lines) if "SDK-BASE-BUILT " in ln)
+    assert "SDK-BASE-BUILT rc=0 " in lines[end], "\n".join(lines[max(0, end - 14) : end + 1])
+
+
+@pytest.mark.skipif(CLUSTER, reason="what the base template holds: the standalone pass checks it")
+def test_the_base_template_runs_code_written_for_e2bs_base():
+    """Issue 36: `clade template build base`, FROM the Debian image build-rootfs.sh makes
+    (nothing outside is reached from the nested machine), is what code written for E2B's
+    base template expects: commands run as `user` (uid 1000) in /home/user, relative paths
+    are its home's, files written through the SDK are its own, sudo needs no password,
+    curl reaches a server (in the scenario's own namespace), git, pip and venv work;
+    user="root" is root in /root."""
+    build_base()
+    sb = Sandbox.create("base", timeout=600, **SLOW)
+    try:
+        r = run(sb, 'id -un; id -u; pwd; echo "$HOME"')
+        assert r.stdout == "user\n1000\n/home/user\n/home/user\n", r
+        sb.files.write("notes/plan.txt", "step one\n", **SLOW)
+        r = run(sb, "cat notes/plan.txt; stat -c %U:%G /home/user/notes/plan.txt /home/user/notes")
+        assert r.stdout == "step one\nuser:user\nuser:user\n", r
+        assert sb.files.read("notes/plan.txt", **SLOW) == "step one\n"
+        assert run(sb, "sudo -n id -u").stdout == "0\n"
+        assert run(sb, "id -un; pwd", user="root").stdout == "root\n/root\n"
+        assert run(sb, f"curl -fsS --max-time 60 {WORLD_HELLO}").stdout == "hello from the world\n"
+        r = run(
+            sb,
+            "git init -q repo && cd repo && git -c user.email=u@example.test -c user.name=u "
+            "commit -q --allow-empty -m first && git log --format=%s && stat -c %U .git",
+        )
+        assert r.stdout == "first\nuser\n", r
+        r = run(sb, "python3 -m pip --version && python3 -m venv venv && venv/bin/python -c 'import sys; print(sys.prefix)'")
+        assert r.stdout.splitlines()[-1] == "/home/user/venv", r
+    finally:
+        sb.kill()
+    remove_template("base")

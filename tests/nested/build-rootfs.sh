@@ -1,22 +1,27 @@
 #!/bin/bash
 # build-rootfs.sh: the sandbox root filesystem, as a Clade base layer.
 #
-#   1. debootstrap --variant=minbase --include=python3 bookworm  (as root; needs the
+#   1. debootstrap --variant=minbase bookworm with python3 and what E2B's base template
+#      has (sudo, curl, git, pip, venv, procps, iproute2, less, unzip) (as root; needs the
 #      Debian packages debootstrap and e2fsprogs, see packages.txt)
 #   2. trim it (apt lists and caches, docs, man pages, locales other than C) and make an
 #      ext4 image of it (mkfs.ext4 -d, no partition table: the guest mounts /dev/vda)
 #   3. `clade disk create --from` that image: a frozen base layer (only non-zero 64 KiB
 #      blocks are stored) that every sandbox's overlay shares
+#   4. the same tree as a container image (an OCI archive, one uncompressed layer, the
+#      config of Debian's official image): what `clade template build base` is built FROM
+#      where no registry can be reached (--build-arg BASE=that archive)
 #
 # Outputs (under build/rootfs/, cached: a second run with the same inputs does nothing):
 #   tree/         the debootstrap tree (kept only while building)
 #   rootfs.ext4   the raw ext4 image
 #   base.cdsk     the base layer (devices/../disk/FORMAT.md)
+#   debian-image.tar  the OCI archive (its size is a multiple of 512: it can be a disk)
 #   stamp         what the outputs were built from; delete it (or --force) to rebuild
 #
 # Usage: tests/nested/build-rootfs.sh [--force]
 # Environment: ROOTFS_OUT (default build/rootfs), DEBIAN_MIRROR (default: the first Debian
-# URI in this machine's apt sources), ROOTFS_SUITE (bookworm), ROOTFS_INCLUDE (python3),
+# URI in this machine's apt sources), ROOTFS_SUITE (bookworm), ROOTFS_INCLUDE (the list above),
 # ROOTFS_SLACK_MIB (free space in the image, default 256), CLADE (a clade binary to use;
 # default: the static build that build-outer.sh also uses).
 set -euo pipefail
@@ -34,11 +39,12 @@ esac
 
 OUT=${ROOTFS_OUT:-$REPO_ROOT/build/rootfs}
 SUITE=${ROOTFS_SUITE:-bookworm}
-INCLUDE=${ROOTFS_INCLUDE:-python3}
+INCLUDE=${ROOTFS_INCLUDE:-python3,sudo,curl,ca-certificates,git,python3-pip,python3-venv,procps,iproute2,less,unzip}
 SLACK_MIB=${ROOTFS_SLACK_MIB:-256}
 TREE="$OUT/tree"
 IMG="$OUT/rootfs.ext4"
 BASE="$OUT/base.cdsk"
+IMAGE="$OUT/debian-image.tar"
 STAMP="$OUT/stamp"
 
 # The mirror this machine's apt already uses (deb822 or one-line sources).
@@ -67,7 +73,7 @@ if [ -z "${CLADE:-}" ]; then
 fi
 [ -x "$CLADE" ] || die "$CLADE is not executable"
 
-if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -f "$IMG" ]; then
+if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -f "$IMG" ] && [ -f "$IMAGE" ]; then
     if [ -f "$BASE" ] && "$CLADE" disk info "$BASE" >/dev/null 2>&1; then
         log "rootfs cached: $BASE ($(du -h "$BASE" | cut -f1) allocated)"
         exit 0
@@ -120,6 +126,35 @@ mkfs.ext4 -q -F -L clade-root -b 4096 -m 0 -E lazy_itable_init=0,lazy_journal_in
     -O ^resize_inode -d "$TREE" "$IMG.tmp" || die "mkfs.ext4 failed"
 e2fsck -f -n "$IMG.tmp" >/dev/null || die "e2fsck found problems in the new image"
 mv "$IMG.tmp" "$IMG"
+
+# --- the OCI archive ---------------------------------------------------------------------
+# One uncompressed layer (nothing to inflate where it is read), numeric owners and
+# xattrs kept; blobs named by their sha256, as an image layout holds them.
+LAYOUT="$OUT/layout"
+rm -rf "$LAYOUT" "$IMAGE" "$IMAGE.tmp"
+mkdir -p "$LAYOUT/blobs/sha256"
+tar --numeric-owner --xattrs --xattrs-include='*' --sort=name -C "$TREE" -cf "$LAYOUT/layer.tar" . ||
+    die "tar of the tree failed"
+blob() { # FILE: moves FILE to its digest's name; prints "sha256:<hex> <size>"
+    local h size
+    h=$(sha256sum "$1" | cut -d' ' -f1)
+    size=$(stat -c %s "$1")
+    mv "$1" "$LAYOUT/blobs/sha256/$h"
+    echo "sha256:$h $size"
+}
+read -r LAYER_DIGEST LAYER_SIZE < <(blob "$LAYOUT/layer.tar")
+printf '{"architecture":"amd64","os":"linux","config":{"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],"Cmd":["bash"]},"rootfs":{"type":"layers","diff_ids":["%s"]}}' \
+    "$LAYER_DIGEST" >"$LAYOUT/config.json"
+read -r CONFIG_DIGEST CONFIG_SIZE < <(blob "$LAYOUT/config.json")
+printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"%s","size":%s},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"%s","size":%s}]}' \
+    "$CONFIG_DIGEST" "$CONFIG_SIZE" "$LAYER_DIGEST" "$LAYER_SIZE" >"$LAYOUT/manifest.json"
+read -r MANIFEST_DIGEST MANIFEST_SIZE < <(blob "$LAYOUT/manifest.json")
+printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"%s","size":%s,"annotations":{"org.opencontainers.image.ref.name":"%s"}}]}' \
+    "$MANIFEST_DIGEST" "$MANIFEST_SIZE" "$SUITE" >"$LAYOUT/index.json"
+echo '{"imageLayoutVersion":"1.0.0"}' >"$LAYOUT/oci-layout"
+tar -C "$LAYOUT" -cf "$IMAGE.tmp" oci-layout index.json blobs || die "tar of the image layout failed"
+rm -rf "$LAYOUT"
+mv "$IMAGE.tmp" "$IMAGE"
 rm -rf --one-file-system "$TREE"
 T2=$(now)
 
@@ -129,5 +164,5 @@ rm -f "$BASE"
 "$CLADE" disk info "$BASE" >&2
 T3=$(now)
 echo "$WANT" >"$STAMP"
-log "rootfs: ${USED_MIB} MiB of files in a ${SIZE_MIB} MiB ext4 image; base layer $BASE ($(du -h "$BASE" | cut -f1) allocated)"
-log "timings: debootstrap $(elapsed "$T0" "$T1")s, image $(elapsed "$T1" "$T2")s, layer $(elapsed "$T2" "$T3")s"
+log "rootfs: ${USED_MIB} MiB of files in a ${SIZE_MIB} MiB ext4 image; base layer $BASE ($(du -h "$BASE" | cut -f1) allocated); OCI archive $IMAGE ($(du -h "$IMAGE" | cut -f1))"
+log "timings: debootstrap $(elapsed "$T0" "$T1")s, ext4 image and OCI archive $(elapsed "$T1" "$T2")s, layer $(elapsed "$T2" "$T3")s"

@@ -21,7 +21,8 @@
 #   --standin qemu      run QEMU/KVM instead of clade in the outer VM (NESTED_STANDIN)
 #   --expect REGEX      required log line pattern (ERE); repeatable; replaces the defaults
 #   --disk FILE         attach FILE read-only to the outer VM as a virtio disk (L1's /dev/vda;
-#                       L1 loads virtio_pci and virtio_blk), e.g. build/rootfs/base.cdsk
+#                       L1 loads virtio_pci and virtio_blk), e.g. build/rootfs/base.cdsk;
+#                       repeatable: the second is /dev/vdb, and so on
 #   --forward HOST:L1   forward the host's 127.0.0.1:HOST to L1's TCP port L1 (repeatable).
 #                       Gives L1 a virtio-net NIC on QEMU's user network with restrict=on:
 #                       L1 reaches nothing outside; only the forwarded ports reach L1 (its
@@ -46,7 +47,7 @@ STALL=${NESTED_STALL:-0}
 SKIP_BUILD=${NESTED_SKIP_BUILD:-0}
 EXPECT=()
 QEMU_EXTRA=()
-OUTER_DISK=""
+OUTER_DISKS=()
 FORWARDS=()
 GUESTFWDS=()
 while [ $# -gt 0 ]; do
@@ -57,7 +58,7 @@ while [ $# -gt 0 ]; do
     --l1-test) export NESTED_L1_TEST=${2:?--l1-test needs a file}; shift 2 ;;
     --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
     --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
-    --disk) OUTER_DISK=${2:?--disk needs a file}; shift 2 ;;
+    --disk) OUTER_DISKS+=("${2:?--disk needs a file}"); shift 2 ;;
     --forward) FORWARDS+=("${2:?--forward needs HOST:L1}"); shift 2 ;;
     --guestfwd) GUESTFWDS+=("${2:?--guestfwd needs L1:HOST}"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
@@ -76,8 +77,12 @@ if [ -z "${NESTED_L1_TIMEOUT:-}" ]; then
     export NESTED_L1_TIMEOUT=$((TIMEOUT > 120 ? TIMEOUT - 60 : TIMEOUT / 2))
 fi
 
-if [ -n "$OUTER_DISK" ]; then
-    [ -f "$OUTER_DISK" ] || die "--disk $OUTER_DISK: no such file"
+if [ ${#OUTER_DISKS[@]} -gt 0 ]; then
+    for d in "${OUTER_DISKS[@]}"; do
+        [ -f "$d" ] || die "--disk $d: no such file"
+        # QEMU sees a raw file's size rounded down to whole sectors.
+        [ $(($(stat -c %s "$d") % 512)) = 0 ] || die "--disk $d: its size is not a multiple of 512"
+    done
     export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
 fi
 
@@ -135,10 +140,10 @@ T_BUILD1=$(now)
 APPEND="console=ttyS0 panic=-1 quiet${NESTED_APPEND:+ $NESTED_APPEND}"
 QEMU=(qemu-system-x86_64 -accel tcg -cpu "${NESTED_CPU:-EPYC}" -m "${NESTED_MEM:-2G}" -smp 1
     -nographic -no-reboot -kernel "$KVMLINUZ" -initrd "$OUTER_CPIO" -append "$APPEND")
-if [ -n "$OUTER_DISK" ]; then
+for d in "${OUTER_DISKS[@]}"; do
     # A comma in a -drive file name is written as two.
-    QEMU+=(-drive "file=${OUTER_DISK//,/,,},format=raw,if=virtio,readonly=on")
-fi
+    QEMU+=(-drive "file=${d//,/,,},format=raw,if=virtio,readonly=on")
+done
 if [ -n "$NETDEV" ]; then
     QEMU+=(-netdev "$NETDEV" -device virtio-net-pci,netdev=n0)
 fi

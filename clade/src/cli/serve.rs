@@ -577,8 +577,10 @@ pub struct BuildArgs {
     /// With --dockerfile: the directory COPY reads from (default: the Dockerfile's).
     #[arg(long, value_name = "DIR", requires = "dockerfile")]
     context: Option<PathBuf>,
-    /// With --dockerfile: a build argument (repeatable).
-    #[arg(long = "build-arg", value_name = "NAME=VALUE", requires = "dockerfile")]
+    /// With --dockerfile, or for the base template: a build argument (repeatable). The
+    /// base template's BASE is the image it is built FROM (default `debian:bookworm`;
+    /// any Debian or Ubuntu image: a registry reference, an image layout or an archive).
+    #[arg(long = "build-arg", value_name = "NAME=VALUE")]
     build_arg: Vec<String>,
     /// With --image or --dockerfile: the disk's size (default: what the image needs plus
     /// 256 MiB); an image that does not fit is refused.
@@ -753,6 +755,9 @@ fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
     } else {
         None
     };
+    if !a.build_arg.is_empty() && a.dockerfile.is_none() {
+        bail!("--build-arg is for a build from a Dockerfile (--dockerfile, or the base template)");
+    }
     // A guest whose root is the image's disk is told so.
     if (a.image.is_some() || a.dockerfile.is_some()) && !a.test_device {
         for part in ["quiet", "clade.root=/dev/vda"] {

@@ -4,8 +4,8 @@
 # (tests/e2b/run_nested.sh drives both halves):
 #
 #   tests/nested/build-rootfs.sh
-#   tests/nested/run.sh --disk build/rootfs/base.cdsk --forward 39481:8080 --forward 39482:8081 \
-#       --l1-test tests/nested/scenarios/sdk.sh --expect SDK-SCENARIO-PASS
+#   tests/nested/run.sh --disk build/rootfs/base.cdsk --disk build/rootfs/debian-image.tar \
+#       --forward 39481:8080 --forward 39482:8081 --l1-test tests/nested/scenarios/sdk.sh --expect SDK-SCENARIO-PASS
 #   # meanwhile, on the host: tests/e2b/run_nested.sh --wait-log build/nested/nested.log
 #
 # Steps: bring up L1's NIC (QEMU user network, restrict=on: only the forwarded ports reach
@@ -26,6 +26,10 @@
 #   rm-template NAME  remove template NAME (`clade template rm`; node n1's when it has it)
 #                 and the build cache, print
 #                 `SDK-TEMPLATE-REMOVED NAME rc=<rc>`
+#   build-base    build E2B's base template (`clade template build base`) into the suite's
+#                 service, FROM the Debian image on /dev/vdb (build-rootfs.sh's OCI archive,
+#                 run.sh's second --disk: nothing outside is reached from here); print its
+#                 log's tail and `SDK-BASE-BUILT rc=<rc> <seconds> s`
 #   build-vms TAG print, for each process of a template build's VM (`build.api` on its
 #                 command line), `SDK-BUILD-VM TAG <pid> uid=… capeff=… nnp=… pidns=…
 #                 cgroup=…` (its status and cgroup), then `SDK-BUILD-VMS TAG <count>`
@@ -48,6 +52,8 @@
 
 CLADE=/bin/clade
 BASE=${DISK_BASE:-/dev/vda}
+# The Debian image E2B's base template is built FROM (build-base).
+BASE_IMAGE=${BASE_IMAGE:-/dev/vdb}
 STATE=/tmp/sdk-state
 PORT=8080
 CTL=8081
@@ -391,6 +397,22 @@ while [ -z "$verdict" ]; do
         r=$?
         rm -rf "$dir/templates/.build-cache"
         echo "SDK-TEMPLATE-REMOVED $name rc=$r"
+        ;;
+    build-base)
+        t0=$(uptime_s)
+        r=0
+        # (its build VM's network named apart from the running service's)
+        if [ -b "$BASE_IMAGE" ]; then
+            timeout -s KILL 1200 $CLADE template build base --state-dir "$STATE" \
+                --build-arg "BASE=$BASE_IMAGE" --kernel /guest/vmlinuz --initrd /guest/initrd.cpio \
+                --mem-mib 256 --vcpus 1 --agent-timeout 240 --net-name cbase --net-range 10.204.0.0/16 \
+                >/tmp/base-build.log 2>&1 || r=$?
+            tail -n 12 /tmp/base-build.log
+        else
+            echo "no base image at $BASE_IMAGE (run.sh --disk build/rootfs/debian-image.tar, the second)"
+            r=1
+        fi
+        echo "SDK-BASE-BUILT rc=$r $(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { printf "%.1f", b - a }') s"
         ;;
     "build-vms "*)
         tag=${cmd#build-vms }
