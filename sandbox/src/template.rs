@@ -157,9 +157,11 @@ pub struct FromImage {
     /// The config's `Env`: every sandbox's environment, under the variables its create
     /// request sets.
     pub env: std::collections::BTreeMap<String, String>,
-    /// The config's `WorkingDir` (recorded; commands still start in the user's home).
+    /// The config's `WorkingDir` (or the Dockerfile's `WORKDIR`): where a command that
+    /// names no working directory starts ("": the user's home).
     pub cwd: String,
-    /// The config's `User` (recorded; commands still run as the user the request names).
+    /// The config's `User` (or the Dockerfile's `USER`): whom a request that names no user
+    /// runs as ("": root).
     pub user: String,
     /// `Entrypoint` + `Cmd` (recorded; not started by the service).
     pub start_cmd: Vec<String>,

@@ -479,6 +479,8 @@ def test_template_build_through_the_sdk(tmp_path):
         assert run(sb, "cat /srv/copied.txt").stdout == "hello from the build context\n"
         assert run(sb, "cat /srv/env.txt").stdout == "yes\n"
         assert run(sb, "cat /srv/cwd.txt").stdout == "/srv\n"
+        # A command that names no cwd starts in the template's (envd's default workdir).
+        assert run(sb, "pwd").stdout == "/srv\n"
         # The template's own file is there (built on it), and its start command runs.
         assert run(sb, "cat /root/template.txt").stdout == "made-by-the-template\n"
         procs = run(sb, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
@@ -547,7 +549,7 @@ def test_the_base_template_runs_code_written_for_e2bs_base():
     base template expects: commands run as `user` (uid 1000) in /home/user, relative paths
     are its home's, files written through the SDK are its own, sudo needs no password,
     curl reaches a server (in the scenario's own namespace), git, pip and venv work;
-    user="root" is root in /root."""
+    user="root" is root."""
     build_base()
     sb = Sandbox.create("base", timeout=600, **SLOW)
     try:
@@ -558,7 +560,10 @@ def test_the_base_template_runs_code_written_for_e2bs_base():
         assert r.stdout == "step one\nuser:user\nuser:user\n", r
         assert sb.files.read("notes/plan.txt", **SLOW) == "step one\n"
         assert run(sb, "sudo -n id -u").stdout == "0\n"
-        assert run(sb, "id -un; pwd", user="root").stdout == "root\n/root\n"
+        # (a command that names no cwd starts in the template's WORKDIR, whoever runs it,
+        # as envd's default workdir does; root's home is still its own)
+        assert run(sb, 'id -un; pwd; echo "$HOME"', user="root").stdout == "root\n/home/user\n/root\n"
+        assert run(sb, "pwd", cwd="/tmp").stdout == "/tmp\n"
         assert run(sb, f"curl -fsS --max-time 60 {WORLD_HELLO}").stdout == "hello from the world\n"
         r = run(
             sb,

@@ -158,6 +158,10 @@ pub(crate) struct SandboxConn {
     pub traffic_token: Option<String>,
     /// The user requests that name none run as (its template's), `None`: root.
     default_user: Option<String>,
+    /// Where a command that names no working directory starts: its template's (an image's
+    /// `WorkingDir`, a Dockerfile's `WORKDIR`, an E2B build's `set_workdir`: envd's
+    /// default workdir), `None`: the user's home.
+    pub default_cwd: Option<String>,
     client: Mutex<Option<Client>>,
     /// File-operation connections of non-root users (AsUser), by uid.
     user_clients: Mutex<HashMap<u32, Client>>,
@@ -449,14 +453,15 @@ impl DataPlane {
             }
         }
         drop(map);
-        // Its template's user (a file read, once per route).
-        let default_user = self
-            .host
-            .template(&rec.template)
-            .ok()
-            .and_then(|t| t.image)
-            .map(|i| i.user)
-            .filter(|u| !u.is_empty());
+        // Its template's user and working directory (a file read, once per route).
+        let image = self.host.template(&rec.template).ok().and_then(|t| t.image);
+        let (default_user, default_cwd) = match image {
+            Some(i) => (
+                Some(i.user).filter(|u| !u.is_empty()),
+                Some(i.cwd).filter(|c| !c.is_empty()),
+            ),
+            None => (None, None),
+        };
         let mut map = lock(&self.sandboxes);
         // New, or resumed since (a new VM process: old connections and processes are gone).
         let c = Arc::new(SandboxConn {
@@ -466,6 +471,7 @@ impl DataPlane {
             envd_token: rec.envd_token.clone(),
             traffic_token: rec.traffic_token.clone(),
             default_user,
+            default_cwd,
             client: Mutex::new(None),
             user_clients: Mutex::new(HashMap::new()),
             users: Mutex::new(None),

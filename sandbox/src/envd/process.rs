@@ -326,7 +326,7 @@ async fn start(
             }
             cmd = cmd.env(k, v);
         }
-        cmd = cmd.cwd(user.resolve(config.cwd.as_deref().unwrap_or("")));
+        cmd = cmd.cwd(user.resolve(start_dir(config.cwd.as_deref(), sb2.default_cwd.as_deref())));
         if user.uid != 0 {
             cmd = cmd.uid(user.uid).gid(user.gid);
         }
@@ -798,4 +798,27 @@ async fn update(sb: Arc<SandboxConn>, req: pb::UpdateRequest) -> Result<(), RpcE
         exec.resize(ws).map_err(RpcError::from)
     })
     .await
+}
+
+/// The working directory a command starts in, before the user's home resolves it: the one
+/// it names, else its template's (envd's default workdir), else "" (the home).
+fn start_dir<'a>(named: Option<&'a str>, template: Option<&'a str>) -> &'a str {
+    match named {
+        Some(c) if !c.is_empty() => c,
+        _ => template.unwrap_or(""),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::start_dir;
+
+    #[test]
+    fn a_command_starts_where_it_says_else_in_its_templates_workdir_else_home() {
+        assert_eq!(start_dir(Some("/tmp"), Some("/srv")), "/tmp");
+        assert_eq!(start_dir(Some("rel"), Some("/srv")), "rel");
+        assert_eq!(start_dir(Some(""), Some("/srv")), "/srv");
+        assert_eq!(start_dir(None, Some("/srv")), "/srv");
+        assert_eq!(start_dir(None, None), "");
+    }
 }
