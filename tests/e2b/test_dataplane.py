@@ -53,6 +53,12 @@ def test_run_stdout_stderr_exit_code(sb):
 def test_envs_cwd_and_sandbox_env(sb, d):
     r = sb.commands.run("echo $FOO; pwd", envs={"FOO": "bar baz"}, cwd=d)
     assert r.stdout == f"bar baz\n{d}\n"
+    # E2B's own variables: in a sandbox, which one, of which template; a command's own
+    # value wins.
+    r = sb.commands.run('echo "$E2B_SANDBOX $E2B_SANDBOX_ID $E2B_TEMPLATE_ID"')
+    assert r.stdout == f"true {sb.sandbox_id} {TEMPLATE}\n", r
+    r = sb.commands.run("echo $E2B_SANDBOX", envs={"E2B_SANDBOX": "mine"})
+    assert r.stdout == "mine\n"
 
 
 def test_streaming_callbacks_and_large_output(sb):

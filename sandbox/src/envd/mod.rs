@@ -149,6 +149,8 @@ type Accounts = (Vec<User>, HashMap<u32, String>);
 /// One sandbox as the data plane sees it.
 pub(crate) struct SandboxConn {
     pub id: String,
+    /// Its template's id (its name).
+    pub template: String,
     pub vsock: PathBuf,
     /// Environment variables given at create time (every process gets them).
     pub env: BTreeMap<String, String>,
@@ -466,6 +468,7 @@ impl DataPlane {
         // New, or resumed since (a new VM process: old connections and processes are gone).
         let c = Arc::new(SandboxConn {
             id: rec.id.clone(),
+            template: rec.template.clone(),
             vsock,
             env: rec.env_vars.clone(),
             envd_token: rec.envd_token.clone(),

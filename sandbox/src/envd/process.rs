@@ -304,6 +304,14 @@ async fn start(
     let (pid, attached, rx) = blocking(move || {
         let user = sb2.user(user_name.as_deref())?;
         let mut cmd = Command::new(&config.cmd).args(&config.args);
+        // E2B's variables, under the sandbox's own (create time) and the command's.
+        for (k, v) in [
+            ("E2B_SANDBOX", "true"),
+            ("E2B_SANDBOX_ID", sb2.id.as_str()),
+            ("E2B_TEMPLATE_ID", sb2.template.as_str()),
+        ] {
+            cmd = cmd.env(k, v);
+        }
         for (k, v) in &sb2.env {
             cmd = cmd.env(k, v);
         }
