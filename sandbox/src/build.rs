@@ -674,8 +674,31 @@ impl Builds {
         let cache = LayerCache::new(&self.templates().build_cache_dir());
         // Its layers are not pruned while it builds.
         let _hold = cache.hold().map_err(verr)?;
+        // E2B's base image (the SDK's default base, and `from_base_image`): this host's
+        // base template when it has one (`clade template build base`, E2B's shape: no
+        // registry needed), but for a build of that template itself.
+        let mut from_image = req.from_image.clone();
+        let mut from_template = req.from_template.clone();
+        if let Some(img) = from_image.as_deref().filter(|i| is_e2b_base_image(i)) {
+            let local = template != BASE_TEMPLATE
+                && self
+                    .templates()
+                    .resolve(BASE_TEMPLATE)
+                    .and_then(|t| self.templates().get(&t))
+                    .is_ok();
+            if local {
+                log(
+                    "info",
+                    &format!(
+                        "{img}: E2B's base image; built on this host's template {BASE_TEMPLATE}"
+                    ),
+                );
+                from_image = None;
+                from_template = Some(BASE_TEMPLATE.to_string());
+            }
+        }
         // The base: a registry image converted once, or a template's frozen disk.
-        let (base, key, defaults, reference) = match (&req.from_image, &req.from_template) {
+        let (base, key, defaults, reference) = match (&from_image, &from_template) {
             (Some(img), _) => {
                 if !clade_image::is_reference(img) {
                     return Err(Error::BadRequest(format!(
@@ -971,6 +994,20 @@ fn plan_of(defaults: &ImageDefaults, req: &StartRequest) -> Result<Plan> {
 }
 
 /// Step and build names for tests.
+/// The template `clade template build base` makes: what E2B's base image stands for here.
+pub const BASE_TEMPLATE: &str = "base";
+
+/// Whether `image` names E2B's base image (`e2bdev/base`, the SDK's default base), with or
+/// without Docker Hub's host and the `latest` tag.
+fn is_e2b_base_image(image: &str) -> bool {
+    let i = image
+        .strip_prefix("docker.io/")
+        .or_else(|| image.strip_prefix("index.docker.io/"))
+        .or_else(|| image.strip_prefix("registry-1.docker.io/"))
+        .unwrap_or(image);
+    matches!(i, "e2bdev/base" | "e2bdev/base:latest")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1023,6 +1060,26 @@ mod tests {
                 ),
                 "{bad}"
             );
+        }
+    }
+
+    #[test]
+    fn e2bs_base_image_is_known_by_its_names() {
+        for i in [
+            "e2bdev/base",
+            "e2bdev/base:latest",
+            "docker.io/e2bdev/base",
+            "index.docker.io/e2bdev/base:latest",
+        ] {
+            assert!(is_e2b_base_image(i), "{i}");
+        }
+        for i in [
+            "e2bdev/base:v1",
+            "e2bdev/code-interpreter",
+            "base",
+            "ghcr.io/e2bdev/base",
+        ] {
+            assert!(!is_e2b_base_image(i), "{i}");
         }
     }
 

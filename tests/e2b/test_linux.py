@@ -549,7 +549,7 @@ def test_the_base_template_runs_code_written_for_e2bs_base():
     base template expects: commands run as `user` (uid 1000) in /home/user, relative paths
     are its home's, files written through the SDK are its own, sudo needs no password,
     curl reaches a server (in the scenario's own namespace), git, pip and venv work;
-    user="root" is root."""
+    user="root" is root. E2B template code on E2B's base image builds on it."""
     build_base()
     sb = Sandbox.create("base", timeout=600, **SLOW)
     try:
@@ -575,4 +575,20 @@ def test_the_base_template_runs_code_written_for_e2bs_base():
         assert r.stdout.splitlines()[-1] == "/home/user/venv", r
     finally:
         sb.kill()
+    # E2B template code on E2B's base image (the SDK's default base) builds on this
+    # template: no registry is reached.
+    from e2b import Template
+
+    t = Template().from_base_image().run_cmd("whoami > /home/user/built-by.txt")
+    logs = []
+    Template.build(t, "on-base", cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    text = "\n".join(e.message for e in logs)
+    assert "built on this host's template base" in text, text
+    sb = Sandbox.create("on-base", timeout=600, **SLOW)
+    try:
+        r = run(sb, "id -un; pwd; cat built-by.txt; stat -c %U built-by.txt")
+        assert r.stdout == "user\n/home/user\nuser\nuser\n", r
+    finally:
+        sb.kill()
+    remove_template("on-base")
     remove_template("base")

@@ -735,7 +735,7 @@ fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
         }
     }
     // `clade template build base`: E2B's base, from the built-in Dockerfile.
-    let _base_context = if a.name == "base"
+    let _base_context = if a.name == sandbox::build::BASE_TEMPLATE
         && a.disk.is_none()
         && a.image.is_none()
         && a.dockerfile.is_none()
