@@ -1,9 +1,11 @@
 #!/bin/bash
-# measure-image-build.sh [DIR]: how long a template takes from a container image on this
-# machine (native tier: the template VM is the project's test guest, so what is measured
-# is Clade's part — unpack, ext4, import, snapshot — not a Linux boot).
+# measure-image-build.sh [DIR | --image PATH]: how long a template takes from a container
+# image on this machine (native tier: the template VM is the project's test guest, so what
+# is measured is Clade's part — unpack, ext4, import, snapshot — not a Linux boot).
 #
-# Makes an OCI layout whose one gzipped layer is DIR (default /usr/lib/python3), then:
+# Makes an OCI layout whose one gzipped layer is DIR (default /usr/lib/python3), or takes
+# the image at PATH (a layout or an archive, e.g. build/rootfs/debian-image.tar, the Debian
+# image tests/nested/build-rootfs.sh makes), then:
 #   1. clade template build --image LAYOUT        (the image converted: per-GiB figure)
 #   2. clade template build --dockerfile (FROM it, ENV/WORKDIR only) twice: the first
 #      converts it into the build cache, the second finds it there (a cached image)
@@ -11,6 +13,11 @@
 # test guest (target/native-guest, built by the tests).
 set -euo pipefail
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+IMAGE=""
+if [ "${1:-}" = --image ]; then
+    IMAGE=$(realpath "${2:?--image needs a path}")
+    [ -e "$IMAGE" ] || { echo "no image at $IMAGE" >&2; exit 1; }
+fi
 SRC=${1:-/usr/lib/python3}
 CLADE="$REPO_ROOT/target/release/clade"
 GUEST="$REPO_ROOT/target/native-guest/release/native-guest"
@@ -19,6 +26,13 @@ GUEST="$REPO_ROOT/target/native-guest/release/native-guest"
 W=$(mktemp -d /tmp/clade-measure-image.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 mkdir -p "$W/ctx/img/blobs/sha256"
+if [ -n "$IMAGE" ]; then
+    rm -rf "$W/ctx/img"
+    ln -s "$IMAGE" "$W/ctx/img"
+    # (its size as stored: an uncompressed image's is about what it unpacks to)
+    MIB=$(( $(du -sbL "$IMAGE" | cut -f1) >> 20 ))
+    echo "image: $IMAGE, $MIB MiB stored"
+else
 blob() { # FILE -> "sha256:<hex> <size>", the file stored under its digest
     local h
     h=$(sha256sum "$1" | cut -d' ' -f1)
@@ -36,9 +50,10 @@ printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+js
 read -r mdig msize < <(blob "$W/manifest.json")
 printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"%s","size":%s}]}' "$mdig" "$msize" >"$W/ctx/img/index.json"
 echo '{"imageLayoutVersion":"1.0.0"}' >"$W/ctx/img/oci-layout"
-printf 'FROM img\nENV B=2\nWORKDIR /srv\n' >"$W/ctx/Dockerfile"
 MIB=$(( $(stat -c %s "$W/layer.tar") >> 20 ))
 echo "image: $SRC, one layer, $MIB MiB unpacked ($(( lsize >> 20 )) MiB gzipped)"
+fi
+printf 'FROM img\nENV B=2\nWORKDIR /srv\n' >"$W/ctx/Dockerfile"
 build() { # NAME ARGS...
     local n=$1 t0 t1
     shift

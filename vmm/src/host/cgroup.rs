@@ -630,16 +630,24 @@ mod tests {
             cg.set_idle(false, limits.cpu_weight).unwrap();
             assert!((cg.read_limit("cpu_weight").unwrap() - 200.0).abs() < 1.0);
         }
+        // The shell waits to be told before its exec (v1 charges a group only what is
+        // allocated after the move: the exec's new memory is).
         let mut child = std::process::Command::new("sh")
-            .args([
-                "-c",
-                "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; exec sleep 5",
-            ])
+            .args(["-c", "read go; exec sleep 5"])
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         cg.add(child.id() as i32).unwrap();
         assert_eq!(cg.pids(), vec![child.id() as i32]);
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        {
+            use std::io::Write as _;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(b"go\n").unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !cg.memory_bytes().is_some_and(|m| m > 0) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         assert!(cg.memory_bytes().is_some_and(|m| m > 0));
         assert!(cg.remove().is_err(), "a cgroup with a process is busy");
         child.kill().unwrap();
