@@ -645,7 +645,7 @@ mod tests {
             stdin.write_all(b"go\n").unwrap();
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !cg.memory_bytes().is_some_and(|m| m > 0) && std::time::Instant::now() < deadline {
+        while cg.memory_bytes().is_none_or(|m| m == 0) && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         assert!(cg.memory_bytes().is_some_and(|m| m > 0));
