@@ -72,8 +72,13 @@ def restart_service():
 
 
 def remove_template(name):
-    """Removes template `name` and the build cache (the nested machine's /tmp is memory)."""
-    obey(f"rm-template {name}", f"SDK-TEMPLATE-REMOVED {name} rc=0", 120, "the template was not removed")
+    """Removes template `name` and the build cache (the nested machine's /tmp is memory);
+    no process may hold its files open after (a standby that opened it ahead is retired)."""
+    obey(f"rm-template {name}", f"SDK-TEMPLATE-REMOVED {name} ", 120, "no answer to rm-template")
+    with open(NESTED_LOG, "rb") as f:
+        lines = f.read().decode(errors="replace").splitlines()
+    end = max(i for i, ln in enumerate(lines) if f"SDK-TEMPLATE-REMOVED {name} " in ln)
+    assert f"SDK-TEMPLATE-REMOVED {name} rc=0 held=0" in lines[end], "\n".join(lines[max(0, end - 8) : end + 1])
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,9 @@ pub(crate) struct Standby {
     pub(crate) child: Child,
     pub(crate) api_sock: PathBuf,
     pub(crate) log: PathBuf,
+    /// The snapshot it opened ahead at its start (`--preload`), with what its state file
+    /// was then.
+    pub(crate) preloaded: Option<(PathBuf, Option<FileId>)>,
     /// Snapshots it was asked to open ahead (`preload` requests), oldest first.
     pub(crate) asked: Vec<PathBuf>,
     /// Those of `asked` whose sandbox's directory was handed over to its jail's user at
@@ -112,7 +115,27 @@ pub(crate) struct Standby {
     pub(crate) vm_pid: Option<u32>,
 }
 
+/// What tells one file at a path from the next one there: device and inode.
+pub(crate) type FileId = (u64, u64);
+
+/// The id of `snapshot`'s state file, if it has one.
+fn state_file_id(snapshot: &Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(snapshot.join(vmm::STATE_FILE)).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
 impl Standby {
+    /// Whether a snapshot it holds open was removed or replaced since it opened it (its
+    /// template removed or built again, its paused sandbox killed or woken elsewhere): its
+    /// open files then hold disk space that nothing else can use.
+    fn holds_removed_files(&self) -> bool {
+        self.preloaded
+            .as_ref()
+            .is_some_and(|(dir, id)| state_file_id(dir) != *id)
+            || self.asked.iter().any(|d| state_file_id(d).is_none())
+    }
+
     /// Puts the process that restores (the jailed VM process, or the standby itself) at
     /// normal priority: it was taken, or must end. A VM process puts each of its threads
     /// back at normal priority as it takes up work, but a jailed one may not (leaving
@@ -472,6 +495,33 @@ fn refill(inner: &Inner) {
         if st.stop {
             return;
         }
+        // Standbys holding the files of a snapshot removed since go (the refill starts
+        // new ones), and a removed template is not opened ahead any more.
+        let stale: Vec<Standby> = st
+            .ready
+            .values_mut()
+            .flat_map(|list| {
+                let (gone, kept) = std::mem::take(list)
+                    .into_iter()
+                    .partition(Standby::holds_removed_files);
+                *list = kept;
+                gone
+            })
+            .collect();
+        st.preload
+            .retain(|_, dir| dir.join(vmm::STATE_FILE).exists());
+        if !stale.is_empty() {
+            drop(st);
+            tracing::info!(
+                count = stale.len(),
+                "standbys holding removed snapshots' files retired"
+            );
+            for s in stale {
+                s.discard();
+            }
+            st = inner.lock();
+            continue;
+        }
         let now = Instant::now();
         let wanted = st.shapes.iter().copied().find(|s| {
             st.ready.get(s).map_or(0, Vec::len) < inner.cfg.per_shape
@@ -646,6 +696,7 @@ fn spawn_standby(
             child,
             api_sock,
             log,
+            preloaded: preload.map(|d| (d.to_path_buf(), state_file_id(d))),
             asked: Vec::new(),
             handed: Vec::new(),
             cgroup,

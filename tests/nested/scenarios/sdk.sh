@@ -25,7 +25,8 @@
 #                 `SDK-VMM-KILLED ID <count>`
 #   rm-template NAME  remove template NAME (`clade template rm`; node n1's when it has it)
 #                 and the build cache, print
-#                 `SDK-TEMPLATE-REMOVED NAME rc=<rc>`
+#                 `SDK-TEMPLATE-REMOVED NAME rc=<rc> held=<n>` (n: its removed files that
+#                 a process still holds open 10 s later; `SDK-HELD` lines name them)
 #   build-base    build E2B's base template (`clade template build base`) into the suite's
 #                 service, FROM the Debian image on /dev/vdb (build-rootfs.sh's OCI archive,
 #                 run.sh's second --disk: nothing outside is reached from here); print its
@@ -396,7 +397,21 @@ while [ -z "$verdict" ]; do
         $CLADE template rm "$name" --state-dir "$dir" >/dev/null 2>&1
         r=$?
         rm -rf "$dir/templates/.build-cache"
-        echo "SDK-TEMPLATE-REMOVED $name rc=$r"
+        # This machine's /tmp is memory: the removed template's files must not be held
+        # open by anyone (a standby that opened it ahead is retired within a second).
+        i=0
+        while :; do
+            held=$(for f in /proc/[0-9]*/fd/*; do
+                l=$(readlink "$f" 2>/dev/null) || continue
+                case "$l" in */templates/"$name"/*" (deleted)" | */templates/"$name"@*" (deleted)") echo "${f#/proc/} $l" ;; esac
+            done)
+            [ -z "$held" ] || [ "$i" -ge 20 ] && break
+            i=$((i + 1))
+            sleep 0.5
+        done
+        [ -n "$held" ] && echo "$held" | head -n 5 | sed 's/^/SDK-HELD /'
+        echo "SDK-TMP $(df -k /tmp | awk 'NR == 2 { print "used=" $3 "K free=" $4 "K" }')"
+        echo "SDK-TEMPLATE-REMOVED $name rc=$r held=$(echo "$held" | grep -c .)"
         ;;
     build-base)
         t0=$(uptime_s)
