@@ -1643,3 +1643,77 @@ fn a_filesystem_only_pause_ends_the_vm_and_connect_boots_it() {
     serve.0.kill().unwrap();
     serve.0.wait().unwrap();
 }
+
+/// The processes holding a file whose path has `part` in it, with that path (as
+/// `/proc/<pid>/fd` has it: " (deleted)" at the end of a removed one's).
+fn holders_of(part: &str) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(l) = std::fs::read_link(fd.path()) {
+                let l = l.to_string_lossy().into_owned();
+                if l.contains(part) {
+                    out.push((pid, l));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A template removed while the service runs gives its disk space back: the standbys that
+/// opened it ahead (the last template created from) are retired and replaced, rather than
+/// holding its removed files open for as long as they wait.
+#[test]
+fn standbys_let_go_of_a_removed_templates_files() {
+    let d = Dir::new("standby-removed");
+    let state = d.p("state");
+    build_template(&state);
+    build_template_of(&state, "u", "64", "vsock");
+    let port = free_port();
+    let _serve = start_serve_with(&state, port, &["--standby", "2"]);
+    wait_standbys(&state, 2);
+    // A create from u: the standbys started after it open u ahead.
+    let a = create_from(port, "u");
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{a}"), Some("k"), "");
+    assert_eq!(s, 204);
+    let part = format!("{}/", state.join("templates/u").display());
+    let t = Instant::now();
+    while holders_of(&part).is_empty() || ready_standbys(&state).len() < 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no standby opened u ahead: {:?}",
+            standby_sockets(&state)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = clade()
+        .args(["template", "rm", "u", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t = Instant::now();
+    loop {
+        let held = holders_of(&part);
+        if held.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "u's removed files are still held: {held:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The pool is full again, and serves the other template.
+    wait_standbys(&state, 2);
+    let b = create_from_template(port);
+    let (s, _) = http(port, "DELETE", &format!("/sandboxes/{b}"), Some("k"), "");
+    assert_eq!(s, 204);
+}
