@@ -993,7 +993,6 @@ fn plan_of(defaults: &ImageDefaults, req: &StartRequest) -> Result<Plan> {
     })
 }
 
-/// Step and build names for tests.
 /// The template `clade template build base` makes: what E2B's base image stands for here.
 pub const BASE_TEMPLATE: &str = "base";
 
@@ -1008,6 +1007,7 @@ fn is_e2b_base_image(image: &str) -> bool {
     matches!(i, "e2bdev/base" | "e2bdev/base:latest")
 }
 
+/// Step and build names for tests.
 #[cfg(test)]
 mod tests {
     use super::*;
