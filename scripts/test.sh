@@ -130,7 +130,9 @@ else
             expects+=(--expect "^NESTED-SCENARIO $s PASS")
         done
         rm -f "$NESTED_OUT/nested.log"
-        NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout "$limit" --stall 300 \
+        # --scratch: L1's /tmp on a disk; the sdk scenario's state directories (templates,
+        # snapshots, paused sandboxes, the object store) outgrow a /tmp in L1's memory.
+        NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout "$limit" --stall 300 --scratch 8G \
             --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${disk_args[@]}" \
             "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
         local nested_pid=$!

@@ -48,8 +48,9 @@ case "${1:-}" in
     rm -f "$LOG"
     # --stall: the nested machine has been seen to stop until a key press wakes it (see
     # tests/nested/run.sh); the scenario prints nothing while the suite runs here, so the
-    # limit is the whole run's, and only the key presses matter.
-    NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --stall 2600 \
+    # limit is the whole run's, and only the key presses matter. --scratch: the scenario's
+    # state directories (templates, snapshots, the object store) outgrow a /tmp in memory.
+    NESTED_MEM=${NESTED_MEM:-4G} tests/nested/run.sh --timeout 2700 --stall 2600 --scratch 8G \
         --disk build/rootfs/base.cdsk --disk build/rootfs/debian-image.tar \
         --forward "$PORT:8080" --forward "$CTL:8081" --forward "$PORT_A:8082" --forward "$PORT_B:8083" \
         --forward "$PORT_GW:8085" --guestfwd "5432:$PG_PORT" \

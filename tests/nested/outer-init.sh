@@ -85,6 +85,18 @@ load_extra() {
     echo "NESTED-L1-MODULES $(grep -c -v '^#' "$dir/load-order") uptime=$(uptime_s)"
 }
 
+# L1's /tmp on the disk run.sh --scratch attached (nested.scratch=/dev/vdX on the kernel
+# command line), once its modules are loaded; memory (the tmpfs mounted first) otherwise.
+# The sdk scenario's state directories, templates and paused sandboxes outgrow a tmpfs in
+# L1's memory; on a disk they are page cache L1 can write back and drop.
+mount_scratch() {
+    dev=$(tr ' ' '\n' </proc/cmdline | sed -n 's/^nested\.scratch=//p')
+    [ -n "$dev" ] || return 0
+    mount -t ext4 "$dev" /tmp || fail "the scratch disk $dev did not mount on /tmp"
+    chmod 1777 /tmp
+    echo "NESTED-L1-SCRATCH $dev $(df -k /tmp | awk 'NR == 2 { print $2 "K" }') uptime=$(uptime_s)"
+}
+
 run_clade() {
     t0=$(uptime_s)
     if [ -x "$L1_TEST" ]; then
@@ -107,5 +119,6 @@ echo "NESTED-L1-INIT uptime=$(uptime_s)"
 [ -f /etc/nested.env ] && . /etc/nested.env
 load_kvm
 load_extra
+mount_scratch
 run_clade
 finish

@@ -23,6 +23,12 @@
 #   --disk FILE         attach FILE read-only to the outer VM as a virtio disk (L1's /dev/vda;
 #                       L1 loads virtio_pci and virtio_blk), e.g. build/rootfs/base.cdsk;
 #                       repeatable: the second is /dev/vdb, and so on
+#   --scratch SIZE      L1's /tmp on a writable disk of SIZE (e.g. 8G; env NESTED_SCRATCH),
+#                       instead of memory: an empty ext4 file system made here in
+#                       build/nested/scratch.img (sparse; made anew each run, deleted after),
+#                       attached after the --disk ones (its L1 device is given to L1's
+#                       /init as nested.scratch=). Its pages are L1's page cache, which L1
+#                       can write back and drop, where a tmpfs's stay in L1's memory
 #   --forward HOST:L1   forward the host's 127.0.0.1:HOST to L1's TCP port L1 (repeatable).
 #                       Gives L1 a virtio-net NIC on QEMU's user network with restrict=on:
 #                       L1 reaches nothing outside; only the forwarded ports reach L1 (its
@@ -50,6 +56,7 @@ QEMU_EXTRA=()
 OUTER_DISKS=()
 FORWARDS=()
 GUESTFWDS=()
+SCRATCH=${NESTED_SCRATCH:-}
 while [ $# -gt 0 ]; do
     case "$1" in
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
@@ -59,6 +66,7 @@ while [ $# -gt 0 ]; do
     --standin) export NESTED_STANDIN=${2:?--standin needs a value}; shift 2 ;;
     --expect) EXPECT+=("${2:?--expect needs a pattern}"); shift 2 ;;
     --disk) OUTER_DISKS+=("${2:?--disk needs a file}"); shift 2 ;;
+    --scratch) SCRATCH=${2:?--scratch needs a size}; shift 2 ;;
     --forward) FORWARDS+=("${2:?--forward needs HOST:L1}"); shift 2 ;;
     --guestfwd) GUESTFWDS+=("${2:?--guestfwd needs L1:HOST}"); shift 2 ;;
     -h | --help) usage; exit 0 ;;
@@ -77,6 +85,7 @@ if [ -z "${NESTED_L1_TIMEOUT:-}" ]; then
     export NESTED_L1_TIMEOUT=$((TIMEOUT > 120 ? TIMEOUT - 60 : TIMEOUT / 2))
 fi
 
+case "$SCRATCH" in '' | [0-9]*[GM]) ;; *) die "--scratch wants a size such as 8G, got '$SCRATCH'" ;; esac
 if [ ${#OUTER_DISKS[@]} -gt 0 ]; then
     for d in "${OUTER_DISKS[@]}"; do
         [ -f "$d" ] || die "--disk $d: no such file"
@@ -84,6 +93,11 @@ if [ ${#OUTER_DISKS[@]} -gt 0 ]; then
         [ $(($(stat -c %s "$d") % 512)) = 0 ] || die "--disk $d: its size is not a multiple of 512"
     done
     export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
+fi
+if [ -n "$SCRATCH" ]; then
+    # (after the --disk ones, whose order scenarios rely on: /dev/vda, /dev/vdb, ...)
+    [ ${#OUTER_DISKS[@]} -gt 0 ] || export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }virtio_pci virtio_blk"
+    export NESTED_L1_MODULES="$NESTED_L1_MODULES ext4"
 fi
 
 # Sandbox networking in L1 (a VM's TAP; clade serve's namespaces, NAT and egress policy;
@@ -138,12 +152,26 @@ T_BUILD1=$(now)
 
 # --- boot the outer VM -----------------------------------------------------------------
 APPEND="console=ttyS0 panic=-1 quiet${NESTED_APPEND:+ $NESTED_APPEND}"
+SCRATCH_IMG="$NESTED_OUT/scratch.img"
+rm -f "$SCRATCH_IMG"
+SCRATCH_DRIVE=()
+if [ -n "$SCRATCH" ]; then
+    require_cmd mkfs.ext4 e2fsprogs
+    truncate -s "$SCRATCH" "$SCRATCH_IMG"
+    mkfs.ext4 -q -F -m 0 -L scratch "$SCRATCH_IMG"
+    letters=abcdefghijklmnopqrstuvwxyz
+    SCRATCH_DEV=/dev/vd${letters:${#OUTER_DISKS[@]}:1}
+    APPEND+=" nested.scratch=$SCRATCH_DEV"
+    SCRATCH_DRIVE=(-drive "file=${SCRATCH_IMG//,/,,},format=raw,if=virtio,cache=unsafe")
+    log "scratch: $SCRATCH_DEV ($SCRATCH, ext4) is L1's /tmp"
+fi
 QEMU=(qemu-system-x86_64 -accel tcg -cpu "${NESTED_CPU:-EPYC}" -m "${NESTED_MEM:-2G}" -smp 1
     -nographic -no-reboot -kernel "$KVMLINUZ" -initrd "$OUTER_CPIO" -append "$APPEND")
 for d in "${OUTER_DISKS[@]}"; do
     # A comma in a -drive file name is written as two.
     QEMU+=(-drive "file=${d//,/,,},format=raw,if=virtio,readonly=on")
 done
+QEMU+=("${SCRATCH_DRIVE[@]}")
 if [ -n "$NETDEV" ]; then
     QEMU+=(-netdev "$NETDEV" -device virtio-net-pci,netdev=n0)
 fi
@@ -244,6 +272,7 @@ set +e
 timeout --kill-after=10 "$TIMEOUT" "${QEMU[@]}" </dev/null 2>&1 | stamp "$T0_US" | tee "$LOG"
 QEMU_RC=${PIPESTATUS[0]}
 set -e
+rm -f "$SCRATCH_IMG"
 if [ -n "$WATCH_PID" ]; then
     kill "$WATCH_PID" 2>/dev/null || true
     wait "$WATCH_PID" 2>/dev/null || true

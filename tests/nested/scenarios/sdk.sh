@@ -115,6 +115,8 @@ cleanup() {
     for p in $(vm_pids); do kill -9 "$p" 2>/dev/null; done
     [ -n "$WORLD" ] && kill "$WORLD" 2>/dev/null
     [ -n "$WORLD_DNS" ] && kill "$WORLD_DNS" 2>/dev/null
+    # The scenarios after this one need /tmp's space (memory, unless run.sh --scratch).
+    rm -rf "$STATE" "$STATE_A" "$STATE_B" "$STATE_C1" "$STATE_GW" /tmp/s3 /tmp/world
 }
 # dump_threads: where each thread of the service and its VM processes waits (for a hang).
 dump_threads() {
@@ -410,7 +412,9 @@ while [ -z "$verdict" ]; do
             sleep 0.5
         done
         [ -n "$held" ] && echo "$held" | head -n 5 | sed 's/^/SDK-HELD /'
-        echo "SDK-TMP $(df -k /tmp | awk 'NR == 2 { print "used=" $3 "K free=" $4 "K" }')"
+        # (and what takes the most of it)
+        echo "SDK-TMP $(df -k /tmp | awk 'NR == 2 { print "used=" $3 "K free=" $4 "K" }')" \
+            "$(du -sk /tmp/* 2>/dev/null | sort -rn | head -n 5 | awk '{ printf " %s=%dM", $2, $1 / 1024 }')"
         echo "SDK-TEMPLATE-REMOVED $name rc=$r held=$(echo "$held" | grep -c .)"
         ;;
     build-base)
