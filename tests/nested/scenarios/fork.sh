@@ -236,5 +236,7 @@ while [ -n "$(child_pids)" ]; do
 done
 pass stop "children powered off; their processes ended and their sockets are gone"
 ls -l /tmp/forks /tmp/*.cdsk
+# (the scenarios after this one need /tmp: it may be memory)
+rm -rf /tmp/forks "$P"
 echo FORK-SCENARIO-PASS
 exit 0

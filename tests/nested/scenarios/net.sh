@@ -182,4 +182,6 @@ power_off own
 kill "$HTTPD" 2>/dev/null
 $IP netns del networld
 pass own "$ns: 4 MiB from the world through its NAT, same sha256; removed at power off"
+# (the scenarios after this one need /tmp: it may be memory)
+rm -rf "$D"
 echo "NET-SCENARIO-PASS"
