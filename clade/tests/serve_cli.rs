@@ -1717,3 +1717,112 @@ fn standbys_let_go_of_a_removed_templates_files() {
     let (s, _) = http(port, "DELETE", &format!("/sandboxes/{b}"), Some("k"), "");
     assert_eq!(s, 204);
 }
+
+/// The files under `root` (links not followed), every kind but directories.
+fn files_under(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                todo.push(e.path());
+            } else if t.is_file() {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+/// Which of `files` a local user with no privileges (uid and gid 65534) can open for
+/// reading.
+fn readable_by_nobody(files: &[PathBuf]) -> Vec<String> {
+    use std::os::unix::process::CommandExt;
+    let o = Command::new("sh")
+        .args([
+            "-c",
+            r#"for f in "$@"; do head -c1 "$f" >/dev/null 2>&1 && echo "$f"; done; true"#,
+            "sh",
+        ])
+        .args(files)
+        .uid(65534)
+        // Run as root, std drops the supplementary groups too.
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// Tenants' bytes are private to the service's user: a state directory and a chunk
+/// cache made `0755` beforehand (as `mkdir -p` or an orchestrator's host path leave them)
+/// are made `0700`, and an unprivileged local user can read none of the files of a
+/// template, of a running and a paused sandbox (memory, CPU state, disk), of the store's
+/// chunk cache after a resume from the store, or of a local store.
+#[test]
+fn an_unprivileged_local_user_reads_nothing_of_the_services_state() {
+    let d = Dir::new("serve-private");
+    let mut s3 = store::s3server::S3Server::start(&d.p("s3"), "clade").expect("S3 server");
+    let env = s3.env();
+    let loose = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(p).unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let (state_a, state_b, cache) = (d.p("a"), d.p("b"), d.p("cache"));
+    for p in [&state_a, &state_b, &cache] {
+        loose(p);
+    }
+    build_template(&state_a);
+    let store_args = ["--store", "s3://clade/sandboxes"];
+    let (pa, pb) = (free_port(), free_port());
+    let a = start_serve_env(&state_a, pa, &store_args, &env);
+    assert_eq!(mode(&state_a), 0o700, "the state directory is tightened");
+    let paused = create_from_template(pa);
+    let running = create_from_template(pa);
+    ping(&state_a.join("sandboxes").join(&running).join("vm.vsock"));
+    let (s, v) = http(
+        pa,
+        "POST",
+        &format!("/sandboxes/{paused}/pause"),
+        Some("k"),
+        "",
+    );
+    assert_eq!(s, 204, "{v}");
+    info_until(pa, &paused, 120, |v| v["durableAt"].is_string());
+    let files = files_under(&state_a);
+    assert!(
+        files
+            .iter()
+            .any(|f| f.ends_with("memory.mem") || f.starts_with(state_a.join("templates"))),
+        "{files:?}"
+    );
+    assert_eq!(readable_by_nobody(&files), Vec::<String>::new());
+    drop(a);
+
+    // Another host resumes it from the store: its chunks come into the cache.
+    let mut args = store_args.to_vec();
+    args.extend(["--store-cache", cache.to_str().unwrap()]);
+    let _b = start_serve_env(&state_b, pb, &args, &env);
+    assert_eq!(mode(&cache), 0o700, "the chunk cache is tightened");
+    let (s, v) = http(
+        pb,
+        "POST",
+        &format!("/sandboxes/{paused}/connect"),
+        Some("k"),
+        r#"{"timeout":300}"#,
+    );
+    assert_eq!(s, 201, "resume from the store: {v}");
+    ping(&state_b.join("sandboxes").join(&paused).join("vm.vsock"));
+    let cached = files_under(&cache);
+    assert!(!cached.is_empty(), "nothing in the cache");
+    let mut all = cached;
+    all.extend(files_under(&state_b));
+    assert_eq!(readable_by_nobody(&all), Vec::<String>::new());
+    s3.kill();
+}

@@ -267,6 +267,8 @@ pub struct Host {
 impl Host {
     /// Opens the host's state (creating the directories and registry as needed).
     pub fn open(cfg: HostConfig, driver: Arc<dyn VmDriver>) -> Result<Self> {
+        // Every sandbox's memory, disk and snapshots are below it: no other local user's.
+        vmm::host::private_dir(&cfg.state_dir).map_err(Error::io("creating", &cfg.state_dir))?;
         let sandboxes = cfg.state_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes).map_err(Error::io("creating", &sandboxes))?;
         let registry = Registry::open(&cfg.state_dir.join("registry.sqlite"))?;

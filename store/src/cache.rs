@@ -213,6 +213,10 @@ impl ChunkCache {
     /// A cache rooted at `root` (created if missing) for snapshots of `store`, holding at
     /// most `limit` bytes of chunks.
     pub fn new(root: &Path, store: Store, limit: u64) -> Result<Arc<ChunkCache>> {
+        // Guest memory, CPU state and disk layers of every sandbox restored from the store:
+        // private to the service's user (jailed VMs reach their files through the jail's
+        // own mounts, not through this directory).
+        vmm::host::private_dir(root).map_err(|e| Error::io("create cache directory", root, e))?;
         std::fs::create_dir_all(root.join("snapshots"))
             .map_err(|e| Error::io("create cache directory", root, e))?;
         let cache = Arc::new(ChunkCache {

@@ -162,7 +162,9 @@ impl Store {
                 let dir = parsed
                     .to_file_path()
                     .map_err(|_| config("not a local path".into()))?;
-                std::fs::create_dir_all(&dir).map_err(|e| config(e.to_string()))?;
+                // Every sandbox's snapshots: private to the service's user, as its state is.
+                vmm::host::private_dir(&dir)
+                    .map_err(|e| config(format!("{}: {e}", dir.display())))?;
                 let s = object_store::local::LocalFileSystem::new_with_prefix(&dir)
                     .map_err(|e| config(e.to_string()))?;
                 (Arc::new(s), String::new())
@@ -402,6 +404,24 @@ mod tests {
         ));
         let s = Store::open("memory://bucket/some/prefix", &o).unwrap();
         assert_eq!(s.key("objects/ab"), "some/prefix/objects/ab");
+    }
+
+    /// A local store holds every sandbox's snapshots: its directory is made private to
+    /// the service's user, even when it existed readable by all.
+    #[test]
+    fn a_local_store_is_private() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let d = std::env::temp_dir().join(format!("store-local-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let store = d.join("objects");
+        let url = format!("file://{}", store.display());
+        Store::open(&url, &StoreOptions::default()).unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&store), 0o700);
+        std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Store::open(&url, &StoreOptions::default()).unwrap();
+        assert_eq!(mode(&store), 0o700);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[tokio::test]

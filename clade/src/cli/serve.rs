@@ -236,6 +236,9 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         }
     }
     let state_dir = std::path::absolute(&args.state_dir)?;
+    // Before anything is made in it (cgroups, jails, templates): private to this user.
+    vmm::host::private_dir(&state_dir)
+        .with_context(|| format!("the state directory {}", state_dir.display()))?;
     let mut cfg = HostConfig::new(state_dir.clone());
     cfg.max_fork = args.max_fork.clamp(1, 64);
     cfg.max_timeout_s = args.max_timeout.max(1);
@@ -773,6 +776,9 @@ fn build(mut a: BuildArgs) -> anyhow::Result<u8> {
         );
     }
     let state_dir = std::path::absolute(&a.state_dir)?;
+    // The service's state directory, whoever makes it first: private to this user.
+    vmm::host::private_dir(&state_dir)
+        .with_context(|| format!("the state directory {}", state_dir.display()))?;
     let store = TemplateStore::new(&state_dir);
     // Layers of the build cache this template will stand on are not pruned meanwhile.
     let _cache = (a.image.is_some() || a.dockerfile.is_some())

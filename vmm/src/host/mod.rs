@@ -17,6 +17,7 @@
 //!   and of that request.
 //! - [`jail`]: namespaces, a pivoted root with only what the VM needs, cgroup limits and
 //!   dropped privileges, entered before the VM is built.
+//! - [`private_dir`]: the `0700` top directory under which tenants' bytes live on the host.
 
 pub mod cgroup;
 mod child;
@@ -26,6 +27,7 @@ pub mod jail;
 mod options;
 mod owner;
 mod prestarted;
+mod private;
 mod standby;
 
 pub use child::{serve_fork_child, serve_prestarted_fork_child};
@@ -33,6 +35,7 @@ pub use fork::{fork_processes, ChildProcesses, ForkedChild, ForkedProcesses};
 pub use options::{ChildLauncher, OwnerOptions, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd};
 pub use prestarted::PrestartedChildren;
+pub use private::{private_dir, PRIVATE_DIR_MODE};
 pub use standby::{
     restore_request, standby, Ahead, MadeAhead, Preloaded, Restored, StandbyEnd,
     DEFAULT_AGENT_SYNC_TIMEOUT, MAX_AGENT_SYNC_TIMEOUT, MAX_PRELOADED,

@@ -68,7 +68,7 @@ pub(super) fn run_image(image: String, a: RunArgs) -> anyhow::Result<u8> {
         Some(d) => std::path::absolute(d)?,
         None => super::super::clade_home()?,
     };
-    std::fs::create_dir_all(&state)
+    vmm::host::private_dir(&state)
         .with_context(|| format!("the state directory {}", state.display()))?;
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let store = TemplateStore::new(&state);
