@@ -27,7 +27,7 @@ pub use error::{Error, Result};
 pub use pull::{is_reference, pull, PullProgress, PullReport};
 pub use rootfs::{build_disk, ConvertProgress, ConvertStep, RootfsDisk};
 pub use source::{Layer, Source};
-pub use unpack::{unpack, UnpackLimits, UnpackReport};
+pub use unpack::{unpack, Fixup, Node, UnpackLimits, UnpackReport};
 
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
