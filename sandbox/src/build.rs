@@ -905,6 +905,13 @@ fn unpack_context(f: &Path, ctx: &Path) -> std::result::Result<(), String> {
 /// make readable to all.
 fn share_chain(cache: &LayerCache, top: &Path) -> Result<()> {
     let dir = std::fs::canonicalize(cache.dir()).map_err(Error::io("reading", cache.dir()))?;
+    // The cache itself is traversed by every VM (share_files sets the directories below).
+    let m = std::fs::metadata(&dir).map_err(Error::io("reading", &dir))?;
+    if std::os::unix::fs::MetadataExt::mode(&m) & 0o011 != 0o011 {
+        let mode = (std::os::unix::fs::MetadataExt::mode(&m) & 0o7777) | 0o111;
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .map_err(Error::io("setting the mode of", &dir))?;
+    }
     let layers = disk::ops::info(top)
         .map_err(|e| Error::Vm(format!("the layers of {}: {e}", top.display())))?;
     let mut files = Vec::new();
@@ -1280,7 +1287,9 @@ mod tests {
         set(top.clone(), 0o600);
         set(run.clone(), 0o700);
 
+        set(cache.dir().to_path_buf(), 0o700);
         share_chain(&cache, &top).unwrap();
+        assert_eq!(mode(cache.dir()), 0o711);
 
         assert_eq!(mode(&base) & 0o444, 0o444);
         assert_eq!(mode(&top) & 0o444, 0o444);
