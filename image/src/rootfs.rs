@@ -218,6 +218,13 @@ fn fixup_script(fixups: &[(PathBuf, Fixup)], dir: &Path) -> Result<Vec<u8>> {
     Ok(s)
 }
 
+/// debugfs's version line (`debugfs 1.47.0 (5-Feb-2023)`), the one line it writes to
+/// stderr when all went well.
+fn is_banner(line: &str) -> bool {
+    line.strip_prefix("debugfs ")
+        .is_some_and(|v| v.starts_with(|c: char| c.is_ascii_digit()))
+}
+
 /// Writes `fixups` into the ext4 image `raw` with one debugfs batch (its files in `dir`).
 /// debugfs reports a failed command on stderr only (its status is 0): any line there but
 /// its banner is an error.
@@ -238,7 +245,7 @@ fn apply_fixups(raw: &Path, fixups: &[(PathBuf, Fixup)], dir: &Path) -> Result<(
     let stderr = String::from_utf8_lossy(&out.stderr);
     let failed: Vec<&str> = stderr
         .lines()
-        .filter(|l| !l.trim().is_empty() && !l.starts_with("debugfs "))
+        .filter(|l| !l.trim().is_empty() && !is_banner(l))
         .collect();
     if !out.status.success() || !failed.is_empty() {
         return Err(Error::NotAnImage(format!(
