@@ -10,7 +10,9 @@
 //! earlier layer planted), whiteouts and opaque directories remove what lower layers
 //! made, hard links must point inside the tree, and each blob's SHA-256 must match its
 //! digest (a corrupt or truncated archive is an error, never a half-applied layer passed
-//! off as whole). Turning the tree into a disk is the caller's job.
+//! off as whole). The tree is a host directory, so it holds no device node, set-id bit,
+//! xattr or owner of the image's: those are recorded ([`Fixup`]) and written into the
+//! filesystem image made of it ([`build_disk`]), never onto the host.
 //!
 //! Reading manifests uses the `oci-spec` types and tar streams the `tar` crate; applying
 //! entries is ours, because no crate applies OCI whiteouts with these guarantees.
@@ -27,7 +29,7 @@ pub use error::{Error, Result};
 pub use pull::{is_reference, pull, PullProgress, PullReport};
 pub use rootfs::{build_disk, ConvertProgress, ConvertStep, RootfsDisk};
 pub use source::{Layer, Source};
-pub use unpack::{unpack, UnpackLimits, UnpackReport};
+pub use unpack::{unpack, Fixup, Node, UnpackLimits, UnpackReport};
 
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;

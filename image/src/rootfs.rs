@@ -1,8 +1,16 @@
 //! An image's root filesystem as a Clade disk: the layers unpacked into a tree, the tree
-//! made into an ext4 filesystem (`mkfs.ext4 -d`, which keeps owners, modes, xattrs, hard
-//! links and device nodes; ext4 because every guest kernel Clade boots mounts it, the
-//! stock Debian one included), imported as a frozen base layer. The tree and the raw image
-//! are the build's own scratch files and are removed when done, whatever happens.
+//! made into an ext4 filesystem (`mkfs.ext4 -d`, which keeps modes, hard links and
+//! symlinks; ext4 because every guest kernel Clade boots mounts it, the stock Debian one
+//! included), imported as a frozen base layer. The tree and the raw image are the build's
+//! own scratch files, in a `0700` directory, and are removed when done, whatever happens.
+//!
+//! The host tree holds no device node, set-id bit, xattr or tenant-chosen owner (see
+//! `unpack.rs`): those are written into the filesystem image itself after `mkfs.ext4`
+//! made it, by one `debugfs -w -f SCRIPT` batch (e2fsprogs, which writes the image file,
+//! never the host's filesystem). This e2fsprogs (1.47.0) cannot make a filesystem from a
+//! tar stream (`mkfs.ext4 -d` takes a tarball from 1.47.1 on), which would have needed no
+//! tree at all. A name the script cannot express (a newline in it) is refused, never
+//! dropped.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,7 +19,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::source::Source;
-use crate::unpack::{unpack_counted, UnpackLimits, UnpackReport};
+use crate::unpack::{unpack_counted, Fixup, Node, UnpackLimits, UnpackReport};
 
 /// How far [`build_disk`] is, for a progress bar: its step, and the bytes of the image's
 /// stored layers read so far of all of them (the unpack's measure; the steps after it
@@ -101,7 +109,13 @@ pub fn build_disk(
     size: Option<u64>,
     progress: Option<&ConvertProgress>,
 ) -> Result<RootfsDisk> {
-    std::fs::create_dir_all(scratch).map_err(|e| Error::io("creating", scratch, e))?;
+    if let Some(parent) = scratch.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io("creating", parent, e))?;
+    }
+    // Private: nothing of the tree is reachable by a local user while it is there.
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+        .create(scratch)
+        .map_err(|e| Error::io("creating", scratch, e))?;
     let r = build_in(src, scratch, base, size, progress);
     if let Err(e) = std::fs::remove_dir_all(scratch) {
         tracing::warn!(path = %scratch.display(), error = %e, "removing the image build's scratch");
@@ -112,12 +126,135 @@ pub fn build_disk(
     r
 }
 
-/// `mkfs.ext4`: in /usr/sbin or /sbin where it is (root's PATH may lack them), else PATH.
-fn mkfs_ext4() -> &'static str {
-    ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+/// An e2fsprogs tool: in /usr/sbin or /sbin where it is (root's PATH may lack them),
+/// else PATH.
+fn sbin(name: &str) -> PathBuf {
+    ["/usr/sbin", "/sbin"]
         .into_iter()
-        .find(|p| Path::new(p).exists())
-        .unwrap_or("mkfs.ext4")
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// `s` as one argument of a debugfs command: in double quotes, a quote doubled (how
+/// debugfs's parser reads a quoted string; nothing else is special in it). A newline (the
+/// script's line end) or a carriage return cannot be written: refused.
+fn quoted(s: &[u8]) -> Result<Vec<u8>> {
+    if s.iter().any(|&b| b == b'\n' || b == b'\r' || b == 0) {
+        return Err(Error::NotAnImage(format!(
+            "{}: a name with a newline cannot be given its owner, mode, xattrs or device \
+             node in the image",
+            String::from_utf8_lossy(s).escape_debug()
+        )));
+    }
+    let mut out = Vec::with_capacity(s.len() + 2);
+    out.push(b'"');
+    for &b in s {
+        if b == b'"' {
+            out.push(b'"');
+        }
+        out.push(b);
+    }
+    out.push(b'"');
+    Ok(out)
+}
+
+/// The debugfs script setting `fixups` in the image; xattr values are written to files
+/// in `dir` (debugfs reads binary values from a file).
+fn fixup_script(fixups: &[(PathBuf, Fixup)], dir: &Path) -> Result<Vec<u8>> {
+    use std::io::Write;
+    use std::os::unix::ffi::OsStrExt;
+    let mut s = Vec::new();
+    let mut line = |parts: &[&[u8]]| {
+        s.extend_from_slice(&parts.join(&b' '));
+        s.push(b'\n');
+    };
+    for (i, (rel, f)) in fixups.iter().enumerate() {
+        let abs = Path::new("/").join(rel);
+        let path = quoted(abs.as_os_str().as_bytes())?;
+        if let Some(node) = f.node {
+            // `mknod` makes NAME in the current directory: in the placeholder's, once it
+            // is gone.
+            let parent = abs.parent().unwrap_or(Path::new("/"));
+            let name = quoted(rel.file_name().unwrap_or_default().as_bytes())?;
+            line(&[b"cd", &quoted(parent.as_os_str().as_bytes())?]);
+            line(&[b"rm", &path]);
+            let (kind, numbers) = match node {
+                Node::Char(a, b) => ("c", format!("{a} {b}")),
+                Node::Block(a, b) => ("b", format!("{a} {b}")),
+                Node::Fifo => ("p", String::new()),
+            };
+            let mut cmd: Vec<&[u8]> = vec![b"mknod", &name, kind.as_bytes()];
+            if !numbers.is_empty() {
+                cmd.push(numbers.as_bytes());
+            }
+            line(&cmd);
+            line(&[b"cd", b"/"]);
+            line(&[b"sif", &path, b"mtime", format!("@{}", f.mtime).as_bytes()]);
+        }
+        if let Some(mode) = f.mode {
+            line(&[b"sif", &path, b"mode", format!("0{mode:o}").as_bytes()]);
+        }
+        // A node is made root's: its owner is set even when it is the service's.
+        let owner = f.owner.or(f.node.map(|_| crate::unpack::service_ids()));
+        if let Some((uid, gid)) = owner {
+            line(&[b"sif", &path, b"uid", uid.to_string().as_bytes()]);
+            line(&[b"sif", &path, b"gid", gid.to_string().as_bytes()]);
+        }
+        for (j, (name, value)) in f.xattrs.iter().enumerate() {
+            let vf = dir.join(format!("xattr-{i}-{j}"));
+            std::fs::File::create(&vf)
+                .and_then(|mut w| w.write_all(value))
+                .map_err(|e| Error::io("writing", &vf, e))?;
+            line(&[
+                b"ea_set",
+                b"-f",
+                &quoted(vf.as_os_str().as_bytes())?,
+                &path,
+                &quoted(name)?,
+            ]);
+        }
+    }
+    Ok(s)
+}
+
+/// debugfs's version line (`debugfs 1.47.0 (5-Feb-2023)`), the one line it writes to
+/// stderr when all went well.
+fn is_banner(line: &str) -> bool {
+    line.strip_prefix("debugfs ")
+        .is_some_and(|v| v.starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// Writes `fixups` into the ext4 image `raw` with one debugfs batch (its files in `dir`).
+/// debugfs reports a failed command on stderr only (its status is 0): any line there but
+/// its banner is an error.
+fn apply_fixups(raw: &Path, fixups: &[(PathBuf, Fixup)], dir: &Path) -> Result<()> {
+    if fixups.is_empty() {
+        return Ok(());
+    }
+    let script = dir.join("fixups.debugfs");
+    let body = fixup_script(fixups, dir)?;
+    std::fs::write(&script, body).map_err(|e| Error::io("writing", &script, e))?;
+    let out = Command::new(sbin("debugfs"))
+        .arg("-w")
+        .arg("-f")
+        .arg(&script)
+        .arg(raw)
+        .output()
+        .map_err(|e| Error::io("running debugfs (e2fsprogs) for", raw, e))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let failed: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !is_banner(l))
+        .collect();
+    if !out.status.success() || !failed.is_empty() {
+        return Err(Error::NotAnImage(format!(
+            "setting owners, modes, xattrs and device nodes in the image (debugfs): {}",
+            failed.join("; ")
+        )));
+    }
+    tracing::debug!(entries = fixups.len(), "fix-ups written into the image");
+    Ok(())
 }
 
 fn build_in(
@@ -168,7 +305,7 @@ fn build_in(
     f.set_len(size).map_err(|e| Error::io("sizing", &raw, e))?;
     drop(f);
     let t = std::time::Instant::now();
-    let out = Command::new(mkfs_ext4())
+    let out = Command::new(sbin("mkfs.ext4"))
         .args(["-q", "-F", "-L", "clade-root", "-b", "4096", "-m", "0"])
         .args([
             "-E",
@@ -191,6 +328,7 @@ fn build_in(
             Error::NotAnImage(format!("mkfs.ext4 failed: {}", msg.trim()))
         });
     }
+    apply_fixups(&raw, &unpacked.fixups, scratch)?;
     let t_mkfs = t.elapsed();
     if let Some(p) = progress {
         p.set(ConvertStep::Import);

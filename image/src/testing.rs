@@ -16,6 +16,8 @@ pub enum E<'a> {
     Symlink(&'a str, &'a str),
     Hardlink(&'a str, &'a str),
     Fifo(&'a str),
+    /// A block (`true`) or character device node: path, major, minor.
+    Dev(&'a str, bool, u32, u32),
 }
 
 fn header(path: &str, kind: tar::EntryType, size: u64, mode: u32, uid: u32) -> tar::Header {
@@ -80,6 +82,14 @@ pub fn layer(entries: &[E]) -> Vec<u8> {
                 b.append(&h, &[][..])
             }
             E::Fifo(p) => b.append(&header(p, T::Fifo, 0, 0o640, 0), &[][..]),
+            E::Dev(p, block, major, minor) => {
+                let kind = if block { T::Block } else { T::Char };
+                let mut h = header(p, kind, 0, 0o666, 0);
+                h.set_device_major(major).unwrap();
+                h.set_device_minor(minor).unwrap();
+                h.set_cksum();
+                b.append(&h, &[][..])
+            }
         }
         .unwrap();
     }

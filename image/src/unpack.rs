@@ -7,15 +7,24 @@
 //! entry then replaces whatever was at its path. Whiteouts (`.wh.NAME`) remove NAME from
 //! the lower layers, an opaque marker (`.wh..wh..opq`) everything a lower layer put in its
 //! directory; what this layer itself made stays. Hard links must name a file inside the
-//! tree. Ownership, modes (set-id bits included), xattrs (PAX `SCHILY.xattr.*`) and
-//! modification times are kept; directories get their times last, since later entries
-//! change them.
+//! tree. Modes without their set-id bits and modification times are set on the host;
+//! directories get their times last, since later entries change them.
+//!
+//! Nothing an image holds becomes a usable host object: the tree is a host directory a
+//! local user might reach, and it is made by root. So device nodes and FIFOs are empty
+//! placeholder files, set-uid/set-gid bits are not set, every file is owned by the
+//! service's user, and no xattr is set (`security.capability` would make a file-capability
+//! binary). What the host tree lacks is recorded instead, per inode (so hard links, later
+//! layers replacing a path and whiteouts need no bookkeeping), and handed back as
+//! [`Fixup`]s by path once the last layer is applied: the caller carries them into the
+//! filesystem image it makes of the tree (see `rootfs.rs`), where the guest sees the
+//! image's owners, modes, capabilities and device nodes as they were.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, OpenOptions};
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -58,6 +67,43 @@ pub struct UnpackReport {
     pub whiteouts: u64,
     /// Bytes counted against the limit.
     pub bytes: u64,
+    /// What the tree does not hold of its entries (by path, sorted), for the filesystem
+    /// image made of it.
+    pub fixups: Vec<(PathBuf, Fixup)>,
+}
+
+/// A special file an image holds that the host tree has as an empty placeholder file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Node {
+    /// A character device, (major, minor).
+    Char(u32, u32),
+    /// A block device, (major, minor).
+    Block(u32, u32),
+    /// A FIFO.
+    Fifo,
+}
+
+/// What the host tree does not hold of one of its entries: to be set in the filesystem
+/// image made from it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fixup {
+    /// Its mode (file type and permission bits, set-id bits included), when the host's
+    /// differs (set-id bits, a [`Node`], the tree's root).
+    pub mode: Option<u32>,
+    /// Its owner (uid, gid), when not the service's own.
+    pub owner: Option<(u32, u32)>,
+    /// Its xattrs (name, value), none of which is set on the host.
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The special file it is; the host has an empty regular file.
+    pub node: Option<Node>,
+    /// Its modification time (for a [`Node`], made anew in the image).
+    pub mtime: u64,
+}
+
+impl Fixup {
+    fn is_empty(&self) -> bool {
+        self.mode.is_none() && self.owner.is_none() && self.xattrs.is_empty() && self.node.is_none()
+    }
 }
 
 /// Unpacks every layer of `src` into `dest`, which must not exist yet (it is created,
@@ -74,6 +120,9 @@ pub(crate) fn unpack_counted(
     read: Option<Arc<AtomicU64>>,
 ) -> Result<UnpackReport> {
     fs::create_dir(dest).map_err(|e| Error::io("creating", dest, e))?;
+    // Private until the caller makes a filesystem of it: a local user sees none of it.
+    fs::set_permissions(dest, fs::Permissions::from_mode(0o700))
+        .map_err(|e| Error::io("setting the mode of", dest, e))?;
     let r = unpack_into(src, dest, limits, read);
     if r.is_err() {
         if let Err(e) = fs::remove_dir_all(dest) {
@@ -90,6 +139,17 @@ fn unpack_into(
     read: Option<Arc<AtomicU64>>,
 ) -> Result<UnpackReport> {
     let mut report = UnpackReport::default();
+    // The root's mode when no layer gives it one (the host's is 0700).
+    let root_ino = fs::symlink_metadata(dest)
+        .map_err(|e| Error::io("reading", dest, e))?
+        .ino();
+    let mut fixups = HashMap::from([(
+        root_ino,
+        Fixup {
+            mode: Some(0o755),
+            ..Fixup::default()
+        },
+    )]);
     for i in 0..src.layers().len() {
         let (stream, digest) = src.layer_tar(i, read.clone())?;
         let mut layer = LayerApply {
@@ -99,6 +159,7 @@ fn unpack_into(
             dir_times: Vec::new(),
             limits,
             report: &mut report,
+            fixups: &mut fixups,
         };
         let mut archive = tar::Archive::new(stream);
         let entries = archive
@@ -117,7 +178,40 @@ fn unpack_into(
         report.layers += 1;
         tracing::debug!(layer = %digest, "layer applied");
     }
+    report.fixups = fixups_by_path(dest, fixups)?;
     Ok(report)
+}
+
+/// The fix-ups of the inodes still in the tree at `root`, each under the first path of
+/// its inode (a hard link shares its inode's), sorted by path.
+fn fixups_by_path(root: &Path, mut by_ino: HashMap<u64, Fixup>) -> Result<Vec<(PathBuf, Fixup)>> {
+    let mut out = Vec::new();
+    if by_ino.is_empty() {
+        return Ok(out);
+    }
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let full = root.join(&rel);
+        let m = fs::symlink_metadata(&full).map_err(|e| Error::io("reading", &full, e))?;
+        if let Some(mut f) = by_ino.remove(&m.ino()) {
+            let kind = match f.node {
+                Some(Node::Char(..)) => libc::S_IFCHR,
+                Some(Node::Block(..)) => libc::S_IFBLK,
+                Some(Node::Fifo) => libc::S_IFIFO,
+                None => m.mode() & libc::S_IFMT,
+            };
+            f.mode = f.mode.map(|p| p | kind);
+            out.push((rel.clone(), f));
+        }
+        if m.is_dir() {
+            for e in fs::read_dir(&full).map_err(|e| Error::io("reading", &full, e))? {
+                let e = e.map_err(|e| Error::io("reading", &full, e))?;
+                stack.push(rel.join(e.file_name()));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
 }
 
 struct LayerApply<'a> {
@@ -130,6 +224,8 @@ struct LayerApply<'a> {
     dir_times: Vec<(PathBuf, filetime::FileTime)>,
     limits: UnpackLimits,
     report: &'a mut UnpackReport,
+    /// What the tree does not hold, by inode (of the image's whole unpack).
+    fixups: &'a mut HashMap<u64, Fixup>,
 }
 
 impl LayerApply<'_> {
@@ -204,6 +300,10 @@ impl LayerApply<'_> {
                         return Ok(None);
                     }
                     fs::create_dir(&cur).map_err(|e| self.io(rel, "making a parent", e))?;
+                    // A new inode: nothing recorded of a removed one of the same number.
+                    if let Ok(m) = fs::symlink_metadata(&cur) {
+                        self.fixups.remove(&m.ino());
+                    }
                     self.made.insert(cur_rel.clone());
                 }
                 Err(e) => return Err(self.io(rel, "looking up a parent", e)),
@@ -296,6 +396,12 @@ impl LayerApply<'_> {
                 })?;
                 match fs::symlink_metadata(&tfull) {
                     Ok(m) if m.is_dir() => return Err(self.bad(&rel, "a hard link to a directory")),
+                    Ok(m) if self.fixups.get(&m.ino()).is_some_and(|f| f.node.is_some()) => {
+                        return Err(self.bad(
+                            &rel,
+                            "a hard link to a device node or FIFO is not supported",
+                        ))
+                    }
                     Ok(_) => {}
                     Err(_) => {
                         return Err(self.bad(
@@ -315,24 +421,15 @@ impl LayerApply<'_> {
                 return Ok(());
             }
             T::Char | T::Block | T::Fifo => {
+                // An empty placeholder: the node itself is made in the image only.
                 self.remove(&rel, &full)?;
-                let h = entry.header();
-                let (major, minor) = (
-                    h.device_major().ok().flatten().unwrap_or(0),
-                    h.device_minor().ok().flatten().unwrap_or(0),
-                );
-                let k = match kind {
-                    T::Char => nix::sys::stat::SFlag::S_IFCHR,
-                    T::Block => nix::sys::stat::SFlag::S_IFBLK,
-                    _ => nix::sys::stat::SFlag::S_IFIFO,
-                };
-                nix::sys::stat::mknod(
-                    &full,
-                    k,
-                    nix::sys::stat::Mode::from_bits_truncate(0o600),
-                    nix::sys::stat::makedev(major.into(), minor.into()),
-                )
-                .map_err(|e| self.bad(&rel, format!("making a device node: {e}")))?;
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .mode(0o600)
+                    .open(&full)
+                    .map_err(|e| self.io(&rel, "creating", e))?;
             }
             other => {
                 return Err(self.bad(&rel, format!("entry type {other:?} is not supported")));
@@ -345,7 +442,8 @@ impl LayerApply<'_> {
         Ok(())
     }
 
-    /// Owner, mode, xattrs and times of an entry just written.
+    /// Mode and times of an entry just written; what the host must not have of it (its
+    /// owner, set-id bits, xattrs, the special file it is) recorded as its [`Fixup`].
     fn metadata<R: Read>(
         &mut self,
         entry: &mut tar::Entry<'_, R>,
@@ -353,24 +451,50 @@ impl LayerApply<'_> {
         full: &Path,
         is_dir: bool,
     ) -> Result<()> {
+        use tar::EntryType as T;
         let h = entry.header();
-        let symlink = h.entry_type() == tar::EntryType::Symlink;
+        let kind = h.entry_type();
+        let symlink = kind == T::Symlink;
         let uid = h.uid().map_err(|e| self.io(rel, "its uid", e))?;
         let gid = h.gid().map_err(|e| self.io(rel, "its gid", e))?;
-        let mode = h.mode().map_err(|e| self.io(rel, "its mode", e))?;
+        let mode = h.mode().map_err(|e| self.io(rel, "its mode", e))? & 0o7777;
         let mtime = h.mtime().unwrap_or(0);
         let (uid, gid) = (
             u32::try_from(uid).map_err(|_| self.bad(rel, "uid out of range"))?,
             u32::try_from(gid).map_err(|_| self.bad(rel, "gid out of range"))?,
         );
-        std::os::unix::fs::lchown(full, Some(uid), Some(gid))
-            .map_err(|e| self.io(rel, "setting its owner", e))?;
-        if !symlink {
-            // After the owner: chown clears set-id bits.
-            fs::set_permissions(full, fs::Permissions::from_mode(mode & 0o7777))
+        let node = match kind {
+            T::Char | T::Block => {
+                let dev = |n: std::io::Result<Option<u32>>, what: &str| {
+                    n.map_err(|e| self.io(rel, what, e)).map(|n| n.unwrap_or(0))
+                };
+                let (major, minor) = (
+                    dev(h.device_major(), "its device major")?,
+                    dev(h.device_minor(), "its device minor")?,
+                );
+                Some(if kind == T::Char {
+                    Node::Char(major, minor)
+                } else {
+                    Node::Block(major, minor)
+                })
+            }
+            T::Fifo => Some(Node::Fifo),
+            _ => None,
+        };
+        // The tree's root stays private on the host: its mode is the image's only.
+        let root = full == self.root;
+        let mut fixup = Fixup {
+            mode: (root || node.is_some() || mode & 0o6000 != 0).then_some(mode),
+            owner: ((uid, gid) != service_ids()).then_some((uid, gid)),
+            xattrs: Vec::new(),
+            node,
+            mtime,
+        };
+        if !symlink && node.is_none() && !root {
+            // Never a set-id bit on the host (the owner is the service's: root).
+            fs::set_permissions(full, fs::Permissions::from_mode(mode & !0o6000))
                 .map_err(|e| self.io(rel, "setting its mode", e))?;
         }
-        let mut xattrs = Vec::new();
         if let Some(pax) = entry
             .pax_extensions()
             .map_err(|e| self.io(rel, "its PAX header", e))?
@@ -378,18 +502,21 @@ impl LayerApply<'_> {
             for ext in pax {
                 let ext = ext.map_err(|e| self.io(rel, "its PAX header", e))?;
                 if let Some(name) = ext.key_bytes().strip_prefix(b"SCHILY.xattr.") {
-                    xattrs.push((name.to_vec(), ext.value_bytes().to_vec()));
+                    fixup
+                        .xattrs
+                        .push((name.to_vec(), ext.value_bytes().to_vec()));
                 }
             }
         }
-        for (name, value) in xattrs {
-            xattr::set(full, std::ffi::OsStr::from_bytes(&name), &value).map_err(|e| {
-                self.io(
-                    rel,
-                    &format!("setting xattr {}", String::from_utf8_lossy(&name)),
-                    e,
-                )
-            })?;
+        // The entry's inode is new, or its own again (a directory entry over a
+        // directory): what it had before is replaced.
+        let ino = fs::symlink_metadata(full)
+            .map_err(|e| self.io(rel, "looking up", e))?
+            .ino();
+        if fixup.is_empty() {
+            self.fixups.remove(&ino);
+        } else {
+            self.fixups.insert(ino, fixup);
         }
         let t = filetime::FileTime::from_unix_time(mtime as i64, 0);
         if is_dir {
@@ -446,4 +573,13 @@ impl LayerApply<'_> {
             }
         }
     }
+}
+
+/// The service's own uid and gid: what every file of the host tree is owned by (and what
+/// `mkfs.ext4 -d` gives the image's files unless a fix-up says otherwise).
+pub(crate) fn service_ids() -> (u32, u32) {
+    (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    )
 }

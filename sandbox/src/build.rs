@@ -754,23 +754,23 @@ impl Builds {
         };
         // The COPY steps' files, unpacked into one context (member names are relative to
         // the SDK's context directory).
+        // The build's own directory is private: a local user reaches nothing of them.
+        std::fs::create_dir_all(work).map_err(Error::io("creating", work))?;
+        std::fs::set_permissions(work, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(Error::io("setting the mode of", work))?;
         let ctx = work.join("context");
         std::fs::create_dir_all(&ctx).map_err(Error::io("creating", &ctx))?;
         for s in &req.steps {
             if let Some(h) = &s.files_hash {
                 let f = self.files_dir().join(format!("{h}.tar"));
-                let file = std::fs::File::open(&f).map_err(Error::io("opening", &f))?;
-                let mut a = tar::Archive::new(file);
-                a.set_preserve_permissions(true);
-                a.set_overwrite(true);
-                a.unpack(&ctx)
+                unpack_context(&f, &ctx)
                     .map_err(|e| Error::BadRequest(format!("the files of a COPY ({h}): {e}")))?;
             }
         }
         let plan = plan_of(&defaults, req)?;
         // A jailed build VM reads the layers below its own: a base just converted is
         // the service's alone until shared.
-        crate::vmproc::jail::share_tree(&self.templates().build_cache_dir())?;
+        share_chain(&cache, &base)?;
         let spec = VmSpec {
             exe: cfg.exe.clone(),
             kernel: cfg.kernel.clone(),
@@ -853,7 +853,7 @@ impl Builds {
             };
             // Every jailed VM process reads the template and the layers it stands on.
             crate::vmproc::jail::share_tree(&dir)?;
-            crate::vmproc::jail::share_tree(&store.build_cache_dir())?;
+            share_chain(&cache, &top)?;
             store.finish(&t)?;
             store.tag_build(&template, &name, &tags)?;
             Ok(t)
@@ -863,6 +863,62 @@ impl Builds {
         }
         r
     }
+}
+
+/// Unpacks the tar `f` of a COPY's files into `ctx`, as host files that are no more than
+/// files: owned by the service, no xattrs, and a device node, a FIFO or a set-id bit
+/// refused (a COPY takes files, directories and symbolic links; the guest's set-id bits
+/// are set by a RUN step), never made.
+fn unpack_context(f: &Path, ctx: &Path) -> std::result::Result<(), String> {
+    let file = std::fs::File::open(f).map_err(|e| format!("opening {}: {e}", f.display()))?;
+    let mut a = tar::Archive::new(file);
+    a.set_preserve_permissions(false);
+    a.set_preserve_ownerships(false);
+    a.set_unpack_xattrs(false);
+    a.set_overwrite(true);
+    for e in a.entries().map_err(|e| e.to_string())? {
+        let mut e = e.map_err(|e| e.to_string())?;
+        let path = String::from_utf8_lossy(&e.path_bytes()).into_owned();
+        use tar::EntryType as T;
+        let kind = e.header().entry_type();
+        if matches!(kind, T::Char | T::Block | T::Fifo) {
+            return Err(format!(
+                "{path}: a device node or FIFO (a COPY takes files, directories and links)"
+            ));
+        }
+        let mode = e.header().mode().map_err(|e| format!("{path}: {e}"))?;
+        if mode & 0o6000 != 0 && kind != T::Symlink {
+            return Err(format!(
+                "{path}: set-uid/set-gid bits are not taken from a COPY's files (set them with \
+                 a RUN chmod step)"
+            ));
+        }
+        e.unpack_in(ctx).map_err(|e| format!("{path}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Makes the layers of the chain whose top is `top` that are in `cache` readable by every
+/// jailed VM process, the directories down to them traversable, not listable. Only those
+/// files: the cache also holds other builds' work (an image being unpacked into its
+/// scratch, with the modes of the image's files), which a walk of the whole cache would
+/// make readable to all.
+fn share_chain(cache: &LayerCache, top: &Path) -> Result<()> {
+    let dir = std::fs::canonicalize(cache.dir()).map_err(Error::io("reading", cache.dir()))?;
+    // The cache itself is traversed by every VM (share_files sets the directories below).
+    let m = std::fs::metadata(&dir).map_err(Error::io("reading", &dir))?;
+    if std::os::unix::fs::MetadataExt::mode(&m) & 0o011 != 0o011 {
+        let mode = (std::os::unix::fs::MetadataExt::mode(&m) & 0o7777) | 0o111;
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .map_err(Error::io("setting the mode of", &dir))?;
+    }
+    let layers = disk::ops::info(top)
+        .map_err(|e| Error::Vm(format!("the layers of {}: {e}", top.display())))?;
+    let mut files = Vec::new();
+    for l in layers {
+        files.push(std::fs::canonicalize(&l.path).map_err(Error::io("reading", &l.path))?);
+    }
+    crate::vmproc::jail::share_files(&dir, &files)
 }
 
 /// The steps of an E2B build evaluated on the base's `defaults`, as a Dockerfile's are.
@@ -1187,5 +1243,134 @@ mod tests {
         assert_eq!(left.len(), 2, "{left:?}");
         assert!(b.get("other", &done).is_err());
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// One build's conversion is unpacking an image into its scratch in the build cache
+    /// (its `/etc/shadow` 0600 in a 0700 directory) while another build shares what its
+    /// jailed VM reads of the same cache: only that build's layers become readable.
+    #[test]
+    fn a_build_sharing_its_layers_leaves_another_builds_tree_alone() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let d = std::env::temp_dir().join(format!("sandbox-build-share-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let cache = LayerCache::new(&d.join(".build-cache"));
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+        // Build A, mid-unpack.
+        let a_tree = cache.dir().join("images/.scratch-a/tree");
+        std::fs::create_dir_all(a_tree.join("etc")).unwrap();
+        std::fs::create_dir_all(a_tree.join("root/.ssh")).unwrap();
+        std::fs::write(a_tree.join("etc/shadow"), b"root:*:").unwrap();
+        std::fs::write(a_tree.join("root/.ssh/id_ed25519"), b"key").unwrap();
+        let set = |p: PathBuf, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        set(cache.dir().join("images/.scratch-a"), 0o700);
+        set(a_tree.join("etc/shadow"), 0o600);
+        set(a_tree.join("root/.ssh"), 0o700);
+        set(a_tree.join("root/.ssh/id_ed25519"), 0o600);
+        // Build B: a converted base and a step layer on it, written 0600.
+        let base = cache.dir().join("images/b.cdsk");
+        disk::ops::create(
+            &base,
+            &disk::ops::CreateOptions {
+                virtual_size: Some(1 << 20),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        disk::ops::freeze(&base).unwrap();
+        let run = cache.dir().join("run-b");
+        std::fs::create_dir_all(&run).unwrap();
+        let top = run.join("step.cdsk");
+        disk::ops::create_overlay(&top, &base).unwrap();
+        set(base.clone(), 0o600);
+        set(top.clone(), 0o600);
+        set(run.clone(), 0o700);
+
+        set(cache.dir().to_path_buf(), 0o700);
+        share_chain(&cache, &top).unwrap();
+        assert_eq!(mode(cache.dir()), 0o711);
+
+        assert_eq!(mode(&base) & 0o444, 0o444);
+        assert_eq!(mode(&top) & 0o444, 0o444);
+        assert_eq!(mode(&run) & 0o111, 0o111);
+        assert_eq!(mode(&cache.dir().join("images/.scratch-a")), 0o700);
+        assert_eq!(mode(&a_tree.join("etc/shadow")), 0o600);
+        assert_eq!(mode(&a_tree.join("root/.ssh")), 0o700);
+        assert_eq!(mode(&a_tree.join("root/.ssh/id_ed25519")), 0o600);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A COPY's files are host files only: a device node, a FIFO or a set-id bit in them
+    /// is refused, never made; owners are the service's.
+    #[test]
+    fn a_copys_files_make_no_device_node_or_set_id_file() {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let d = std::env::temp_dir().join(format!("sandbox-build-ctx-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("ctx")).unwrap();
+        let tar_of = |entries: &[(&str, tar::EntryType, u32, u64)]| {
+            let mut t = tar::Builder::new(Vec::new());
+            for &(name, kind, mode, uid) in entries {
+                let mut h = tar::Header::new_gnu();
+                h.set_entry_type(kind);
+                h.set_size(if kind == tar::EntryType::Regular {
+                    1
+                } else {
+                    0
+                });
+                h.set_mode(mode);
+                h.set_uid(uid);
+                h.set_gid(uid);
+                if matches!(kind, tar::EntryType::Block | tar::EntryType::Char) {
+                    h.set_device_major(1).unwrap();
+                    h.set_device_minor(1).unwrap();
+                }
+                let data: &[u8] = if kind == tar::EntryType::Regular {
+                    b"x"
+                } else {
+                    b""
+                };
+                t.append_data(&mut h, name, data).unwrap();
+            }
+            let p = d.join(format!("{}.tar", entries[0].0.replace('/', "_")));
+            std::fs::write(&p, t.into_inner().unwrap()).unwrap();
+            p
+        };
+        let ctx = d.join("ctx");
+        let mut refused = Vec::new();
+        for bad in [
+            ("mem", tar::EntryType::Char, 0o666, 0),
+            ("sda", tar::EntryType::Block, 0o666, 0),
+            ("fifo", tar::EntryType::Fifo, 0o666, 0),
+            ("suid-id", tar::EntryType::Regular, 0o4755, 0),
+            ("sgid-id", tar::EntryType::Regular, 0o2755, 0),
+        ] {
+            refused.push((bad.0, unpack_context(&tar_of(&[bad]), &ctx).is_err()));
+        }
+        let ok = tar_of(&[
+            ("app/run.sh", tar::EntryType::Regular, 0o755, 1234),
+            ("app/key", tar::EntryType::Regular, 0o600, 1234),
+        ]);
+        unpack_context(&ok, &ctx).unwrap();
+        let m = std::fs::metadata(ctx.join("app/key")).unwrap();
+        assert_eq!((m.uid(), m.mode() & 0o7777), (0, 0o600));
+        assert_eq!(
+            std::fs::metadata(ctx.join("app/run.sh")).unwrap().mode() & 0o7777,
+            0o755
+        );
+        // Nothing of the refused entries on the host.
+        for e in std::fs::read_dir(&ctx).unwrap().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            let ft = m.file_type();
+            assert!(
+                !(ft.is_char_device() || ft.is_block_device() || ft.is_fifo())
+                    && m.mode() & 0o6000 == 0,
+                "{}",
+                e.path().display()
+            );
+        }
+        assert!(refused.iter().all(|(_, r)| *r), "not refused: {refused:?}");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

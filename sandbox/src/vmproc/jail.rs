@@ -344,6 +344,11 @@ fn share_real_tree(path: &Path) -> Result<()> {
         set_mode(path, 0o755)?;
         for e in std::fs::read_dir(path).map_err(Error::io("reading", path))? {
             let e = e.map_err(Error::io("reading", path))?;
+            // An image conversion's private scratch (in a build cache): a tree of an
+            // image's files, modes as the image has them, nothing a VM reads.
+            if e.file_name().as_encoded_bytes().starts_with(b".scratch-") {
+                continue;
+            }
             share_real_tree(&e.path())?;
         }
     } else if m.is_file() && m.mode() & 0o044 != 0o044 {
@@ -552,6 +557,24 @@ mod tests {
             std::fs::read(snapshot.join(vmm::WORKING_SET_FILE)).unwrap(),
             b"kept"
         );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A tree shared with every jailed VM (the templates, at the service's start) leaves
+    /// an image conversion's scratch in its build cache alone.
+    #[test]
+    fn sharing_a_tree_skips_a_conversions_scratch() {
+        let d = scratch("share-skip");
+        let f = d.join(".build-cache/images/.scratch-x/tree/etc/shadow");
+        std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+        std::fs::write(&f, b"root:*:").unwrap();
+        set_mode(&f, 0o600).unwrap();
+        set_mode(&d.join(".build-cache/images/.scratch-x"), 0o700).unwrap();
+        share_tree(&d).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&f), 0o600);
+        assert_eq!(mode(&d.join(".build-cache/images/.scratch-x")), 0o700);
+        assert_eq!(mode(&d.join(".build-cache/images")), 0o755);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
