@@ -174,7 +174,7 @@ fn is_build(m: &Method, path: &str) -> bool {
             | ("POST", ["v2", "templates", _, "builds", _])
             | ("GET", ["templates", _, "builds", _, "status"])
             | ("GET", ["templates", "aliases", _])
-            | ("PUT", ["build-files", _, _])
+            | ("PUT", ["build-files", _, _, _])
             // Tags and settings are kept where templates are built.
             | ("POST" | "DELETE", ["templates", "tags"])
             | ("GET", ["templates", _, "tags"])
@@ -1012,12 +1012,12 @@ mod tests {
             (Method::GET, "/templates/t/tags"),
             (Method::PATCH, "/templates/t"),
             (Method::PATCH, "/v2/templates/t"),
-            (Method::PUT, "/build-files/abc/token"),
+            (Method::PUT, "/build-files/abc/1700000000/token"),
         ] {
             assert_eq!(classify(&req(m.clone(), p, &[])), Kind::Build, "{m} {p}");
         }
         assert_eq!(
-            classify(&req(Method::GET, "/build-files/abc/token", &[])),
+            classify(&req(Method::GET, "/build-files/abc/1700000000/token", &[])),
             Kind::Here
         );
         assert_eq!(
