@@ -21,6 +21,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
+use sandbox::envd::access::same_secret;
 use serde_json::Value;
 
 use crate::db::{NodeRow, OwnerRow};
@@ -226,7 +227,7 @@ async fn templates(node: &Node, req: Request) -> Response {
 
 fn node_key_ok(node: &Node, h: &HeaderMap) -> bool {
     h.get("x-api-key")
-        .is_some_and(|k| k.as_bytes() == node.config().api_key.as_bytes())
+        .is_some_and(|k| same_secret(k.as_bytes(), node.config().api_key.as_bytes()))
         || sandbox::envd::route(h).is_some()
 }
 
