@@ -1181,13 +1181,22 @@ async fn a_signed_url_writes_only_its_path_as_its_user() {
 /// Fuzzing the signed multipart upload: thousands of mutated multipart bodies (seeded,
 /// so a failure replays) through the whole upload path. Each gets a clear answer (a
 /// JSON error or success, never a server error or a panic), and nothing but the signed
-/// file ever appears, whatever the parts' names say.
+/// file ever appears, whatever the parts' names say. Signed for `nobody`, owner of the
+/// scratch directory: a handler that wrote where the parts' mutated names say could not
+/// litter the host (this host agent writes as the user, on the host's filesystem).
 #[tokio::test(flavor = "multi_thread")]
 async fn fuzzed_signed_multipart_uploads_write_only_the_signed_path() {
     let env = setup_req("signed-fuzz", |r| r.secure = true);
     let token = env.host.get(&env.id).unwrap().envd_token.expect("a token");
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let nobody: u32 = passwd
+        .lines()
+        .find_map(|l| l.strip_prefix("nobody:"))
+        .and_then(|rest| rest.split(':').nth(1)?.parse().ok())
+        .expect("a nobody user");
+    std::os::unix::fs::chown(&env.dir, Some(nobody), Some(nobody)).unwrap();
     let d = env.dir.display().to_string();
-    let url = signed_files_url(&format!("{d}/target.txt"), "write", "", &token);
+    let url = signed_files_url(&format!("{d}/target.txt"), "write", "nobody", &token);
     let seeds: Vec<Vec<u8>> = vec![
         multipart(&[(&format!("{d}/x1"), "one"), (&format!("{d}/x2"), "two")]),
         multipart(&[(&format!("{d}/../y"), "a"), ("", "b"), (&format!("{d}/x3"), "c")]),
