@@ -21,6 +21,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
+use sandbox::envd::access::same_secret;
 use serde_json::Value;
 
 use crate::db::{NodeRow, OwnerRow};
@@ -174,7 +175,7 @@ fn is_build(m: &Method, path: &str) -> bool {
             | ("POST", ["v2", "templates", _, "builds", _])
             | ("GET", ["templates", _, "builds", _, "status"])
             | ("GET", ["templates", "aliases", _])
-            | ("PUT", ["build-files", _, _])
+            | ("PUT", ["build-files", _, _, _])
             // Tags and settings are kept where templates are built.
             | ("POST" | "DELETE", ["templates", "tags"])
             | ("GET", ["templates", _, "tags"])
@@ -226,7 +227,7 @@ async fn templates(node: &Node, req: Request) -> Response {
 
 fn node_key_ok(node: &Node, h: &HeaderMap) -> bool {
     h.get("x-api-key")
-        .is_some_and(|k| k.as_bytes() == node.config().api_key.as_bytes())
+        .is_some_and(|k| same_secret(k.as_bytes(), node.config().api_key.as_bytes()))
         || sandbox::envd::route(h).is_some()
 }
 
@@ -1012,12 +1013,12 @@ mod tests {
             (Method::GET, "/templates/t/tags"),
             (Method::PATCH, "/templates/t"),
             (Method::PATCH, "/v2/templates/t"),
-            (Method::PUT, "/build-files/abc/token"),
+            (Method::PUT, "/build-files/abc/1700000000/token"),
         ] {
             assert_eq!(classify(&req(m.clone(), p, &[])), Kind::Build, "{m} {p}");
         }
         assert_eq!(
-            classify(&req(Method::GET, "/build-files/abc/token", &[])),
+            classify(&req(Method::GET, "/build-files/abc/1700000000/token", &[])),
             Kind::Here
         );
         assert_eq!(

@@ -477,7 +477,7 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         // An upload link carries its own key (the SDK sends no API key with it).
         // Streamed to a file, its size checked as it arrives (`builds::upload`).
-        .route("/build-files/{hash}/{token}", put(builds::upload))
+        .route("/build-files/{hash}/{expires}/{token}", put(builds::upload))
         // The dashboard's pages check its session themselves (the login page needs none).
         .merge(crate::dashboard::routes())
         .layer(axum::middleware::from_fn_with_state(

@@ -1005,6 +1005,269 @@ async fn a_secured_sandbox_needs_its_token_or_a_signed_url() {
     }
 }
 
+/// A `/files` URL signed with `token` for `op` on `file` as `user` ("" for the default
+/// user: no `username` parameter).
+fn signed_files_url(file: &str, op: &str, user: &str, token: &str) -> String {
+    let mut s = form_urlencoded::Serializer::new(String::new());
+    s.append_pair("path", file);
+    if !user.is_empty() {
+        s.append_pair("username", user);
+    }
+    s.append_pair(
+        "signature",
+        &sandbox::envd::access::signature(file, op, user, token, None),
+    );
+    format!("/files?{}", s.finish())
+}
+
+/// A multipart body of `file` parts (file name, content), boundary `XX`.
+fn multipart(parts: &[(&str, &str)]) -> Vec<u8> {
+    let mut mp = Vec::new();
+    for (name, content) in parts {
+        mp.extend_from_slice(
+            format!(
+                "--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n{content}\r\n"
+            )
+            .as_bytes(),
+        );
+    }
+    mp.extend_from_slice(b"--XX--\r\n");
+    mp
+}
+
+/// Everything under `dir` (relative paths, sorted).
+fn tree(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            if e.file_type().unwrap().is_dir() {
+                todo.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A URL signed for one file, one user and one operation does exactly that: every
+/// multipart part goes to the signed path or is refused (a second part named after
+/// another file creates nothing), and an `Authorization: Basic` header naming another
+/// user does not change who writes or reads (issue 56, finding 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_signed_url_writes_only_its_path_as_its_user() {
+    use std::os::unix::fs::MetadataExt;
+    let env = setup_req("signed-scope", |r| r.secure = true);
+    let token = env.host.get(&env.id).unwrap().envd_token.expect("a token");
+    let d = env.dir.display().to_string();
+    let a = format!("{d}/a.txt");
+    // Two parts: the first, whatever its name, is the signed file; the second is refused.
+    let body = multipart(&[
+        (&format!("{d}/named.txt"), "first"),
+        (&format!("{d}/b.txt"), "second"),
+    ]);
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            &signed_files_url(&a, "write", "root", &token),
+            Some("multipart/form-data; boundary=XX"),
+            body,
+        ))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(
+        std::fs::read_to_string(env.dir.join("a.txt")).unwrap(),
+        "first"
+    );
+    assert!(
+        !env.dir.join("b.txt").exists(),
+        "the unsigned second part was written"
+    );
+    assert!(!env.dir.join("named.txt").exists());
+    // One part: written to the signed path, answered as envd answers.
+    let (s, _, b) = env
+        .send(env.req(
+            "POST",
+            &signed_files_url(&a, "write", "root", &token),
+            Some("multipart/form-data; boundary=XX"),
+            multipart(&[(&format!("{d}/elsewhere.txt"), "again")]),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v[0]["path"], a);
+    assert_eq!(
+        std::fs::read_to_string(env.dir.join("a.txt")).unwrap(),
+        "again"
+    );
+    assert_eq!(tree(&env.dir), vec!["a.txt"]);
+    // Signed for the default user (root here), with a Basic header naming `nobody`:
+    // written as root (nobody could not write here at all), read as root.
+    let nobody = format!("Basic {}", base64_of(b"nobody:"));
+    let c = format!("{d}/c.txt");
+    let mut r = env.req(
+        "POST",
+        &signed_files_url(&c, "write", "", &token),
+        Some("application/octet-stream"),
+        b"by the signed user".to_vec(),
+    );
+    r.headers_mut()
+        .insert("authorization", nobody.parse().unwrap());
+    let (s, _, b) = env.send(r).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(std::fs::metadata(env.dir.join("c.txt")).unwrap().uid(), 0);
+    std::fs::write(env.dir.join("secret.txt"), "root only").unwrap();
+    std::fs::set_permissions(
+        env.dir.join("secret.txt"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let mut r = env.req(
+        "GET",
+        &signed_files_url(&format!("{d}/secret.txt"), "read", "", &token),
+        None,
+        vec![],
+    );
+    r.headers_mut()
+        .insert("authorization", nobody.parse().unwrap());
+    let (s, _, b) = env.send(r).await;
+    assert_eq!((s, b.as_slice()), (StatusCode::OK, &b"root only"[..]));
+    // With the token (full access) the SDK's multi-file write still names its files.
+    let mut r = env.req(
+        "POST",
+        "/files",
+        Some("multipart/form-data; boundary=XX"),
+        multipart(&[
+            (&format!("{d}/m1.txt"), "one"),
+            (&format!("{d}/m2.txt"), "two"),
+        ]),
+    );
+    r.headers_mut()
+        .insert("x-access-token", token.parse().unwrap());
+    let (s, _, b) = env.send(r).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(
+        std::fs::read_to_string(env.dir.join("m2.txt")).unwrap(),
+        "two"
+    );
+    // A signature with two (path, user) splits is refused, whatever the split names.
+    let tricky = format!("{d}/e:write:root");
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    q.append_pair("path", &format!("{d}/e"))
+        .append_pair("username", "root:write:")
+        .append_pair(
+            "signature",
+            &sandbox::envd::access::signature(&tricky, "write", "", &token, None),
+        );
+    let (s, _, _) = env
+        .send(env.req(
+            "POST",
+            &format!("/files?{}", q.finish()),
+            Some("application/octet-stream"),
+            b"x".to_vec(),
+        ))
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert!(!env.dir.join("e").exists());
+}
+
+/// Fuzzing the signed multipart upload: thousands of mutated multipart bodies (seeded,
+/// so a failure replays) through the whole upload path. Each gets a clear answer (a
+/// JSON error or success, never a server error or a panic), and nothing but the signed
+/// file ever appears, whatever the parts' names say. Signed for `nobody`, owner of the
+/// scratch directory: a handler that wrote where the parts' mutated names say could not
+/// litter the host (this host agent writes as the user, on the host's filesystem).
+#[tokio::test(flavor = "multi_thread")]
+async fn fuzzed_signed_multipart_uploads_write_only_the_signed_path() {
+    let env = setup_req("signed-fuzz", |r| r.secure = true);
+    let token = env.host.get(&env.id).unwrap().envd_token.expect("a token");
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let nobody: u32 = passwd
+        .lines()
+        .find_map(|l| l.strip_prefix("nobody:"))
+        .and_then(|rest| rest.split(':').nth(1)?.parse().ok())
+        .expect("a nobody user");
+    std::os::unix::fs::chown(&env.dir, Some(nobody), Some(nobody)).unwrap();
+    let d = env.dir.display().to_string();
+    let url = signed_files_url(&format!("{d}/target.txt"), "write", "nobody", &token);
+    let seeds: Vec<Vec<u8>> = vec![
+        multipart(&[(&format!("{d}/x1"), "one"), (&format!("{d}/x2"), "two")]),
+        multipart(&[(&format!("{d}/../y"), "a"), ("", "b"), (&format!("{d}/x3"), "c")]),
+        format!(
+            "--XX\r\nContent-Disposition: form-data; name=\"other\"; filename=\"{d}/x4\"\r\n\r\nz\r\n--XX\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nq\r\n--XX--\r\n"
+        )
+        .into_bytes(),
+    ];
+    let pieces: [&[u8]; 8] = [
+        b"\r\n",
+        b"--XX",
+        b"--XX--",
+        b"\r\n\r\n",
+        b"Content-Disposition: form-data; name=\"file\"; filename=\"",
+        b"\"",
+        b"\0",
+        b"/x5",
+    ];
+    let mut rng = 0x9e3779b97f4a7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let t0 = std::time::Instant::now();
+    let mut cases = 0;
+    while cases < 3000 && t0.elapsed() < std::time::Duration::from_secs(8) {
+        let mut b = seeds[next() as usize % seeds.len()].clone();
+        for _ in 0..1 + next() % 4 {
+            let at = next() as usize % (b.len() + 1);
+            match next() % 4 {
+                0 if !b.is_empty() => {
+                    let i = at.min(b.len() - 1);
+                    b[i] ^= 1 << (next() % 8);
+                }
+                1 => {
+                    let p = pieces[next() as usize % pieces.len()];
+                    b.splice(at..at, p.iter().copied());
+                }
+                2 => b.truncate(at),
+                _ => {
+                    let end = (at + 1 + next() as usize % 16).min(b.len());
+                    b.drain(at.min(end)..end);
+                }
+            }
+        }
+        let (s, ct, body) = env
+            .send(env.req("POST", &url, Some("multipart/form-data; boundary=XX"), b))
+            .await;
+        assert!(
+            s == StatusCode::OK || s.is_client_error(),
+            "case {cases}: {s} {}",
+            String::from_utf8_lossy(&body)
+        );
+        assert!(ct.starts_with("application/json"), "case {cases}: {ct}");
+        let v: Value = serde_json::from_slice(&body).expect("a JSON answer");
+        if s.is_client_error() {
+            assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        }
+        cases += 1;
+    }
+    eprintln!("{cases} fuzzed uploads in {:?}", t0.elapsed());
+    assert!(cases >= 500, "only {cases} cases ran");
+    let left = tree(&env.dir);
+    assert!(
+        left.iter().all(|p| p == "target.txt"),
+        "unsigned files were written: {left:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_without_the_token_does_not_wake_a_sandbox() {
     let env = setup_req("unauthorized-wake", |r| {

@@ -137,7 +137,7 @@ def test_templates_are_listed_from_every_node_and_builds_go_to_one(cl):
     status, body, _ = api(gw, "GET", f"/templates/t/files/{digest}")
     assert status == 201 and body["present"] is True, body
     # Without the builder's token: refused there.
-    status, body, _ = api(gw, "PUT", f"/build-files/{digest}/not-the-token", headers={"X-API-KEY": ""})
+    status, body, _ = api(gw, "PUT", f"/build-files/{digest}/4102444800/not-the-token", headers={"X-API-KEY": ""})
     assert status == 400 and "not valid" in body["message"], (status, body)
 
 

@@ -10,6 +10,27 @@
 //! `e2b-traffic-access-token` (E2B's proxy answers 403 without it).
 //!
 //! Tokens are compared in constant time; a signature is recomputed, never parsed.
+//!
+//! A signed URL grants exactly what was signed, nothing the rest of the request says:
+//! [`check_envd`] answers a [`Grant`], and a [`Grant::Signed`] names the one path, the one
+//! user (the sandbox's default one when the URL names none, never an `Authorization`
+//! header's) and the one operation the handlers then use. The signed parameters may
+//! appear once each, and the URL must name a path (envd lets a signature over an empty
+//! path write wherever the multipart parts' names say; here that is refused).
+//!
+//! Why some signed URLs are refused although their signature is right: E2B's signature
+//! hashes `path:operation:user:token[:expiration]` joined with `:`, a separator `path`
+//! and `user` may themselves contain, so one string can be split into more than one
+//! (path, user) pair — `("/a:write:b", user "u")` and `("/a", user "b:write:u")` hash the
+//! same for a write. The format is the SDK's, so it cannot change; instead only strings
+//! with a single split are accepted. Read from the right, the string is unambiguous when
+//! neither the user nor the token contains `:` and the token is no decimal number (so an
+//! expiration cannot be mistaken for it): the last field is the expiration (if the URL
+//! has one), then the token, the user, the operation (`read` or `write`, fixed by the
+//! method), and what is left is the path, which may then contain `:`. Hence: a signed
+//! URL whose `username` contains `:` is refused (no sandbox user can have one: `/etc/passwd`
+//! separates its fields with it), and so is any signature when the sandbox's token has
+//! one (Clade's tokens are 64 hex digits: never).
 
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -21,9 +42,20 @@ pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 /// The header that carries the traffic access token.
 pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
-/// Constant-time equality (the length is not secret).
+/// Constant-time equality of two secrets (API keys, cluster secrets, tokens): their
+/// SHA-256 digests are compared in full, so neither where they differ nor their lengths
+/// show in the time taken. The one helper every such comparison uses (the cluster's
+/// gateway too: it depends on this crate).
 pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    let (da, db) = (Sha256::digest(a), Sha256::digest(b));
+    same_digest(da.as_slice(), db.as_slice())
+}
+
+/// Constant-time equality of two digests of the same length (a length difference is
+/// not secret: digests have a fixed one).
+pub fn same_digest(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len()
+        && std::hint::black_box(a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y))) == 0
 }
 
 /// E2B's v1 file-URL signature: `v1_` and the unpadded base64 of
@@ -76,8 +108,45 @@ fn unauthorized(message: &'static str) -> Denied {
     Denied::Unauthorized(message)
 }
 
+/// What an envd operation a signed URL grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// `GET /files`.
+    Read,
+    /// `POST /files`.
+    Write,
+}
+
+impl Operation {
+    /// Its name in the signature.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Read => "read",
+            Operation::Write => "write",
+        }
+    }
+}
+
+/// What a request [`check_envd`] let through may do; the data plane's handlers act on
+/// it (it travels as a request extension).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Grant {
+    /// The access token, or a sandbox without one: whatever the request asks.
+    Full,
+    /// A signed `/files` URL: this operation, on this path, as this user (`None`: the
+    /// sandbox's default user) and nothing else.
+    Signed {
+        operation: Operation,
+        path: String,
+        user: Option<String>,
+    },
+}
+
+const NO_TOKEN: &str =
+    "unauthorized access, please provide a valid access token or method signing if supported";
+
 /// Whether a request for envd's port of a sandbox with envd access token `token` may go
-/// on (`now_s`: unix seconds); envd's 401 if not.
+/// on (`now_s`: unix seconds), and what it may do; envd's 401 if not.
 pub fn check_envd(
     token: &str,
     method: &Method,
@@ -85,60 +154,65 @@ pub fn check_envd(
     query: Option<&str>,
     headers: &HeaderMap,
     now_s: i64,
-) -> Result<(), Denied> {
+) -> Result<Grant, Denied> {
     if path == "/health" {
-        return Ok(());
+        return Ok(Grant::Full);
     }
     if let Some(given) = headers.get(ACCESS_TOKEN_HEADER) {
         return if same_secret(given.as_bytes(), token.as_bytes()) {
-            Ok(())
+            Ok(Grant::Full)
         } else {
             Err(unauthorized("invalid access token"))
         };
     }
     let operation = match (path, method) {
-        ("/files", &Method::GET) => "read",
-        ("/files", &Method::POST) => "write",
-        _ => {
-            return Err(unauthorized(
-                "unauthorized access, please provide a valid access token or method signing if supported",
-            ))
-        }
+        ("/files", &Method::GET) => Operation::Read,
+        ("/files", &Method::POST) => Operation::Write,
+        _ => return Err(unauthorized(NO_TOKEN)),
     };
-    let (mut file, mut user, mut sig, mut exp) = (None, String::new(), None, None);
+    let (mut file, mut user, mut sig, mut exp) = (None, None, None, None);
     for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
-        match k.as_ref() {
-            "path" => file = Some(v.into_owned()),
-            "username" => user = v.into_owned(),
-            "signature" => sig = Some(v.into_owned()),
-            "signature_expiration" => exp = Some(v.into_owned()),
-            _ => {}
+        let slot = match k.as_ref() {
+            "path" => &mut file,
+            "username" => &mut user,
+            "signature" => &mut sig,
+            "signature_expiration" => &mut exp,
+            _ => continue,
+        };
+        // Which of two would count is a guess the handlers must not have to make.
+        if slot.replace(v.into_owned()).is_some() {
+            return Err(unauthorized("a signed parameter is given more than once"));
         }
     }
     let Some(sig) = sig else {
-        return Err(unauthorized(
-            "unauthorized access, please provide a valid access token or method signing if supported",
-        ));
+        return Err(unauthorized(NO_TOKEN));
     };
     let exp = match exp.map(|e| e.parse::<i64>()) {
         None => None,
         Some(Ok(e)) => Some(e),
         Some(Err(_)) => return Err(unauthorized("invalid signature expiration")),
     };
-    let want = signature(
-        file.as_deref().unwrap_or_default(),
-        operation,
-        &user,
-        token,
-        exp,
-    );
+    let user = user.unwrap_or_default();
+    // See the module's doc: only strings with one (path, user) split are signed ones.
+    if user.contains(':') || token.contains(':') || token.parse::<i64>().is_ok() {
+        return Err(unauthorized("invalid signature: ambiguous user"));
+    }
+    let file = file.unwrap_or_default();
+    let want = signature(&file, operation.as_str(), &user, token, exp);
     if !same_secret(sig.as_bytes(), want.as_bytes()) {
         return Err(unauthorized("invalid signature"));
     }
     if exp.is_some_and(|e| e < now_s) {
         return Err(unauthorized("signature is already expired"));
     }
-    Ok(())
+    if file.is_empty() {
+        return Err(unauthorized("a signed URL must name its path"));
+    }
+    Ok(Grant::Signed {
+        operation,
+        path: file,
+        user: (!user.is_empty()).then_some(user),
+    })
 }
 
 /// Whether a request for an exposed port of sandbox `id`, whose traffic access token is
@@ -268,6 +342,132 @@ mod tests {
             i64::MAX
         )
         .is_ok());
+    }
+
+    #[test]
+    fn a_signed_url_grants_its_path_user_and_operation_only() {
+        let h = HeaderMap::new();
+        let sig = signature("/a", "write", "", "tok", None);
+        assert_eq!(
+            check_envd(
+                "tok",
+                &Method::POST,
+                "/files",
+                Some(&q("/a", "", &sig, None)),
+                &h,
+                0
+            ),
+            Ok(Grant::Signed {
+                operation: Operation::Write,
+                path: "/a".into(),
+                user: None,
+            })
+        );
+        let sig = signature("/a", "read", "u", "tok", None);
+        assert_eq!(
+            check_envd(
+                "tok",
+                &Method::GET,
+                "/files",
+                Some(&q("/a", "u", &sig, None)),
+                &h,
+                0
+            ),
+            Ok(Grant::Signed {
+                operation: Operation::Read,
+                path: "/a".into(),
+                user: Some("u".into()),
+            })
+        );
+        let mut t = HeaderMap::new();
+        t.insert(ACCESS_TOKEN_HEADER, "tok".parse().unwrap());
+        assert_eq!(
+            check_envd("tok", &Method::POST, "/files", None, &t, 0),
+            Ok(Grant::Full)
+        );
+        // A signed parameter given twice: refused, whichever one was signed.
+        let sig = signature("/a", "write", "", "tok", None);
+        for twice in [
+            format!("{}&path=/b", q("/a", "", &sig, None)),
+            format!("path=/b&{}", q("/a", "", &sig, None)),
+            format!("{}&username=nobody", q("/a", "", &sig, None)),
+            format!("{}&signature={sig}", q("/a", "", &sig, None)),
+        ] {
+            assert!(
+                check_envd("tok", &Method::POST, "/files", Some(&twice), &h, 0).is_err(),
+                "{twice}"
+            );
+        }
+        // A signature over no path grants no path (envd's would let the parts choose).
+        let none = signature("", "write", "", "tok", None);
+        let r = check_envd(
+            "tok",
+            &Method::POST,
+            "/files",
+            Some(&format!("signature={none}")),
+            &h,
+            0,
+        );
+        assert!(r.is_err(), "{r:?}");
+    }
+
+    /// E2B's signature string has more than one (path, user) split when the user may
+    /// contain `:`: a URL signed for `/a:write:b` as `u` must not be usable for `/a` as
+    /// `b:write:u`.
+    #[test]
+    fn a_signature_with_two_splits_is_refused() {
+        let h = HeaderMap::new();
+        let sig = signature("/a:write:b", "write", "u", "tok", None);
+        assert_eq!(
+            sig,
+            signature("/a", "write", "b:write:u", "tok", None),
+            "the collision this guards against"
+        );
+        let signed = q("/a:write:b", "u", &sig, None);
+        assert!(check_envd("tok", &Method::POST, "/files", Some(&signed), &h, 0).is_ok());
+        let other_split = q("/a", "b:write:u", &sig, None);
+        assert_eq!(
+            check_envd("tok", &Method::POST, "/files", Some(&other_split), &h, 0),
+            Err(Denied::Unauthorized("invalid signature: ambiguous user"))
+        );
+        // With an expiry, and with the default user, likewise.
+        let sig = signature("/x:read:", "read", "", "tok", Some(7));
+        assert_eq!(sig, signature("/x", "read", ":read:", "tok", Some(7)));
+        let other_split = q("/x", ":read:", &sig, Some(7));
+        assert!(check_envd("tok", &Method::GET, "/files", Some(&other_split), &h, 0).is_err());
+        assert!(check_envd(
+            "tok",
+            &Method::GET,
+            "/files",
+            Some(&q("/x:read:", "", &sig, Some(7))),
+            &h,
+            0
+        )
+        .is_ok());
+        // A token that would make the split ambiguous signs nothing.
+        for token in ["t:k", "12345"] {
+            let sig = signature("/a", "read", "", token, None);
+            assert!(check_envd(
+                token,
+                &Method::GET,
+                "/files",
+                Some(&q("/a", "", &sig, None)),
+                &h,
+                0
+            )
+            .is_err());
+        }
+    }
+
+    #[test]
+    fn secrets_compare_by_digest() {
+        assert!(same_secret(b"key", b"key"));
+        assert!(!same_secret(b"key", b"kez"));
+        assert!(!same_secret(b"key", b"key2"));
+        assert!(!same_secret(b"", b"x"));
+        assert!(same_digest(&[1, 2], &[1, 2]));
+        assert!(!same_digest(&[1, 2], &[1, 3]));
+        assert!(!same_digest(&[1, 2], &[1]));
     }
 
     #[test]

@@ -37,6 +37,7 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use vmm::agent::{Client, FileKind, FileStat, Watch, WatchEvent, WatchKind, WatchStopper};
 
+use super::access::{Grant, Operation};
 use super::connect::{self, Code, Codec, RpcError};
 use super::pb;
 use super::{lock, read_body, target_sandbox, DataPlane, SandboxConn, Target, User};
@@ -821,6 +822,42 @@ fn rpc_to_http(e: RpcError) -> Response {
     http_error(status, e.message)
 }
 
+/// What a `/files` request acts on: the path and user its query (and, with full access,
+/// its `Authorization` header) names, or exactly a signed URL's.
+struct FileTarget {
+    path: Option<String>,
+    user: Option<String>,
+    /// Authorised by a signature: `path` and `user` are the signed ones.
+    signed: bool,
+}
+
+/// The [`FileTarget`] of a `/files` request for `op`, by its [`Grant`], or why it is
+/// refused (401; no grant: a request that did not pass the access check never acts).
+fn file_target(req: &Request, op: Operation) -> Result<FileTarget, &'static str> {
+    match req.extensions().get::<Grant>() {
+        Some(Grant::Full) => {
+            let (path, qs_user) = file_query(req);
+            let user = qs_user.or_else(|| super::basic_user(req.headers()));
+            Ok(FileTarget {
+                path,
+                user,
+                signed: false,
+            })
+        }
+        Some(Grant::Signed {
+            operation,
+            path,
+            user,
+        }) if *operation == op => Ok(FileTarget {
+            path: Some(path.clone()),
+            user: user.clone(),
+            signed: true,
+        }),
+        Some(Grant::Signed { .. }) => Err("the URL is signed for another operation"),
+        None => Err("the request was not authorised"),
+    }
+}
+
 /// `path` and `username` of a `/files` query.
 fn file_query(req: &Request) -> (Option<String>, Option<String>) {
     let (mut path, mut user) = (None, None);
@@ -866,13 +903,16 @@ fn accepts_gzip(h: &HeaderMap) -> bool {
 
 /// `GET /files?path=…&username=…`: the file's bytes, streamed (gzipped on the fly when
 /// the client accepts it, at the fastest level: the transfer is local, CPU is the cost).
+/// A signed URL reads its signed path as its signed user only ([`file_target`]).
 pub(crate) async fn download(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
     let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    let (path, qs_user) = file_query(&req);
-    let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let (path, user_name) = match file_target(&req, Operation::Read) {
+        Ok(t) => (t.path, t.user),
+        Err(m) => return http_error(StatusCode::UNAUTHORIZED, m),
+    };
     let gzip = accepts_gzip(req.headers());
     let Some(path) = path.filter(|p| !p.is_empty()) else {
         return http_error(StatusCode::BAD_REQUEST, "the path parameter is required");
@@ -1082,13 +1122,20 @@ fn write_info(e: &pb::EntryInfo) -> serde_json::Value {
 /// `POST /files?path=…&username=…`: multipart (`file` parts, each named by its
 /// filename when no `path` is given) or an octet-stream body (one file at `path`,
 /// `Content-Encoding: gzip` allowed). Answers `[WriteInfo]`.
+///
+/// A signed URL ([`Grant::Signed`]) writes exactly its path as its user: as envd, only
+/// `file` parts are read, the first goes to the signed path whatever its file name, and
+/// a second is refused (400) without being written anywhere; an `Authorization` header
+/// does not choose the user.
 pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Response {
     let sb = match target_sandbox(&dp, req.extensions().get::<Target>().cloned()).await {
         Ok(s) => s,
         Err(r) => return drained(req, r).await,
     };
-    let (qpath, qs_user) = file_query(&req);
-    let user_name = qs_user.or_else(|| super::basic_user(req.headers()));
+    let (qpath, user_name, signed) = match file_target(&req, Operation::Write) {
+        Ok(t) => (t.path, t.user, t.signed),
+        Err(m) => return drained(req, http_error(StatusCode::UNAUTHORIZED, m)).await,
+    };
     let ct = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -1136,14 +1183,35 @@ pub(crate) async fn upload(State(dp): State<Arc<DataPlane>>, req: Request) -> Re
                 Err(e) => return http_error(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
             };
             n += 1;
-            let target = match (&qpath, field.file_name()) {
-                (Some(p), _) if n == 1 => p.clone(),
-                (_, Some(f)) if !f.is_empty() => f.to_string(),
-                _ => {
-                    return http_error(
-                        StatusCode::BAD_REQUEST,
-                        "a multipart part without a file name (and no path parameter)",
-                    )
+            let target = if signed {
+                // As envd: only `file` parts count, each goes to the signed path (its
+                // own file name is not looked at), and a second one is refused.
+                if field.name() != Some("file") {
+                    continue;
+                }
+                match (&qpath, written.is_empty()) {
+                    (Some(p), true) => p.clone(),
+                    _ => {
+                        return http_error(
+                            StatusCode::BAD_REQUEST,
+                            format!(
+                                "you cannot upload multiple files to the same path '{}' in one \
+                                 upload request, only the first specified file was uploaded",
+                                qpath.as_deref().unwrap_or_default()
+                            ),
+                        )
+                    }
+                }
+            } else {
+                match (&qpath, field.file_name()) {
+                    (Some(p), _) if n == 1 => p.clone(),
+                    (_, Some(f)) if !f.is_empty() => f.to_string(),
+                    _ => {
+                        return http_error(
+                            StatusCode::BAD_REQUEST,
+                            "a multipart part without a file name (and no path parameter)",
+                        )
+                    }
                 }
             };
             if let Err(e) = check_path(&target) {

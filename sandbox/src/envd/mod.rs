@@ -640,21 +640,26 @@ pub async fn dispatch(State(data): State<Routes>, mut req: Request, next: Next) 
                 Ok(x) => x,
                 Err(r) => return r,
             };
-            if let Some(token) = &envd_token {
-                let now_s = crate::ids::now_ms().div_euclid(1000);
-                let uri = req.uri();
-                if let Err(r) = access::check_envd(
-                    token,
-                    req.method(),
-                    uri.path(),
-                    uri.query(),
-                    req.headers(),
-                    now_s,
-                ) {
-                    return r.into_response();
+            let grant = match &envd_token {
+                Some(token) => {
+                    let now_s = crate::ids::now_ms().div_euclid(1000);
+                    let uri = req.uri();
+                    match access::check_envd(
+                        token,
+                        req.method(),
+                        uri.path(),
+                        uri.query(),
+                        req.headers(),
+                        now_s,
+                    ) {
+                        Ok(g) => g,
+                        Err(r) => return r.into_response(),
+                    }
                 }
-            }
+                None => access::Grant::Full,
+            };
             req.extensions_mut().insert(t);
+            req.extensions_mut().insert(grant);
             match data.envd.oneshot(req).await {
                 Ok(r) => r,
                 Err(never) => match never {},

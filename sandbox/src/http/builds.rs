@@ -73,9 +73,10 @@ pub(super) async fn files(
             )
         })?;
     let url = format!(
-        "{}://{host}/build-files/{hash}/{}",
+        "{}://{host}{}",
         st.builds.scheme(),
-        st.builds.upload_token(&hash)
+        st.builds
+            .upload_link_path(&hash, ids::now_ms().div_euclid(1000))
     );
     Ok((
         StatusCode::CREATED,
@@ -84,12 +85,13 @@ pub(super) async fn files(
         .into_response())
 }
 
-/// `PUT /build-files/{hash}/{token}`: the upload itself (no API key: the link is the key).
-/// The link is checked before the body is read; the body goes to a file as it arrives (up
-/// to [`crate::build::MAX_UPLOAD`] bytes), never whole in memory.
+/// `PUT /build-files/{hash}/{expires}/{token}`: the upload itself (no API key: the link,
+/// good for [`crate::build::UPLOAD_LINK_LIFETIME_S`], is the key). The link is checked
+/// before the body is read; the body goes to a file as it arrives (up to
+/// [`crate::build::MAX_UPLOAD`] bytes), never whole in memory.
 pub(super) async fn upload(
     AxState(st): AxState<AppState>,
-    Path((hash, token)): Path<(String, String)>,
+    Path((hash, expires, token)): Path<(String, String, String)>,
     body: axum::body::Body,
 ) -> ApiResult<Response> {
     use futures_util::StreamExt;
@@ -98,7 +100,8 @@ pub(super) async fn upload(
     let raw = {
         let b = builds.clone();
         let h = hash.clone();
-        run(move || b.upload_scratch(&h, &token)).await?
+        let now_s = ids::now_ms().div_euclid(1000);
+        run(move || b.upload_scratch(&h, &expires, &token, now_s)).await?
     };
     let received = async {
         let mut file = tokio::fs::File::create(&raw).await.map_err(|e| {

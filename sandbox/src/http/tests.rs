@@ -789,6 +789,100 @@ async fn logs_and_metrics_over_http() {
     std::fs::remove_dir_all(d).unwrap();
 }
 
+/// A PUT of `body` to `path` on `app`: its status and message.
+async fn put_files(app: &Router, path: &str, body: Vec<u8>) -> (u16, String) {
+    let r = HttpRequest::builder()
+        .method("PUT")
+        .uri(path)
+        .body(Body::from(body))
+        .unwrap();
+    let resp = app.clone().oneshot(r).await.unwrap();
+    let s = resp.status().as_u16();
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+    (s, v["message"].as_str().unwrap_or_default().to_string())
+}
+
+fn one_file_tar(name: &str, content: &[u8]) -> Vec<u8> {
+    let mut t = tar::Builder::new(Vec::new());
+    let mut hd = tar::Header::new_gnu();
+    hd.set_size(content.len() as u64);
+    hd.set_mode(0o644);
+    hd.set_cksum();
+    t.append_data(&mut hd, name, content).unwrap();
+    t.into_inner().unwrap()
+}
+
+/// The upload links the service gives expire (an hour after they were given, checked
+/// here), are bound to their hash and expiry, and cannot replace the files of a hash
+/// with other files (nothing of such an upload is kept).
+#[tokio::test]
+async fn upload_links_expire_and_never_replace_a_hashs_files() {
+    let (h, _drv, d) = host("upload-links");
+    let builds = Arc::new(crate::build::Builds::new(&d, None));
+    let app = router(AppState {
+        builds: builds.clone(),
+        ..state_of(Arc::new(h))
+    });
+    let hash = "d".repeat(64);
+    let get_link = HttpRequest::builder()
+        .uri(format!("/templates/t1/files/{hash}"))
+        .header("X-API-KEY", KEY)
+        .header("host", "clade.test:3000")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(get_link).await.unwrap();
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let link = v["url"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("http://clade.test:3000")
+        .unwrap()
+        .to_string();
+    let now = crate::ids::now_ms() / 1000;
+    let expires: i64 = link.split('/').nth(3).unwrap().parse().unwrap();
+    assert!(
+        (now + 3500..=now + 3700).contains(&expires),
+        "an hour: {link}"
+    );
+    let tar_a = one_file_tar("f.txt", b"first");
+    let tar_b = one_file_tar("f.txt", b"other");
+    // A link given an hour and a second ago (signed by this service: only its age is
+    // wrong) is refused before anything is kept; so is a link whose expiry was moved.
+    let past = now - 1;
+    let old = format!(
+        "/build-files/{hash}/{past}/{}",
+        builds.upload_token(&hash, past)
+    );
+    let (s, m) = put_files(&app, &old, tar_a.clone()).await;
+    assert_eq!((s, m.contains("expired")), (400, true), "{m}");
+    let token = link.rsplit('/').next().unwrap();
+    let moved = format!("/build-files/{hash}/{}/{token}", expires + 3600);
+    let (s, m) = put_files(&app, &moved, tar_a.clone()).await;
+    assert_eq!((s, m.contains("not valid")), (400, true), "{m}");
+    let other_hash = format!("/build-files/{}/{expires}/{token}", "e".repeat(64));
+    let (s, _) = put_files(&app, &other_hash, tar_a.clone()).await;
+    assert_eq!(s, 400, "a link for another hash");
+    assert!(!builds.files_present(&hash).unwrap());
+    // The link works; the same files again are fine; other files for the hash are
+    // refused and the first ones stay.
+    assert_eq!(put_files(&app, &link, tar_a.clone()).await.0, 201);
+    assert_eq!(put_files(&app, &link, tar_a.clone()).await.0, 201);
+    let (s, m) = put_files(&app, &link, tar_b).await;
+    assert_eq!(s, 409, "{m}");
+    let kept = d.join("build-files").join(format!("{hash}.tar"));
+    assert_eq!(std::fs::read(&kept).unwrap(), tar_a);
+    let names: Vec<String> = std::fs::read_dir(d.join("build-files"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec![format!("{hash}.tar")], "no scratch left");
+    drop(app);
+    let _ = std::fs::remove_dir_all(d);
+}
+
 /// E2B's template build API up to the build itself (which needs a Linux guest: the nested
 /// tier's `test_template_build_through_the_sdk`): request, upload link and upload without
 /// the API key, start, status and log paging, a failed build's reason, refusals.
@@ -858,7 +952,7 @@ async fn template_builds_as_the_sdk_drives_them() {
             .body(Body::from(tar.clone()))
             .unwrap()
     };
-    let wrong = format!("/build-files/{hash}/{}", "0".repeat(64));
+    let wrong = format!("{}/{}", path.rsplit_once('/').unwrap().0, "0".repeat(64));
     assert_eq!(
         app.clone()
             .oneshot(put(wrong))
