@@ -34,7 +34,7 @@ if grep -qwE 'vmx|svm' /proc/cpuinfo && [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
     "$CLADE" template build debian --state-dir "$STATE" --kernel "$KVMLINUZ" \
         --initrd "$GUEST_CPIO" --disk "$REPO_ROOT/build/rootfs/base.cdsk" \
         --cmdline "console=ttyS0 panic=-1 quiet clade.root=/dev/vda"
-    "$CLADE" serve --listen 127.0.0.1:39481 --state-dir "$STATE" --api-key demo-key \
+    CLADE_API_KEY=demo-key "$CLADE" serve --listen 127.0.0.1:39481 --state-dir "$STATE" \
         >"$DEMO_DIR/serve.log" 2>&1 &
     SERVE=$!
     for _ in $(seq 100); do grep -q listening "$DEMO_DIR/serve.log" && break; sleep 0.1; done

@@ -88,7 +88,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 # serve NAME: starts `clade serve --store` with state dir $D/state-NAME; its port in PORT.
 serve() {
     PORT=$(free_port)
-    CLADE_LOG=info "$CLADE" serve --listen "127.0.0.1:$PORT" --api-key demo \
+    CLADE_LOG=info CLADE_API_KEY=demo "$CLADE" serve --listen "127.0.0.1:$PORT" \
         --state-dir "$D/state-$1" >"$D/serve-$1.log" 2>&1 &
     SERVE_PID=$!
     SERVES="$SERVES $SERVE_PID"

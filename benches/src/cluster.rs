@@ -248,7 +248,11 @@ pub fn cluster(guest: &Guest, params: &ClusterParams) -> Result<ClusterReport> {
     let scratch = Scratch::new("cluster")?;
     let pg = Postgres::start().context("starting PostgreSQL")?;
     let s3 = S3Server::start(&scratch.0.join("s3"), "clade")?;
-    let env: Vec<(&str, String)> = s3.env();
+    let mut env: Vec<(&str, String)> = s3.env();
+    // The registry and the secret in the environment: a command line is visible to every
+    // local user.
+    env.push(("CLADE_CLUSTER", pg.url.clone()));
+    env.push(("CLADE_CLUSTER_SECRET", "clade-bench-cluster-secret".into()));
     let endpoint = s3.endpoint();
     let node = |name: &str, more: &[&str]| {
         let mut args = vec![
@@ -256,12 +260,8 @@ pub fn cluster(guest: &Guest, params: &ClusterParams) -> Result<ClusterReport> {
             "s3://clade/cluster",
             "--store-endpoint",
             &endpoint,
-            "--cluster",
-            &pg.url,
             "--node-name",
             name,
-            "--cluster-secret",
-            "clade-bench-cluster-secret",
             "--net",
             "off",
         ];

@@ -151,7 +151,9 @@ impl Service {
             .arg(format!("127.0.0.1:{port}"))
             .arg("--state-dir")
             .arg(&state.0)
-            .args(["--api-key", KEY, "--max-timeout", "86400"])
+            // The key in the environment: a command line is visible to every local user.
+            .env("CLADE_API_KEY", KEY)
+            .args(["--max-timeout", "86400"])
             .args(extra)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())

@@ -137,7 +137,8 @@ impl BuildVm {
         }
         let log_file = std::fs::File::create(&log).map_err(|e| Error::io("creating", &log, e))?;
         let mut cmd = Command::new(&spec.exe);
-        cmd.args(&args)
+        vmm::host::clean_child(&mut cmd)
+            .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file);

@@ -154,3 +154,47 @@ fn sigterm_stops_the_vm_promptly() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert_eq!(status.code(), Some(128 + libc::SIGTERM));
 }
+
+/// The cluster registry's URL holds the database's password: `clade node` and `clade
+/// serve` take it from a file (or CLADE_CLUSTER), so it need not be on a command line
+/// every local user can read. The file's URL is the one used (here a port where nothing
+/// listens), and a registry given twice is refused.
+#[test]
+fn the_cluster_registry_is_read_from_a_file() {
+    let dir = std::env::temp_dir().join(format!("clade-cli-registry-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("registry");
+    std::fs::write(&file, "postgres://clade:pw-in-a-file@127.0.0.1:1/clade\n").unwrap();
+    let o = clade()
+        .args(["node", "ls", "--cluster-file"])
+        .arg(&file)
+        .env_remove("CLADE_CLUSTER")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "cluster registry (PostgreSQL)");
+    let o = clade()
+        .args(["node", "ls", "--cluster-file"])
+        .arg(&file)
+        .env("CLADE_CLUSTER", "postgres://elsewhere/clade")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "the registry is given twice");
+    // `clade serve` accepts it too (and refuses a cluster without its secret).
+    let o = clade()
+        .args(["serve", "--state-dir"])
+        .arg(dir.join("state"))
+        .args(["--standby", "0", "--no-jail", "--no-limits", "--net", "off"])
+        .arg("--cluster-file")
+        .arg(&file)
+        .env("CLADE_API_KEY", "k")
+        .env_remove("CLADE_CLUSTER")
+        .env_remove("CLADE_CLUSTER_SECRET")
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&o).contains("--cluster needs --cluster-secret"),
+        "{}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -104,6 +104,14 @@ fn assert_confined(pid: i32) {
         // Two PID namespaces: the host's and the jail's.
         assert_eq!(field("NSpid:").split(' ').count(), 2, "{status}");
     }
+    // A network namespace of its own: nothing of the host's network (its abstract Unix
+    // sockets included) is reachable from it.
+    let net = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+    assert_ne!(
+        net(&pid.to_string()),
+        net("self"),
+        "pid {pid}: the host's network"
+    );
     // Its root holds only what it needs.
     let root = PathBuf::from(format!("/proc/{pid}/root"));
     assert!(root.join("dev/kvm").exists());

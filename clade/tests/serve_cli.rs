@@ -404,7 +404,7 @@ const JAIL_UIDS: std::ops::Range<u32> = 2_000_000..2_065_536;
 
 /// The jailed VM processes of the service at `state` (at least `at_least`), each checked:
 /// a user of its own from the jail's range, no capabilities, `no_new_privs`, mount, PID,
-/// IPC and UTS namespaces not the host's. The service's other processes under `state`
+/// IPC, UTS and network namespaces not the host's. The service's other processes under `state`
 /// (each jail's waiting process and keeper) hold no VM.
 fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
     let mut vms = Vec::new();
@@ -420,7 +420,7 @@ fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
                     "pid {pid}"
                 );
                 assert_eq!(status_field(pid, "NoNewPrivs:").as_deref(), Some("1"));
-                for ns in ["mnt", "pid", "ipc", "uts"] {
+                for ns in ["mnt", "pid", "ipc", "uts", "net"] {
                     let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
                     let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
                     assert_ne!(theirs, ours, "pid {pid}: {ns} namespace is the host's");
@@ -1825,4 +1825,202 @@ fn an_unprivileged_local_user_reads_nothing_of_the_services_state() {
     all.extend(files_under(&state_b));
     assert_eq!(readable_by_nobody(&all), Vec::<String>::new());
     s3.kill();
+}
+
+/// Values a deployment puts in the service's environment: its API key, and stand-ins for
+/// the object store's credentials, the cluster secret and a database URL with its
+/// password (the service reads only the first; it must pass none of them on).
+const SECRETS: [(&str, &str); 4] = [
+    ("CLADE_API_KEY", "api-key-0f3c9b27"),
+    ("AWS_SECRET_ACCESS_KEY", "aws-secret-5d1e7a90"),
+    ("CLADE_CLUSTER_SECRET", "cluster-secret-8b2f64a1c9d0"),
+    ("DATABASE_URL", "postgres://clade:pg-password-4e6a@db/clade"),
+];
+
+/// Every process below `root` (children, their children...), from /proc.
+fn descendants(root: i32) -> Vec<i32> {
+    let mut parent_of = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The fields after the command name (which may hold ')'): state, ppid, ...
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        if let Some(ppid) = ppid {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i];
+        found.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// What each open descriptor of `pid` is (`/proc/PID/fd/N`'s link), by number.
+fn descriptors(pid: i32) -> Vec<(i32, String)> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.parse().ok()?;
+            let l = std::fs::read_link(e.path()).ok()?;
+            Some((n, l.to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+/// Whether descriptor `a` of process `pa` and `b` of `pb` are one open file (one was
+/// inherited from the other, or both from a third): `kcmp(KCMP_FILE)`.
+fn same_open_file(pa: i32, a: i32, pb: i32, b: i32) -> bool {
+    const KCMP_FILE: libc::c_long = 0;
+    // SAFETY: kcmp compares two processes' descriptors and writes nothing.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pa as libc::c_long,
+            pb as libc::c_long,
+            KCMP_FILE,
+            a as libc::c_long,
+            b as libc::c_long,
+        )
+    };
+    r == 0
+}
+
+/// Every process the service `serve` started (VM processes, standbys, each jail's waiting
+/// process and keeper): none has any of [`SECRETS`] in its environment or on its command
+/// line, and none holds an open file of the service's (its listening socket, its
+/// registry, its other sandboxes' files, its standard streams). Returns how many
+/// processes were looked at.
+fn assert_no_secret_below(serve: i32) -> usize {
+    let ours = descriptors(serve);
+    let below = descendants(serve);
+    for &pid in &below {
+        let (Ok(environ), Ok(cmdline)) = (
+            std::fs::read(format!("/proc/{pid}/environ")),
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+        ) else {
+            continue; // ended meanwhile
+        };
+        let environ = String::from_utf8_lossy(&environ);
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        for (name, value) in SECRETS {
+            assert!(
+                !environ.contains(value),
+                "pid {pid} ({cmdline}) has {name} in its environment: {environ:?}"
+            );
+            assert!(
+                !cmdline.contains(value),
+                "pid {pid}: {name} on its command line"
+            );
+        }
+        let shared: Vec<String> = descriptors(pid)
+            .into_iter()
+            .filter_map(|(n, what)| {
+                let (m, _) = ours
+                    .iter()
+                    .find(|(m, _)| same_open_file(pid, n, serve, *m))?;
+                Some(format!("fd {n} ({what}) is the service's fd {m}"))
+            })
+            .collect();
+        assert!(
+            shared.is_empty(),
+            "pid {pid} ({cmdline}) holds open files of the service: {shared:?}"
+        );
+    }
+    below.len()
+}
+
+/// The service's VM processes (standbys and sandboxes, each in its jail) are started with
+/// an allow-listed environment: a guest that escapes into its VMM finds none of the
+/// service's secrets in `/proc/self/environ`, holds none of its descriptors, and is in a
+/// network namespace of its own (the host's abstract Unix sockets out of its reach). Both
+/// ways a VM process is started: a standby (then taken by a create, and its refill), and
+/// one started for its request (`--standby 0`).
+#[test]
+fn vm_processes_get_no_secret_no_descriptor_and_no_host_network() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+
+    let d = Dir::new("secrets");
+    let state = d.p("state");
+    build_template(&state);
+    let key = SECRETS[0].1;
+    // An abstract socket of the host's network namespace, as a host's daemons have.
+    let name = format!("clade-test-host-{}", std::process::id());
+    let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let _host_socket = UnixListener::bind_addr(&addr).unwrap();
+    assert!(UnixStream::connect_addr(&addr).is_ok());
+    for standby in ["1", "0"] {
+        let port = free_port();
+        let serve = Proc(
+            clade()
+                .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+                .arg("--state-dir")
+                .arg(&state)
+                .args(["--standby", standby])
+                .envs(SECRETS)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "serve never listened"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if standby == "1" {
+            wait_standbys(&state, 1);
+        }
+        let body = r#"{"templateID":"t","timeout":300}"#;
+        let (s, v) = http(port, "POST", "/v2/sandboxes", Some(key), body);
+        assert_eq!(s, 201, "{v}");
+        let id = id_of(&v);
+        ping(&state.join("sandboxes").join(&id).join("vm.vsock"));
+        if standby == "1" {
+            // The refill: a standby started after the create.
+            wait_standbys(&state, 1);
+        }
+        let pid = serve.0.id() as i32;
+        let looked_at = assert_no_secret_below(pid);
+        // The sandbox's and (with standbys) the standby's jail: a waiting process, a
+        // keeper and the VM process each.
+        assert!(looked_at >= 3, "{looked_at} processes below the service");
+        let vms = jailed_vm_pids(&state, if standby == "1" { 2 } else { 1 });
+        for vm in vms {
+            let ns = std::fs::File::open(format!("/proc/{vm}/ns/net")).unwrap();
+            let addr = addr.clone();
+            let reached = std::thread::spawn(move || {
+                use std::os::fd::AsRawFd;
+                // SAFETY: moves this test thread (only it) into the VM's network
+                // namespace; the thread ends right after.
+                let joined = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(joined, 0, "{}", std::io::Error::last_os_error());
+                UnixStream::connect_addr(&addr).map(|_| ())
+            })
+            .join()
+            .unwrap();
+            assert!(
+                reached.is_err(),
+                "VM process {vm} reaches the host's abstract socket"
+            );
+        }
+        let (s, _) = http(port, "DELETE", &format!("/sandboxes/{id}"), Some(key), "");
+        assert_eq!(s, 204);
+        drop(serve);
+    }
 }

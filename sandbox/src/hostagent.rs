@@ -272,7 +272,7 @@ impl HostAgentDriver {
         let sock = PathBuf::from(sock);
         let _ = std::fs::remove_file(&sock);
         let log = std::fs::File::create(&spec.log).map_err(Error::io("creating", &spec.log))?;
-        let mut child = Command::new(&self.agent)
+        let mut child = vmm::host::clean_child(&mut Command::new(&self.agent))
             .arg("--listen-unix")
             .arg(&sock)
             .stdin(Stdio::null())

@@ -559,7 +559,7 @@ pub fn end_with_this_process(cmd: &mut Command) {
 /// Lets the process `cmd` starts inherit descriptor `fd` (open in this process, with
 /// close-on-exec) under the same number: the flag is cleared in the child only, between
 /// fork and exec, so no other process started meanwhile gets it.
-pub(crate) fn inherit_descriptor(cmd: &mut Command, fd: std::os::fd::RawFd) {
+pub fn inherit_descriptor(cmd: &mut Command, fd: std::os::fd::RawFd) {
     use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs in the child between fork and exec and makes one
     // async-signal-safe call (fcntl on the child's copy of `fd`), allocating nothing.
@@ -591,6 +591,7 @@ impl VmDriver for ProcessDriver {
             .open(&spec.log)
             .map_err(Error::io("creating", &spec.log))?;
         let mut cmd = Command::new(&self.clade);
+        vmm::host::clean_child(&mut cmd);
         match &spec.boot {
             Some(b) => {
                 cmd.arg("run")

@@ -107,6 +107,11 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// The prefixes of the environment variables [`Store::open`] takes an object store's
+/// region, endpoint and credentials from (`AmazonS3Builder::from_env` and its GCS and
+/// Azure twins read every variable so named).
+pub const CREDENTIAL_ENV_PREFIXES: &[&str] = &["AWS_", "GOOGLE_", "AZURE_"];
+
 impl Store {
     /// The store at `url` (see the [module documentation](self)).
     pub fn open(url: &str, options: &StoreOptions) -> Result<Store> {

@@ -27,8 +27,8 @@ SECRET = "cluster-secret-0123456789"
 PORT = 3000
 
 
-def sh(*args, check=True):
-    return subprocess.run(args, check=check, capture_output=True, text=True)
+def sh(*args, check=True, env=None):
+    return subprocess.run(args, check=check, capture_output=True, text=True, env=env)
 
 
 def free_port():
@@ -97,17 +97,19 @@ class Node:
             # nsenter, not `ip netns exec`: that one mounts a sysfs of the namespace over
             # /sys, hiding the cgroup hierarchies the sandboxes' limits live in.
             "nsenter", f"--net=/run/netns/{self.ns}", CLADE, "serve",
-            "--listen", f"{self.ip}:{PORT}", "--api-key", KEY, "--state-dir", self.state,
+            "--listen", f"{self.ip}:{PORT}", "--state-dir", self.state,
             "--store", "s3://clade/cluster", "--store-endpoint", self.cluster.s3_url,
-            "--cluster", self.cluster.pg_url, "--node-name", self.name,
-            "--cluster-secret", SECRET, "--lease-ms", str(self.cluster.lease_ms),
+            "--node-name", self.name, "--lease-ms", str(self.cluster.lease_ms),
             "--capacity-vcpus", str(self.vcpus), "--capacity-mem", str(self.mem),
             "--net", "off", "--standby", "0",
         ]
         if self.gateway:
             args.append("--no-sandboxes")
         args += self.extra
-        env = dict(os.environ, CLADE_LOG="info", **self.cluster.s3_env)
+        # The secrets through the environment, never the command line (`ps` shows it to
+        # every local user).
+        env = dict(os.environ, CLADE_LOG="info", CLADE_API_KEY=KEY, CLADE_CLUSTER=self.cluster.pg_url,
+                   CLADE_CLUSTER_SECRET=SECRET, **self.cluster.s3_env)
         # The log is appended to: this start's lines are those after `before`.
         before = os.path.getsize(self.log) if os.path.exists(self.log) else 0
         self.proc = subprocess.Popen(args, stdout=open(self.log, "a"), stderr=subprocess.STDOUT, env=env)
@@ -258,7 +260,7 @@ class Cluster:
         return rows[0] if rows else None
 
     def nodes_json(self):
-        r = sh(CLADE, "node", "ls", "--cluster", self.pg_url, "--json")
+        r = sh(CLADE, "node", "ls", "--json", env=dict(os.environ, CLADE_CLUSTER=self.pg_url))
         return {n["name"]: n for n in json.loads(r.stdout)}
 
     def wait_lease_ended(self, name, timeout=30):

@@ -39,7 +39,7 @@ trap cleanup EXIT
 # The test guest's `vsock` step serves every agent connection until the sandbox is stopped.
 target/debug/clade template build native --kernel "$GUEST" --test-device --mem 64 \
   --cmdline "steps=vsock" --state-dir "$STATE"
-target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" --api-key dash-test \
+CLADE_API_KEY=dash-test target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" \
   >"$STATE/serve.log" 2>&1 &
 SERVE=$!
 for _ in $(seq 50); do grep -q listening "$STATE/serve.log" && break; sleep 0.1; done

@@ -14,7 +14,7 @@ STATE=$(mktemp -d)
 chmod 755 "$STATE"  # the scratch dir below is reachable by another user (test_files_as_another_user)
 PORT=${CLADE_DP_PORT:-39417}
 export CLADE_DP_SCRATCH="$STATE/scratch"
-target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" --api-key dp-test \
+CLADE_API_KEY=dp-test target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" \
   --test-host-agent target/debug/clade-agent >"$STATE/serve.log" 2>&1 &
 SERVE=$!
 # A second service over HTTPS (test_https_domain_and_get_host): --domain with a wildcard
@@ -34,7 +34,7 @@ printf 'subjectAltName=DNS:*.%s,DNS:%s,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n
   "$TLS_DOMAIN" "$TLS_DOMAIN" >"$TLS/ext.cnf"
 openssl x509 -req -in "$TLS/req.csr" -CA "$TLS/ca.pem" -CAkey "$TLS/ca.key" -CAcreateserial \
   -days 2 -extfile "$TLS/ext.cnf" -out "$TLS/cert.pem" 2>/dev/null
-target/debug/clade serve --listen 127.0.0.1:$TLS_PORT --state-dir "$STATE/tls-state" --api-key dp-test \
+CLADE_API_KEY=dp-test target/debug/clade serve --listen 127.0.0.1:$TLS_PORT --state-dir "$STATE/tls-state" \
   --domain "$TLS_DOMAIN" --tls-cert "$TLS/cert.pem" --tls-key "$TLS/key.pem" \
   --test-host-agent target/debug/clade-agent >"$STATE/serve-tls.log" 2>&1 &
 SERVE_TLS=$!

@@ -357,8 +357,8 @@ def test_a_drained_node_moves_its_running_sandboxes_and_takes_no_more(cl):
     assert cl.owner(moving)[0] == "b" and cl.owner(idle)[0] == "b"
     assert api(b.url, "POST", f"/sandboxes/{idle}/pause")[0] == 204
     r = subprocess.run([os.environ.get("CLADE", os.path.join(REPO, "target/debug/clade")),
-                        "node", "drain", "b", "--cluster", cl.pg_url, "--wait", "120"],
-                       capture_output=True, text=True)
+                        "node", "drain", "b", "--wait", "120"],
+                       capture_output=True, text=True, env=dict(os.environ, CLADE_CLUSTER=cl.pg_url))
     assert r.returncode == 0, r.stderr + b.log_text()[-3000:]
     node, _, state, _ = cl.owner(moving)
     assert node in ("a", "c") and state == "running"

@@ -9,12 +9,16 @@ use anyhow::{bail, Context};
 use clade_cluster::{Node, NodeConfig};
 use clap::{Args, Subcommand};
 
-/// `clade serve`'s cluster options.
-#[derive(Debug, Args)]
-pub struct ClusterArgs {
-    /// Join a cluster whose registry is this PostgreSQL database
-    /// (postgres://user:password@host:port/db). Without it the service is one host with
-    /// its own registry (SQLite).
+/// The cluster's registry, a PostgreSQL database (postgres://user:password@host:port/db):
+/// its URL holds a password, so it is taken from the environment or a file as well as
+/// from the command line (where `ps` shows it to every local user).
+#[derive(Debug, Args, Clone)]
+#[group(id = "registry", multiple = true)]
+pub struct RegistryArgs {
+    /// Join (or, for `clade node`, read) the cluster whose registry is this PostgreSQL
+    /// database (postgres://user:password@host:port/db); without it `clade serve` is one
+    /// host with its own registry (SQLite). Prefer CLADE_CLUSTER or --cluster-file: a
+    /// command line is visible to every local user.
     #[arg(
         long,
         value_name = "URL",
@@ -22,11 +26,46 @@ pub struct ClusterArgs {
         hide_env_values = true
     )]
     cluster: Option<String>,
+    /// Read the registry's URL from this file (its first line).
+    #[arg(long, value_name = "FILE")]
+    cluster_file: Option<PathBuf>,
+}
+
+impl RegistryArgs {
+    /// The registry's URL, if one was given (an error if given twice).
+    pub fn url(&self) -> anyhow::Result<Option<String>> {
+        match (&self.cluster, &self.cluster_file) {
+            (Some(u), None) => Ok(Some(u.clone())),
+            (None, Some(f)) => Ok(Some(super::secret_file(f)?)),
+            (None, None) => Ok(None),
+            (Some(_), Some(_)) => {
+                bail!(
+                    "the registry is given twice: --cluster (or CLADE_CLUSTER) and --cluster-file"
+                )
+            }
+        }
+    }
+
+    /// [`Self::url`], which must be given.
+    fn required(&self) -> anyhow::Result<String> {
+        self.url()?.context(
+            "no cluster registry given (--cluster-file FILE, CLADE_CLUSTER or --cluster URL)",
+        )
+    }
+}
+
+/// `clade serve`'s cluster options.
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    // Join a cluster whose registry is this PostgreSQL database. Without it the service
+    // is one host with its own registry (SQLite).
+    #[command(flatten)]
+    registry: RegistryArgs,
     /// This node's name (default: the machine's host name).
-    #[arg(long, value_name = "NAME", requires = "cluster")]
+    #[arg(long, value_name = "NAME", requires = "registry")]
     node_name: Option<String>,
     /// Where other nodes reach this one: http://HOST:PORT (default: http:// and --listen).
-    #[arg(long, value_name = "URL", requires = "cluster")]
+    #[arg(long, value_name = "URL", requires = "registry")]
     advertise: Option<String>,
     /// The secret every request between nodes carries (at least 16 characters).
     #[arg(
@@ -40,24 +79,24 @@ pub struct ClusterArgs {
     #[arg(long, value_name = "FILE")]
     cluster_secret_file: Option<PathBuf>,
     /// vCPUs this node may commit to running sandboxes (default: its CPUs).
-    #[arg(long, value_name = "N", requires = "cluster")]
+    #[arg(long, value_name = "N", requires = "registry")]
     capacity_vcpus: Option<u32>,
     /// Memory (MiB) this node may commit to running sandboxes (default: its memory).
-    #[arg(long, value_name = "MIB", requires = "cluster")]
+    #[arg(long, value_name = "MIB", requires = "registry")]
     capacity_mem: Option<u64>,
     /// Run no sandboxes: a gateway that forwards every sandbox's requests.
-    #[arg(long, requires = "cluster")]
+    #[arg(long, requires = "registry")]
     no_sandboxes: bool,
     /// The node's lease (ms): renewed every third of it; a node that misses it loses the
     /// right to act on its sandboxes.
-    #[arg(long, value_name = "MS", default_value_t = 5000, requires = "cluster")]
+    #[arg(long, value_name = "MS", default_value_t = 5000, requires = "registry")]
     lease_ms: u64,
 }
 
 impl ClusterArgs {
     /// The node to join as, if --cluster was given (connects to the registry).
     pub fn node(&self, listen: &str, api_key: &str) -> anyhow::Result<Option<Arc<Node>>> {
-        let Some(url) = &self.cluster else {
+        let Some(url) = self.registry.url()? else {
             return Ok(None);
         };
         let secret = match (&self.cluster_secret, &self.cluster_secret_file) {
@@ -84,7 +123,7 @@ impl ClusterArgs {
         let sys = nix::sys::sysinfo::sysinfo().context("reading the machine's memory")?;
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         let cfg = NodeConfig {
-            url: url.clone(),
+            url,
             name,
             address,
             secret,
@@ -103,14 +142,8 @@ impl ClusterArgs {
 pub enum NodeCommand {
     /// The cluster's nodes: lease, capacity and what is committed, drain state.
     Ls {
-        /// The cluster's registry (postgres://…).
-        #[arg(
-            long,
-            value_name = "URL",
-            env = "CLADE_CLUSTER",
-            hide_env_values = true
-        )]
-        cluster: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
         /// One JSON array.
         #[arg(long)]
         json: bool,
@@ -121,14 +154,8 @@ pub enum NodeCommand {
     Drain {
         /// The node.
         name: String,
-        /// The cluster's registry (postgres://…).
-        #[arg(
-            long,
-            value_name = "URL",
-            env = "CLADE_CLUSTER",
-            hide_env_values = true
-        )]
-        cluster: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
         /// Wait for the drain to finish (at most this many seconds).
         #[arg(long, value_name = "SECONDS")]
         wait: Option<u64>,
@@ -140,8 +167,8 @@ pub fn node(cmd: NodeCommand) -> anyhow::Result<u8> {
         .enable_all()
         .build()?;
     match cmd {
-        NodeCommand::Ls { cluster, json } => {
-            let db = clade_cluster::db::Db::connect(&cluster)?;
+        NodeCommand::Ls { registry, json } => {
+            let db = clade_cluster::db::Db::connect(&registry.required()?)?;
             let nodes = rt.block_on(db.nodes())?;
             if json {
                 let v: Vec<serde_json::Value> = nodes
@@ -184,10 +211,10 @@ pub fn node(cmd: NodeCommand) -> anyhow::Result<u8> {
         }
         NodeCommand::Drain {
             name,
-            cluster,
+            registry,
             wait,
         } => {
-            let db = clade_cluster::db::Db::connect(&cluster)?;
+            let db = clade_cluster::db::Db::connect(&registry.required()?)?;
             rt.block_on(db.set_draining(&name))?;
             eprintln!("node {name}: draining");
             let Some(secs) = wait else { return Ok(0) };

@@ -21,7 +21,7 @@ pub enum Entered {
 #[derive(Debug, Args, Clone)]
 pub struct JailArgs {
     /// Run the VM in a jail whose root is mounted on DIR (empty or missing; nothing is
-    /// written into it on the host): new mount, PID, IPC and UTS namespaces, only the
+    /// written into it on the host): new mount, PID, IPC, UTS and network namespaces, only the
     /// files the VM needs (at their usual paths), privileges dropped to --uid/--gid.
     /// Needs root. The directories of the sockets, the serial file, the disk's top layer
     /// and --files-root are shown read-write: give the VM directories of its own.

@@ -21,7 +21,6 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use devices::virtio::net::tap::Tap;
-use nix::fcntl::{fcntl, FcntlArg, FdFlag};
 use sandbox::net::own::{OwnNetwork, OWN_NET_LOCK_DIR};
 
 /// The own networks' range: its namespace names (`/run/netns/cladevm-<i>`) and host veth
@@ -86,8 +85,6 @@ pub fn run_with_own_network(
     let tap = hostnet::in_netns(net.netns_path(), move || Tap::open(tap_name))?
         .context("opening the network's TAP")?;
     let fd = tap.as_fd().try_clone_to_owned()?;
-    fcntl(fd.as_raw_fd(), FcntlArg::F_SETFD(FdFlag::empty()))
-        .context("handing the TAP to the VM process")?;
     let mut argv = without_options(std::env::args_os().skip(1), &["--net", "--cmdline"]);
     argv.push("--net".into());
     argv.push(format!("fd={}", fd.as_raw_fd()).into());
@@ -97,7 +94,8 @@ pub fn run_with_own_network(
     }
     let exe = std::env::current_exe().context("finding the clade executable")?;
     let mut cmd = Command::new(exe);
-    cmd.args(&argv);
+    vmm::host::clean_child(&mut cmd).args(&argv);
+    sandbox::vmproc::inherit_descriptor(&mut cmd, fd.as_raw_fd());
     sandbox::vmproc::end_with_this_process(&mut cmd);
     let mut child = cmd.spawn().context("starting the VM")?;
     let mut forwarded = false;

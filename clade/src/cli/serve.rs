@@ -109,7 +109,7 @@ pub struct ServeArgs {
     /// DEVELOPMENT ONLY: run sandboxes' VM processes as root in the host's namespaces (a
     /// guest that escapes into its VMM then has the host). By default each VM process
     /// (standbys, sandboxes, fork children) runs as a user of its own from --jail-uids, with
-    /// no capabilities, in its own mount, PID, IPC and UTS namespaces, seeing only the
+    /// no capabilities, in its own mount, PID, IPC, UTS and network namespaces, seeing only the
     /// files it needs.
     #[arg(long)]
     no_jail: bool,

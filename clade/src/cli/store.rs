@@ -280,7 +280,25 @@ impl FetcherChild {
             .context("temporary directory for the fetcher's socket")?;
         let socket = dir.as_path().join("fetch.sock");
         let exe = std::env::current_exe().context("the clade binary")?;
-        let mut child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        vmm::host::clean_child(&mut cmd);
+        // The fetcher is the one process of a restore that reaches the store, so it keeps
+        // the store's credentials: the object store clients read them from the
+        // environment only (or from the cloud's metadata service). It is this command's
+        // own child, run by the same user, unjailed, and never holds a VM; the VM
+        // process (the one a guest that escapes into its VMM has) gets none of them. A
+        // service does not start it: `clade serve`'s fetcher is a thread of its own.
+        cmd.envs(std::env::vars_os().filter(|(k, _)| {
+            let k = k.as_encoded_bytes();
+            store::location::CREDENTIAL_ENV_PREFIXES
+                .iter()
+                .any(|p| k.starts_with(p.as_bytes()))
+        }));
+        if let Some(home) = std::env::var_os("HOME") {
+            // Where GCS's and Azure's clients look for a user's default credentials.
+            cmd.env("HOME", home);
+        }
+        let mut child = cmd
             .args(["store", "fetcher", "--exit-with-parent", "--socket"])
             .arg(&socket)
             .arg("--cache")

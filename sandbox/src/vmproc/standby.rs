@@ -640,7 +640,8 @@ fn spawn_standby(
         .open(&log)
         .map_err(Error::io("creating", &log))?;
     let mut cmd = Command::new(clade);
-    cmd.args(["restore", "--standby"])
+    vmm::host::clean_child(&mut cmd)
+        .args(["restore", "--standby"])
         .arg("--api-sock")
         .arg(&api_sock)
         .arg("--files-root")

@@ -149,7 +149,7 @@ fail() {
 start_on() {
     echo "---- serve started at $(uptime_s) ----" >>"$3"
     # shellcheck disable=SC2086
-    $CLADE serve --listen 0.0.0.0:"$1" --state-dir "$2" --api-key "$KEY" \
+    CLADE_API_KEY="$KEY" $CLADE serve --listen 0.0.0.0:"$1" --state-dir "$2" \
         --max-timeout 3600 --net-dns 10.99.0.4 $4 >>"$3" 2>&1 &
     SERVED=$!
     i=0
@@ -179,7 +179,10 @@ cluster_up() {
     # A long lease: this machine, emulated, can stop for many seconds (see scripts/test.sh),
     # and a node whose lease ran out meanwhile would have its running sandboxes reported
     # lost. Leases and fencing are tested on the native tier (tests/e2b/test_cluster.py).
-    args="$STORE_ARGS --cluster $1 --cluster-secret $CLUSTER_SECRET --lease-ms 60000"
+    # The registry's URL (with its password) and the cluster secret in files of their own
+    # (0600), not on the command line, where `ps` shows them to every local user.
+    (umask 077 && printf '%s\n' "$1" >/tmp/cluster.url && printf '%s\n' "$CLUSTER_SECRET" >/tmp/cluster.secret)
+    args="$STORE_ARGS --cluster-file /tmp/cluster.url --cluster-secret-file /tmp/cluster.secret --lease-ms 60000"
     # This machine has one CPU: by default a node commits no more vCPUs than it has, and
     # the suites run several sandboxes at once (oversubscribed here, as a host may be).
     start_on 8084 "$STATE_C1" "$LOG_C1" "$args --node-name n1 --advertise http://127.0.0.1:8084 --net on --net-name cc --net-range 10.203.0.0/16 --capacity-vcpus 64 --build-kernel /guest/vmlinuz --build-initrd /guest/initrd.cpio" ||

@@ -11,8 +11,8 @@
 //!    [`Jailed::Ended`] with the VM's exit code. If it is killed, the whole jail is. A
 //!    failure while the jail was being set up comes back to it as an [`Error::Jail`]
 //!    (through a close-on-exec socket pair).
-//! 2. **The keeper**: PID 1 of a new PID namespace, in new mount, IPC and UTS namespaces
-//!    (and the cgroup when limits were asked for). It mounts a small tmpfs on the jail
+//! 2. **The keeper**: PID 1 of a new PID namespace, in new mount, IPC, UTS and network
+//!    namespaces (and the cgroup when limits were asked for). It mounts a small tmpfs on the jail
 //!    directory and builds the VM's view of the world there: each path the VM needs is
 //!    bind-mounted at the same absolute path (files the VM only reads read-only; the
 //!    directories it writes into read-write; all `nosuid,nodev`), device nodes for
@@ -27,8 +27,10 @@
 //!    `no_new_privs`, umask `077`) and gets [`Jailed::Inside`]: the caller goes on to build and run
 //!    the VM exactly as it would unjailed, with the same paths.
 //!
-//! The network namespace joins when networking lands. The system-call filter is installed by
-//! the owner loop as usual ([`super::own`]), after the jail.
+//! The network namespace is empty: a VM's network is the TAP descriptor it was handed
+//! before (`--net fd=N`), and the host's abstract Unix sockets are out of its reach. The
+//! system-call filter is installed by the owner loop as usual ([`super::own`]), after the
+//! jail.
 //!
 //! Written with the `nix` crate's wrappers of the namespace, mount and credential calls.
 
@@ -677,8 +679,19 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
                 .map_err(|e| jail_err(format!("joining cgroup {}: {e}", f.display())))?;
         }
     }
-    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS)
-        .map_err(|e| errno_err("new mount, IPC and UTS namespaces", e))?;
+    // A network namespace of its own too, with nothing in it but a loopback that is down:
+    // no route anywhere, and none of the host's abstract Unix sockets (those live in the
+    // network namespace) to connect to. A VM with a network device is handed its TAP as a
+    // descriptor opened before (`--net fd=N`), which keeps working here; Unix sockets
+    // bound or connected by path (the API, vsock and fetcher sockets) are not the network
+    // namespace's business.
+    unshare(
+        CloneFlags::CLONE_NEWNS
+            | CloneFlags::CLONE_NEWIPC
+            | CloneFlags::CLONE_NEWUTS
+            | CloneFlags::CLONE_NEWNET,
+    )
+    .map_err(|e| errno_err("new mount, IPC, UTS and network namespaces", e))?;
     sethostname(&config.name).map_err(|e| errno_err("setting the jail's host name", e))?;
     // Nothing mounted from here on propagates back to the host.
     mount(

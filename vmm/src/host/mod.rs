@@ -15,6 +15,8 @@
 //! - [`standby`]: a process that built its VM shell ahead of time and waits for one
 //!   `restore` request; [`restore_request`] is the one restore path of `clade restore`
 //!   and of that request.
+//! - [`clean_child`]: what every process Clade starts inherits (an allow-listed
+//!   environment and the standard streams: no secret or descriptor of its starter's).
 //! - [`jail`]: namespaces, a pivoted root with only what the VM needs, cgroup limits and
 //!   dropped privileges, entered before the VM is built.
 //! - [`private_dir`]: the `0700` top directory under which tenants' bytes live on the host.
@@ -23,6 +25,7 @@ pub mod cgroup;
 mod child;
 mod dispatch;
 mod fork;
+mod inherit;
 pub mod jail;
 mod options;
 mod owner;
@@ -32,6 +35,7 @@ mod standby;
 
 pub use child::{serve_fork_child, serve_prestarted_fork_child};
 pub use fork::{fork_processes, ChildProcesses, ForkedChild, ForkedProcesses};
+pub use inherit::{clean_child, PASSED as PASSED_ENV};
 pub use options::{ChildLauncher, OwnerOptions, SelfExec};
 pub use owner::{own, stop_on_signals, OwnerEnd};
 pub use prestarted::PrestartedChildren;

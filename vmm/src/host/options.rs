@@ -85,6 +85,7 @@ impl SelfExec {
     /// This executable with `args`, then `flag` and `path`.
     fn with(&self, flag: &str, path: &Path) -> Command {
         let mut cmd = Command::new("/proc/self/exe");
+        super::clean_child(&mut cmd);
         cmd.arg0(&self.arg0).args(&self.args).arg(flag).arg(path);
         cmd
     }

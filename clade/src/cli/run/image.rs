@@ -137,7 +137,7 @@ pub(super) fn run_image(image: String, a: RunArgs) -> anyhow::Result<u8> {
     let (vsock, api) = (dir.join("vm.vsock"), dir.join("vm.api"));
     let log = std::fs::File::create(dir.join("vm.log"))?;
     let t1 = Instant::now();
-    let child = Command::new(&exe)
+    let child = vmm::host::clean_child(&mut Command::new(&exe))
         .arg("restore")
         .arg(store.snapshot_dir(&name)?)
         .arg("--vsock")
