@@ -30,6 +30,10 @@ use crate::vm::{resolve_user, BuildVm, VmSpec};
 
 /// The most bytes of a failed step's output kept for its error.
 const FAILED_OUTPUT_TAIL: usize = 4096;
+/// The longest line of a step's output passed to the build's log, bytes: a longer one
+/// (output without newlines: a progress bar, a binary) is passed in pieces, each marked
+/// as split, so that no buffer grows with what a step prints.
+pub const MAX_LOG_LINE: usize = 4096;
 /// The version of the key derivation (a change to it must not reuse old layers).
 const KEY_VERSION: &str = "clade-build-v1";
 
@@ -506,6 +510,59 @@ impl<F: FnMut(&str)> BuildEvents for F {
 /// Where a build's messages go.
 pub type Log<'a> = &'a mut dyn BuildEvents;
 
+/// A step's output cut into the build log's lines, none longer than [`MAX_LOG_LINE`].
+#[derive(Debug, Default)]
+pub(crate) struct LineBuffer {
+    /// The line begun, not ended yet (at most [`MAX_LOG_LINE`] bytes between pushes).
+    pending: String,
+}
+
+impl LineBuffer {
+    /// Output `d`: every line it ends goes to `log`, and pieces of a line grown past
+    /// [`MAX_LOG_LINE`].
+    pub(crate) fn push(&mut self, d: &[u8], log: Log) {
+        self.pending.push_str(&String::from_utf8_lossy(d));
+        let mut start = 0;
+        while let Some(i) = self.pending[start..].find('\n') {
+            self.emit(start, start + i, log);
+            start += i + 1;
+        }
+        while self.pending.len() - start > MAX_LOG_LINE {
+            start = self.piece(start, log);
+        }
+        self.pending.drain(..start);
+    }
+
+    /// One line, `pending[start..end]`, in pieces when it is too long.
+    fn emit(&self, mut start: usize, end: usize, log: Log) {
+        while end - start > MAX_LOG_LINE {
+            start = self.piece(start, log);
+        }
+        log.line(&self.pending[start..end]);
+    }
+
+    /// Logs the first [`MAX_LOG_LINE`] bytes (to a character's start) of `pending[start..]`,
+    /// marked as split; returns where the rest begins.
+    fn piece(&self, start: usize, log: Log) -> usize {
+        let mut cut = start + MAX_LOG_LINE;
+        while !self.pending.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        log.line(&format!(
+            "{} [line split: longer than {MAX_LOG_LINE} bytes]",
+            &self.pending[start..cut]
+        ));
+        cut
+    }
+
+    /// The output ended: the line it did not end goes to `log`.
+    pub(crate) fn finish(self, log: Log) {
+        if !self.pending.is_empty() {
+            log.line(&self.pending);
+        }
+    }
+}
+
 /// Runs a command in the guest; a failure is [`Error::StepFailed`] with its output's end.
 fn run_argv(
     agent: &Client,
@@ -539,26 +596,20 @@ fn run_argv(
         output: String::new(),
     })?;
     let mut tail: Vec<u8> = Vec::new();
-    let mut pending = String::new();
+    let mut lines = LineBuffer::default();
     let mut keep = |d: &[u8]| {
         tail.extend_from_slice(d);
         if tail.len() > 2 * FAILED_OUTPUT_TAIL {
             tail.drain(..tail.len() - FAILED_OUTPUT_TAIL);
         }
-        pending.push_str(&String::from_utf8_lossy(d));
-        while let Some(i) = pending.find('\n') {
-            log.line(&pending[..i]);
-            pending.drain(..=i);
-        }
+        lines.push(d, &mut *log);
     };
     let status = {
         let keep = std::cell::RefCell::new(&mut keep);
         exec.wait_with(|d| (keep.borrow_mut())(d), |d| (keep.borrow_mut())(d))
     }
     .map_err(Error::vm)?;
-    if !pending.is_empty() {
-        log.line(&pending);
-    }
+    lines.finish(log);
     if !status.success() {
         let t = &tail[tail.len().saturating_sub(FAILED_OUTPUT_TAIL)..];
         return Err(Error::StepFailed {

@@ -7,7 +7,7 @@ use clade_image::ImageDefaults;
 
 use crate::dockerfile::{parse, Action, Plan};
 use crate::error::Error;
-use crate::layers::{copy_entries, step_key, CopyEntry};
+use crate::layers::{copy_entries, step_key, CopyEntry, LineBuffer, MAX_LOG_LINE};
 
 fn plan_of(text: &str, args: &[(&str, &str)]) -> crate::Result<Plan> {
     let base = ImageDefaults {
@@ -280,4 +280,49 @@ fn a_steps_key_depends_on_what_it_does_not_on_its_line() {
     assert_ne!(k(&a, "p", ""), k(&d, "p", ""));
     assert_ne!(k(&a, "p", ""), k(&a, "q", ""));
     assert_ne!(k(&a, "p", ""), k(&a, "p", "content"));
+}
+
+/// A RUN step's output without newlines (a progress bar, a binary) reaches the log in
+/// pieces of at most [`MAX_LOG_LINE`] bytes, each marked: nothing grows with it.
+#[test]
+fn output_without_newlines_is_logged_in_bounded_pieces() {
+    let mut lines: Vec<String> = Vec::new();
+    let mut log = |l: &str| lines.push(l.to_string());
+    let mut b = LineBuffer::default();
+    // 1 MiB without a newline, in 64 KiB chunks, then "end\nlast" and a 3-byte
+    // character straddling a piece's end.
+    for _ in 0..16 {
+        b.push(&[b'x'; 64 << 10], &mut log);
+    }
+    b.push(b"end\nshort\n", &mut log);
+    let mut odd = vec![b'y'; MAX_LOG_LINE - 1];
+    odd.extend_from_slice("\u{20ac}".as_bytes());
+    odd.extend_from_slice(b"z\nlast");
+    b.push(&odd, &mut log);
+    b.finish(&mut log);
+    let longest = lines.iter().map(|l| l.len()).max().unwrap();
+    assert!(longest <= MAX_LOG_LINE + 64, "a line of {longest} bytes");
+    let split: Vec<&String> = lines.iter().filter(|l| l.ends_with("bytes]")).collect();
+    // 1 MiB in 4 KiB pieces, and the piece of the last long line cut before its
+    // character.
+    assert_eq!(split.len(), 257);
+    assert!(split[0].contains("[line split: longer than 4096 bytes]"));
+    // Nothing lost: the pieces and the end are the output.
+    let text: String = lines
+        .iter()
+        .map(|l| l.trim_end_matches(" [line split: longer than 4096 bytes]"))
+        .collect::<Vec<_>>()
+        .join("|");
+    assert!(
+        text.starts_with(&"x".repeat(MAX_LOG_LINE)),
+        "{}",
+        &text[..64]
+    );
+    assert!(text.contains(&format!("{}|end|short|", "x".repeat(100))));
+    assert!(
+        text.contains(&format!("{}|\u{20ac}z|last", "y".repeat(100))),
+        "{}",
+        &text[text.len() - 64..]
+    );
+    assert_eq!(lines.last().unwrap(), "last");
 }

@@ -34,6 +34,17 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
+    /// A size the input controls is over its limit: a tar metadata entry (PAX header,
+    /// GNU long name), a registry blob or manifest.
+    #[error("{what} of {size} bytes: more than the {limit} bytes allowed")]
+    OverLimit {
+        /// What it is.
+        what: String,
+        /// Its size (as far as it was read, or as declared).
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The unpacked tree would exceed the size allowed.
     #[error(
         "the image is larger than the {limit} bytes allowed (at least {needed} bytes unpacked)"

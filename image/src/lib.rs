@@ -22,15 +22,19 @@ mod error;
 mod pull;
 mod rootfs;
 mod source;
+mod tarlimit;
 mod unpack;
 
 pub use config::ImageDefaults;
 pub use error::{Error, Result};
-pub use pull::{is_reference, pull, PullProgress, PullReport};
+pub use pull::{is_reference, pull, PullProgress, PullReport, MAX_BLOB, MAX_MANIFEST};
 pub use rootfs::{build_disk, ConvertProgress, ConvertStep, RootfsDisk};
 pub use source::{Layer, Source};
+pub use tarlimit::{TarLimit, MAX_METADATA};
 pub use unpack::{unpack, Fixup, Node, UnpackLimits, UnpackReport};
 
+#[cfg(test)]
+mod bounds_tests;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 #[cfg(test)]

@@ -4,8 +4,14 @@
 //! The cache holds every blob once, by digest (`blobs/sha256/<hex>`): a layer two images
 //! share is fetched once. Each pulled manifest gets a small layout of its own
 //! (`refs/<manifest hex>/`: `oci-layout`, `index.json`, and `blobs` pointing at the shared
-//! blobs). A blob is written under a temporary name and renamed only once its SHA-256 is
-//! its digest, so the cache never holds a corrupt blob under a good name.
+//! blobs). A blob is streamed to a file under a temporary name, hashed as it passes, and
+//! renamed only once its SHA-256 is its digest, so the cache never holds a corrupt blob
+//! under a good name.
+//!
+//! A registry is untrusted: nothing it sends is held in memory beyond a small manifest.
+//! A blob may be no larger than its descriptor in the manifest says (and no descriptor
+//! over [`MAX_BLOB`]); a manifest or index no larger than [`MAX_MANIFEST`]. Either over
+//! its limit is [`Error::OverLimit`].
 //!
 //! Registries on loopback (`localhost`, `127.0.0.1`, `[::1]`) are spoken to over plain
 //! HTTP, as Docker does; others over HTTPS. Credentials come from Docker's config file
@@ -62,10 +68,25 @@ impl PullProgress {
     }
 }
 
-/// A writer that counts what goes through it into a [`PullProgress`].
+/// The largest blob (config or layer) a manifest may name: 32 GiB, the same as the
+/// unpacked tree's default limit ([`crate::UnpackLimits::DEFAULT_MAX_BYTES`]); a layer
+/// is rarely a tenth of it.
+pub const MAX_BLOB: u64 = 32 << 30;
+
+/// The largest manifest or index: 4 MiB (real ones are a few KiB; Docker's registry
+/// refuses manifests over 4 MiB too).
+pub const MAX_MANIFEST: u64 = 4 << 20;
+
+/// A writer that hashes what goes through it, counts it into a [`PullProgress`], and
+/// refuses to write more than `cap` bytes in all.
 struct Counting<'a, W> {
     inner: W,
     progress: Option<&'a PullProgress>,
+    hasher: Sha256,
+    written: u64,
+    cap: u64,
+    /// A write would have passed `cap`.
+    over: bool,
 }
 
 impl<W: AsyncWrite + Unpin> AsyncWrite for Counting<'_, W> {
@@ -74,9 +95,20 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for Counting<'_, W> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.written.saturating_add(buf.len() as u64) > self.cap {
+            self.over = true;
+            return Poll::Ready(Err(std::io::Error::other(
+                "the blob is larger than its descriptor says",
+            )));
+        }
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if let (Poll::Ready(Ok(n)), Some(p)) = (&r, self.progress) {
-            p.done.fetch_add(*n as u64, Ordering::Relaxed);
+        if let Poll::Ready(Ok(n)) = &r {
+            let n = *n;
+            self.hasher.update(&buf[..n]);
+            self.written += n as u64;
+            if let Some(p) = self.progress {
+                p.done.fetch_add(n as u64, Ordering::Relaxed);
+            }
         }
         r
     }
@@ -137,6 +169,18 @@ fn docker_auth(registry: &str) -> RegistryAuth {
     auth.unwrap_or(RegistryAuth::Anonymous)
 }
 
+/// A manifest or index over [`MAX_MANIFEST`] is refused.
+fn check_manifest_size(r: &Reference, bytes: &[u8]) -> Result<()> {
+    if bytes.len() as u64 > MAX_MANIFEST {
+        return Err(Error::OverLimit {
+            what: format!("{r}: manifest"),
+            size: bytes.len() as u64,
+            limit: MAX_MANIFEST,
+        });
+    }
+    Ok(())
+}
+
 fn reg_err(r: &Reference, e: impl std::fmt::Display) -> Error {
     Error::NotAnImage(format!("pulling {r}: {e}"))
 }
@@ -167,6 +211,7 @@ async fn pull_async(
         .pull_manifest_raw(r, &auth, &accepted)
         .await
         .map_err(|e| reg_err(r, e))?;
+    check_manifest_size(r, &bytes)?;
     let mut v: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| reg_err(r, format!("its manifest: {e}")))?;
     if let Some(list) = v.get("manifests").and_then(|m| m.as_array()) {
@@ -182,6 +227,7 @@ async fn pull_async(
             .pull_manifest_raw(&by_digest, &auth, &accepted)
             .await
             .map_err(|e| reg_err(r, e))?;
+        check_manifest_size(r, &bytes)?;
         v = serde_json::from_slice(&bytes).map_err(|e| reg_err(r, format!("its manifest: {e}")))?;
     }
     let got = format!("sha256:{:x}", Sha256::digest(&bytes));
@@ -217,9 +263,18 @@ async fn pull_async(
         cached: 0,
         bytes: 0,
     };
-    for (d, _) in &blobs {
+    for (d, declared) in &blobs {
         let hex = sha256_hex_of(d)
             .ok_or_else(|| reg_err(r, format!("blob digest {d:?} is not sha256")))?;
+        if *declared > MAX_BLOB {
+            return Err(Error::OverLimit {
+                what: format!("{r}: blob {d}"),
+                size: *declared,
+                limit: MAX_BLOB,
+            });
+        }
+        // A descriptor without a size (0) is allowed up to the largest blob.
+        let cap = if *declared > 0 { *declared } else { MAX_BLOB };
         let path = blob_dir.join(hex);
         if path.is_file() {
             report.cached += 1;
@@ -233,21 +288,35 @@ async fn pull_async(
             let mut w = Counting {
                 inner: tokio::io::BufWriter::new(f),
                 progress,
+                hasher: Sha256::new(),
+                written: 0,
+                cap,
+                over: false,
             };
-            client
-                .pull_blob(r, d.as_str(), &mut w)
-                .await
-                .map_err(|e| reg_err(r, e))?;
+            let pulled = client.pull_blob(r, d.as_str(), &mut w).await;
+            if w.over {
+                return Err(Error::OverLimit {
+                    what: format!("{r}: blob {d} (more than its descriptor says)"),
+                    size: w.written,
+                    limit: cap,
+                });
+            }
+            pulled.map_err(|e| reg_err(r, e))?;
             tokio::io::AsyncWriteExt::flush(&mut w)
                 .await
                 .map_err(|e| Error::io("writing", &tmp, e))?;
-            let data = std::fs::read(&tmp).map_err(|e| Error::io("reading", &tmp, e))?;
-            let got = format!("sha256:{:x}", Sha256::digest(&data));
+            let got = format!("sha256:{:x}", w.hasher.clone().finalize());
             if &got != d {
                 return Err(Error::BadBlob(format!("{r}: blob {d} arrived as {got}")));
             }
+            if *declared > 0 && w.written != *declared {
+                return Err(Error::BadBlob(format!(
+                    "{r}: blob {d} is {} bytes, its descriptor says {declared}",
+                    w.written
+                )));
+            }
             std::fs::rename(&tmp, &path).map_err(|e| Error::io("renaming", &tmp, e))?;
-            Ok(data.len() as u64)
+            Ok(w.written)
         }
         .await;
         match fetched {

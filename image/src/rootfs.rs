@@ -267,7 +267,7 @@ fn build_in(
     let tree = scratch.join("tree");
     // ext4 needs room for its own metadata (inode tables, journal): an image is allowed
     // 7/8 of the disk asked for.
-    let limit = size.map_or(u64::MAX, |s| s / 8 * 7);
+    let limit = size.map_or(UnpackLimits::DEFAULT_MAX_BYTES, |s| s / 8 * 7);
     let t = std::time::Instant::now();
     if let Some(p) = progress {
         p.set(ConvertStep::Unpack);

@@ -317,7 +317,7 @@ pub(crate) fn sha256_hex_of(digest: &str) -> Option<&str> {
 /// written, less a leading `./`; one with `..` is refused (an archive is untrusted).
 fn index_archive(path: &Path) -> Result<HashMap<String, (u64, u64)>> {
     let f = File::open(path).map_err(|e| Error::io("opening", path, e))?;
-    let mut a = tar::Archive::new(BufReader::new(f));
+    let mut a = tar::Archive::new(crate::tarlimit::TarLimit::new(BufReader::new(f)));
     let mut out = HashMap::new();
     let bad = |e: std::io::Error| {
         Error::NotAnImage(format!(

@@ -48,10 +48,18 @@ pub struct UnpackLimits {
     pub max_bytes: u64,
 }
 
+impl UnpackLimits {
+    /// The default [`UnpackLimits::max_bytes`]: 32 GiB, far above real images (Debian's
+    /// is about 120 MiB, CUDA ones a few GiB) and below what fills a host's state
+    /// directory by surprise. A disk size asked for (`clade template build --disk-size`,
+    /// `clade serve --build-disk-size`) replaces it with 7/8 of that size.
+    pub const DEFAULT_MAX_BYTES: u64 = 32 << 30;
+}
+
 impl Default for UnpackLimits {
     fn default() -> Self {
         UnpackLimits {
-            max_bytes: u64::MAX,
+            max_bytes: Self::DEFAULT_MAX_BYTES,
         }
     }
 }
@@ -161,7 +169,7 @@ fn unpack_into(
             report: &mut report,
             fixups: &mut fixups,
         };
-        let mut archive = tar::Archive::new(stream);
+        let mut archive = tar::Archive::new(crate::tarlimit::TarLimit::new(stream));
         let entries = archive
             .entries()
             .map_err(|e| Error::BadBlob(format!("layer {digest}: not a tar stream: {e}")))?;
@@ -171,10 +179,14 @@ fn unpack_into(
             layer.entry(entry)?;
         }
         layer.finish_dirs();
-        archive.into_inner().finish().map_err(|e| match e {
-            Error::BadBlob(m) => Error::BadBlob(format!("layer {digest}: {m}")),
-            e => e,
-        })?;
+        archive
+            .into_inner()
+            .into_inner()
+            .finish()
+            .map_err(|e| match e {
+                Error::BadBlob(m) => Error::BadBlob(format!("layer {digest}: {m}")),
+                e => e,
+            })?;
         report.layers += 1;
         tracing::debug!(layer = %digest, "layer applied");
     }

@@ -37,6 +37,9 @@ pub const UPLOAD_LINK_LIFETIME_S: i64 = 3600;
 const MAX_UNPACKED: u64 = 16 << 30;
 /// Log lines kept per build.
 const MAX_LOG_LINES: usize = 20_000;
+/// Bytes of log text kept per build (a line is at most
+/// [`clade_builder::layers::MAX_LOG_LINE`] bytes of a step's output).
+const MAX_LOG_BYTES: usize = 4 << 20;
 /// Builds kept in memory (the oldest finished ones are forgotten first).
 const MAX_BUILDS: usize = 256;
 /// The longest wait for a template's ready command.
@@ -124,6 +127,40 @@ pub struct Build {
     /// id>` when it is kept beside the template's other builds (set when it starts).
     #[serde(default)]
     pub dir: String,
+    /// Bytes of log text kept by [`Build::log`] (not saved: a build read back is done).
+    #[serde(skip)]
+    log_bytes: usize,
+}
+
+impl Build {
+    /// Adds a line to its log while the log is within [`MAX_LOG_LINES`] and
+    /// [`MAX_LOG_BYTES`]; the first line past them is replaced by one saying the rest
+    /// is left out, and nothing more is kept.
+    fn log(&mut self, level: &str, message: &str) {
+        if self.log_bytes > MAX_LOG_BYTES {
+            return;
+        }
+        let (level, message) = if self.logs.len() + 1 >= MAX_LOG_LINES
+            || self.log_bytes + message.len() > MAX_LOG_BYTES
+        {
+            self.log_bytes = MAX_LOG_BYTES + 1;
+            (
+                "warn",
+                format!(
+                    "the rest of this log is left out (more than {MAX_LOG_LINES} lines or \
+                     {MAX_LOG_BYTES} bytes)"
+                ),
+            )
+        } else {
+            self.log_bytes += message.len();
+            (level, message.to_string())
+        };
+        self.logs.push(LogLine {
+            ms: crate::ids::now_ms(),
+            level: level.to_string(),
+            message,
+        });
+    }
 }
 
 /// A step as the SDK sends it.
@@ -414,6 +451,7 @@ impl Builds {
             reason: None,
             tags: all.clone(),
             dir: String::new(),
+            log_bytes: 0,
         };
         self.save(&build_id, &b);
         g.insert(build_id.clone(), Arc::new(Mutex::new(b)));
@@ -529,7 +567,7 @@ impl Builds {
             Ok(_) => {
                 // Every entry readable: a truncated or corrupt tar is refused now.
                 let f = std::fs::File::open(&tmp).map_err(Error::io("reading", &tmp))?;
-                let mut a = tar::Archive::new(f);
+                let mut a = tar::Archive::new(clade_image::TarLimit::new(f));
                 a.entries()
                     .and_then(|mut es| es.try_for_each(|e| e.map(|_| ())))
                     .map_err(|e| Error::BadRequest(format!("the upload is not a tar archive: {e}")))
@@ -689,16 +727,7 @@ impl Builds {
     }
 
     fn run(&self, b: &Arc<Mutex<Build>>, id: &str, req: &StartRequest) {
-        let log = |level: &'static str, m: &str| {
-            let mut g = lock(b);
-            if g.logs.len() < MAX_LOG_LINES {
-                g.logs.push(LogLine {
-                    ms: crate::ids::now_ms(),
-                    level: level.to_string(),
-                    message: m.to_string(),
-                });
-            }
-        };
+        let log = |level: &'static str, m: &str| lock(b).log(level, m);
         let work = self.state_dir.join("build-jobs").join(id);
         let r = self.build(b, id, req, &work, &log);
         let _ = std::fs::remove_dir_all(&work);
@@ -959,7 +988,7 @@ impl Builds {
 /// are set by a RUN step), never made.
 fn unpack_context(f: &Path, ctx: &Path) -> std::result::Result<(), String> {
     let file = std::fs::File::open(f).map_err(|e| format!("opening {}: {e}", f.display()))?;
-    let mut a = tar::Archive::new(file);
+    let mut a = tar::Archive::new(clade_image::TarLimit::new(file));
     a.set_preserve_permissions(false);
     a.set_preserve_ownerships(false);
     a.set_unpack_xattrs(false);
@@ -1262,6 +1291,36 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
+    /// A build context whose tar has a PAX header over the metadata limit (2 MiB; the
+    /// tar reader would hold it whole) is refused when it is uploaded, saying why.
+    #[test]
+    fn an_upload_with_a_huge_tar_header_is_refused() {
+        let d = std::env::temp_dir().join(format!("sandbox-builds-pax-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let b = Builds::new(&d, None);
+        let h = "b".repeat(64);
+        let mut t = tar::Builder::new(Vec::new());
+        let value = vec![b'v'; 2 << 20];
+        t.append_pax_extensions([("comment", &value[..])]).unwrap();
+        let mut hd = tar::Header::new_gnu();
+        hd.set_size(2);
+        hd.set_mode(0o644);
+        t.append_data(&mut hd, "f.txt", &b"hi"[..]).unwrap();
+        let tar = t.into_inner().unwrap();
+        let exp = crate::ids::now_ms() / 1000 + 60;
+        let e = b
+            .store_upload(&h, exp, &b.upload_token(&h, exp), &tar)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("a PAX extended header of")
+                && e.to_string()
+                    .contains("more than the 1048576 bytes allowed"),
+            "{e}"
+        );
+        assert!(!b.files_present(&h).unwrap());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
     #[test]
     fn builds_are_kept_across_a_restart() {
         let d = std::env::temp_dir().join(format!("sandbox-build-records-{}", std::process::id()));
@@ -1462,5 +1521,32 @@ mod tests {
         }
         assert!(refused.iter().all(|(_, r)| *r), "not refused: {refused:?}");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A build whose steps print without end keeps at most [`MAX_LOG_BYTES`] of log
+    /// text and says it left the rest out.
+    #[test]
+    fn a_builds_log_is_bounded_in_bytes() {
+        let mut b = Build {
+            template: "t".into(),
+            vcpus: 1,
+            mem_mib: 64,
+            status: BuildStatus::Building,
+            logs: Vec::new(),
+            reason: None,
+            tags: Vec::new(),
+            dir: String::new(),
+            log_bytes: 0,
+        };
+        let line = "x".repeat(clade_builder::layers::MAX_LOG_LINE);
+        for _ in 0..10_000 {
+            b.log("info", &line);
+        }
+        let kept: usize = b.logs.iter().map(|l| l.message.len()).sum();
+        assert!(kept <= MAX_LOG_BYTES + 200, "{kept} bytes kept");
+        let last = b.logs.last().unwrap();
+        assert_eq!(last.level, "warn");
+        assert!(last.message.contains("left out"), "{}", last.message);
+        assert_eq!(b.logs.iter().filter(|l| l.level == "warn").count(), 1);
     }
 }

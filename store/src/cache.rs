@@ -894,7 +894,8 @@ impl ChunkCache {
                 )
             }
             None => {
-                let b = self.store.get(&key).await?;
+                // No more than the manifest says it is.
+                let b = self.store.get_max(&key, o.size).await?;
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 self.bytes_fetched
                     .fetch_add(b.len() as u64, Ordering::Relaxed);
@@ -1002,7 +1003,10 @@ impl ChunkCache {
     /// What opening snapshot `id` needs from the store: its manifest and lead object at
     /// once, then any object too large for the manifest.
     async fn fetch_opening(&self, id: SnapshotId, key: &str, lead_key: &str) -> Result<Opening> {
-        let (mbytes, lead) = futures::join!(self.store.get(key), self.store.get(lead_key));
+        let (mbytes, lead) = futures::join!(
+            self.store.get_max(key, manifest::MAX_MANIFEST_BYTES as u64),
+            self.store.get(lead_key)
+        );
         self.requests.fetch_add(2, Ordering::Relaxed);
         let mbytes = mbytes?;
         let lead = match lead {

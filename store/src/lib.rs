@@ -128,6 +128,18 @@ pub enum Error {
         /// The limit.
         limit: u64,
     },
+    /// An object is larger than what is allowed for it (a manifest over
+    /// [`manifest::MAX_MANIFEST_BYTES`], an object over its manifest's size or
+    /// [`manifest::MAX_SMALL_OBJECT`]): refused before it is read whole.
+    #[error("object store: {key} is {size} bytes, more than the {limit} allowed for it")]
+    TooLarge {
+        /// The object's key.
+        key: String,
+        /// Its size (as the store reports it, or as far as it was read).
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The fetcher's protocol was violated, or the fetcher answered with an error.
     #[error("fetcher: {0}")]
     Fetcher(String),

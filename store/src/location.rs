@@ -20,6 +20,7 @@ use bytes::Bytes;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
+use crate::manifest::MAX_SMALL_OBJECT;
 use crate::{Error, Result};
 
 /// How to reach a store.
@@ -264,13 +265,39 @@ impl Store {
         }
     }
 
-    /// The whole object `rel`.
+    /// The whole object `rel`, of at most [`MAX_SMALL_OBJECT`] bytes (see
+    /// [`Store::get_max`]).
     pub async fn get(&self, rel: &str) -> Result<Bytes> {
+        self.get_max(rel, MAX_SMALL_OBJECT).await
+    }
+
+    /// The whole object `rel`, of at most `max` bytes: a larger one is
+    /// [`Error::TooLarge`], refused on the size the store gives before its body is read,
+    /// and again if the body runs past `max` (nothing over `max` is held in memory).
+    pub async fn get_max(&self, rel: &str, max: u64) -> Result<Bytes> {
         let path = self.path(rel);
+        let too_large = |size: u64| Error::TooLarge {
+            key: self.key(rel),
+            size,
+            limit: max,
+        };
+        let r = self.bounded("get", rel, self.inner.get(&path)).await?;
+        if r.meta.size > max {
+            return Err(too_large(r.meta.size));
+        }
         self.bounded("get", rel, async {
-            self.inner.get(&path).await?.bytes().await
+            let mut body = r.into_stream();
+            let mut out = bytes::BytesMut::new();
+            while let Some(piece) = futures::StreamExt::next(&mut body).await {
+                let piece = piece?;
+                if (out.len() + piece.len()) as u64 > max {
+                    return Ok(Err(too_large((out.len() + piece.len()) as u64)));
+                }
+                out.extend_from_slice(&piece);
+            }
+            Ok(Ok(out.freeze()))
         })
-        .await
+        .await?
     }
 
     /// Bytes `start..end` of object `rel`, checked to be exactly that long.
@@ -454,5 +481,39 @@ mod tests {
         let mut l = s.list("").await.unwrap();
         l.sort();
         assert_eq!(l, vec!["a".to_string()]);
+    }
+
+    #[tokio::test]
+    async fn whole_objects_are_bounded_before_they_are_read() {
+        let s = Store::open("memory://b/p", &StoreOptions::default()).unwrap();
+        s.put("big", Bytes::from(vec![1u8; 2048])).await.unwrap();
+        assert_eq!(s.get_max("big", 2048).await.unwrap().len(), 2048);
+        let e = s.get_max("big", 2047).await.unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::TooLarge {
+                    size: 2048,
+                    limit: 2047,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("p/big is 2048 bytes"), "{e}");
+    }
+
+    /// A manifest over its cap (a faulty or hostile store) is refused on its size, not
+    /// read whole first: deleting or opening the snapshot is a clear error.
+    #[tokio::test]
+    async fn a_manifest_over_its_cap_is_refused_unread() {
+        let s = Store::open("memory://b/p", &StoreOptions::default()).unwrap();
+        let id = snapshot::SnapshotId([7; 16]);
+        let huge = vec![b' '; crate::manifest::MAX_MANIFEST_BYTES + 1];
+        s.put(&crate::manifest::manifest_key(id), Bytes::from(huge))
+            .await
+            .unwrap();
+        let e = crate::publish::delete(&s, id).await.unwrap_err();
+        assert!(matches!(&e, Error::TooLarge { .. }), "{e}");
     }
 }

@@ -269,6 +269,13 @@ fn is_sha256(s: &str) -> bool {
 }
 
 impl Manifest {
+    /// The manifest at `key` (relative to the store's prefix) in `store`, parsed: one
+    /// over [`MAX_MANIFEST_BYTES`] is [`Error::TooLarge`] without being read.
+    pub async fn fetch(store: &crate::Store, key: &str) -> Result<Manifest> {
+        let bytes = store.get_max(key, MAX_MANIFEST_BYTES as u64).await?;
+        Manifest::parse(&store.key(key), &bytes)
+    }
+
     /// Parses and validates a manifest read from `key`.
     pub fn parse(key: &str, bytes: &[u8]) -> Result<Manifest> {
         let bad = |reason: String| Error::BadManifest {

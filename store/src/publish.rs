@@ -273,7 +273,7 @@ pub async fn publish(
     let bytes = m.to_bytes();
     report.bytes_uploaded += bytes.len() as u64;
     if !store.put_if_absent(&key, Bytes::from(bytes)).await? {
-        let existing = Manifest::parse(&store.key(&key), &store.get(&key).await?)?;
+        let existing = Manifest::fetch(store, &key).await?;
         // A second publish of the same snapshot names the same memory and state; only
         // the working set may differ (recorded later). The first manifest stays.
         let layer_ids = |m: &Manifest| {
@@ -333,7 +333,7 @@ async fn publish_disk(
     let mut known: Vec<manifest::DiskLayer> = Vec::new();
     if let Some(base) = base {
         let key = manifest::manifest_key(manifest::parse_snapshot_id(base)?);
-        let bm = Manifest::parse(&store.key(&key), &store.get(&key).await?)?;
+        let bm = Manifest::fetch(store, &key).await?;
         known.extend(bm.disk.into_iter().flat_map(|d| d.layers));
     }
     let mut layers = Vec::with_capacity(chain.len());
@@ -914,7 +914,7 @@ pub async fn publish_chain(
         let id = state_file::read_header(&files.state)?.meta.id;
         let key = manifest::manifest_key(id);
         if store.size(&key).await?.is_some() {
-            top = Some(Manifest::parse(&store.key(&key), &store.get(&key).await?)?);
+            top = Some(Manifest::fetch(store, &key).await?);
             report.already_published.push(id);
             continue;
         }
@@ -1004,14 +1004,13 @@ pub struct DeleteReport {
 /// before get an error naming the missing object on their next fetch, never other bytes.
 pub async fn delete(store: &Store, id: SnapshotId) -> Result<DeleteReport> {
     let key = manifest::manifest_key(id);
-    let bytes = store.get(&key).await?;
-    let target = Manifest::parse(&store.key(&key), &bytes)?;
+    let target = Manifest::fetch(store, &key).await?;
     let mut others = Vec::new();
     for k in store.list("snapshots").await? {
         if k == key || !k.ends_with(".json") {
             continue;
         }
-        let b = match store.get(&k).await {
+        let b = match store.get_max(&k, manifest::MAX_MANIFEST_BYTES as u64).await {
             Ok(b) => b,
             // Deleted meanwhile.
             Err(Error::Missing { .. }) => continue,
