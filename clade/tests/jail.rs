@@ -78,6 +78,14 @@ fn pids_of(needle: &str, uid: u32) -> Vec<i32> {
     pids
 }
 
+/// As [`pids_of`] for nobody, the processes that hold a VM (not the jail's keeper, which
+/// runs as the VM's user too once the jail is built).
+fn vm_pids_of(needle: &str) -> Vec<i32> {
+    let mut pids = pids_of(needle, NOBODY);
+    pids.retain(|p| common::holds_kvm(*p));
+    pids
+}
+
 /// Every thread of `pid` runs as nobody with no capabilities under the filter.
 fn assert_confined(pid: i32) {
     let tasks: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -104,6 +112,39 @@ fn assert_confined(pid: i32) {
         // Two PID namespaces: the host's and the jail's.
         assert_eq!(field("NSpid:").split(' ').count(), 2, "{status}");
     }
+    // Its parent (the jail's keeper, or the VM process of a fork child) holds no
+    // privilege either while the VM lives.
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let ppid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .map(str::trim)
+        .unwrap()
+        .to_string();
+    let parent = std::fs::read_to_string(format!("/proc/{ppid}/status")).unwrap();
+    let pfield = |k: &str| {
+        parent
+            .lines()
+            .find_map(|l| l.strip_prefix(k))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    let n = NOBODY;
+    assert_eq!(
+        pfield("Uid:"),
+        format!("{n} {n} {n} {n}"),
+        "keeper {ppid}: {parent}"
+    );
+    assert_eq!(
+        pfield("CapEff:"),
+        "0000000000000000",
+        "keeper {ppid}: {parent}"
+    );
+    assert_eq!(
+        pfield("CapPrm:"),
+        "0000000000000000",
+        "keeper {ppid}: {parent}"
+    );
     // A network namespace of its own: nothing of the host's network (its abstract Unix
     // sockets included) is reachable from it.
     let net = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
@@ -214,7 +255,7 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
             .unwrap_or_default()
             .contains("serving agent port")
     });
-    let vm_pids = pids_of(&api.display().to_string(), NOBODY);
+    let vm_pids = vm_pids_of(&api.display().to_string());
     assert_eq!(
         vm_pids.len(),
         1,
@@ -301,7 +342,7 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
     wait_until("the restored VM's API socket", || {
         r1.join("api.sock").exists()
     });
-    let pids = pids_of(&r1.join("api.sock").display().to_string(), NOBODY);
+    let pids = vm_pids_of(&r1.join("api.sock").display().to_string());
     assert_eq!(pids.len(), 1, "{pids:?}");
     assert_confined(pids[0]);
     ping(&r1.join("v.sock"));
@@ -425,7 +466,7 @@ fn a_jailed_standby_restores_a_snapshot_it_is_shown() {
             .and_then(|mut c| c.call(&Request::Status))
             .is_ok_and(|r| r.ok && r.fields["state"] == "standby")
     });
-    let pids = pids_of(&sock.display().to_string(), NOBODY);
+    let pids = vm_pids_of(&sock.display().to_string());
     assert_eq!(pids.len(), 1, "one standby process as nobody: {pids:?}");
     assert_confined(pids[0]);
 

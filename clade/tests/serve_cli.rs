@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Dir, Proc};
+use common::{holds_kvm, Dir, Proc};
 use native_guest::native_guest;
 use serde_json::Value;
 
@@ -386,19 +386,6 @@ fn uid_of(pid: i32) -> Option<u32> {
         .ok()
 }
 
-/// Whether process `pid` holds a KVM device or VM descriptor.
-fn holds_kvm(pid: i32) -> bool {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .any(|l| {
-            let l = l.to_string_lossy();
-            l == "/dev/kvm" || l.starts_with("anon_inode:kvm")
-        })
-}
-
 /// The service's default jail users (`--jail-uids`).
 const JAIL_UIDS: std::ops::Range<u32> = 2_000_000..2_065_536;
 
@@ -412,6 +399,15 @@ fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
         match uid_of(pid) {
             None => continue, // ended meanwhile
             Some(0) => assert!(!holds_kvm(pid), "pid {pid} holds a VM as root"),
+            // A jail's keeper: its VM's user, and no privilege either.
+            Some(uid) if !holds_kvm(pid) => {
+                assert!(JAIL_UIDS.contains(&uid), "pid {pid}: uid {uid}");
+                assert_eq!(
+                    status_field(pid, "CapEff:").as_deref(),
+                    Some("0000000000000000"),
+                    "keeper {pid}"
+                );
+            }
             Some(uid) => {
                 assert!(JAIL_UIDS.contains(&uid), "pid {pid}: uid {uid}");
                 assert_eq!(

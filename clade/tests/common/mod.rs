@@ -154,3 +154,17 @@ pub fn on_a_terminal(cmd: &str) -> String {
     assert!(o.status.success(), "{cmd}: {shown}");
     shown
 }
+
+/// Whether process `pid` holds a KVM device or VM descriptor.
+#[allow(dead_code)]
+pub fn holds_kvm(pid: i32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .any(|l| {
+            let l = l.to_string_lossy();
+            l == "/dev/kvm" || l.starts_with("anon_inode:kvm")
+        })
+}

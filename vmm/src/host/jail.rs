@@ -19,8 +19,9 @@
 //!    `/dev/kvm`, `/dev/userfaultfd` and block devices holding disk layers owned by the
 //!    VM's user, `null`, `zero`, `random`, `urandom`, and a `/proc` of the new PID
 //!    namespace. It pivots the mount namespace into that root, detaches the host's tree,
-//!    makes the root read-only, and starts the VM process. It then only reaps processes
-//!    and passes signals on, and ends with the VM's exit code once every process of the
+//!    makes the root read-only, and starts the VM process. It then gives up root as the
+//!    VM process does (the VM's user, no capabilities, `no_new_privs`) and only reaps
+//!    processes and passes signals on, and ends with the VM's exit code once every process of the
 //!    jail has ended: fork children (started inside the jail by the VM process) outlive
 //!    their parent as they do unjailed.
 //! 3. **The VM process** drops to `uid`/`gid` (no supplementary groups, no capabilities,
@@ -637,8 +638,25 @@ fn keeper(
             Err(e) => Err((e, report_tx)),
         },
         Ok(ForkResult::Parent { child }) => {
-            drop(report_tx);
+            // The jail is built: reaping and passing signals on to processes of the VM's
+            // user need no privilege, so the keeper keeps none, for as long as the VM
+            // lives. A keeper that cannot drop them ends the VM it started.
+            if let Err(e) = drop_privileges(config) {
+                let _ = kill(child, Signal::SIGKILL);
+                let _ = waitpid(child, None);
+                return Err((e, report_tx));
+            }
+            // Changing credentials cleared the parent-death signal: set it again, and see
+            // that the starter did not end meanwhile (it would send none).
+            // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+            if starter_gone(&link_tx) {
+                let _ = kill(child, Signal::SIGKILL);
+                let _ = waitpid(child, None);
+                std::process::exit(1);
+            }
             drop(link_tx);
+            drop(report_tx);
             Ok(KeeperRole::Done(reap(child)))
         }
     }
