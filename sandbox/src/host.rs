@@ -474,8 +474,9 @@ impl Host {
             }
             None => {
                 // Killed meanwhile: what was just published is no one's.
-                for sid in report.published.iter().rev() {
-                    let _ = d.block_on(store::publish::delete(d.store(), *sid));
+                let sids: Vec<_> = report.published.iter().rev().copied().collect();
+                if let Err(e) = d.block_on(store::publish::delete_all(d.store(), &sids)) {
+                    tracing::warn!(sandbox = %id, "what its last upload published kept: {e}");
                 }
             }
         }

@@ -25,7 +25,7 @@ use snapshot::{state_file, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
 
 use crate::manifest::{self, DiskObjects, Manifest, MemoryObjects, ObjectRef, DEFAULT_CHUNK};
 use crate::sweep::touch;
-pub use crate::sweep::{delete, DeleteReport};
+pub use crate::sweep::{delete, delete_all, DeleteReport};
 use crate::{hex, sha256_hex, Error, Result, Store};
 
 /// The files of one snapshot.

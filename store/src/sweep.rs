@@ -204,12 +204,54 @@ pub async fn delete(store: &Store, id: SnapshotId) -> Result<DeleteReport> {
 
 /// [`delete`] with grace period `grace`.
 pub async fn delete_with(store: &Store, id: SnapshotId, grace: Duration) -> Result<DeleteReport> {
+    let mut refs = References::load(store).await?;
+    tombstone(store, &mut refs, id, &[]).await?;
+    let report = sweep_with(store, refs, grace).await?;
+    tracing::info!(snapshot = %id, deleted = report.objects_deleted, kept = report.objects_kept,
+        deferred = report.objects_deferred, "published snapshot deleted");
+    Ok(report)
+}
+
+/// Deletes the published snapshots `ids` together (a killed sandbox's, a diff chain in
+/// any order), reading the manifests once. One that cannot be deleted (another snapshot
+/// builds on it, its manifest does not parse) is logged and left; the others go.
+pub async fn delete_all(store: &Store, ids: &[SnapshotId]) -> Result<DeleteReport> {
+    let mut refs = References::load(store).await?;
+    for &id in ids {
+        match tombstone(store, &mut refs, id, ids).await {
+            Ok(()) => {}
+            Err(
+                e @ (Error::InvalidInput(_) | Error::BadManifest { .. } | Error::Missing { .. }),
+            ) => {
+                tracing::warn!(snapshot = %id, "kept in the store: {e}")
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let report = sweep_with(store, refs, DELETE_GRACE).await?;
+    tracing::info!(
+        snapshots = ids.len(),
+        deleted = report.objects_deleted,
+        kept = report.objects_kept,
+        deferred = report.objects_deferred,
+        "published snapshots deleted"
+    );
+    Ok(report)
+}
+
+/// Writes snapshot `id`'s tombstone, unless a snapshot outside `batch` builds on it.
+async fn tombstone(
+    store: &Store,
+    refs: &mut References,
+    id: SnapshotId,
+    batch: &[SnapshotId],
+) -> Result<()> {
     let key = manifest::manifest_key(id);
-    let refs = References::load(store).await?;
     match store.get(&key).await {
         Ok(bytes) => {
             let target = Manifest::parse(&store.key(&key), &bytes)?;
-            if let Some(child) = refs.child_of(&target.id) {
+            let in_batch = |c: &str| batch.iter().any(|b| b.to_string() == c);
+            if let Some(child) = refs.child_of(&target.id).filter(|c| !in_batch(c)) {
                 return Err(Error::InvalidInput(format!(
                     "snapshot {id} is the base of snapshot {child}: delete that first"
                 )));
@@ -224,16 +266,12 @@ pub async fn delete_with(store: &Store, id: SnapshotId, grace: Duration) -> Resu
                     .collect(),
             };
             let b = serde_json::to_vec(&t).map_err(|e| Error::InvalidInput(e.to_string()))?;
-            store.put(&tombstone_key(id), Bytes::from(b)).await?;
+            store.put(&tombstone_key(id), Bytes::from(b)).await
         }
-        // Deleted before, its objects not all gone yet: sweep again.
-        Err(Error::Missing { .. }) if store.size(&tombstone_key(id)).await?.is_some() => {}
-        Err(e) => return Err(e),
+        // Deleted before, its objects not all gone yet: swept again.
+        Err(Error::Missing { .. }) if store.size(&tombstone_key(id)).await?.is_some() => Ok(()),
+        Err(e) => Err(e),
     }
-    let report = sweep_with(store, refs, grace).await?;
-    tracing::info!(snapshot = %id, deleted = report.objects_deleted, kept = report.objects_kept,
-        deferred = report.objects_deferred, "published snapshot deleted");
-    Ok(report)
 }
 
 /// Removes what the tombstones of deleted snapshots list and nothing needs any more.
@@ -253,7 +291,7 @@ async fn store_now(store: &Store) -> Result<i64> {
 
 async fn sweep_with(store: &Store, mut refs: References, grace: Duration) -> Result<DeleteReport> {
     let mut report = DeleteReport::default();
-    let stones: Vec<String> = store
+    let mut stones: Vec<String> = store
         .list(TOMBSTONES)
         .await?
         .into_iter()
@@ -269,71 +307,94 @@ async fn sweep_with(store: &Store, mut refs: References, grace: Duration) -> Res
         return Ok(report);
     }
     let now = store_now(store).await?;
+    // Diffs before their bases: a base waits while a deleted diff's manifest is there.
+    loop {
+        let before = stones.len();
+        let mut waiting = Vec::new();
+        for sk in stones {
+            if !sweep_one(store, &mut refs, &sk, now, grace, &mut report).await? {
+                waiting.push(sk);
+            }
+        }
+        if waiting.is_empty() || waiting.len() == before {
+            for sk in &waiting {
+                tracing::warn!(tombstone = %store.key(sk), "deleted snapshot kept: a snapshot builds on it");
+            }
+            return Ok(report);
+        }
+        stones = waiting;
+    }
+}
+
+/// Sweeps tombstone `sk`; `false` if a snapshot builds on it (nothing done).
+async fn sweep_one(
+    store: &Store,
+    refs: &mut References,
+    sk: &str,
+    now: i64,
+    grace: Duration,
+    report: &mut DeleteReport,
+) -> Result<bool> {
     let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
     let old = |t: Option<i64>| t.is_none_or(|t| t.saturating_add(grace_ms) <= now);
-    for sk in stones {
-        let b = match store.get(&sk).await {
-            Ok(b) => b,
-            Err(Error::Missing { .. }) => continue,
-            Err(e) => return Err(e),
-        };
-        let mut t: Tombstone = match serde_json::from_slice(&b) {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!(tombstone = %store.key(&sk), error = %e, "unreadable tombstone kept");
-                continue;
-            }
-        };
-        let Ok(id) = manifest::parse_snapshot_id(&t.id) else {
-            tracing::warn!(tombstone = %store.key(&sk), "tombstone of no snapshot id kept");
-            continue;
-        };
-        let mkey = manifest::manifest_key(id);
-        if refs.readable.contains_key(&t.id) || store.size(&mkey).await?.is_some() {
-            if let Some(child) = refs.child_of(&t.id) {
-                tracing::warn!(snapshot = %t.id, child = %child,
-                    "deleted snapshot kept: a snapshot builds on it");
-                report.objects_deferred += t.objects.len() as u64;
-                continue;
-            }
-            store.delete(&mkey).await?;
-            report.objects_deleted += 1;
+    let b = match store.get(sk).await {
+        Ok(b) => b,
+        Err(Error::Missing { .. }) => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    let mut t: Tombstone = match serde_json::from_slice(&b) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::warn!(tombstone = %store.key(sk), error = %e, "unreadable tombstone kept");
+            return Ok(true);
         }
-        refs.readable.remove(&t.id);
-        let mut left = Vec::new();
-        for k in std::mem::take(&mut t.objects) {
-            if refs.named_by_other(&k, &t.id) {
-                report.objects_kept += 1;
-                continue;
-            }
-            if refs.maybe_named(&k) {
-                report.objects_deferred += 1;
-                left.push(k);
-                continue;
-            }
-            let checked = Instant::now();
-            let written = store.modified(&k).await?;
-            if written.is_none() {
-                store.delete(&touch_key(&k)).await?;
-                continue;
-            }
-            let touched = store.modified(&touch_key(&k)).await?;
-            if !old(written) || !old(touched) || checked.elapsed() > SWEEP_STALL {
-                report.objects_deferred += 1;
-                left.push(k);
-                continue;
-            }
-            store.delete(&k).await?;
-            store.delete(&touch_key(&k)).await?;
-            report.objects_deleted += 1;
+    };
+    let Ok(id) = manifest::parse_snapshot_id(&t.id) else {
+        tracing::warn!(tombstone = %store.key(sk), "tombstone of no snapshot id kept");
+        return Ok(true);
+    };
+    let mkey = manifest::manifest_key(id);
+    if refs.readable.contains_key(&t.id) || store.size(&mkey).await?.is_some() {
+        if refs.child_of(&t.id).is_some() {
+            return Ok(false);
         }
-        if left.is_empty() {
-            store.delete(&sk).await?;
-        } else {
-            t.objects = left;
-            let b = serde_json::to_vec(&t).map_err(|e| Error::InvalidInput(e.to_string()))?;
-            store.put(&sk, Bytes::from(b)).await?;
-        }
+        store.delete(&mkey).await?;
+        report.objects_deleted += 1;
     }
-    Ok(report)
+    refs.readable.remove(&t.id);
+    let mut left = Vec::new();
+    for k in std::mem::take(&mut t.objects) {
+        if refs.named_by_other(&k, &t.id) {
+            report.objects_kept += 1;
+            continue;
+        }
+        if refs.maybe_named(&k) {
+            report.objects_deferred += 1;
+            left.push(k);
+            continue;
+        }
+        let checked = Instant::now();
+        let written = store.modified(&k).await?;
+        if written.is_none() {
+            store.delete(&touch_key(&k)).await?;
+            continue;
+        }
+        let touched = store.modified(&touch_key(&k)).await?;
+        if !old(written) || !old(touched) || checked.elapsed() > SWEEP_STALL {
+            report.objects_deferred += 1;
+            left.push(k);
+            continue;
+        }
+        store.delete(&k).await?;
+        store.delete(&touch_key(&k)).await?;
+        report.objects_deleted += 1;
+    }
+    if left.is_empty() {
+        store.delete(sk).await?;
+    } else {
+        t.objects = left;
+        let b = serde_json::to_vec(&t).map_err(|e| Error::InvalidInput(e.to_string()))?;
+        store.put(sk, Bytes::from(b)).await?;
+    }
+    Ok(true)
 }

@@ -1230,3 +1230,31 @@ fn an_unreadable_manifest_blocks_no_other_delete_and_keeps_what_it_names() {
     drop(f);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A killed sandbox's snapshots go together, base listed first: both manifests at once
+/// (the diff's before its base's), their objects once the grace period allows.
+#[test]
+fn a_chain_deleted_together_goes_whole() {
+    use store::publish::delete_all;
+    use store::sweep::sweep;
+    let dir = tmp("delete-all");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let base = write_full(&dir.join("base"), 61);
+    let diff = write_diff(&dir.join("diff"), &base);
+    let rt = rt();
+    rt.block_on(publish(&store, &base.files, &opts())).unwrap();
+    rt.block_on(publish(&store, &diff.files, &opts())).unwrap();
+    let r = rt
+        .block_on(delete_all(&store, &[base.id, diff.id]))
+        .unwrap();
+    assert_eq!(r.objects_deleted, 2, "the two manifests: {r:?}");
+    assert!(rt.block_on(store.list("snapshots")).unwrap().is_empty());
+    assert!(r.objects_deferred > 0, "young objects wait: {r:?}");
+    rt.block_on(sweep(&store, Duration::ZERO)).unwrap();
+    assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
