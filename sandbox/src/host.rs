@@ -14,7 +14,9 @@
 //! that new sandboxes are created from like from any template. A snapshot builds on files
 //! it does not own: its source's template, and the source sandbox's directory (the diff
 //! chain of its earlier pauses, the disk layer frozen by the snapshot). So a killed
-//! sandbox's directory stays while a snapshot of it exists, and a deleted snapshot's files
+//! sandbox's directory stays while a snapshot of it exists, or while another sandbox's
+//! disk chain stands on a layer in it (a fork freezes the parent's disk layer in place and
+//! the children write overlays on it), and a deleted snapshot's files
 //! stay while a sandbox, another snapshot, or its source (whose next pause is a diff on
 //! it) still needs them; [`Host::collect_garbage`] removes what nothing needs any more.
 //!

@@ -72,12 +72,24 @@ pub(crate) async fn touch(store: &Store, key: &str) -> Result<()> {
 /// Whether every object manifest `m` names is in the store with its size (and its base's
 /// manifest, not tombstoned): checked right before the manifest is written.
 pub(crate) async fn still_whole(store: &Store, m: &Manifest) -> Result<bool> {
-    for o in m.objects() {
-        if o.inline.is_none() && store.size(&o.key()).await? != Some(o.size) {
-            tracing::warn!(snapshot = %m.id, object = %store.key(&o.key()),
-                "an object this publish reuses was deleted meanwhile: publishing it again");
-            return Ok(false);
-        }
+    let objects: Vec<_> = m
+        .objects()
+        .into_iter()
+        .filter(|o| o.inline.is_none())
+        .collect();
+    let sizes = futures::future::try_join_all(objects.iter().map(|o| async move {
+        let k = o.key();
+        store.size(&k).await
+    }))
+    .await?;
+    if let Some((o, _)) = objects
+        .iter()
+        .zip(&sizes)
+        .find(|(o, size)| **size != Some(o.size))
+    {
+        tracing::warn!(snapshot = %m.id, object = %store.key(&o.key()),
+            "an object this publish reuses was deleted meanwhile: publishing it again");
+        return Ok(false);
     }
     if let Some(base) = m.base_id() {
         if store.size(&manifest::manifest_key(base)).await?.is_none()
