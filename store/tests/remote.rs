@@ -1258,3 +1258,41 @@ fn a_chain_deleted_together_goes_whole() {
     assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// On the S3 server: a delete keeps a young object (the store's own clock says so), a
+/// later sweep past the grace period removes what only the deleted snapshot named, and a
+/// fork sibling sharing its disk layers stays whole throughout.
+#[test]
+fn on_s3_a_delete_keeps_young_objects_and_a_siblings_layers() {
+    use store::sweep::{delete, delete_with, sweep};
+    let dir = tmp("s3-delete");
+    let server = store::s3server::S3Server::start(&dir.join("s3"), "clade").unwrap();
+    let store = server
+        .store("clade", "snaps", Duration::from_secs(10))
+        .unwrap();
+    let (layers, _) = disk_chain(&dir.join("disk"));
+    let a = with_disk(write_full(&dir.join("a"), 71), &layers[0]);
+    let b = with_disk(write_full(&dir.join("b"), 72), &layers[0]);
+    let rt = rt();
+    let (ma, _) = rt.block_on(publish(&store, &a.files, &opts())).unwrap();
+    let (mb, _) = rt.block_on(publish(&store, &b.files, &opts())).unwrap();
+    let r = rt.block_on(delete(&store, a.id)).unwrap();
+    assert_eq!(r.objects_deleted, 1, "only the manifest: {r:?}");
+    assert!(r.objects_deferred > 0, "{r:?}");
+    assert!(whole(&rt, &store, &ma), "young: kept");
+    assert!(rt
+        .block_on(store.size(&ma.memory.data.key()))
+        .unwrap()
+        .is_some());
+    rt.block_on(sweep(&store, Duration::ZERO)).unwrap();
+    assert!(rt
+        .block_on(store.size(&ma.memory.data.key()))
+        .unwrap()
+        .is_none());
+    assert!(rt.block_on(store.list("deleted")).unwrap().is_empty());
+    assert!(whole(&rt, &store, &mb));
+    rt.block_on(delete_with(&store, b.id, Duration::ZERO))
+        .unwrap();
+    assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
