@@ -472,14 +472,16 @@ impl Durable {
             .unwrap_or_else(|p| p.into_inner())
             .objects
             .remove(&sandbox_key(id));
-        for s in o.own_snapshots.iter().rev() {
-            let sid = store::manifest::parse_snapshot_id(s).map_err(store_err)?;
-            match self.block_on(store::publish::delete(&self.store, sid)) {
-                Ok(r) => {
-                    tracing::debug!(sandbox = %id, snapshot = %s, ?r, "published snapshot deleted")
-                }
-                Err(e) => tracing::warn!(sandbox = %id, snapshot = %s, "kept in the store: {e}"),
-            }
+        // Together: the store's manifests are read once for all of them.
+        let sids = o
+            .own_snapshots
+            .iter()
+            .rev()
+            .map(|s| store::manifest::parse_snapshot_id(s).map_err(store_err))
+            .collect::<Result<Vec<_>>>()?;
+        match self.block_on(store::publish::delete_all(&self.store, &sids)) {
+            Ok(r) => tracing::debug!(sandbox = %id, ?r, "published snapshots deleted"),
+            Err(e) => tracing::warn!(sandbox = %id, "its snapshots kept in the store: {e}"),
         }
         self.delete_claims(id)
     }

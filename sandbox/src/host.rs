@@ -14,7 +14,9 @@
 //! that new sandboxes are created from like from any template. A snapshot builds on files
 //! it does not own: its source's template, and the source sandbox's directory (the diff
 //! chain of its earlier pauses, the disk layer frozen by the snapshot). So a killed
-//! sandbox's directory stays while a snapshot of it exists, and a deleted snapshot's files
+//! sandbox's directory stays while a snapshot of it exists, or while another sandbox's
+//! disk chain stands on a layer in it (a fork freezes the parent's disk layer in place and
+//! the children write overlays on it), and a deleted snapshot's files
 //! stay while a sandbox, another snapshot, or its source (whose next pause is a diff on
 //! it) still needs them; [`Host::collect_garbage`] removes what nothing needs any more.
 //!
@@ -474,8 +476,9 @@ impl Host {
             }
             None => {
                 // Killed meanwhile: what was just published is no one's.
-                for sid in report.published.iter().rev() {
-                    let _ = d.block_on(store::publish::delete(d.store(), *sid));
+                let sids: Vec<_> = report.published.iter().rev().copied().collect();
+                if let Err(e) = d.block_on(store::publish::delete_all(d.store(), &sids)) {
+                    tracing::warn!(sandbox = %id, "what its last upload published kept: {e}");
                 }
             }
         }
@@ -1165,13 +1168,17 @@ impl Host {
         let _snapshots = self.snapshot_guard();
         self.history.forget(id);
         self.release_net(rec.net);
-        // A snapshot of it may build on its files: then only its sockets go now.
+        // A snapshot of it may build on its files, fork children on its frozen disk
+        // layers: then only its sockets go now.
         let held = self
             .reg()
             .all_snapshots()?
             .iter()
             .any(|s| s.source_dir == rec.dir);
-        if !held {
+        let stood_on = !held && self.disk_layers_used(&rec.dir)?;
+        if stood_on {
+            mark_killed(&rec.dir);
+        } else if !held {
             if let Err(e) = std::fs::remove_dir_all(&rec.dir) {
                 tracing::warn!(sandbox = %id, "removing {}: {e}", rec.dir.display());
             }
@@ -1390,13 +1397,67 @@ impl Host {
                         .iter()
                         .any(|o| o.id != s.id && o.source_dir == s.source_dir);
                 if !source_held && s.source_dir.starts_with(self.sandboxes_dir()) {
-                    let _ = std::fs::remove_dir_all(&s.source_dir);
+                    if self.disk_layers_used(&s.source_dir)? {
+                        mark_killed(&s.source_dir);
+                    } else {
+                        let _ = std::fs::remove_dir_all(&s.source_dir);
+                    }
                 }
                 tracing::info!(snapshot = %s.id, "snapshot files removed");
                 continue 'again;
             }
-            return Ok(());
+            break;
         }
+        // Killed sandboxes' directories kept for the disk layers others stood on.
+        let sandboxes = self.reg().all()?;
+        let snaps = self.reg().all_snapshots()?;
+        let Ok(entries) = std::fs::read_dir(self.sandboxes_dir()) else {
+            return Ok(());
+        };
+        for dir in entries.flatten().map(|e| e.path()) {
+            if !dir.join(KILLED_MARK).exists()
+                || sandboxes.iter().any(|r| r.dir == dir)
+                || snaps.iter().any(|s| s.source_dir == dir)
+                || self.disk_layers_used(&dir)?
+            {
+                continue;
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {
+                    tracing::info!(dir = %dir.display(), "a killed sandbox's disk layers removed: nothing stands on them")
+                }
+                Err(e) => tracing::warn!("removing {}: {e}", dir.display()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a sandbox's disk chain has a layer in `dir`: fork children and the
+    /// children of a fork's snapshot stand on the layer their parent froze, which stays
+    /// in the parent's directory. A chain that cannot be read counts as standing on
+    /// everything (kept until it can be, or its sandbox goes).
+    fn disk_layers_used(&self, dir: &Path) -> Result<bool> {
+        for r in self.reg().all()? {
+            let Some(top) = r.disk.as_ref().filter(|_| r.dir != dir) else {
+                continue;
+            };
+            if !top.exists() {
+                continue;
+            }
+            match disk::ops::info(top) {
+                Ok(chain) => {
+                    if chain.iter().any(|l| l.path.starts_with(dir)) {
+                        return Ok(true);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %r.id, disk = %top.display(),
+                        "disk chain not readable: keeping killed sandboxes' layers: {e}");
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
     }
 
     /// The log lines of a sandbox (any state): its VMM log and serial console, oldest
@@ -2293,6 +2354,17 @@ fn sandbox_object(
 
 /// Whether the sandbox in `dir` came from the store (taken over from another host, or of
 /// a template it has from there): it keeps a copy of its template.
+/// In a killed sandbox's directory kept for the disk layers other sandboxes stand on:
+/// [`Host::collect_garbage`] removes it once none does.
+const KILLED_MARK: &str = "killed";
+
+fn mark_killed(dir: &Path) {
+    let m = dir.join(KILLED_MARK);
+    if let Err(e) = std::fs::write(&m, b"") {
+        tracing::warn!("marking {}: {e}", m.display());
+    }
+}
+
 fn from_store(dir: &Path) -> bool {
     dir.join(template::TEMPLATE_FILE).exists()
 }

@@ -29,6 +29,7 @@ pub mod location;
 pub mod manifest;
 pub mod publish;
 pub mod s3server;
+pub mod sweep;
 
 use std::path::PathBuf;
 

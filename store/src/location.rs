@@ -328,6 +328,17 @@ impl Store {
         }
     }
 
+    /// When object `rel` was last written, in milliseconds since the epoch by the store's
+    /// clock, or `None` if it does not exist.
+    pub async fn modified(&self, rel: &str) -> Result<Option<i64>> {
+        let path = self.path(rel);
+        match self.bounded("head", rel, self.inner.head(&path)).await {
+            Ok(meta) => Ok(Some(meta.last_modified.timestamp_millis())),
+            Err(Error::Missing { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Writes object `rel` (whole).
     pub async fn put(&self, rel: &str, bytes: Bytes) -> Result<()> {
         let path = self.path(rel);

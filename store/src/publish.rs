@@ -24,6 +24,8 @@ use snapshot::working_set::WorkingSet;
 use snapshot::{state_file, SnapshotId, SnapshotKind, PAGE_SIZE_U64};
 
 use crate::manifest::{self, DiskObjects, Manifest, MemoryObjects, ObjectRef, DEFAULT_CHUNK};
+use crate::sweep::touch;
+pub use crate::sweep::{delete, delete_all, DeleteReport};
 use crate::{hex, sha256_hex, Error, Result, Store};
 
 /// The files of one snapshot.
@@ -124,12 +126,30 @@ pub struct PublishReport {
 }
 
 /// Publishes the snapshot in `files`; a diff's base must have been published before.
-/// Returns its manifest and what was uploaded.
+/// Returns its manifest and what was uploaded. An object it reused that a concurrent
+/// delete removed before the manifest was written is uploaded again (a second try).
 pub async fn publish(
     store: &Store,
     files: &SnapshotFiles,
     options: &PublishOptions,
 ) -> Result<(Manifest, PublishReport)> {
+    if let Some(r) = publish_once(store, files, options).await? {
+        return Ok(r);
+    }
+    publish_once(store, files, options).await?.ok_or_else(|| {
+        Error::InvalidInput(
+            "objects of this snapshot were deleted while it was published, twice".into(),
+        )
+    })
+}
+
+/// One try of [`publish`]: `None` if an object it names vanished before its manifest was
+/// written (see [`crate::sweep`]).
+async fn publish_once(
+    store: &Store,
+    files: &SnapshotFiles,
+    options: &PublishOptions,
+) -> Result<Option<(Manifest, PublishReport)>> {
     if options.chunk_size < manifest::MIN_CHUNK
         || options.chunk_size > manifest::MAX_CHUNK
         || !options.chunk_size.is_multiple_of(PAGE_SIZE_U64)
@@ -203,6 +223,7 @@ pub async fn publish(
     // Checksummed while it uploads; published before (the same snapshot in the same
     // order again): only read.
     let (data_sha, chunks) = if store.size(&data_key).await? == Some(data_size) {
+        touch(store, &data_key).await?;
         report.objects_reused += 1;
         let t = Instant::now();
         let mut h = ChunkHasher::new(options.chunk_size);
@@ -270,6 +291,9 @@ pub async fn publish(
         report.bytes_uploaded += lead_size;
         m.memory.lead = Some(r);
     }
+    if !crate::sweep::still_whole(store, &m).await? {
+        return Ok(None);
+    }
     let bytes = m.to_bytes();
     report.bytes_uploaded += bytes.len() as u64;
     if !store.put_if_absent(&key, Bytes::from(bytes)).await? {
@@ -301,7 +325,7 @@ pub async fn publish(
     report.upload_time = t1.elapsed();
     tracing::info!(id = %meta.id, uploaded = report.bytes_uploaded,
         reused = report.objects_reused, "snapshot published");
-    Ok((m, report))
+    Ok(Some((m, report)))
 }
 
 /// Publishes the layer chain of a snapshot's disk: each layer file whole as
@@ -344,6 +368,7 @@ async fn publish_disk(
             .iter()
             .find(|k| k.id == id && k.object.size == l.file_len)
         {
+            touch_layer(store, k).await?;
             report.objects_reused += 1;
             layers.push(k.clone());
             continue;
@@ -351,6 +376,7 @@ async fn publish_disk(
         // A layer this host's cache has from the store (read lazily: the file may be
         // partly holes): what the store has is its entry, never the file's hash.
         if let Some(k) = crate::cache::cached_layer_entry(&l.path, &id)? {
+            touch_layer(store, &k).await?;
             report.objects_reused += 1;
             layers.push(k);
             continue;
@@ -382,8 +408,11 @@ async fn publish_disk(
             report.bytes_uploaded += chunks.table.size;
             report.objects_uploaded += 1;
             store.put(&chunks.table.key(), table).await?;
+        } else {
+            touch(store, &chunks.table.key()).await?;
         }
         if store.size(&object.key()).await? == Some(size) {
+            touch(store, &object.key()).await?;
             report.objects_reused += 1;
         } else {
             upload_file(store, &l.path, &object, options).await?;
@@ -401,6 +430,15 @@ async fn publish_disk(
         read_only: d.read_only,
         layers,
     })
+}
+
+/// Touches a reused layer's objects (see [`crate::sweep`]).
+async fn touch_layer(store: &Store, l: &manifest::DiskLayer) -> Result<()> {
+    touch(store, &l.object.key()).await?;
+    if let Some(c) = &l.chunks {
+        touch(store, &c.table.key()).await?;
+    }
+    Ok(())
 }
 
 /// Size of the pieces a file is read in (checksum, upload).
@@ -673,6 +711,7 @@ async fn put_small(store: &Store, bytes: Bytes, report: &mut PublishReport) -> R
         return Ok(r);
     }
     if store.size(&r.key()).await? == Some(r.size) {
+        touch(store, &r.key()).await?;
         report.objects_reused += 1;
     } else {
         report.bytes_uploaded += r.size;
@@ -988,71 +1027,4 @@ mod hasher_tests {
         assert_eq!(ca[2], hex(&Sha256::digest(&data[8192..])));
         assert_eq!(wa, hex(&Sha256::digest(&data)));
     }
-}
-
-/// What [`delete`] removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeleteReport {
-    /// Objects deleted (the manifest included).
-    pub objects_deleted: u64,
-    /// Objects kept because another snapshot names them too.
-    pub objects_kept: u64,
-}
-
-/// Deletes published snapshot `id`: its manifest, then every object no other snapshot's
-/// manifest names. Refused while a diff is published on top of it. Readers that opened it
-/// before get an error naming the missing object on their next fetch, never other bytes.
-pub async fn delete(store: &Store, id: SnapshotId) -> Result<DeleteReport> {
-    let key = manifest::manifest_key(id);
-    let target = Manifest::fetch(store, &key).await?;
-    let mut others = Vec::new();
-    for k in store.list("snapshots").await? {
-        if k == key || !k.ends_with(".json") {
-            continue;
-        }
-        let b = match store.get_max(&k, manifest::MAX_MANIFEST_BYTES as u64).await {
-            Ok(b) => b,
-            // Deleted meanwhile.
-            Err(Error::Missing { .. }) => continue,
-            Err(e) => return Err(e),
-        };
-        match Manifest::parse(&store.key(&k), &b) {
-            Ok(m) => others.push(m),
-            Err(e) => {
-                // An unreadable manifest might name our objects: keep them all.
-                return Err(Error::BadManifest {
-                    key: store.key(&k),
-                    reason: format!("cannot tell what it refers to, nothing deleted: {e}"),
-                });
-            }
-        }
-    }
-    if let Some(child) = others.iter().find(|m| m.base_id() == Some(id)) {
-        return Err(Error::InvalidInput(format!(
-            "snapshot {id} is the base of snapshot {}: delete that first",
-            child.id
-        )));
-    }
-    let mut report = DeleteReport::default();
-    store.delete(&key).await?;
-    report.objects_deleted += 1;
-    for o in target.objects() {
-        if o.inline.is_some() {
-            continue;
-        }
-        let k = o.key();
-        if others.iter().any(|m| {
-            m.objects()
-                .iter()
-                .any(|x| x.inline.is_none() && x.key() == k)
-        }) {
-            report.objects_kept += 1;
-        } else {
-            store.delete(&k).await?;
-            report.objects_deleted += 1;
-        }
-    }
-    tracing::info!(snapshot = %id, deleted = report.objects_deleted, kept = report.objects_kept,
-        "published snapshot deleted");
-    Ok(report)
 }

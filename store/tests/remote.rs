@@ -474,6 +474,7 @@ fn s3_server_round_trip_and_a_server_that_goes_away() {
 #[test]
 fn deleting_keeps_what_others_need_and_leaves_nothing_behind() {
     use store::publish::delete;
+    use store::sweep::delete_with;
     let dir = tmp("delete");
     let store = Store::open(
         &format!("file://{}/store", dir.display()),
@@ -490,13 +491,15 @@ fn deleting_keeps_what_others_need_and_leaves_nothing_behind() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("is the base of"), "{err}");
-    rt.block_on(delete(&store, diff.id)).unwrap();
+    rt.block_on(delete_with(&store, diff.id, Duration::ZERO))
+        .unwrap();
     // The base is whole and restorable.
     let f = fetcher(&dir, &store, 1 << 30);
     assert!(read_all(&client(&f), base.id).unwrap() == base.img);
     assert!(client(&f).open(diff.id).is_err());
     drop(f);
-    rt.block_on(delete(&store, base.id)).unwrap();
+    rt.block_on(delete_with(&store, base.id, Duration::ZERO))
+        .unwrap();
     assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
     assert!(matches!(
         rt.block_on(delete(&store, base.id)),
@@ -973,8 +976,323 @@ fn the_lead_object_opens_in_one_round_trip_and_a_bad_one_only_costs_speed() {
     // Deleting the snapshot deletes its lead object too.
     rt.block_on(store.put(&key, Bytes::from_static(b"lead")))
         .unwrap();
-    rt.block_on(store::publish::delete(&store, snap.id))
+    rt.block_on(store::sweep::delete_with(&store, snap.id, Duration::ZERO))
         .unwrap();
     assert!(rt.block_on(store.size(&key)).unwrap().is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An in-memory store that runs a chosen step (a delete, as another host would) right
+/// before a chosen object is written, and can refuse to serve chosen objects: publish and
+/// delete interleaved deliberately.
+mod hooked {
+    use std::collections::HashSet;
+    use std::fmt;
+    use std::sync::Mutex;
+
+    use futures::future::BoxFuture;
+    use futures::stream::BoxStream;
+    use object_store::memory::InMemory;
+    use object_store::path::Path;
+    use object_store::{
+        CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+        PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
+    };
+
+    type Hook = Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>;
+
+    #[derive(Default)]
+    pub struct Hooked {
+        inner: InMemory,
+        before_put: Mutex<Option<(String, Hook)>>,
+        pub unserved: Mutex<HashSet<String>>,
+    }
+
+    impl Hooked {
+        /// Runs `hook` once, right before object `key` is first written.
+        pub fn before_put(&self, key: &str, hook: Hook) {
+            *self.before_put.lock().unwrap() = Some((key.to_string(), hook));
+        }
+
+        /// Whether the hook has run.
+        pub fn hook_ran(&self) -> bool {
+            self.before_put.lock().unwrap().is_none()
+        }
+    }
+
+    impl fmt::Debug for Hooked {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("Hooked")
+        }
+    }
+
+    impl fmt::Display for Hooked {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("Hooked")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for Hooked {
+        async fn put_opts(
+            &self,
+            location: &Path,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> Result<PutResult> {
+            let hook = {
+                let mut h = self.before_put.lock().unwrap();
+                match h.as_ref() {
+                    Some((k, _)) if k == location.as_ref() => h.take().map(|(_, f)| f),
+                    _ => None,
+                }
+            };
+            if let Some(f) = hook {
+                f().await;
+            }
+            self.inner.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &Path,
+            opts: PutMultipartOptions,
+        ) -> Result<Box<dyn MultipartUpload>> {
+            self.inner.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+            if self.unserved.lock().unwrap().contains(location.as_ref()) {
+                return Err(object_store::Error::Generic {
+                    store: "hooked",
+                    source: "permission denied".into(),
+                });
+            }
+            self.inner.get_opts(location, options).await
+        }
+
+        fn delete_stream(
+            &self,
+            locations: BoxStream<'static, Result<Path>>,
+        ) -> BoxStream<'static, Result<Path>> {
+            self.inner.delete_stream(locations)
+        }
+
+        fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {
+            self.inner.list(prefix)
+        }
+
+        async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
+            self.inner.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
+            self.inner.copy_opts(from, to, options).await
+        }
+    }
+}
+
+/// Every object manifest `m` names is in the store, with its size.
+fn whole(rt: &tokio::runtime::Runtime, store: &Store, m: &Manifest) -> bool {
+    m.objects()
+        .iter()
+        .all(|o| o.inline.is_some() || rt.block_on(store.size(&o.key())).unwrap() == Some(o.size))
+}
+
+/// Two fork siblings' snapshots name the same frozen disk layers. A's delete (by another
+/// host) runs while B's publish, which found those layers in the store and did not upload
+/// them, is under way: right before B writes its manifest, and right before it marks a
+/// reused layer. B is whole afterwards and reads back; A's own objects still go once the
+/// grace period has passed.
+#[test]
+fn a_delete_racing_a_publish_that_reused_objects_leaves_the_new_snapshot_whole() {
+    use store::sweep::{delete_with, sweep, touch_key};
+    let grace = Duration::from_secs(4);
+    for when in ["manifest", "touch"] {
+        let dir = tmp(&format!("race-{when}"));
+        let hooked = Arc::new(hooked::Hooked::default());
+        let store = Store::from_object_store(hooked.clone(), "");
+        let (layers, _) = disk_chain(&dir.join("disk"));
+        let a = with_disk(write_full(&dir.join("a"), 41), &layers[0]);
+        let b = with_disk(write_full(&dir.join("b"), 42), &layers[0]);
+        let rt = rt();
+        let (ma, _) = rt.block_on(publish(&store, &a.files, &opts())).unwrap();
+        // A's objects are older than the grace period when the delete runs.
+        std::thread::sleep(grace + Duration::from_millis(200));
+        let layer = ma.disk.as_ref().unwrap().layers[0].object.key();
+        let at = match when {
+            "manifest" => manifest::manifest_key(b.id),
+            _ => touch_key(&layer),
+        };
+        let (s, id) = (store.clone(), a.id);
+        hooked.before_put(
+            &at,
+            Box::new(move || {
+                Box::pin(async move {
+                    delete_with(&s, id, grace).await.unwrap();
+                })
+            }),
+        );
+        let (mb, _) = rt.block_on(publish(&store, &b.files, &opts())).unwrap();
+        assert!(hooked.hook_ran(), "{when}");
+        assert!(rt
+            .block_on(store.size(&manifest::manifest_key(a.id)))
+            .unwrap()
+            .is_none());
+        assert_eq!(
+            ma.disk.as_ref().unwrap().layers,
+            mb.disk.as_ref().unwrap().layers,
+            "siblings share their layers"
+        );
+        assert!(whole(&rt, &store, &mb), "{when}: B names a missing object");
+        let f = fetcher(&dir, &store, 1 << 30);
+        assert!(read_all(&client(&f), b.id).unwrap() == b.img, "{when}");
+        drop(f);
+        // Later: what only A named goes, B stays whole.
+        std::thread::sleep(grace + Duration::from_millis(200));
+        rt.block_on(sweep(&store, grace)).unwrap();
+        let a_data = ma.memory.data.key();
+        assert!(
+            rt.block_on(store.size(&a_data)).unwrap().is_none(),
+            "{when}"
+        );
+        assert!(
+            rt.block_on(store.list("deleted")).unwrap().is_empty(),
+            "{when}"
+        );
+        assert!(whole(&rt, &store, &mb), "{when}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A manifest that does not parse blocks no other snapshot's delete and loses nothing it
+/// names; one the store does not serve holds deletes back (nothing is deleted) until it is
+/// served again, then they complete.
+#[test]
+fn an_unreadable_manifest_blocks_no_other_delete_and_keeps_what_it_names() {
+    use store::sweep::{delete_with, sweep};
+    let dir = tmp("unreadable");
+    let hooked = Arc::new(hooked::Hooked::default());
+    let store = Store::from_object_store(hooked.clone(), "");
+    let (layers, _) = disk_chain(&dir.join("disk"));
+    let a = with_disk(write_full(&dir.join("a"), 51), &layers[0]);
+    let b = with_disk(write_full(&dir.join("b"), 52), &layers[0]);
+    let c = write_full(&dir.join("c"), 53);
+    let rt = rt();
+    let (ma, _) = rt.block_on(publish(&store, &a.files, &opts())).unwrap();
+    let (mb, _) = rt.block_on(publish(&store, &b.files, &opts())).unwrap();
+    let (mc, _) = rt.block_on(publish(&store, &c.files, &opts())).unwrap();
+
+    // B's manifest garbled: A's delete goes through, B's objects (the shared layers) stay.
+    let kb = manifest::manifest_key(b.id);
+    let good = rt.block_on(store.get(&kb)).unwrap();
+    let mut bad = b"{garbled".to_vec();
+    bad.extend_from_slice(&good);
+    rt.block_on(store.put(&kb, Bytes::from(bad))).unwrap();
+    rt.block_on(delete_with(&store, a.id, Duration::ZERO))
+        .unwrap();
+    assert!(rt
+        .block_on(store.size(&manifest::manifest_key(a.id)))
+        .unwrap()
+        .is_none());
+    assert!(rt
+        .block_on(store.size(&ma.memory.data.key()))
+        .unwrap()
+        .is_none());
+    assert!(whole(&rt, &store, &mb));
+    rt.block_on(store.put(&kb, good)).unwrap();
+    let f = fetcher(&dir, &store, 1 << 30);
+    assert!(read_all(&client(&f), b.id).unwrap() == b.img);
+    drop(f);
+
+    // C's manifest not served: B's delete deletes nothing yet, B stays whole.
+    let kc = manifest::manifest_key(c.id);
+    hooked.unserved.lock().unwrap().insert(store.key(&kc));
+    let r = rt
+        .block_on(delete_with(&store, b.id, Duration::ZERO))
+        .unwrap();
+    assert_eq!(r.objects_deleted, 0, "{r:?}");
+    assert!(whole(&rt, &store, &mb));
+    // Served again: the next sweep completes B's delete.
+    hooked.unserved.lock().unwrap().clear();
+    rt.block_on(sweep(&store, Duration::ZERO)).unwrap();
+    assert!(rt.block_on(store.size(&kb)).unwrap().is_none());
+    for o in mb.objects().iter().filter(|o| o.inline.is_none()) {
+        assert!(
+            rt.block_on(store.size(&o.key())).unwrap().is_none(),
+            "{}",
+            o.key()
+        );
+    }
+    assert!(whole(&rt, &store, &mc));
+    let f = fetcher(&dir, &store, 1 << 30);
+    assert!(read_all(&client(&f), c.id).unwrap() == c.img);
+    drop(f);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A killed sandbox's snapshots go together, base listed first: both manifests at once
+/// (the diff's before its base's), their objects once the grace period allows.
+#[test]
+fn a_chain_deleted_together_goes_whole() {
+    use store::publish::delete_all;
+    use store::sweep::sweep;
+    let dir = tmp("delete-all");
+    let store = Store::open(
+        &format!("file://{}/store", dir.display()),
+        &StoreOptions::default(),
+    )
+    .unwrap();
+    let base = write_full(&dir.join("base"), 61);
+    let diff = write_diff(&dir.join("diff"), &base);
+    let rt = rt();
+    rt.block_on(publish(&store, &base.files, &opts())).unwrap();
+    rt.block_on(publish(&store, &diff.files, &opts())).unwrap();
+    let r = rt
+        .block_on(delete_all(&store, &[base.id, diff.id]))
+        .unwrap();
+    assert_eq!(r.objects_deleted, 2, "the two manifests: {r:?}");
+    assert!(rt.block_on(store.list("snapshots")).unwrap().is_empty());
+    assert!(r.objects_deferred > 0, "young objects wait: {r:?}");
+    rt.block_on(sweep(&store, Duration::ZERO)).unwrap();
+    assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On the S3 server: a delete keeps a young object (the store's own clock says so), a
+/// later sweep past the grace period removes what only the deleted snapshot named, and a
+/// fork sibling sharing its disk layers stays whole throughout.
+#[test]
+fn on_s3_a_delete_keeps_young_objects_and_a_siblings_layers() {
+    use store::sweep::{delete, delete_with, sweep};
+    let dir = tmp("s3-delete");
+    let server = store::s3server::S3Server::start(&dir.join("s3"), "clade").unwrap();
+    let store = server
+        .store("clade", "snaps", Duration::from_secs(10))
+        .unwrap();
+    let (layers, _) = disk_chain(&dir.join("disk"));
+    let a = with_disk(write_full(&dir.join("a"), 71), &layers[0]);
+    let b = with_disk(write_full(&dir.join("b"), 72), &layers[0]);
+    let rt = rt();
+    let (ma, _) = rt.block_on(publish(&store, &a.files, &opts())).unwrap();
+    let (mb, _) = rt.block_on(publish(&store, &b.files, &opts())).unwrap();
+    let r = rt.block_on(delete(&store, a.id)).unwrap();
+    assert_eq!(r.objects_deleted, 1, "only the manifest: {r:?}");
+    assert!(r.objects_deferred > 0, "{r:?}");
+    assert!(whole(&rt, &store, &ma), "young: kept");
+    assert!(rt
+        .block_on(store.size(&ma.memory.data.key()))
+        .unwrap()
+        .is_some());
+    rt.block_on(sweep(&store, Duration::ZERO)).unwrap();
+    assert!(rt
+        .block_on(store.size(&ma.memory.data.key()))
+        .unwrap()
+        .is_none());
+    assert!(rt.block_on(store.list("deleted")).unwrap().is_empty());
+    assert!(whole(&rt, &store, &mb));
+    rt.block_on(delete_with(&store, b.id, Duration::ZERO))
+        .unwrap();
+    assert_eq!(rt.block_on(store.list("")).unwrap(), Vec::<String>::new());
     let _ = std::fs::remove_dir_all(&dir);
 }

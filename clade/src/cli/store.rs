@@ -144,8 +144,10 @@ pub fn store(cmd: StoreCommand) -> anyhow::Result<u8> {
             };
             let r = rt.block_on(store::publish::delete(&s, id))?;
             eprintln!(
-                "deleted {id}: {} objects removed, {} kept (named by other snapshots)",
-                r.objects_deleted, r.objects_kept
+                "deleted {id}: {} objects removed, {} kept (named by other snapshots), {} left \
+                 for a later delete (recently published or touched, or named by an unreadable \
+                 manifest)",
+                r.objects_deleted, r.objects_kept, r.objects_deferred
             );
             Ok(0)
         }

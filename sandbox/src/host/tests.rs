@@ -24,6 +24,9 @@ pub(crate) struct FakeDriver {
     pub no_live_fork: std::sync::atomic::AtomicBool,
     /// The TAP each start and fork child got (`--net` specs), in order.
     pub nets: Mutex<Vec<String>>,
+    /// Live forks freeze a disk layer in the parent's directory and give each child an
+    /// overlay on it, as the VMM does.
+    pub fork_disks: std::sync::atomic::AtomicBool,
 }
 
 impl FakeDriver {
@@ -116,15 +119,32 @@ impl VmDriver for FakeDriver {
             });
         }
         self.nets.lock().unwrap().extend(nets.iter().cloned());
+        let frozen = _api.with_file_name("disk-frozen.cdsk");
+        if self.fork_disks.load(Ordering::SeqCst) && !frozen.exists() {
+            disk::ops::create(
+                &frozen,
+                &disk::ops::CreateOptions {
+                    virtual_size: Some(1 << 20),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            disk::ops::freeze(&frozen).unwrap();
+        }
         Ok((1..=count)
             .map(|k| {
                 let pid = 1000 + self.next_pid.fetch_add(1, Ordering::SeqCst);
                 self.alive.lock().unwrap().insert(pid);
+                let disk = self.fork_disks.load(Ordering::SeqCst).then(|| {
+                    let o = prefix.join(format!("vm-f{k}.cdsk"));
+                    disk::ops::create_overlay(&o, &frozen).unwrap();
+                    o
+                });
                 ForkedChild {
                     pid,
                     api_sock: prefix.join(format!("vm-f{k}.api")),
                     vsock: Some(prefix.join(format!("vm-f{k}.vsock"))),
-                    disk: None,
+                    disk,
                 }
             })
             .collect())
@@ -369,6 +389,38 @@ fn forks_become_sandboxes() {
     // A paused parent cannot fork.
     h.pause(&p.id, PauseOptions::FULL).unwrap();
     assert!(matches!(h.fork(&p.id, 1, 10), Err(Error::Conflict(_))));
+    drop(h);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Fork children stand on a disk layer frozen in their parent's directory: killing the
+/// parent or a sibling keeps it (each child's whole chain still opens, a paused child
+/// resumes), and it goes with the last sandbox that stands on it.
+#[test]
+fn killing_a_fork_parent_or_sibling_keeps_the_layers_the_others_stand_on() {
+    let (h, drv, d) = host("fork-layers");
+    drv.fork_disks.store(true, Ordering::SeqCst);
+    let p = h.create(req(60)).unwrap();
+    let kids = h.fork(&p.id, 2, 30).unwrap();
+    let frozen = p.dir.join("disk-frozen.cdsk");
+    let chain_opens = |k: &Record| {
+        let top = h.get(&k.id).unwrap().disk.unwrap();
+        disk::ops::info(&top)
+            .map(|c| c.iter().any(|l| l.path == frozen))
+            .unwrap_or(false)
+    };
+    assert!(kids.iter().all(chain_opens));
+    h.kill(&p.id).unwrap();
+    assert!(
+        kids.iter().all(chain_opens),
+        "the parent's kill took its children's layer"
+    );
+    h.pause(&kids[1].id, PauseOptions::FULL).unwrap();
+    h.kill(&kids[0].id).unwrap();
+    assert!(chain_opens(&kids[1]), "a sibling's kill took the layer");
+    h.connect(&kids[1].id, 10, false).unwrap();
+    h.kill(&kids[1].id).unwrap();
+    assert!(!p.dir.exists(), "kept after the last sandbox on it went");
     drop(h);
     std::fs::remove_dir_all(&d).unwrap();
 }
