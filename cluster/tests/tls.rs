@@ -109,6 +109,21 @@ fn temp_dir(what: &str) -> PathBuf {
     d
 }
 
+/// A directory removed when dropped (a failed assertion too).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(what: &str) -> Self {
+        Self(temp_dir(what))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// PostgreSQL in a directory of its own, stopped when dropped.
 struct Pg {
     dir: PathBuf,
@@ -203,12 +218,13 @@ fn postgres_is_reached_as_sslmode_says() {
         eprintln!("skipped: needs root and {PG_BIN} (PostgreSQL 15)");
         return;
     }
-    let certs = temp_dir("pg-certs");
-    ca(&certs, "ca");
-    ca(&certs, "other-ca");
-    server(&certs, "pg", "IP:127.0.0.1", "ca");
+    let scratch = Scratch::new("pg-certs");
+    let certs = &scratch.0;
+    ca(certs, "ca");
+    ca(certs, "other-ca");
+    server(certs, "pg", "IP:127.0.0.1", "ca");
     let port = free_port();
-    let _pg = start_postgres(&certs, port);
+    let _pg = start_postgres(certs, port);
     let ca = certs.join("ca.pem").display().to_string();
     let other = certs.join("other-ca.pem").display().to_string();
     let base = format!("postgres://clade:clade-pg-password@127.0.0.1:{port}/postgres");
@@ -250,7 +266,6 @@ fn postgres_is_reached_as_sslmode_says() {
     // verify-full without a CA: said before connecting.
     let e = connect(&format!("{base}?sslmode=verify-full")).unwrap_err();
     assert!(e.contains("sslrootcert"), "{e}");
-    let _ = std::fs::remove_dir_all(&certs);
 }
 
 fn nix_is_root() -> bool {
@@ -285,10 +300,11 @@ fn node_row(address: String) -> NodeRow {
 
 #[test]
 fn hops_go_over_https_verified_to_the_cluster_ca() {
-    let certs = temp_dir("hop-certs");
-    ca(&certs, "ca");
-    ca(&certs, "other-ca");
-    server(&certs, "node", "IP:127.0.0.1", "ca");
+    let scratch = Scratch::new("hop-certs");
+    let certs = &scratch.0;
+    ca(certs, "ca");
+    ca(certs, "other-ca");
+    server(certs, "node", "IP:127.0.0.1", "ca");
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // A node serving HTTPS the way `clade serve --tls-cert --tls-key` does, answering
@@ -346,7 +362,6 @@ fn hops_go_over_https_verified_to_the_cluster_ca() {
             .to_string();
         assert!(e.contains("--cluster-ca"), "{e}");
     });
-    let _ = std::fs::remove_dir_all(&certs);
 }
 
 #[test]
