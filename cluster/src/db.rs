@@ -12,9 +12,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio_postgres::{Client, NoTls, Row};
+use tokio_postgres::{Client, Row};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
-use crate::error::{Error, Result};
+use crate::error::{chain, Error, Result};
+use crate::tls::{PgTarget, SslMode};
 
 /// The schema, created if absent (statements that may run on every start, by every node).
 const SCHEMA: &str = r#"
@@ -170,7 +172,9 @@ impl Drop for RtThread {
 
 impl Db {
     /// Connects to `url` (`postgres://user:password@host:port/db`, or `host=… user=…`)
-    /// and creates the schema if it is missing.
+    /// and creates the schema if it is missing. TLS as libpq's `sslmode` says (default
+    /// `prefer`; `verify-full` with `sslrootcert=FILE` authenticates the server): see
+    /// [`crate::tls`].
     pub fn connect(url: &str) -> Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -622,17 +626,38 @@ fn node_row(r: &Row) -> NodeRow {
 /// Connects, its connection driven on `rt` (from any thread, async or not: nothing here
 /// enters a runtime).
 fn open(rt: &tokio::runtime::Handle, url: &str) -> Result<Client> {
-    let url = url.to_string();
+    let target = PgTarget::parse(url)?;
+    let mut config: tokio_postgres::Config = target
+        .url
+        .parse()
+        // Not the URL in the message: it may hold a password.
+        .map_err(|e| Error::Config(format!("the registry's URL: {}", chain(&e))))?;
+    config.ssl_mode(target.mode.negotiation());
+    let tls = MakeRustlsConnect::new(crate::tls::postgres(target.mode, target.root.as_deref())?);
+    if matches!(
+        target.mode,
+        SslMode::Disable | SslMode::Prefer | SslMode::Require
+    ) && target.root.is_none()
+    {
+        tracing::warn!(
+            sslmode = %target.mode,
+            "the registry's server is not authenticated: give ?sslmode=verify-full&sslrootcert=FILE"
+        );
+    }
+    let mode = target.mode;
     let task = rt.spawn(async move {
-        let (client, conn) = tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio_postgres::connect(&url, NoTls),
-        )
-        .await
-        .map_err(|_| Error::Config("connecting to PostgreSQL timed out after 10 s".into()))??;
+        let (client, conn) = tokio::time::timeout(Duration::from_secs(10), config.connect(tls))
+            .await
+            .map_err(|_| Error::Config("connecting to PostgreSQL timed out after 10 s".into()))?
+            .map_err(|e| {
+                Error::Config(format!(
+                    "connecting to PostgreSQL (sslmode={mode}): {}",
+                    chain(&e)
+                ))
+            })?;
         tokio::spawn(async move {
             if let Err(e) = conn.await {
-                tracing::warn!("cluster registry connection: {e}");
+                tracing::warn!("cluster registry connection: {}", chain(&e));
             }
         });
         Ok::<_, Error>(client)

@@ -24,3 +24,17 @@ pub enum Error {
 
 /// The crate's result.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// An error with its causes: tokio-postgres's and hyper's own messages do not name them
+/// ("error performing TLS handshake", "client error (Connect)" without the certificate's
+/// fault).
+pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}

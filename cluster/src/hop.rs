@@ -3,7 +3,15 @@
 //! secret ([`crate::HOP_HEADER`]). Bodies stream both ways, so a command's output or a
 //! file upload goes through as it is produced; an upgrade (a WebSocket to an exposed port)
 //! is joined end to end once the owner agreed to it.
+//!
+//! Every hop carries the cluster secret (and a node's own calls the API key), so a hop
+//! goes over TLS: `https://` node addresses, each node's certificate verified to the
+//! cluster CA (`--cluster-ca`). Clear text (`http://`) is taken only to a loopback
+//! address (nothing leaves the machine) or when the operator said so (`--cluster-plain-http`,
+//! for a network that is private by other means): an address comes from the registry,
+//! and a node must not send the secret in clear to wherever a row points.
 
+use std::path::Path;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -12,12 +20,15 @@ use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use axum::http::{StatusCode, Uri, Version};
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+use tokio_rustls::rustls::RootCertStore;
+
 use crate::db::NodeRow;
-use crate::error::{Error, Result};
+use crate::error::{chain, Error, Result};
 use crate::HOP_HEADER;
 
 /// How long connecting to another node may take.
@@ -39,26 +50,43 @@ const HOP_BY_HOP: [&str; 8] = [
 
 /// The HTTP client of hops (connections to other nodes are pooled).
 pub struct Hop {
-    client: Client<HttpConnector, Body>,
-}
-
-impl Default for Hop {
-    fn default() -> Self {
-        Self::new()
-    }
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+    /// Trusts a cluster CA (else no `https://` node can be verified).
+    has_ca: bool,
+    /// Clear text allowed off loopback.
+    plain_http: bool,
 }
 
 impl Hop {
-    /// A client.
-    pub fn new() -> Self {
+    /// A client verifying nodes' certificates to the CA certificates of PEM file `ca`;
+    /// `plain_http`: `http://` addresses off loopback allowed.
+    pub fn new(ca: Option<&Path>, plain_http: bool) -> Result<Self> {
+        let roots = match ca {
+            Some(p) => crate::tls::roots(p)?,
+            None => RootCertStore::empty(),
+        };
+        let tls = crate::tls::verifying(roots)?;
         let mut c = HttpConnector::new();
+        c.enforce_http(false);
         c.set_nodelay(true);
         c.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        Self {
+        let c = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(c);
+        Ok(Self {
             client: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build(c),
-        }
+            has_ca: ca.is_some(),
+            plain_http,
+        })
+    }
+
+    /// Whether this client may send the secret to `address`.
+    pub fn check(&self, address: &str) -> Result<()> {
+        check_address(address, self.has_ca, self.plain_http)
     }
 
     /// Forwards `req` to node `node` at `address` and streams its answer back. A node
@@ -75,6 +103,9 @@ impl Hop {
             .path_and_query()
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into());
+        if let Err(e) = self.check(address) {
+            return bad_gateway(node, &e.to_string());
+        }
         let uri: Uri = match format!("{address}{pq}").parse() {
             Ok(u) => u,
             Err(e) => return bad_gateway(node, &format!("address {address:?}: {e}")),
@@ -99,7 +130,9 @@ impl Hop {
         }
         let mut resp = match self.client.request(Request::from_parts(parts, body)).await {
             Ok(r) => r,
-            Err(e) => return bad_gateway(node, &format!("{address} did not answer: {e}")),
+            Err(e) => {
+                return bad_gateway(node, &format!("{address} did not answer: {}", chain(&e)))
+            }
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = client_side {
@@ -174,6 +207,7 @@ impl Hop {
             node: to.name.clone(),
             why,
         };
+        self.check(&to.address).map_err(|e| err(e.to_string()))?;
         let mut b = Request::builder()
             .method(method)
             .uri(format!("{}{path_and_query}", to.address));
@@ -192,11 +226,7 @@ impl Hop {
         }
         let req = b.body(Body::from(body)).map_err(|e| err(e.to_string()))?;
         let fut = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| err(e.to_string()))?;
+            let resp = self.client.request(req).await.map_err(|e| err(chain(&e)))?;
             let (parts, body) = resp.into_parts();
             let bytes = body
                 .collect()
@@ -209,6 +239,37 @@ impl Hop {
             .await
             .map_err(|_| err(format!("no answer in {CALL_TIMEOUT:?}")))?
     }
+}
+
+/// Whether the cluster secret may go to node address `address`: `https://HOST[:PORT]` if
+/// there is a cluster CA to verify it by, `http://` to a loopback address or if
+/// `plain_http`.
+pub fn check_address(address: &str, has_ca: bool, plain_http: bool) -> Result<()> {
+    let bad = |why: &str| Error::Config(format!("node address {address:?}: {why}"));
+    let uri: Uri = address.parse().map_err(|e| bad(&format!("{e}")))?;
+    let Some(host) = uri.host() else {
+        return Err(bad("give https://HOST:PORT"));
+    };
+    match uri.scheme_str() {
+        Some("https") if has_ca => Ok(()),
+        Some("https") => Err(bad(
+            "no cluster CA to verify it by (give --cluster-ca FILE)",
+        )),
+        Some("http") if plain_http || is_loopback(host) => Ok(()),
+        Some("http") => Err(bad(
+            "clear text off loopback would carry the cluster secret unencrypted: give \
+             https:// (with --cluster-ca), or --cluster-plain-http on a network private by \
+             other means",
+        )),
+        _ => Err(bad("give https://HOST:PORT")),
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn strip(h: &mut HeaderMap) {

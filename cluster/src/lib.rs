@@ -14,6 +14,7 @@
 //! | [`gateway`] | in front of the E2B API: which node answers a request |
 //! | [`placement`] | which node takes a new or moving sandbox |
 //! | [`hop`] | a request forwarded to another node, streamed both ways |
+//! | [`tls`] | TLS of both links: to PostgreSQL (`sslmode`), between nodes (the cluster CA) |
 //!
 //! A node owns the sandboxes it created, forked, resumed or took over. Before it changes
 //! one it asks the registry (`sandbox::ownership`): a node whose lease ended (stopped,
@@ -25,6 +26,7 @@ pub mod gateway;
 pub mod hop;
 pub mod node;
 pub mod placement;
+pub mod tls;
 
 pub use error::{Error, Result};
 pub use node::{Node, NodeConfig};

@@ -26,8 +26,13 @@ pub struct NodeConfig {
     pub url: String,
     /// This node's name (unique in the cluster).
     pub name: String,
-    /// Where other nodes reach this one (`http://host:port`).
+    /// Where other nodes reach this one (`https://host:port`; `http://` see
+    /// [`crate::hop::check_address`]).
     pub address: String,
+    /// The cluster CA (PEM): other nodes' certificates are verified to it.
+    pub ca: Option<std::path::PathBuf>,
+    /// `http://` node addresses off loopback allowed (the secret in clear text).
+    pub plain_http: bool,
     /// The secret every hop between nodes carries.
     pub secret: String,
     /// The API key (a drain asks other nodes to resume what it moves).
@@ -57,16 +62,7 @@ impl NodeConfig {
                 self.name
             )));
         }
-        let uri: hyper::Uri = self
-            .address
-            .parse()
-            .map_err(|e| Error::Config(format!("node address {:?}: {e}", self.address)))?;
-        if uri.scheme_str() != Some("http") || uri.host().is_none() {
-            return Err(Error::Config(format!(
-                "node address {:?}: give http://HOST:PORT",
-                self.address
-            )));
-        }
+        crate::hop::check_address(&self.address, self.ca.is_some(), self.plain_http)?;
         if self.secret.len() < 16 {
             return Err(Error::Config(
                 "the cluster secret must be at least 16 characters".into(),
@@ -226,13 +222,14 @@ impl Node {
     pub fn connect(cfg: NodeConfig) -> Result<Arc<Self>> {
         cfg.check()?;
         let db = Db::connect(&cfg.url)?;
+        let hop = crate::hop::Hop::new(cfg.ca.as_deref(), cfg.plain_http)?;
         Ok(Arc::new(Self {
             secret_digest: Sha256::digest(cfg.secret.as_bytes()).into(),
             cfg,
             db,
             tokens: Mutex::new(HashMap::new()),
             host: OnceLock::new(),
-            hop: crate::hop::Hop::new(),
+            hop,
             routes: RouteCache::default(),
             room: Arc::default(),
             dashboard: OnceLock::new(),

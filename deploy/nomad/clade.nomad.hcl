@@ -46,6 +46,9 @@ job "clade" {
           "serve",
           "--listen", "${NOMAD_IP_api}:3000",
           "--advertise", "http://${NOMAD_IP_api}:3000",
+          # Hops in clear text (they carry the cluster secret): for TLS give an https://
+          # --advertise, --tls-cert/--tls-key and --cluster-ca instead (docs/cluster.md).
+          "--cluster-plain-http",
           "--node-name", "${node.unique.name}",
           "--state-dir", "/var/lib/clade",
         ]

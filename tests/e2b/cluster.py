@@ -2,13 +2,20 @@
 postgresql-15, run as the unprivileged user `postgres`), the S3 server of the tests
 (build/tools/bin/clade-test-s3) and `clade serve --cluster` nodes, each in a network
 namespace of its own, all joined by a bridge this harness creates (10.231.0.0/24: the
-host is .1, node i is .(10+i)). Everything is removed at the end. Needs root."""
+host is .1, node i is .(10+i)). Everything is removed at the end. Needs root.
+
+`Cluster(..., tls=True)`: the cluster's links as a deployment should have them, with
+certificates made here (openssl): PostgreSQL with ssl=on taking TLS clients only, reached
+with sslmode=verify-full; each node serving HTTPS with a certificate of the cluster CA,
+which every node verifies the others by. Without it nodes talk http:// across the bridge
+(--cluster-plain-http)."""
 
 import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -25,10 +32,12 @@ HOST_IP = "10.231.0.1"
 KEY = "cluster-key"
 SECRET = "cluster-secret-0123456789"
 PORT = 3000
+# The cluster CA of a `tls=True` cluster: what api() trusts for https:// URLs.
+TLS_CA = None
 
 
-def sh(*args, check=True, env=None):
-    return subprocess.run(args, check=check, capture_output=True, text=True, env=env)
+def sh(*args, check=True, env=None, cwd=None):
+    return subprocess.run(args, check=check, capture_output=True, text=True, env=env, cwd=cwd)
 
 
 def free_port():
@@ -51,9 +60,32 @@ def wait_port(host, port, what, timeout=30):
             time.sleep(0.05)
 
 
-def start_postgres(parent, listen, port, clients):
+def openssl(d, *args):
+    sh("openssl", *args, cwd=d)
+
+
+def make_ca(d, name):
+    """A CA in D: NAME.key, NAME.pem."""
+    openssl(d, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-days", "2", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+
+
+def make_cert(d, name, ip, ca="ca"):
+    """A server certificate for IP in D, signed by CA: NAME.key, NAME.pem."""
+    openssl(d, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+    with open(os.path.join(d, f"{name}.ext"), "w") as f:
+        f.write(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
+    openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+    return os.path.join(d, f"{name}.pem"), os.path.join(d, f"{name}.key")
+
+
+def start_postgres(parent, listen, port, clients, tls=None):
     """PostgreSQL (Debian's postgresql-15) in PARENT/pg, run as the unprivileged user
     `postgres`, listening on LISTEN:PORT for CLIENTS (a CIDR) with a scram password.
+    TLS=(cert, key, ca): ssl=on, TCP clients over TLS only, the URL says verify-full.
     Returns (its directory, a URL for user clade)."""
     d = os.path.join(parent, "pg")
     os.mkdir(d)
@@ -64,11 +96,24 @@ def start_postgres(parent, listen, port, clients):
     shutil.chown(pw, "postgres", "postgres")
     sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/initdb", "-D", f"{d}/data", "-U", "clade",
        "--auth-local=peer", "--auth-host=scram-sha-256", f"--pwfile={pw}")
-    with open(f"{d}/data/pg_hba.conf", "a") as f:
-        f.write(f"host all all {clients} scram-sha-256\n")
+    opts, query = "", ""
+    if tls:
+        cert, key, ca = tls
+        for src, dst in ((cert, "server.pem"), (key, "server.key")):
+            shutil.copy(src, os.path.join(d, dst))
+            shutil.chown(os.path.join(d, dst), "postgres", "postgres")
+        os.chmod(os.path.join(d, "server.key"), 0o600)
+        opts = f" -c ssl=on -c ssl_cert_file={d}/server.pem -c ssl_key_file={d}/server.key"
+        query = f"?sslmode=verify-full&sslrootcert={ca}"
+        # TCP clients over TLS only.
+        with open(f"{d}/data/pg_hba.conf", "w") as f:
+            f.write(f"local all all peer\nhostssl all all {clients} scram-sha-256\n")
+    else:
+        with open(f"{d}/data/pg_hba.conf", "a") as f:
+            f.write(f"host all all {clients} scram-sha-256\n")
     sh("runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", f"{d}/data", "-l", f"{d}/log",
-       "-w", "-o", f"-k {d} -c listen_addresses={listen} -p {port} -c fsync=off", "start")
-    return d, f"postgres://clade:clade-pg-password@{listen}:{port}/postgres"
+       "-w", "-o", f"-k {d} -c listen_addresses={listen} -p {port} -c fsync=off{opts}", "start")
+    return d, f"postgres://clade:clade-pg-password@{listen}:{port}/postgres{query}"
 
 
 def stop_postgres(d):
@@ -77,12 +122,14 @@ def stop_postgres(d):
 
 
 class Node:
-    def __init__(self, cluster, name, index, gateway=False, vcpus=3, mem=1024):
+    def __init__(self, cluster, name, index, gateway=False, vcpus=3, mem=1024, ca="ca"):
         self.cluster = cluster
         self.name = name
         self.ns = f"clcl-{name}"
         self.ip = f"10.231.0.{10 + index}"
-        self.url = f"http://{self.ip}:{PORT}"
+        self.url = f"{'https' if cluster.tls else 'http'}://{self.ip}:{PORT}"
+        # The CA this node verifies other nodes by (a test may give it a wrong one).
+        self.ca = ca
         self.state = os.path.join(cluster.dir, f"state-{name}")
         self.log = os.path.join(cluster.dir, f"serve-{name}.log")
         self.gateway = gateway
@@ -105,6 +152,12 @@ class Node:
         ]
         if self.gateway:
             args.append("--no-sandboxes")
+        if self.cluster.tls:
+            cert, key = make_cert(self.cluster.certs, f"node-{self.name}", self.ip)
+            args += ["--tls-cert", cert, "--tls-key", key,
+                     "--cluster-ca", os.path.join(self.cluster.certs, f"{self.ca}.pem")]
+        else:
+            args.append("--cluster-plain-http")
         args += self.extra
         # The secrets through the environment, never the command line (`ps` shows it to
         # every local user).
@@ -162,9 +215,17 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, nodes, lease_ms=2000):
+    def __init__(self, nodes, lease_ms=2000, tls=False):
+        global TLS_CA
         self.dir = tempfile.mkdtemp(prefix="clade-cluster.", dir="/tmp")
         os.chmod(self.dir, 0o755)
+        self.tls = tls
+        if tls:
+            self.certs = os.path.join(self.dir, "certs")
+            os.mkdir(self.certs)
+            make_ca(self.certs, "ca")
+            make_ca(self.certs, "other-ca")
+            TLS_CA = os.path.join(self.certs, "ca.pem")
         self.lease_ms = lease_ms
         self.procs = []
         self.nodes = {}
@@ -200,7 +261,11 @@ class Cluster:
         sh("ip", "link", "del", BRIDGE, check=False)
 
     def _postgres(self):
-        self.pg_dir, self.pg_url = start_postgres(self.dir, HOST_IP, free_port(), "10.231.0.0/24")
+        tls = None
+        if self.tls:
+            cert, key = make_cert(self.certs, "pg", HOST_IP)
+            tls = (cert, key, os.path.join(self.certs, "ca.pem"))
+        self.pg_dir, self.pg_url = start_postgres(self.dir, HOST_IP, free_port(), "10.231.0.0/24", tls)
 
     def _s3(self):
         os.makedirs(os.path.join(self.dir, "s3/clade"))
@@ -277,7 +342,8 @@ def api(url, method, path, body=None, headers=None, timeout=120):
     h.update(headers or {})
     req = urllib.request.Request(url + path, data=data, method=method, headers=h)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        ctx = ssl.create_default_context(cafile=TLS_CA) if url.startswith("https") else None
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
             raw, status, hdrs = r.read(), r.status, dict(r.headers)
     except urllib.error.HTTPError as e:
         raw, status, hdrs = e.read(), e.code, dict(e.headers)

@@ -18,4 +18,4 @@ fi
   "$VENV/bin/pip" install -q -r tests/e2b/requirements.txt
 # The deployment files too (deploy/: offline, parsed and checked against clade's flags).
 CLADE="$PWD/target/debug/clade" "$VENV/bin/pytest" -q -s tests/deploy/test_manifests.py \
-  tests/e2b/test_cluster.py "$@"
+  tests/e2b/test_cluster.py tests/e2b/test_cluster_tls.py "$@"

@@ -64,9 +64,24 @@ pub struct ClusterArgs {
     /// This node's name (default: the machine's host name).
     #[arg(long, value_name = "NAME", requires = "registry")]
     node_name: Option<String>,
-    /// Where other nodes reach this one: http://HOST:PORT (default: http:// and --listen).
+    /// Where other nodes reach this one: https://HOST:PORT (default: --listen, https://
+    /// with --tls-cert, else http://).
     #[arg(long, value_name = "URL", requires = "registry")]
     advertise: Option<String>,
+    /// The cluster CA (PEM): every node's certificate (its --tls-cert) is verified to it
+    /// when a request hops to it over https://.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "CLADE_CLUSTER_CA",
+        requires = "registry"
+    )]
+    cluster_ca: Option<PathBuf>,
+    /// Allow http:// node addresses that are not loopback: the cluster secret and the API
+    /// key then cross the network in clear text (only for a network private by other
+    /// means).
+    #[arg(long, requires = "registry")]
+    cluster_plain_http: bool,
     /// The secret every request between nodes carries (at least 16 characters).
     #[arg(
         long,
@@ -95,7 +110,12 @@ pub struct ClusterArgs {
 
 impl ClusterArgs {
     /// The node to join as, if --cluster was given (connects to the registry).
-    pub fn node(&self, listen: &str, api_key: &str) -> anyhow::Result<Option<Arc<Node>>> {
+    pub fn node(
+        &self,
+        listen: &str,
+        https: bool,
+        api_key: &str,
+    ) -> anyhow::Result<Option<Arc<Node>>> {
         let Some(url) = self.registry.url()? else {
             return Ok(None);
         };
@@ -115,9 +135,9 @@ impl ClusterArgs {
             Some(a) => a.trim_end_matches('/').to_string(),
             None => {
                 if listen.starts_with("0.0.0.0") || listen.starts_with("[::]") {
-                    bail!("--listen {listen} is every address: give --advertise http://HOST:PORT");
+                    bail!("--listen {listen} is every address: give --advertise https://HOST:PORT");
                 }
-                format!("http://{listen}")
+                format!("{}://{listen}", if https { "https" } else { "http" })
             }
         };
         let sys = nix::sys::sysinfo::sysinfo().context("reading the machine's memory")?;
@@ -126,6 +146,8 @@ impl ClusterArgs {
             url,
             name,
             address,
+            ca: self.cluster_ca.clone(),
+            plain_http: self.cluster_plain_http,
             secret,
             api_key: api_key.to_string(),
             vcpus: self.capacity_vcpus.unwrap_or(cpus),

@@ -337,7 +337,7 @@ pub fn serve_cmd(args: ServeArgs) -> anyhow::Result<u8> {
         }
     };
     let mut host = Host::open(cfg, driver)?;
-    let node = args.cluster.node(&args.listen, &key)?;
+    let node = args.cluster.node(&args.listen, tls.is_some(), &key)?;
     if let Some(n) = &node {
         if args.store.store.is_none() {
             bail!("--cluster needs --store: paused sandboxes must be resumable on any node");
