@@ -416,6 +416,23 @@ fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
                     "pid {pid}"
                 );
                 assert_eq!(status_field(pid, "NoNewPrivs:").as_deref(), Some("1"));
+                // Its jail's keeper (its parent) and the process that waits for the jail in
+                // the host's namespaces (the keeper's parent) hold no privilege either.
+                let keeper: i32 = status_field(pid, "PPid:").unwrap().parse().unwrap();
+                let waiting: i32 = status_field(keeper, "PPid:").unwrap().parse().unwrap();
+                for p in [keeper, waiting] {
+                    assert_eq!(uid_of(p), Some(uid), "pid {p} beside VM {pid}");
+                    assert_eq!(
+                        status_field(p, "CapEff:").as_deref(),
+                        Some("0000000000000000"),
+                        "pid {p} beside VM {pid}"
+                    );
+                    assert_eq!(
+                        status_field(p, "CapPrm:").as_deref(),
+                        Some("0000000000000000"),
+                        "pid {p} beside VM {pid}"
+                    );
+                }
                 for ns in ["mnt", "pid", "ipc", "uts", "net"] {
                     let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
                     let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();

@@ -7,7 +7,8 @@
 //! processes:
 //!
 //! 1. **The caller** stays in the host's namespaces: it waits for the jail, passes SIGINT,
-//!    SIGTERM and SIGHUP on, removes the jail's cgroup at the end, and gets
+//!    SIGTERM and SIGHUP on, removes the jail's cgroup at the end (when limits made one:
+//!    else it gives up root as the VM process does once the keeper is started), and gets
 //!    [`Jailed::Ended`] with the VM's exit code. If it is killed, the whole jail is. A
 //!    failure while the jail was being set up comes back to it as an [`Error::Jail`]
 //!    (through a close-on-exec socket pair).
@@ -428,7 +429,16 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
         ForkResult::Parent { child } => {
             drop(report_tx);
             drop(link_tx);
-            // The namespace is for the keeper; this process stays where it was.
+            // The namespace is for the keeper; this process stays where it was. With no
+            // cgroup of the jail's own to remove at the end, it needs no privilege to wait
+            // and pass signals on (the keeper runs as the VM's user too): it keeps none.
+            if cgroup.is_none() {
+                if let Err(e) = unprivileged_starter(config) {
+                    let _ = kill(child, Signal::SIGKILL);
+                    let _ = waitpid(child, None);
+                    return Err(e);
+                }
+            }
             let setup = read_report(report_rx);
             let code = wait_forwarding(child, link_rx);
             if let Some(cg) = cgroup {
@@ -442,6 +452,34 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
             }
         }
     }
+}
+
+/// The caller of [`enter`] gives up root once the keeper is started, keeping its
+/// parent-death signal (a change of credentials clears it) and ending if its own starter
+/// ended meanwhile (it would have been sent that signal).
+fn unprivileged_starter(config: &JailConfig) -> Result<()> {
+    let mut signal: libc::c_int = 0;
+    // SAFETY: PR_GET_PDEATHSIG writes one int through the pointer, which points at a live
+    // local.
+    unsafe {
+        libc::prctl(
+            libc::PR_GET_PDEATHSIG,
+            &mut signal as *mut libc::c_int as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    let parent = nix::unistd::getppid();
+    drop_privileges(config)?;
+    if signal != 0 {
+        // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal, 0, 0, 0) };
+        if nix::unistd::getppid() != parent {
+            return Err(jail_err("the jail's starter ended while it was set up"));
+        }
+    }
+    Ok(())
 }
 
 /// Whether the process at the other end of `link` (the jail's starter, which holds it
