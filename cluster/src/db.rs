@@ -104,7 +104,7 @@ pub struct OwnerRow {
     pub node: Option<String>,
     /// Its fencing token: bumped at every change of owner.
     pub token: i64,
-    /// `running`, `paused` or `lost`.
+    /// `running`, `paused`, `lost`, or `killed` (a tombstone: see [`TOMBSTONE`]).
     pub state: String,
     /// Paused, and its pause is in the object store: any node may resume it.
     pub durable: bool,
@@ -386,27 +386,30 @@ impl Db {
 
     // ---- sandboxes --------------------------------------------------------------------
 
-    /// Where sandbox `id` is; `None` if the registry has no row for it.
+    /// Where sandbox `id` is; `None` if the registry has no row for it, or only its
+    /// tombstone (it was killed: nothing is left of it to route to).
     pub async fn owner(&self, id: &str) -> Result<Option<OwnerRow>> {
         let r = self
             .run(|c| async move { c.query_opt(OWNER_SQL, &[&id]).await })
             .await?;
-        Ok(r.as_ref().map(owner_row))
+        Ok(r.as_ref().map(owner_row).filter(|r| r.state != "killed"))
     }
 
-    /// [`Db::owner`] from a blocking thread.
+    /// Sandbox `id`'s row as it is, its tombstone included (state `killed`): what
+    /// a node that holds a copy must know before it acts on it.
     pub fn owner_blocking(&self, id: &str) -> Result<Option<OwnerRow>> {
         let r = self.blocking(|c| async move { c.query_opt(OWNER_SQL, &[&id]).await })?;
         Ok(r.as_ref().map(owner_row))
     }
 
     /// Node `node` holds `h`: inserted, or updated (its token bumped if it had another
-    /// owner: a takeover). Returns its token.
-    pub fn hold_blocking(&self, node: &str, h: &Holding<'_>) -> Result<i64> {
+    /// owner: a takeover). Returns its token, or `None` if it was killed (its tombstone
+    /// is left as it is: a node that held a copy does not bring it back).
+    pub fn hold_blocking(&self, node: &str, h: &Holding<'_>) -> Result<Option<i64>> {
         let vcpus = h.vcpus as i32;
         let mem = h.mem_mib as i64;
         let r = self.blocking(|c| async move {
-            c.query_one(
+            c.query_opt(
                 "INSERT INTO clade_sandboxes (id, node, token, state, durable, template, vcpus, mem_mib)
                  VALUES ($1, $2, 1, $3, $4, $5, $6, $7)
                  ON CONFLICT (id) DO UPDATE SET
@@ -416,12 +419,13 @@ impl Db {
                      AND clade_sandboxes.node IS NOT DISTINCT FROM $2 AND $3 = 'running',
                    node = $2, state = $3, durable = $4, template = $5, vcpus = $6,
                    mem_mib = $7, lost_why = NULL, updated = now()
+                 WHERE clade_sandboxes.state <> 'killed'
                  RETURNING token",
                 &[&h.id, &node, &h.state, &h.durable, &h.template, &vcpus, &mem],
             )
             .await
         })?;
-        Ok(r.get(0))
+        Ok(r.map(|r| r.get(0)))
     }
 
     /// Node `node` published a checkpoint of sandbox `id`.
@@ -436,19 +440,26 @@ impl Db {
         Ok(())
     }
 
-    /// Removes sandbox `id` (killed by `node`): if `node` owns it with `token`, or no
-    /// live node owns it (it was killed from the store). Returns whether it did.
+    /// Sandbox `id` was killed by `node`: if `node` owns it with `token`, or no live node
+    /// owns it (it was killed from the store), its row becomes a tombstone (see
+    /// [`TOMBSTONE`]). Returns whether it did.
     pub fn remove_blocking(&self, id: &str, node: &str, token: Option<i64>) -> Result<bool> {
         let n = self.blocking(|c| async move {
-            c.execute(
-                "DELETE FROM clade_sandboxes s WHERE s.id = $1 AND (
-                   (s.node = $2 AND ($3::bigint IS NULL OR s.token = $3))
-                   OR s.node IS NULL
-                   OR NOT EXISTS (SELECT 1 FROM clade_nodes n
-                                  WHERE n.name = s.node AND n.lease_until > now()))",
-                &[&id, &node, &token],
-            )
-            .await
+            let n = c
+                .execute(
+                    &format!(
+                        "UPDATE clade_sandboxes s SET {TOMBSTONE}
+                         WHERE s.id = $1 AND s.state <> 'killed' AND (
+                           (s.node = $2 AND ($3::bigint IS NULL OR s.token = $3))
+                           OR s.node IS NULL
+                           OR NOT EXISTS (SELECT 1 FROM clade_nodes n
+                                          WHERE n.name = s.node AND n.lease_until > now()))"
+                    ),
+                    &[&id, &node, &token],
+                )
+                .await?;
+            c.execute(GC_TOMBSTONES, &[]).await?;
+            Ok(n)
         })?;
         Ok(n == 1)
     }
@@ -473,15 +484,21 @@ impl Db {
         Ok(n == 1)
     }
 
-    /// Removes the row of a lost sandbox (a kill of it).
+    /// A lost sandbox was killed: its row becomes a tombstone (see [`TOMBSTONE`]).
     pub async fn forget_lost(&self, id: &str) -> Result<bool> {
         let n = self
             .run(|c| async move {
-                c.execute(
-                    "DELETE FROM clade_sandboxes WHERE id = $1 AND state = 'lost'",
-                    &[&id],
-                )
-                .await
+                let n = c
+                    .execute(
+                        &format!(
+                            "UPDATE clade_sandboxes s SET {TOMBSTONE}
+                             WHERE s.id = $1 AND s.state = 'lost'"
+                        ),
+                        &[&id],
+                    )
+                    .await?;
+                c.execute(GC_TOMBSTONES, &[]).await?;
+                Ok(n)
             })
             .await?;
         Ok(n == 1)
@@ -495,6 +512,7 @@ impl Db {
                     "SELECT s.id, s.node, s.token, s.state, s.durable, s.lost_why, n.address, s.checkpointed,
                        COALESCE(n.lease_until > now(), false), COALESCE(n.draining, false)
                      FROM clade_sandboxes s LEFT JOIN clade_nodes n ON n.name = s.node
+                     WHERE s.state <> 'killed'
                      ORDER BY s.id",
                     &[],
                 )
@@ -572,6 +590,21 @@ impl Db {
         Ok(self.nodes().await?.into_iter().find(|n| n.name == name))
     }
 }
+
+/// What a kill leaves of a sandbox's row: a tombstone (state `killed`, no owner, its
+/// token bumped), so that a node that held a copy while it was away (stopped, cut off)
+/// finds out it was killed when it comes back, instead of taking a missing row for a
+/// sandbox not recorded yet, and neither resumes nor publishes it again. A sandbox id is
+/// never reused, so a tombstone stands for nothing else.
+const TOMBSTONE: &str = "node = NULL, token = s.token + 1, state = 'killed', durable = false,
+     checkpointed = false, lost_why = NULL, updated = now()";
+
+/// Tombstones are kept for a week, far longer than any lease, any
+/// pause of a node's process or an operator's repair takes; then removed (by each kill,
+/// in the same round trip). A node away for longer than that must not rejoin with its
+/// old state directory.
+const GC_TOMBSTONES: &str = "DELETE FROM clade_sandboxes
+     WHERE state = 'killed' AND updated < now() - make_interval(days => 7)";
 
 /// Every node with what its running sandboxes commit (see [`NodeRow`]).
 const NODES_SQL: &str =

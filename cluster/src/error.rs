@@ -17,6 +17,10 @@ pub enum Error {
         /// What happened.
         why: String,
     },
+    /// The sandbox was killed (the registry holds its tombstone): nothing may record or
+    /// act on it again.
+    #[error("sandbox {0} was killed")]
+    Killed(String),
     /// No such node.
     #[error("no node named {0} in the cluster")]
     NoSuchNode(String),

@@ -417,6 +417,15 @@ impl Node {
                 mem_mib: rec.mem_mib,
             },
         )?;
+        let Some(token) = token else {
+            // Killed through another node while this one held it: not brought back.
+            self.room
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .running
+                .remove(&rec.id);
+            return Err(Error::Killed(rec.id.clone()));
+        };
         self.tokens
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -549,7 +558,8 @@ impl Ownership for Node {
         let row = self.db.owner_blocking(id).map_err(cluster_err)?;
         let Some(row) = row else {
             // Not recorded yet (its record failed, or the registry was reset): this
-            // node's, as long as the node is in the cluster.
+            // node's, as long as the node is in the cluster. A killed sandbox is not
+            // here: its row stays, as a tombstone (see `db`).
             return Ok(());
         };
         let me = self.cfg.name.as_str();
@@ -564,6 +574,7 @@ impl Ownership for Node {
                 id: id.to_string(),
                 why: match (&row.node, row.state.as_str()) {
                     (Some(n), _) => format!("node {n} holds it"),
+                    (None, "killed") => "it was killed (through another node)".into(),
                     (None, "lost") => format!(
                         "it was marked lost ({})",
                         row.lost_why
@@ -599,7 +610,13 @@ impl Ownership for Node {
     }
 
     fn record(&self, rec: &Record) -> sandbox::Result<()> {
-        self.record_now(rec).map_err(cluster_err)
+        self.record_now(rec).map_err(|e| match e {
+            Error::Killed(id) => sandbox::Error::Fenced {
+                id,
+                why: "it was killed (through another node)".into(),
+            },
+            e => cluster_err(e),
+        })
     }
 
     fn checkpointed(&self, id: &str) -> sandbox::Result<()> {

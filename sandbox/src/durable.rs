@@ -12,6 +12,13 @@
 //!   writes this object if absent. Exactly one host's write succeeds, so one pause is
 //!   resumed once, whichever hosts try.
 //!
+//! The sandbox object is the one object a publish replaces (snapshots' objects are only
+//! added, under content-derived keys), so it is the one a host that lost the sandbox
+//! must not write. Checking ownership first and writing after is not enough (a host
+//! stalled between the two would overwrite the new owner's object), so the write itself
+//! is fenced by a claim (see [`Durable::put_sandbox_object`]): conditional creates are
+//! all it needs, which every store offers (S3's `If-None-Match`, `file://`, `memory://`).
+//!
 //! A host that takes a sandbox over restores its snapshot lazily through the host's
 //! fetcher (the store crate's chunk cache, shared with the VM processes read-only; the VM
 //! process itself opens no network socket).
@@ -451,8 +458,69 @@ impl Durable {
         .map_err(store_err)
     }
 
-    /// Writes sandbox `o`'s object (replacing the one before).
+    /// Writes sandbox `o`'s object (a pause or checkpoint this host published), replacing
+    /// the one before only while this host still holds the sandbox in the store itself,
+    /// whatever it was told before (see the module: the write carries its own fence).
+    ///
+    /// - No object yet: written only if still absent (a conditional create).
+    /// - The object there is another host's: [`Error::Fenced`].
+    /// - It is this host's: this host claims the pause it names before replacing it. A
+    ///   host takes a sandbox over only by claiming the pause of the object it read, and
+    ///   a claim is a conditional create, so exactly one of the two wins: this host (the
+    ///   object it replaces can no longer be resumed elsewhere), or the host that took it
+    ///   over ([`Error::Fenced`]: nothing is written, that host's object stays).
     pub fn put_sandbox_object(&self, o: &SandboxObject) -> Result<()> {
+        let key = sandbox_key(&o.id);
+        let bytes =
+            Bytes::from(serde_json::to_vec_pretty(o).map_err(|e| Error::Corrupt(e.to_string()))?);
+        let fenced = |why: String| Error::Fenced {
+            id: o.id.clone(),
+            why,
+        };
+        let Some(cur) = self.sandbox_object(&o.id)? else {
+            if self
+                .block_on(self.store.put_if_absent(&key, bytes))
+                .map_err(store_err)?
+            {
+                return Ok(());
+            }
+            return Err(fenced(
+                "another host published it meanwhile (its store object appeared)".into(),
+            ));
+        };
+        if cur.host != self.host_id {
+            return Err(fenced(format!(
+                "host {} published it last (its store object is that host's)",
+                cur.host
+            )));
+        }
+        if cur.pause == o.pause {
+            // The same pause again (a retried publish): not claimed, or nobody could
+            // resume it; refused if another host resumed it.
+            let claim = claim_key(&o.id, cur.pause);
+            if let Some(holder) = self.get_if_there(&claim)? {
+                if holder.as_ref() != self.host_id.as_bytes() {
+                    return Err(fenced(format!(
+                        "another host resumed pause {} ({})",
+                        cur.pause,
+                        self.store.key(&claim)
+                    )));
+                }
+            }
+        } else {
+            match self.claim(&o.id, cur.pause) {
+                Err(Error::Conflict(why)) => return Err(fenced(why)),
+                r => r?,
+            }
+        }
+        self.block_on(self.store.put(&key, bytes))
+            .map_err(store_err)
+    }
+
+    /// Writes the object of sandbox `o`, which this host took over after claiming the
+    /// pause of the object it read (see [`Durable::put_sandbox_object`]): from then on
+    /// it is this host's.
+    pub fn put_taken_over_object(&self, o: &SandboxObject) -> Result<()> {
         let bytes = serde_json::to_vec_pretty(o).map_err(|e| Error::Corrupt(e.to_string()))?;
         self.block_on(self.store.put(&sandbox_key(&o.id), Bytes::from(bytes)))
             .map_err(store_err)
@@ -648,6 +716,91 @@ mod tests {
         assert!(a.sandbox_object("isb").unwrap().is_none());
         // Its claims went with it.
         a.claim("isb", 1).unwrap();
+        drop((a, b));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Two hosts on one store (`file://`), interleaved deliberately: host a owns the
+    /// sandbox and publishes; it stalls after its ownership check, host b takes the
+    /// sandbox over and publishes its own pause; a's late publish must fail and leave b's
+    /// object as it is.
+    #[test]
+    fn a_stalled_hosts_late_publish_is_fenced_and_the_new_owners_object_stays() {
+        let dir = std::env::temp_dir().join(format!("sandbox-fence-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("file://{}", dir.join("store").display());
+        std::fs::create_dir_all(dir.join("store")).unwrap();
+        let open = |n: &str| {
+            let state = dir.join(n);
+            std::fs::create_dir_all(&state).unwrap();
+            Durable::open(
+                &StoreConfig {
+                    url: url.clone(),
+                    options: StoreOptions::default(),
+                    cache_dir: state.join("cache"),
+                    cache_limit: 1 << 30,
+                },
+                &state,
+            )
+            .unwrap()
+        };
+        let (a, b) = (open("a"), open("b"));
+        let by = |d: &Durable, pause: u32, snapshot: &str| SandboxObject {
+            id: "isb".into(),
+            pause,
+            snapshot: snapshot.into(),
+            host: d.host_id().to_string(),
+            ..object()
+        };
+        let a1 = "a1000000000000000000000000000000";
+        let a2 = "a2000000000000000000000000000000";
+        let b2 = "b2000000000000000000000000000000";
+        // a's first pause, then a resumes it and pauses again: its own object each time.
+        a.put_sandbox_object(&by(&a, 1, a1)).unwrap();
+        a.claim("isb", 1).unwrap();
+        a.put_sandbox_object(&by(&a, 2, a2)).unwrap();
+        // a's next publish (pause 3) passed its ownership check, then a stalled. Its lease
+        // ended; b takes the sandbox over from pause 2, resumes and pauses it (pause 3).
+        let read = b.sandbox_object("isb").unwrap().unwrap();
+        assert_eq!(read.snapshot, a2);
+        b.claim("isb", read.pause).unwrap();
+        b.put_taken_over_object(&SandboxObject {
+            host: b.host_id().to_string(),
+            ..read
+        })
+        .unwrap();
+        b.put_sandbox_object(&by(&b, 3, b2)).unwrap();
+        // a continues: its late write is refused, whichever pause it names.
+        for pause in [3, 4, 2] {
+            let late = a.put_sandbox_object(&by(&a, pause, a2));
+            assert!(matches!(late, Err(Error::Fenced { .. })), "{late:?}");
+        }
+        let now = a.sandbox_object("isb").unwrap().unwrap();
+        assert_eq!((now.snapshot.as_str(), now.pause), (b2, 3));
+        assert_eq!(now.host, b.host_id());
+        // b goes on publishing.
+        b.claim("isb", 3).unwrap();
+        b.put_sandbox_object(&by(&b, 4, b2)).unwrap();
+
+        // Stalled the other way round: a wins the race for its own pause before b
+        // resumes it. b's takeover finds the pause claimed, and a's publish stands.
+        a.delete_sandbox("isb").unwrap();
+        a.put_sandbox_object(&by(&a, 1, a1)).unwrap();
+        let read = b.sandbox_object("isb").unwrap().unwrap();
+        a.put_sandbox_object(&by(&a, 2, a2)).unwrap();
+        assert!(matches!(
+            b.claim("isb", read.pause),
+            Err(Error::Conflict(_))
+        ));
+        assert_eq!(b.sandbox_object("isb").unwrap().unwrap().snapshot, a2);
+        // A first publish does not replace another host's first publish either.
+        b.delete_sandbox("isb").unwrap();
+        b.put_sandbox_object(&by(&b, 1, b2)).unwrap();
+        assert!(matches!(
+            a.put_sandbox_object(&by(&a, 1, a1)),
+            Err(Error::Fenced { .. })
+        ));
+        assert_eq!(a.sandbox_object("isb").unwrap().unwrap().snapshot, b2);
         drop((a, b));
         std::fs::remove_dir_all(&dir).unwrap();
     }

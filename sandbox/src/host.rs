@@ -322,7 +322,13 @@ impl Host {
         let Some(o) = &self.ownership else {
             return Ok(());
         };
-        match o.check(&rec.id) {
+        self.forget_if_fenced(rec, o.check(&rec.id))
+    }
+
+    /// `r` is what the cluster or the store said of sandbox `rec` (its lock held): if it
+    /// is [`Error::Fenced`], this host forgets its copy (without touching the store).
+    fn forget_if_fenced(&self, rec: &Record, r: Result<()>) -> Result<()> {
+        match r {
             Err(e @ Error::Fenced { .. }) => {
                 tracing::warn!(sandbox = %rec.id, "{e}: forgetting this host's copy");
                 if let Err(f) = self.teardown_locked(rec.clone()) {
@@ -463,7 +469,8 @@ impl Host {
         match now_rec {
             Some(mut r) if r.state == State::Paused && r.pauses == rec.pauses => {
                 self.fence(&r)?;
-                d.put_sandbox_object(&object)?;
+                // Fenced by the store too: the check above and this write are not one.
+                self.forget_if_fenced(&r, d.put_sandbox_object(&object))?;
                 r.published_pause = Some(rec.pauses);
                 r.published_ms = Some(now);
                 self.reg().update(&r)?;
@@ -512,7 +519,7 @@ impl Host {
         d.claim(id, o.pause)?;
         // Ours now: a kill on the host it came from no longer removes its objects.
         o.host = d.host_id().to_string();
-        d.put_sandbox_object(&o)?;
+        d.put_taken_over_object(&o)?;
         let dir = self.sandboxes_dir().join(id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
         write_template_copy(&dir, &o.template)?;

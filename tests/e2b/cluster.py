@@ -321,7 +321,10 @@ class Cluster:
         return [line.split("|") for line in r.stdout.splitlines() if line]
 
     def owner(self, sandbox_id):
-        rows = self.psql(f"SELECT node, token, state, durable FROM clade_sandboxes WHERE id = '{sandbox_id}'")
+        """Sandbox SANDBOX_ID's row in the registry (None: none, or its tombstone)."""
+        rows = self.psql(
+            f"SELECT node, token, state, durable FROM clade_sandboxes WHERE id = '{sandbox_id}' AND state <> 'killed'"
+        )
         return rows[0] if rows else None
 
     def nodes_json(self):

@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import KEY, REPO, Cluster, api  # noqa: E402
 
 LEASE_MS = 2000
+# The registry's rows of sandboxes that exist (a kill leaves a tombstone: state 'killed').
+LIVE_ROWS = "SELECT id FROM clade_sandboxes WHERE state <> 'killed'"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def durable(cl, url, sid, timeout=120):
 
 def kill_all(cl):
     gw = cl.nodes["gw"].url
-    for (sid,) in cl.psql("SELECT id FROM clade_sandboxes"):
+    for (sid,) in cl.psql(LIVE_ROWS):
         api(gw, "DELETE", f"/sandboxes/{sid}")
 
 
@@ -150,9 +152,9 @@ def test_a_full_cluster_answers_503_and_creates_nothing(cl):
     status, body, _ = api(gw, "POST", "/sandboxes", {"templateID": "t", "timeout": 300})
     assert status == 503, (status, body)
     assert "out of capacity" in body["message"], body
-    assert len(cl.psql("SELECT id FROM clade_sandboxes")) == 9
+    assert len(cl.psql(LIVE_ROWS)) == 9
     kill_all(cl)
-    assert cl.psql("SELECT id FROM clade_sandboxes") == []
+    assert cl.psql(LIVE_ROWS) == []
 
 
 def test_creates_at_the_same_moment_never_pass_a_nodes_capacity(cl):
@@ -181,7 +183,7 @@ def test_creates_at_the_same_moment_never_pass_a_nodes_capacity(cl):
     for s in made:
         assert health(gw, s) == 204
     kill_all(cl)
-    assert cl.psql("SELECT id FROM clade_sandboxes") == []
+    assert cl.psql(LIVE_ROWS) == []
 
 
 def test_a_killed_node_leaves_its_paused_sandboxes_resumable_and_its_running_ones_lost(cl):
@@ -255,6 +257,52 @@ def test_a_stopped_node_past_its_lease_touches_nothing_when_it_continues(cl):
     assert api(b.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
     assert api(b.url, "POST", f"/sandboxes/{paused}/connect", {"timeout": 300})[0] in (200, 201)
     assert cl.owner(paused)[0] == taken_by
+    kill_all(cl)
+
+
+def test_a_sandbox_killed_while_its_node_was_stopped_never_comes_back(cl):
+    b, gw = cl.nodes["b"], cl.nodes["gw"].url
+    running = create(b.url)
+    paused = create(b.url)
+    assert cl.owner(running)[0] == "b" and cl.owner(paused)[0] == "b"
+    assert api(b.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
+    durable(cl, gw, paused)
+    obj = os.path.join(cl.dir, "s3/clade/cluster/sandboxes", f"{paused}.json")
+    assert os.path.exists(obj)
+    assert b.vm_pids(running)
+    b.stop()
+    try:
+        cl.wait_lease_ended("b")
+        # Both killed through the gateway while their owner is away.
+        assert api(gw, "DELETE", f"/sandboxes/{running}")[0] == 204
+        assert api(gw, "DELETE", f"/sandboxes/{paused}")[0] == 204
+        assert not os.path.exists(obj)
+        for sid in (running, paused):
+            assert cl.owner(sid) is None
+            # The kill left a tombstone, not a missing row.
+            assert cl.psql(f"SELECT node, state FROM clade_sandboxes WHERE id = '{sid}'") == [["", "killed"]]
+    finally:
+        b.cont()
+    deadline = time.monotonic() + 15
+    while "rejoined the cluster" not in b.log_text():
+        assert time.monotonic() < deadline, b.log_text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1)
+    # b forgot both: no VM, nothing answered on b or through the gateway, not listed,
+    # nothing put back in the registry or the store.
+    deadline = time.monotonic() + 10
+    while b.vm_pids(running):
+        assert time.monotonic() < deadline, "the killed sandbox's VM still runs on node b"
+        time.sleep(0.1)
+    for sid in (running, paused):
+        for url in (b.url, gw):
+            status, body, _ = info(url, sid)
+            assert status == 404, (url, sid, status, body)
+        assert cl.owner(sid) is None
+    status, body, _ = api(gw, "GET", "/sandboxes")
+    assert status == 200 and not {running, paused} & {s["sandboxID"] for s in body}, body
+    assert api(gw, "POST", f"/sandboxes/{paused}/connect", {"timeout": 300})[0] == 404
+    assert not os.path.exists(obj)
     kill_all(cl)
 
 
@@ -343,10 +391,10 @@ def test_a_fork_beyond_its_node_goes_on_elsewhere_from_a_snapshot(cl):
         assert rec["auto_pause"] == 1, rec
         assert rec["envd_token"] and rec["envd_token"] != cl.nodes["a"].record(parent)["envd_token"]
     # Nowhere with room for eight more: nothing is made.
-    before = len(cl.psql("SELECT id FROM clade_sandboxes"))
+    before = len(cl.psql(LIVE_ROWS))
     status, body, _ = api(gw, "POST", f"/sandboxes/{parent}/fork", {"count": 8, "timeout": 300})
     assert status == 503, body
-    assert len(cl.psql("SELECT id FROM clade_sandboxes")) == before
+    assert len(cl.psql(LIVE_ROWS)) == before
     kill_all(cl)
 
 

@@ -79,7 +79,8 @@ impl Host {
             now,
         );
         object.checkpoint_ms = Some(snap.created_ms);
-        d.put_sandbox_object(&object)?;
+        // Fenced by the store itself (see `Durable::put_sandbox_object`).
+        self.forget_if_fenced(&rec, d.put_sandbox_object(&object))?;
         if let Some(o) = &self.ownership {
             if let Err(e) = o.checkpointed(id) {
                 tracing::warn!(sandbox = %id, "recording its checkpoint in the cluster: {e}");
