@@ -165,7 +165,15 @@ fn a_standby_restores_on_request_and_then_is_an_ordinary_vm() {
     }
     assert!(!root.join("vm.vsock").exists());
     // A stale socket where the VM's goes (left by a VM process that ended): replaced.
-    drop(std::os::unix::net::UnixListener::bind(root.join("vm.vsock")).unwrap());
+    // Bound but never listening: a copy of it that a process spawned meanwhile by another
+    // test's thread holds until its exec accepts nothing either, as a dropped listener's
+    // copy would (the restore then took the socket for a live one).
+    {
+        use socket2::{Domain, SockAddr, Socket, Type};
+        let s = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        s.bind(&SockAddr::unix(root.join("vm.vsock")).unwrap())
+            .unwrap();
+    }
     // The standby made its serial file and vsock socket ahead, next to its API socket:
     // the restore moves them into place (same files), it does not create them.
     let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
