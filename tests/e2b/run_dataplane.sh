@@ -10,10 +10,14 @@ if [ ! -x "$VENV/bin/pytest" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -r tests/e2b/requirements.txt pytest
 fi
-STATE=$(mktemp -d)
-chmod 755 "$STATE"  # the scratch dir below is reachable by another user (test_files_as_another_user)
+# The service's state directory is private to it (0700); the tests' scratch directory is
+# beside it, reachable by another user (test_files_as_another_user).
+RUN=$(mktemp -d)
+chmod 755 "$RUN"
+STATE="$RUN/state"
+mkdir "$STATE"
 PORT=${CLADE_DP_PORT:-39417}
-export CLADE_DP_SCRATCH="$STATE/scratch"
+export CLADE_DP_SCRATCH="$RUN/scratch"
 CLADE_API_KEY=dp-test target/debug/clade serve --listen 127.0.0.1:$PORT --state-dir "$STATE" \
   --test-host-agent target/debug/clade-agent >"$STATE/serve.log" 2>&1 &
 SERVE=$!
@@ -38,7 +42,7 @@ CLADE_API_KEY=dp-test target/debug/clade serve --listen 127.0.0.1:$TLS_PORT --st
   --domain "$TLS_DOMAIN" --tls-cert "$TLS/cert.pem" --tls-key "$TLS/key.pem" \
   --test-host-agent target/debug/clade-agent >"$STATE/serve-tls.log" 2>&1 &
 SERVE_TLS=$!
-trap 'kill $SERVE $SERVE_TLS 2>/dev/null; wait $SERVE $SERVE_TLS 2>/dev/null; rm -rf "$STATE"' EXIT
+trap 'kill $SERVE $SERVE_TLS 2>/dev/null; wait $SERVE $SERVE_TLS 2>/dev/null; rm -rf "$RUN"' EXIT
 for _ in $(seq 50); do grep -q listening "$STATE/serve.log" && grep -q listening "$STATE/serve-tls.log" && break; sleep 0.1; done
 E2B_API_URL=http://127.0.0.1:$PORT E2B_SANDBOX_URL=http://127.0.0.1:$PORT E2B_API_KEY=dp-test \
   CLADE_TLS_DOMAIN=$TLS_DOMAIN CLADE_TLS_PORT=$TLS_PORT CLADE_TLS_CA="$TLS/ca.pem" SSL_CERT_FILE="$TLS/ca.pem" \
