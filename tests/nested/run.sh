@@ -106,7 +106,7 @@ fi
 # (under nf_conntrack and nf_tables) needs a crc32c algorithm when it loads, and L1 has no
 # modprobe to fetch one on demand.
 export NESTED_L1_MODULES="${NESTED_L1_MODULES:+$NESTED_L1_MODULES }crc32c_generic tun veth nf_tables nft_chain_nat nft_nat nft_masq nft_ct"
-export NESTED_L1_BINS="${NESTED_L1_BINS:-nft ip dnsmasq mkfs.ext4 script}"
+export NESTED_L1_BINS="${NESTED_L1_BINS:-nft ip dnsmasq mkfs.ext4 debugfs script}"
 
 NETDEV=""
 if [ ${#FORWARDS[@]} -gt 0 ]; then

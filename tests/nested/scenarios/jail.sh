@@ -58,7 +58,9 @@ gx() {
 pid_of() {
     for d in /proc/[0-9]*; do
         tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "$1" || continue
-        grep -q '^Uid:[[:space:]]*65534[[:space:]]' "$d/status" 2>/dev/null && echo "${d#/proc/}"
+        grep -q '^Uid:[[:space:]]*65534[[:space:]]' "$d/status" 2>/dev/null || continue
+        # The VM process holds /dev/kvm; the jail's keeper (also 65534 now) does not.
+        ls -l "$d/fd" 2>/dev/null | grep -q 'kvm' && echo "${d#/proc/}"
     done
 }
 # confined PID NAME: every thread of PID is jailed and filtered.
