@@ -75,19 +75,31 @@ fn start_serve_env(
     extra: &[&str],
     env: &[(&'static str, String)],
 ) -> Proc {
+    let mut args = vec!["--api-key", "k"];
+    args.extend_from_slice(extra);
+    serve_listening(
+        state,
+        port,
+        &args,
+        env.iter().map(|(k, v)| (*k, v.as_str())),
+    )
+}
+
+/// `clade serve` on 127.0.0.1:`port` with `args` and `env` added to its environment, once
+/// it listens.
+fn serve_listening<'a>(
+    state: &Path,
+    port: u16,
+    args: &[&str],
+    env: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Proc {
     let p = Proc(
         clade()
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--api-key",
-                "k",
-            ])
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--state-dir")
             .arg(state)
-            .args(extra)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .args(args)
+            .envs(env)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
@@ -1977,25 +1989,7 @@ fn vm_processes_get_no_secret_no_descriptor_and_no_host_network() {
     assert!(UnixStream::connect_addr(&addr).is_ok());
     for standby in ["1", "0"] {
         let port = free_port();
-        let serve = Proc(
-            clade()
-                .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-                .arg("--state-dir")
-                .arg(&state)
-                .args(["--standby", standby])
-                .envs(SECRETS)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let t = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "serve never listened"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let serve = serve_listening(&state, port, &["--standby", standby], SECRETS);
         if standby == "1" {
             wait_standbys(&state, 1);
         }

@@ -130,25 +130,38 @@ pub fn postgres(mode: SslMode, root: Option<&Path>) -> Result<ClientConfig> {
     match (mode, roots) {
         (SslMode::VerifyFull, Some(r)) => verifying(r),
         (SslMode::VerifyCa | SslMode::Require, Some(r)) => {
-            let inner = WebPkiServerVerifier::builder_with_provider(Arc::new(r), provider())
+            let chain = WebPkiServerVerifier::builder_with_provider(Arc::new(r), provider())
                 .build()
                 .map_err(|e| Error::Config(format!("TLS verifier: {e}")))?;
-            with_verifier(Arc::new(ChainOnly(inner)))
+            with_verifier(Arc::new(Lenient {
+                chain: Some(chain),
+                provider: provider(),
+            }))
         }
         (SslMode::VerifyCa | SslMode::VerifyFull, None) => Err(Error::Config(format!(
             "sslmode={mode} needs sslrootcert=FILE (the CA of the server's certificate)"
         ))),
         (SslMode::Disable | SslMode::Prefer | SslMode::Require, _) => {
-            with_verifier(Arc::new(Unverified(provider())))
+            with_verifier(Arc::new(Lenient {
+                chain: None,
+                provider: provider(),
+            }))
         }
     }
 }
 
-/// `verify-ca`: the chain to a trusted CA, whatever host the certificate names.
+/// The checks libpq's weaker modes make of the server's certificate, which rustls' own
+/// verifier (`verify-full`: chain and name) does not offer: `verify-ca` checks the chain to
+/// a trusted CA whatever host the certificate names (`chain`); `prefer` and `require`
+/// take any certificate (`chain` is `None`). Either way the handshake's signatures are
+/// checked, so the session is with whoever holds the certificate's key.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct Lenient {
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    provider: Arc<CryptoProvider>,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -158,11 +171,11 @@ impl ServerCertVerifier for ChainOnly {
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, tokio_rustls::rustls::Error> {
         use tokio_rustls::rustls::{CertificateError, Error as E};
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
         // webpki checks the chain before the name: a name error means the chain held.
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(E::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -176,7 +189,8 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        crypto::verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -185,61 +199,14 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        crypto::verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// `prefer` and `require`: encrypted, any certificate (the handshake's signatures are still
-/// checked, so the session is with whoever holds the certificate's key).
-#[derive(Debug)]
-struct Unverified(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, tokio_rustls::rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 

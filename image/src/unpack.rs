@@ -21,7 +21,7 @@
 //! image's owners, modes, capabilities and device nodes as they were.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, OpenOptions};
+use std::fs::{self, File, OpenOptions};
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -253,6 +253,18 @@ impl LayerApply<'_> {
         self.bad(path, format!("{what}: {e}"))
     }
 
+    /// A new file at `full` (`rel` in the image), private to the service and never through
+    /// a link: an entry's data, or the placeholder of a node made in the image only.
+    fn create_file(&self, rel: &Path, full: &Path) -> Result<File> {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(full)
+            .map_err(|e| self.io(rel, "creating", e))
+    }
+
     fn count(&mut self, n: u64) -> Result<()> {
         self.report.bytes = self.report.bytes.saturating_add(n);
         if self.report.bytes > self.limits.max_bytes {
@@ -368,13 +380,7 @@ impl LayerApply<'_> {
             T::Regular | T::Continuous => {
                 self.count(entry.size())?;
                 self.remove(&rel, &full)?;
-                let mut f = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .mode(0o600)
-                    .open(&full)
-                    .map_err(|e| self.io(&rel, "creating", e))?;
+                let mut f = self.create_file(&rel, &full)?;
                 std::io::copy(&mut entry, &mut f).map_err(|e| {
                     Error::BadBlob(format!(
                         "layer {}: {}: reading its data: {e}",
@@ -435,13 +441,7 @@ impl LayerApply<'_> {
             T::Char | T::Block | T::Fifo => {
                 // An empty placeholder: the node itself is made in the image only.
                 self.remove(&rel, &full)?;
-                OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .mode(0o600)
-                    .open(&full)
-                    .map_err(|e| self.io(&rel, "creating", e))?;
+                self.create_file(&rel, &full)?;
             }
             other => {
                 return Err(self.bad(&rel, format!("entry type {other:?} is not supported")));

@@ -677,9 +677,10 @@ mod tests {
         assert!(SandboxObject::parse("iabc", &serde_json::to_vec(&bad).unwrap()).is_err());
     }
 
-    #[test]
-    fn claims_let_exactly_one_host_resume_a_pause() {
-        let dir = std::env::temp_dir().join(format!("sandbox-claims-{}", std::process::id()));
+    /// Two hosts (state directories `a` and `b`) on one `file://` store, under a directory
+    /// of this test's own (returned, for the test to remove).
+    fn two_hosts(test: &str) -> (std::path::PathBuf, Durable, Durable) {
+        let dir = std::env::temp_dir().join(format!("sandbox-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let url = format!("file://{}", dir.join("store").display());
         std::fs::create_dir_all(dir.join("store")).unwrap();
@@ -698,6 +699,12 @@ mod tests {
             .unwrap()
         };
         let (a, b) = (open("a"), open("b"));
+        (dir, a, b)
+    }
+
+    #[test]
+    fn claims_let_exactly_one_host_resume_a_pause() {
+        let (dir, a, b) = two_hosts("claims");
         assert_ne!(a.host_id(), b.host_id());
         a.claim("isb", 1).unwrap();
         // Again by the same host: still its claim.
@@ -726,25 +733,7 @@ mod tests {
     /// object as it is.
     #[test]
     fn a_stalled_hosts_late_publish_is_fenced_and_the_new_owners_object_stays() {
-        let dir = std::env::temp_dir().join(format!("sandbox-fence-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let url = format!("file://{}", dir.join("store").display());
-        std::fs::create_dir_all(dir.join("store")).unwrap();
-        let open = |n: &str| {
-            let state = dir.join(n);
-            std::fs::create_dir_all(&state).unwrap();
-            Durable::open(
-                &StoreConfig {
-                    url: url.clone(),
-                    options: StoreOptions::default(),
-                    cache_dir: state.join("cache"),
-                    cache_limit: 1 << 30,
-                },
-                &state,
-            )
-            .unwrap()
-        };
-        let (a, b) = (open("a"), open("b"));
+        let (dir, a, b) = two_hosts("fence");
         let by = |d: &Durable, pause: u32, snapshot: &str| SandboxObject {
             id: "isb".into(),
             pause,

@@ -186,13 +186,20 @@ def test_creates_at_the_same_moment_never_pass_a_nodes_capacity(cl):
     assert cl.psql(LIVE_ROWS) == []
 
 
+def running_and_paused(cl, name):
+    """Two sandboxes made on node `name`: one left running, one paused and in the store."""
+    node, gw = cl.nodes[name], cl.nodes["gw"].url
+    running = create(node.url)
+    paused = create(node.url)
+    assert cl.owner(running)[0] == name and cl.owner(paused)[0] == name
+    assert api(node.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
+    durable(cl, gw, paused)
+    return running, paused
+
+
 def test_a_killed_node_leaves_its_paused_sandboxes_resumable_and_its_running_ones_lost(cl):
     a, gw = cl.nodes["a"], cl.nodes["gw"].url
-    running = create(a.url)
-    paused = create(a.url)
-    assert cl.owner(running)[0] == "a" and cl.owner(paused)[0] == "a"
-    assert api(a.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
-    durable(cl, gw, paused)
+    running, paused = running_and_paused(cl, "a")
     vms = a.vm_pids(running)
     assert vms
     a.kill()
@@ -262,11 +269,7 @@ def test_a_stopped_node_past_its_lease_touches_nothing_when_it_continues(cl):
 
 def test_a_sandbox_killed_while_its_node_was_stopped_never_comes_back(cl):
     b, gw = cl.nodes["b"], cl.nodes["gw"].url
-    running = create(b.url)
-    paused = create(b.url)
-    assert cl.owner(running)[0] == "b" and cl.owner(paused)[0] == "b"
-    assert api(b.url, "POST", f"/sandboxes/{paused}/pause")[0] == 204
-    durable(cl, gw, paused)
+    running, paused = running_and_paused(cl, "b")
     obj = os.path.join(cl.dir, "s3/clade/cluster/sandboxes", f"{paused}.json")
     assert os.path.exists(obj)
     assert b.vm_pids(running)

@@ -38,6 +38,21 @@ async fn call(
     call_key(app, method, uri, body, Some(KEY)).await
 }
 
+/// E2B's "files" call for template `t1`'s files of `hash`, asked of host `clade.test:3000`:
+/// its status and its body (`present`, and the upload link `url` when not).
+async fn upload_link(app: &Router, hash: &str) -> (u16, Value) {
+    let req = HttpRequest::builder()
+        .uri(format!("/templates/t1/files/{hash}"))
+        .header("X-API-KEY", KEY)
+        .header("host", "clade.test:3000")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
 async fn call_key(
     app: &Router,
     method: &str,
@@ -825,15 +840,7 @@ async fn upload_links_expire_and_never_replace_a_hashs_files() {
         ..state_of(Arc::new(h))
     });
     let hash = "d".repeat(64);
-    let get_link = HttpRequest::builder()
-        .uri(format!("/templates/t1/files/{hash}"))
-        .header("X-API-KEY", KEY)
-        .header("host", "clade.test:3000")
-        .body(Body::empty())
-        .unwrap();
-    let resp = app.clone().oneshot(get_link).await.unwrap();
-    let v: Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let (_, v) = upload_link(&app, &hash).await;
     let link = v["url"]
         .as_str()
         .unwrap()
@@ -923,16 +930,8 @@ async fn template_builds_as_the_sdk_drives_them() {
     }
     // The upload link, and the upload through it (no API key).
     let hash = "b".repeat(64);
-    let get_link = HttpRequest::builder()
-        .uri(format!("/templates/t1/files/{hash}"))
-        .header("X-API-KEY", KEY)
-        .header("host", "clade.test:3000")
-        .body(Body::empty())
-        .unwrap();
-    let resp = app.clone().oneshot(get_link).await.unwrap();
-    assert_eq!(resp.status().as_u16(), 201);
-    let v: Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let (status, v) = upload_link(&app, &hash).await;
+    assert_eq!(status, 201);
     assert_eq!(v["present"], false);
     let url = v["url"].as_str().unwrap().to_string();
     let path = url
@@ -1012,15 +1011,7 @@ async fn template_builds_as_the_sdk_drives_them() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(kept, vec![format!("{hash}.tar")]);
-    let again = HttpRequest::builder()
-        .uri(format!("/templates/t1/files/{hash}"))
-        .header("X-API-KEY", KEY)
-        .header("host", "clade.test:3000")
-        .body(Body::empty())
-        .unwrap();
-    let resp = app.clone().oneshot(again).await.unwrap();
-    let v: Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let (_, v) = upload_link(&app, &hash).await;
     assert_eq!(v["present"], true, "{v}");
     // A build whose base does not exist fails, with its reason and log.
     let start = format!("/v2/templates/t1/builds/{bid}");

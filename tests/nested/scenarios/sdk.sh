@@ -32,7 +32,7 @@
 #                 run.sh's second --disk: nothing outside is reached from here); print its
 #                 log's tail and `SDK-BASE-BUILT rc=<rc> <seconds> s`
 #   build-vms TAG print, for each process of a template build's VM (`build.api` on its
-#                 command line), `SDK-BUILD-VM TAG <pid> uid=… capeff=… nnp=… pidns=…
+#                 command line), `SDK-BUILD-VM TAG <pid> uid=… capeff=… nnp=… pidns=… kvm=0|1
 #                 cgroup=…` (its status and cgroup), then `SDK-BUILD-VMS TAG <count>`
 #   cluster-up URL  start a two-node cluster on the registry at URL (PostgreSQL on the
 #                 host, reached through run.sh --guestfwd 5432:...): node "n1" on port 8084
@@ -447,7 +447,11 @@ while [ -z "$verdict" ]; do
             nnp=$(echo "$st" | awk '/^NoNewPrivs:/ { print $2 }')
             pidns=$(echo "$st" | awk '/^NSpid:/ { print NF - 1 }')
             cg=$(grep -m1 -E ':memory:|^0::' "$d/cgroup" 2>/dev/null | cut -d: -f3)
-            echo "SDK-BUILD-VM $tag ${d#/proc/} uid=$uid capeff=$cap nnp=$nnp pidns=$pidns cgroup=$cg"
+            # kvm=1: the VM process itself (it holds /dev/kvm); the jail's keeper and the
+            # process waiting for the jail (both the VM's user too) do not.
+            kvm=0
+            ls -l "$d/fd" 2>/dev/null | grep -q '/dev/kvm' && kvm=1
+            echo "SDK-BUILD-VM $tag ${d#/proc/} uid=$uid capeff=$cap nnp=$nnp pidns=$pidns kvm=$kvm cgroup=$cg"
             n=$((n + 1))
         done
         echo "SDK-BUILD-VMS $tag $n"
