@@ -427,6 +427,12 @@ pub(crate) fn apply(netns: Option<&File>, doc: &Nftables) -> Result<()> {
     let json = serde_json::to_string(doc).map_err(|e| Error::Nft(format!("serialize: {e}")))?;
     tracing::trace!(%json, "nft -j -f -");
     let mut cmd = Command::new(nft_program());
+    // Nothing of the service's environment (its secrets, see `vmm::host::clean_child`)
+    // but where programs are found.
+    cmd.env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
     cmd.args(["-j", "-f", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())

@@ -225,6 +225,22 @@ fn is_banner(line: &str) -> bool {
         .is_some_and(|v| v.starts_with(|c: char| c.is_ascii_digit()))
 }
 
+/// The e2fsprogs program `name`, to run with no environment but `PATH`: the service that
+/// converts an image holds its secrets in its own (see `vmm::host::clean_child`).
+fn tool(name: &str) -> Command {
+    without_environment(sbin(name))
+}
+
+/// `program`, to start with no variable of this process's environment but `PATH`.
+fn without_environment(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    cmd
+}
+
 /// Writes `fixups` into the ext4 image `raw` with one debugfs batch (its files in `dir`).
 /// debugfs reports a failed command on stderr only (its status is 0): any line there but
 /// its banner is an error.
@@ -235,7 +251,7 @@ fn apply_fixups(raw: &Path, fixups: &[(PathBuf, Fixup)], dir: &Path) -> Result<(
     let script = dir.join("fixups.debugfs");
     let body = fixup_script(fixups, dir)?;
     std::fs::write(&script, body).map_err(|e| Error::io("writing", &script, e))?;
-    let out = Command::new(sbin("debugfs"))
+    let out = tool("debugfs")
         .arg("-w")
         .arg("-f")
         .arg(&script)
@@ -305,7 +321,7 @@ fn build_in(
     f.set_len(size).map_err(|e| Error::io("sizing", &raw, e))?;
     drop(f);
     let t = std::time::Instant::now();
-    let out = Command::new(sbin("mkfs.ext4"))
+    let out = tool("mkfs.ext4")
         .args(["-q", "-F", "-L", "clade-root", "-b", "4096", "-m", "0"])
         .args([
             "-E",
@@ -342,4 +358,24 @@ fn build_in(
         unpacked,
         times: [t_unpack, t_mkfs, t.elapsed()],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_e2fsprogs_tools_get_no_variable_but_path() {
+        // cargo gives the tests variables of their own (CARGO_*), as the service has its
+        // secrets.
+        assert!(std::env::vars().any(|(k, _)| k.starts_with("CARGO")));
+        let out = without_environment("/usr/bin/env").output().unwrap();
+        assert!(out.status.success());
+        let names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split('=').next().unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(names, ["PATH"]);
+        assert!(tool("debugfs").get_envs().all(|(k, _)| k == "PATH"));
+    }
 }
