@@ -33,13 +33,13 @@ fi
 footprint() { echo "== disk: $(du -sh "$REPO_ROOT/target" "$REPO_ROOT/build" 2>/dev/null | awk '{printf "%s %s  ", $2, $1}')free $(df -P -h "$REPO_ROOT" | awk 'NR == 2 {print $4}')"; }
 trap footprint EXIT
 
-echo "== lint: cargo fmt --check, cargo clippy -D warnings"
+echo "== [${SECONDS} s] lint: cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 LOG="$REPO_ROOT/target/cargo-test.log"
 mkdir -p "$REPO_ROOT/target"
-echo "== tiers 1+2: unit and native KVM tests"
+echo "== [${SECONDS} s] tiers 1+2: unit and native KVM tests"
 cargo test --workspace -- --nocapture 2>&1 | tee "$LOG"
 # Totals over every test binary, for the closing summary line.
 sum() { grep -E '^test result:' "$LOG" | grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s + 0}'; }
@@ -47,7 +47,7 @@ passed=$(sum passed)
 failed=$(sum failed)
 grep -h 'native counting loop' "$LOG" || true
 
-echo "== the embedding example (vmm/examples/embed.rs) on the native test guest"
+echo "== [${SECONDS} s] the embedding example (vmm/examples/embed.rs) on the native test guest"
 # Built by the tests above (tests/src/native_guest.rs).
 if cargo run --release --quiet -p vmm --example embed -- \
     "$REPO_ROOT/target/native-guest/release/native-guest" --test-guest; then
@@ -68,7 +68,7 @@ pytest_failed() {
     echo "$counts" | awk '{s += $1} END {print (s > 0 ? s : 1)}'
 }
 
-echo "== the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
+echo "== [${SECONDS} s] the e2b SDK (pinned, tests/e2b/requirements.txt) against clade serve"
 # The control plane with real VMs (templates of the native test guest), and the data plane
 # through clade serve's --test-host-agent harness (each sandbox a host-run clade-agent, so
 # commands, PTYs and files run without a Linux VM). Then the web dashboard (/dashboard) in
@@ -92,9 +92,9 @@ for suite in control dataplane dashboard report cluster; do
 done
 
 if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
-    echo "== tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
+    echo "== [${SECONDS} s] tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
 else
-    echo "== tier 3: nested (Debian kernel booted by clade under nested KVM in QEMU TCG)"
+    echo "== [${SECONDS} s] tier 3: nested (Debian kernel booted by clade under nested KVM in QEMU TCG)"
     # One outer boot runs every scenario (tests/nested/scenarios/suite.sh): "boot" (the
     # default: the guest reaches its agent and powers off) and each file staged below.
     # Each scenario counts as one test.
@@ -137,7 +137,7 @@ else
             "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$NESTED_OUT/suite.out" 2>&1 &
         local nested_pid=$!
         if [[ " $* " == *" sdk "* ]]; then
-            echo "== the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
+            echo "== [${SECONDS} s] the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
             if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$NESTED_OUT/nested.log" -p no:cacheprovider \
                 2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
                 n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}' || true)
@@ -196,18 +196,18 @@ else
     fi
     room=$((5100 - SECONDS))
     if [ ${#left[@]} -gt 0 ]; then
-        echo "== the nested machine stopped or ran out of time in this run:"
+        echo "== [${SECONDS} s] the nested machine stopped or ran out of time in this run:"
         grep -a -h -E "$STOPPED|NESTED-POKE|NESTED-WOKEN|TIMED OUT after" \
             "$NESTED_OUT/nested.log" "$NESTED_OUT/suite.out" || true
         if [ "$room" -ge 600 ]; then
-            echo "== not passed: ${left[*]}; they run again in a new nested machine (at most $((room < 1800 ? room : 1800)) s)"
+            echo "== [${SECONDS} s] not passed: ${left[*]}; they run again in a new nested machine (at most $((room < 1800 ? room : 1800)) s)"
             cp "$NESTED_OUT/nested.log" "$NESTED_OUT/nested-lockup.log"
             cp "$REPO_ROOT/target/e2b-linux.log" "$REPO_ROOT/target/e2b-linux-lockup.log" 2>/dev/null || true
             nested_run "$((room < 1800 ? room : 1800))" "${left[@]}"
             done_ok+=("${nested_ok[@]}")
             [[ " ${left[*]} " == *" sdk "* ]] && sdk_passed=$nested_sdk_passed
         else
-            echo "== no rerun: ${room} s left of the 85 minutes this script allows itself"
+            echo "== [${SECONDS} s] no rerun: ${room} s left of the 85 minutes this script allows itself"
         fi
     fi
     for s in "${todo[@]}"; do
@@ -224,5 +224,5 @@ else
         failed=$((failed + ${n:-1}))
     fi
 fi
-echo "all tiers: $passed passed, $failed failed"
+echo "all tiers: $passed passed, $failed failed ($SECONDS s)"
 [ "$failed" -eq 0 ]

@@ -112,6 +112,8 @@ trap stop_pg EXIT
 # passed FILE: the number of tests pytest's summary in FILE says passed.
 passed() { { grep -oE '[0-9]+ passed' "$1" || true; } | tail -1 | awk '{print $1}'; }
 rc=0
+# tests/e2b/conftest.py ends the session early once the nested machine has ended.
+export CLADE_NESTED_MACHINE_PID=${NESTED_PID:-${CLADE_NESTED_PID:-}}
 export E2B_API_URL=http://127.0.0.1:$PORT E2B_SANDBOX_URL=http://127.0.0.1:$PORT \
     E2B_API_KEY=nested-sdk-key CLADE_NESTED_CTL=127.0.0.1:$CTL CLADE_NESTED_LOG=$LOG \
     CLADE_NESTED_URL_A=http://127.0.0.1:$PORT_A CLADE_NESTED_URL_B=http://127.0.0.1:$PORT_B
@@ -123,7 +125,7 @@ else
     # CLADE_NESTED_TESTS: other test files (e.g. only tests/e2b/test_move.py).
     # shellcheck disable=SC2086
     CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
-        "$VENV/bin/pytest" -q ${CLADE_NESTED_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py \
+        "$VENV/bin/pytest" -q --durations=12 ${CLADE_NESTED_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py \
         tests/e2b/test_network.py tests/e2b/test_move.py} "$@" 2>&1 | tee build/nested/sdk-single.out || rc=$?
     n_single=$(passed build/nested/sdk-single.out)
     n_cluster=0
@@ -132,19 +134,26 @@ else
         PG_DIR=$(mktemp -d /tmp/clade-nested-pg.XXXXXX)
         url=$(python3 tests/e2b/nested_pg.py start "$PG_DIR" "$PG_PORT")
         before=$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)
-        control "cluster-up $url" || { echo "the scenario's control port did not answer"; rc=1; }
+        up=1
+        control "cluster-up $url" || { echo "the scenario's control port did not answer"; rc=1; up=0; }
         t1=$SECONDS
-        until [ "$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)" -gt "$before" ]; do
-            if [ $((SECONDS - t1)) -gt 300 ]; then echo "the cluster did not come up in 300 s"; break; fi
+        watched=${NESTED_PID:-${CLADE_NESTED_PID:-}}
+        until [ "$up" = 0 ] || [ "$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)" -gt "$before" ]; do
+            if [ $((SECONDS - t1)) -gt 300 ]; then echo "the cluster did not come up in 300 s"; up=0; break; fi
+            if [ -n "$watched" ] && ! kill -0 "$watched" 2>/dev/null; then
+                echo "the nested machine ended before its cluster came up"
+                up=0
+                break
+            fi
             sleep 1
         done
-        if grep -a -q SDK-CLUSTER-READY "$LOG"; then
+        if [ "$up" = 1 ] && grep -a -q SDK-CLUSTER-READY "$LOG"; then
             # shellcheck disable=SC2086
             E2B_API_URL=http://127.0.0.1:$PORT_GW E2B_SANDBOX_URL=http://127.0.0.1:$PORT_GW \
                 CLADE_NESTED_CLUSTER=1 CLADE_NESTED_PG_URL=${url/10.0.2.100:5432/127.0.0.1:$PG_PORT} \
                 CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \
                 CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
-                "$VENV/bin/pytest" -q ${CLADE_NESTED_CLUSTER_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py} \
+                "$VENV/bin/pytest" -q --durations=12 ${CLADE_NESTED_CLUSTER_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py} \
                 "$@" 2>&1 | tee build/nested/sdk-cluster.out || rc=1
             n_cluster=$(passed build/nested/sdk-cluster.out)
         else

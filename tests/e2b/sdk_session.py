@@ -40,7 +40,7 @@ def main():
         bg = step(
             "commands.run(counter, background=True)",
             lambda: sb.commands.run(
-                "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",
+                "i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done",
                 background=True, timeout=0, request_timeout=300),  # timeout=0: runs until killed
         )
         time.sleep(1)

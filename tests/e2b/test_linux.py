@@ -163,8 +163,10 @@ def test_pause_connect_keeps_files_and_a_running_process():
     s = create(metadata={"suite": "linux-pause"})
     try:
         run(s, "echo kept-across-pause > /root/pause.txt")
+        # The count is replaced whole (a rename): `>` alone truncates before it writes, and
+        # a read in between (or a pause) would see an empty file.
         h = s.commands.run(
-            "i=0; while :; do i=$((i+1)); echo $i > /root/count; echo tick$i; sleep 0.2; done",
+            "i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; echo tick$i; sleep 0.2; done",
             background=True,
             timeout=0,  # no command timeout: it runs until killed
             request_timeout=300,

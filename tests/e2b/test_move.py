@@ -33,7 +33,7 @@ def test_a_paused_sandbox_resumes_on_another_service_after_its_host_is_lost():
     sums = run(s, f"md5sum {PROGRAMS} | sort").stdout
     assert len(sums.splitlines()) >= 2, sums
     h = s.commands.run(
-        "i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done",
+        "i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done",
         background=True,
         timeout=0,
         request_timeout=300,
