@@ -9,8 +9,9 @@
 #       run the suite, tell the scenario the verdict (`done pass|fail` on the control port).
 #   run_nested.sh --standalone [pytest args]
 #       start the nested machine with only the sdk scenario, then as above.
-#   Then the same SDK suites once more (test_linux.py but its service-restart test, and
-#   test_dataplane.py) against a two-node cluster in the nested machine,
+#   Then test_linux.py once more (but its service-restart test) against a two-node
+#   cluster in the nested machine (the data plane suite through a gateway node runs in
+#   the native cluster suite, tests/e2b/test_cluster.py),
 #   entered through its gateway node, which owns no sandbox: PostgreSQL is started here
 #   (tests/e2b/nested_pg.py, as user postgres) and reached from the nested machine
 #   through run.sh --guestfwd; the scenario starts the nodes (`cluster-up`).
@@ -130,7 +131,7 @@ else
     n_single=$(passed build/nested/sdk-single.out)
     n_cluster=0
     if [ "$CLUSTER" = 1 ]; then
-        echo "== the same SDK suites through a two-node cluster (gateway node gw, sandboxes on n1)"
+        echo "== test_linux.py through a two-node cluster (gateway node gw, sandboxes on n1)"
         PG_DIR=$(mktemp -d /tmp/clade-nested-pg.XXXXXX)
         url=$(python3 tests/e2b/nested_pg.py start "$PG_DIR" "$PG_PORT")
         before=$(grep -a -c -E 'SDK-CLUSTER-(READY|FAILED)' "$LOG" || true)
@@ -153,7 +154,7 @@ else
                 CLADE_NESTED_CLUSTER=1 CLADE_NESTED_PG_URL=${url/10.0.2.100:5432/127.0.0.1:$PG_PORT} \
                 CLADE_DP_TEMPLATE=debian CLADE_DP_SCRATCH=/tmp/clade-dp-scratch \
                 CLADE_DP_XATTR_SCRATCH=/var/tmp/clade-dp-meta \
-                "$VENV/bin/pytest" -q --durations=12 ${CLADE_NESTED_CLUSTER_TESTS:-tests/e2b/test_linux.py tests/e2b/test_dataplane.py} \
+                "$VENV/bin/pytest" -q --durations=12 ${CLADE_NESTED_CLUSTER_TESTS:-tests/e2b/test_linux.py} \
                 "$@" 2>&1 | tee build/nested/sdk-cluster.out || rc=1
             n_cluster=$(passed build/nested/sdk-cluster.out)
         else
