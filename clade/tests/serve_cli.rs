@@ -8,7 +8,7 @@ mod native_guest;
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -93,17 +93,41 @@ fn serve_listening<'a>(
     args: &[&str],
     env: impl IntoIterator<Item = (&'a str, &'a str)>,
 ) -> Proc {
-    let p = Proc(
+    let mut p = Proc(
         clade()
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--state-dir")
             .arg(state)
             .args(args)
+            // The standby pool says which standbys it holds ready (see `wait_standbys`);
+            // VM processes log what they do without it (`info`).
+            .env(
+                "CLADE_LOG",
+                "info,virtio_queue=off,sandbox::vmproc::standby=debug",
+            )
             .envs(env)
             .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
     );
+    // Its log goes to the test's output and to a file beside the state directory.
+    let err = p.0.stderr.take();
+    let log = serve_log(state);
+    std::thread::spawn(move || {
+        let Some(err) = err else { return };
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        for line in std::io::BufReader::new(err).split(b'\n') {
+            let Ok(line) = line else { break };
+            eprintln!("{}", String::from_utf8_lossy(&line));
+            let _ = file.write_all(&line);
+            let _ = file.write_all(b"\n");
+        }
+    });
     let t = Instant::now();
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
@@ -113,6 +137,11 @@ fn serve_listening<'a>(
         std::thread::sleep(Duration::from_millis(10));
     }
     p
+}
+
+/// The file the log of every `clade serve` on `state` goes to (see [`serve_listening`]).
+fn serve_log(state: &Path) -> PathBuf {
+    state.with_extension("serve.log")
 }
 
 fn id_of(v: &Value) -> String {
@@ -719,11 +748,20 @@ fn ready_standbys(state: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The `n` standbys of the service on `state` once each answers as one and the pool holds
+/// it ready (its log says so: a standby answers a little before the pool's thread, at idle
+/// priority, sees that it does, and a create meanwhile starts its VM process cold).
 fn wait_standbys(state: &Path, n: usize) -> Vec<PathBuf> {
     let t = Instant::now();
     loop {
         let ready = ready_standbys(state);
-        if ready.len() == n {
+        let log = std::fs::read_to_string(serve_log(state)).unwrap_or_default();
+        let pooled = |p: &PathBuf| {
+            let p = p.display().to_string();
+            log.lines()
+                .any(|l| l.contains("standby ready") && l.contains(&p))
+        };
+        if ready.len() == n && ready.iter().all(pooled) {
             return ready;
         }
         assert!(
@@ -1731,8 +1769,11 @@ fn standbys_let_go_of_a_removed_templates_files() {
             break;
         }
         assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "u's removed files are still held: {held:?}"
+            // (The pool's thread and the standbys it ends run at idle priority: on a busy
+            // machine they wait for the CPU.)
+            t.elapsed() < Duration::from_secs(30),
+            "u's removed files are still held: {held:?}; the service's log:\n{}",
+            std::fs::read_to_string(serve_log(&state)).unwrap_or_default()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
