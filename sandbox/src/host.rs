@@ -702,11 +702,19 @@ impl Host {
                 )));
             };
             if let Some(why) = self.driver.exited(pid, &api) {
+                // Read without the sandbox's lock (a `get`), the row may be older than a
+                // pause or kill that ended the process on purpose: marked only if it still
+                // names that process, else what it says now.
+                if !self.reg().mark_crashed(&rec.id, pid, &why)? {
+                    return self
+                        .reg()
+                        .get(&rec.id)?
+                        .ok_or_else(|| Error::NotFound(rec.id.clone()));
+                }
                 tracing::warn!(sandbox = %rec.id, "VM crashed: {why}");
                 rec.state = State::Crashed;
                 rec.crash = Some(why);
                 rec.pid = None;
-                self.reg().update(&rec)?;
             }
         }
         Ok(rec)

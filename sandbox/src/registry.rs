@@ -497,6 +497,26 @@ impl Registry {
             .transpose()
     }
 
+    /// Marks sandbox `id` crashed (`why`), only if its row still says it runs in process
+    /// `pid`. Whether it did: a caller that read the row without the sandbox's lock may
+    /// have seen it before a pause or a kill ended that process on purpose, and a row
+    /// written since (paused, say) must not be replaced by what it read.
+    pub fn mark_crashed(&self, id: &str, pid: i32, why: &str) -> Result<bool> {
+        let result = self.db.execute(
+            "UPDATE sandboxes SET state = ?1, crash = ?2, pid = NULL \
+             WHERE id = ?3 AND state = ?4 AND pid = ?5",
+            params![
+                State::Crashed.as_str(),
+                why,
+                id,
+                State::Running.as_str(),
+                pid
+            ],
+        );
+        self.changes.fetch_add(1, Ordering::SeqCst);
+        Ok(result? == 1)
+    }
+
     /// Removes the sandbox `id` (no error if it is not there).
     pub fn delete(&self, id: &str) -> Result<()> {
         let result = self.db.execute("DELETE FROM sandboxes WHERE id = ?1", [id]);
@@ -649,6 +669,33 @@ pub(crate) mod tests {
         assert_eq!(n(), 3);
         reg.delete(&r.id).unwrap();
         assert_eq!(n(), 4);
+    }
+
+    #[test]
+    fn a_crash_is_marked_only_on_the_row_of_the_process_that_ended() {
+        let reg = Registry::in_memory().unwrap();
+        let mut r = record("aaaaaaaaaaaaaaaaaaaa", State::Running, 1);
+        reg.insert(&r).unwrap();
+        // Another process's end (a row that moved on to a new VM) changes nothing.
+        assert!(!reg.mark_crashed(&r.id, 43, "gone").unwrap());
+        assert_eq!(reg.get(&r.id).unwrap().unwrap().state, State::Running);
+        // Paused since it was read: the pause's row stays.
+        r.state = State::Paused;
+        r.pid = None;
+        reg.update(&r).unwrap();
+        assert!(!reg.mark_crashed(&r.id, 42, "gone").unwrap());
+        assert_eq!(reg.get(&r.id).unwrap().unwrap(), r);
+        // Still running in it: crashed, with the reason, and no process.
+        r.state = State::Running;
+        r.pid = Some(42);
+        reg.update(&r).unwrap();
+        assert!(reg.mark_crashed(&r.id, 42, "exit status 0").unwrap());
+        let got = reg.get(&r.id).unwrap().unwrap();
+        assert_eq!(
+            (got.state, got.pid, got.crash.as_deref()),
+            (State::Crashed, None, Some("exit status 0"))
+        );
+        assert!(!reg.mark_crashed("bbbbbbbbbbbbbbbbbbbb", 42, "x").unwrap());
     }
 
     pub(crate) fn record(id: &str, state: State, started_ms: i64) -> Record {

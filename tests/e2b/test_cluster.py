@@ -38,6 +38,13 @@ def cl():
         c.close()
 
 
+@pytest.fixture(autouse=True)
+def no_sandbox_left(cl):
+    """A test that failed halfway leaves no sandbox behind to fill the nodes of the next."""
+    yield
+    kill_all(cl)
+
+
 def create(url, timeout=300, **extra):
     status, body, _ = api(url, "POST", "/sandboxes", {"templateID": "t", "timeout": timeout, **extra})
     assert status == 201, (status, body)
@@ -431,6 +438,7 @@ def test_the_dashboard_of_the_gateway_shows_the_nodes_and_every_nodes_sandboxes(
     one of them through its button, and shows the nodes (b drained by the test before)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -459,7 +467,18 @@ def test_the_dashboard_of_the_gateway_shows_the_nodes_and_every_nodes_sandboxes(
              "the sandboxes of nodes a and c listed on the gateway's dashboard")
         driver.save_screenshot(str(shots / "01-sandboxes.png"))
         # Pause the one on node c through the page (confirmed in the dialog).
-        driver.find_element(By.CSS_SELECTOR, f'#sandbox-rows tr[data-id="{on_c}"] button[data-action="pause"]').click()
+        # (The list is drawn anew at each poll: a redraw between finding the button and
+        # clicking it is retried.)
+        pause = f'#sandbox-rows tr[data-id="{on_c}"] button[data-action="pause"]'
+
+        def click_pause(d):
+            try:
+                d.find_element(By.CSS_SELECTOR, pause).click()
+                return True
+            except StaleElementReferenceException:
+                return False
+
+        wait(click_pause, "the pause button of the sandbox on c clicked")
         wait(lambda d: d.switch_to.alert, "a confirm dialog").accept()
         wait(lambda d: info(gw, on_c)[1]["state"] == "paused", "the sandbox on c paused")
         assert cl.owner(on_c)[2] == "paused"

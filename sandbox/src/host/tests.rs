@@ -425,6 +425,25 @@ fn killing_a_fork_parent_or_sibling_keeps_the_layers_the_others_stand_on() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A lookup that read a sandbox's row just before a pause ended its VM (no lock is taken
+/// for a read) finds the process gone: the row the pause wrote stays paused, not crashed.
+#[test]
+fn a_lookup_racing_a_pause_leaves_the_sandbox_paused() {
+    let (h, _drv, d) = host("lookup-pause");
+    let a = h.create(req(60)).unwrap();
+    let read_before = h.reg().get(&a.id).unwrap().unwrap();
+    assert_eq!(read_before.state, State::Running);
+    h.pause(&a.id, PauseOptions::FULL).unwrap();
+    let seen = h.check_alive(read_before).unwrap();
+    assert_eq!(seen.state, State::Paused);
+    let got = h.get(&a.id).unwrap();
+    assert_eq!((got.state, got.crash), (State::Paused, None));
+    let (r, resumed) = h.connect(&a.id, 10, false).unwrap();
+    assert!(resumed && r.state == State::Running);
+    drop(h);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn crashes_show_and_a_restart_finds_everything_again() {
     let (h, drv, d) = host("restart");
