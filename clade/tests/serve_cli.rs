@@ -116,16 +116,19 @@ fn serve_listening<'a>(
     let log = serve_log(state);
     std::thread::spawn(move || {
         let Some(err) = err else { return };
+        // (Read to the end whatever happens: a full pipe would stop the service.)
         let mut file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
-            .unwrap();
+            .ok();
         for line in std::io::BufReader::new(err).split(b'\n') {
             let Ok(line) = line else { break };
             eprintln!("{}", String::from_utf8_lossy(&line));
-            let _ = file.write_all(&line);
-            let _ = file.write_all(b"\n");
+            if let Some(f) = &mut file {
+                let _ = f.write_all(&line);
+                let _ = f.write_all(b"\n");
+            }
         }
     });
     let t = Instant::now();

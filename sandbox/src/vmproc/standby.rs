@@ -574,7 +574,6 @@ fn refill(inner: &Inner) {
                     Checked::Ready(sb) => started.push(sb),
                     Checked::Waiting(s) => starting.push(s),
                     Checked::Failed(e) => failure = Some(e),
-                    Checked::Retired => {}
                 }
             }
             if started.is_empty() {
@@ -620,8 +619,6 @@ enum Checked {
     Ready(Standby),
     Waiting(Starting),
     Failed(Error),
-    /// It opened a snapshot ahead that was removed since: ended (the refill starts another).
-    Retired,
 }
 
 /// Starts one standby of `shape` (opening `preload` ahead): [`Starting::check`] says when
@@ -713,19 +710,8 @@ fn spawn_standby(
 }
 
 impl Starting {
-    /// Whether it answers as a standby now (or ended, took too long, or holds a removed
-    /// snapshot's files: then cleaned up).
+    /// Whether it answers as a standby now (or ended, or took too long: then cleaned up).
     fn check(mut self) -> Checked {
-        // Not kept waiting to be ready (slow at idle priority on a busy host) while it holds
-        // the disk space of a removed template.
-        if self.standby.holds_removed_files() {
-            tracing::info!(
-                pid = self.standby.child.id(),
-                "a starting standby holding a removed snapshot's files retired"
-            );
-            self.standby.discard();
-            return Checked::Retired;
-        }
         let sb = &mut self.standby;
         if let Ok(Some(status)) = sb.child.try_wait() {
             let _ = std::fs::remove_file(&sb.api_sock);
