@@ -23,16 +23,16 @@ T0=$(date +%s)
 mkdir -p "$REPO_ROOT/target"
 STAGES="$REPO_ROOT/target/test-stages.txt"
 : >"$STAGES"
-# now: seconds since this script started (the same clock in the background job).
-now() { echo $(($(date +%s) - T0)); }
+# clock: seconds since this script started (the same clock in the background job).
+clock() { echo $(($(date +%s) - T0)); }
 # stage NAME CMD...: runs CMD and notes NAME's start, end and exit status in $STAGES.
 stage() {
     local name=$1 t rc=0
     shift
-    t=$(now)
+    t=$(clock)
     echo "== [$t s] $name"
     "$@" || rc=$?
-    printf '%s\t%s\t%s\t%s\n' "$t" "$(now)" "$rc" "$name" >>"$STAGES"
+    printf '%s\t%s\t%s\t%s\n' "$t" "$(clock)" "$rc" "$name" >>"$STAGES"
     return "$rc"
 }
 print_stages() {
@@ -137,7 +137,7 @@ if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
             "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$out/suite.out" 2>&1 &
         local nested_pid=$!
         if [ ${#net[@]} -gt 0 ]; then
-            echo "== [$(now) s] the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
+            echo "== [$(clock) s] the e2b SDK against Linux sandboxes (tests/e2b/test_linux.py, nested scenario sdk)"
             if CLADE_NESTED_PID=$nested_pid "$REPO_ROOT/tests/e2b/run_nested.sh" --log "$out/nested.log" -p no:cacheprovider \
                 2>&1 | tee "$REPO_ROOT/target/e2b-linux.log"; then
                 n=$(grep -oE '[0-9]+ passed' "$REPO_ROOT/target/e2b-linux.log" | tail -1 | awk '{print $1}' || true)
@@ -185,7 +185,7 @@ if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
         stage "tier 3 machine scenarios: boot ${OTHER_SCENARIOS[*]}" nested_run "$NESTED_RUNS/scenarios" 1800 boot "${OTHER_SCENARIOS[@]}" || true
         wait "$sdk_job" || true
     }
-    echo "== [$(now) s] tier 3 (nested) starts in the background: its output is in target/nested-tier.log, printed at the end"
+    echo "== [$(clock) s] tier 3 (nested) starts in the background: its output is in target/nested-tier.log, printed at the end"
     nested_tier >"$REPO_ROOT/target/nested-tier.log" 2>&1 &
     NESTED_JOB=$!
 fi
@@ -243,13 +243,13 @@ done
 
 # --- tier 3's results --------------------------------------------------------------------
 if [ "${CLADE_SKIP_NESTED:-0}" = 1 ]; then
-    echo "== [$(now) s] tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
+    echo "== [$(clock) s] tier 3 (nested) skipped: CLADE_SKIP_NESTED=1"
 else
     touch "$NATIVE_DONE"
-    echo "== [$(now) s] tiers 1 and 2 are done; waiting for tier 3 (nested)"
+    echo "== [$(clock) s] tiers 1 and 2 are done; waiting for tier 3 (nested)"
     wait "$NESTED_JOB" || true
     NESTED_JOB=""
-    echo "== [$(now) s] tier 3 (nested): its output (target/nested-tier.log)"
+    echo "== [$(clock) s] tier 3 (nested): its output (target/nested-tier.log)"
     cat "$REPO_ROOT/target/nested-tier.log"
     todo=(boot "${SDK_SCENARIOS[@]}" "${OTHER_SCENARIOS[@]}")
     done_ok=()
@@ -299,16 +299,16 @@ else
         [ "$boot_ok" = 1 ] && done_ok+=(boot)
         # Room for a rerun: what is left of 85 minutes, at most 2400 s; the sdk scenario
         # alone needs about 1600 s, and is left out where it cannot finish.
-        room=$((5100 - $(now)))
+        room=$((5100 - $(clock)))
         if [[ " ${left[*]} " == *" sdk "* ]] && [ "$room" -lt 1800 ]; then
-            echo "== [$(now) s] sdk is not run again: ${room} s left, it needs about 1800"
+            echo "== [$(clock) s] sdk is not run again: ${room} s left, it needs about 1800"
             kept=()
             for s in "${left[@]}"; do [ "$s" = sdk ] || kept+=("$s"); done
             left=("${kept[@]}")
         fi
         if [ ${#left[@]} -gt 0 ]; then
             if [ "$room" -ge 600 ]; then
-                echo "== [$(now) s] not passed where the nested machine stopped or ran out of time: ${left[*]}; they run again in a new nested machine (at most $((room < 2400 ? room : 2400)) s)"
+                echo "== [$(clock) s] not passed where the nested machine stopped or ran out of time: ${left[*]}; they run again in a new nested machine (at most $((room < 2400 ? room : 2400)) s)"
                 cp "$REPO_ROOT/target/e2b-linux.log" "$REPO_ROOT/target/e2b-linux-lockup.log" 2>/dev/null || true
                 stage "tier 3 rerun: boot ${left[*]}" nested_run "$NESTED_RUNS/rerun" "$((room < 2400 ? room : 2400))" boot "${left[@]}" || true
                 nested_ok=() nested_sdk_passed=0
@@ -317,7 +317,7 @@ else
                 for s in "${nested_ok[@]}"; do [ "$s" = boot ] || done_ok+=("$s"); done
                 [[ " ${left[*]} " == *" sdk "* ]] && sdk_passed=$nested_sdk_passed
             else
-                echo "== [$(now) s] no rerun of ${left[*]}: ${room} s left of the 85 minutes this script allows itself"
+                echo "== [$(clock) s] no rerun of ${left[*]}: ${room} s left of the 85 minutes this script allows itself"
             fi
         fi
     fi
@@ -336,5 +336,5 @@ else
     fi
 fi
 print_stages
-echo "all tiers: $passed passed, $failed failed ($(now) s)"
+echo "all tiers: $passed passed, $failed failed ($(clock) s)"
 [ "$failed" -eq 0 ]
