@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use guest_agent::proto::{AgentMsg, ExecSpec, HostMsg};
 
-use super::{check, recv, unexpected, Inner, Registration, Window};
+use super::connection::{Inner, Registration, Window};
+use super::{check, recv, unexpected};
 use super::{ExitStatus, WinSize};
 use crate::error::{Error, Result};
 

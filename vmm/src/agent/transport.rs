@@ -276,9 +276,9 @@ mod tests {
             b.read_exact(&mut first).unwrap();
             // Closed with the rest of the Hello unread: the client's read gets a reset.
         });
-        (&a).write_all(&super::super::hello_frame().unwrap())
+        (&a).write_all(&super::super::handshake::hello_frame().unwrap())
             .unwrap();
-        let mut reader = Some(super::super::PendingReader::start().unwrap());
+        let mut reader = Some(super::super::connection::PendingReader::start().unwrap());
         let r = super::super::Client::handshake(Path::new("/vm.sock"), a, &mut reader, None);
         peer.join().unwrap();
         // The reader thread waits on for the retry's connection.
@@ -348,7 +348,7 @@ mod tests {
     fn the_hello_goes_out_with_the_connect_line() {
         let (path, muxer) = fake_muxer("hello", |s| {
             let frame = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
-            assert_eq!(frame, super::super::hello_frame().unwrap());
+            assert_eq!(frame, super::super::handshake::hello_frame().unwrap());
             s.write_all(b"OK 1024\n").unwrap();
             s.write_all(&hello_ok()).unwrap();
         });
@@ -365,7 +365,7 @@ mod tests {
     fn a_ping_goes_out_behind_the_hello() {
         let (path, muxer) = fake_muxer("ping", |s| {
             let hello = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
-            assert_eq!(hello, super::super::hello_frame().unwrap());
+            assert_eq!(hello, super::super::handshake::hello_frame().unwrap());
             let ping = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
             let f = proto::decode_frame(&ping).unwrap();
             assert_eq!(f.id, 1);
@@ -399,7 +399,7 @@ mod tests {
     fn a_probe_pings_and_hangs_up() {
         let (path, muxer) = fake_muxer("probe", |s| {
             let hello = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
-            assert_eq!(hello, super::super::hello_frame().unwrap());
+            assert_eq!(hello, super::super::handshake::hello_frame().unwrap());
             let ping = proto::read_frame(s, MAX_FRAME_LEN).unwrap().unwrap();
             assert_eq!(proto::decode_frame(&ping).unwrap().id, 1);
             s.write_all(b"OK 1024\n").unwrap();

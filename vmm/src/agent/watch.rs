@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use guest_agent::proto::{AgentMsg, HostMsg};
 
-use super::{check, recv, unexpected, Inner, Registration};
+use super::connection::{Inner, Registration};
+use super::{check, recv, unexpected};
 use crate::error::Result;
 pub use guest_agent::proto::WatchKind;
 
