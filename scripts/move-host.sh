@@ -19,15 +19,50 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLADE="${CLADE:-$REPO_ROOT/target/release/clade}"
 D=$(mktemp -d /tmp/clade-move.XXXXXX)
-S3_PID=""
 VM_PID=""
 SERVES=""
+# alive PID...: true while one of them runs.
+alive() {
+    for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done
+    return 1
+}
+# descendants: every process below this shell now, but the ones listing them.
+descendants() {
+    ps -e -o pid=,ppid= | awk -v top=$$ -v self="$BASHPID" '{ up[$1] = $2 }
+        END { for (p in up) { q = p; while (q != top && q != self && (q in up)) q = up[q]
+                              if (q == top && p != top) print p } }'
+}
+# Everything this script started ends with it, however it ends: done, failed (set -e) or
+# stopped by a signal. EXIT runs on SIGTERM and SIGHUP too (bash runs it before dying of
+# them, the step under way still running: it is ended here); on SIGINT the script exits
+# once the step under way has ended. First each `clade serve`, by SIGTERM (its standby VM
+# processes and networks end with it; SIGKILL after 10 s), then every process still below
+# this shell (the step under way, the VM of part 1, the S3 server) and the sandbox VM
+# processes the services leave (they outlive a service by design; here every one of them
+# runs on files under $D). When this returns nothing of this run is left.
 cleanup() {
-    [ -n "$VM_PID" ] && kill -9 "$VM_PID" 2>/dev/null || true
-    [ -n "$S3_PID" ] && kill "$S3_PID" 2>/dev/null || true
+    set +e
+    trap '' INT TERM HUP
+    # Out of the job table: no "Killed" line for each of them (they are still reaped).
+    disown -a 2>/dev/null
+    if [ -n "$SERVES" ]; then
+        # shellcheck disable=SC2086
+        kill $SERVES 2>/dev/null
+        # shellcheck disable=SC2086
+        for _ in $(seq 100); do alive $SERVES || break; sleep 0.1; done
+        # shellcheck disable=SC2086
+        kill -9 $SERVES 2>/dev/null
+    fi
+    for _ in $(seq 50); do
+        mapfile -t left < <(descendants; pgrep -f -- "$D/")
+        [ ${#left[@]} -eq 0 ] && break
+        kill -9 "${left[@]}" 2>/dev/null
+        sleep 0.1
+    done
     rm -rf "$D"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
 
 (cd "$REPO_ROOT/tests/native-guest" && env -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
     CARGO_TARGET_DIR="$REPO_ROOT/target/native-guest" cargo build --release --quiet)
@@ -38,7 +73,6 @@ if [ -z "${CLADE_STORE:-}" ]; then
     mkdir -p "$D/s3/clade"
     "$REPO_ROOT/build/tools/bin/clade-test-s3" --host 127.0.0.1 --port "$PORT" \
         --access-key demo --secret-key demo-secret "$D/s3" &
-    S3_PID=$!
     export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo-secret AWS_REGION=us-east-1
     export CLADE_STORE="s3://clade/sandboxes" CLADE_STORE_ENDPOINT="http://127.0.0.1:$PORT"
     for _ in $(seq 100); do
@@ -92,7 +126,7 @@ serve() {
         --state-dir "$D/state-$1" >"$D/serve-$1.log" 2>&1 &
     SERVE_PID=$!
     SERVES="$SERVES $SERVE_PID"
-    for _ in $(seq 200); do grep -q listening "$D/serve-$1.log" && return; sleep 0.05; done
+    for _ in $(seq 200); do grep -qs listening "$D/serve-$1.log" && return; sleep 0.05; done
     echo "clade serve ($1) did not start"; cat "$D/serve-$1.log"; exit 1
 }
 api() { curl -sS -X "$1" -H 'X-API-KEY: demo' -H 'Content-Type: application/json' \
@@ -109,6 +143,7 @@ until [ -n "$(api GET "/sandboxes/$ID" | field durableAt)" ]; do
 done
 echo "host A: sandbox $ID paused; durable $(( ($(date +%s%N) - T0) / 1000000 )) ms after the pause returned"
 { kill -9 "$SERVE_PID"; wait "$SERVE_PID"; } 2>/dev/null || true
+SERVES="${SERVES/ $SERVE_PID/}"
 pkill -9 -f "$D/state-a/" 2>/dev/null || true
 rm -rf "$D/state-a"
 echo "host A is gone (its service and VMs killed, its state directory deleted)"

@@ -48,6 +48,10 @@ impl Hop {
     }
 }
 
+/// The target of the data plane through another node: the hop adds at most this much to
+/// the p50 asked of the owner (us).
+pub const HOP_TARGET_P50_US: f64 = 150.0;
+
 /// The three cases.
 #[derive(Debug, Default)]
 pub struct ClusterReport {
@@ -118,7 +122,7 @@ impl std::fmt::Display for ClusterReport {
         }
         write!(
             f,
-            "(n = {} each way; target: the data-plane hop adds <= 150 us at p50)",
+            "(n = {} each way; target: the data-plane hop adds <= {HOP_TARGET_P50_US:.0} us at p50)",
             self.dataplane.direct.len()
         )
     }
@@ -323,7 +327,22 @@ pub fn cluster(guest: &Guest, params: &ClusterParams) -> Result<ClusterReport> {
 
 impl crate::report::Reported for ClusterReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series, Target};
+        let headline = |what: &str, h: &Hop| {
+            Headline::new(
+                format!("{what} through the other node, p50"),
+                h.via_other_node.percentile(50.0),
+                "us",
+            )
+            .against("asked of the owner", h.direct.percentile(50.0))
+        };
+        let headlines = vec![
+            headline("data plane (envd /health)", &self.dataplane).target(Target::AddedAtMost {
+                value: HOP_TARGET_P50_US,
+            }),
+            headline("create until the agent answered", &self.create),
+            headline("wake until the agent answered", &self.wake),
+        ];
         let plot = |id: &str, title: &str, h: &Hop| {
             Plot::distribution(
                 id,
@@ -356,5 +375,6 @@ impl crate::report::Reported for ClusterReport {
                 ),
             ],
         )
+        .with_headlines(headlines)
     }
 }

@@ -449,9 +449,28 @@ impl fmt::Display for ForkReport {
 
 impl crate::report::Reported for ForkReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
         use crate::stats::{us, Samples};
         let once = |d: Duration| Samples::from_us(vec![us(d)]);
+        let child = |n| format!("child's first answered ping from the fork call, p50 ({n})");
+        let mut headlines = vec![
+            Headline::new(
+                child("of a copy-on-write fork"),
+                Some(self.child.p50_us),
+                "us",
+            )
+            .against(
+                "fork by full memory copy (one child)",
+                Some(us(self.baseline)),
+            ),
+            Headline::new("parent paused", Some(us(self.pause_time)), "us"),
+        ];
+        if let Some(w) = &self.without_net {
+            headlines.push(
+                Headline::new(child("with a NIC"), Some(self.child.p50_us), "us")
+                    .against("the same without network", Some(w.child.p50_us)),
+            );
+        }
         let mut seq = vec![Series::measured(
             "child: the pause, its build, its first answered ping",
             &self.child.samples,
@@ -487,5 +506,6 @@ impl crate::report::Reported for ForkReport {
                 self.noise.plot(),
             ],
         )
+        .with_headlines(headlines)
     }
 }

@@ -282,8 +282,24 @@ impl fmt::Display for ForkProcessesReport {
 
 impl crate::report::Reported for ForkProcessesReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
         let (pre, started) = (&self.prestarted, &self.started);
+        let n = self.n;
+        let headline = |what: &str, pick: fn(&ForkProcessesRun) -> &Samples| {
+            Headline::new(
+                format!("clade fork -n {n} {what}, p50, children waiting (--fork-spares)"),
+                pick(pre).percentile(50.0),
+                "us",
+            )
+            .against(
+                "children started at the fork",
+                pick(started).percentile(50.0),
+            )
+        };
+        let headlines = vec![
+            headline("until the API answered", |r| &r.answered),
+            headline("until every child answered a ping", |r| &r.all),
+        ];
         Section::new(
             scenario,
             self.to_string(),
@@ -307,5 +323,6 @@ impl crate::report::Reported for ForkProcessesReport {
                 ),
             ],
         )
+        .with_headlines(headlines)
     }
 }

@@ -538,8 +538,26 @@ impl fmt::Display for RestoreReport {
 
 impl crate::report::Reported for RestoreReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
         let backend = self.main.backend.name();
+        let p50 = self.main.samples.percentile(50.0);
+        let mut main = Headline::new(
+            format!("{backend} restore until the first answered ping, p50"),
+            p50,
+            "us",
+        );
+        if let Some(b) = &self.baseline {
+            main = main.against("copy restore", b.samples.percentile(50.0));
+        }
+        let mut headlines = vec![main];
+        if let Some(n) = &self.net {
+            headlines.push(
+                Headline::new(format!("{backend} restore with a NIC, p50"), p50, "us").against(
+                    "the same without network",
+                    n.without.samples.percentile(50.0),
+                ),
+            );
+        }
         let mut dist = vec![Series::measured(
             format!("{backend} restore"),
             &self.main.samples,
@@ -574,5 +592,6 @@ impl crate::report::Reported for RestoreReport {
                 self.noise.plot(),
             ],
         )
+        .with_headlines(headlines)
     }
 }

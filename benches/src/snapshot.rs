@@ -242,8 +242,22 @@ impl fmt::Display for SnapshotReport {
 
 impl crate::report::Reported for SnapshotReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
         let (full, diff) = (&self.full, &self.diff);
+        let headlines = vec![
+            Headline::new(
+                "diff snapshot: vCPUs paused, p50",
+                diff.pause.percentile(50.0),
+                "us",
+            )
+            .against("full snapshot", full.pause.percentile(50.0)),
+            Headline::new(
+                "diff snapshot: until written, p50",
+                diff.total.percentile(50.0),
+                "us",
+            )
+            .against("full snapshot", full.total.percentile(50.0)),
+        ];
         Section::new(
             scenario,
             self.to_string(),
@@ -275,5 +289,6 @@ impl crate::report::Reported for SnapshotReport {
                 ),
             ],
         )
+        .with_headlines(headlines)
     }
 }

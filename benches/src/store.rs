@@ -540,7 +540,17 @@ impl std::fmt::Display for StorePauseReport {
 
 impl crate::report::Reported for StoreRestoreReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
+        let local = self.local.percentile(50.0);
+        let headline = |cache: &str, s: &Samples| {
+            Headline::new(
+                format!("restore from the store until the first ping, p50, {cache} cache"),
+                s.percentile(50.0),
+                "us",
+            )
+            .against("local restore", local)
+        };
+        let headlines = vec![headline("cold", &self.cold), headline("warm", &self.warm)];
         Section::new(
             scenario,
             self.to_string(),
@@ -558,12 +568,18 @@ impl crate::report::Reported for StoreRestoreReport {
                 self.noise.plot(),
             ],
         )
+        .with_headlines(headlines)
     }
 }
 
 impl crate::report::Reported for StorePauseReport {
     fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Plot, Section, Series};
+        use crate::report::{Headline, Plot, Section, Series};
+        let (durable, raw) = self.rates();
+        let headlines = vec![
+            Headline::new("pause until durable, p50", Some(durable), "MiB/s")
+                .against("raw upload of as many bytes", Some(raw)),
+        ];
         Section::new(
             scenario,
             self.to_string(),
@@ -578,5 +594,6 @@ impl crate::report::Reported for StorePauseReport {
                 ],
             )],
         )
+        .with_headlines(headlines)
     }
 }

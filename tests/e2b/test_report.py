@@ -1,10 +1,12 @@
 """`clade bench --report`: a real benchmark run's report, checked as a reader would use it.
 
 Runs `clade bench restore` and `clade bench fork` (native test guest, this host's KVM)
-with --report, then: every plot the HTML references exists and is a whole SVG (with its
-PNG), every figure of report.json appears in the page with its value, the samples behind
-each distribution are all there, and Debian's chromium renders the page with every image
-loaded (screenshot kept in $CLADE_ARTIFACTS). `clade bench compare` of two runs prints a
+with --report, then: the page opens with the summary (each headline figure of report.json
+with its value, its same-run baseline and its target), its date is a UTC date and time,
+every plot the HTML references exists and is a whole SVG (with its PNG), every figure of
+report.json appears in the page with its value, the samples behind each distribution are
+all there, and Debian's chromium renders the page with every image loaded and the summary
+first (screenshot kept in $CLADE_ARTIFACTS). `clade bench compare` of two runs prints a
 ratio for every figure both have and draws both on the same axes.
 
 Needs: CLADE (the clade binary), chromium + chromium-driver, selenium in the venv.
@@ -12,8 +14,10 @@ Needs: CLADE (the clade binary), chromium + chromium-driver, selenium in the ven
 
 import json
 import os
+import re
 import subprocess
 import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -24,11 +28,13 @@ ARTIFACTS = Path(os.environ.get("CLADE_ARTIFACTS", "target/report-screenshots"))
 
 
 class Page(HTMLParser):
-    """What the checks need from index.html: links, images and the figures table."""
+    """What the checks need from index.html: links, images, the figures table (rows of two
+    cells) and the summary (rows of seven: scenario, figure, value, baseline, against it,
+    target, result)."""
 
     def __init__(self):
         super().__init__()
-        self.srcs, self.hrefs, self.rows = [], [], []
+        self.srcs, self.hrefs, self.rows, self.summary = [], [], [], []
         self._cell, self._row, self._in_td = None, None, False
 
     def handle_starttag(self, tag, attrs):
@@ -49,6 +55,8 @@ class Page(HTMLParser):
         elif tag == "tr" and self._row is not None:
             if len(self._row) == 2:
                 self.rows.append(tuple(self._row))
+            elif len(self._row) == 7:
+                self.summary.append(tuple(self._row))
             self._row = None
 
     def handle_data(self, data):
@@ -102,8 +110,9 @@ def reports(tmp_path_factory):
 def test_every_plot_and_figure_is_in_the_page(reports, name):
     d, runs = reports
     r = d / name
+    html = (r / "index.html").read_text()
     page = Page()
-    page.feed((r / "index.html").read_text())
+    page.feed(html)
     assert page.srcs, "no plots"
     for src in page.srcs:
         svg = r / src
@@ -140,6 +149,37 @@ def test_every_plot_and_figure_is_in_the_page(reports, name):
         assert len(children) == 4
         assert max(children) >= figures["child_p99_us"] >= min(children) - 1
         assert {"fork-children.svg", "fork-pause.svg"} <= set(page.srcs)
+    # The summary comes first: before the machine, the contents and the section.
+    summary = html.index('<section id="summary">')
+    assert summary < html.index('<table id="machine">') < html.index(f'<section id="{name}">')
+    # Each headline figure of the section is a row of it, with its value, its same-run
+    # baseline and its target; the result column says met, missed or no target.
+    headlines = section["headlines"]
+    assert headlines and len(page.summary) == len(headlines)
+    one = lambda v, unit: "-" if v is None else f"{v:.1f} {unit}"  # noqa: E731
+    for row, h in zip(page.summary, headlines):
+        scenario, figure, value, baseline, _, target, result = row
+        assert (scenario, figure, value) == (name, h["figure"], one(h["value"], h["unit"]))
+        b = h["baseline"]
+        assert baseline == (f"{b['label']}: {one(b['value'], h['unit'])}" if b
+                            else "none measured")
+        assert (target == "none set") == (h["target"] is None)
+        assert result in ("\u2713 met", "\u2717 missed", "no target", "not measured")
+    first = headlines[0]
+    if name == "restore":
+        assert first["figure"].startswith("uffd restore")
+        assert abs(first["value"] - figures["p50_us"]) <= 0.06
+        assert first["baseline"]["label"] == "copy restore"
+        assert abs(first["baseline"]["value"] - figures["baseline_p50_us"]) <= 0.06
+    else:
+        # The JSON's figures are whole microseconds.
+        assert abs(first["value"] - figures["child_p50_us"]) <= 1
+        assert abs(first["baseline"]["value"] - figures["baseline_child_p50_us"]) <= 1
+    # Its date: a UTC date and time in the page, RFC 3339 beside the seconds in the JSON.
+    made = datetime.fromtimestamp(report["created_s"], timezone.utc)
+    assert report["created_rfc3339"] == made.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert made.strftime("%Y-%m-%d %H:%M:%S UTC") in html
+    assert "seconds since 1970" not in html
     # Machine facts are in the page.
     assert report["machine"]["cpus"] >= 1
 
@@ -186,6 +226,15 @@ def test_the_report_renders_in_chromium(reports):
                 ".filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src);")
             n = drv.execute_script("return document.images.length;")
             assert n > 0 and broken == [], broken
+            # What a reader sees first: the summary's heading and its rows.
+            first = drv.execute_script(
+                "return document.querySelector('h2').textContent;")
+            rows = drv.execute_script(
+                "return document.querySelectorAll('#summary table.summary tr').length;")
+            assert first == "Summary" and rows >= 2, (first, rows)
+            made = drv.execute_script(
+                "return document.querySelector('#machine time').textContent;")
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", made), made
             drv.save_screenshot(str(ARTIFACTS / f"report-{name}.png"))
     finally:
         drv.quit()

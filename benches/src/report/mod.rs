@@ -8,7 +8,9 @@
 //! ran on; [`Report::write`] puts `report.json` (everything, the samples included),
 //! `index.html` and each plot as SVG and PNG into a directory, and [`Report::load`] reads
 //! one back for [`compare`]. The HTML is self-contained apart from the plot files beside
-//! it and lists every figure of the JSON, so that nothing is only in one of them.
+//! it and lists every figure of the JSON, so that nothing is only in one of them. It opens
+//! with a summary: each section's [`Headline`] figures, each beside its same-run baseline
+//! and the [`Target`] its scenario holds it to, met or missed.
 
 mod html;
 mod plot;
@@ -152,6 +154,103 @@ impl Plot {
     }
 }
 
+/// What a scenario holds a headline figure to, relative to the same run's baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Target {
+    /// At most this many times the baseline.
+    RatioAtMost {
+        /// The largest ratio figure / baseline that meets it.
+        ratio: f64,
+    },
+    /// At most this much above the baseline.
+    AddedAtMost {
+        /// The most figure - baseline may be, in the figure's unit.
+        value: f64,
+    },
+}
+
+/// A headline figure's same-run baseline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Baseline {
+    /// What it is ("copy restore").
+    pub label: String,
+    /// Its value, in the figure's unit; none when it was not measured.
+    pub value: Option<f64>,
+}
+
+/// One of a section's headline figures: what the report's summary shows first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Headline {
+    /// What it is ("uffd restore until the first ping, p50").
+    pub figure: String,
+    /// Its value; none when it was not measured.
+    pub value: Option<f64>,
+    /// Its unit ("us", "MiB/s").
+    pub unit: String,
+    /// The same run's baseline, if the scenario measures one.
+    pub baseline: Option<Baseline>,
+    /// The target the scenario holds it to, if it has one.
+    pub target: Option<Target>,
+}
+
+/// A measured value: NaN and infinities (nothing measured) are none.
+fn finite(v: Option<f64>) -> Option<f64> {
+    v.filter(|v| v.is_finite())
+}
+
+impl Headline {
+    /// Figure `figure`, `value` in `unit`, without baseline or target.
+    pub fn new(figure: impl Into<String>, value: Option<f64>, unit: &str) -> Headline {
+        Headline {
+            figure: figure.into(),
+            value: finite(value),
+            unit: unit.into(),
+            baseline: None,
+            target: None,
+        }
+    }
+
+    /// The same, against the same run's baseline `label` (`value` in the figure's unit).
+    pub fn against(self, label: impl Into<String>, value: Option<f64>) -> Headline {
+        Headline {
+            baseline: Some(Baseline {
+                label: label.into(),
+                value: finite(value),
+            }),
+            ..self
+        }
+    }
+
+    /// The same, held to `target`.
+    pub fn target(self, target: Target) -> Headline {
+        Headline {
+            target: Some(target),
+            ..self
+        }
+    }
+
+    /// The figure over its baseline.
+    pub fn ratio(&self) -> Option<f64> {
+        let b = self.baseline.as_ref()?.value?;
+        finite(Some(self.value? / b))
+    }
+
+    /// The figure minus its baseline.
+    pub fn added(&self) -> Option<f64> {
+        Some(self.value? - self.baseline.as_ref()?.value?)
+    }
+
+    /// Whether the figure meets its target; none without a target, or when the figure or
+    /// its baseline was not measured.
+    pub fn met(&self) -> Option<bool> {
+        match self.target? {
+            Target::RatioAtMost { ratio } => Some(self.ratio()? <= ratio),
+            Target::AddedAtMost { value } => Some(self.added()? <= value),
+        }
+    }
+}
+
 /// One scenario's part of a report.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Section {
@@ -161,6 +260,10 @@ pub struct Section {
     pub text: String,
     /// Its JSON figures (what `--json` prints).
     pub figures: Value,
+    /// Its headline figures, for the report's summary (none in reports written before
+    /// there was one).
+    #[serde(default)]
+    pub headlines: Vec<Headline>,
     /// Its plots.
     pub plots: Vec<Plot>,
 }
@@ -173,8 +276,14 @@ impl Section {
             scenario: scenario.into(),
             text,
             figures,
+            headlines: Vec::new(),
             plots: plots.into_iter().filter(|p| !p.is_empty()).collect(),
         }
+    }
+
+    /// The same section with `headlines` as its headline figures.
+    pub fn with_headlines(self, headlines: Vec<Headline>) -> Section {
+        Section { headlines, ..self }
     }
 }
 
@@ -192,7 +301,9 @@ impl Reported for crate::stats::Summary {
             &self.name,
             vec![Series::measured(&self.name, &self.samples)],
         );
-        Section::new(scenario, self.to_string(), &self.to_json(), vec![plot])
+        Section::new(scenario, self.to_string(), &self.to_json(), vec![plot]).with_headlines(vec![
+            Headline::new(format!("{}, p50", self.name), Some(self.p50_us), "us"),
+        ])
     }
 }
 
@@ -253,6 +364,10 @@ pub struct Report {
     pub version: u32,
     /// When it was made, seconds since the epoch.
     pub created_s: u64,
+    /// The same, as an RFC 3339 UTC date and time ("2026-12-07T11:20:05Z"; empty in
+    /// reports written before it was there).
+    #[serde(default)]
+    pub created_rfc3339: String,
     /// The machine.
     pub machine: MachineInfo,
     /// The sections, in the order run.
@@ -268,11 +383,13 @@ impl Default for Report {
 impl Report {
     /// An empty report of this machine, now.
     pub fn new() -> Report {
+        let created_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         Report {
             version: REPORT_VERSION,
-            created_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created_s,
+            created_rfc3339: rfc3339(created_s),
             machine: MachineInfo::here(),
             sections: Vec::new(),
         }
@@ -421,6 +538,7 @@ pub fn compare(a: &Report, b: &Report, out: &Path) -> Result<(Vec<Ratio>, PathBu
             scenario: sa.scenario.clone(),
             text,
             figures: Value::Null,
+            headlines: Vec::new(),
             plots,
         });
     }
@@ -455,6 +573,27 @@ pub fn leaves(v: &Value) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     walk(v, "", &mut out);
     out
+}
+
+/// `secs` seconds since the epoch as a UTC date and time, "2026-12-07 11:20:05 UTC" (the
+/// seconds themselves beyond what a date can say).
+pub fn utc_date_time(secs: u64) -> String {
+    date_time(secs).map_or_else(
+        || format!("{secs} s since 1970"),
+        |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+    )
+}
+
+/// `secs` seconds since the epoch in RFC 3339, UTC: "2026-12-07T11:20:05Z" (empty beyond
+/// what a date can say).
+pub fn rfc3339(secs: u64) -> String {
+    date_time(secs).map_or_else(String::new, |t| {
+        t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    })
+}
+
+fn date_time(secs: u64) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp(i64::try_from(secs).ok()?, 0)
 }
 
 /// A name reduced to `[a-z0-9-]` for a file name.

@@ -182,3 +182,251 @@ fn log_axis_ticks() {
         vec![2000.0, 3000.0, 4000.0]
     );
 }
+
+#[test]
+fn dates_are_utc_date_times() {
+    for (s, date, rfc) in [
+        (0, "1970-01-01 00:00:00 UTC", "1970-01-01T00:00:00Z"),
+        (
+            1796642405,
+            "2026-12-07 11:20:05 UTC",
+            "2026-12-07T11:20:05Z",
+        ),
+        // Leap days: 2000 (divisible by 400) and 2024 have one, 2100 has none.
+        (951782400, "2000-02-29 00:00:00 UTC", "2000-02-29T00:00:00Z"),
+        (
+            1709210096,
+            "2024-02-29 12:34:56 UTC",
+            "2024-02-29T12:34:56Z",
+        ),
+        (
+            4107542399,
+            "2100-02-28 23:59:59 UTC",
+            "2100-02-28T23:59:59Z",
+        ),
+        (
+            4107542400,
+            "2100-03-01 00:00:00 UTC",
+            "2100-03-01T00:00:00Z",
+        ),
+    ] {
+        assert_eq!(utc_date_time(s), date, "{s}");
+        assert_eq!(rfc3339(s), rfc, "{s}");
+    }
+    // Beyond any date: the seconds as they are.
+    assert_eq!(
+        utc_date_time(u64::MAX),
+        format!("{} s since 1970", u64::MAX)
+    );
+    assert_eq!(rfc3339(u64::MAX), "");
+    let r = Report::new();
+    assert_eq!(r.created_rfc3339, rfc3339(r.created_s));
+}
+
+#[test]
+fn headlines_against_baseline_and_target() {
+    let ratio = Target::RatioAtMost { ratio: 1.10 };
+    let h = Headline::new("create", Some(105.0), "us").against("unconfined", Some(100.0));
+    assert_eq!(h.met(), None, "no target");
+    assert!((h.ratio().unwrap() - 1.05).abs() < 1e-9);
+    assert_eq!(h.added(), Some(5.0));
+    assert_eq!(h.clone().target(ratio).met(), Some(true));
+    let slow = Headline::new("create", Some(111.0), "us").against("unconfined", Some(100.0));
+    assert_eq!(slow.target(ratio).met(), Some(false));
+    let hop = Headline::new("hop", Some(300.0), "us").against("direct", Some(100.0));
+    assert_eq!(
+        hop.clone()
+            .target(Target::AddedAtMost { value: 200.0 })
+            .met(),
+        Some(true)
+    );
+    assert_eq!(
+        hop.target(Target::AddedAtMost { value: 150.0 }).met(),
+        Some(false)
+    );
+    // Nothing measured (NaN) is no value, and no verdict.
+    let none = Headline::new("x", Some(f64::NAN), "us")
+        .against("y", Some(1.0))
+        .target(ratio);
+    assert_eq!((none.value, none.ratio(), none.met()), (None, None, None));
+    let no_base = Headline::new("x", Some(1.0), "us").target(ratio);
+    assert_eq!(no_base.met(), None);
+}
+
+/// A report of two sections with headline figures: one met, one missed, one without a
+/// target.
+fn summarised() -> Report {
+    let mut r = Report::new();
+    r.created_s = 1796642405;
+    r.push(section(1.0).with_headlines(vec![
+        Headline::new("uffd restore until the first answered ping, p50", Some(101.5), "us")
+            .against("copy restore", Some(912.0)),
+    ]));
+    let mut serve = section(1.0).with_headlines(vec![
+        Headline::new("create, p50, jailed", Some(2100.0), "us")
+            .against("--no-jail --no-limits", Some(2000.0))
+            .target(Target::RatioAtMost { ratio: 1.10 }),
+        Headline::new("wake, p50, jailed", Some(2300.0), "us")
+            .against("--no-jail --no-limits", Some(2000.0))
+            .target(Target::RatioAtMost { ratio: 1.10 }),
+    ]);
+    serve.scenario = "serve".into();
+    r.push(serve);
+    r
+}
+
+#[test]
+fn summary_comes_first_with_each_headline_baseline_and_target() {
+    let html = html::render(&summarised(), &BTreeMap::new());
+    let at = |s: &str| {
+        html.find(s)
+            .unwrap_or_else(|| panic!("{s} not in the page"))
+    };
+    let summary = at("<section id=\"summary\">");
+    // Before the machine, the contents and every section.
+    for later in [
+        "<table id=\"machine\">",
+        "<ul id=\"contents\">",
+        "<section id=\"restore\">",
+        "<section id=\"serve\">",
+    ] {
+        assert!(summary < at(later), "the summary is not before {later}");
+    }
+    assert!(summary < at("<h2>restore</h2>"));
+    let end = summary + html[summary..].find("</section>").unwrap();
+    let table = &html[summary..end];
+    let rows: Vec<&str> = table.split("<tr").skip(2).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    // Each headline figure with its value, its same-run baseline, the ratio, its target
+    // and the verdict.
+    for (row, want) in rows.iter().zip([
+        [
+            "href=\"#restore\"",
+            "uffd restore until the first answered ping, p50",
+            "101.5 us",
+            "copy restore: 912.0 us",
+            "0.11x (-810.5 us)",
+            "none set",
+            "no target",
+        ],
+        [
+            "href=\"#serve\"",
+            "create, p50, jailed",
+            "2100.0 us",
+            "--no-jail --no-limits: 2000.0 us",
+            "1.05x (+100.0 us)",
+            "&lt;= 1.10x the baseline",
+            "\u{2713} met",
+        ],
+        [
+            "href=\"#serve\"",
+            "wake, p50, jailed",
+            "2300.0 us",
+            "--no-jail --no-limits: 2000.0 us",
+            "1.15x (+300.0 us)",
+            "&lt;= 1.10x the baseline",
+            "\u{2717} missed",
+        ],
+    ]) {
+        for w in want {
+            assert!(row.contains(w), "{w:?} not in {row}");
+        }
+    }
+    assert!(rows[1].starts_with(" class=\"met\"") && rows[2].starts_with(" class=\"missed\""));
+    // The date, readable, and machine-readable in the page.
+    assert!(html.contains("<time datetime=\"2026-12-07T11:20:05Z\">2026-12-07 11:20:05 UTC</time>"));
+    assert!(!html.contains("seconds since 1970"));
+    // No headline figures (a comparison, a report written before them): no summary.
+    let mut plain = summarised();
+    plain.sections.iter_mut().for_each(|s| s.headlines.clear());
+    assert!(!html::render(&plain, &BTreeMap::new()).contains("id=\"summary\""));
+}
+
+#[test]
+fn headlines_survive_the_json_and_older_reports_load() {
+    let r = summarised();
+    let back: Report = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+    assert_eq!(back.sections[1].headlines, r.sections[1].headlines);
+    assert_eq!(back.created_rfc3339, r.created_rfc3339);
+    // A report.json from before the summary and the RFC 3339 date.
+    let mut v = serde_json::to_value(&r).unwrap();
+    v.as_object_mut().unwrap().remove("created_rfc3339");
+    for s in v["sections"].as_array_mut().unwrap() {
+        s.as_object_mut().unwrap().remove("headlines");
+    }
+    let old: Report = serde_json::from_value(v).unwrap();
+    assert!(old.sections.iter().all(|s| s.headlines.is_empty()));
+    assert_eq!(old.created_s, 1796642405);
+}
+
+#[test]
+fn scenarios_hold_their_headlines_to_their_own_targets() {
+    let us = |v: &[f64]| Samples::from_us(v.to_vec());
+    // The cluster's target: the data-plane hop adds at most HOP_TARGET_P50_US at p50.
+    let hop = |direct: f64, via: f64| crate::cluster::Hop {
+        direct: us(&[direct]),
+        via_other_node: us(&[via]),
+    };
+    let cluster = crate::ClusterReport {
+        dataplane: hop(100.0, 100.0 + crate::cluster::HOP_TARGET_P50_US + 1.0),
+        create: hop(2000.0, 2100.0),
+        wake: hop(1500.0, 1600.0),
+    }
+    .section("cluster");
+    let h = &cluster.headlines;
+    assert_eq!(h.len(), 3);
+    assert_eq!(
+        h[0].target,
+        Some(Target::AddedAtMost {
+            value: crate::cluster::HOP_TARGET_P50_US
+        })
+    );
+    assert_eq!(h[0].met(), Some(false));
+    assert_eq!((h[1].met(), h[1].added()), (None, Some(100.0)));
+    // Serve's: confined creates and wakes at most CONFINEMENT_TARGET_RATIO times
+    // unconfined ones; each run against the first.
+    let ratio = crate::serve::CONFINEMENT_TARGET_RATIO;
+    let run = |background, create: f64, wake: f64| crate::ServeRun {
+        background,
+        create: us(&[create]),
+        create_http: us(&[create / 2.0]),
+        wake: us(&[wake]),
+        wake_http: us(&[wake / 2.0]),
+    };
+    let serve = crate::ServeReport {
+        runs: vec![run(0, 2000.0, 1800.0), run(100, 2200.0, 1900.0)],
+        dataplane: crate::serve::DataPlaneRun {
+            direct: us(&[50.0]),
+            through: us(&[150.0]),
+        },
+        confinement: crate::serve::ConfinementRun {
+            create: us(&[2000.0 * (ratio - 0.01)]),
+            create_free: us(&[2000.0]),
+            wake: us(&[1800.0 * (ratio + 0.01)]),
+            wake_free: us(&[1800.0]),
+            create_http: us(&[1000.0]),
+            create_http_free: us(&[1000.0]),
+        },
+        noise: crate::HostNoise::measure(3),
+    }
+    .section("serve");
+    let h = &serve.headlines;
+    let target = Some(Target::RatioAtMost { ratio });
+    assert_eq!((h[0].target, h[0].met()), (target, Some(true)));
+    assert_eq!((h[1].target, h[1].met()), (target, Some(false)));
+    let with_100: Vec<_> = h
+        .iter()
+        .filter(|h| h.figure.contains("100 paused"))
+        .collect();
+    assert_eq!(with_100.len(), 2, "{h:?}");
+    assert_eq!(with_100[0].added(), Some(200.0));
+    assert_eq!(
+        with_100[0].baseline.as_ref().unwrap().label,
+        "0 paused sandboxes on the host"
+    );
+    assert_eq!(h.last().unwrap().added(), Some(100.0));
+    // A plain summary (boot, ping): its p50, nothing to hold it against.
+    let boot = us(&[10.0, 20.0, 30.0]).summary("boot").section("boot");
+    assert_eq!(boot.headlines[0].value, Some(20.0));
+    assert!(boot.headlines[0].baseline.is_none());
+}
