@@ -1,7 +1,7 @@
 //! The part of the Clade agent protocol this guest answers: `Hello` and `Ping`.
 //!
 //! Specification: guest-agent/PROTOCOL.md (version 1). The real encoder/decoder is
-//! guest-agent/src/proto.rs, which needs std, so the frames used here are re-implemented
+//! guest-agent/src/proto/, which needs std, so the frames used here are re-implemented
 //! byte for byte:
 //!
 //! ```text
@@ -20,7 +20,7 @@
 //! bare-metal guest: they are answered with `Unsupported` (the real agent would decode their
 //! payload first; here it is not looked at).
 
-/// Protocol versions spoken (PROTOCOL_VERSION / MIN_PROTOCOL_VERSION in proto.rs).
+/// Protocol versions spoken (PROTOCOL_VERSION / MIN_PROTOCOL_VERSION in guest-agent/src/proto/mod.rs).
 pub const PROTOCOL_VERSION: u16 = 1;
 pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// The vsock port the agent listens on (AGENT_VSOCK_PORT).
@@ -52,7 +52,7 @@ pub const E_UNSUPPORTED: u16 = 13;
 /// Longest encoded reply.
 pub const MAX_REPLY: usize = 256;
 
-/// One frame being built (like proto.rs's `Enc`): length prefix reserved, filled by `finish`.
+/// One frame being built (like `Enc` in guest-agent/src/proto/encode.rs): length prefix reserved, filled by `finish`.
 pub struct Enc {
     buf: [u8; MAX_REPLY],
     len: usize,

@@ -1,0 +1,50 @@
+//! The wire tag of each message (the frame's first body byte): below 0x80 host -> agent,
+//! from 0x80 agent -> host. One list, so that no two messages share a tag.
+
+pub const HELLO: u8 = 0x01;
+pub const PING: u8 = 0x02;
+pub const EXEC: u8 = 0x03;
+pub const STDIN: u8 = 0x04;
+pub const STDIN_CLOSE: u8 = 0x05;
+pub const SIGNAL: u8 = 0x06;
+pub const RESIZE: u8 = 0x07;
+pub const READ_FILE: u8 = 0x08;
+pub const WRITE_FILE: u8 = 0x09;
+pub const FILE_DATA_UP: u8 = 0x0a;
+pub const FILE_END: u8 = 0x0b;
+pub const STAT: u8 = 0x0c;
+pub const LIST: u8 = 0x0d;
+pub const REMOVE: u8 = 0x0e;
+pub const SET_CLOCK: u8 = 0x0f;
+pub const ADD_ENTROPY: u8 = 0x10;
+pub const SYNC: u8 = 0x11;
+pub const POWER_OFF: u8 = 0x12;
+pub const MAKE_DIR: u8 = 0x13;
+pub const RENAME: u8 = 0x14;
+pub const SPAWN: u8 = 0x15;
+pub const ATTACH: u8 = 0x16;
+pub const LIST_PROCS: u8 = 0x17;
+pub const WATCH: u8 = 0x18;
+pub const UNWATCH: u8 = 0x19;
+pub const READ_LINK: u8 = 0x1a;
+pub const AS_USER: u8 = 0x1b;
+pub const GET_XATTRS: u8 = 0x1c;
+pub const SET_XATTRS: u8 = 0x1d;
+
+pub const HELLO_OK: u8 = 0x80;
+pub const OK: u8 = 0x81;
+pub const ERROR: u8 = 0x82;
+pub const PONG: u8 = 0x83;
+pub const STARTED: u8 = 0x84;
+pub const STDOUT: u8 = 0x85;
+pub const STDERR: u8 = 0x86;
+pub const STDIN_ACK: u8 = 0x87;
+pub const EXITED: u8 = 0x88;
+pub const FILE_DATA_DOWN: u8 = 0x89;
+pub const FILE_DONE: u8 = 0x8a;
+pub const STAT_REPLY: u8 = 0x8b;
+pub const DIR_ENTRIES: u8 = 0x8c;
+pub const PROC_LIST: u8 = 0x8d;
+pub const WATCH_EVENT: u8 = 0x90;
+pub const LINK_TARGET: u8 = 0x91;
+pub const XATTRS: u8 = 0x92;
