@@ -28,7 +28,7 @@ pub struct ServeArgs {
     listen: String,
     /// The domain sandboxes are reached under: each sandbox's `domain`, so that the SDK's
     /// `get_host(port)` gives `<port>-<id>.DOMAIN` (a wildcard DNS record `*.DOMAIN` must
-    /// point at this host; see the README).
+    /// point at this host; see docs/cli.md).
     #[arg(long, value_name = "DOMAIN")]
     domain: Option<String>,
     /// Serve HTTPS with this PEM certificate chain (a wildcard `*.DOMAIN`; with --tls-key).
