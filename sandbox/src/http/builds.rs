@@ -11,7 +11,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{body, ApiError, ApiResult, AppState};
+use super::errors::{ApiError, ApiResult};
+use super::request::body;
+use super::AppState;
 use crate::build::StartRequest;
 use crate::ids;
 

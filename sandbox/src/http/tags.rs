@@ -11,7 +11,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{blocking, body, ApiResult, AppState};
+use super::errors::ApiResult;
+use super::request::{blocking, body};
+use super::AppState;
 use crate::ids;
 use crate::template::tags::parse_reference;
 

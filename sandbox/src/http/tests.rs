@@ -2,12 +2,14 @@
 //! codes, bodies and headers as the e2b SDK parses them.
 
 use axum::body::Body;
-use axum::http::Request as HttpRequest;
+use axum::http::{HeaderMap, Request as HttpRequest};
 use http_body_util::BodyExt;
+use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use super::*;
 use crate::host::tests::host;
+use crate::ids;
 
 const KEY: &str = "e2b_test_key";
 
