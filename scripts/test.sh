@@ -214,7 +214,7 @@ stage "lint: cargo clippy -D warnings" nice -n 10 cargo clippy --workspace --all
 
 LOG="$REPO_ROOT/target/cargo-test.log"
 stage "tiers 1+2 build (cargo test --no-run)" nice -n 10 cargo test --workspace --no-run --quiet
-stage "tiers 1+2: unit and native KVM tests" bash -c "set -o pipefail; cargo test --workspace -- --nocapture 2>&1 | tee '$LOG'" || true
+stage "tiers 1+2: unit and native KVM tests" bash -c "set -o pipefail; cargo test --workspace --no-fail-fast -- --nocapture 2>&1 | tee '$LOG'" || true
 # Totals over every test binary, for the closing summary line.
 sum() { grep -E '^test result:' "$LOG" | grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s + 0}'; }
 passed=$(sum passed)

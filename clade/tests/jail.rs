@@ -342,7 +342,13 @@ fn a_jailed_vm_runs_snapshots_forks_and_restores_confined() {
     wait_until("the restored VM's API socket", || {
         r1.join("api.sock").exists()
     });
-    let pids = vm_pids_of(&r1.join("api.sock").display().to_string());
+    // The socket is bound before the restore opens /dev/kvm: the VM process is the one
+    // that holds it, once it does.
+    let needle = r1.join("api.sock").display().to_string();
+    wait_until("the restored VM's process", || {
+        !vm_pids_of(&needle).is_empty()
+    });
+    let pids = vm_pids_of(&needle);
     assert_eq!(pids.len(), 1, "{pids:?}");
     assert_confined(pids[0]);
     ping(&r1.join("v.sock"));
