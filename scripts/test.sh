@@ -10,8 +10,8 @@
 # docs/testing.md says what each runs and how to run one alone.
 #
 # The nested tier runs beside the others: QEMU's emulation uses one CPU, and the machine
-# has more. Its static build runs first, alone (the other builds wait for it, then run at
-# a lower priority beside its Debian root); then machine "sdk" boots (ahead of the rest) and runs the sdk scenario (with the
+# has more. Its static build and Debian root start first (the rest of the build runs at a
+# lower priority meanwhile); then machine "sdk" boots and runs the sdk scenario (with the
 # host's SDK suite, tests/e2b/test_linux.py and friends, through forwarded ports) while
 # tiers 1 and 2 and the SDK suites run here; once they are done, machine "scenarios" runs
 # every other scenario on the CPU they leave. The stage times are printed at the end.
@@ -94,7 +94,6 @@ pytest_failed() {
 # --- tier 3, in the background ---------------------------------------------------------
 NESTED_RUNS="$REPO_ROOT/build/nested-runs"
 NATIVE_DONE="$NESTED_RUNS/native-done"
-STATIC_BUILT="$NESTED_RUNS/static-built"
 if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
     # shellcheck source-path=SCRIPTDIR source=../tests/nested/lib.sh
     . "$REPO_ROOT/tests/nested/lib.sh"
@@ -133,11 +132,7 @@ if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
         rm -f "$out/nested.log"
         # --scratch: L1's /tmp on a disk; the sdk scenario's state directories (templates,
         # snapshots, paused sandboxes, the object store) outgrow a /tmp in L1's memory.
-        # The sdk machine is the longest stage: it runs ahead of what runs beside it (in
-        # the same run, the others had time to spare and it did not).
-        local prio=0
-        if [ ${#net[@]} -gt 0 ]; then prio=-5; fi
-        NESTED_OUT="$out" NESTED_MEM=4G NESTED_L1_EXTRA="$extra" nice -n "$prio" "$REPO_ROOT/tests/nested/run.sh" --timeout "$limit" --stall 300 --scratch 8G \
+        NESTED_OUT="$out" NESTED_MEM=4G NESTED_L1_EXTRA="$extra" "$REPO_ROOT/tests/nested/run.sh" --timeout "$limit" --stall 300 --scratch 8G \
             --l1-test "$REPO_ROOT/tests/nested/scenarios/suite.sh" "${DISKS[@]}" "${net[@]}" \
             "${expects[@]}" --expect '^CLADE-EXIT 0$' >"$out/suite.out" 2>&1 &
         local nested_pid=$!
@@ -179,16 +174,7 @@ if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
     # machine "scenarios" (boot and the rest, about 600 s) once tiers 1 and 2 are done.
     # Writes build/nested-runs/{build-failed,sdk/,scenarios/}.
     nested_tier() {
-        # The static binaries first, with the machine to themselves (the builds below
-        # wait for them: built beside the others, they took 650 s instead of 460); each
-        # as build-outer.sh and build-guest-initramfs.sh build it, so theirs do nothing.
-        if ! stage "tier 3 build: static clade and clade-agent (release)" \
-            bash -c ". '$NESTED_DIR/lib.sh' && cargo_static -p clade --bin clade && cargo_static -p guest-agent --bin clade-agent"; then
-            touch "$NESTED_RUNS/build-failed" "$STATIC_BUILT"
-            return
-        fi
-        touch "$STATIC_BUILT"
-        if ! stage "tier 3 build: Debian kernel, root filesystem (tests/nested/build-rootfs.sh), initramfs" \
+        if ! stage "tier 3 build: static clade and agent, Debian kernel, root filesystem (tests/nested/build-rootfs.sh)" \
             bash -c "'$REPO_ROOT/tests/nested/build-rootfs.sh' && '$NESTED_DIR/fetch-kernel.sh' >/dev/null && NESTED_OUT='$REPO_ROOT/build/nested' '$NESTED_DIR/build-guest-initramfs.sh'"; then
             touch "$NESTED_RUNS/build-failed"
             return
@@ -205,11 +191,7 @@ if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
 fi
 
 # --- tiers 1 and 2, and the SDK suites ---------------------------------------------------
-# The nested tier's machine "sdk" is the longest stage: its static build goes first (see
-# nested_tier), and the builds here run at a lower priority than its machine.
-if [ "${CLADE_SKIP_NESTED:-0}" != 1 ]; then
-    stage "waiting for tier 3's static build" bash -c "while [ ! -e '$STATIC_BUILT' ] && kill -0 $NESTED_JOB 2>/dev/null; do sleep 2; done"
-fi
+# Builds run at a lower priority than the nested tier's: its machine is the longest stage.
 stage "lint: cargo clippy -D warnings" nice -n 10 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 LOG="$REPO_ROOT/target/cargo-test.log"
