@@ -1,6 +1,7 @@
 //! `clade run/restore --jail`: a jailed VM on the native test guest runs as the given
-//! user with the system-call filter on every thread, in its own PID namespace and a root
-//! holding only what it needs; it snapshots (only under --files-root), forks (children
+//! user with the system-call filter on every thread, seeing only its own user's processes
+//! (one process; with cgroup limits, in a PID namespace of its own) and a root holding
+//! only what it needs; it snapshots (only under --files-root), forks (children
 //! jailed alike, outliving a killed parent) and restores jailed. Needs root (CI runs as
 //! root); as another user these tests say so and pass without running.
 
@@ -109,12 +110,25 @@ fn assert_confined(pid: i32) {
         assert_eq!(field("CapEff:"), "0000000000000000", "{status}");
         assert_eq!(field("CapPrm:"), "0000000000000000", "{status}");
         assert_eq!(field("NoNewPrivs:"), "1", "{status}");
-        // Two PID namespaces: the host's and the jail's.
-        assert_eq!(field("NSpid:").split(' ').count(), 2, "{status}");
     }
-    // Its parent (the jail's keeper, or the VM process of a fork child) holds no
-    // privilege either while the VM lives.
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let nspid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .unwrap()
+        .split_whitespace()
+        .count();
+    if nspid == 1 {
+        // A jail with no cgroup of its own is one process: the VM process itself, in the
+        // host's PID namespace, whose /proc shows it only its own user's processes.
+        common::assert_sees_only_its_own_processes(pid, NOBODY, NOBODY);
+        assert_own_network(pid);
+        assert_own_root(pid);
+        return;
+    }
+    // Else two PID namespaces, the host's and the jail's, and its parent (the jail's
+    // keeper, or the VM process of a fork child) holds no privilege either.
+    assert_eq!(nspid, 2, "{status}");
     let ppid = status
         .lines()
         .find_map(|l| l.strip_prefix("PPid:"))
@@ -145,15 +159,23 @@ fn assert_confined(pid: i32) {
         "0000000000000000",
         "keeper {ppid}: {parent}"
     );
-    // A network namespace of its own: nothing of the host's network (its abstract Unix
-    // sockets included) is reachable from it.
+    assert_own_network(pid);
+    assert_own_root(pid);
+}
+
+/// A network namespace of its own: nothing of the host's network (its abstract Unix
+/// sockets included) is reachable from it.
+fn assert_own_network(pid: i32) {
     let net = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
     assert_ne!(
         net(&pid.to_string()),
         net("self"),
         "pid {pid}: the host's network"
     );
-    // Its root holds only what it needs.
+}
+
+/// Its root holds only what it needs.
+fn assert_own_root(pid: i32) {
     let root = PathBuf::from(format!("/proc/{pid}/root"));
     assert!(root.join("dev/kvm").exists());
     assert!(

@@ -412,6 +412,23 @@ fn vm_pids(state: &Path) -> Vec<i32> {
     pids
 }
 
+/// Pids of the `clade serve` processes on `state`.
+fn serve_pids(state: &Path) -> Vec<i32> {
+    let needle = state.as_os_str().as_encoded_bytes();
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        if args.iter().any(|a| *a == needle) && args.iter().any(|a| *a == b"serve") {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 /// A line of `/proc/PID/status` (after its key), if the process is there.
 fn status_field(pid: i32, key: &str) -> Option<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -434,22 +451,26 @@ fn uid_of(pid: i32) -> Option<u32> {
 const JAIL_UIDS: std::ops::Range<u32> = 2_000_000..2_065_536;
 
 /// The jailed VM processes of the service at `state` (at least `at_least`), each checked:
-/// a user of its own from the jail's range, no capabilities, `no_new_privs`, mount, PID,
-/// IPC, UTS and network namespaces not the host's. The service's other processes under `state`
-/// (each jail's waiting process and keeper) hold no VM.
+/// a user of its own from the jail's range, no capabilities, `no_new_privs`, mount, IPC,
+/// UTS and network namespaces not the host's, a `/proc` that shows it only its own user's
+/// processes. Each is one process: the service's other processes under `state` are VM
+/// processes too (a standby still building its jail, as root or its VM's user, holds no
+/// VM yet), and nothing waits beside a VM: its parent is the service, or the VM process it
+/// was forked from (or init, once that one ended).
 fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
+    let service: Vec<i32> = serve_pids(state);
     let mut vms = Vec::new();
     for pid in vm_pids(state) {
         match uid_of(pid) {
             None => continue, // ended meanwhile
             Some(0) => assert!(!holds_kvm(pid), "pid {pid} holds a VM as root"),
-            // A jail's keeper: its VM's user, and no privilege either.
+            // Between its jail and its VM.
             Some(uid) if !holds_kvm(pid) => {
                 assert!(JAIL_UIDS.contains(&uid), "pid {pid}: uid {uid}");
                 assert_eq!(
                     status_field(pid, "CapEff:").as_deref(),
                     Some("0000000000000000"),
-                    "keeper {pid}"
+                    "starting VM process {pid}"
                 );
             }
             Some(uid) => {
@@ -460,28 +481,17 @@ fn jailed_vm_pids(state: &Path, at_least: usize) -> Vec<i32> {
                     "pid {pid}"
                 );
                 assert_eq!(status_field(pid, "NoNewPrivs:").as_deref(), Some("1"));
-                // Its jail's keeper (its parent) and the process that waits for the jail in
-                // the host's namespaces (the keeper's parent) hold no privilege either.
-                let keeper: i32 = status_field(pid, "PPid:").unwrap().parse().unwrap();
-                let waiting: i32 = status_field(keeper, "PPid:").unwrap().parse().unwrap();
-                for p in [keeper, waiting] {
-                    assert_eq!(uid_of(p), Some(uid), "pid {p} beside VM {pid}");
-                    assert_eq!(
-                        status_field(p, "CapEff:").as_deref(),
-                        Some("0000000000000000"),
-                        "pid {p} beside VM {pid}"
-                    );
-                    assert_eq!(
-                        status_field(p, "CapPrm:").as_deref(),
-                        Some("0000000000000000"),
-                        "pid {p} beside VM {pid}"
-                    );
-                }
-                for ns in ["mnt", "pid", "ipc", "uts", "net"] {
+                let parent: i32 = status_field(pid, "PPid:").unwrap().parse().unwrap();
+                assert!(
+                    service.contains(&parent) || parent == 1 || holds_kvm(parent),
+                    "VM process {pid}: its parent {parent} is neither the service nor a VM"
+                );
+                for ns in ["mnt", "ipc", "uts", "net"] {
                     let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
                     let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
                     assert_ne!(theirs, ours, "pid {pid}: {ns} namespace is the host's");
                 }
+                common::assert_sees_only_its_own_processes(pid, uid, uid);
                 vms.push(pid);
             }
         }
@@ -2048,10 +2058,13 @@ fn vm_processes_get_no_secret_no_descriptor_and_no_host_network() {
         }
         let pid = serve.0.id() as i32;
         let looked_at = assert_no_secret_below(pid);
-        // The sandbox's and (with standbys) the standby's jail: a waiting process, a
-        // keeper and the VM process each.
-        assert!(looked_at >= 3, "{looked_at} processes below the service");
-        let vms = jailed_vm_pids(&state, if standby == "1" { 2 } else { 1 });
+        // The sandbox's and (with standbys) the standby's jail: one VM process each.
+        let jails = if standby == "1" { 2 } else { 1 };
+        assert!(
+            looked_at >= jails,
+            "{looked_at} processes below the service"
+        );
+        let vms = jailed_vm_pids(&state, jails);
         for vm in vms {
             let ns = std::fs::File::open(format!("/proc/{vm}/ns/net")).unwrap();
             let addr = addr.clone();

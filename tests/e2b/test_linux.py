@@ -385,7 +385,7 @@ def test_file_metadata_on_the_guests_disk():
 def build_vms(tag):
     """The template build VM processes in the nested machine, asked by control: a dict of
     their status (uid, capeff, nnp, pidns: PID namespace levels, kvm: 1 if it holds
-    /dev/kvm, cgroup) each."""
+    /dev/kvm, cgroup, proc: the options of the /proc mounted in its jail) each."""
     control(f"build-vms {tag}")
     deadline = time.monotonic() + 60
     while console_count(f"SDK-BUILD-VMS {tag} ") == 0:
@@ -429,9 +429,9 @@ def test_a_template_build_vm_is_jailed_and_limited():
     th = threading.Thread(target=build)
     th.start()
     # Every process of the build VM but the service's own is the VM's user: the VM process
-    # (it holds /dev/kvm, kvm=1) in the jail's PID namespace, and beside it the jail's keeper
-    # and the process waiting for the jail, in the service's. Sampled until the VM process
-    # itself is seen.
+    # (it holds /dev/kvm, kvm=1), alone (a jail of the service is one process), in the
+    # host's PID namespace with a /proc that shows it only itself. Sampled until the VM
+    # process itself is seen.
     seen, i = [], 0
     nonce = os.urandom(3).hex()
     while th.is_alive() and not any(v.get("kvm") == "1" for v in seen):
@@ -450,7 +450,8 @@ def test_a_template_build_vm_is_jailed_and_limited():
         assert v["capeff"] == "0000000000000000", v
         assert v["nnp"] == "1", v
         if v["kvm"] == "1":
-            assert v["pidns"] == "2", v
+            assert v["pidns"] == "1", v
+            assert "hidepid=invisible" in v["proc"], v
         assert "/clade/s-" in v["cgroup"], v
     sb = Sandbox.create("sdk-jailed", timeout=600, **SLOW)
     try:

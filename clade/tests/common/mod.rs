@@ -168,3 +168,78 @@ pub fn holds_kvm(pid: i32) -> bool {
             l == "/dev/kvm" || l.starts_with("anon_inode:kvm")
         })
 }
+
+/// The processes a jailed VM process `vm` sees in its jail's `/proc`, as its own user
+/// `uid`:`gid` would list them: a process of that user (`ls`) lists the jail's `/proc`
+/// mount through a descriptor this (root) process opened on it. None when the jail has a
+/// PID namespace of its own (its `/proc` numbers are not the host's).
+#[allow(dead_code)]
+pub fn pids_seen_in_jail(vm: i32, uid: u32, gid: u32) -> Option<Vec<i32>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let status = std::fs::read_to_string(format!("/proc/{vm}/status")).ok()?;
+    let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    if nspid.split_whitespace().count() != 1 {
+        return None;
+    }
+    let dir = std::fs::File::open(format!("/proc/{vm}/root/proc")).expect("the jail's /proc");
+    let fd = dir.as_raw_fd();
+    let mut cmd = std::process::Command::new("ls");
+    cmd.arg(format!("/proc/self/fd/{fd}/")).uid(uid).gid(gid);
+    // SAFETY: runs between fork and exec; one fcntl on a descriptor the child holds.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    let out = cmd.output().expect("running ls as the VM's user");
+    assert!(
+        out.status.success(),
+        "listing the jail's /proc as {uid}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|n| n.parse().ok())
+            .collect(),
+    )
+}
+
+/// The real uid of process `pid`.
+#[allow(dead_code)]
+pub fn uid_of_pid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Checks what a jailed VM process `vm` of user `uid`:`gid` sees of the host's processes
+/// in a jail with no PID namespace of its own: only its own user's (and of those, the
+/// ones it may trace: here the lister), never the process that started it.
+#[allow(dead_code)]
+pub fn assert_sees_only_its_own_processes(vm: i32, uid: u32, gid: u32) {
+    let Some(seen) = pids_seen_in_jail(vm, uid, gid) else {
+        return;
+    };
+    // The lister sees itself (a VM process, which is not dumpable, only its own entry);
+    // without `hidepid` it would see every process of the host.
+    assert!(!seen.is_empty(), "the lister sees not even itself");
+    assert!(!seen.contains(&1), "the host's init is visible: {seen:?}");
+    let me = std::process::id() as i32;
+    assert!(!seen.contains(&me), "the test process is visible: {seen:?}");
+    for p in seen {
+        // (A process of another user that ended since is not there to read.)
+        if let Some(u) = uid_of_pid(p) {
+            assert_eq!(u, uid, "process {p} of user {u} is visible to {vm}");
+        }
+    }
+}

@@ -279,8 +279,11 @@ impl Jails {
     }
 }
 
-/// The VM process of the jail whose waiting process is `pid` (its child is the jail's
-/// keeper, whose child is the VM process), once both exist.
+/// The VM process of the jail started as process `pid`: `pid` itself (a jail with no
+/// cgroup of its own is one process, as every jail of the service is now), or, for a VM
+/// started by an earlier version (the process that waited for its jail, whose only child
+/// is the jail's keeper in a PID namespace of its own, whose only child is the VM), the
+/// keeper's child, once both exist.
 pub fn vm_process(pid: u32) -> Option<u32> {
     let only_child = |p: u32| -> Option<u32> {
         let list = std::fs::read_to_string(format!("/proc/{p}/task/{p}/children")).ok()?;
@@ -288,7 +291,19 @@ pub fn vm_process(pid: u32) -> Option<u32> {
         let kid = kids.next()?.parse().ok()?;
         kids.next().is_none().then_some(kid)
     };
-    only_child(only_child(pid)?)
+    let in_own_pid_namespace = |p: u32| {
+        std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("NSpid:"))
+                .is_some_and(|v| v.split_whitespace().count() > 1)
+        })
+    };
+    match only_child(pid) {
+        Some(keeper) if in_own_pid_namespace(keeper) && !in_own_pid_namespace(pid) => {
+            only_child(keeper)
+        }
+        _ => Some(pid),
+    }
 }
 
 /// As [`vm_process`] when `pid` was started jailed (`--jail` on its command line; a VM

@@ -111,7 +111,7 @@ pub(crate) struct Standby {
     pub(crate) idle_group: bool,
     /// Its jail, when jailed.
     pub(crate) jail: Option<super::jail::JailLease>,
-    /// The process inside its jail that holds the VM (`child` waits for the jail).
+    /// The process that holds the VM (`child` itself: a jail is one process).
     pub(crate) vm_pid: Option<u32>,
 }
 
@@ -668,8 +668,9 @@ fn spawn_standby(
         // Its own process group, as every VM process: a Ctrl-C meant for the service is
         // not its business (the parent-death signal is).
         .process_group(0);
-    // Jailed, the process started here waits for the jail and is told by the VM process
-    // when to clear its parent-death signal (`vmm::host::jail::StarterLink`).
+    // Jailed too, the process started here is the VM process (its jail is one process):
+    // it keeps the signal across its change of credentials and clears it once it holds a
+    // sandbox's VM (`vmm::host::jail::StarterLink`).
     super::end_with_this_process(&mut cmd);
     let jail = cfg
         .jails

@@ -448,11 +448,13 @@ while [ -z "$verdict" ]; do
             nnp=$(echo "$st" | awk '/^NoNewPrivs:/ { print $2 }')
             pidns=$(echo "$st" | awk '/^NSpid:/ { print NF - 1 }')
             cg=$(grep -m1 -E ':memory:|^0::' "$d/cgroup" 2>/dev/null | cut -d: -f3)
-            # kvm=1: the VM process itself (it holds /dev/kvm); the jail's keeper and the
-            # process waiting for the jail (both the VM's user too) do not.
+            # kvm=1: the VM process itself (it holds /dev/kvm; a jail of the service is that
+            # one process), not yet while it builds its jail. proc: the options of the
+            # /proc mounted in its jail.
             kvm=0
             ls -l "$d/fd" 2>/dev/null | grep -q '/dev/kvm' && kvm=1
-            echo "SDK-BUILD-VM $tag ${d#/proc/} uid=$uid capeff=$cap nnp=$nnp pidns=$pidns kvm=$kvm cgroup=$cg"
+            proc=$(awk '$5 == "/proc" { print $NF }' "$d/mountinfo" 2>/dev/null | tr '\n' ';')
+            echo "SDK-BUILD-VM $tag ${d#/proc/} uid=$uid capeff=$cap nnp=$nnp pidns=$pidns kvm=$kvm cgroup=$cg proc=${proc:-none}"
             n=$((n + 1))
         done
         echo "SDK-BUILD-VMS $tag $n"

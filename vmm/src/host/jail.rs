@@ -3,31 +3,41 @@
 //! files or processes and bounded resources.
 //!
 //! `enter` is called by a process that runs as root and has not started any thread. It
-//! checks everything first (paths, ids, devices, cgroup support), then splits into three
-//! processes:
+//! checks everything first (paths, ids, devices, cgroup support), then builds the jail in
+//! new mount, IPC, UTS and network namespaces: it mounts a small tmpfs on the jail
+//! directory and builds the VM's view of the world there: each path the VM needs is
+//! bind-mounted at the same absolute path (files the VM only reads read-only; the
+//! directories it writes into read-write; all `nosuid,nodev`), device nodes for
+//! `/dev/kvm`, `/dev/userfaultfd` and block devices holding disk layers owned by the VM's
+//! user, `null`, `zero`, `random`, `urandom`, and a `/proc`. It pivots the mount namespace
+//! into that root, detaches the host's tree and makes the root read-only. The VM process
+//! drops to `uid`/`gid` (no supplementary groups, no capabilities, `no_new_privs`, umask
+//! `077`) and gets [`Jailed::Inside`]: the caller goes on to build and run the VM exactly
+//! as it would unjailed, with the same paths.
 //!
-//! 1. **The caller** stays in the host's namespaces: it waits for the jail, passes SIGINT,
-//!    SIGTERM and SIGHUP on, removes the jail's cgroup at the end (when limits made one:
-//!    else it gives up root as the VM process does once the keeper is started), and gets
-//!    [`Jailed::Ended`] with the VM's exit code. If it is killed, the whole jail is. A
-//!    failure while the jail was being set up comes back to it as an [`Error::Jail`]
-//!    (through a close-on-exec socket pair).
-//! 2. **The keeper**: PID 1 of a new PID namespace, in new mount, IPC, UTS and network
-//!    namespaces (and the cgroup when limits were asked for). It mounts a small tmpfs on the jail
-//!    directory and builds the VM's view of the world there: each path the VM needs is
-//!    bind-mounted at the same absolute path (files the VM only reads read-only; the
-//!    directories it writes into read-write; all `nosuid,nodev`), device nodes for
-//!    `/dev/kvm`, `/dev/userfaultfd` and block devices holding disk layers owned by the
-//!    VM's user, `null`, `zero`, `random`, `urandom`, and a `/proc` of the new PID
-//!    namespace. It pivots the mount namespace into that root, detaches the host's tree,
-//!    makes the root read-only, and starts the VM process. It then gives up root as the
-//!    VM process does (the VM's user, no capabilities, `no_new_privs`) and only reaps
-//!    processes and passes signals on, and ends with the VM's exit code once every process of the
-//!    jail has ended: fork children (started inside the jail by the VM process) outlive
-//!    their parent as they do unjailed.
-//! 3. **The VM process** drops to `uid`/`gid` (no supplementary groups, no capabilities,
-//!    `no_new_privs`, umask `077`) and gets [`Jailed::Inside`]: the caller goes on to build and run
-//!    the VM exactly as it would unjailed, with the same paths.
+//! How many processes that takes depends on the cgroup:
+//!
+//! - **No cgroup of the jail's own** (every jail of `clade serve`, whose VM processes are in
+//!   the service's cgroups): **one process**. The caller builds the jail around itself and
+//!   becomes the VM process; nothing stays beside it. It keeps the host's PID namespace,
+//!   and its `/proc` is mounted `hidepid=invisible`: it sees only processes it may trace,
+//!   which is itself (the fork children it starts are its user's but not dumpable; they
+//!   outlive it as they do unjailed).
+//!   Every VM has a user of its own, so no VM can see, signal or trace another, nor any
+//!   process of the host. A parent-death signal it was started with is kept across the
+//!   change of credentials (which clears it), and [`StarterLink::outlive_starter`] clears it.
+//! - **Limits** (`--jail-memory-max` and the like: a cgroup of the jail's own, which must be
+//!   removed once every process in it ended): **three processes**.
+//!   1. *The caller* stays in the host's namespaces, as root: it waits for the jail,
+//!      passes SIGINT, SIGTERM and SIGHUP on, removes the jail's cgroup at the end, and
+//!      gets [`Jailed::Ended`] with the VM's exit code. If it is killed, the whole jail
+//!      is. A failure while the jail was being set up comes back to it as an
+//!      [`Error::Jail`] (through a close-on-exec socket pair).
+//!   2. *The keeper*: PID 1 of a new PID namespace, in the cgroup, builds the jail (its
+//!      `/proc` is the new namespace's), starts the VM process, then gives up root as the
+//!      VM process does, reaps and passes signals on, and ends with the VM's exit code
+//!      once every process of the jail has ended.
+//!   3. *The VM process*, as above.
 //!
 //! The network namespace is empty: a VM's network is the TAP descriptor it was handed
 //! before (`--net fd=N`), and the host's abstract Unix sockets are out of its reach. The
@@ -106,13 +116,34 @@ pub enum Jailed {
 /// started with a parent-death signal (a standby of a service: it ends with the service
 /// while unused) clears it when told the VM must outlive its starter.
 #[derive(Debug)]
-pub struct StarterLink(UnixStream);
+pub struct StarterLink(Link);
+
+#[derive(Debug)]
+enum Link {
+    /// The VM process is the caller itself (a jail with no cgroup of its own).
+    Own,
+    /// The caller waits for the jail at the other end.
+    Caller(UnixStream),
+}
 
 impl StarterLink {
     /// The VM now outlives whoever started the jail (a standby that was given a sandbox).
-    pub fn outlive_starter(mut self) {
-        if let Err(e) = self.0.write_all(&[1]) {
-            tracing::warn!("jail: telling the starter the VM outlives it: {e}");
+    pub fn outlive_starter(self) {
+        match self.0 {
+            Link::Own => {
+                // SAFETY: PR_SET_PDEATHSIG with 0 only changes this process's attribute.
+                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) } != 0 {
+                    tracing::warn!(
+                        "jail: clearing the parent-death signal: {}",
+                        std::io::Error::last_os_error()
+                    );
+                }
+            }
+            Link::Caller(mut s) => {
+                if let Err(e) = s.write_all(&[1]) {
+                    tracing::warn!("jail: telling the starter the VM outlives it: {e}");
+                }
+            }
         }
     }
 }
@@ -397,6 +428,9 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
     {
         tracing::debug!("jail: RLIMIT_NICE left as it is: {e}");
     }
+    let Some(cgroup) = cgroup else {
+        return enter_in_place(config, &checked);
+    };
     unshare(CloneFlags::CLONE_NEWPID).map_err(|e| errno_err("new PID namespace", e))?;
     // SAFETY: this process has exactly one thread (checked above), so the child is a
     // complete copy and may run any code.
@@ -413,7 +447,7 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
             if starter_gone(&link_tx) {
                 std::process::exit(1);
             }
-            match keeper(config, &checked, cgroup.as_ref(), report_tx, link_tx) {
+            match keeper(config, &checked, &cgroup, report_tx, link_tx) {
                 Ok(KeeperRole::Vm(link)) => Ok(Jailed::Inside(link)),
                 Ok(KeeperRole::Done(code)) => std::process::exit(code.into()),
                 Err((e, tx)) => {
@@ -429,22 +463,12 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
         ForkResult::Parent { child } => {
             drop(report_tx);
             drop(link_tx);
-            // The namespace is for the keeper; this process stays where it was. With no
-            // cgroup of the jail's own to remove at the end, it needs no privilege to wait
-            // and pass signals on (the keeper runs as the VM's user too): it keeps none.
-            if cgroup.is_none() {
-                if let Err(e) = unprivileged_starter(config) {
-                    let _ = kill(child, Signal::SIGKILL);
-                    let _ = waitpid(child, None);
-                    return Err(e);
-                }
-            }
+            // The namespace is for the keeper; this process stays where it was, as root:
+            // it removes the jail's cgroup at the end.
             let setup = read_report(report_rx);
             let code = wait_forwarding(child, link_rx);
-            if let Some(cg) = cgroup {
-                if let Err(e) = cg.remove() {
-                    tracing::warn!("{e}; left in place");
-                }
+            if let Err(e) = cgroup.remove() {
+                tracing::warn!("{e}; left in place");
             }
             match setup {
                 Some(msg) => Err(Error::Jail(msg)),
@@ -454,10 +478,27 @@ pub fn enter(config: &JailConfig) -> Result<Jailed> {
     }
 }
 
-/// The caller of [`enter`] gives up root once the keeper is started, keeping its
-/// parent-death signal (a change of credentials clears it) and ending if its own starter
-/// ended meanwhile (it would have been sent that signal).
-fn unprivileged_starter(config: &JailConfig) -> Result<()> {
+/// [`enter`] for a jail with no cgroup of its own: the caller builds the jail around
+/// itself and becomes the VM process. Nothing waits beside it: whoever started it sees its
+/// exit directly, and signals reach it directly.
+fn enter_in_place(config: &JailConfig, checked: &Checked) -> Result<Jailed> {
+    let (signal, parent) = (parent_death_signal(), nix::unistd::getppid());
+    build_root(config, checked, None, ProcView::OwnUser)?;
+    drop_privileges(config)?;
+    // Changing credentials cleared the parent-death signal: set it again, and see that the
+    // starter did not end meanwhile (it would have sent none).
+    if signal != 0 {
+        // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal, 0, 0, 0) };
+        if nix::unistd::getppid() != parent {
+            return Err(jail_err("the jail's starter ended while it was set up"));
+        }
+    }
+    Ok(Jailed::Inside(StarterLink(Link::Own)))
+}
+
+/// The parent-death signal this process was started with (0: none).
+fn parent_death_signal() -> libc::c_int {
     let mut signal: libc::c_int = 0;
     // SAFETY: PR_GET_PDEATHSIG writes one int through the pointer, which points at a live
     // local.
@@ -470,16 +511,7 @@ fn unprivileged_starter(config: &JailConfig) -> Result<()> {
             0,
         )
     };
-    let parent = nix::unistd::getppid();
-    drop_privileges(config)?;
-    if signal != 0 {
-        // SAFETY: prctl(PR_SET_PDEATHSIG) takes no pointers.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal, 0, 0, 0) };
-        if nix::unistd::getppid() != parent {
-            return Err(jail_err("the jail's starter ended while it was set up"));
-        }
-    }
-    Ok(())
+    signal
 }
 
 /// Whether the process at the other end of `link` (the jail's starter, which holds it
@@ -656,11 +688,11 @@ type KeeperResult<T> = std::result::Result<T, (Error, UnixStream)>;
 fn keeper(
     config: &JailConfig,
     checked: &Checked,
-    cgroup: Option<&Cgroup>,
+    cgroup: &Cgroup,
     report_tx: UnixStream,
     link_tx: UnixStream,
 ) -> KeeperResult<KeeperRole> {
-    if let Err(e) = build_root(config, checked, cgroup) {
+    if let Err(e) = build_root(config, checked, Some(cgroup), ProcView::Namespace) {
         return Err((e, report_tx));
     }
     // SAFETY: the keeper has one thread (it is a fork of a one-thread process and started
@@ -671,7 +703,7 @@ fn keeper(
             Ok(()) => {
                 // Success is the channel's end with nothing written.
                 drop(report_tx);
-                Ok(KeeperRole::Vm(StarterLink(link_tx)))
+                Ok(KeeperRole::Vm(StarterLink(Link::Caller(link_tx))))
             }
             Err(e) => Err((e, report_tx)),
         },
@@ -726,8 +758,24 @@ fn inside(root: &Path, path: &Path) -> PathBuf {
     root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
-/// The keeper's mount work, in its new namespaces.
-fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -> Result<()> {
+/// What the jail's `/proc` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ProcView {
+    /// The jail's own PID namespace (the keeper's).
+    Namespace,
+    /// The host's PID namespace with every process the reader may not trace hidden
+    /// (`hidepid=invisible`): every process of another user, and VM processes (not
+    /// dumpable) but the reader itself.
+    OwnUser,
+}
+
+/// The jail's mount work, in its new namespaces.
+fn build_root(
+    config: &JailConfig,
+    checked: &Checked,
+    cgroup: Option<&Cgroup>,
+    proc_view: ProcView,
+) -> Result<()> {
     if let Some(cg) = cgroup {
         // "0": the writing process itself; its children follow.
         for f in cg.procs_files() {
@@ -825,7 +873,7 @@ fn build_root(config: &JailConfig, checked: &Checked, cgroup: Option<&Cgroup>) -
         &proc_dir,
         Some("proc"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        None::<&str>,
+        (proc_view == ProcView::OwnUser).then_some("hidepid=invisible"),
     )
     .map_err(|e| errno_err("mounting /proc in the jail", e))?;
 

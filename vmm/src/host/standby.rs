@@ -29,8 +29,8 @@
 //! A standby started with a parent-death signal (`PR_SET_PDEATHSIG`, so that an unused
 //! standby does not outlive the service that started it) clears it once it holds a VM:
 //! from then on the VM is a sandbox of its own and outlives its starter, as one started
-//! by `clade restore` does. A jailed one tells the process waiting for its jail (the one
-//! its starter started) to clear its own ([`super::jail::StarterLink`]).
+//! by `clade restore` does. A jailed one does it through [`super::jail::StarterLink`] (which
+//! tells the process waiting for its jail to clear its own, in a jail with limits).
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
