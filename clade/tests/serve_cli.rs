@@ -8,40 +8,17 @@ mod native_guest;
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::serve::{clade, free_port, http};
 use common::{holds_kvm, Dir, Proc};
 use native_guest::native_guest;
 use serde_json::Value;
-
-fn clade() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_clade"))
-}
-
-/// One HTTP/1.1 request (Connection: close); returns (status, body as JSON or Null).
-fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, Value) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let key = key
-        .map(|k| format!("X-API-KEY: {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status: u16 = out[9..12].parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
-}
 
 fn ping(sock: &Path) {
     let o = clade().arg("ping").arg(sock).output().unwrap();
@@ -51,14 +28,6 @@ fn ping(sock: &Path) {
         sock.display(),
         String::from_utf8_lossy(&o.stderr)
     );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start_serve(state: &Path, port: u16) -> Proc {
@@ -807,16 +776,7 @@ fn build_template(state: &Path) {
 
 /// Builds template `name` of the native guest with `mem` MiB running `steps`.
 fn build_template_of(state: &Path, name: &str, mem: &str, steps: &str) {
-    let o = clade()
-        .args(["template", "build", name, "--test-device", "--mem", mem])
-        .arg("--kernel")
-        .arg(native_guest())
-        .args(["--cmdline", &format!("steps={steps}")])
-        .arg("--state-dir")
-        .arg(state)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    common::serve::build_template_of(state, &native_guest(), name, mem, steps);
 }
 
 /// Whether the CPU cgroup of process `pid` is an idle one (`cpu.idle`); None where it has

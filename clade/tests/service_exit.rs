@@ -10,56 +10,24 @@ mod native_guest;
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use common::serve::{
+    self, build_template_of, clade, describe, free_port, processes_under, wait_listening,
+};
 use common::Dir;
 use native_guest::native_guest;
 use serde_json::Value;
 
-fn clade() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_clade"))
-}
-
-/// One HTTP/1.1 request (Connection: close); returns (status, body as JSON or Null).
+/// One request with the service's API key.
 fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, Value) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-KEY: k\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status: u16 = out[9..12].parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    serve::http(port, method, path, Some("k"), body)
 }
 
 fn build_template(state: &Path) {
-    let o = clade()
-        .args(["template", "build", "t", "--test-device", "--mem", "64"])
-        .arg("--kernel")
-        .arg(native_guest())
-        .args(["--cmdline", "steps=vsock"])
-        .arg("--state-dir")
-        .arg(state)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    build_template_of(state, &native_guest(), "t", "64", "vsock");
 }
 
 /// `clade serve` on `state` with `standbys` standby processes; returned at once (not
@@ -79,44 +47,6 @@ fn spawn_serve(state: &Path, port: u16, standbys: &str) -> Child {
         .stderr(log)
         .spawn()
         .unwrap()
-}
-
-fn wait_listening(port: u16) {
-    let t = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "serve never listened"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Live processes (not zombies) whose command line names a path under `state`, the
-/// service itself aside.
-fn processes_under(state: &Path) -> Vec<i32> {
-    let needle = state.as_os_str().as_encoded_bytes();
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let zombie = stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|s| s.trim_start().starts_with('Z'));
-        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-        if !zombie
-            && args.iter().any(|a| a.starts_with(needle))
-            && !args.iter().any(|a| *a == b"serve")
-        {
-            pids.push(pid);
-        }
-    }
-    pids.sort();
-    pids
 }
 
 /// Ends the service with `signal` and waits for it (at most 30 s).
@@ -144,16 +74,6 @@ fn left_under(state: &Path, expected: usize) -> Vec<i32> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn describe(pids: &[i32]) -> String {
-    pids.iter()
-        .map(|p| {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            format!("{p}: {}", String::from_utf8_lossy(&cmd).replace('\0', " "))
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 fn create(port: u16) -> String {

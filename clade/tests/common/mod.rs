@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::process::Child;
 
+pub mod serve;
+
 /// A scratch directory, removed when dropped.
 pub struct Dir(pub PathBuf);
 
