@@ -8,27 +8,16 @@ mod native_guest;
 
 mod common;
 
-use std::io::{BufRead, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::serve::{clade, free_port, http};
+use common::serve::{clade, free_port, http, ping, spawn_logged};
 use common::{holds_kvm, Dir, Proc};
 use native_guest::native_guest;
 use serde_json::Value;
-
-fn ping(sock: &Path) {
-    let o = clade().arg("ping").arg(sock).output().unwrap();
-    assert!(
-        o.status.success(),
-        "ping {}: {}",
-        sock.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
 
 fn start_serve(state: &Path, port: u16) -> Proc {
     start_serve_with(state, port, &[])
@@ -62,7 +51,7 @@ fn serve_listening<'a>(
     args: &[&str],
     env: impl IntoIterator<Item = (&'a str, &'a str)>,
 ) -> Proc {
-    let mut p = Proc(
+    let p = spawn_logged(
         clade()
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--state-dir")
@@ -74,32 +63,9 @@ fn serve_listening<'a>(
                 "CLADE_LOG",
                 "info,virtio_queue=off,sandbox::vmproc::standby=debug",
             )
-            .envs(env)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .envs(env),
+        serve_log(state),
     );
-    // Its log goes to the test's output and to a file beside the state directory.
-    let err = p.0.stderr.take();
-    let log = serve_log(state);
-    std::thread::spawn(move || {
-        let Some(err) = err else { return };
-        // (Read to the end whatever happens: a full pipe would stop the service.)
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .ok();
-        for line in std::io::BufReader::new(err).split(b'\n') {
-            let Ok(line) = line else { break };
-            eprintln!("{}", String::from_utf8_lossy(&line));
-            if let Some(f) = &mut file {
-                let _ = f.write_all(&line);
-                let _ = f.write_all(b"\n");
-            }
-        }
-    });
     let t = Instant::now();
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
@@ -391,7 +357,7 @@ fn serve_pids(state: &Path) -> Vec<i32> {
         };
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-        if args.iter().any(|a| *a == needle) && args.iter().any(|a| *a == b"serve") {
+        if args.contains(&needle) && args.contains(&&b"serve"[..]) {
             pids.push(pid);
         }
     }

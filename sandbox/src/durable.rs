@@ -312,12 +312,16 @@ impl Durable {
     /// started on it next finds all it needs before its first fault. Whatever takes long
     /// (a big disk layer not cached yet) happens here, bounded by the store's limits,
     /// rather than in the VM process's start.
+    ///
+    /// The fetcher also checks that the store still has every object the snapshot may read
+    /// from it later (its memory data, its disk layers): one missing is an error naming
+    /// it now, before a VM is started that would die at its first read of it.
     pub fn prepare(&self, id: &str) -> Result<()> {
         let sid = store::manifest::parse_snapshot_id(id).map_err(store_err)?;
         let t = std::time::Instant::now();
         let client = store::fetcher::FetchClient::connect(self.fetcher.socket(), PREPARE_TIMEOUT)
             .map_err(store_err)?;
-        client.open(sid).map_err(store_err)?;
+        client.open_checked(sid).map_err(store_err)?;
         tracing::info!(snapshot = %id, elapsed = ?t.elapsed(), "published snapshot prepared");
         Ok(())
     }
@@ -335,6 +339,12 @@ impl Durable {
     /// Claims pause `pause` of sandbox `id` for this host: `Ok` if this host holds the
     /// claim (now or from before), [`Error::Conflict`] if another host does.
     pub fn claim(&self, id: &str, pause: u32) -> Result<()> {
+        self.claim_fresh(id, pause).map(|_| ())
+    }
+
+    /// [`Durable::claim`], saying whether the claim was made now (`true`) or this host
+    /// held it from before (`false`).
+    pub fn claim_fresh(&self, id: &str, pause: u32) -> Result<bool> {
         let key = claim_key(id, pause);
         let me = Bytes::from(self.host_id.clone().into_bytes());
         if self
@@ -342,17 +352,34 @@ impl Durable {
             .map_err(store_err)?
         {
             tracing::info!(sandbox = %id, pause, "claimed");
-            return Ok(());
+            return Ok(true);
         }
         let holder = self.block_on(self.store.get(&key)).map_err(store_err)?;
         if holder.as_ref() == self.host_id.as_bytes() {
-            return Ok(());
+            return Ok(false);
         }
         Err(Error::Conflict(format!(
             "sandbox {id} was resumed by another host ({}; claim {})",
             String::from_utf8_lossy(&holder[..holder.len().min(64)]),
             self.store.key(&key)
         )))
+    }
+
+    /// Gives back this host's claim on pause `pause` of sandbox `id`, after a resume of it
+    /// failed before its VM ran (none runs it, so any host may resume that pause again).
+    /// A claim that is not this host's is left alone. Safe against a host claiming at
+    /// the same time: while the claim is there no other host can write it, and once it
+    /// is gone a claim is a conditional create again.
+    pub fn release_claim(&self, id: &str, pause: u32) -> Result<()> {
+        let key = claim_key(id, pause);
+        match self.get_if_there(&key)? {
+            Some(holder) if holder.as_ref() == self.host_id.as_bytes() => {
+                self.block_on(self.store.delete(&key)).map_err(store_err)?;
+                tracing::info!(sandbox = %id, pause, "claim given back");
+                Ok(())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The store's object of sandbox `id` (`None`: there is none).
@@ -723,6 +750,26 @@ mod tests {
         assert!(a.sandbox_object("isb").unwrap().is_none());
         // Its claims went with it.
         a.claim("isb", 1).unwrap();
+        drop((a, b));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A claim made now says so, one held from before does not; given back by its holder
+    /// (a resume that failed before its VM ran), another host may claim the pause, while
+    /// a host that does not hold it cannot give it back.
+    #[test]
+    fn a_claim_given_back_lets_another_host_resume_the_pause() {
+        let (dir, a, b) = two_hosts("release");
+        assert!(a.claim_fresh("isb", 1).unwrap());
+        assert!(!a.claim_fresh("isb", 1).unwrap());
+        // Not b's to give back: a keeps it.
+        b.release_claim("isb", 1).unwrap();
+        assert!(matches!(b.claim("isb", 1), Err(Error::Conflict(_))));
+        a.release_claim("isb", 1).unwrap();
+        // Nothing to give back any more: no error.
+        a.release_claim("isb", 1).unwrap();
+        assert!(b.claim_fresh("isb", 1).unwrap());
+        assert!(matches!(a.claim("isb", 1), Err(Error::Conflict(_))));
         drop((a, b));
         std::fs::remove_dir_all(&dir).unwrap();
     }

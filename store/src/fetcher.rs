@@ -41,6 +41,10 @@ pub enum Request {
     Open {
         /// The snapshot (32 hex digits).
         id: String,
+        /// Also check that the store has every object the snapshot may read from it
+        /// later ([`ChunkCache::open_snapshot_checked`]); absent: no.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        check: bool,
     },
     /// Make bytes of an open snapshot's memory file present.
     Ensure {
@@ -188,12 +192,17 @@ fn opened(leased: &[SnapshotId], id: &str) -> std::result::Result<SnapshotId, St
 
 async fn handle(cache: &Arc<ChunkCache>, req: Request, leased: &mut Vec<SnapshotId>) -> Response {
     match req {
-        Request::Open { id } => {
+        Request::Open { id, check } => {
             let id = match manifest::parse_snapshot_id(&id) {
                 Ok(id) => id,
                 Err(e) => return Response::err(e),
             };
-            match cache.open_snapshot(id).await {
+            let opened = if check {
+                cache.open_snapshot_checked(id).await
+            } else {
+                cache.open_snapshot(id).await
+            };
+            match opened {
                 Ok(opened) => {
                     let chain = opened.layers;
                     let ids: Vec<SnapshotId> = chain.iter().map(|l| l.id()).collect();
@@ -446,7 +455,21 @@ impl FetchClient {
 
     /// Opens published snapshot `id` through the fetcher.
     pub fn open(self: &Arc<Self>, id: SnapshotId) -> Result<RemoteSnapshot> {
-        let resp = self.call(&Request::Open { id: id.to_string() })?;
+        self.open_with(id, false)
+    }
+
+    /// Opens published snapshot `id` through the fetcher, which checks first that the
+    /// store has every object the snapshot may read from it later (an error naming each
+    /// one it lacks): what a host does before it starts a VM on the snapshot.
+    pub fn open_checked(self: &Arc<Self>, id: SnapshotId) -> Result<RemoteSnapshot> {
+        self.open_with(id, true)
+    }
+
+    fn open_with(self: &Arc<Self>, id: SnapshotId, check: bool) -> Result<RemoteSnapshot> {
+        let resp = self.call(&Request::Open {
+            id: id.to_string(),
+            check,
+        })?;
         let mut layers = Vec::with_capacity(resp.layers.len());
         for (lid, dir, layout) in resp.layers {
             let lid = manifest::parse_snapshot_id(&lid)?;

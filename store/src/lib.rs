@@ -144,6 +144,20 @@ pub enum Error {
     /// The fetcher's protocol was violated, or the fetcher answered with an error.
     #[error("fetcher: {0}")]
     Fetcher(String),
+    /// Objects a snapshot needs are not in the store, or not whole: found by the check a
+    /// restore makes before it starts ([`cache::ChunkCache::check_store`]), so that it
+    /// fails at once rather than when the VM first reads what is gone.
+    #[error("snapshot {snapshot} cannot be restored: {}", missing.join("; "))]
+    Incomplete {
+        /// The snapshot opened (the top of its chain).
+        snapshot: String,
+        /// What is wrong, one entry per object (its full key, and how).
+        missing: Vec<String>,
+    },
+    /// An error met by a fetch shared with other waiters (concurrent misses of one
+    /// chunk), passed on as its message.
+    #[error("{0}")]
+    Shared(String),
     /// An argument is not valid.
     #[error("invalid argument: {0}")]
     InvalidInput(String),

@@ -2,10 +2,10 @@
 //! request, a free port, a template, the processes a service started.
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -18,8 +18,22 @@ pub fn clade() -> Command {
 /// One HTTP/1.1 request (Connection: close) with API key `key`; returns (status, body as
 /// JSON or Null).
 pub fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, Value) {
+    let (s, v, _) = http_timed(port, method, path, key, body);
+    (s, v)
+}
+
+/// [`http`], and how long the answer took. It waits up to 200 s for the answer: a hang
+/// shows as a long elapsed time, or a failed assertion of the test's own.
+pub fn http_timed(
+    port: u16,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> (u16, Value, Duration) {
+    let t = Instant::now();
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(200))).unwrap();
     let key = key
         .map(|k| format!("X-API-KEY: {k}\r\n"))
         .unwrap_or_default();
@@ -33,7 +47,51 @@ pub fn http(port: u16, method: &str, path: &str, key: Option<&str>, body: &str) 
     s.read_to_string(&mut out).unwrap();
     let status: u16 = out[9..12].parse().unwrap();
     let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_str(body).unwrap_or(Value::Null),
+        t.elapsed(),
+    )
+}
+
+/// The agent behind vsock socket `sock` answers a ping.
+pub fn ping(sock: &Path) {
+    let o = clade().arg("ping").arg(sock).output().unwrap();
+    assert!(
+        o.status.success(),
+        "ping {}: {}",
+        sock.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Starts `cmd` (a `clade serve`) with its standard error going to the test's output and
+/// appended to `log` (read to the end whatever happens: a full pipe would stop it).
+pub fn spawn_logged(cmd: &mut Command, log: PathBuf) -> super::Proc {
+    let mut p = super::Proc(
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let err = p.0.stderr.take();
+    std::thread::spawn(move || {
+        let Some(err) = err else { return };
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .ok();
+        for line in std::io::BufReader::new(err).split(b'\n') {
+            let Ok(line) = line else { break };
+            eprintln!("{}", String::from_utf8_lossy(&line));
+            if let Some(f) = &mut file {
+                let _ = f.write_all(&line);
+                let _ = f.write_all(b"\n");
+            }
+        }
+    });
+    p
 }
 
 /// A TCP port on loopback nobody listens on (just now).

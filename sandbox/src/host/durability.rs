@@ -148,38 +148,124 @@ impl Host {
 
     /// Takes over sandbox `id` from the object store (a host that paused it published
     /// it): claims its pause, then records it here as paused, to resume from the store.
-    pub(super) fn adopt(&self, id: &str) -> Result<Record> {
+    /// Returns it with what the store said of it before, for [`Host::keep_adopted`] to
+    /// put back if its resume fails. A failure after the claim gives it back.
+    pub(super) fn adopt(&self, id: &str) -> Result<(Record, Adopted)> {
         let Some(d) = &self.durable else {
             return Err(Error::NotFound(id.to_string()));
         };
         if !ids::valid_sandbox_id(id) {
             return Err(Error::NotFound(id.to_string()));
         }
-        let Some(mut o) = d.sandbox_object(id)? else {
+        let Some(o) = d.sandbox_object(id)? else {
             return Err(Error::NotFound(id.to_string()));
         };
         d.claim(id, o.pause)?;
+        let adopted = Adopted { object: o.clone() };
+        match self.adopt_claimed(d, o) {
+            Ok(rec) => Ok((rec, adopted)),
+            Err(e) => {
+                self.give_back(d, &adopted);
+                Err(e)
+            }
+        }
+    }
+
+    /// The part of [`Host::adopt`] after its claim: the store's object becomes this
+    /// host's, and the sandbox is recorded here.
+    fn adopt_claimed(&self, d: &Durable, mut o: SandboxObject) -> Result<Record> {
+        let id = o.id.clone();
         // Ours now: a kill on the host it came from no longer removes its objects.
         o.host = d.host_id().to_string();
         d.put_taken_over_object(&o)?;
-        let dir = self.sandboxes_dir().join(id);
+        let dir = self.sandboxes_dir().join(&id);
         self.dirs.make(&dir).map_err(Error::io("creating", &dir))?;
-        write_template_copy(&dir, &o.template)?;
-        if let Some(at) = o.checkpoint_ms {
-            Self::mark_checkpoint(&dir, at)?;
-        }
-        let mut rec = self.record_of(o.clone());
-        rec.end_ms = ids::now_ms();
-        let policy = policy_of(&rec)?;
-        rec.net = self.acquire_net(&o.template, &policy)?;
-        if let Err(e) = self.reg().insert(&rec) {
-            self.release_net(rec.net);
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
-        }
+        let recorded = (|| {
+            write_template_copy(&dir, &o.template)?;
+            if let Some(at) = o.checkpoint_ms {
+                Self::mark_checkpoint(&dir, at)?;
+            }
+            let mut rec = self.record_of(o.clone());
+            rec.end_ms = ids::now_ms();
+            let policy = policy_of(&rec)?;
+            rec.net = self.acquire_net(&o.template, &policy)?;
+            if let Err(e) = self.reg().insert(&rec) {
+                self.release_net(rec.net);
+                return Err(e);
+            }
+            Ok(rec)
+        })();
+        let rec = match recorded {
+            Ok(rec) => rec,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
         tracing::info!(sandbox = %id, snapshot = ?rec.remote, pause = rec.pauses,
             from = %d.store().url(), "taken over from the store");
         Ok(rec)
+    }
+
+    /// `r` is how the resume of sandbox `id` went (its lock held); `adopted`, set when
+    /// that request took it over from the store ([`Host::adopt`]). A resume that failed
+    /// leaves nothing of the takeover: the sandbox leaves this host (its record and
+    /// files; a VM of it is stopped), the store's object is the one it was again and the
+    /// claim is given back. So a store fault in a resume loses nothing: once the store is
+    /// whole, the sandbox resumes here or on any host, as if the failed try had not been.
+    pub(super) fn keep_adopted<T>(
+        &self,
+        id: &str,
+        r: Result<T>,
+        adopted: Option<Adopted>,
+    ) -> Result<T> {
+        let (Err(e), Some(adopted), Some(d)) = (&r, adopted, &self.durable) else {
+            return r;
+        };
+        tracing::warn!(sandbox = %id, "its resume failed ({e}): left in the store as it was");
+        // (The registry's guard ends with this statement: a teardown takes it again.)
+        let now = self.reg().get(id);
+        match now {
+            Ok(Some(rec)) => {
+                if let Err(f) = self.teardown_locked(rec) {
+                    // Still here (its VM would not stop): the claim stays this host's.
+                    tracing::warn!(sandbox = %id, "removing what its takeover made: {f}");
+                    return r;
+                }
+            }
+            Ok(None) => {}
+            Err(f) => {
+                tracing::warn!(sandbox = %id, "reading its record after a failed resume: {f}");
+                return r;
+            }
+        }
+        self.give_back(d, &adopted);
+        r
+    }
+
+    /// Undoes a takeover's changes to the store (see [`Host::keep_adopted`]): its object as
+    /// it was before (unless another host's write replaced this host's since), then the
+    /// claim. The claim stays if the object could not be put back: given back with the
+    /// object naming this host, the host it came from would have its next publish fenced
+    /// and lose the sandbox (a takeover from here tries again, holding the claim).
+    fn give_back(&self, d: &Durable, adopted: &Adopted) {
+        let o = &adopted.object;
+        let restored = match d.sandbox_object(&o.id) {
+            Ok(Some(cur)) if cur.host == d.host_id() && cur.pause == o.pause => {
+                if o.host == d.host_id() {
+                    Ok(())
+                } else {
+                    d.put_taken_over_object(o)
+                }
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        let r = restored.and_then(|()| d.release_claim(&o.id, o.pause));
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %o.id, pause = o.pause,
+                "giving back a failed takeover (its claim stays this host's): {e}");
+        }
     }
 
     /// A template another host published, if the host has a store and it has one.
@@ -229,11 +315,14 @@ impl Host {
         }
     }
 
-    /// A sandbox to resume: this host's, or one taken over from the store.
-    pub(super) fn load_or_adopt(&self, id: &str) -> Result<Record> {
+    /// A sandbox to resume: this host's, or one taken over from the store now (then with
+    /// what [`Host::keep_adopted`] needs to undo that if the resume fails).
+    pub(super) fn load_or_adopt(&self, id: &str) -> Result<(Record, Option<Adopted>)> {
         match self.load_owned(id) {
-            Err(Error::NotFound(_)) if self.durable.is_some() => self.adopt(id),
-            r => r,
+            Err(Error::NotFound(_)) if self.durable.is_some() => {
+                self.adopt(id).map(|(rec, a)| (rec, Some(a)))
+            }
+            r => r.map(|rec| (rec, None)),
         }
     }
 
@@ -251,6 +340,13 @@ impl Host {
             tracing::warn!(sandbox = %id, "removing its objects from the store: {e}");
         }
     }
+}
+
+/// A sandbox taken over from the store by the request being served ([`Host::adopt`]).
+#[derive(Debug)]
+pub(super) struct Adopted {
+    /// Its store object as read before the takeover.
+    object: SandboxObject,
 }
 
 /// What the uploader publishes.

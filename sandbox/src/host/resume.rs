@@ -89,9 +89,10 @@ impl Host {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let rec = self.load_or_adopt(id)?;
-        lifecycle::permit(if reboot { Op::Reboot } else { Op::Resume }, &rec)?;
-        self.resume_locked(rec, timeout_s, reboot)
+        let (rec, adopted) = self.load_or_adopt(id)?;
+        let r = lifecycle::permit(if reboot { Op::Reboot } else { Op::Resume }, &rec)
+            .and_then(|_| self.resume_locked(rec, timeout_s, reboot));
+        self.keep_adopted(id, r, adopted)
     }
 
     /// E2B `connect`: a running sandbox gets at least `timeout_s` more, a paused one is
@@ -101,14 +102,16 @@ impl Host {
         self.check_timeout(timeout_s)?;
         let lock = self.lock_of(id);
         let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rec = self.load_or_adopt(id)?;
-        lifecycle::permit(Op::Connect, &rec)?;
-        if rec.state == State::Running {
-            rec.end_ms = rec.end_ms.max(ids::now_ms() + (timeout_s as i64) * 1000);
-            self.reg().update(&rec)?;
-            return Ok((rec, false));
-        }
-        Ok((self.resume_locked(rec, timeout_s, reboot)?, true))
+        let (mut rec, adopted) = self.load_or_adopt(id)?;
+        let r = lifecycle::permit(Op::Connect, &rec).and_then(|_| {
+            if rec.state == State::Running {
+                rec.end_ms = rec.end_ms.max(ids::now_ms() + (timeout_s as i64) * 1000);
+                self.reg().update(&rec)?;
+                return Ok((rec, false));
+            }
+            Ok((self.resume_locked(rec, timeout_s, reboot)?, true))
+        });
+        self.keep_adopted(id, r, adopted)
     }
 
     pub(super) fn resume_locked(
@@ -138,10 +141,13 @@ impl Host {
             tracing::info!(sandbox = %rec.id, elapsed = ?t.elapsed(), "booted from its disk");
             return Ok(rec);
         }
-        // A pause another host may take over is resumed by one host only.
-        if let (true, Some(d)) = (rec.durable(), &self.durable) {
-            d.claim(&rec.id, rec.pauses)?;
-        }
+        // A pause another host may take over is resumed by one host only. A claim made
+        // now is given back if the VM does not start (none runs that pause then): a store
+        // fault in the start leaves the sandbox resumable, here or on another host.
+        let claimed = match (rec.durable(), &self.durable) {
+            (true, Some(d)) => d.claim_fresh(&rec.id, rec.pauses)?.then_some(d),
+            _ => None,
+        };
         let snapshot = match (&rec.remote, &rec.snapshot) {
             (Some(id), _) => PathBuf::from(id),
             (None, Some(s)) => s.clone(),
@@ -157,9 +163,29 @@ impl Host {
             dir: &snapshot,
             reused: false,
         };
-        self.start_vm(&mut rec, &template, origin)?;
+        let give_back = |rec: &Record| {
+            if let Some(d) = claimed {
+                if let Err(f) = d.release_claim(&rec.id, rec.pauses) {
+                    tracing::warn!(sandbox = %rec.id, "giving back its claim: {f}");
+                }
+            }
+        };
+        if let Err(e) = self.start_vm(&mut rec, &template, origin) {
+            give_back(&rec);
+            return Err(e);
+        }
         rec.end_ms = ids::now_ms() + (timeout_s as i64) * 1000;
-        self.reg().update(&rec)?;
+        if let Err(e) = self.reg().update(&rec) {
+            // Its VM runs, but no record says so: stopped, so that the failed resume
+            // leaves none running (and then the pause to any host).
+            if let (Some(pid), Some(api)) = (rec.pid, &rec.api_sock) {
+                match self.driver.stop(pid, api) {
+                    Ok(()) => give_back(&rec),
+                    Err(f) => tracing::error!(sandbox = %rec.id, "stopping its VM: {f}"),
+                }
+            }
+            return Err(e);
+        }
         tracing::info!(sandbox = %rec.id, elapsed = ?t.elapsed(), "resumed");
         Ok(rec)
     }

@@ -16,8 +16,8 @@ use snapshot::{state_file, SnapshotId};
 
 use super::memory_chunks::write_chunk;
 use super::{
-    blocking, data_bitmap, lock, ChunkCache, ChunkFuture, MANIFEST_FILE, MEMORY_FILE, PRESENT_FILE,
-    STATE_FILE, WORKING_SET_FILE,
+    blocking, data_bitmap, lock, ChunkCache, MANIFEST_FILE, MEMORY_FILE, PRESENT_FILE, STATE_FILE,
+    WORKING_SET_FILE,
 };
 
 use crate::manifest::{self, placements, Manifest};
@@ -70,7 +70,9 @@ impl ChunkCache {
 
     /// Fetches snapshot `id`'s manifest, small objects and lead object (its working set's
     /// chunks) into a new cache directory: one round trip to the store when the lead
-    /// object is good, whose key, like the manifest's, follows from the id.
+    /// object is good, whose key, like the manifest's, follows from the id. Working-set
+    /// chunks the lead object did not bring (it is missing, or one fails its checksum) are
+    /// left to [`ChunkCache::layer`].
     pub(super) async fn download(self: &Arc<Self>, id: SnapshotId) -> Result<()> {
         let t0 = std::time::Instant::now();
         let key = manifest::manifest_key(id);
@@ -123,32 +125,11 @@ impl ChunkCache {
             self.unreserve(counted);
         }
         let loaded_us = t0.elapsed().as_micros() as u64;
+        // Its present chunks are those just checked as they were written. The working
+        // set's chunks the lead object did not bring are not among them: they are fetched
+        // by every open ([`ChunkCache::layer`]), not here, so an open that could not fetch
+        // them fails again the next time rather than passing for done.
         lock(&self.inner).verified.insert(id, true);
-        // Chunks of the working set the lead object did not bring: from the data object.
-        let missing = {
-            let inner = lock(&self.inner);
-            let ws = inner
-                .layers
-                .get(&id)
-                .map_or(0, |l| l.manifest.working_set_chunks());
-            inner.ticks.get(&id).map_or(Vec::new(), |t| {
-                (0..ws)
-                    .filter(|&c| t.get(c as usize) == Some(&0))
-                    .collect::<Vec<u64>>()
-            })
-        };
-        if !missing.is_empty() {
-            let layer = lock(&self.inner).layers.get(&id).cloned();
-            if let Some(layer) = layer {
-                let futs: Vec<ChunkFuture> = missing
-                    .into_iter()
-                    .filter_map(|c| self.chunk_future(&layer, c))
-                    .collect();
-                for r in futures::future::join_all(futs).await {
-                    r.map_err(Error::Fetcher)?;
-                }
-            }
-        }
         tracing::debug!(snapshot = %id, written_us, loaded_us,
             total_us = t0.elapsed().as_micros() as u64, "snapshot opened into the cache");
         Ok(())

@@ -92,7 +92,7 @@ impl ChunkCache {
             .filter_map(|c| self.chunk_future(&layer, c))
             .collect();
         for r in futures::future::join_all(futs).await {
-            r.map_err(Error::Fetcher)?;
+            r.map_err(Error::Shared)?;
         }
         Ok(())
     }

@@ -44,12 +44,21 @@
 //! chunk limit and are never evicted (a VM's overlay is stacked on them for as long as it
 //! runs, which no lease outlives): removing them is left to whoever removes the cache.
 //!
+//! An open of a snapshot that is already cached is no different from a first one in what
+//! it makes sure of: the chunks marked present are verified once per process, and the
+//! working set's chunks are fetched by every open that finds them absent, so an open that
+//! failed (a chunk failed its checksum, the store did not answer) fails again until the
+//! store is whole, then succeeds. An open for a restore also checks that the store still
+//! has every object the snapshot may read later ([`ChunkCache::open_snapshot_checked`]).
+//!
 //! The code is split by concern: this file has the cache's types, its opening of a chain
 //! and the directories it keeps; `download.rs` fetches a snapshot's directory from the
-//! store; `memory_chunks.rs` fills memory files chunk by chunk within the limit (leases,
+//! store; `check.rs` checks that the store has what an opened snapshot still needs from
+//! it; `memory_chunks.rs` fills memory files chunk by chunk within the limit (leases,
 //! eviction); `disk_layers.rs` brings a snapshot's disk layers into `layers/`; and
 //! `disk_chunks.rs` fills the disk layers read lazily.
 
+mod check;
 mod disk_chunks;
 mod disk_layers;
 mod download;
@@ -353,6 +362,18 @@ impl ChunkCache {
     /// lazily).
     /// Leases nothing (see [`ChunkCache::lease`]).
     pub async fn open_snapshot(self: &Arc<Self>, id: SnapshotId) -> Result<OpenedSnapshot> {
+        self.open_chain(id, false).await
+    }
+
+    /// [`ChunkCache::open_snapshot`], checking besides that the store still has every
+    /// object the snapshot may read from it later ([`ChunkCache::check_store`], while its
+    /// disk layers open): what a restore opens its snapshot with, so that it fails now,
+    /// with an error naming what is gone, rather than when its VM first reads it.
+    pub async fn open_snapshot_checked(self: &Arc<Self>, id: SnapshotId) -> Result<OpenedSnapshot> {
+        self.open_chain(id, true).await
+    }
+
+    async fn open_chain(self: &Arc<Self>, id: SnapshotId, check: bool) -> Result<OpenedSnapshot> {
         let mut chain = Vec::new();
         let mut next = Some(id);
         while let Some(id) = next {
@@ -367,6 +388,15 @@ impl ChunkCache {
             chain.push(layer);
         }
         let disk = match chain.first() {
+            Some(top) if check => {
+                // What to ask for is known before the disk layers open (their files change).
+                let needed = self.needed_objects(&chain, &top.manifest);
+                let (disk, ()) = futures::try_join!(
+                    self.open_disk(&top.manifest),
+                    self.check_objects(id, needed)
+                )?;
+                disk
+            }
             Some(top) => self.open_disk(&top.manifest).await?,
             None => None,
         };
@@ -401,7 +431,23 @@ impl ChunkCache {
                 .map_err(|e| Error::Fetcher(format!("verify task: {e}")))??;
             lock(&self.inner).verified.insert(id, true);
         }
+        self.ensure_working_set(&layer).await?;
         Ok(layer)
+    }
+
+    /// Makes the chunks holding `layer`'s recorded working set present (a restore reads
+    /// them first): fetched now if the download did not bring them (no good lead object),
+    /// an earlier open could not fetch them, or they were evicted since. An open that
+    /// fails here fails whole, and the next open of the snapshot tries again, as a first
+    /// one would.
+    async fn ensure_working_set(self: &Arc<Self>, layer: &Arc<CachedLayer>) -> Result<()> {
+        let futs: Vec<ChunkFuture> = (0..layer.manifest.working_set_chunks())
+            .filter_map(|c| self.chunk_future(layer, c))
+            .collect();
+        for r in futures::future::join_all(futs).await {
+            r.map_err(Error::Shared)?;
+        }
+        Ok(())
     }
 
     /// Drops snapshot `id` from the cache (its directory and chunks), unless a connected
