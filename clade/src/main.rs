@@ -13,8 +13,12 @@ const STARTUP_FD_TABLE: usize = 1024;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only for a terminal: a VM process's log is a file whose tail becomes an
+        // API error's message.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CLADE_LOG")
                 // virtio-queue logs each malformed queue access the guest makes, without a

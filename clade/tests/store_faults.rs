@@ -323,3 +323,38 @@ fn a_deleted_data_object_is_refused_before_the_resume_answers_and_nothing_is_los
     assert_eq!(s, 201, "resume on C ({took:?}): {v}");
     ping(&state_c.join("sandboxes").join(&id).join("vm.vsock"));
 }
+
+/// A byte flipped in the last chunk of a memory data object, outside the working set (the
+/// resume reads it in the background, or while it restores): the VM process that meets it
+/// ends at once with the checksum error (it used to wait 120 s for a page nobody served),
+/// the resume or the sandbox ends with an error naming the object, never a hang; once the
+/// bytes are put back the sandbox resumes and answers.
+#[test]
+fn a_flipped_chunk_beyond_the_working_set_ends_the_vm_at_once() {
+    let d = Dir::new("store-fault-flip-late");
+    let (_s3, env, id) = paused_in_store(&d);
+    let bucket = bucket(&d);
+    let chain = manifest_chain(&bucket, &id);
+    let m = &chain[chain.len() - 1];
+    let file = bucket.join(data_object(m));
+    let original = std::fs::read(&file).unwrap();
+    let mut bad = original.clone();
+    let last = bad.len() - 100;
+    bad[last] ^= 0x5a;
+    std::fs::write(&file, bad).unwrap();
+
+    let state_b = d.p("b");
+    let pb = free_port();
+    let _b = start_serve_env(&state_b, pb, &env);
+    let (s, v, took) = connect(pb, &id);
+    eprintln!("resume with a bad late chunk: {s} in {took:?}: {v}");
+    assert!(took < PROMPT, "the resume took {took:?}: {s} {v}");
+    if s == 201 {
+        // It answered, and its VM met the chunk afterwards: ended, not hung.
+        let v = info_until(pb, &id, 30, |v| v["state"] != "running");
+        eprintln!("after the resume: {v}");
+    } else {
+        let msg = v["message"].as_str().unwrap_or("");
+        assert!(msg.contains("checksum"), "{msg:?}");
+    }
+}

@@ -36,7 +36,9 @@ pub mod seccomp;
 mod vm;
 mod vstate;
 
-pub use ::snapshot::page_server::{PageServerStats, Prefetch};
+pub use ::snapshot::page_server::{
+    end_process_on_failure, PageServerStats, Prefetch, EXIT_MEMORY_UNSERVED,
+};
 pub use ::snapshot::{CpuCheck, SnapshotId, SnapshotKind};
 pub use builder::{boot, run};
 pub use config::{

@@ -170,7 +170,11 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Poweroff(args) => exec::power_off(args),
         Command::Disk { which } => disk::disk(which),
         Command::Snapshot(args) => snapshot::snapshot(args),
-        Command::Restore(args) => snapshot::restore(args),
+        Command::Restore(args) => {
+            // A VM process: guest memory it cannot serve ends it at once, with its error.
+            vmm::end_process_on_failure();
+            snapshot::restore(args)
+        }
         Command::Fork(args) => fork::fork(args),
         Command::ForkChild(args) => fork::fork_child(args),
         Command::Serve(args) => serve::serve_cmd(args),

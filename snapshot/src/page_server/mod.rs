@@ -38,7 +38,7 @@ mod server;
 mod start;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 
@@ -253,6 +253,34 @@ impl std::fmt::Debug for PageServer {
             .field("mappings", &self.mappings)
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+/// Whether a page server's failure ends this process ([`end_process_on_failure`]).
+static END_PROCESS_ON_FAILURE: AtomicBool = AtomicBool::new(false);
+
+/// The exit code of a process ended by a page server's failure.
+pub const EXIT_MEMORY_UNSERVED: i32 = 75;
+
+/// Makes the first page a page server of this process cannot serve end the process (exit
+/// code [`EXIT_MEMORY_UNSERVED`], after an error line naming what failed): for a process
+/// that holds one VM and nothing else (a VM process). The thread that faulted on the page
+/// stays blocked until the page is served, and that may be the VMM's own thread while it
+/// restores, which then never answers; serving anything else would run the guest on
+/// memory that is not its own. Without it, [`PageServer::error`] says so and the VMM ends
+/// the VM when it next looks.
+pub fn end_process_on_failure() {
+    END_PROCESS_ON_FAILURE.store(true, Ordering::SeqCst);
+}
+
+/// Ends the process if [`end_process_on_failure`] was asked for.
+fn maybe_end_process(msg: &str) {
+    if END_PROCESS_ON_FAILURE.load(Ordering::SeqCst) {
+        tracing::error!(
+            error = %msg,
+            "guest memory could not be served: the VM process ends (exit code {EXIT_MEMORY_UNSERVED})"
+        );
+        std::process::exit(EXIT_MEMORY_UNSERVED);
     }
 }
 

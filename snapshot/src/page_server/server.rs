@@ -154,6 +154,7 @@ impl Server {
     fn record_error(&self, msg: String) {
         tracing::error!(error = %msg, "page server could not serve a page");
         add(&self.shared.counters.errors, 1);
+        super::maybe_end_process(&msg);
         if let Ok(mut e) = self.shared.error.lock() {
             e.get_or_insert(msg);
         }
