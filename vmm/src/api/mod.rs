@@ -26,7 +26,7 @@
 //! | `{"op":"shutdown"}` | `state: "ended"`; then the VM stops and the process exits 0 |
 //! | `{"op":"snapshot","dir":"/abs/dir","kind":"full"}` | `id`, `kind`, `dir` (absolute), `pause_us` (how long the vCPUs were stopped), `total_us`, `pages_written`, `pages_considered` |
 //! | `{"op":"freeze_disk"}` | `layer` (absolute): the disk's top layer, frozen as it is at this instant (the vCPUs stopped for it, then run again if they ran); the VM continues on a new overlay on it, `top` |
-//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true,"nets":["tap=tap0,netns=/run/netns/a",...]}` (`nets`: one TAP per child, only for a VM with a network device) | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: in a jail, the jail's PID namespace) |
+//! | `{"op":"fork","count":3,"prefix":"/abs/dir","agent_sync":true,"nets":["tap=tap0,netns=/run/netns/a",...]}` (`nets`: one TAP per child, only for a VM with a network device) | `pause_us`, `children`: one `{pid, api_sock, vsock, cid, serial, log, disk}` per child (`vsock`, `cid`, `disk` null when the VM has none; `pid` as the VMM sees it: the host's, or in a jail with limits of its own, the jail's PID namespace) |
 //! | `{"op":"restore","snapshot":"/abs/snap","vsock":"/abs/vm.vsock",...}` | standby processes only (`clade restore --standby`): the fields of [`RestoreRequest`]; the answer is the `status` of the restored VM. A second restore, or one in a process that already runs a VM, is refused |
 //! | `{"op":"preload","snapshot":"/abs/snap"}` | standby processes only: `preloaded`, the snapshots it holds open ahead (its `--preload` one and the last ones asked for) |
 //!
