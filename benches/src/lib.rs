@@ -34,7 +34,7 @@ pub use guest::{Guest, Machine};
 pub use noise::HostNoise;
 pub use ping::ping;
 pub use restore::{restore, BackendRun, RestoreParams, RestoreReport};
-pub use serve::{serve, ServeParams, ServeReport, ServeRun};
+pub use serve::{serve, Census, RunningRun, ServeParams, ServeReport, ServeRun, SustainRun};
 pub use snapshot::{snapshot, SnapshotParams, SnapshotReport, SnapshotRuns};
 pub use stats::{pct_u64, Samples, StepTimes, Summary};
 pub use store::{

@@ -14,23 +14,33 @@
 //!   difference of the p50s.
 //!
 //! Each is measured with `background` other sandboxes already on the host. Those are
-//! *paused* (a paused sandbox holds no guest memory and no process): a running native test
-//! guest busy-polls a CPU, so running ones would measure this 2-CPU host's contention, not
-//! the service. HTTP is ureq (no TLS); the service is the real binary with its real
+//! *paused* (a paused sandbox holds no guest memory and no process), so these runs
+//! measure what many sandboxes cost the service's bookkeeping; running ones are the
+//! `--running` case's. HTTP is ureq (no TLS); the service is the real binary with its real
 //! registry, processes and sockets.
+//!
+//! Two more cases, each on a service of its own, when asked for: `--running N`
+//! ([`density`]: N sandboxes running at once, checked to answer, their processes and
+//! memory counted, creates with N running against one running) and `--sustain SECONDS`
+//! ([`sustain`]: creates by concurrent clients as fast as the host sustains them).
 
-use std::fs::File;
+mod census;
+mod density;
+mod render;
+pub(crate) mod service;
+mod sustain;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-
 use crate::error::{Context, Error, Result};
-use crate::guest::{probe, Guest, Scratch};
+use crate::guest::{probe, Guest};
 use crate::stats::Samples;
 
-const KEY: &str = "clade-bench";
+pub use census::Census;
+pub use density::{RunningRun, BEYOND_GUEST_TARGET_MIB, PROCESSES_TARGET, RUNNING_TARGET_RATIO};
+pub(crate) use service::Service;
+pub use sustain::{SustainRun, SUSTAIN_TARGET_PER_S};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -41,6 +51,12 @@ pub struct ServeParams {
     pub n: usize,
     /// Runs: how many paused sandboxes are on the host during each.
     pub background: Vec<usize>,
+    /// The `--running` case: this many sandboxes running at once (none: not run).
+    pub running: Option<usize>,
+    /// The `--sustain` case: creates for this many seconds (none: not run).
+    pub sustain: Option<f64>,
+    /// Concurrent clients of the `--running` fill and of `--sustain`.
+    pub clients: usize,
 }
 
 /// One run's figures.
@@ -83,229 +99,29 @@ pub struct ServeReport {
     pub dataplane: DataPlaneRun,
     /// Confined (the default) against unconfined, interleaved.
     pub confinement: ConfinementRun,
+    /// The `--running` case, when asked for.
+    pub running: Option<RunningRun>,
+    /// The `--sustain` case, when asked for.
+    pub sustain: Option<SustainRun>,
     /// The host's noise, measured after the runs (the service and its sandboxes idle).
     pub noise: crate::HostNoise,
-}
-
-/// The `clade serve` process and its scratch state directory, both removed when dropped
-/// (the sandboxes first: their VM processes outlive the service by design).
-pub(crate) struct Service {
-    child: Child,
-    /// The service's state directory, removed when dropped (also when the service could
-    /// not be started).
-    state: Scratch,
-    url: String,
-    agent: ureq::Agent,
-}
-
-impl Service {
-    /// `clade serve` with `extra` arguments and `env`, of a state directory with template
-    /// `bench` built from the native test guest.
-    pub(crate) fn start(
-        clade: &Path,
-        guest: &Guest,
-        extra: &[&str],
-        env: &[(&str, String)],
-    ) -> Result<Service> {
-        let state = Scratch::new("serve")?;
-        let kernel = guest.path_for_other_processes();
-        // The guest's `vsock` step serves any number of agent connections, without a
-        // console line per connection (`conn_log=0`): like a Linux guest, a sandbox paused
-        // right after a connection ended is not woken into writing the rest of that line
-        // an exit per byte (see the native guest's `vsock::Tuning`).
-        let cmdline = "steps=vsock conn_log=0";
-        let o = Command::new(clade)
-            .args(["template", "build", "bench", "--test-device", "--mem", "64"])
-            .arg("--kernel")
-            .arg(&kernel)
-            .arg("--cmdline")
-            .arg(cmdline)
-            .arg("--state-dir")
-            .arg(&state.0)
-            .output()
-            .map_err(|source| Error::Io {
-                what: "running clade template build".into(),
-                source,
-            })?;
-        if !o.status.success() {
-            return Err(Error::Guest(format!(
-                "clade template build: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            )));
-        }
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io {
-                what: "finding a free port".into(),
-                source,
-            })?;
-            l.local_addr()
-                .map_err(|source| Error::Io {
-                    what: "finding a free port".into(),
-                    source,
-                })?
-                .port()
-        };
-        let child = Command::new(clade)
-            .arg("serve")
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--state-dir")
-            .arg(&state.0)
-            // The key in the environment: a command line is visible to every local user.
-            .env("CLADE_API_KEY", KEY)
-            .args(["--max-timeout", "86400"])
-            .args(extra)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::null())
-            // CLADE_BENCH_SERVE_LOG=FILE keeps the service's log (with CLADE_LOG=info: the
-            // timings of each create and resume).
-            .stderr(
-                match std::env::var_os("CLADE_BENCH_SERVE_LOG")
-                    .and_then(|f| File::options().create(true).append(true).open(f).ok())
-                {
-                    Some(f) => Stdio::from(f),
-                    None => Stdio::null(),
-                },
-            )
-            .spawn()
-            .map_err(|source| Error::Io {
-                what: "starting clade serve".into(),
-                source,
-            })?;
-        let service = Service {
-            child,
-            state,
-            url: format!("http://127.0.0.1:{port}"),
-            agent: ureq::AgentBuilder::new()
-                .timeout(Duration::from_secs(60))
-                .build(),
-        };
-        let t = Instant::now();
-        while service.call("GET", "/v2/sandboxes", None).is_err() {
-            if t.elapsed() > Duration::from_secs(20) {
-                return Err(Error::Guest(
-                    "clade serve did not answer within 20 s".into(),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(service)
-    }
-
-    /// One request; the answer's JSON body (Null when empty).
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
-        let req = self
-            .agent
-            .request(method, &format!("{}{path}", self.url))
-            .set("X-API-KEY", KEY);
-        let resp = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        let text = match resp {
-            Ok(r) => r.into_string(),
-            Err(ureq::Error::Status(code, r)) => {
-                return Err(Error::Guest(format!(
-                    "{method} {path}: HTTP {code}: {}",
-                    r.into_string().unwrap_or_default()
-                )))
-            }
-            Err(e) => return Err(Error::Guest(format!("{method} {path}: {e}"))),
-        }
-        .map_err(|source| Error::Io {
-            what: "reading an HTTP answer".into(),
-            source,
-        })?;
-        if text.trim().is_empty() {
-            return Ok(Value::Null);
-        }
-        serde_json::from_str(&text)
-            .map_err(|e| Error::Guest(format!("{method} {path}: not JSON ({e}): {text}")))
-    }
-
-    pub(crate) fn create(&self) -> Result<String> {
-        let v = self.call(
-            "POST",
-            "/v2/sandboxes",
-            Some(json!({"templateID": "bench", "timeout": 3600})),
-        )?;
-        v["sandboxID"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| Error::Guest(format!("create answered without sandboxID: {v}")))
-    }
-
-    /// envd's `GET /health` for sandbox `id`, through the data plane: 204 expected.
-    pub(crate) fn health(&self, id: &str) -> Result<()> {
-        let r = self
-            .agent
-            .get(&format!("{}/health", self.url))
-            .set("E2b-Sandbox-Id", id)
-            .set("E2b-Sandbox-Port", "49983")
-            .call()
-            .map_err(|e| Error::Guest(format!("GET /health of {id}: {e}")))?;
-        if r.status() != 204 {
-            return Err(Error::Guest(format!(
-                "GET /health of {id}: HTTP {}",
-                r.status()
-            )));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn vsock(&self, id: &str) -> PathBuf {
-        self.state.0.join("sandboxes").join(id).join("vm.vsock")
-    }
-
-    pub(crate) fn kill(&self, id: &str) -> Result<()> {
-        self.call("DELETE", &format!("/sandboxes/{id}"), None)
-            .map(|_| ())
-    }
-
-    pub(crate) fn pause(&self, id: &str) -> Result<()> {
-        self.call("POST", &format!("/sandboxes/{id}/pause"), None)
-            .map(|_| ())
-    }
-
-    pub(crate) fn connect(&self, id: &str) -> Result<()> {
-        self.call(
-            "POST",
-            &format!("/v2/sandboxes/{id}/connect"),
-            Some(json!({"timeout": 3600})),
-        )
-        .map(|_| ())
-    }
-
-    /// Every sandbox the service knows (both states).
-    fn all(&self) -> Result<Vec<String>> {
-        let v = self.call("GET", "/v2/sandboxes?state=running,paused&limit=1000", None)?;
-        Ok(v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s["sandboxID"].as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default())
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        if let Ok(ids) = self.all() {
-            for id in ids {
-                let _ = self.kill(&id);
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        // The state directory goes with `state`, after the service and its VMs.
-    }
 }
 
 /// Runs the benchmark (see the module documentation).
 pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
     if params.n == 0 {
         return Err(Error::InvalidParams("--n must be at least 1".into()));
+    }
+    if params.running == Some(0) {
+        return Err(Error::InvalidParams("--running must be at least 1".into()));
+    }
+    if params.sustain.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+        return Err(Error::InvalidParams(
+            "--sustain must be above 0 seconds".into(),
+        ));
+    }
+    if params.clients == 0 {
+        return Err(Error::InvalidParams("--clients must be at least 1".into()));
     }
     let service = Service::start(&params.clade, guest, &[], &[])?;
     let mut paused = Vec::new();
@@ -353,11 +169,23 @@ pub fn serve(guest: &Guest, params: &ServeParams) -> Result<ServeReport> {
     drop(service);
     // A ratio of two p50s: 200 pairs at least (at n=50 it moved by ±0.05 between runs).
     let confinement = confinement(&params.clade, guest, params.n.max(200))?;
+    let running = params
+        .running
+        .map(|n| density::running(&params.clade, guest, n, params.n, params.clients))
+        .transpose()
+        .context("the --running case")?;
+    let sustain = params
+        .sustain
+        .map(|s| sustain::sustain(&params.clade, guest, s, params.clients))
+        .transpose()
+        .context("the --sustain case")?;
     let noise = crate::HostNoise::measure(crate::noise::NOISE_TRIES);
     Ok(ServeReport {
         runs,
         dataplane,
         confinement,
+        running,
+        sustain,
         noise,
     })
 }
@@ -485,210 +313,4 @@ fn dataplane(service: &Service, n: usize) -> Result<DataPlaneRun> {
     drop(client);
     service.kill(&id)?;
     Ok(run)
-}
-
-impl ServeReport {
-    /// One JSON object: the first run's figures at the top (`create_p50_us`, ...,
-    /// `sandboxes`), every run under `runs`.
-    pub fn to_json(&self) -> String {
-        let run = |r: &ServeRun| {
-            let p = |s: &Samples, q| s.percentile(q).map(|v| (v * 10.0).round() / 10.0);
-            json!({
-                "sandboxes": r.background + 1,
-                "background_paused": r.background,
-                "n": r.create.len(),
-                "create_p50_us": p(&r.create, 50.0),
-                "create_p99_us": p(&r.create, 99.0),
-                "wake_p50_us": p(&r.wake, 50.0),
-                "wake_p99_us": p(&r.wake, 99.0),
-                "create_http_p50_us": p(&r.create_http, 50.0),
-                "wake_http_p50_us": p(&r.wake_http, 50.0),
-            })
-        };
-        let mut top = self.runs.first().map(run).unwrap_or_else(|| json!({}));
-        let d = &self.dataplane;
-        let r1 = |v: Option<f64>| v.map(|v| (v * 10.0).round() / 10.0);
-        top["dataplane_n"] = json!(d.through.len());
-        top["dataplane_direct_p50_us"] = json!(r1(d.direct.percentile(50.0)));
-        top["dataplane_p50_us"] = json!(r1(d.through.percentile(50.0)));
-        top["dataplane_p99_us"] = json!(r1(d.through.percentile(99.0)));
-        top["dataplane_added_p50_us"] = json!(r1(d.added_p50_us()));
-        let c = &self.confinement;
-        let (cr, wr) = c.ratios();
-        let r2 = |v: Option<f64>| v.map(|v| (v * 1000.0).round() / 1000.0);
-        top["confinement"] = json!({
-            "n": c.create.len(),
-            "create_p50_us": r1(c.create.percentile(50.0)),
-            "create_unconfined_p50_us": r1(c.create_free.percentile(50.0)),
-            "wake_p50_us": r1(c.wake.percentile(50.0)),
-            "wake_unconfined_p50_us": r1(c.wake_free.percentile(50.0)),
-            "create_http_p50_us": r1(c.create_http.percentile(50.0)),
-            "create_http_unconfined_p50_us": r1(c.create_http_free.percentile(50.0)),
-            "create_ratio_p50": r2(cr),
-            "wake_ratio_p50": r2(wr),
-        });
-        top["host_noise"] = self.noise.to_json();
-        top["bench"] = json!("serve");
-        top["runs"] = Value::Array(self.runs.iter().map(run).collect());
-        top.to_string()
-    }
-}
-
-impl std::fmt::Display for ServeReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "clade serve over HTTP (native test guest template): create = POST /v2/sandboxes -> agent ping answered; wake = connect of a paused sandbox -> agent ping answered"
-        )?;
-        for r in &self.runs {
-            let p = |s: &Samples, q| s.percentile(q).unwrap_or(f64::NAN);
-            writeln!(
-                f,
-                "  {:>4} paused sandboxes on the host: create p50 {:>8.1} us  p99 {:>8.1} us | wake p50 {:>8.1} us  p99 {:>8.1} us  (n={}; HTTP answered p50: create {:.1} us, wake {:.1} us)",
-                r.background,
-                p(&r.create, 50.0),
-                p(&r.create, 99.0),
-                p(&r.wake, 50.0),
-                p(&r.wake, 99.0),
-                r.create.len(),
-                p(&r.create_http, 50.0),
-                p(&r.wake_http, 50.0)
-            )?;
-        }
-        let d = &self.dataplane;
-        let p = |s: &Samples, q| s.percentile(q).unwrap_or(f64::NAN);
-        writeln!(
-            f,
-            "  data plane (GET /health -> agent ping, 1 running sandbox): p50 {:.1} us  p99 {:.1} us | direct agent ping p50 {:.1} us | added p50 {:.1} us  (n={})",
-            p(&d.through, 50.0),
-            p(&d.through, 99.0),
-            p(&d.direct, 50.0),
-            d.added_p50_us().unwrap_or(f64::NAN),
-            d.through.len()
-        )?;
-        let c = &self.confinement;
-        let (cr, wr) = c.ratios();
-        writeln!(
-            f,
-            "  confinement (jail + cgroup per VM process vs --no-jail --no-limits, interleaved): create p50 {:.1} us vs {:.1} us ({:.3}x) | wake p50 {:.1} us vs {:.1} us ({:.3}x)  (n={}; target <= {:.2}x; create's HTTP answered p50 {:.1} us vs {:.1} us)",
-            p(&c.create, 50.0),
-            p(&c.create_free, 50.0),
-            cr.unwrap_or(f64::NAN),
-            p(&c.wake, 50.0),
-            p(&c.wake_free, 50.0),
-            wr.unwrap_or(f64::NAN),
-            c.create.len(),
-            CONFINEMENT_TARGET_RATIO,
-            p(&c.create_http, 50.0),
-            p(&c.create_http_free, 50.0)
-        )?;
-        writeln!(f, "  {}", self.noise)
-    }
-}
-
-impl crate::report::Reported for ServeReport {
-    fn section(&self, scenario: &str) -> crate::report::Section {
-        use crate::report::{Headline, Plot, Section, Series, Target};
-        let by_run = |what: &str, pick: fn(&ServeRun) -> &Samples| {
-            self.runs
-                .iter()
-                .enumerate()
-                .map(|(i, r)| {
-                    let label = format!("{what}, {} paused sandboxes on the host", r.background);
-                    if i == 0 {
-                        Series::measured(label, pick(r))
-                    } else {
-                        Series::baseline(label, pick(r))
-                    }
-                })
-                .collect::<Vec<_>>()
-        };
-        let c = &self.confinement;
-        let d = &self.dataplane;
-        let target = Target::RatioAtMost {
-            ratio: CONFINEMENT_TARGET_RATIO,
-        };
-        let mut headlines = vec![
-            Headline::new(
-                "create (POST /v2/sandboxes until the agent answered), p50, VM jailed and in its cgroup",
-                c.create.percentile(50.0),
-                "us",
-            )
-            .against("--no-jail --no-limits", c.create_free.percentile(50.0))
-            .target(target),
-            Headline::new(
-                "wake (connect until the agent answered), p50, VM jailed and in its cgroup",
-                c.wake.percentile(50.0),
-                "us",
-            )
-            .against("--no-jail --no-limits", c.wake_free.percentile(50.0))
-            .target(target),
-        ];
-        // Each run against the first (the fewest sandboxes on the host).
-        let first = self.runs.first();
-        for (what, pick) in [
-            ("create", (|r| &r.create) as fn(&ServeRun) -> &Samples),
-            ("wake", |r| &r.wake),
-        ] {
-            for (i, r) in self.runs.iter().enumerate() {
-                let h = Headline::new(
-                    format!("{what}, p50, {} paused sandboxes on the host", r.background),
-                    pick(r).percentile(50.0),
-                    "us",
-                );
-                headlines.push(match first {
-                    Some(f) if i > 0 => h.against(
-                        format!("{} paused sandboxes on the host", f.background),
-                        pick(f).percentile(50.0),
-                    ),
-                    _ => h,
-                });
-            }
-        }
-        headlines.push(
-            Headline::new(
-                "data plane (GET /health through clade serve to the agent), p50",
-                d.through.percentile(50.0),
-                "us",
-            )
-            .against("the agent's ping direct", d.direct.percentile(50.0)),
-        );
-        Section::new(
-            scenario,
-            self.to_string(),
-            &self.to_json(),
-            vec![
-                Plot::distribution(
-                    "create",
-                    "Create (POST /v2/sandboxes until the agent answered)",
-                    by_run("create", |r| &r.create),
-                ),
-                Plot::distribution(
-                    "wake",
-                    "Wake of a paused sandbox (connect until the agent answered)",
-                    by_run("wake", |r| &r.wake),
-                ),
-                Plot::distribution(
-                    "confinement",
-                    "Create and wake, each VM jailed and in its cgroup vs --no-jail --no-limits (interleaved)",
-                    vec![
-                        Series::measured("create, confined", &c.create),
-                        Series::baseline("create, unconfined", &c.create_free),
-                        Series::measured("wake, confined", &c.wake),
-                        Series::baseline("wake, unconfined", &c.wake_free),
-                    ],
-                ),
-                Plot::distribution(
-                    "dataplane",
-                    "Data plane: GET /health through the service vs the agent ping direct",
-                    vec![
-                        Series::measured("through clade serve", &d.through),
-                        Series::baseline("direct agent ping", &d.direct),
-                    ],
-                ),
-                self.noise.plot(),
-            ],
-        )
-        .with_headlines(headlines)
-    }
 }

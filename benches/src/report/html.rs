@@ -82,6 +82,8 @@ fn summary_row(h: &mut String, scenario: &str, l: &Headline) {
         Some(Target::AddedAtMost { value }) => {
             format!("&lt;= {value:+.1} {} over the baseline", esc(&l.unit))
         }
+        Some(Target::AtLeast { value }) => format!("&gt;= {value:.1} {}", esc(&l.unit)),
+        Some(Target::AtMost { value }) => format!("&lt;= {value:.1} {}", esc(&l.unit)),
         None => "none set".into(),
     };
     let (class, mark) = match (l.target, l.met()) {

@@ -154,7 +154,8 @@ impl Plot {
     }
 }
 
-/// What a scenario holds a headline figure to, relative to the same run's baseline.
+/// What a scenario holds a headline figure to: relative to the same run's baseline, or a
+/// value of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Target {
@@ -166,6 +167,16 @@ pub enum Target {
     /// At most this much above the baseline.
     AddedAtMost {
         /// The most figure - baseline may be, in the figure's unit.
+        value: f64,
+    },
+    /// At least this value, in the figure's unit (no baseline needed).
+    AtLeast {
+        /// The smallest value that meets it.
+        value: f64,
+    },
+    /// At most this value, in the figure's unit (no baseline needed).
+    AtMost {
+        /// The largest value that meets it.
         value: f64,
     },
 }
@@ -242,11 +253,13 @@ impl Headline {
     }
 
     /// Whether the figure meets its target; none without a target, or when the figure or
-    /// its baseline was not measured.
+    /// the baseline its target needs was not measured.
     pub fn met(&self) -> Option<bool> {
         match self.target? {
             Target::RatioAtMost { ratio } => Some(self.ratio()? <= ratio),
             Target::AddedAtMost { value } => Some(self.added()? <= value),
+            Target::AtLeast { value } => Some(self.value? >= value),
+            Target::AtMost { value } => Some(self.value? <= value),
         }
     }
 }

@@ -253,6 +253,31 @@ fn headlines_against_baseline_and_target() {
     assert_eq!(no_base.met(), None);
 }
 
+#[test]
+fn absolute_targets_need_no_baseline() {
+    let rate = |v| Headline::new("creates/s", v, "creates/s");
+    let at_least = Target::AtLeast { value: 300.0 };
+    assert_eq!(rate(Some(300.0)).target(at_least).met(), Some(true));
+    assert_eq!(rate(Some(299.9)).target(at_least).met(), Some(false));
+    assert_eq!(rate(None).target(at_least).met(), None);
+    let at_most = Target::AtMost { value: 1.0 };
+    let procs = |v| Headline::new("processes", Some(v), "processes").target(at_most);
+    assert_eq!(
+        (procs(1.0).met(), procs(3.0).met()),
+        (Some(true), Some(false))
+    );
+    // In the summary: the target as a value of the figure's unit.
+    let mut r = Report::new();
+    r.push(section(1.0).with_headlines(vec![rate(Some(120.0)).target(at_least), procs(3.0)]));
+    let html = html::render(&r, &BTreeMap::new());
+    assert!(html.contains("&gt;= 300.0 creates/s"), "{html}");
+    assert!(html.contains("&lt;= 1.0 processes"), "{html}");
+    assert_eq!(html.matches("\u{2717} missed").count(), 2);
+    // And through the JSON.
+    let back: Report = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+    assert_eq!(back.sections[0].headlines, r.sections[0].headlines);
+}
+
 /// A report of two sections with headline figures: one met, one missed, one without a
 /// target.
 fn summarised() -> Report {
@@ -407,6 +432,8 @@ fn scenarios_hold_their_headlines_to_their_own_targets() {
             create_http: us(&[1000.0]),
             create_http_free: us(&[1000.0]),
         },
+        running: None,
+        sustain: None,
         noise: crate::HostNoise::measure(3),
     }
     .section("serve");
@@ -429,4 +456,154 @@ fn scenarios_hold_their_headlines_to_their_own_targets() {
     let boot = us(&[10.0, 20.0, 30.0]).summary("boot").section("boot");
     assert_eq!(boot.headlines[0].value, Some(20.0));
     assert!(boot.headlines[0].baseline.is_none());
+}
+
+/// A serve report whose cases measured `create` and `wake` once each (no target met or
+/// missed by them here), with `running` and `sustain`.
+fn serve_with(
+    running: Option<crate::RunningRun>,
+    sustain: Option<crate::SustainRun>,
+) -> crate::ServeReport {
+    let us = |v: f64| Samples::from_us(vec![v]);
+    crate::ServeReport {
+        runs: vec![crate::ServeRun {
+            background: 0,
+            create: us(2000.0),
+            create_http: us(1000.0),
+            wake: us(1800.0),
+            wake_http: us(900.0),
+        }],
+        dataplane: crate::serve::DataPlaneRun {
+            direct: us(50.0),
+            through: us(150.0),
+        },
+        confinement: crate::serve::ConfinementRun {
+            create: us(2000.0),
+            create_free: us(2000.0),
+            wake: us(1800.0),
+            wake_free: us(1800.0),
+            create_http: us(1000.0),
+            create_http_free: us(1000.0),
+        },
+        running,
+        sustain,
+        noise: crate::HostNoise::measure(3),
+    }
+}
+
+#[test]
+fn serve_running_and_sustain_are_measured_against_their_targets() {
+    let census = crate::Census {
+        processes: 3000,
+        threads: 15000,
+        fds: 40000,
+        vm_trees: 1000,
+        sandboxes: 1000,
+        standbys: 2,
+        standby_processes: 6,
+        // 2.5 MiB of PSS per sandbox, 0.5 of it the guest's RAM; 2 MiB of kernel memory.
+        pss_kib: 1000 * 2560,
+        guest_pss_kib: 1000 * 512,
+        kernel_kib: Some(1000 * 2048),
+        cgroups: 1000,
+        service_fds: 3000,
+        service_threads: 6,
+        ..Default::default()
+    };
+    let running = crate::RunningRun {
+        n: 1000,
+        clients: 8,
+        running: 1000,
+        create_failures: 0,
+        first_failure: None,
+        fill: std::time::Duration::from_secs(10),
+        answering: 999,
+        answering_first: 990,
+        kill_failures: 0,
+        census: census.clone(),
+        census_1: crate::Census::default(),
+        settled: true,
+        idle_cpu_ns: 0,
+        idle_runs: 0,
+        idle_host_busy_pct: None,
+        idle_window: std::time::Duration::from_secs(5),
+        mem_available_drop_kib: Some(999 * 5 * 1024),
+        create_1: Samples::from_us(vec![2000.0, 2100.0, 2200.0]),
+        create_n: Samples::from_us(vec![4000.0, 4200.0, 4400.0]),
+        create_1_after: Samples::from_us(vec![2100.0]),
+        left: crate::Census::default(),
+    };
+    let sustain = crate::SustainRun {
+        seconds: 20.0,
+        clients: 8,
+        elapsed: std::time::Duration::from_secs(20),
+        create: Samples::from_us((1..=2000).map(|i| i as f64 * 10.0).collect()),
+        create_http: Samples::from_us(vec![1000.0; 2000]),
+        failures: 1,
+        first_failure: Some("HTTP 500".into()),
+        kill_failures: 0,
+    };
+    let r = serve_with(Some(running), Some(sustain));
+    let j: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    let run = &j["running"];
+    assert_eq!(
+        (run["n"].as_u64(), run["answering"].as_u64()),
+        (Some(1000), Some(999))
+    );
+    assert_eq!(run["processes_per_sandbox"].as_f64(), Some(3.0));
+    // Beyond the guest's touched memory: 2.5 + 2 - 0.5.
+    assert_eq!(run["host_mib_per_sandbox"].as_f64(), Some(4.0));
+    assert_eq!(run["guest_touched_mib_per_sandbox"].as_f64(), Some(0.5));
+    assert_eq!(
+        run["mem_available_drop_mib_per_sandbox"].as_f64(),
+        Some(5.0)
+    );
+    assert_eq!(run["create_p50_ratio"].as_f64(), Some(2.0));
+    assert_eq!(run["create_p50_us_1_running"].as_f64(), Some(2100.0));
+    assert_eq!(run["create_p50_us_n_running"].as_f64(), Some(4200.0));
+    let s = &j["sustain"];
+    assert_eq!(s["creates_per_s"].as_f64(), Some(100.0));
+    assert_eq!(
+        (s["p50_ms"].as_f64(), s["p99_ms"].as_f64()),
+        (Some(10.0), Some(19.8))
+    );
+    assert_eq!(
+        (s["failures"].as_u64(), s["seconds"].as_f64()),
+        (Some(1), Some(20.0))
+    );
+    // The headlines: each figure as measured, against its target.
+    let sec = r.section("serve");
+    let find = |what: &str| {
+        sec.headlines
+            .iter()
+            .find(|h| h.figure.contains(what))
+            .unwrap_or_else(|| panic!("no headline {what}: {:?}", sec.headlines))
+    };
+    let ratio = find("sandboxes running");
+    assert_eq!(ratio.ratio(), Some(2.0));
+    assert_eq!(ratio.met(), Some(false));
+    assert_eq!(find("answering").met(), Some(false));
+    let procs = find("processes per running sandbox");
+    assert_eq!((procs.value, procs.met()), (Some(3.0), Some(false)));
+    let mem = find("host memory per running sandbox");
+    assert_eq!((mem.value, mem.added()), (Some(4.5), Some(4.0)));
+    assert_eq!(mem.target, Some(Target::AddedAtMost { value: 1.0 }));
+    assert_eq!(mem.met(), Some(false));
+    let rate = find("creates per second");
+    assert_eq!((rate.value, rate.met()), (Some(100.0), Some(false)));
+    assert_eq!(find("sustained creates failed").met(), Some(false));
+    assert!(sec.plots.iter().any(|p| p.name == "running"));
+    assert!(sec.plots.iter().any(|p| p.name == "sustain"));
+    let text = r.to_string();
+    assert!(text.contains("1000 running sandboxes"), "{text}");
+    assert!(text.contains("100.0 creates/s (target >= 300)"), "{text}");
+    // Without the cases: no such objects, no such headlines.
+    let plain = serve_with(None, None);
+    let j: serde_json::Value = serde_json::from_str(&plain.to_json()).unwrap();
+    assert!(j.get("running").is_none() && j.get("sustain").is_none());
+    assert!(!plain
+        .section("serve")
+        .headlines
+        .iter()
+        .any(|h| h.figure.contains("running sandbox")));
 }

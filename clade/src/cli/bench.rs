@@ -208,7 +208,8 @@ pub enum BenchCommand {
     /// The sandbox host over HTTP: `clade serve` (started by the benchmark, this executable)
     /// with a template of the native test guest; create (POST /v2/sandboxes until the new
     /// sandbox's agent answered a ping) and wake (connect of a paused sandbox until its
-    /// agent answered), p50/p99, with 1 and with --background paused sandboxes on the host.
+    /// agent answered), p50/p99, with 1 and with --background paused sandboxes on the host;
+    /// with --running, many sandboxes running at once; with --sustain, sustained creates.
     Serve {
         /// The native test guest ELF (default: the one built into clade; see tests/native-guest).
         #[arg(long, env = "CLADE_NATIVE_GUEST", value_name = "FILE")]
@@ -219,6 +220,20 @@ pub enum BenchCommand {
         /// Paused sandboxes on the host in the second run (0: one run only).
         #[arg(long, default_value_t = 100)]
         background: usize,
+        /// Also run N sandboxes at once on a service of their own, kept running: each
+        /// checked to answer (GET /health through the service), the processes and host
+        /// memory per running sandbox counted (the standby pool left out), and create p50
+        /// with N running against one running, same run.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+        running: Option<u64>,
+        /// Also create sandboxes for SECONDS on a service of their own, as fast as the host
+        /// sustains (--clients concurrent clients, each creating one, waiting for its agent
+        /// and killing it): creates per second, p50/p99, failures.
+        #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+        sustain: Option<u64>,
+        /// Concurrent clients of --sustain and of the creates that fill --running.
+        #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
+        clients: u64,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -434,6 +449,9 @@ fn run_one(cmd: BenchCommand) -> anyhow::Result<(&'static str, Ran)> {
             guest,
             n,
             background,
+            running,
+            sustain,
+            clients,
             json,
         } => {
             let mut runs = vec![0];
@@ -444,6 +462,9 @@ fn run_one(cmd: BenchCommand) -> anyhow::Result<(&'static str, Ran)> {
                 clade: std::env::current_exe()?,
                 n,
                 background: runs,
+                running: running.map(usize::try_from).transpose()?,
+                sustain: sustain.map(|s| s as f64),
+                clients: usize::try_from(clients)?,
             };
             let r = clade_bench::serve(&load(guest)?, &params)?;
             ("serve", Ran::new("serve", json, r.to_json(), r))
