@@ -124,6 +124,7 @@ pub(crate) fn config(
         }),
         disk: None,
         net: None,
+        balloon: false,
     }
 }
 

@@ -4,6 +4,7 @@
 #   /init          static clade-agent (guest-agent crate)
 #   /bin/busybox   Debian busybox-static, plus applet symlinks
 #   /lib/modules/<KVER>/*.ko        virtio, virtio-mmio, vsock (+ transport), virtio-blk, virtio-net,
+#                                   virtio-balloon,
 #                                   virtio-rng, ext4 (+ crc32c for its checksums) and their
 #                                   dependencies, uncompressed
 #   /lib/modules/<KVER>/load-order  those files in dependency order, for clade-agent
@@ -39,7 +40,7 @@ add_console_node "$ROOT"
 # crc32c_generic: ext4 and jbd2 ask the crypto API for "crc32c" (metadata checksums), which
 # would need modprobe to load on demand; loaded up front instead.
 DEFAULT_GUEST_MODULES="virtio virtio_ring virtio_mmio vsock vmw_vsock_virtio_transport_common
-    vmw_vsock_virtio_transport virtio_blk virtio_rng crc32c_generic ext4 virtio_net"
+    vmw_vsock_virtio_transport virtio_blk virtio_rng crc32c_generic ext4 virtio_net virtio_balloon"
 read -r -d '' -a GUEST_MODULES <<<"${NESTED_GUEST_MODULES:-$DEFAULT_GUEST_MODULES}" || true
 stage_modules "$ROOT/lib/modules/$KVER" "${GUEST_MODULES[@]}"
 log "guest modules (load order): ${LOAD_ORDER[*]}"

@@ -144,6 +144,9 @@ pub fn boot(config: VmConfig) -> Result<Vm> {
         let mac = config.net.as_ref().and_then(|n| n.mac);
         devices.add_net_device(&vm_fd, &ram.mem, tap, mac)?;
     }
+    if config.balloon {
+        devices.add_balloon_device(&vm_fd, &ram.mem)?;
+    }
     for slot in devices.virtio_slots() {
         if !cmdline.is_empty() {
             cmdline.push(' ');
@@ -363,6 +366,7 @@ pub(crate) fn from_saved(
         vsock: identity.vsock,
         disk: identity.disk,
         net: identity.net,
+        balloon: devices.discard_log().is_some(),
     };
     let vm = Vm::from_parts(VmParts {
         vcpu_fds,

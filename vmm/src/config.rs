@@ -222,6 +222,9 @@ pub struct VmConfig {
     pub disk: Option<BlockConfig>,
     /// A virtio-net device, if any (the guest's eth0).
     pub net: Option<NetConfig>,
+    /// A virtio-balloon with free page reporting: memory the guest frees goes back to the
+    /// host, and snapshots and forks skip it (see `devices::virtio::balloon`).
+    pub balloon: bool,
 }
 
 impl VmConfig {
@@ -239,6 +242,7 @@ impl VmConfig {
             vsock: None,
             disk: None,
             net: None,
+            balloon: false,
         }
     }
 

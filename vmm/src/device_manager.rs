@@ -22,6 +22,7 @@ use devices::legacy::{AcpiPmDevice, SerialDevice, SerialDeviceState, I8042};
 use devices::test_device::{
     TestMmio, TestMmioState, TestPio, TEST_MMIO_LEN, TEST_PIO_BASE, TEST_PIO_LEN,
 };
+use devices::virtio::balloon::{BalloonDevice, DiscardLog};
 use devices::virtio::block::BlockDevice;
 use devices::virtio::mmio::{MmioTransport, MmioTransportArgs, MmioTransportState};
 use devices::virtio::net::tap::Tap;
@@ -387,6 +388,8 @@ pub struct DeviceManager {
     unbound: Vec<(std::path::PathBuf, ListenerSlot)>,
     /// The virtio-blk device's disk, if any (frozen when the VM forks).
     disk: Option<Arc<Mutex<disk::Disk>>>,
+    /// The balloon's record of the pages it discarded, if the VM has one.
+    discard_log: Option<Arc<DiscardLog>>,
     /// Every eventfd registered with KVM (see [`Wire`]).
     wires: Vec<Wire>,
 }
@@ -545,6 +548,7 @@ impl DeviceManager {
         let mut restored_disk = None;
         let mut vsock_seen = false;
         let mut net_seen = false;
+        let mut discard_log = None;
         let saved_virtio = state.map(|s| &s.virtio[..]);
         match saved_virtio {
             None => {
@@ -582,10 +586,7 @@ impl DeviceManager {
                             if socket_in_use(&v.uds_path) {
                                 return Err(devices::Error::SocketInUse(v.uds_path.clone()).into());
                             }
-                            let lp = match event_loop.take() {
-                                Some(lp) => lp,
-                                None => start_loop()?,
-                            };
+                            let lp = event_loop.take().map_or_else(&mut start_loop, Ok)?;
                             // Bound by finish_restore, while the vCPUs already run.
                             let slot: ListenerSlot = Arc::new(Mutex::new(None));
                             virtio.push(Box::new(VsockDevice::restore(
@@ -611,10 +612,7 @@ impl DeviceManager {
                                 ));
                             }
                             let image = open_disk(cfg)?;
-                            let lp = match event_loop.take() {
-                                Some(lp) => lp,
-                                None => start_loop()?,
-                            };
+                            let lp = event_loop.take().map_or_else(&mut start_loop, Ok)?;
                             let device = BlockDevice::restore(bs, image, lp.handle())?;
                             restored_disk = Some(device.disk());
                             virtio.push(Box::new(device));
@@ -640,11 +638,18 @@ impl DeviceManager {
                                 )));
                             }
                             let tap: Arc<dyn NetBackend> = open_tap(cfg)?;
-                            let lp = match event_loop.take() {
-                                Some(lp) => lp,
-                                None => start_loop()?,
-                            };
+                            let lp = event_loop.take().map_or_else(&mut start_loop, Ok)?;
                             virtio.push(Box::new(NetDevice::restore(ns, tap, lp.handle())?));
+                            event_loop = Some(lp);
+                        }
+                        VirtioDeviceState::Balloon(bs) => {
+                            if discard_log.is_some() {
+                                return Err(Error::Snapshot("more than one balloon".into()));
+                            }
+                            let lp = event_loop.take().map_or_else(&mut start_loop, Ok)?;
+                            let (device, log) = BalloonDevice::logged(Some(bs), mem, lp.handle());
+                            virtio.push(Box::new(device));
+                            discard_log = Some(log);
                             event_loop = Some(lp);
                         }
                     }
@@ -682,6 +687,7 @@ impl DeviceManager {
             paused: false,
             unbound,
             disk: restored_disk,
+            discard_log,
             wires: wiring.wires,
         })
     }
@@ -799,6 +805,38 @@ impl DeviceManager {
         }
     }
 
+    /// The device event loop, started now if no device needed it yet.
+    fn event_loop(&mut self) -> Result<devices::event_loop::LoopHandle> {
+        let lp = match &self._event_loop {
+            Some(lp) => lp,
+            None => self._event_loop.insert(EventLoop::start_on(
+                "clade-devices",
+                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
+            )?),
+        };
+        Ok(lp.handle())
+    }
+
+    /// Puts `device` in the next virtio-mmio slot (only before the VM runs); returns the
+    /// slot's number and place.
+    fn add_to_next_slot(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemory,
+        device: Box<dyn VirtioDevice>,
+    ) -> Result<(usize, VirtioSlot)> {
+        let mmio = Arc::get_mut(&mut self.buses.mmio)
+            .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
+        let n = self.virtio_slots.len();
+        let mut wiring = Wiring::new(vm);
+        let added = add_virtio_mmio(&mut wiring, mem, mmio, n, device, None);
+        self.wires.extend(wiring.wires);
+        let (slot, transport) = added?;
+        self.virtio_slots.push(slot);
+        self.transports.push(transport);
+        Ok((n, slot))
+    }
+
     /// Adds a virtio-blk disk in the next virtio-mmio slot (its layers are opened and
     /// checked here); requests run on the device event loop, started here if no other
     /// device needed it. Only before the vCPUs run and the boot tables are written (those
@@ -815,31 +853,17 @@ impl DeviceManager {
             id.truncate(devices::virtio::block::ID_BYTES);
             id
         });
-        let lp = match &self._event_loop {
-            Some(lp) => lp,
-            None => self._event_loop.insert(EventLoop::start_on(
-                "clade-devices",
-                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
-            )?),
-        };
-        let device = BlockDevice::new(image, &serial, lp.handle())?;
+        let lp = self.event_loop()?;
+        let device = BlockDevice::new(image, &serial, lp)?;
         let shared = device.disk();
         self.disk = Some(Arc::clone(&shared));
-        let mmio = Arc::get_mut(&mut self.buses.mmio)
-            .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
-        let n = self.virtio_slots.len();
-        let mut wiring = Wiring::new(vm);
-        let added = add_virtio_mmio(&mut wiring, mem, mmio, n, Box::new(device), None);
-        self.wires.extend(wiring.wires);
-        let (slot, transport) = added?;
+        let (n, slot) = self.add_to_next_slot(vm, mem, Box::new(device))?;
         tracing::debug!(
             "virtio-mmio slot {n}: block device {} at {:#x}, GSI {}",
             cfg.path.display(),
             slot.base,
             slot.gsi
         );
-        self.virtio_slots.push(slot);
-        self.transports.push(transport);
         Ok(shared)
     }
 
@@ -854,30 +878,39 @@ impl DeviceManager {
         tap: Arc<Tap>,
         mac: Option<[u8; 6]>,
     ) -> Result<()> {
-        let lp = match &self._event_loop {
-            Some(lp) => lp,
-            None => self._event_loop.insert(EventLoop::start_on(
-                "clade-devices",
-                crate::seccomp::confine(ThreadKind::DeviceLoop, snapshot::spawn_thread()),
-            )?),
-        };
+        let lp = self.event_loop()?;
         let name = tap.name().to_string();
-        let device = NetDevice::new(tap, mac.unwrap_or(DEFAULT_MAC), lp.handle())?;
-        let mmio = Arc::get_mut(&mut self.buses.mmio)
-            .ok_or_else(|| Error::Config("devices can only be added before the VM runs".into()))?;
-        let n = self.virtio_slots.len();
-        let mut wiring = Wiring::new(vm);
-        let added = add_virtio_mmio(&mut wiring, mem, mmio, n, Box::new(device), None);
-        self.wires.extend(wiring.wires);
-        let (slot, transport) = added?;
+        let device = NetDevice::new(tap, mac.unwrap_or(DEFAULT_MAC), lp)?;
+        let (n, slot) = self.add_to_next_slot(vm, mem, Box::new(device))?;
         tracing::debug!(
             "virtio-mmio slot {n}: net device on TAP {name} at {:#x}, GSI {}",
             slot.base,
             slot.gsi
         );
-        self.virtio_slots.push(slot);
-        self.transports.push(transport);
         Ok(())
+    }
+
+    /// Adds a virtio-balloon with free page reporting in the next virtio-mmio slot (only
+    /// before the vCPUs run and the boot tables are written); what it discards is recorded
+    /// in [`DeviceManager::discard_log`].
+    pub fn add_balloon_device(&mut self, vm: &VmFd, mem: &GuestMemory) -> Result<()> {
+        if self.discard_log.is_some() {
+            return Err(Error::Config("the VM has a balloon already".into()));
+        }
+        let (device, log) = BalloonDevice::logged(None, mem, self.event_loop()?);
+        let (n, slot) = self.add_to_next_slot(vm, mem, Box::new(device))?;
+        tracing::debug!(
+            "virtio-mmio slot {n}: balloon at {:#x}, GSI {}",
+            slot.base,
+            slot.gsi
+        );
+        self.discard_log = Some(log);
+        Ok(())
+    }
+
+    /// The pages the balloon discarded since they were last taken (a VM with a balloon).
+    pub fn discard_log(&self) -> Option<&Arc<DiscardLog>> {
+        self.discard_log.as_ref()
     }
 
     /// Wires the devices to KVM VM `vm` too, ahead of a move onto it (a fork's parent, a

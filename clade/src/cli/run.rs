@@ -56,6 +56,10 @@ pub struct RunArgs {
     /// The guest's vsock context id (with --vsock).
     #[arg(long, default_value_t = 3, requires = "vsock")]
     cid: u32,
+    /// Attach a virtio-balloon with free page reporting: memory the guest frees (Linux's
+    /// virtio_balloon driver reports it) goes back to the host, and snapshots skip it.
+    #[arg(long)]
+    balloon: bool,
     /// Attach a virtio-blk disk (the guest's /dev/vda): the top layer of a Clade disk
     /// image, written in place (`clade disk create --parent BASE OVERLAY` makes one).
     #[arg(long, value_name = "LAYER")]
@@ -172,6 +176,7 @@ pub fn run(mut args: RunArgs) -> anyhow::Result<u8> {
             sources: None,
         }),
         net,
+        balloon: args.balloon,
     };
     let options = owner_options(args.files_root, !args.no_seccomp, args.fork_spares.into())?;
     // The API socket first: a socket in use fails before a VM exists.

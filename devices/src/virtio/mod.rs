@@ -11,8 +11,9 @@
 //! | n    | `0xd000_1000 + n*0x1000`  | 0x1000 | `6 + n`          | in config order   |
 //!
 //! vsock comes first, so with `--vsock` it is slot 0: **base `0xd000_1000`, GSI 6**; a
-//! `--disk` (virtio-blk, [`block`]) takes the next slot and a `--net` (virtio-net, [`net`])
-//! the one after. (The test device keeps
+//! `--disk` (virtio-blk, [`block`]) takes the next slot, a `--net` (virtio-net, [`net`])
+//! the one after and a `--balloon` (virtio-balloon with free page reporting, [`balloon`])
+//! the one after that. (The test device keeps
 //! `0xd000_0000` / GSI 5.)
 //!
 //! Each slot is announced twice, for kernels with either discovery method:
@@ -27,7 +28,7 @@
 //! |-------|-----------------------------|--------------------------------------------------|
 //! | 0x000 | MagicValue                  | `0x74726976` ("virt")                            |
 //! | 0x004 | Version                     | 2                                                |
-//! | 0x008 | DeviceID                    | 19 = vsock, 2 = block, 1 = net                   |
+//! | 0x008 | DeviceID                    | 19 = vsock, 2 = block, 1 = net, 5 = balloon      |
 //! | 0x00c | VendorID                    | [`VENDOR_ID`] ("CLAD")                           |
 //! | 0x010 | DeviceFeatures (+Sel 0x014) | vsock offers only `VIRTIO_F_VERSION_1` (bit 32)  |
 //! | 0x020 | DriverFeatures (+Sel 0x024) | must include bit 32, or FEATURES_OK is refused   |
@@ -70,6 +71,7 @@
 //! With no interrupt handler, poll the used rings: the interrupt (GSI 6 for slot 0) is only
 //! an edge on the IOAPIC pin; leave it masked.
 
+pub mod balloon;
 pub mod block;
 #[cfg(test)]
 pub(crate) mod fuzz_util;
@@ -174,6 +176,8 @@ pub enum VirtioDeviceState {
     Block(block::BlockState),
     /// virtio-net (its TAP is the VMM's to reopen).
     Net(net::NetState),
+    /// virtio-balloon.
+    Balloon(balloon::BalloonState),
 }
 
 /// A virtio device model, independent of the transport that exposes it.

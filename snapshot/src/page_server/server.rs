@@ -36,6 +36,21 @@ pub(super) struct Server {
     pub(super) fill_pos: Option<u64>,
 }
 
+/// Times a fault the kernel refused with EAGAIN is retried (20 us apart) before it counts
+/// as an error.
+const MAX_AGAIN_RETRIES: u32 = 50_000;
+
+/// The kernel refused to fill a page for now (the memory is being changed: EAGAIN).
+fn is_again(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Uffd {
+            source: userfaultfd::Error::CopyFailed(x) | userfaultfd::Error::ZeropageFailed(x),
+            ..
+        } if *x as i32 == libc::EAGAIN
+    )
+}
+
 /// Outcome of installing a run of pages.
 enum Installed {
     Done,
@@ -109,6 +124,11 @@ impl Server {
     }
 
     fn drain_events(&mut self, buf: &mut EventBuffer) -> Result<()> {
+        // Faults the kernel refused to fill for now (EAGAIN: a discard, e.g. a balloon's
+        // MADV_DONTNEED, is changing the memory; its REMOVE event comes next). Served
+        // again once the events so far are read, or the faulting thread would wait forever.
+        let mut deferred: Vec<usize> = Vec::new();
+        let mut retries = 0u32;
         loop {
             let mut pending = Vec::new();
             let uffd = self.uffd.clone();
@@ -116,11 +136,27 @@ impl Server {
                 pending.push(ev.map_err(uffd_err("decode event"))?);
             }
             if pending.is_empty() {
-                return Ok(());
+                if deferred.is_empty() {
+                    return Ok(());
+                }
+                // The discarding thread ends its change just after its event was read.
+                std::thread::sleep(std::time::Duration::from_micros(20));
+                retries += 1;
+                let last = retries >= MAX_AGAIN_RETRIES;
+                for addr in std::mem::take(&mut deferred) {
+                    if self.serve_fault(addr, last) {
+                        deferred.push(addr);
+                    }
+                }
+                continue;
             }
             for ev in pending {
                 match ev {
-                    Event::Pagefault { addr, .. } => self.serve_fault(addr as usize),
+                    Event::Pagefault { addr, .. } => {
+                        if self.serve_fault(addr as usize, false) {
+                            deferred.push(addr as usize);
+                        }
+                    }
                     Event::Remove { start, end } => {
                         self.removed_range(start as usize, end as usize)
                     }
@@ -160,11 +196,13 @@ impl Server {
         }
     }
 
-    fn serve_fault(&mut self, addr: usize) {
+    /// Serves the fault at `addr`; true if the kernel said to try again later (EAGAIN)
+    /// and `last` is false (the caller retries), else the fault is done with.
+    fn serve_fault(&mut self, addr: usize, last: bool) -> bool {
         let t = Instant::now();
         let Some(m) = self.mapping_of_addr(addr).copied() else {
             self.record_error(format!("fault at {addr:#x} outside every mapping"));
-            return;
+            return false;
         };
         let host = addr & !(PAGE_SIZE - 1);
         let page = (m.image_offset + (host - m.host_addr) as u64) / PAGE_SIZE_U64;
@@ -174,7 +212,7 @@ impl Server {
             if let Err(e) = self.uffd.wake(host as *mut libc::c_void, PAGE_SIZE) {
                 self.record_error(format!("wake {host:#x}: {e}"));
             }
-            return;
+            return false;
         }
         add(&c.faults, 1);
         // Recorded while recording (the working set), and in a run with a working set
@@ -191,16 +229,22 @@ impl Server {
         } else {
             self.install(page, host, 1)
         };
-        match result {
+        let again = match result {
             Ok(_) => {
                 self.populated.set(page);
+                false
             }
-            Err(e) => self.record_error(e.to_string()),
-        }
+            Err(e) if !last && is_again(&e) => true,
+            Err(e) => {
+                self.record_error(e.to_string());
+                false
+            }
+        };
         add(
             &self.shared.counters.fault_service_ns,
             t.elapsed().as_nanos() as u64,
         );
+        again
     }
 
     fn removed_range(&mut self, start: usize, end: usize) {

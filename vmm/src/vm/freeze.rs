@@ -237,6 +237,19 @@ impl Vm {
                 *a |= b;
             }
         }
+        // Pages the balloon discarded since and nobody touched again are not copied.
+        if let Some(log) = self.devices.discard_log() {
+            let left_out = super::discarded::leave_out_discarded(
+                self.ram.ranges(),
+                !matches!(self.ram.backing(), Backing::Memfd(_)),
+                &log.take(),
+                &mut dirty,
+                &mut self.fork_carry,
+            );
+            if left_out > 0 {
+                tracing::debug!(pages = left_out, "balloon: discarded pages left out");
+            }
+        }
         if matches!(self.ram.backing(), Backing::Forked(_)) {
             if self.fork_carry.is_empty() {
                 self.fork_carry = dirty.clone();

@@ -49,6 +49,19 @@ impl Vm {
             .map_err(|e| Error::Memory(format!("writing guest memory at {addr:#x}: {e}")))
     }
 
+    /// Reads (or, with `write`, writes) `data` at guest-physical MMIO address `addr` the
+    /// way a vCPU's access reaches the devices: for tests that play a guest driver from
+    /// the host. False if no device is there.
+    #[doc(hidden)]
+    pub fn mmio_access(&self, addr: u64, data: &mut [u8], write: bool) -> bool {
+        let mmio = self.devices.buses().mmio;
+        if write {
+            mmio.write(addr, data)
+        } else {
+            mmio.read(addr, data)
+        }
+    }
+
     /// The page server's counters, when the VM was restored with the `uffd` backend and the
     /// server still runs.
     pub fn page_server_stats(&self) -> Option<PageServerStats> {

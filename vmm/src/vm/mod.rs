@@ -17,6 +17,7 @@
 //!   ready for a fork's children.
 //! - `restored.rs`: finishing a restore; the page server's working set; its lineage.
 
+mod discarded;
 mod freeze;
 mod inspect;
 mod lifecycle;
